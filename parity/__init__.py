@@ -1,0 +1,15 @@
+"""parity: prove a feed-forward module computes what transformers computes on the same checkpoint weights."""
+
+from __future__ import annotations
+
+__version__ = "0.1.0"
+__all__ = ["check", "load_ffn", "__version__"]
+
+
+def __getattr__(name: str):
+    # Lazy: `parity --help` / `parity list` must not import torch or transformers.
+    if name in ("check", "load_ffn"):
+        from . import runner
+
+        return getattr(runner, name)
+    raise AttributeError(f"module 'parity' has no attribute {name!r}")

@@ -1,0 +1,236 @@
+"""Mapping files: per-family data that routes checkpoint tensors into a target module.
+
+A mapping is plain TOML (see ``mappings/*.toml`` and the README).  This module only
+reads and validates it; it imports neither torch nor transformers so that ``parity
+list`` stays instant.
+"""
+
+from __future__ import annotations
+
+import tomllib
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from .errors import MappingError
+
+TRANSFORMS = ("none", "transpose")
+
+_TOP_KEYS = {"name", "description", "model_types", "default_checkpoint", "num_layers", "hidden_size",
+             "notes", "checkpoint", "reference", "target", "tensors", "synthetic"}
+_CHECKPOINT_KEYS = {"layer_key", "key_prefixes"}
+_REFERENCE_KEYS = {"module"}
+_TARGET_KEYS = {"class", "args"}
+_TENSOR_KEYS = {"from", "transform", "chunk", "optional"}
+_SYNTHETIC_KEYS = {"config"}
+
+
+def builtin_mapping_dir() -> Path:
+    """Where the built-in mappings live: inside the wheel, or ``mappings/`` of a source checkout."""
+    packaged = Path(__file__).parent / "mappings"
+    if packaged.is_dir():
+        return packaged
+    return Path(__file__).resolve().parent.parent / "mappings"
+
+
+@dataclass(frozen=True)
+class TensorRoute:
+    """Fill one target parameter from one checkpoint tensor (name relative to the layer)."""
+
+    target: str
+    source: str
+    transform: str = "none"
+    chunk: tuple[int, int] | None = None  # (index, count) along dim 0, for fused tensors
+    optional: bool = False  # skipped when the target has no such parameter (e.g. biases off)
+
+
+@dataclass
+class Mapping:
+    name: str
+    path: Path
+    model_types: list[str]
+    layer_key: str
+    reference_module: str
+    target_class: str
+    target_args: dict[str, Any]
+    tensors: list[TensorRoute]
+    num_layers: Any
+    hidden_size: Any
+    description: str = ""
+    default_checkpoint: str | None = None
+    key_prefixes: list[str] = field(default_factory=lambda: [""])
+    notes: list[str] = field(default_factory=list)
+    synthetic_config: dict[str, Any] | None = None
+
+    def layer_prefix(self, layer: int) -> str:
+        return self.layer_key.format(layer=layer)
+
+    def reference_path(self, layer: int) -> str:
+        return self.reference_module.format(layer=layer)
+
+
+def _fail(path: Path, key: str, what: str) -> MappingError:
+    return MappingError(f"{path}: key '{key}': {what}")
+
+
+def _check_keys(path: Path, table: dict, allowed: set[str], where: str) -> None:
+    for key in table:
+        if key not in allowed:
+            raise _fail(path, f"{where}{key}", f"unknown key; expected one of {sorted(allowed)}")
+
+
+def _require(path: Path, table: dict, key: str, kind: type, where: str = "") -> Any:
+    if key not in table:
+        raise _fail(path, f"{where}{key}", "is required")
+    value = table[key]
+    if not isinstance(value, kind):
+        raise _fail(path, f"{where}{key}", f"expected {kind.__name__}, got {type(value).__name__}")
+    return value
+
+
+def _parse_route(path: Path, target: str, spec: Any) -> TensorRoute:
+    where = f"tensors.\"{target}\""
+    if isinstance(spec, str):
+        return TensorRoute(target, spec)
+    if not isinstance(spec, dict):
+        raise _fail(path, where, "expected a tensor name or a table {from = ..., transform = ...}")
+    _check_keys(path, spec, _TENSOR_KEYS, where + ".")
+    source = _require(path, spec, "from", str, where + ".")
+    transform = spec.get("transform", "none")
+    if transform not in TRANSFORMS:
+        raise _fail(path, where + ".transform", f"unknown transform {transform!r}; expected one of {list(TRANSFORMS)}")
+    chunk = spec.get("chunk")
+    if chunk is not None:
+        if (not isinstance(chunk, list) or len(chunk) != 2 or not all(isinstance(c, int) for c in chunk)
+                or not 0 <= chunk[0] < chunk[1]):
+            raise _fail(path, where + ".chunk", "expected [index, count] with 0 <= index < count")
+        chunk = (chunk[0], chunk[1])
+    optional = spec.get("optional", False)
+    if not isinstance(optional, bool):
+        raise _fail(path, where + ".optional", "expected true or false")
+    return TensorRoute(target, source, transform, chunk, optional)
+
+
+def parse_mapping(text: str, path: Path) -> Mapping:
+    """Validate a mapping file's text; every error names the file and the key."""
+    try:
+        data = tomllib.loads(text)
+    except tomllib.TOMLDecodeError as exc:
+        raise MappingError(f"{path}: invalid TOML: {exc}") from None
+    _check_keys(path, data, _TOP_KEYS, "")
+    name = _require(path, data, "name", str)
+    model_types = _require(path, data, "model_types", list)
+    if not all(isinstance(m, str) for m in model_types):
+        raise _fail(path, "model_types", "expected a list of strings")
+    checkpoint = _require(path, data, "checkpoint", dict)
+    _check_keys(path, checkpoint, _CHECKPOINT_KEYS, "checkpoint.")
+    layer_key = _require(path, checkpoint, "layer_key", str, "checkpoint.")
+    if "{layer}" not in layer_key:
+        raise _fail(path, "checkpoint.layer_key", "must contain the placeholder {layer}")
+    prefixes = checkpoint.get("key_prefixes", [""])
+    if not isinstance(prefixes, list) or not all(isinstance(p, str) for p in prefixes):
+        raise _fail(path, "checkpoint.key_prefixes", "expected a list of strings")
+    reference = _require(path, data, "reference", dict)
+    _check_keys(path, reference, _REFERENCE_KEYS, "reference.")
+    module = _require(path, reference, "module", str, "reference.")
+    target = _require(path, data, "target", dict)
+    _check_keys(path, target, _TARGET_KEYS, "target.")
+    target_class = _require(path, target, "class", str, "target.")
+    if ":" not in target_class:
+        raise _fail(path, "target.class", f"expected 'package.module:Name', got {target_class!r}")
+    args = target.get("args", {})
+    if not isinstance(args, dict):
+        raise _fail(path, "target.args", "expected a table of constructor arguments")
+    tensors = _require(path, data, "tensors", dict)
+    if not tensors:
+        raise _fail(path, "tensors", "must route at least one tensor")
+    routes = [_parse_route(path, t, spec) for t, spec in tensors.items()]
+    synthetic = data.get("synthetic")
+    if synthetic is not None:
+        if not isinstance(synthetic, dict):
+            raise _fail(path, "synthetic", "expected a table")
+        _check_keys(path, synthetic, _SYNTHETIC_KEYS, "synthetic.")
+        synthetic = _require(path, synthetic, "config", dict, "synthetic.")
+    for key in ("description", "default_checkpoint"):
+        if key in data and not isinstance(data[key], str):
+            raise _fail(path, key, "expected a string")
+    notes = data.get("notes", [])
+    if not isinstance(notes, list) or not all(isinstance(n, str) for n in notes):
+        raise _fail(path, "notes", "expected a list of strings")
+    return Mapping(
+        name=name, path=path, model_types=model_types, layer_key=layer_key, reference_module=module,
+        target_class=target_class, target_args=args, tensors=routes,
+        num_layers=data.get("num_layers", "config.num_hidden_layers"),
+        hidden_size=data.get("hidden_size", "config.hidden_size"),
+        description=data.get("description", ""), default_checkpoint=data.get("default_checkpoint"),
+        key_prefixes=prefixes, notes=notes, synthetic_config=synthetic,
+    )
+
+
+def load_mapping(path: str | Path) -> Mapping:
+    path = Path(path)
+    try:
+        text = path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise MappingError(f"{path}: mapping file not found") from None
+    except (OSError, UnicodeDecodeError) as exc:
+        raise MappingError(f"{path}: cannot read mapping file: {exc}") from None
+    return parse_mapping(text, path)
+
+
+def builtin_mappings() -> dict[str, Mapping]:
+    """All built-in mappings by name (``mappings/*.toml``)."""
+    found = {}
+    for path in sorted(builtin_mapping_dir().glob("*.toml")):
+        mapping = load_mapping(path)
+        found[mapping.name] = mapping
+    return found
+
+
+def mapping_by_name(name: str) -> Mapping | None:
+    return builtin_mappings().get(name)
+
+
+def mapping_for_model_type(model_type: str | None) -> Mapping:
+    mappings = builtin_mappings()
+    for mapping in mappings.values():
+        if model_type in mapping.model_types:
+            return mapping
+    served = sorted(t for m in mappings.values() for t in m.model_types)
+    raise MappingError(
+        f"no mapping serves model_type {model_type!r} (config.json); known model types: {', '.join(served)}. "
+        "Write a mapping file for it and pass it with --mapping FILE.toml (README: 'Adding a model family')."
+    )
+
+
+class ConfigValue:
+    """Evaluates mapping values: "config.n_embd", {config = "mlp_bias", default = false}, "config", or literals."""
+
+    def __init__(self, config: Any, path: Path):
+        self.config = config
+        self.path = path
+
+    def __call__(self, value: Any, key: str) -> Any:
+        if isinstance(value, str) and (value == "config" or value.startswith("config.")):
+            if value == "config":
+                return self.config
+            return self._lookup(value[len("config."):], key, required=True)
+        if isinstance(value, dict) and set(value) <= {"config", "default"} and "config" in value:
+            return self._lookup(value["config"], key, required="default" not in value, default=value.get("default"))
+        return value
+
+    def _lookup(self, attr: str, key: str, required: bool, default: Any = None) -> Any:
+        value = self.config
+        for part in attr.split("."):
+            if isinstance(value, dict):
+                value = value.get(part, _MISSING)
+            else:
+                value = getattr(value, part, _MISSING)
+            if value is _MISSING:
+                if required:
+                    raise MappingError(f"{self.path}: key '{key}': the checkpoint's config has no '{attr}'")
+                return default
+        return default if value is None and not required else value
+
+
+_MISSING = object()

@@ -1,0 +1,106 @@
+"""The oracle: transformers' own MLP class for a checkpoint's config.
+
+The model is built once from the config on the meta device (no memory, no init), and
+each layer's MLP is copied out of it and filled with that layer's tensors under their
+HF names.  Nothing here re-implements an FFN.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+from functools import cached_property
+from typing import Any
+
+import torch
+from torch import nn
+
+from .errors import CheckpointError, MappingError
+
+_ACTIVATION_CHILD_NAMES = ("act", "act_fn", "activation_fn", "activation")
+
+
+def quiet_transformers() -> None:
+    """transformers logs advice meant for training code; parity reports what matters itself."""
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.set_verbosity_error()
+    logging.getLogger("transformers").setLevel(logging.ERROR)
+
+
+class ReferenceModel:
+    """A meta-device skeleton of the full transformers model, from which MLPs are cut."""
+
+    def __init__(self, config: Any):
+        self.config = config
+
+    @cached_property
+    def skeleton(self) -> nn.Module:
+        from transformers import AutoModelForCausalLM
+
+        quiet_transformers()
+        try:
+            with torch.device("meta"):
+                return AutoModelForCausalLM.from_config(self.config)
+        except Exception as exc:  # transformers raises many types for unusable configs
+            raise CheckpointError(
+                f"transformers {_transformers_version()} cannot build a model for model_type "
+                f"{getattr(self.config, 'model_type', '?')!r} from this config.json: {exc}"
+            ) from None
+
+    def meta_module(self, path: str) -> nn.Module:
+        try:
+            return self.skeleton.get_submodule(path)
+        except AttributeError:
+            raise MappingError(
+                f"the reference module path '{path}' does not exist in {type(self.skeleton).__name__} "
+                "(mapping key 'reference.module')"
+            ) from None
+
+    def tensor_shapes(self, path: str) -> dict[str, tuple[int, ...]]:
+        """HF names (relative to the MLP) and shapes of a layer's reference parameters."""
+        return {name: tuple(p.shape) for name, p in self.meta_module(path).named_parameters()}
+
+    def build(self, path: str, tensors: dict[str, torch.Tensor]) -> nn.Module:
+        """A real, eval-mode copy of the layer's MLP holding ``tensors`` (float32 or float64)."""
+        module = copy.deepcopy(self.meta_module(path))
+        module.load_state_dict(tensors, strict=True, assign=True)
+        return module.eval()
+
+
+def activation_module(module: nn.Module) -> nn.Module | None:
+    """The activation inside a transformers MLP (GPT2MLP.act, LlamaMLP.act_fn, ...)."""
+    from transformers.activations import ACT2CLS
+
+    classes = tuple({v[0] if isinstance(v, tuple) else v for v in ACT2CLS.values()})
+    for name, child in module.named_children():
+        if name in _ACTIVATION_CHILD_NAMES or isinstance(child, classes):
+            return child
+    return None
+
+
+def activation_name(module: nn.Module, configured: str | None) -> str:
+    """The ACT2FN name of the activation the reference really runs (prefers the configured name)."""
+    from transformers.activations import ACT2CLS
+
+    act = activation_module(module)
+    if act is None:
+        return "unknown"
+    names = [k for k, v in ACT2CLS.items() if (v[0] if isinstance(v, tuple) else v) is type(act)]
+    if configured in names:
+        return configured
+    return names[0] if names else type(act).__name__
+
+
+def configured_activation(config: Any) -> str | None:
+    for attr in ("hidden_activation", "hidden_act", "activation_function", "afn"):
+        value = getattr(config, attr, None)
+        if isinstance(value, str):
+            return value
+    return None
+
+
+def _transformers_version() -> str:
+    import transformers
+
+    return transformers.__version__

@@ -1,0 +1,101 @@
+"""What a check found: per-layer results, the run's context, and its renderings.
+
+The JSON field names are a stable interface (CI users parse them); add, never rename.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+SCHEMA_VERSION = 1
+
+
+@dataclass
+class LayerResult:
+    layer: int
+    passed: bool
+    max_abs_diff: float
+    max_rel_diff: float  # max |diff| / max |reference|
+    mean_abs_diff: float
+    max_at: list[int]  # [batch, token, channel] of the max |diff|
+    noise_floor: float  # max |reference float32 - reference float64|
+    tolerance: float
+    ratio_to_noise: float
+    preactivation_range: list[float]  # [min, max] of the activation's input reached
+    deterministic: bool = True
+    diagnosis: dict | None = None
+
+
+@dataclass
+class Report:
+    model: str
+    checkpoint: str
+    weights: str  # "real" | "synthetic"
+    mapping: str
+    target: str
+    reference: str  # transformers class of the reference MLP
+    reference_activation: str
+    versions: dict[str, str]
+    seed: int
+    weights_note: str | None = None
+    notes: list[str] = field(default_factory=list)
+    layers: list[LayerResult] = field(default_factory=list)
+
+    @property
+    def passed(self) -> bool:
+        return bool(self.layers) and all(layer.passed for layer in self.layers)
+
+    def to_dict(self) -> dict[str, Any]:
+        data = asdict(self)
+        data = {"schema_version": SCHEMA_VERSION, "passed": self.passed, **data}
+        return data
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), indent=2)
+
+
+def _sci(value: float) -> str:
+    return f"{value:.2e}"
+
+
+HEADER = f"{'layer':>5}  {'max|Δ|':>9}  {'rel':>9}  {'mean|Δ|':>9}  {'noise':>9}  {'tol':>9}  {'×noise':>7}  {'z range':>15}  verdict"
+
+
+def header_lines(report: Report) -> list[str]:
+    lines = [
+        f"parity: {report.model} — mapping '{report.mapping}'",
+        f"  checkpoint  {report.checkpoint} ({report.weights} weights)",
+        f"  target      {report.target}",
+        f"  reference   transformers {report.versions.get('transformers', '?')} {report.reference} "
+        f"(activation: {report.reference_activation})",
+    ]
+    if report.weights_note:
+        lines.append(f"  !! {report.weights_note}")
+    lines.extend(f"  note: {note}" for note in report.notes)
+    return lines
+
+
+def layer_line(result: LayerResult) -> str:
+    zmin, zmax = result.preactivation_range
+    verdict = "ok" if result.passed else "MISMATCH"
+    if not result.deterministic:
+        verdict += " (non-deterministic output)"
+    if result.diagnosis:
+        verdict += f" — {result.diagnosis['id']}: {result.diagnosis['message']}"
+    return (f"{result.layer:>5}  {_sci(result.max_abs_diff):>9}  {_sci(result.max_rel_diff):>9}  "
+            f"{_sci(result.mean_abs_diff):>9}  {_sci(result.noise_floor):>9}  {_sci(result.tolerance):>9}  "
+            f"{result.ratio_to_noise:>7.1f}  {f'[{zmin:.1f}, {zmax:.1f}]':>15}  {verdict}")
+
+
+def summary_line(report: Report) -> str:
+    failed = [r.layer for r in report.layers if not r.passed]
+    if not failed:
+        return f"PASS: {len(report.layers)} layer(s) match transformers within tolerance."
+    shown = ", ".join(map(str, failed[:12])) + (" ..." if len(failed) > 12 else "")
+    return f"FAIL: {len(failed)} of {len(report.layers)} layer(s) deviate from transformers: {shown}"
+
+
+def render(report: Report) -> str:
+    return "\n".join([*header_lines(report), "", HEADER, *map(layer_line, report.layers), "", summary_line(report)])

@@ -1,0 +1,112 @@
+"""MODEL argument -> (mapping, checkpoint, transformers config).
+
+MODEL may be a mapping name (its default hub checkpoint, or the synthetic stand-in when
+the hub cannot be reached), a hub id, a local folder or a .safetensors file.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from .checkpoint import Checkpoint, open_local
+from .errors import CheckpointError, GatedRepoError, OfflineError, UnknownModelError
+from .mapping import Mapping, builtin_mappings, load_mapping, mapping_for_model_type
+
+
+@dataclass
+class Resolved:
+    model: str
+    mapping: Mapping
+    checkpoint: Checkpoint
+    config: Any
+    notes: list[str] = field(default_factory=list)
+
+
+def open_checkpoint(spec: str, revision: str | None = None) -> Checkpoint:
+    path = Path(spec).expanduser()
+    if path.exists() or spec.startswith((".", "/", "~")) or spec.endswith((".safetensors", ".bin", ".pth", ".gguf")):
+        return open_local(path)
+    from .hub import looks_like_hub_id, open_hub
+
+    if not looks_like_hub_id(spec):
+        raise UnknownModelError(f"'{spec}' is neither a mapping name, an existing path nor a hub id (owner/name)")
+    return open_hub(spec, revision)
+
+
+def resolve(model: str, checkpoint: str | None = None, mapping: str | Path | None = None,
+            revision: str | None = None) -> Resolved:
+    mappings = builtin_mappings()
+    chosen = load_mapping(mapping) if mapping is not None else None
+    notes: list[str] = []
+    named = mappings.get(model) if not Path(model).expanduser().exists() else None
+    if named is not None and chosen is None:
+        chosen = named
+    if checkpoint is None and named is not None:
+        ckpt = _default_checkpoint(named, revision)
+    else:
+        spec = checkpoint or model
+        if named is None and checkpoint is None and "/" not in model and not Path(model).expanduser().exists():
+            raise UnknownModelError(
+                f"'{model}' is not a mapping name ({', '.join(sorted(mappings))}), a local path, or a hub id (owner/name)."
+                " Run `parity list` to see the mappings."
+            )
+        ckpt = open_checkpoint(spec, revision)
+    model_type = ckpt.raw_config.get("model_type")
+    if chosen is None:
+        chosen = mapping_for_model_type(model_type)
+    elif model_type not in chosen.model_types:
+        notes.append(f"config.json says model_type={model_type!r}, which mapping '{chosen.name}' "
+                     f"does not list ({', '.join(chosen.model_types)}); using it as asked")
+    config = load_config(ckpt)
+    notes.extend(chosen.notes)
+    notes.extend(activation_override_notes(ckpt.raw_config, config))
+    return Resolved(model, chosen, ckpt, config, notes)
+
+
+def _default_checkpoint(mapping: Mapping, revision: str | None) -> Checkpoint:
+    from .hub import open_hub
+    from .synthetic import synthetic_checkpoint
+
+    if not mapping.default_checkpoint:
+        raise UnknownModelError(f"mapping '{mapping.name}' names no default_checkpoint; pass --checkpoint PATH_OR_ID")
+    try:
+        return open_hub(mapping.default_checkpoint, revision)
+    except (OfflineError, GatedRepoError) as exc:
+        if mapping.synthetic_config is None:
+            raise
+        why = "gated" if isinstance(exc, GatedRepoError) else "not reachable and not cached"
+        return synthetic_checkpoint(
+            mapping,
+            f"SYNTHETIC weights: the default checkpoint {mapping.default_checkpoint} is {why}; "
+            f"random weights with its real shapes and on-disk format stand in. "
+            f"Pass --checkpoint to check real weights.",
+        )
+
+
+def load_config(ckpt: Checkpoint) -> Any:
+    from transformers import AutoConfig
+
+    from .reference import quiet_transformers
+
+    quiet_transformers()
+    try:
+        return AutoConfig.from_pretrained(str(ckpt.config_dir))
+    except Exception as exc:  # transformers raises ValueError/KeyError/OSError for unusable configs
+        model_type = ckpt.raw_config.get("model_type")
+        raise CheckpointError(
+            f"{ckpt.config_dir / 'config.json'}: transformers cannot load this config "
+            f"(model_type={model_type!r}): {type(exc).__name__}: {exc}"
+        ) from None
+
+
+def activation_override_notes(raw: dict, config: Any) -> list[str]:
+    """Where transformers runs another activation than config.json names (Gemma 1's 'gelu')."""
+    notes = []
+    for attr in ("hidden_act", "hidden_activation", "activation_function"):
+        said = raw.get(attr)
+        runs = getattr(config, attr, None)
+        if isinstance(said, str) and isinstance(runs, str) and said != runs:
+            notes.append(f"config.json says {attr}={said!r}; transformers overrides it to {runs!r}")
+    return notes

@@ -1,0 +1,127 @@
+"""The module under test: built from the mapping's [target] and filled through [tensors]."""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+from typing import Any
+
+import torch
+from torch import nn
+
+from .errors import MappingError, ShapeMismatchError, TargetError
+from .mapping import ConfigValue, Mapping, TensorRoute
+
+
+def import_object(spec: str, what: str = "--target") -> Any:
+    """'package.module:Name' -> the object (a class or a factory callable)."""
+    module_name, _, attr = spec.partition(":")
+    if not module_name or not attr:
+        raise TargetError(f"{what} {spec!r}: expected 'package.module:ClassOrFunction'")
+    try:
+        module = importlib.import_module(module_name)
+    except Exception as exc:
+        raise TargetError(f"{what} {spec!r}: cannot import module '{module_name}': {type(exc).__name__}: {exc}. "
+                          "Is it installed or on PYTHONPATH?") from None
+    obj = module
+    for part in attr.split("."):
+        if not hasattr(obj, part):
+            raise TargetError(f"{what} {spec!r}: module '{module_name}' has no attribute '{attr}'")
+        obj = getattr(obj, part)
+    if not callable(obj):
+        raise TargetError(f"{what} {spec!r}: is not a class or a callable")
+    return obj
+
+
+def build_target(mapping: Mapping, config: Any, target: str | Any | None = None) -> tuple[nn.Module, str]:
+    """Construct the target from the mapping's class (or an override) and evaluated args."""
+    spec = target if target is not None else mapping.target_class
+    factory = import_object(spec) if isinstance(spec, str) else spec
+    name = spec if isinstance(spec, str) else f"{factory.__module__}:{factory.__qualname__}"
+    value = ConfigValue(config, mapping.path)
+    kwargs = {key: value(raw, f"target.args.{key}") for key, raw in mapping.target_args.items()}
+    try:
+        module = factory(**kwargs)
+    except Exception as exc:
+        try:
+            signature = f"{name.split(':')[-1]}{inspect.signature(factory)}"
+        except (TypeError, ValueError):
+            signature = name
+        shown = {k: (type(v).__name__ if k == "config" or v is config else v) for k, v in kwargs.items()}
+        raise TargetError(
+            f"cannot construct target {name} with {shown}: {type(exc).__name__}: {exc}. "
+            f"Its signature is {signature}; set [target].args in a mapping file (--mapping) to match it."
+        ) from None
+    if not isinstance(module, nn.Module):
+        raise TargetError(f"target {name} returned {type(module).__name__}, not a torch.nn.Module")
+    return module, name
+
+
+def route_tensor(route: TensorRoute, stored: torch.Tensor) -> torch.Tensor:
+    """Apply a route's chunk and transform to the stored tensor."""
+    tensor = stored
+    if route.chunk is not None:
+        index, count = route.chunk
+        if tensor.shape[0] % count:
+            raise ShapeMismatchError(
+                f"tensor '{route.source}' {tuple(tensor.shape)}: dim 0 is not divisible into {count} chunks"
+            )
+        tensor = tensor.chunk(count, dim=0)[index]
+    if route.transform == "transpose":
+        tensor = tensor.t()
+    return tensor
+
+
+def fill_target(module: nn.Module, mapping: Mapping, tensors: dict[str, torch.Tensor], config: Any = None) -> None:
+    """Copy routed checkpoint tensors (names relative to the layer) into the target's parameters."""
+    params = dict(module.named_parameters())
+    routed = set()
+    for route in mapping.tensors:
+        if route.target not in params:
+            if route.optional:
+                continue
+            raise MappingError(
+                f"{mapping.path}: key 'tensors.\"{route.target}\"': the target {type(module).__name__} has no parameter "
+                f"'{route.target}'; it has: {', '.join(params)}"
+            )
+        param = params[route.target]
+        value = route_tensor(route, tensors[route.source])
+        if tuple(value.shape) != tuple(param.shape):
+            raise ShapeMismatchError(shape_message(route, tuple(value.shape), tuple(param.shape), config))
+        with torch.no_grad():
+            param.copy_(value)
+        routed.add(route.target)
+    unrouted = [name for name in params if name not in routed]
+    if unrouted:
+        raise MappingError(
+            f"{mapping.path}: the target's parameters {', '.join(unrouted)} get no checkpoint tensor; "
+            "route each in [tensors] (they would keep their random initial values)"
+        )
+
+
+def shape_message(route: TensorRoute, found: tuple[int, ...], expected: tuple[int, ...], config: Any) -> str:
+    """Say which tensor, both shapes, and the likely cause."""
+    message = (f"checkpoint tensor '{route.source}' has shape {list(found)} after the mapping's transform, "
+               f"but target parameter '{route.target}' has shape {list(expected)}")
+    hints = []
+    if len(found) == 2 and found[::-1] == expected:
+        hints.append("the shapes are transposed: the mapping's transform for this tensor is probably wrong "
+                     "(Conv1D weights are stored [in, out] and need transform = \"transpose\")")
+    d_ff = getattr(config, "intermediate_size", None) or getattr(config, "n_inner", None)
+    d = getattr(config, "hidden_size", None)
+    if d and len(found) == len(expected) and found != expected and found[::-1] != expected:
+        target_dff = [s for s in expected if s != d]
+        ckpt_dff = [s for s in found if s != d]
+        if target_dff and ckpt_dff and target_dff != ckpt_dff:
+            t, c = target_dff[0], ckpt_dff[0]
+            cause = f"the target's d_ff is {t} but the checkpoint's is {c}"
+            if t == 4 * d:
+                cause += " (the target uses the 4*d default: pass hidden_dim = config.intermediate_size)"
+            elif t == 2 * c:
+                cause += " (the target doubles d_ff: Gemma's published size sums gate and up)"
+            elif t < c:
+                cause += " (rounded down instead of up to multiple_of, as llama_intermediate_size must?)"
+            hints.append(cause)
+    if d_ff and not hints:
+        hints.append(f"the checkpoint's config says d={d}, d_ff={d_ff}")
+    return message + (": " + "; ".join(hints) if hints else "")
