@@ -1,0 +1,115 @@
+"""The real `parity` executable: exit codes, table, JSON."""
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+PARITY = shutil.which("parity") or pytest.fail("the `parity` executable is not installed (pip install -e .)")
+
+
+def run(*args, env=None, cwd=ROOT):
+    full_env = {**os.environ, "HF_HUB_OFFLINE": "1", **(env or {})}
+    return subprocess.run([PARITY, *map(str, args)], capture_output=True, text=True, env=full_env, cwd=cwd, timeout=600)
+
+
+def test_version_and_help_are_light():
+    started = time.perf_counter()
+    out = run("--version")
+    assert out.returncode == 0 and out.stdout.startswith("parity ")
+    assert run("--help").returncode == 0
+    code = "import sys, parity.cli; parity.cli.main(['list']); print('torch' in sys.modules, 'transformers' in sys.modules)"
+    probe = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert probe.stdout.strip().endswith("False False")
+    assert time.perf_counter() - started < 20
+
+
+def test_list_shows_every_family():
+    out = run("list")
+    assert out.returncode == 0
+    for name in ("gpt2", "openai-gpt", "llama", "mistral", "qwen2", "gemma"):
+        assert f"  {name} " in out.stdout
+
+
+def test_pass_exit_0_with_table_and_json(tiny, tmp_path):
+    report_path = tmp_path / "r.json"
+    out = run(tiny["llama"], "--layers", "0,2", "--json", report_path)
+    assert out.returncode == 0, out.stderr
+    assert "PASS" in out.stdout and "max|Δ|" in out.stdout
+    data = json.loads(report_path.read_text())
+    assert data["passed"] is True and data["weights"] == "real"
+    assert data["reference_activation"] == "silu" and data["target"] == "parity.ffn:SwiGLU"
+    assert set(data["versions"]) >= {"transformers", "torch"}
+    assert [layer["layer"] for layer in data["layers"]] == [0, 2]
+    for layer in data["layers"]:
+        assert set(layer) >= {"layer", "passed", "max_abs_diff", "max_rel_diff", "noise_floor", "tolerance"}
+    for key in ("model", "checkpoint", "target"):
+        assert isinstance(data[key], str)
+
+
+def test_mismatch_exit_1_json_to_stdout(tiny):
+    out = run(tiny["llama"], "--layer", "1", "--target", "tests.mutants:SwappedSwiGLU", "--json", "-")
+    assert out.returncode == 1, out.stderr
+    data = json.loads(out.stdout)
+    assert data["passed"] is False and data["layers"][0]["passed"] is False
+    assert "MISMATCH" in out.stderr
+
+
+def test_exact_gelu_gpt2_exit_1(tiny):
+    out = run(tiny["gpt2"], "--target", "tests.mutants:gpt2_exact_gelu")
+    assert out.returncode == 1 and "MISMATCH" in out.stdout
+
+
+def test_atol_override(tiny):
+    out = run(tiny["gpt2"], "--layer", "0", "--target", "tests.mutants:gpt2_exact_gelu", "--atol", "1", "--json", "-")
+    assert out.returncode == 0
+    assert json.loads(out.stdout)["layers"][0]["tolerance"] == 1.0
+
+
+@pytest.mark.parametrize("args, message", [
+    (["/no/such/folder"], "no such file or folder"),
+    (["not-a-mapping-name"], "not a mapping name"),
+    (["someone/some-model"], "not in the local Hugging Face cache"),
+    (["{llama}", "--layer", "7"], "out of range"),
+    (["{llama}", "--target", "nowhere.mod:X"], "cannot import"),
+    (["{llama}", "--mapping", "/no/such.toml"], "mapping file not found"),
+])
+def test_bad_input_exit_2_without_traceback(tiny, args, message):
+    args = [a.replace("{llama}", str(tiny["llama"])) for a in args]
+    out = run(*args)
+    assert out.returncode == 2, (out.stdout, out.stderr)
+    assert message in out.stderr
+    assert "Traceback" not in out.stderr
+
+
+def test_gpt2_offline_falls_back_to_synthetic_gpt2_small(tmp_path):
+    empty = tmp_path / "empty_hf_home"
+    started = time.perf_counter()
+    out = run("gpt2", "--json", tmp_path / "r.json", env={"HF_HOME": str(empty), "HF_HUB_CACHE": str(empty / "hub"),
+                                                          "PARITY_CACHE": str(tmp_path / "cache")})
+    elapsed = time.perf_counter() - started
+    assert out.returncode == 0, out.stderr
+    assert "SYNTHETIC" in out.stdout and "openai-community/gpt2" in out.stdout
+    data = json.loads((tmp_path / "r.json").read_text())
+    assert data["weights"] == "synthetic" and len(data["layers"]) == 12
+    assert elapsed < 60  # the issue's goal is 30 s on the dev machine; CI machines are noisier
+    # written in GPT-2's real on-disk format: HF names, Conv1D [in, out] layout, safetensors
+    from safetensors import safe_open
+
+    folder = Path(data["checkpoint"])
+    index = json.loads((folder / "model.safetensors.index.json").read_text())["weight_map"]
+    with safe_open(str(folder / index["h.0.mlp.c_fc.weight"]), framework="pt") as f:
+        assert f.get_slice("h.0.mlp.c_fc.weight").get_shape() == [768, 3072]
+    assert not any(path.name.startswith(".") for path in empty.glob("*")) if empty.exists() else True
+
+
+def test_hub_id_from_offline_cache_via_cli(hf_cache):
+    out = run("tiny-org/gpt2", "--layers", "1-2", env={"HF_HOME": str(hf_cache), "HF_HUB_CACHE": str(hf_cache / "hub")})
+    assert out.returncode == 0, out.stderr
+    assert "tiny-org/gpt2 (real weights)" in out.stdout
