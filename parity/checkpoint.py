@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import difflib
 import json
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
@@ -25,13 +25,12 @@ PICKLE_PATTERNS = ("pytorch_model*.bin", "consolidated*.pth", "*.pt", "*.ckpt")
 @dataclass
 class Checkpoint:
     location: str  # what the reports show: a path, or hub id@revision
-    config_dir: Path  # folder holding config.json (what AutoConfig.from_pretrained reads)
+    config_dir: Path | None  # folder holding config.json; None: build the config from raw_config (GGUF, Meta)
     raw_config: dict
     weight_map: dict[str, str]  # tensor name -> file name
     fetch: Callable[[str], Path]  # file name -> local path, obtained on first use
     weights: str = "real"  # "real" | "synthetic"
     weights_note: str | None = None
-    _opened: dict[str, object] = field(default_factory=dict, repr=False)
 
     def has(self, name: str) -> bool:
         return name in self.weight_map
@@ -50,28 +49,24 @@ class Checkpoint:
             raise MissingTensorError(f"{self.location}: missing tensors: {hints}")
         out = {}
         for file_name in self.files_for(names):
-            handle = self._open(file_name)
-            for name in names:
-                if self.weight_map[name] == file_name:
-                    try:
-                        out[name] = handle.get_tensor(name)
-                    except Exception as exc:
-                        raise CheckpointError(f"{file_name} in {self.location}: cannot read tensor '{name}': {exc}") from None
+            with self._open(file_name) as handle:  # closed at once: no shard stays mapped after its layer
+                for name in names:
+                    if self.weight_map[name] == file_name:
+                        try:
+                            out[name] = handle.get_tensor(name)
+                        except Exception as exc:
+                            raise CheckpointError(
+                                f"{file_name} in {self.location}: cannot read tensor '{name}': {exc}") from None
         return out
 
     def _open(self, file_name: str):
         from safetensors import safe_open
 
-        if file_name not in self._opened:
-            path = self.fetch(file_name)
-            try:
-                self._opened[file_name] = safe_open(str(path), framework="pt")
-            except Exception as exc:
-                raise CheckpointError(f"{path}: not a readable safetensors file ({exc}); re-download or re-save it") from None
-        return self._opened[file_name]
-
-    def close(self) -> None:
-        self._opened.clear()
+        path = self.fetch(file_name)
+        try:
+            return safe_open(str(path), framework="pt")
+        except Exception as exc:
+            raise CheckpointError(f"{path}: not a readable safetensors file ({exc}); re-download or re-save it") from None
 
 
 def read_json(path: Path, what: str) -> dict:

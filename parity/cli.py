@@ -31,7 +31,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--checkpoint", metavar="PATH_OR_ID", help="weights to use instead of the mapping's default")
     layers = parser.add_mutually_exclusive_group()
     layers.add_argument("--layer", type=int, metavar="N", help="check one layer")
-    layers.add_argument("--layers", default="all", metavar="SPEC", help="all | 0,3,5 | 2-7 (default: all)")
+    layers.add_argument("--layers", metavar="SPEC", help="all | 0,3,5 | 2-7 (default: all; for large synthetic stand-ins first, middle, last)")
     parser.add_argument("--target", metavar="pkg.module:Class", help="module (class or factory) to check instead of the mapping's")
     parser.add_argument("--mapping", metavar="FILE.toml", help="mapping file to use instead of the built-in one")
     parser.add_argument("--revision", metavar="REV", help="hub revision (branch, tag or commit)")

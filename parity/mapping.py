@@ -19,7 +19,7 @@ TRANSFORMS = ("none", "transpose")
 _TOP_KEYS = {"name", "description", "model_types", "default_checkpoint", "num_layers", "hidden_size",
              "notes", "checkpoint", "reference", "target", "tensors", "synthetic"}
 _CHECKPOINT_KEYS = {"layer_key", "key_prefixes"}
-_REFERENCE_KEYS = {"module"}
+_REFERENCE_KEYS = {"module", "tensors"}
 _TARGET_KEYS = {"class", "args"}
 _TENSOR_KEYS = {"from", "transform", "chunk", "optional"}
 _SYNTHETIC_KEYS = {"config"}
@@ -61,6 +61,8 @@ class Mapping:
     key_prefixes: list[str] = field(default_factory=lambda: [""])
     notes: list[str] = field(default_factory=list)
     synthetic_config: dict[str, Any] | None = None
+    # reference parameter (HF name, relative to the MLP) -> checkpoint tensor; empty: the same name
+    reference_tensors: list[TensorRoute] = field(default_factory=list)
 
     def layer_prefix(self, layer: int) -> str:
         return self.layer_key.format(layer=layer)
@@ -88,8 +90,8 @@ def _require(path: Path, table: dict, key: str, kind: type, where: str = "") -> 
     return value
 
 
-def _parse_route(path: Path, target: str, spec: Any) -> TensorRoute:
-    where = f"tensors.\"{target}\""
+def _parse_route(path: Path, target: str, spec: Any, table: str = "tensors") -> TensorRoute:
+    where = f"{table}.\"{target}\""
     if isinstance(spec, str):
         return TensorRoute(target, spec)
     if not isinstance(spec, dict):
@@ -133,6 +135,10 @@ def parse_mapping(text: str, path: Path) -> Mapping:
     reference = _require(path, data, "reference", dict)
     _check_keys(path, reference, _REFERENCE_KEYS, "reference.")
     module = _require(path, reference, "module", str, "reference.")
+    reference_tensors = reference.get("tensors", {})
+    if not isinstance(reference_tensors, dict):
+        raise _fail(path, "reference.tensors", "expected a table: reference parameter = checkpoint tensor")
+    reference_routes = [_parse_route(path, t, spec, "reference.tensors") for t, spec in reference_tensors.items()]
     target = _require(path, data, "target", dict)
     _check_keys(path, target, _TARGET_KEYS, "target.")
     target_class = _require(path, target, "class", str, "target.")
@@ -163,7 +169,7 @@ def parse_mapping(text: str, path: Path) -> Mapping:
         num_layers=data.get("num_layers", "config.num_hidden_layers"),
         hidden_size=data.get("hidden_size", "config.hidden_size"),
         description=data.get("description", ""), default_checkpoint=data.get("default_checkpoint"),
-        key_prefixes=prefixes, notes=notes, synthetic_config=synthetic,
+        key_prefixes=prefixes, notes=notes, synthetic_config=synthetic, reference_tensors=reference_routes,
     )
 
 

@@ -91,12 +91,14 @@ def load_config(ckpt: Checkpoint) -> Any:
     from .reference import quiet_transformers
 
     quiet_transformers()
+    model_type = ckpt.raw_config.get("model_type")
     try:
-        return AutoConfig.from_pretrained(str(ckpt.config_dir))
+        if ckpt.config_dir is not None:
+            return AutoConfig.from_pretrained(str(ckpt.config_dir))
+        return AutoConfig.for_model(model_type, **{k: v for k, v in ckpt.raw_config.items() if k != "model_type"})
     except Exception as exc:  # transformers raises ValueError/KeyError/OSError for unusable configs
-        model_type = ckpt.raw_config.get("model_type")
         raise CheckpointError(
-            f"{ckpt.config_dir / 'config.json'}: transformers cannot load this config "
+            f"{ckpt.location}: transformers cannot load its config "
             f"(model_type={model_type!r}): {type(exc).__name__}: {exc}"
         ) from None
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import math
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Iterator
 
@@ -23,12 +24,14 @@ from .mapping import ConfigValue, Mapping
 from .reference import ReferenceModel, activation_module, activation_name, configured_activation
 from .report import LayerResult, Report
 from .resolve import Resolved, resolve
-from .target import build_target, fill_target
+from .mapping import TensorRoute
+from .target import build_target, fill_target, route_tensor
 
 ROW_TARGETS = (1.0, 3.0, 8.0)  # max |pre-activation| aimed at by each batch row
 TOKENS = 16
 NOISE_FACTOR = 16.0  # tolerance = NOISE_FACTOR x noise floor ...
 RELATIVE_FLOOR = 2.0 ** -20  # ... but never below this x max |reference| (fp32 rounding of the output)
+SYNTHETIC_BUDGET_BYTES = 2 * 2**30  # synthetic FFN weights written for a default run
 
 
 @contextlib.contextmanager
@@ -88,14 +91,20 @@ class Session:
         self.hidden_size = int(ConfigValue(self.config, self.mapping.path)(self.mapping.hidden_size, "hidden_size"))
 
     # -- tensors ---------------------------------------------------------------------------
-    def layer_keys(self, layer: int) -> tuple[str, list[str]]:
-        """The checkpoint key prefix that holds this layer, and the HF names the reference needs."""
-        names = list(self.reference.tensor_shapes(self.mapping.reference_path(layer)))
+    def reference_routes(self, layer: int) -> list[TensorRoute]:
+        """Reference parameter (HF name) <- checkpoint tensor; by default the same name."""
+        given = {route.target: route for route in self.mapping.reference_tensors}
+        names = self.reference.tensor_shapes(self.mapping.reference_path(layer))
+        return [given.get(name, TensorRoute(name, name)) for name in names]
+
+    def layer_prefix(self, layer: int) -> str:
+        """The checkpoint key prefix under which this layer's FFN tensors are stored."""
+        sources = [route.source for route in self.reference_routes(layer)]
         block = self.mapping.layer_prefix(layer)
         for prefix in self.mapping.key_prefixes:
-            if all(self.checkpoint.has(f"{prefix}{block}.{name}") for name in names):
-                return f"{prefix}{block}.", names
-        wanted = [f"{self.mapping.key_prefixes[0]}{block}.{name}" for name in names]
+            if all(self.checkpoint.has(f"{prefix}{block}.{name}") for name in sources):
+                return f"{prefix}{block}."
+        wanted = [f"{self.mapping.key_prefixes[0]}{block}.{name}" for name in sources]
         absent = [w for w in wanted if not self.checkpoint.has(w)]
         hints = "; ".join(f"{w} (closest present: {', '.join(self.checkpoint.closest(w)) or 'none'})" for w in absent)
         raise MissingTensorError(
@@ -104,14 +113,14 @@ class Session:
         )
 
     def read_layer(self, layer: int) -> dict[str, torch.Tensor]:
-        """The layer's FFN tensors under names relative to the MLP, upcast to float32."""
-        prefix, names = self.layer_keys(layer)
-        sources = {r.source for r in self.mapping.tensors if not r.optional or self.checkpoint.has(prefix + r.source)}
-        wanted = list(dict.fromkeys([*names, *sorted(sources)]))
+        """The layer's FFN tensors under names relative to the layer, upcast to float32."""
+        prefix = self.layer_prefix(layer)
+        routes = [*self.reference_routes(layer), *self.mapping.tensors]
+        wanted = list(dict.fromkeys(r.source for r in routes if not r.optional or self.checkpoint.has(prefix + r.source)))
         raw = self.checkpoint.read([prefix + n for n in wanted])
         tensors = {}
         for name in wanted:
-            tensor = raw[prefix + name]
+            tensor = raw.pop(prefix + name)
             if tensor.is_floating_point() and not torch.isfinite(tensor).all():
                 bad = int((~torch.isfinite(tensor)).sum())
                 raise WeightDefectError(
@@ -123,9 +132,8 @@ class Session:
 
     # -- modules ---------------------------------------------------------------------------
     def build_reference(self, layer: int, tensors: dict[str, torch.Tensor]) -> nn.Module:
-        path = self.mapping.reference_path(layer)
-        names = self.reference.tensor_shapes(path)
-        return self.reference.build(path, {n: tensors[n] for n in names})
+        routed = {r.target: route_tensor(r, tensors[r.source]) for r in self.reference_routes(layer)}
+        return self.reference.build(self.mapping.reference_path(layer), routed)
 
     def build_target(self, tensors: dict[str, torch.Tensor]) -> tuple[nn.Module, str]:
         with skip_init():
@@ -148,16 +156,22 @@ class Session:
 
     # -- one layer -------------------------------------------------------------------------
     def run_layer(self, layer: int) -> tuple[LayerResult, str]:
+        """Check one layer.  Peak memory: the layer's weights about 3 times over (float32 target
+        and reference, then the reference converted in place to float64), never the model."""
         tensors = self.read_layer(layer)
-        reference = self.build_reference(layer, tensors)
         target, target_name = self.build_target(tensors)
+        reference = self.build_reference(layer, tensors)  # shares storage with ``tensors``
+        del tensors
         x = self.inputs(layer, reference)
         with torch.no_grad():
             z = preactivation(reference, x)
             out32 = reference(x).double()
-            out64 = _float64_copy(reference)(x.double())
             got = run_module(target, x)
             again = run_module(target, x)
+            del target
+            out64 = reference.double()(x.double())  # in place: float32 weights are released as converted
+        del reference
+        gc.collect()
         noise = float((out32 - out64).abs().max())
         scale = float(out64.abs().max())
         diff = (got - out64).abs()
@@ -177,8 +191,6 @@ class Session:
             preactivation_range=[float(z.min()), float(z.max())] if z is not None else [float("nan")] * 2,
             deterministic=deterministic,
         )
-        del tensors, reference, target
-        gc.collect()
         return result, target_name
 
     def report(self) -> Report:
@@ -198,6 +210,21 @@ class Session:
             seed=self.seed,
             notes=list(self.resolved.notes),
         )
+
+    def synthetic_layers(self, report: Report) -> list[int] | None:
+        """All layers, unless the synthetic model would be large: then first, middle and last.
+
+        Random weights are the same kind of tensor at every depth; writing gigabytes of them
+        proves nothing more than three layers do.
+        """
+        shapes = self.reference.tensor_shapes(self.mapping.reference_path(0)).values()
+        layer_bytes = sum(math.prod(shape) for shape in shapes) * 2
+        if layer_bytes * self.num_layers <= SYNTHETIC_BUDGET_BYTES:
+            return None
+        chosen = sorted({0, self.num_layers // 2, self.num_layers - 1})
+        report.notes.append(f"synthetic weights of this size: checking layers {chosen} of {self.num_layers}; "
+                            "--layers all checks every one")
+        return chosen
 
     def target_name(self) -> str:
         spec = self.target_spec if self.target_spec is not None else self.mapping.target_class
@@ -228,12 +255,6 @@ def run_module(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
     return out.double()
 
 
-def _float64_copy(module: nn.Module) -> nn.Module:
-    import copy
-
-    return copy.deepcopy(module).double()
-
-
 def open_session(model: str, checkpoint: str | None = None, mapping: str | None = None, revision: str | None = None,
                  target: str | Any | None = None, seed: int = 0, atol: float | None = None) -> Session:
     return Session(resolve(model, checkpoint, mapping, revision), target=target, seed=seed, atol=atol)
@@ -245,12 +266,13 @@ def check(model: str, layers: str | int | Iterable[int] | None = None, target: s
     """Check the selected layers (default: all), one at a time; returns the report the CLI prints."""
     session = open_session(model, checkpoint, mapping, revision, target, seed, atol)
     report = session.report()
+    if layers is None and session.checkpoint.weights == "synthetic":
+        layers = session.synthetic_layers(report)
     for layer in parse_layers(layers, session.num_layers):
         result, report.target = session.run_layer(layer)
         report.layers.append(result)
         if on_layer is not None:
             on_layer(report, result)
-    session.checkpoint.close()
     return report
 
 
@@ -260,5 +282,4 @@ def load_ffn(model: str, layer: int = 0, target: str | Any | None = None, checkp
     session = open_session(model, checkpoint, mapping, revision, target)
     (layer,) = parse_layers(int(layer), session.num_layers)
     module, _ = session.build_target(session.read_layer(layer))
-    session.checkpoint.close()
     return module
