@@ -55,7 +55,7 @@ def list_mappings() -> int:
 
 
 def run_check(args: argparse.Namespace) -> int:
-    from .report import HEADER, header_lines, layer_line, summary_line
+    from .report import HEADER, diagnosis_lines, header_lines, layer_line, summary_line
     from .runner import check
 
     to_stdout = args.json == "-"
@@ -73,6 +73,8 @@ def run_check(args: argparse.Namespace) -> int:
     report = check(args.model, layers=layers, target=args.target, checkpoint=args.checkpoint, mapping=args.mapping,
                    revision=args.revision, seed=args.seed, atol=args.atol, on_layer=on_layer)
     say("")
+    for line in diagnosis_lines(report):
+        say(line)
     say(summary_line(report))
     if args.json:
         if to_stdout:

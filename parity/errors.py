@@ -42,7 +42,9 @@ class WeightDefectError(CheckpointError):
 
 
 class ShapeMismatchError(ParityError):
-    """A checkpoint tensor does not fit the target parameter."""
+    """A checkpoint tensor does not fit the target parameter (``mistake_id`` names the likely cause)."""
+
+    mistake_id = "shape_mismatch"
 
 
 class TargetError(ParityError):

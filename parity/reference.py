@@ -64,7 +64,16 @@ class ReferenceModel:
     def build(self, path: str, tensors: dict[str, torch.Tensor]) -> nn.Module:
         """A real, eval-mode copy of the layer's MLP holding ``tensors`` (float32 or float64)."""
         module = copy.deepcopy(self.meta_module(path))
-        module.load_state_dict(tensors, strict=True, assign=True)
+        try:
+            module.load_state_dict(tensors, strict=True, assign=True)
+        except RuntimeError as exc:  # the checkpoint disagrees with its own config.json
+            expected = {n: list(p.shape) for n, p in module.named_parameters()}
+            found = {n: list(t.shape) for n, t in tensors.items()}
+            raise CheckpointError(
+                f"the checkpoint's tensors for {path} do not fit transformers' {type(module).__name__} built from its "
+                f"config.json: expected {expected}, found {found}. The config (hidden_size / intermediate_size) and "
+                f"the weights disagree. ({str(exc).splitlines()[0]})"
+            ) from None
         return module.eval()
 
 

@@ -14,18 +14,20 @@ SCHEMA_VERSION = 1
 
 @dataclass
 class LayerResult:
+    """One layer's verdict.  Metrics are None when the module could not even be loaded (shape mismatch)."""
+
     layer: int
     passed: bool
-    max_abs_diff: float
-    max_rel_diff: float  # max |diff| / max |reference|
-    mean_abs_diff: float
-    max_at: list[int]  # [batch, token, channel] of the max |diff|
-    noise_floor: float  # max |reference float32 - reference float64|
-    tolerance: float
-    ratio_to_noise: float
-    preactivation_range: list[float]  # [min, max] of the activation's input reached
+    max_abs_diff: float | None
+    max_rel_diff: float | None  # max |diff| / max |reference|
+    mean_abs_diff: float | None
+    max_at: list[int] | None  # [batch, token, channel] of the max |diff|
+    noise_floor: float | None  # max |reference float32 - reference float64|
+    tolerance: float | None
+    ratio_to_noise: float | None
+    preactivation_range: list[float] | None  # [min, max] of the activation's input reached
     deterministic: bool = True
-    diagnosis: dict | None = None
+    diagnosis: dict | None = None  # {id, message, fix, distance, reference_distance}
 
 
 @dataclass
@@ -56,8 +58,8 @@ class Report:
         return json.dumps(self.to_dict(), indent=2)
 
 
-def _sci(value: float) -> str:
-    return f"{value:.2e}"
+def _sci(value: float | None) -> str:
+    return "-" if value is None else f"{value:.2e}"
 
 
 HEADER = f"{'layer':>5}  {'max|Δ|':>9}  {'rel':>9}  {'mean|Δ|':>9}  {'noise':>9}  {'tol':>9}  {'×noise':>7}  {'z range':>15}  verdict"
@@ -78,15 +80,31 @@ def header_lines(report: Report) -> list[str]:
 
 
 def layer_line(result: LayerResult) -> str:
-    zmin, zmax = result.preactivation_range
+    zrange = "-" if result.preactivation_range is None else "[{:.1f}, {:.1f}]".format(*result.preactivation_range)
+    ratio = "-" if result.ratio_to_noise is None else f"{result.ratio_to_noise:.1f}"
     verdict = "ok" if result.passed else "MISMATCH"
-    if not result.deterministic:
-        verdict += " (non-deterministic output)"
     if result.diagnosis:
         verdict += f" — {result.diagnosis['id']}: {result.diagnosis['message']}"
     return (f"{result.layer:>5}  {_sci(result.max_abs_diff):>9}  {_sci(result.max_rel_diff):>9}  "
             f"{_sci(result.mean_abs_diff):>9}  {_sci(result.noise_floor):>9}  {_sci(result.tolerance):>9}  "
-            f"{result.ratio_to_noise:>7.1f}  {f'[{zmin:.1f}, {zmax:.1f}]':>15}  {verdict}")
+            f"{ratio:>7}  {zrange:>15}  {verdict}")
+
+
+def diagnosis_lines(report: Report) -> list[str]:
+    """One block per distinct diagnosis: the evidence and the fix."""
+    lines, seen = [], set()
+    for result in report.layers:
+        d = result.diagnosis
+        if not d or d["id"] in seen:
+            continue
+        seen.add(d["id"])
+        layers = [r.layer for r in report.layers if r.diagnosis and r.diagnosis["id"] == d["id"]]
+        lines.append(f"diagnosis {d['id']} (layers {', '.join(map(str, layers))}): {d['message']}")
+        if d.get("distance") is not None and d.get("reference_distance") is not None:
+            lines.append(f"  evidence: the module is {d['distance']:.2e} from this mistake's replay "
+                         f"and {d['reference_distance']:.2e} from transformers")
+        lines.append(f"  fix: {d['fix']}")
+    return lines
 
 
 def summary_line(report: Report) -> str:
@@ -98,4 +116,6 @@ def summary_line(report: Report) -> str:
 
 
 def render(report: Report) -> str:
-    return "\n".join([*header_lines(report), "", HEADER, *map(layer_line, report.layers), "", summary_line(report)])
+    diagnoses = diagnosis_lines(report)
+    return "\n".join([*header_lines(report), "", HEADER, *map(layer_line, report.layers), "",
+                      *diagnoses, *([""] if diagnoses else []), summary_line(report)])

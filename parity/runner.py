@@ -19,7 +19,8 @@ import torch
 from torch import nn
 
 from . import __version__
-from .errors import LayerRangeError, MissingTensorError, WeightDefectError
+from .diagnose import diagnose, diagnosis
+from .errors import LayerRangeError, MissingTensorError, ShapeMismatchError, WeightDefectError
 from .mapping import ConfigValue, Mapping
 from .reference import ReferenceModel, activation_module, activation_name, configured_activation
 from .report import LayerResult, Report
@@ -78,7 +79,8 @@ def parse_layers(spec: str | int | Iterable[int] | None, num_layers: int) -> lis
 class Session:
     """Everything resolved once for a run; ``run_layer`` then works on one layer at a time."""
 
-    def __init__(self, resolved: Resolved, target: str | Any | None = None, seed: int = 0, atol: float | None = None):
+    def __init__(self, resolved: Resolved, target: str | Any | None = None, seed: int = 0, atol: float | None = None,
+                 diagnose: bool = True):
         self.resolved = resolved
         self.mapping: Mapping = resolved.mapping
         self.checkpoint = resolved.checkpoint
@@ -86,6 +88,8 @@ class Session:
         self.target_spec = target
         self.seed = seed
         self.atol = atol
+        self.diagnose = diagnose
+        self.target_notes: list[str] = []  # what loading the target had to work around, once each
         self.reference = ReferenceModel(self.config)
         self.num_layers = int(ConfigValue(self.config, self.mapping.path)(self.mapping.num_layers, "num_layers"))
         self.hidden_size = int(ConfigValue(self.config, self.mapping.path)(self.mapping.hidden_size, "hidden_size"))
@@ -138,7 +142,9 @@ class Session:
     def build_target(self, tensors: dict[str, torch.Tensor]) -> tuple[nn.Module, str]:
         with skip_init():
             module, name = build_target(self.mapping, self.config, self.target_spec)
-        fill_target(module, self.mapping, tensors, self.config)
+        for note in fill_target(module, self.mapping, tensors, self.config):
+            if note not in self.target_notes:
+                self.target_notes.append(note)
         return module.eval(), name
 
     # -- inputs ----------------------------------------------------------------------------
@@ -159,7 +165,10 @@ class Session:
         """Check one layer.  Peak memory: the layer's weights about 3 times over (float32 target
         and reference, then the reference converted in place to float64), never the model."""
         tensors = self.read_layer(layer)
-        target, target_name = self.build_target(tensors)
+        try:
+            target, target_name = self.build_target(tensors)
+        except ShapeMismatchError as exc:  # the module's mistake, not the checkpoint's: a failed layer
+            return shape_failure(layer, exc), self.target_name()
         reference = self.build_reference(layer, tensors)  # shares storage with ``tensors``
         del tensors
         x = self.inputs(layer, reference)
@@ -188,10 +197,21 @@ class Session:
             noise_floor=noise,
             tolerance=tolerance,
             ratio_to_noise=max_abs / noise if noise else float("inf") if max_abs else 0.0,
-            preactivation_range=[float(z.min()), float(z.max())] if z is not None else [float("nan")] * 2,
+            preactivation_range=[float(z.min()), float(z.max())] if z is not None else None,
             deterministic=deterministic,
         )
+        if not deterministic:  # before anything else: no replay can match a moving target
+            result.diagnosis = diagnosis("dropout_active", float((got - again).abs().max()), max_abs)
+        elif not result.passed and self.diagnose:
+            result.diagnosis = self.explain(layer, x, got, out64, tolerance)
         return result, target_name
+
+    def explain(self, layer: int, x: torch.Tensor, got: torch.Tensor, out64: torch.Tensor, tolerance: float) -> dict:
+        """Replay known mistakes on transformers' MLP for this layer (see diagnose.py)."""
+        tensors = self.read_layer(layer)
+        routed = {r.target: route_tensor(r, tensors[r.source]) for r in self.reference_routes(layer)}
+        path = self.mapping.reference_path(layer)
+        return diagnose(lambda t: self.reference.build(path, t), routed, self.config, x, got, out64, tolerance)
 
     def report(self) -> Report:
         import transformers
@@ -229,6 +249,14 @@ class Session:
     def target_name(self) -> str:
         spec = self.target_spec if self.target_spec is not None else self.mapping.target_class
         return spec if isinstance(spec, str) else f"{spec.__module__}:{spec.__qualname__}"
+
+
+def shape_failure(layer: int, error: ShapeMismatchError) -> LayerResult:
+    """A layer whose module cannot hold the checkpoint's tensors: failed, with the likely cause."""
+    result = LayerResult(layer=layer, passed=False, max_abs_diff=None, max_rel_diff=None, mean_abs_diff=None,
+                         max_at=None, noise_floor=None, tolerance=None, ratio_to_noise=None, preactivation_range=None)
+    result.diagnosis = diagnosis(error.mistake_id, None, None, str(error))
+    return result
 
 
 def preactivation(module: nn.Module, x: torch.Tensor) -> torch.Tensor | None:
@@ -270,6 +298,7 @@ def check(model: str, layers: str | int | Iterable[int] | None = None, target: s
         layers = session.synthetic_layers(report)
     for layer in parse_layers(layers, session.num_layers):
         result, report.target = session.run_layer(layer)
+        report.notes.extend(n for n in session.target_notes if n not in report.notes)
         report.layers.append(result)
         if on_layer is not None:
             on_layer(report, result)

@@ -72,13 +72,22 @@ def route_tensor(route: TensorRoute, stored: torch.Tensor) -> torch.Tensor:
     return tensor
 
 
-def fill_target(module: nn.Module, mapping: Mapping, tensors: dict[str, torch.Tensor], config: Any = None) -> None:
-    """Copy routed checkpoint tensors (names relative to the layer) into the target's parameters."""
+def fill_target(module: nn.Module, mapping: Mapping, tensors: dict[str, torch.Tensor], config: Any = None) -> list[str]:
+    """Copy routed checkpoint tensors (names relative to the layer) into the target's parameters.
+
+    Biases are the one thing a module may legitimately lack or leave unloaded: a bias route
+    without a target parameter is skipped and an unrouted bias is zeroed, both noted, so the
+    comparison itself shows whether that matters (diagnosis ``bias_dropped``).  Any other
+    unrouted parameter would hold arbitrary values: that is a mapping error.
+    """
     params = dict(module.named_parameters())
-    routed = set()
+    routed, notes = set(), []
     for route in mapping.tensors:
         if route.target not in params:
             if route.optional:
+                continue
+            if route.target.endswith("bias"):
+                notes.append(f"the target has no parameter '{route.target}': checkpoint tensor '{route.source}' is not used")
                 continue
             raise MappingError(
                 f"{mapping.path}: key 'tensors.\"{route.target}\"': the target {type(module).__name__} has no parameter "
@@ -87,24 +96,35 @@ def fill_target(module: nn.Module, mapping: Mapping, tensors: dict[str, torch.Te
         param = params[route.target]
         value = route_tensor(route, tensors[route.source])
         if tuple(value.shape) != tuple(param.shape):
-            raise ShapeMismatchError(shape_message(route, tuple(value.shape), tuple(param.shape), config))
+            message, mistake = shape_message(route, tuple(value.shape), tuple(param.shape), config)
+            error = ShapeMismatchError(message)
+            error.mistake_id = mistake
+            raise error
         with torch.no_grad():
             param.copy_(value)
         routed.add(route.target)
     unrouted = [name for name in params if name not in routed]
+    for name in [n for n in unrouted if n.endswith("bias")]:
+        with torch.no_grad():
+            params[name].zero_()
+        notes.append(f"target parameter '{name}' gets no checkpoint tensor: set to zero")
+    unrouted = [n for n in unrouted if not n.endswith("bias")]
     if unrouted:
         raise MappingError(
             f"{mapping.path}: the target's parameters {', '.join(unrouted)} get no checkpoint tensor; "
-            "route each in [tensors] (they would keep their random initial values)"
+            "route each in [tensors] (they would keep arbitrary initial values)"
         )
+    return notes
 
 
-def shape_message(route: TensorRoute, found: tuple[int, ...], expected: tuple[int, ...], config: Any) -> str:
-    """Say which tensor, both shapes, and the likely cause."""
+def shape_message(route: TensorRoute, found: tuple[int, ...], expected: tuple[int, ...], config: Any) -> tuple[str, str]:
+    """Say which tensor, both shapes, and the likely cause; and the diagnosis id of that cause."""
     message = (f"checkpoint tensor '{route.source}' has shape {list(found)} after the mapping's transform, "
                f"but target parameter '{route.target}' has shape {list(expected)}")
     hints = []
+    mistake = "shape_mismatch"
     if len(found) == 2 and found[::-1] == expected:
+        mistake = "missing_transpose"
         hints.append("the shapes are transposed: the mapping's transform for this tensor is probably wrong "
                      "(Conv1D weights are stored [in, out] and need transform = \"transpose\")")
     d_ff = getattr(config, "intermediate_size", None) or getattr(config, "n_inner", None)
@@ -114,6 +134,7 @@ def shape_message(route: TensorRoute, found: tuple[int, ...], expected: tuple[in
         ckpt_dff = [s for s in found if s != d]
         if target_dff and ckpt_dff and target_dff != ckpt_dff:
             t, c = target_dff[0], ckpt_dff[0]
+            mistake = "intermediate_size_mismatch"
             cause = f"the target's d_ff is {t} but the checkpoint's is {c}"
             if t == 4 * d:
                 cause += " (the target uses the 4*d default: pass hidden_dim = config.intermediate_size)"
@@ -124,4 +145,4 @@ def shape_message(route: TensorRoute, found: tuple[int, ...], expected: tuple[in
             hints.append(cause)
     if d_ff and not hints:
         hints.append(f"the checkpoint's config says d={d}, d_ff={d_ff}")
-    return message + (": " + "; ".join(hints) if hints else "")
+    return message + (": " + "; ".join(hints) if hints else ""), mistake

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 import parity
-from parity.errors import LayerRangeError, MappingError, MissingTensorError, ShapeMismatchError, TargetError
+from parity.errors import LayerRangeError, MappingError, MissingTensorError, TargetError
 from parity.ffn import FeedForward, GeGLU, SwiGLU
 
 from .conftest import FAMILY, TINY
@@ -89,20 +89,22 @@ def test_layers_out_of_range(tiny):
         parity.check(str(tiny["gpt2"]), layers=[3])
 
 
-def test_wrong_intermediate_size_is_a_shape_error_with_a_hint(tiny):
+def test_wrong_intermediate_size_fails_with_a_hint(tiny):
     def four_d(emb_size, hidden_dim, bias, dropout):
         return SwiGLU(emb_size, dropout, None, bias)
 
-    with pytest.raises(ShapeMismatchError, match="4\\*d default"):
-        parity.check(str(tiny["llama"]), target=four_d)
+    report = parity.check(str(tiny["llama"]), target=four_d, layers=[0])
+    assert not report.passed and report.layers[0].diagnosis["id"] == "intermediate_size_mismatch"
+    assert "4*d default" in report.layers[0].diagnosis["message"] and "[128, 32]" in report.layers[0].diagnosis["message"]
 
 
-def test_missing_transpose_is_a_shape_error_with_a_hint(tiny, tmp_path):
+def test_missing_transpose_fails_with_a_hint(tiny, tmp_path):
     text = (parity.mapping.builtin_mapping_dir() / "gpt2.toml").read_text()
     text = text.replace('{ from = "c_fc.weight", transform = "transpose" }', '"c_fc.weight"')
     (tmp_path / "m.toml").write_text(text)
-    with pytest.raises(ShapeMismatchError, match="transposed"):
-        parity.check(str(tiny["gpt2"]), mapping=str(tmp_path / "m.toml"))
+    report = parity.check(str(tiny["gpt2"]), mapping=str(tmp_path / "m.toml"), layers=[0])
+    assert not report.passed and report.layers[0].diagnosis["id"] == "missing_transpose"
+    assert "transposed" in report.layers[0].diagnosis["message"]
 
 
 def test_unimportable_target(tiny):
