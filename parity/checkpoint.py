@@ -31,6 +31,8 @@ class Checkpoint:
     fetch: Callable[[str], Path]  # file name -> local path, obtained on first use
     weights: str = "real"  # "real" | "synthetic"
     weights_note: str | None = None
+    repo_id: str | None = None  # set for hub checkpoints
+    revision: str | None = None
 
     def has(self, name: str) -> bool:
         return name in self.weight_map

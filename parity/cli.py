@@ -38,6 +38,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--seed", type=int, default=0, help="seed of the generated inputs (default 0)")
     parser.add_argument("--atol", type=float, metavar="X", help="absolute tolerance instead of the noise-floor-derived one")
     parser.add_argument("--json", metavar="FILE|-", help="write the JSON report to FILE, or to stdout with '-'")
+    parser.add_argument("--logits", action="store_true",
+                        help="also substitute the module into the full model and compare its final logits")
     parser.add_argument("--debug", action="store_true", help="show tracebacks for errors")
     return parser
 
@@ -55,7 +57,7 @@ def list_mappings() -> int:
 
 
 def run_check(args: argparse.Namespace) -> int:
-    from .report import HEADER, diagnosis_lines, header_lines, layer_line, summary_line
+    from .report import HEADER, diagnosis_lines, header_lines, layer_line, logits_lines, summary_line
     from .runner import check
 
     to_stdout = args.json == "-"
@@ -71,9 +73,9 @@ def run_check(args: argparse.Namespace) -> int:
 
     layers = args.layer if args.layer is not None else args.layers
     report = check(args.model, layers=layers, target=args.target, checkpoint=args.checkpoint, mapping=args.mapping,
-                   revision=args.revision, seed=args.seed, atol=args.atol, on_layer=on_layer)
+                   revision=args.revision, seed=args.seed, atol=args.atol, on_layer=on_layer, logits=args.logits)
     say("")
-    for line in diagnosis_lines(report):
+    for line in [*diagnosis_lines(report), *logits_lines(report)]:
         say(line)
     say(summary_line(report))
     if args.json:

@@ -96,7 +96,7 @@ def open_hub(repo_id: str, revision: str | None = None) -> Checkpoint:
             raise CheckpointError(f"'{repo_id}': {file_name} is listed in {INDEX} but missing from the repository") from None
 
     location = repo_id + (f"@{revision}" if revision else "")
-    return Checkpoint(location, config_path.parent, raw_config, weight_map, fetch)
+    return Checkpoint(location, config_path.parent, raw_config, weight_map, fetch, repo_id=repo_id, revision=revision)
 
 
 def _single_file_map(repo_id: str, revision: str | None, offline: bool) -> dict[str, str]:

@@ -44,6 +44,7 @@ class Report:
     weights_note: str | None = None
     notes: list[str] = field(default_factory=list)
     layers: list[LayerResult] = field(default_factory=list)
+    logits: dict | None = None  # --logits: the target substituted inside the full model
 
     @property
     def passed(self) -> bool:
@@ -84,7 +85,7 @@ def layer_line(result: LayerResult) -> str:
     ratio = "-" if result.ratio_to_noise is None else f"{result.ratio_to_noise:.1f}"
     verdict = "ok" if result.passed else "MISMATCH"
     if result.diagnosis:
-        verdict += f" — {result.diagnosis['id']}: {result.diagnosis['message']}"
+        verdict += f" — {result.diagnosis['id']}"
     return (f"{result.layer:>5}  {_sci(result.max_abs_diff):>9}  {_sci(result.max_rel_diff):>9}  "
             f"{_sci(result.mean_abs_diff):>9}  {_sci(result.noise_floor):>9}  {_sci(result.tolerance):>9}  "
             f"{ratio:>7}  {zrange:>15}  {verdict}")
@@ -104,6 +105,7 @@ def diagnosis_lines(report: Report) -> list[str]:
             lines.append(f"  evidence: the module is {d['distance']:.2e} from this mistake's replay "
                          f"and {d['reference_distance']:.2e} from transformers")
         lines.append(f"  fix: {d['fix']}")
+        lines.append("")
     return lines
 
 
@@ -115,7 +117,21 @@ def summary_line(report: Report) -> str:
     return f"FAIL: {len(failed)} of {len(report.layers)} layer(s) deviate from transformers: {shown}"
 
 
+def logits_lines(report: Report) -> list[str]:
+    logits = report.logits
+    if not logits:
+        return []
+    if logits.get("skipped"):
+        return [f"logits impact: not measured: {logits['skipped']}", ""]
+    return [
+        f"logits impact ({logits['weights']}): target substituted for layer(s) {logits['layers']} of the full model, "
+        f"{logits['tokens']} fixed tokens",
+        f"  final logits max |Δ| = {logits['max_abs_diff']:.2e} (logit scale {logits['logit_scale']:.2e}); "
+        f"top-1 agreement {logits['top1_agreement']:.1%}",
+        "",
+    ]
+
+
 def render(report: Report) -> str:
-    diagnoses = diagnosis_lines(report)
     return "\n".join([*header_lines(report), "", HEADER, *map(layer_line, report.layers), "",
-                      *diagnoses, *([""] if diagnoses else []), summary_line(report)])
+                      *diagnosis_lines(report), *logits_lines(report), summary_line(report)])

@@ -290,8 +290,11 @@ def open_session(model: str, checkpoint: str | None = None, mapping: str | None 
 
 def check(model: str, layers: str | int | Iterable[int] | None = None, target: str | Any | None = None,
           checkpoint: str | None = None, mapping: str | None = None, revision: str | None = None, seed: int = 0,
-          atol: float | None = None, on_layer: Callable[[Report, LayerResult], None] | None = None) -> Report:
-    """Check the selected layers (default: all), one at a time; returns the report the CLI prints."""
+          atol: float | None = None, on_layer: Callable[[Report, LayerResult], None] | None = None,
+          logits: bool = False) -> Report:
+    """Check the selected layers (default: all), one at a time; returns the report the CLI prints.
+
+    ``logits=True`` also substitutes the target into the full model and compares its logits."""
     session = open_session(model, checkpoint, mapping, revision, target, seed, atol)
     report = session.report()
     if layers is None and session.checkpoint.weights == "synthetic":
@@ -302,6 +305,10 @@ def check(model: str, layers: str | int | Iterable[int] | None = None, target: s
         report.layers.append(result)
         if on_layer is not None:
             on_layer(report, result)
+    if logits:
+        from .logits import logits_impact
+
+        report.logits = logits_impact(session, [r.layer for r in report.layers])
     return report
 
 
