@@ -191,7 +191,7 @@ def run_specs(specs, args: argparse.Namespace, single: bool, shard=None) -> int:
             summary += f" BASELINE: {len(regressions)} layer(s) regressed against {args.baseline}."
         print(summary, file=out)
     else:
-        print(suite_summary(runs, code, len(regressions), shard), file=out)
+        print(suite_summary(runs, code, len(regressions) if entries is not None else None, shard), file=out)
     if args.update_baseline:
         written = write_baseline(args.baseline, reports)
         print(f"baseline: wrote {written} layer entr{'y' if written == 1 else 'ies'} to {args.baseline}", file=out)
@@ -211,14 +211,14 @@ def run_specs(specs, args: argparse.Namespace, single: bool, shard=None) -> int:
     return code
 
 
-def suite_summary(runs, code: int, regressed: int, shard) -> str:
+def suite_summary(runs, code: int, regressed: int | None, shard) -> str:
     layers = sum(len(run.report.layers) for run in runs if run.report is not None)
     failed = sum(not layer.passed for run in runs if run.report is not None for layer in run.report.layers)
     errors = sum(run.error is not None for run in runs)
     where = f" in shard {shard[0]}/{shard[1]}" if shard else ""
     verdict = {0: "PASS", 1: "FAIL", 2: "ERROR"}[code]
-    return (f"{verdict}: {len(runs)} check(s), {layers} layer(s) checked{where}; {failed} deviate, "
-            f"{regressed} regressed against the baseline, {errors} could not run.")
+    against = "" if regressed is None else f"{regressed} regressed against the baseline, "
+    return f"{verdict}: {len(runs)} check(s), {layers} layer(s) checked{where}; {failed} deviate, {against}{errors} could not run."
 
 
 def json_document(runs, single: bool, shard, args, regressions, compared) -> dict:

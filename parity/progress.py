@@ -31,7 +31,8 @@ class Progress:
         if enabled and total > 1:
             from tqdm import tqdm
 
-            self.bar = tqdm(total=total, file=sys.stderr, unit="layer", leave=False, dynamic_ncols=True)
+            self.bar = tqdm(total=total, file=sys.stderr, unit="layer", leave=False, dynamic_ncols=True,
+                             mininterval=0)  # one update per layer: slow enough to draw each
 
     def say(self, text: str, file: TextIO | None = None) -> None:
         file = file if file is not None else sys.stdout
