@@ -4,6 +4,7 @@ nor transformers; exit codes: 0 all layers match, 1 some layer deviates, 2 bad i
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 
@@ -19,8 +20,16 @@ checkpoint weights, one layer at a time.
 MODEL is a mapping name (gpt2, llama, gemma, ...; see `parity list`), a hub id
 (owner/name), a local folder with config.json + *.safetensors, or a .safetensors file.
 
-exit codes: 0 every checked layer matches, 1 some layer deviates, 2 bad input or
-unusable checkpoint."""
+commands:
+  parity MODEL [options]   check one model (this page)
+  parity check [options]   run every check listed in ./parity.toml or [tool.parity] in
+                           ./pyproject.toml (`parity check --help`); a folder literally
+                           named "check" must be given as ./check
+  parity inspect MODEL     show what would be checked, computing nothing
+  parity list              the built-in mappings
+
+exit codes: 0 every checked layer matches, 1 some layer deviates (or grew beyond the
+baseline), 2 bad input or unusable checkpoint."""
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -37,11 +46,211 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--revision", metavar="REV", help="hub revision (branch, tag or commit)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the generated inputs (default 0)")
     parser.add_argument("--atol", type=float, metavar="X", help="absolute tolerance instead of the noise-floor-derived one")
-    parser.add_argument("--json", metavar="FILE|-", help="write the JSON report to FILE, or to stdout with '-'")
     parser.add_argument("--logits", action="store_true",
                         help="also substitute the module into the full model and compare its final logits")
+    add_output_options(parser)
+    return parser
+
+
+# -- CI outputs, baselines, project checks, inspect ------------------------------------------------
+
+CHECK_DESCRIPTION = """Run every check listed in the project file of the current directory: parity.toml, else
+the [tool.parity] table of pyproject.toml (or --config FILE), with one summary at the end.
+
+  [[tool.parity.checks]]
+  model = "gpt2"                          # as `parity MODEL`
+  layers = [0, 11]                        # or "all", "0,3", "2-7"; default all
+  target = "mypkg.ffn:MLP"                # optional, as --target
+  # checkpoint, mapping, revision, seed, atol (alias tolerance), name: optional
+
+--shard K/N runs the K-th of N shares of the (check, layer) units, dealt round-robin in
+file and layer order, so N CI jobs together run each unit exactly once.
+
+exit codes: 0 all match, 1 some layer deviates or regressed against the baseline,
+2 a bad project file or a check that cannot run (named by file and entry)."""
+
+INSPECT_DESCRIPTION = """Show what `parity MODEL` would check, without computing anything: the family and its
+mapping file, d and d_ff (and whether d_ff follows the family's rule), the activation the
+config names and the one transformers runs, biases, and one layer's FFN tensors (names,
+shapes, dtypes, shard files) read from safetensors headers. No tensor is loaded."""
+
+
+def add_output_options(parser: argparse.ArgumentParser) -> None:
+    out = parser.add_argument_group("CI outputs")
+    out.add_argument("--json", metavar="FILE|-", help="write the JSON report to FILE, or to stdout with '-'")
+    out.add_argument("--junit", metavar="FILE", help="write JUnit XML: one test case per layer (per expert), failures with the diagnosis")
+    out.add_argument("--quiet", "-q", action="store_true", help="print only the summary line, baseline regressions and errors")
+    out.add_argument("--baseline", metavar="FILE", help="fail (exit 1) when a layer's max|Δ| grew beyond the stored run's, or a passing layer now fails")
+    out.add_argument("--baseline-factor", type=float, metavar="F", help="allowed growth factor over the baseline (default 2.0)")
+    out.add_argument("--baseline-slack", type=float, metavar="X", help="absolute growth always allowed (default 1e-8): noise, not drift")
+    out.add_argument("--update-baseline", action="store_true", help="write this run's deviations into --baseline FILE (merged, sorted) instead of comparing")
+    out.add_argument("--debug", action="store_true", help="show tracebacks for errors")
+
+
+def build_check_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="parity check", description=CHECK_DESCRIPTION,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--config", metavar="FILE", help="project file to read instead of ./parity.toml or ./pyproject.toml")
+    parser.add_argument("--shard", metavar="K/N", help="run only this job's share: K of N (e.g. 2/4 in a CI matrix)")
+    add_output_options(parser)
+    return parser
+
+
+def build_inspect_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="parity inspect", description=INSPECT_DESCRIPTION,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("model", metavar="MODEL", help="mapping name, hub id, local folder or file")
+    parser.add_argument("--checkpoint", metavar="PATH_OR_ID", help="weights to use instead of the mapping's default")
+    parser.add_argument("--layer", type=int, default=0, metavar="N", help="layer whose tensors to list (default 0)")
+    parser.add_argument("--target", metavar="pkg.module:Class", help="target to name instead of the mapping's")
+    parser.add_argument("--mapping", metavar="FILE.toml", help="mapping file to use instead of the built-in one")
+    parser.add_argument("--revision", metavar="REV", help="hub revision (branch, tag or commit)")
+    parser.add_argument("--json", action="store_true", help="print the inspection as JSON")
     parser.add_argument("--debug", action="store_true", help="show tracebacks for errors")
     return parser
+
+
+def run_inspect(args: argparse.Namespace) -> int:
+    from .inspect_cmd import inspect_model, inspection_json, render_inspection
+
+    info = inspect_model(args.model, checkpoint=args.checkpoint, mapping=args.mapping, revision=args.revision,
+                         target=args.target, layer=args.layer)
+    print(inspection_json(info) if args.json else render_inspection(info))
+    return EXIT_PASS
+
+
+def run_project(args: argparse.Namespace) -> int:
+    from .project import load_project, parse_shard
+
+    project = load_project(args.config)
+    shard = parse_shard(args.shard) if args.shard else None  # validated before any model is resolved
+    for folder in (str(project.path.parent.resolve()), os.getcwd()):
+        if folder not in sys.path:
+            sys.path.insert(0, folder)  # targets of the project being checked
+    for key in ("baseline", "junit", "baseline_factor", "baseline_slack"):
+        if getattr(args, key) is None:
+            setattr(args, key, getattr(project, key))
+    return run_specs(project.checks, args, single=False, shard=shard)
+
+
+def run_specs(specs, args: argparse.Namespace, single: bool, shard=None) -> int:
+    """Plan, run and report checks: tables, progress, baseline, JUnit, JSON; returns the exit code."""
+    from .baseline import DEFAULT_FACTOR, DEFAULT_SLACK, compare, load_baseline, write_baseline
+    from .progress import Progress, bar_wanted, silence_downloads
+    from .report import HEADER, diagnosis_lines, header_lines, layer_line, logits_lines, summary_line
+    from .suite import exit_code, execute, plan
+
+    json_stdout = args.json == "-"
+    out = sys.stderr if json_stdout else sys.stdout
+    if args.update_baseline and not args.baseline:
+        raise UsageError("--update-baseline needs --baseline FILE (or 'baseline' in the project file)")
+    if args.quiet:
+        silence_downloads()
+    entries = load_baseline(args.baseline) if args.baseline and not args.update_baseline else None
+    runs = plan(specs, shard, raise_errors=single)
+    progress = Progress(sum(len(run.layers) for run in runs), bar_wanted(args.quiet, json_stdout))
+    shown: list = []
+
+    def say(text: str = "") -> None:
+        if not args.quiet:
+            progress.say(text, out)
+
+    def on_layer(run, report, result) -> None:
+        if run not in shown:
+            if shown:
+                say()
+            for line in [*header_lines(report), "", HEADER]:
+                say(line)
+            shown.append(run)
+        say(layer_line(result))
+        progress.step(f"{run.label} layer {result.layer}")
+
+    def on_check(run) -> None:
+        if run.report is not None:
+            say()
+            for line in [*diagnosis_lines(run.report), *logits_lines(run.report)]:
+                say(line)
+            if not single:
+                say(summary_line(run.report))
+
+    try:
+        execute(runs, on_layer, raise_errors=single, on_check=on_check)
+    finally:
+        progress.close()
+    reports = [run.report for run in runs if run.report is not None]
+    regressions, compared = [], 0
+    if entries is not None:
+        factor = args.baseline_factor if args.baseline_factor is not None else DEFAULT_FACTOR
+        slack = args.baseline_slack if args.baseline_slack is not None else DEFAULT_SLACK
+        regressions, compared = compare(reports, entries, factor, slack)
+    for run in runs:
+        if run.error is not None:
+            print(f"parity: error: {run.error}", file=sys.stderr)
+    for regression in regressions:
+        print(f"baseline: {regression.key}: {regression.message}", file=out)
+    code = exit_code(runs, len(regressions))
+    if single:
+        summary = summary_line(runs[0].report)
+        if regressions:
+            summary += f" BASELINE: {len(regressions)} layer(s) regressed against {args.baseline}."
+        print(summary, file=out)
+    else:
+        print(suite_summary(runs, code, len(regressions) if entries is not None else None, shard), file=out)
+    if args.update_baseline:
+        written = write_baseline(args.baseline, reports)
+        print(f"baseline: wrote {written} layer entr{'y' if written == 1 else 'ies'} to {args.baseline}", file=out)
+    elif entries is not None and not args.quiet:
+        print(f"baseline: {compared} layer(s) compared with {args.baseline}, {len(regressions)} regressed", file=out)
+    if args.junit:
+        from .junit import write_junit
+
+        write_junit(args.junit, runs, {id(r.layer): r.message for r in regressions})
+    if args.json:
+        text = json.dumps(json_document(runs, single, shard, args, regressions, compared), indent=2)
+        if json_stdout:
+            print(text)
+        else:
+            with open(args.json, "w", encoding="utf-8") as handle:
+                handle.write(text + "\n")
+    return code
+
+
+def suite_summary(runs, code: int, regressed: int | None, shard) -> str:
+    layers = sum(len(run.report.layers) for run in runs if run.report is not None)
+    failed = sum(not layer.passed for run in runs if run.report is not None for layer in run.report.layers)
+    errors = sum(run.error is not None for run in runs)
+    where = f" in shard {shard[0]}/{shard[1]}" if shard else ""
+    verdict = {0: "PASS", 1: "FAIL", 2: "ERROR"}[code]
+    against = "" if regressed is None else f"{regressed} regressed against the baseline, "
+    return f"{verdict}: {len(runs)} check(s), {layers} layer(s) checked{where}; {failed} deviate, {against}{errors} could not run."
+
+
+def json_document(runs, single: bool, shard, args, regressions, compared) -> dict:
+    """Single check: the report (schema_version 1, unchanged).  `parity check`: a suite of reports."""
+    from .report import SCHEMA_VERSION
+
+    baseline = None
+    if args.baseline and not args.update_baseline:
+        baseline = {"file": str(args.baseline), "compared": compared,
+                    "regressions": [{"key": r.key, "layer": r.layer.layer, "message": r.message} for r in regressions]}
+    if single:
+        data = runs[0].report.to_dict()
+        if baseline is not None:
+            data["baseline"] = baseline
+        return data
+    from .suite import exit_code
+
+    return {
+        "schema_version": SCHEMA_VERSION, "kind": "suite", "passed": exit_code(runs, len(regressions)) == 0,
+        "shard": list(shard) if shard else None,
+        "checks": [{"name": run.label, "where": run.spec.where, "error": run.error,
+                    "report": run.report.to_dict() if run.report is not None else None} for run in runs],
+        "baseline": baseline,
+    }
+
+
+class UsageError(ParityError):
+    """Options that do not go together."""
 
 
 def list_mappings() -> int:
@@ -57,45 +266,27 @@ def list_mappings() -> int:
 
 
 def run_check(args: argparse.Namespace) -> int:
-    from .report import HEADER, diagnosis_lines, header_lines, layer_line, logits_lines, summary_line
-    from .runner import check
-
-    to_stdout = args.json == "-"
-    say = (lambda text: print(text, file=sys.stderr)) if to_stdout else print
-    started = []
-
-    def on_layer(report, result):
-        if not started:
-            for line in [*header_lines(report), "", HEADER]:
-                say(line)
-            started.append(True)
-        say(layer_line(result))
+    from .project import CheckSpec
 
     layers = args.layer if args.layer is not None else args.layers
-    report = check(args.model, layers=layers, target=args.target, checkpoint=args.checkpoint, mapping=args.mapping,
-                   revision=args.revision, seed=args.seed, atol=args.atol, on_layer=on_layer, logits=args.logits)
-    say("")
-    for line in [*diagnosis_lines(report), *logits_lines(report)]:
-        say(line)
-    say(summary_line(report))
-    if args.json:
-        if to_stdout:
-            print(report.to_json())
-        else:
-            with open(args.json, "w", encoding="utf-8") as handle:
-                handle.write(report.to_json() + "\n")
-    return EXIT_PASS if report.passed else EXIT_MISMATCH
+    spec = CheckSpec(model=args.model, checkpoint=args.checkpoint, layers=layers, target=args.target,
+                     mapping=args.mapping, revision=args.revision, seed=args.seed, atol=args.atol, logits=args.logits)
+    return run_specs([spec], args, single=True)
 
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["list"]:
         return list_mappings()
-    args = build_parser().parse_args(argv)
-    if args.target and os.getcwd() not in sys.path:
+    command = {"check": (build_check_parser, run_project), "inspect": (build_inspect_parser, run_inspect)}.get(argv[0] if argv else "")
+    if command is not None:
+        args, run = command[0]().parse_args(argv[1:]), command[1]
+    else:
+        args, run = build_parser().parse_args(argv), run_check
+    if getattr(args, "target", None) and os.getcwd() not in sys.path:
         sys.path.insert(0, os.getcwd())  # `--target mymodule:MLP` from the project being checked
     try:
-        return run_check(args)
+        return run(args)
     except ParityError as exc:
         if args.debug:
             raise

@@ -1,0 +1,17 @@
+"""pytest plugin (entry point `parity`): the `parity_check` fixture.
+
+The fixture is `assert_parity` itself; being a fixture it needs no import in the test
+file and shows up in `pytest --fixtures`.  Loading the plugin imports nothing heavy.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+
+@pytest.fixture
+def parity_check():
+    """assert_parity(model, target=..., layers=...): fails the test with parity's table when a layer deviates."""
+    from .testing import assert_parity
+
+    return assert_parity

@@ -1,0 +1,104 @@
+"""Many checks in one run: plan every (check, layer) unit, keep this shard's, run them.
+
+Planning resolves each check (config.json only: no tensor is read) to know its layers,
+so `--shard K/N` can split units, not whole checks.  A check that cannot be set up is
+recorded as an error and the others still run: one CI run shows every problem.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from types import SimpleNamespace
+from typing import Callable
+
+from .errors import ParityError
+from .project import CheckSpec, shard_units
+from .report import LayerResult, Report
+
+
+@dataclass
+class CheckRun:
+    spec: CheckSpec
+    layers: list[int] = field(default_factory=list)  # planned for this shard
+    report: Report | None = None
+    error: str | None = None
+    seconds: list[float] = field(default_factory=list)  # per checked layer
+    plan_notes: list[str] = field(default_factory=list)
+
+    @property
+    def label(self) -> str:
+        return self.spec.label
+
+
+def plan_layers(spec: CheckSpec) -> tuple[list[int], list[str]]:
+    """The layers `parity MODEL` would check for this spec, and notes about the choice."""
+    from .runner import open_session, parse_layers
+
+    session = open_session(spec.model, spec.checkpoint, spec.mapping, spec.revision, spec.target, spec.seed, spec.atol)
+    layers = spec.layers
+    notes: list[str] = []
+    if layers is None and session.checkpoint.weights == "synthetic":
+        stub = SimpleNamespace(notes=notes)
+        layers = session.synthetic_layers(stub)
+    return parse_layers(layers, session.num_layers), notes
+
+
+def plan(specs: list[CheckSpec], shard: tuple[int, int] | None = None, raise_errors: bool = False) -> list[CheckRun]:
+    runs = [CheckRun(spec) for spec in specs]
+    units = []
+    for index, run in enumerate(runs):
+        try:
+            layers, run.plan_notes = plan_layers(run.spec)
+        except ParityError as exc:
+            if raise_errors:
+                raise
+            run.error = f"{run.spec.where + ': ' if run.spec.where else ''}{exc}"
+            continue
+        units.extend((index, layer) for layer in layers)
+    for index, layer in shard_units(units, shard):
+        runs[index].layers.append(layer)
+    return runs
+
+
+def execute(runs: list[CheckRun], on_layer: Callable[[CheckRun, Report, LayerResult], None] | None = None,
+            raise_errors: bool = False, on_check: Callable[[CheckRun], None] | None = None) -> list[CheckRun]:
+    """Run each planned check's layers (runs with none, or with a planning error, are skipped)."""
+    from .runner import check
+
+    for run in runs:
+        if run.error is not None or not run.layers:
+            continue
+        spec = run.spec
+        clock = [time.perf_counter()]
+
+        def record(report: Report, result: LayerResult, run: CheckRun = run) -> None:
+            now = time.perf_counter()
+            run.seconds.append(now - clock[0])
+            clock[0] = now
+            run.report = report
+            if on_layer is not None:
+                on_layer(run, report, result)
+
+        try:
+            report = check(spec.model, layers=run.layers, target=spec.target, checkpoint=spec.checkpoint,
+                           mapping=spec.mapping, revision=spec.revision, seed=spec.seed, atol=spec.atol,
+                           on_layer=record, logits=spec.logits)
+        except ParityError as exc:
+            if raise_errors:
+                raise
+            run.error = f"{spec.where + ': ' if spec.where else ''}{exc}"
+        else:
+            report.notes.extend(n for n in run.plan_notes if n not in report.notes)
+            run.report = report
+        if on_check is not None:
+            on_check(run)
+    return runs
+
+
+def exit_code(runs: list[CheckRun], regressions: int = 0) -> int:
+    if any(run.error is not None for run in runs):
+        return 2
+    if regressions or any(run.report is not None and not run.report.passed for run in runs):
+        return 1
+    return 0
