@@ -23,6 +23,14 @@ exit codes: 0 every checked layer matches, 1 some layer deviates, 2 bad input or
 unusable checkpoint."""
 
 
+def seed_value(text: str) -> int:
+    """argparse type: torch seeds must fit in 64 bits (a larger one fails deep inside torch)."""
+    value = int(text)
+    if not -2**40 < value < 2**40:
+        raise argparse.ArgumentTypeError(f"{text} is out of range: use |seed| < 2**40")
+    return value
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="parity", description=DESCRIPTION,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -35,7 +43,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--target", metavar="pkg.module:Class", help="module (class or factory) to check instead of the mapping's")
     parser.add_argument("--mapping", metavar="FILE.toml", help="mapping file to use instead of the built-in one")
     parser.add_argument("--revision", metavar="REV", help="hub revision (branch, tag or commit)")
-    parser.add_argument("--seed", type=int, default=0, help="seed of the generated inputs (default 0)")
+    parser.add_argument("--seed", type=seed_value, default=0, help="seed of the generated inputs (default 0)")
     parser.add_argument("--atol", type=float, metavar="X", help="absolute tolerance instead of the noise-floor-derived one")
     parser.add_argument("--json", metavar="FILE|-", help="write the JSON report to FILE, or to stdout with '-'")
     parser.add_argument("--debug", action="store_true", help="show tracebacks for errors")
@@ -78,8 +86,11 @@ def run_check(args: argparse.Namespace) -> int:
         if to_stdout:
             print(report.to_json())
         else:
-            with open(args.json, "w", encoding="utf-8") as handle:
-                handle.write(report.to_json() + "\n")
+            try:
+                with open(args.json, "w", encoding="utf-8") as handle:
+                    handle.write(report.to_json() + "\n")
+            except OSError as exc:
+                raise ParityError(f"--json {args.json}: cannot write the report: {exc.strerror or exc}") from None
     return EXIT_PASS if report.passed else EXIT_MISMATCH
 
 
@@ -100,6 +111,12 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("parity: interrupted", file=sys.stderr)
         return 130
+    except Exception as exc:  # a bug in parity (or in a library it calls): one line, not a traceback
+        if args.debug:
+            raise
+        print(f"parity: internal error ({type(exc).__name__}: {exc}); please report it, "
+              "and rerun with --debug to see the traceback", file=sys.stderr)
+        return EXIT_BAD_INPUT
 
 
 if __name__ == "__main__":

@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 from . import __version__
-from .errors import LayerRangeError, MissingTensorError, WeightDefectError
+from .errors import CheckpointError, LayerRangeError, MissingTensorError, TargetError, WeightDefectError
 from .mapping import ConfigValue, Mapping
 from .reference import ReferenceModel, activation_module, activation_name, configured_activation
 from .report import LayerResult, Report
@@ -121,6 +121,11 @@ class Session:
         tensors = {}
         for name in wanted:
             tensor = raw.pop(prefix + name)
+            if not tensor.is_floating_point():
+                raise CheckpointError(
+                    f"{self.checkpoint.location}: tensor '{prefix + name}' is stored as {tensor.dtype}, not floating "
+                    "point (a quantized checkpoint?); parity compares float weights: dequantize it first"
+                )
             if tensor.is_floating_point() and not torch.isfinite(tensor).all():
                 bad = int((~torch.isfinite(tensor)).sum())
                 raise WeightDefectError(
@@ -166,8 +171,8 @@ class Session:
         with torch.no_grad():
             z = preactivation(reference, x)
             out32 = reference(x).double()
-            got = run_module(target, x)
-            again = run_module(target, x)
+            got = run_target(target, target_name, x, out32.shape)
+            again = run_target(target, target_name, x, out32.shape)
             del target
             out64 = reference.double()(x.double())  # in place: float32 weights are released as converted
         del reference
@@ -252,7 +257,22 @@ def run_module(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
     out = module(x.to(dtype))
     if isinstance(out, tuple):
         out = out[0]
+    if not isinstance(out, torch.Tensor):
+        raise TypeError(f"forward returned {type(out).__name__}, not a torch.Tensor")
     return out.double()
+
+
+def run_target(module: nn.Module, name: str, x: torch.Tensor, expected: torch.Size) -> torch.Tensor:
+    """``run_module`` for the module under test: its failures are the user's to fix, not a parity crash."""
+    try:
+        out = run_module(module, x)
+    except Exception as exc:
+        raise TargetError(f"target {name} failed on an input of shape {list(x.shape)}: "
+                          f"{type(exc).__name__}: {exc}") from exc
+    if tuple(out.shape) != tuple(expected):
+        raise TargetError(f"target {name}: forward on an input of shape {list(x.shape)} returned shape "
+                          f"{list(out.shape)}; the reference returns {list(expected)}")
+    return out
 
 
 def open_session(model: str, checkpoint: str | None = None, mapping: str | None = None, revision: str | None = None,
