@@ -15,7 +15,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from .errors import CheckpointError, MappingError
+from .errors import CheckpointError, MappingError, ShapeMismatchError
 
 _ACTIVATION_CHILD_NAMES = ("act", "act_fn", "activation_fn", "activation")
 
@@ -64,6 +64,14 @@ class ReferenceModel:
     def build(self, path: str, tensors: dict[str, torch.Tensor]) -> nn.Module:
         """A real, eval-mode copy of the layer's MLP holding ``tensors`` (float32 or float64)."""
         module = copy.deepcopy(self.meta_module(path))
+        expected = {name: tuple(p.shape) for name, p in module.named_parameters()}
+        for name, tensor in tensors.items():
+            if name in expected and tuple(tensor.shape) != expected[name]:
+                raise ShapeMismatchError(
+                    f"checkpoint tensor for {type(module).__name__}.{name} has shape {list(tensor.shape)}, but the "
+                    f"checkpoint's config.json implies {list(expected[name])}: config.json and weights disagree "
+                    "(wrong config for these weights, or a mapping route in [reference.tensors] is wrong)"
+                )
         module.load_state_dict(tensors, strict=True, assign=True)
         return module.eval()
 
