@@ -114,7 +114,7 @@ def main(argv: list[str] | None = None) -> int:
     except Exception as exc:  # a bug in parity (or in a library it calls): one line, not a traceback
         if args.debug:
             raise
-        print(f"parity: internal error ({type(exc).__name__}: {exc}); please report it, "
+        print(f"parity: internal error ({type(exc).__name__}: {' '.join(str(exc).split())}); please report it, "
               "and rerun with --debug to see the traceback", file=sys.stderr)
         return EXIT_BAD_INPUT
 
