@@ -152,6 +152,7 @@ def safetensors_defect(path: Path) -> str | None:
     if not isinstance(header, dict):
         return "its header is not a JSON object"
     data_size = size - 8 - length
+    covered = 0
     for name, info in header.items():
         if name == "__metadata__":
             continue
@@ -168,6 +169,9 @@ def safetensors_defect(path: Path) -> str | None:
         if width is not None and end - start != width * _product(shape):
             return (f"tensor '{name}': shape {shape} of {dtype} needs {width * _product(shape)} bytes, "
                     f"but its data_offsets span {end - start}")
+        covered = max(covered, end)
+    if covered < data_size:
+        return f"{data_size - covered} bytes after the last tensor's data belong to no tensor (corrupted or appended to)"
     return None
 
 
