@@ -87,8 +87,17 @@ class Session:
         self.seed = seed
         self.atol = atol
         self.reference = ReferenceModel(self.config)
-        self.num_layers = int(ConfigValue(self.config, self.mapping.path)(self.mapping.num_layers, "num_layers"))
-        self.hidden_size = int(ConfigValue(self.config, self.mapping.path)(self.mapping.hidden_size, "hidden_size"))
+        self.num_layers = self.config_int("num_layers")
+        self.hidden_size = self.config_int("hidden_size")
+
+    def config_int(self, key: str) -> int:
+        """The mapping's num_layers / hidden_size, read from the config: a config.json may hold anything there."""
+        spec = getattr(self.mapping, key)
+        value = ConfigValue(self.config, self.mapping.path)(spec, key)
+        if isinstance(value, bool) or not isinstance(value, int) and not (isinstance(value, float) and value.is_integer()):
+            raise CheckpointError(f"{self.checkpoint.location}: {spec} (mapping key '{key}') is {value!r}, "
+                                  "not an integer; fix config.json")
+        return int(value)
 
     # -- tensors ---------------------------------------------------------------------------
     def reference_routes(self, layer: int) -> list[TensorRoute]:

@@ -202,3 +202,12 @@ def test_mutated_valid_mapping(data):
     parse_or_mapping_error(text)
     if data == GPT2:
         assert parse_mapping(text, Path("fuzz.toml")).name == "gpt2"
+
+
+def test_non_integer_layer_count_in_config(llama_folder, tiny):
+    """Found by the fuzzer: GPT2Config does not validate the num_hidden_layers alias of n_layer, and int('llama') was a traceback."""
+    shutil.copy(tiny["gpt2"] / ST, llama_folder / ST)
+    config = json.loads((tiny["gpt2"] / "config.json").read_text()) | {"num_hidden_layers": "llama"}  # alias of n_layer
+    (llama_folder / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ParityError, match=r"config\.n_layer.*'llama', not an integer"):
+        read_through_runner(llama_folder)
