@@ -65,10 +65,11 @@ class Checkpoint:
         from safetensors import safe_open
 
         path = self.fetch(file_name)
+        require_regular_file(path)
         try:
             return safe_open(str(path), framework="pt")
         except Exception as exc:
-            raise CheckpointError(f"{path}: not a readable safetensors file ({exc}); re-download or re-save it") from None
+            raise unreadable(path, exc) from None
 
 
 def read_json(path: Path, what: str) -> dict:
@@ -76,8 +77,8 @@ def read_json(path: Path, what: str) -> dict:
         data = json.loads(path.read_text(encoding="utf-8"))
     except FileNotFoundError:
         raise CheckpointError(f"{path}: {what} not found") from None
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise CheckpointError(f"{path}: {what} is not valid JSON ({exc})") from None
+    except (OSError, UnicodeDecodeError, ValueError, RecursionError) as exc:
+        raise CheckpointError(f"{path}: {what} is not valid JSON ({type(exc).__name__}: {exc})") from None
     if not isinstance(data, dict):
         raise CheckpointError(f"{path}: {what} must hold a JSON object")
     return data
@@ -88,6 +89,10 @@ def weight_map_from_index(index_path: Path) -> dict[str, str]:
     weight_map = index.get("weight_map")
     if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
         raise CheckpointError(f"{index_path}: has no valid 'weight_map' (tensor name -> shard file)")
+    outside = sorted({v for v in weight_map.values() if Path(v).is_absolute() or ".." in Path(v).parts or not v})
+    if outside:  # a shard must live in the checkpoint's own folder
+        raise CheckpointError(f"{index_path}: 'weight_map' names shard files outside the checkpoint folder: "
+                              f"{', '.join(outside[:3])}")
     return weight_map
 
 
@@ -97,13 +102,86 @@ def weight_map_from_files(files: list[Path]) -> dict[str, str]:
 
     weight_map = {}
     for path in files:
+        require_regular_file(path)
         try:
             with safe_open(str(path), framework="pt") as handle:
                 for key in handle.keys():
                     weight_map[key] = path.name
         except Exception as exc:
-            raise CheckpointError(f"{path}: not a readable safetensors file ({exc}); re-download or re-save it") from None
+            raise unreadable(path, exc) from None
     return weight_map
+
+
+def require_regular_file(path: Path) -> None:
+    """A FIFO or device named *.safetensors would block the reader forever: refuse it up front."""
+    if not path.is_file():
+        raise CheckpointError(f"{path}: not a regular file; expected a safetensors file")
+
+
+def unreadable(path: Path, exc: Exception) -> CheckpointError:
+    """The error for a safetensors file that does not open: what exactly is wrong, when we can tell."""
+    reason = safetensors_defect(path) or str(exc)
+    return CheckpointError(f"{path}: not a readable safetensors file: {reason}; re-download or re-save it")
+
+
+_DTYPE_BYTES = {"BOOL": 1, "U8": 1, "I8": 1, "F8_E5M2": 1, "F8_E4M3": 1, "I16": 2, "U16": 2, "F16": 2, "BF16": 2,
+                "I32": 4, "U32": 4, "F32": 4, "I64": 8, "U64": 8, "F64": 8, "C64": 8}
+
+
+def safetensors_defect(path: Path) -> str | None:
+    """Explain a broken safetensors file in words (truncated, garbage header, offsets past the end).
+
+    safetensors' own messages ("incomplete metadata, file not fully covered") do not say
+    that the usual cause is an interrupted download.  Reads only the header.
+    """
+    try:
+        size = path.stat().st_size
+        with path.open("rb") as handle:
+            prefix = handle.read(8)
+            if len(prefix) < 8:
+                return f"the file is {size} bytes, too short for a safetensors header (empty or cut off)"
+            length = int.from_bytes(prefix, "little")
+            if length > size - 8:
+                return (f"the header claims {length} bytes but the file has only {size - 8} after the length field: "
+                        "truncated, or not a safetensors file")
+            raw = handle.read(length)
+    except OSError as exc:
+        return f"cannot read it: {exc.strerror or exc}"
+    try:
+        header = json.loads(raw.decode("utf-8"))
+    except (UnicodeDecodeError, ValueError, RecursionError):
+        return "its header is not valid JSON (overwritten or corrupted)"
+    if not isinstance(header, dict):
+        return "its header is not a JSON object"
+    data_size = size - 8 - length
+    covered = 0
+    for name, info in header.items():
+        if name == "__metadata__":
+            continue
+        try:
+            start, end = (int(v) for v in info["data_offsets"])
+            shape = [int(d) for d in info["shape"]]
+            dtype = str(info["dtype"])
+        except (TypeError, KeyError, ValueError, OverflowError):
+            return f"header entry for tensor '{name}' lacks valid dtype / shape / data_offsets"
+        if end > data_size:
+            return (f"tensor '{name}' lies at bytes {start}-{end} of the data section, but the file holds only "
+                    f"{data_size} data bytes: truncated (an interrupted download?)")
+        width = _DTYPE_BYTES.get(dtype)
+        if width is not None and end - start != width * _product(shape):
+            return (f"tensor '{name}': shape {shape} of {dtype} needs {width * _product(shape)} bytes, "
+                    f"but its data_offsets span {end - start}")
+        covered = max(covered, end)
+    if covered < data_size:
+        return f"{data_size - covered} bytes after the last tensor's data belong to no tensor (corrupted or appended to)"
+    return None
+
+
+def _product(shape: list[int]) -> int:
+    out = 1
+    for dim in shape:
+        out *= dim
+    return out
 
 
 def refuse_pickle(folder: Path) -> None:

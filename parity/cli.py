@@ -32,6 +32,14 @@ exit codes: 0 every checked layer matches, 1 some layer deviates (or grew beyond
 baseline), 2 bad input or unusable checkpoint."""
 
 
+def seed_value(text: str) -> int:
+    """argparse type: torch seeds must fit in 64 bits (a larger one fails deep inside torch)."""
+    value = int(text)
+    if not -2**40 < value < 2**40:
+        raise argparse.ArgumentTypeError(f"{text} is out of range: use |seed| < 2**40")
+    return value
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="parity", description=DESCRIPTION,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -44,7 +52,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--target", metavar="pkg.module:Class", help="module (class or factory) to check instead of the mapping's")
     parser.add_argument("--mapping", metavar="FILE.toml", help="mapping file to use instead of the built-in one")
     parser.add_argument("--revision", metavar="REV", help="hub revision (branch, tag or commit)")
-    parser.add_argument("--seed", type=int, default=0, help="seed of the generated inputs (default 0)")
+    parser.add_argument("--seed", type=seed_value, default=0, help="seed of the generated inputs (default 0)")
     parser.add_argument("--atol", type=float, metavar="X", help="absolute tolerance instead of the noise-floor-derived one")
     parser.add_argument("--logits", action="store_true",
                         help="also substitute the module into the full model and compare its final logits")
@@ -210,8 +218,11 @@ def run_specs(specs, args: argparse.Namespace, single: bool, shard=None) -> int:
         if json_stdout:
             print(text)
         else:
-            with open(args.json, "w", encoding="utf-8") as handle:
-                handle.write(text + "\n")
+            try:
+                with open(args.json, "w", encoding="utf-8") as handle:
+                    handle.write(text + "\n")
+            except OSError as exc:
+                raise ParityError(f"--json {args.json}: cannot write the report: {exc.strerror or exc}") from None
     return code
 
 
@@ -295,6 +306,12 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("parity: interrupted", file=sys.stderr)
         return 130
+    except Exception as exc:  # a bug in parity (or in a library it calls): one line, not a traceback
+        if args.debug:
+            raise
+        print(f"parity: internal error ({type(exc).__name__}: {' '.join(str(exc).split())}); please report it, "
+              "and rerun with --debug to see the traceback", file=sys.stderr)
+        return EXIT_BAD_INPUT
 
 
 if __name__ == "__main__":

@@ -42,10 +42,12 @@ def hub_reachable() -> bool:
 def _offline_help(repo_id: str) -> str:
     from huggingface_hub import constants
 
+    why = ("HF_HUB_OFFLINE=1 is set (unset it to download)" if constants.HF_HUB_OFFLINE
+           else "the hub is not reachable (set HF_HUB_OFFLINE=1 to skip the network check)")
     return (
-        f"'{repo_id}' is not in the local Hugging Face cache ({constants.HF_HUB_CACHE}) and the hub is not reachable"
-        f"{' (HF_HUB_OFFLINE=1)' if constants.HF_HUB_OFFLINE else ''}. Download it once with network "
-        f"(`hf download {repo_id}`), point HF_HOME at a cache that holds it, or pass a local folder with --checkpoint."
+        f"'{repo_id}' is not in the local Hugging Face cache ({constants.HF_HUB_CACHE}) and {why}. Download it once "
+        f"with network (`hf download {repo_id}`), point HF_HOME or HF_HUB_CACHE at a cache that holds it, "
+        "or pass a local folder with --checkpoint."
     )
 
 

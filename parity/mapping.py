@@ -7,6 +7,7 @@ list`` stays instant.
 
 from __future__ import annotations
 
+import re
 import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -72,7 +73,46 @@ class Mapping:
 
 
 def _fail(path: Path, key: str, what: str) -> MappingError:
-    return MappingError(f"{path}: key '{key}': {what}")
+    error = MappingError(f"{path}: key '{key}': {what}")
+    error.key = key  # load_mapping adds the line it is on
+    return error
+
+
+def _key_parts(key: str) -> list[str]:
+    return [part.strip('"') for part in re.findall(r'"[^"]*"|[^.]+', key)]
+
+
+def line_of(text: str, key: str) -> int | None:
+    """The line (1-based) where a dotted key is written, or its nearest written parent; None if unknown.
+
+    tomllib gives line numbers only for syntax errors; a validation error names a key, and a
+    user needs the line to find it.  Handles [tables], inline tables and quoted keys.
+    """
+    parts = _key_parts(key)
+    while parts:
+        *tables, leaf = parts
+        current: list[str] = []
+        for number, line in enumerate(text.splitlines(), 1):
+            header = re.match(r"\s*\[+([^\]]+)\]+", line)
+            if header:
+                current = _key_parts(header.group(1).strip())
+                if current == parts:
+                    return number
+                continue
+            code = line.split("#", 1)[0]
+            if current == tables and _assigns(code, leaf, anywhere=True):
+                return number
+            if (len(tables) == len(current) + 1 and current == tables[:-1] and _assigns(code, tables[-1])
+                    and _assigns(code, leaf, anywhere=True)):  # leaf inside an inline table
+                return number
+        parts = parts[:-1]
+    return None
+
+
+def _assigns(code: str, key: str, anywhere: bool = False) -> bool:
+    """Whether this line of TOML assigns ``key`` (at its start, or anywhere, as in inline tables)."""
+    lead = r"(^|[{,\s])" if anywhere else r"^\s*"
+    return re.search(lead + r'("' + re.escape(key) + r'"|' + re.escape(key) + r")\s*=", code) is not None
 
 
 def _check_keys(path: Path, table: dict, allowed: set[str], where: str) -> None:
@@ -113,6 +153,13 @@ def _parse_route(path: Path, target: str, spec: Any, table: str = "tensors") -> 
     return TensorRoute(target, source, transform, chunk, optional)
 
 
+def _check_template(path: Path, key: str, template: str) -> None:
+    try:
+        template.format(layer=0)
+    except (ValueError, KeyError, IndexError, AttributeError) as exc:
+        raise _fail(path, key, f"not a valid template ({type(exc).__name__}: {exc}); the only placeholder is {{layer}}") from None
+
+
 def parse_mapping(text: str, path: Path) -> Mapping:
     """Validate a mapping file's text; every error names the file and the key."""
     try:
@@ -129,12 +176,14 @@ def parse_mapping(text: str, path: Path) -> Mapping:
     layer_key = _require(path, checkpoint, "layer_key", str, "checkpoint.")
     if "{layer}" not in layer_key:
         raise _fail(path, "checkpoint.layer_key", "must contain the placeholder {layer}")
+    _check_template(path, "checkpoint.layer_key", layer_key)
     prefixes = checkpoint.get("key_prefixes", [""])
     if not isinstance(prefixes, list) or not all(isinstance(p, str) for p in prefixes):
         raise _fail(path, "checkpoint.key_prefixes", "expected a list of strings")
     reference = _require(path, data, "reference", dict)
     _check_keys(path, reference, _REFERENCE_KEYS, "reference.")
     module = _require(path, reference, "module", str, "reference.")
+    _check_template(path, "reference.module", module)
     reference_tensors = reference.get("tensors", {})
     if not isinstance(reference_tensors, dict):
         raise _fail(path, "reference.tensors", "expected a table: reference parameter = checkpoint tensor")
@@ -160,6 +209,11 @@ def parse_mapping(text: str, path: Path) -> Mapping:
     for key in ("description", "default_checkpoint"):
         if key in data and not isinstance(data[key], str):
             raise _fail(path, key, "expected a string")
+    for key in ("num_layers", "hidden_size"):
+        value = data.get(key, "config.")
+        if not (isinstance(value, int) and not isinstance(value, bool) or isinstance(value, str) and value.startswith("config.")
+                or isinstance(value, dict) and "config" in value):
+            raise _fail(path, key, "expected an integer or \"config.ATTRIBUTE\"")
     notes = data.get("notes", [])
     if not isinstance(notes, list) or not all(isinstance(n, str) for n in notes):
         raise _fail(path, "notes", "expected a list of strings")
@@ -181,7 +235,13 @@ def load_mapping(path: str | Path) -> Mapping:
         raise MappingError(f"{path}: mapping file not found") from None
     except (OSError, UnicodeDecodeError) as exc:
         raise MappingError(f"{path}: cannot read mapping file: {exc}") from None
-    return parse_mapping(text, path)
+    try:
+        return parse_mapping(text, path)
+    except MappingError as exc:
+        line = line_of(text, exc.key) if getattr(exc, "key", None) else None
+        if line is None:
+            raise
+        raise MappingError(str(exc).replace(f"{path}: ", f"{path}:{line}: ", 1)) from None
 
 
 def builtin_mappings() -> dict[str, Mapping]:

@@ -15,7 +15,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from .errors import CheckpointError, MappingError
+from .errors import CheckpointError, MappingError, ShapeMismatchError
 
 _ACTIVATION_CHILD_NAMES = ("act", "act_fn", "activation_fn", "activation")
 
@@ -64,17 +64,23 @@ class ReferenceModel:
     def build(self, path: str, tensors: dict[str, torch.Tensor]) -> nn.Module:
         """A real, eval-mode copy of the layer's MLP holding ``tensors`` (float32 or float64)."""
         module = copy.deepcopy(self.meta_module(path))
-        try:
-            module.load_state_dict(tensors, strict=True, assign=True)
-        except RuntimeError as exc:  # the checkpoint disagrees with its own config.json
-            expected = {n: list(p.shape) for n, p in module.named_parameters()}
-            found = {n: list(t.shape) for n, t in tensors.items()}
-            raise CheckpointError(
-                f"the checkpoint's tensors for {path} do not fit transformers' {type(module).__name__} built from its "
-                f"config.json: expected {expected}, found {found}. The config (hidden_size / intermediate_size) and "
-                f"the weights disagree. ({str(exc).splitlines()[0]})"
-            ) from None
+        expected = {name: tuple(p.shape) for name, p in module.named_parameters()}
+        for name, tensor in tensors.items():
+            if name in expected and tuple(tensor.shape) != expected[name]:
+                raise ShapeMismatchError(
+                    f"checkpoint tensor for {type(module).__name__}.{name} has shape {list(tensor.shape)}, but the "
+                    f"checkpoint's config.json implies {list(expected[name])} ({_sizes(self.config)}): "
+                    "config.json and weights disagree "
+                    "(wrong config for these weights, or a mapping route in [reference.tensors] is wrong)"
+                )
+        module.load_state_dict(tensors, strict=True, assign=True)
         return module.eval()
+
+
+def _sizes(config: Any) -> str:
+    d = getattr(config, "hidden_size", None)
+    d_ff = getattr(config, "intermediate_size", None) or getattr(config, "n_inner", None)
+    return f"d={d}, d_ff={d_ff}" if d_ff else f"d={d}, d_ff=4d"
 
 
 def activation_module(module: nn.Module) -> nn.Module | None:

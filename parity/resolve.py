@@ -99,7 +99,7 @@ def load_config(ckpt: Checkpoint) -> Any:
     except Exception as exc:  # transformers raises ValueError/KeyError/OSError for unusable configs
         raise CheckpointError(
             f"{ckpt.location}: transformers cannot load its config "
-            f"(model_type={model_type!r}): {type(exc).__name__}: {exc}"
+            f"(model_type={model_type!r}): {type(exc).__name__}: {' '.join(str(exc).split())}"
         ) from None
 
 

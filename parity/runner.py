@@ -20,7 +20,8 @@ from torch import nn
 
 from . import __version__
 from .diagnose import diagnose, diagnosis
-from .errors import LayerRangeError, MissingTensorError, ShapeMismatchError, WeightDefectError
+from .errors import (CheckpointError, LayerRangeError, MissingTensorError, ShapeMismatchError, TargetError,
+                     WeightDefectError)
 from .mapping import ConfigValue, Mapping
 from .reference import ReferenceModel, activation_module, activation_name, configured_activation
 from .report import LayerResult, Report
@@ -91,8 +92,17 @@ class Session:
         self.diagnose = diagnose
         self.target_notes: list[str] = []  # what loading the target had to work around, once each
         self.reference = ReferenceModel(self.config)
-        self.num_layers = int(ConfigValue(self.config, self.mapping.path)(self.mapping.num_layers, "num_layers"))
-        self.hidden_size = int(ConfigValue(self.config, self.mapping.path)(self.mapping.hidden_size, "hidden_size"))
+        self.num_layers = self.config_int("num_layers")
+        self.hidden_size = self.config_int("hidden_size")
+
+    def config_int(self, key: str) -> int:
+        """The mapping's num_layers / hidden_size, read from the config: a config.json may hold anything there."""
+        spec = getattr(self.mapping, key)
+        value = ConfigValue(self.config, self.mapping.path)(spec, key)
+        if isinstance(value, bool) or not isinstance(value, int) and not (isinstance(value, float) and value.is_integer()):
+            raise CheckpointError(f"{self.checkpoint.location}: {spec} (mapping key '{key}') is {value!r}, "
+                                  "not an integer; fix config.json")
+        return int(value)
 
     # -- tensors ---------------------------------------------------------------------------
     def reference_routes(self, layer: int) -> list[TensorRoute]:
@@ -125,6 +135,11 @@ class Session:
         tensors = {}
         for name in wanted:
             tensor = raw.pop(prefix + name)
+            if not tensor.is_floating_point():
+                raise CheckpointError(
+                    f"{self.checkpoint.location}: tensor '{prefix + name}' is stored as {tensor.dtype}, not floating "
+                    "point (a quantized checkpoint?); parity compares float weights: dequantize it first"
+                )
             if tensor.is_floating_point() and not torch.isfinite(tensor).all():
                 bad = int((~torch.isfinite(tensor)).sum())
                 raise WeightDefectError(
@@ -165,18 +180,20 @@ class Session:
         """Check one layer.  Peak memory: the layer's weights about 3 times over (float32 target
         and reference, then the reference converted in place to float64), never the model."""
         tensors = self.read_layer(layer)
+        # The reference first: a checkpoint that disagrees with its own config is bad input (exit 2);
+        # only then is a tensor that does not fit the target the module's mistake (a failed layer).
+        reference = self.build_reference(layer, tensors)  # shares storage with ``tensors``
         try:
             target, target_name = self.build_target(tensors)
-        except ShapeMismatchError as exc:  # the module's mistake, not the checkpoint's: a failed layer
+        except ShapeMismatchError as exc:
             return shape_failure(layer, exc), self.target_name()
-        reference = self.build_reference(layer, tensors)  # shares storage with ``tensors``
         del tensors
         x = self.inputs(layer, reference)
         with torch.no_grad():
             z = preactivation(reference, x)
             out32 = reference(x).double()
-            got = run_module(target, x)
-            again = run_module(target, x)
+            got = run_target(target, target_name, x, out32.shape)
+            again = run_target(target, target_name, x, out32.shape)
             del target
             out64 = reference.double()(x.double())  # in place: float32 weights are released as converted
         del reference
@@ -280,7 +297,22 @@ def run_module(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
     out = module(x.to(dtype))
     if isinstance(out, tuple):
         out = out[0]
+    if not isinstance(out, torch.Tensor):
+        raise TypeError(f"forward returned {type(out).__name__}, not a torch.Tensor")
     return out.double()
+
+
+def run_target(module: nn.Module, name: str, x: torch.Tensor, expected: torch.Size) -> torch.Tensor:
+    """``run_module`` for the module under test: its failures are the user's to fix, not a parity crash."""
+    try:
+        out = run_module(module, x)
+    except Exception as exc:
+        raise TargetError(f"target {name} failed on an input of shape {list(x.shape)}: "
+                          f"{type(exc).__name__}: {exc}") from exc
+    if tuple(out.shape) != tuple(expected):
+        raise TargetError(f"target {name}: forward on an input of shape {list(x.shape)} returned shape "
+                          f"{list(out.shape)}; the reference returns {list(expected)}")
+    return out
 
 
 def open_session(model: str, checkpoint: str | None = None, mapping: str | None = None, revision: str | None = None,

@@ -9,7 +9,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from .errors import MappingError, ShapeMismatchError, TargetError
+from .errors import MappingError, MissingTensorError, ShapeMismatchError, TargetError
 from .mapping import ConfigValue, Mapping, TensorRoute
 
 
@@ -94,6 +94,12 @@ def fill_target(module: nn.Module, mapping: Mapping, tensors: dict[str, torch.Te
                 f"'{route.target}'; it has: {', '.join(params)}"
             )
         param = params[route.target]
+        if route.source not in tensors:  # an optional route whose tensor the checkpoint lacks
+            raise MissingTensorError(
+                f"the target {type(module).__name__} has parameter '{route.target}', but the checkpoint has no "
+                f"tensor '{route.source}' for it (mapping {mapping.path.name}); build the target without it "
+                "(e.g. bias=False) or use a checkpoint that has it"
+            )
         value = route_tensor(route, tensors[route.source])
         if tuple(value.shape) != tuple(param.shape):
             message, mistake = shape_message(route, tuple(value.shape), tuple(param.shape), config)

@@ -1,0 +1,427 @@
+"""Every broken input ends in exit code 2 with a message naming the problem: never a
+traceback, never a hang, never a write into the checkpoint folder.
+
+Each case runs the real `parity` executable on a broken copy of a tiny checkpoint
+(the session fixtures are never modified).  The cases run concurrently in one
+module fixture, since each pays the torch/transformers import.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import stat
+import struct
+import subprocess
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from parity.mapping import builtin_mapping_dir
+
+from .test_cli import PARITY, ROOT
+
+ST = "model.safetensors"
+GATE0 = "model.layers.0.mlp.gate_proj.weight"
+UP0 = "model.layers.0.mlp.up_proj.weight"
+DOWN0 = "model.layers.0.mlp.down_proj.weight"
+
+
+# -- building broken inputs -----------------------------------------------------------------
+def header(path: Path) -> tuple[int, dict, bytes]:
+    data = path.read_bytes()
+    length = struct.unpack("<Q", data[:8])[0]
+    return length, json.loads(data[8:8 + length]), data
+
+
+def write_header(path: Path, new_header: dict, old_length: int, data: bytes) -> None:
+    text = json.dumps(new_header).encode()
+    text += b" " * (-len(text) % 8)
+    path.write_bytes(struct.pack("<Q", len(text)) + text + data[8 + old_length:])
+
+
+def edit_tensors(path: Path, edit: Callable[[dict], None]) -> None:
+    tensors = load_file(str(path))
+    edit(tensors)
+    save_file(tensors, str(path), metadata={"format": "pt"})
+
+
+def truncate_half(folder: Path) -> None:
+    data = (folder / ST).read_bytes()
+    (folder / ST).write_bytes(data[: len(data) // 2])
+
+
+def garbage_header(folder: Path) -> None:
+    data = bytearray((folder / ST).read_bytes())
+    data[8:200] = b"\xff" * 192
+    (folder / ST).write_bytes(bytes(data))
+
+
+def offsets_past_end(folder: Path) -> None:
+    length, head, data = header(folder / ST)
+    last = max((k for k in head if k != "__metadata__"), key=lambda k: head[k]["data_offsets"][1])
+    head[last]["data_offsets"][1] += 4096
+    write_header(folder / ST, head, length, data)
+    (folder / "which.txt").write_text(last)
+
+
+def shape_disagrees_with_offsets(folder: Path) -> None:
+    length, head, data = header(folder / ST)
+    head[UP0]["shape"] = [88, 33]
+    write_header(folder / ST, head, length, data)
+
+
+def rename_gate(folder: Path) -> None:
+    edit_tensors(folder / ST, lambda t: t.__setitem__(GATE0.replace("gate_proj", "gate"), t.pop(GATE0)))
+
+
+def wrong_up_shape(folder: Path) -> None:
+    edit_tensors(folder / ST, lambda t: t.__setitem__(UP0, torch.zeros(80, 32)))
+
+
+def nan_in_down(folder: Path) -> None:
+    edit_tensors(folder / ST, lambda t: t[DOWN0].__setitem__((0, 0), float("nan")))
+
+
+def inf_in_up(folder: Path) -> None:
+    edit_tensors(folder / ST, lambda t: t[UP0].__setitem__((1, 1), float("inf")))
+
+
+def int_weights(folder: Path) -> None:
+    edit_tensors(folder / ST, lambda t: t.__setitem__(UP0, torch.ones(88, 32, dtype=torch.int32)))
+
+
+def pickle_only(folder: Path) -> None:
+    (folder / ST).unlink()
+    torch.save({"w": torch.zeros(1)}, folder / "pytorch_model.bin")
+
+
+def fifo_weights(folder: Path) -> None:
+    (folder / ST).unlink()
+    os.mkfifo(folder / ST)
+
+
+def config_edit(edit: Callable[[dict], object]) -> Callable[[Path], None]:
+    def apply(folder: Path) -> None:
+        config = json.loads((folder / "config.json").read_text())
+        edit(config)
+        (folder / "config.json").write_text(json.dumps(config))
+    return apply
+
+
+def invalid_config_json(folder: Path) -> None:
+    (folder / "config.json").write_text('{"model_type": "llama",')
+
+
+def shard_outside(folder: Path) -> None:
+    index_path = folder / "model.safetensors.index.json"
+    index = json.loads(index_path.read_text())
+    index["weight_map"][GATE0] = "../elsewhere.safetensors"
+    index_path.write_text(json.dumps(index))
+
+
+# -- mapping files (written next to, never inside, the checkpoint) ----------------------------
+def invalid_toml(root: Path) -> Path:
+    path = root / "broken.toml"
+    path.write_text('name = "x"\nmodel_types = ["llama"\n')
+    return path
+
+
+def unknown_key_toml(root: Path) -> Path:
+    path = root / "unknown_key.toml"
+    path.write_text((builtin_mapping_dir() / "llama.toml").read_text().replace("[target]\n", "[target]\nklass = 1\n"))
+    return path
+
+
+@dataclass
+class Case:
+    id: str
+    expect: list[str]  # substrings the error message must contain ("{folder}": the checkpoint copy)
+    args: list[str] = field(default_factory=list)  # "{ckpt}" = the checkpoint argument, "{mapping}" = the file
+    source: str = "llama"  # which tiny checkpoint to copy; None: no checkpoint folder
+    breaks: Callable[[Path], None] | None = None
+    mapping: Callable[[Path], Path] | None = None
+    env: dict[str, str] = field(default_factory=dict)
+    ckpt: str = "{folder}"  # the MODEL argument
+    in_process: bool = False  # run through parity.cli.main in this process (the same code, without the import cost)
+
+
+CASES = [
+    Case("nonexistent-path", ["/no/such/checkpoint", "no such file or folder"], source=None, ckpt="/no/such/checkpoint"),
+    Case("unknown-name", ["not-a-family", "not a mapping name", "parity list"], source=None, ckpt="not-a-family"),
+    Case("offline-uncached-hub-id", ["someone/some-model", "HF_HUB_OFFLINE", "--checkpoint", "cache"], source=None,
+         ckpt="someone/some-model", env={"HF_HOME": "{root}/hf_home", "HF_HUB_CACHE": "{root}/hf_home/hub"}),
+    Case("mapping-name-uncached-checkpoint", ["someone/llama-copy", "HF_HUB_OFFLINE", "--checkpoint"], source=None,
+         ckpt="llama", args=["--checkpoint", "someone/llama-copy"],
+         env={"HF_HOME": "{root}/hf_home", "HF_HUB_CACHE": "{root}/hf_home/hub"}, in_process=True),
+    Case("truncated-safetensors", ["{folder}/model.safetensors", "truncated"], breaks=truncate_half),
+    Case("garbage-header", ["{folder}/model.safetensors", "header is not valid JSON"], breaks=garbage_header),
+    Case("offsets-past-end", ["{folder}/model.safetensors", "model.norm.weight", "lies at bytes"],
+         breaks=offsets_past_end),
+    Case("shape-vs-offsets", ["{folder}/model.safetensors", UP0, "[88, 33]", "data_offsets span"],
+         breaks=shape_disagrees_with_offsets, in_process=True),
+    Case("empty-safetensors", ["{folder}/model.safetensors", "0 bytes"], breaks=lambda f: (f / ST).write_bytes(b""), in_process=True),
+    Case("fifo-safetensors", ["{folder}/model.safetensors", "not a regular file"], breaks=fifo_weights),
+    Case("missing-ffn-tensor", [GATE0, "closest present", "model.layers.0.mlp.gate.weight"], args=["--layer", "0"],
+         breaks=rename_gate),
+    Case("unexpected-shape", ["up_proj.weight", "[80, 32]", "[88, 32]", "d_ff"], args=["--layer", "0"],
+         breaks=wrong_up_shape),
+    Case("nan-weights", [DOWN0, "NaN", "checkpoint is defective"], args=["--layer", "0"], breaks=nan_in_down),
+    Case("inf-weights", [UP0, "NaN/Inf", "checkpoint is defective"], args=["--layer", "0"], breaks=inf_in_up, in_process=True),
+    Case("integer-weights", [UP0, "int32", "not floating point"], args=["--layer", "0"], breaks=int_weights, in_process=True),
+    Case("layer-out-of-range", ["layer 7", "valid: 0-2"], args=["--layer", "7"]),
+    Case("layers-spec-out-of-range", ["layer 3", "valid: 0-2"], args=["--layers", "1-3"], in_process=True),
+    Case("invalid-toml", ["broken.toml", "invalid TOML"], args=["--mapping", "{mapping}"], mapping=invalid_toml),
+    Case("unknown-mapping-key", ["unknown_key.toml:", "target.klass", "unknown key"], args=["--mapping", "{mapping}"],
+         mapping=unknown_key_toml),
+    Case("target-not-importable", ["nowhere.mod", "cannot import"], args=["--target", "nowhere.mod:X"]),
+    Case("target-missing-attribute", ["tests.broken_targets", "has no attribute 'Nope'"],
+         args=["--target", "tests.broken_targets:Nope"], in_process=True),
+    Case("target-raises-in-init", ["tests.broken_targets:RaisesInInit", "boom in __init__"],
+         args=["--target", "tests.broken_targets:RaisesInInit"]),
+    Case("target-not-a-module", ["tests.broken_targets:not_a_module", "not a torch.nn.Module"],
+         args=["--target", "tests.broken_targets:not_a_module"]),
+    Case("target-wrong-signature", ["WrongSignature", "unexpected keyword argument", "signature is WrongSignature(width)"],
+         args=["--target", "tests.broken_targets:WrongSignature"]),
+    Case("target-forward-raises", ["tests.broken_targets:ForwardRaises", "[3, 16, 32]", "ValueError: boom in forward"],
+         args=["--layer", "0", "--target", "tests.broken_targets:ForwardRaises"]),
+    Case("target-wrong-output-shape", ["tests.broken_targets:WrongOutputShape", "[3, 16, 5]", "[3, 16, 32]"],
+         args=["--layer", "0", "--target", "tests.broken_targets:WrongOutputShape"]),
+    Case("target-returns-none", ["tests.broken_targets:ReturnsNone", "NoneType, not a torch.Tensor"],
+         args=["--layer", "0", "--target", "tests.broken_targets:ReturnsNone"], in_process=True),
+    Case("target-parameter-checkpoint-lacks", ["_gate.bias", "gate_proj.bias"],
+         args=["--layer", "0", "--target", "tests.broken_targets:swiglu_with_bias"], in_process=True),
+    Case("pickle-folder", ["pytorch_model.bin", "pickle", "safetensors"], breaks=pickle_only, in_process=True),
+    Case("pickle-file", ["pytorch_model.bin", "pickle"], breaks=pickle_only, ckpt="{folder}/pytorch_model.bin"),
+    Case("config-invalid-json", ["{folder}/config.json", "not valid JSON"], breaks=invalid_config_json),
+    Case("config-not-an-object", ["{folder}/config.json", "JSON object"],
+         breaks=lambda f: (f / "config.json").write_text("[1, 2]"), in_process=True),
+    Case("config-unserved-model-type", ["'frobnicator'", "llama", "gpt2", "Adding a model family", "--mapping"],
+         breaks=config_edit(lambda c: c.__setitem__("model_type", "frobnicator"))),
+    Case("config-bad-value", ["hidden_size", "cannot load its config"],
+         breaks=config_edit(lambda c: c.__setitem__("hidden_size", "big")), in_process=True),
+    Case("no-config", ["no config.json"], breaks=lambda f: (f / "config.json").unlink(), in_process=True),
+    Case("shard-outside-folder", ["model.safetensors.index.json", "../elsewhere.safetensors", "outside"],
+         source="llama_sharded", breaks=shard_outside, in_process=True),
+    Case("json-report-unwritable", ["--json {root}/no/such/dir/r.json", "cannot write"],
+         args=["--layer", "0", "--json", "{root}/no/such/dir/r.json"], in_process=True),
+    Case("internal-error", ["internal error", "ZeroDivisionError", "please report", "--debug"],
+         args=["--layer", "0", "--target", "tests.broken_targets:BrokenParameters"]),
+]
+
+
+# -- running them ---------------------------------------------------------------------------
+def snapshot(folder: Path | None) -> dict[str, str]:
+    """Every entry under the folder with its content hash (kind only for FIFOs: reading one blocks)."""
+    if folder is None:
+        return {}
+    found = {}
+    for path in sorted(folder.rglob("*")):
+        mode = path.lstat().st_mode
+        rel = str(path.relative_to(folder))
+        if stat.S_ISREG(mode):
+            found[rel] = hashlib.sha256(path.read_bytes()).hexdigest()
+        else:
+            found[rel] = f"mode {stat.S_IFMT(mode):o}"
+    return found
+
+
+@dataclass
+class Outcome:
+    case: Case
+    folder: Path | None
+    root: Path
+    before: dict[str, str]
+    after: dict[str, str] | None = None
+    result: subprocess.CompletedProcess | None = None
+
+    def fill(self, text: str) -> str:
+        return text.replace("{folder}", str(self.folder)).replace("{root}", str(self.root))
+
+
+def prepare(case: Case, root: Path, sources: dict[str, Path]) -> tuple[Outcome, list[str], dict[str, str]]:
+    folder = None
+    if case.source is not None:  # a private copy: the session fixtures stay intact
+        folder = root / "ckpt"
+        shutil.copytree(sources[case.source], folder)
+        if case.breaks is not None:
+            case.breaks(folder)
+    outcome = Outcome(case, folder, root, snapshot(folder))
+    mapping = case.mapping(root) if case.mapping else None
+    args = [outcome.fill(case.ckpt), *[outcome.fill(a).replace("{mapping}", str(mapping)) for a in case.args]]
+    env = {key: outcome.fill(value) for key, value in case.env.items()}
+    return outcome, args, env
+
+
+def execute(outcome: Outcome, args: list[str], env: dict[str, str]) -> Outcome:
+    full_env = {**os.environ, "HF_HUB_OFFLINE": "1", **env}
+    outcome.result = subprocess.run([PARITY, *args], capture_output=True, text=True, env=full_env, cwd=ROOT,
+                                    timeout=300)  # a hang fails the test instead of blocking CI
+    outcome.after = snapshot(outcome.folder)
+    return outcome
+
+
+@pytest.fixture(scope="module")
+def outcomes(request, tmp_path_factory, tiny, llama_sharded) -> dict[str, Outcome]:
+    wanted = {item.callspec.params["case"].id for item in request.session.items
+              if getattr(item, "callspec", None) and isinstance(item.callspec.params.get("case"), Case)}
+    sources = {**tiny, "llama_sharded": llama_sharded}
+    jobs = [prepare(case, tmp_path_factory.mktemp(case.id), sources) for case in EXECUTABLE if case.id in wanted]
+    with ThreadPoolExecutor(max_workers=max(2, os.cpu_count() or 2)) as pool:
+        return {o.case.id: o for o in pool.map(lambda job: execute(*job), jobs)}
+
+
+def check_outcome(outcome: Outcome, stdout: str, stderr: str, returncode: int) -> None:
+    """Exit 2, one 'parity: ...' line naming the problem, no traceback, the checkpoint folder untouched."""
+    assert returncode == 2, (stdout, stderr)
+    assert "Traceback" not in stderr and "Traceback" not in stdout
+    message = stderr.strip().splitlines()[-1]
+    assert message.startswith("parity: "), stderr
+    for expected in outcome.case.expect:
+        assert outcome.fill(expected) in message, (expected, message)
+    assert outcome.after == outcome.before, "the checkpoint folder changed"
+
+
+EXECUTABLE = [case for case in CASES if not case.in_process]
+IN_PROCESS = [case for case in CASES if case.in_process]
+
+
+@pytest.mark.parametrize("case", EXECUTABLE, ids=[case.id for case in EXECUTABLE])
+def test_broken_input_exit_2_executable(case, outcomes):
+    outcome = outcomes[case.id]
+    check_outcome(outcome, outcome.result.stdout, outcome.result.stderr, outcome.result.returncode)
+
+
+@pytest.mark.parametrize("case", IN_PROCESS, ids=[case.id for case in IN_PROCESS])
+def test_broken_input_exit_2_in_process(case, tmp_path, tiny, llama_sharded, monkeypatch, capsys):
+    import parity.cli
+
+    outcome, args, env = prepare(case, tmp_path, {**tiny, "llama_sharded": llama_sharded})
+    for key, value in env.items():
+        monkeypatch.setenv(key, value)
+    monkeypatch.chdir(ROOT)
+    code = parity.cli.main(args)
+    outcome.after = snapshot(outcome.folder)
+    captured = capsys.readouterr()
+    check_outcome(outcome, captured.out, captured.err, code)
+
+
+def test_cases_cover_every_checkpoint_source(tiny):
+    assert {case.source for case in CASES} - {None} <= {*tiny, "llama_sharded"}
+    assert len({case.id for case in CASES}) == len(CASES)
+
+
+def test_debug_shows_the_traceback(tiny, tmp_path):
+    folder = shutil.copytree(tiny["llama"], tmp_path / "ckpt")
+    truncate_half(folder)
+    out = subprocess.run([PARITY, str(folder), "--debug"], capture_output=True, text=True, cwd=ROOT,
+                         env={**os.environ, "HF_HUB_OFFLINE": "1"}, timeout=300)
+    assert out.returncode != 0
+    assert "Traceback" in out.stderr and "CheckpointError" in out.stderr and "truncated" in out.stderr
+
+
+def test_internal_error_in_process_is_one_line(monkeypatch, capsys):
+    import parity.cli
+    import parity.runner
+
+    def broken(*args, **kwargs):
+        raise KeyError("unexpected")
+
+    monkeypatch.setattr(parity.runner, "check", broken)
+    assert parity.cli.main(["llama"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "internal error" in err and "--debug" in err
+    with pytest.raises(KeyError):
+        parity.cli.main(["llama", "--debug"])
+
+
+# -- the hub: gated repositories and offline caches (huggingface_hub patched, no network) ----
+def gated(*args, **kwargs):
+    import httpx2
+    from huggingface_hub import errors
+
+    request = httpx2.Request("GET", "https://huggingface.co/someorg/gated/resolve/main/config.json")
+    raise errors.GatedRepoError("Access to model someorg/gated is restricted.",
+                                response=httpx2.Response(403, request=request))
+
+
+@pytest.fixture()
+def gated_hub(monkeypatch):
+    import huggingface_hub
+
+    from parity.hub import hub_reachable
+
+    monkeypatch.setattr(huggingface_hub, "hf_hub_download", gated)
+    hub_reachable.cache_clear()
+    yield
+    hub_reachable.cache_clear()
+
+
+def test_gated_repo_says_accept_licence_and_set_token(gated_hub, capsys):
+    import parity.cli
+
+    assert parity.cli.main(["someorg/gated"]) == 2
+    err = capsys.readouterr().err
+    assert "someorg/gated" in err and "gated" in err and "licence" in err and "HF_TOKEN" in err
+    assert "Traceback" not in err
+
+
+def test_gated_default_checkpoint_falls_back_to_synthetic(gated_hub):
+    from parity.resolve import resolve
+
+    resolved = resolve("gpt2")
+    assert resolved.checkpoint.weights == "synthetic" and "gated" in resolved.checkpoint.weights_note
+
+
+def test_offline_message_when_hub_unreachable_without_hf_hub_offline(monkeypatch, tmp_path):
+    from huggingface_hub import constants
+
+    from parity.errors import OfflineError
+    from parity.hub import open_hub
+
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
+    monkeypatch.setattr("parity.hub.hub_reachable", lambda: False)
+    with pytest.raises(OfflineError) as info:
+        open_hub("someone/uncached")
+    message = str(info.value)
+    assert "not reachable" in message and "HF_HUB_OFFLINE=1" in message and "--checkpoint" in message
+    assert str(tmp_path / "hub") in message
+
+
+# -- the reference side: weights whose shapes disagree with config.json ----------------------
+def test_reference_names_both_shapes_when_config_and_weights_disagree(tiny):
+    from parity.errors import ShapeMismatchError
+    from parity.reference import ReferenceModel
+    from parity.resolve import load_config, open_checkpoint
+
+    config = load_config(open_checkpoint(str(tiny["llama"])))
+    reference = ReferenceModel(config)
+    shapes = reference.tensor_shapes("model.layers.0.mlp")
+    tensors = {name: torch.zeros(shape) for name, shape in shapes.items()}
+    tensors["up_proj.weight"] = torch.zeros(80, 32)
+    with pytest.raises(ShapeMismatchError, match=r"up_proj.weight.*\[80, 32\].*\[88, 32\]"):
+        reference.build("model.layers.0.mlp", tensors)
+
+
+def test_mapping_error_names_the_line(tmp_path):
+    from parity.errors import MappingError
+    from parity.mapping import load_mapping
+
+    text = (builtin_mapping_dir() / "gpt2.toml").read_text()
+    path = tmp_path / "m.toml"
+    path.write_text(text.replace('"_layer2.weight" = { from = "c_proj.weight", transform = "transpose" }',
+                                 '"_layer2.weight" = { from = "c_proj.weight", transform = "flip" }'))
+    line = next(i for i, row in enumerate(path.read_text().splitlines(), 1) if '"flip"' in row)
+    with pytest.raises(MappingError, match=rf"m\.toml:{line}: key 'tensors\.\"_layer2\.weight\"\.transform'"):
+        load_mapping(path)
+    path.write_text(text.replace('layer_key = "h.{layer}.mlp"', 'layer_key = "h.{layer}.{mlp"'))
+    with pytest.raises(MappingError, match=r"checkpoint\.layer_key.*not a valid template"):
+        load_mapping(path)
