@@ -17,7 +17,8 @@ Check that a feed-forward module computes what transformers computes on the same
 checkpoint weights, one layer at a time.
 
 MODEL is a mapping name (gpt2, llama, gemma, ...; see `parity list`), a hub id
-(owner/name), a local folder with config.json + *.safetensors, or a .safetensors file.
+(owner/name), a local folder with config.json + *.safetensors, a .safetensors file, a
+.gguf file, or (with --allow-pickle) a pytorch_model.bin / Meta consolidated.00.pth folder.
 
 exit codes: 0 every checked layer matches, 1 some layer deviates, 2 bad input or
 unusable checkpoint."""
@@ -39,6 +40,11 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--atol", type=float, metavar="X", help="absolute tolerance instead of the noise-floor-derived one")
     parser.add_argument("--json", metavar="FILE|-", help="write the JSON report to FILE, or to stdout with '-'")
     parser.add_argument("--debug", action="store_true", help="show tracebacks for errors")
+    # checkpoint formats (issue 4): pickle-based files, mixture-of-experts layers
+    parser.add_argument("--allow-pickle", action="store_true",
+                        help="open pickle-based weights (pytorch_model*.bin, Meta consolidated.*.pth) with "
+                             "torch.load(weights_only=True); only for files you trust")
+    parser.add_argument("--experts", metavar="SPEC", help="MoE models: all | 0,3 | 2-5 experts of each layer (default: all)")
     return parser
 
 
@@ -55,7 +61,7 @@ def list_mappings() -> int:
 
 
 def run_check(args: argparse.Namespace) -> int:
-    from .report import HEADER, header_lines, layer_line, summary_line
+    from .report import header_lines, layer_line, summary_line, table_header
     from .runner import check
 
     to_stdout = args.json == "-"
@@ -64,14 +70,15 @@ def run_check(args: argparse.Namespace) -> int:
 
     def on_layer(report, result):
         if not started:
-            for line in [*header_lines(report), "", HEADER]:
+            for line in [*header_lines(report), "", table_header(result)]:
                 say(line)
             started.append(True)
         say(layer_line(result))
 
     layers = args.layer if args.layer is not None else args.layers
     report = check(args.model, layers=layers, target=args.target, checkpoint=args.checkpoint, mapping=args.mapping,
-                   revision=args.revision, seed=args.seed, atol=args.atol, on_layer=on_layer)
+                   revision=args.revision, seed=args.seed, atol=args.atol, on_layer=on_layer,
+                   allow_pickle=args.allow_pickle, experts=args.experts)
     say("")
     say(summary_line(report))
     if args.json:

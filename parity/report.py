@@ -26,6 +26,7 @@ class LayerResult:
     preactivation_range: list[float]  # [min, max] of the activation's input reached
     deterministic: bool = True
     diagnosis: dict | None = None
+    expert: int | None = None  # MoE: which expert of the layer; null for dense models
 
 
 @dataclass
@@ -63,6 +64,14 @@ def _sci(value: float) -> str:
 HEADER = f"{'layer':>5}  {'max|Δ|':>9}  {'rel':>9}  {'mean|Δ|':>9}  {'noise':>9}  {'tol':>9}  {'×noise':>7}  {'z range':>15}  verdict"
 
 
+EXPERT_HEADER = f"{'layer':>5}  {'expert':>6}" + HEADER[5:]
+
+
+def table_header(result: LayerResult) -> str:
+    """The column header for a table whose rows look like ``result`` (an expert column for MoE)."""
+    return HEADER if result.expert is None else EXPERT_HEADER
+
+
 def header_lines(report: Report) -> list[str]:
     lines = [
         f"parity: {report.model} — mapping '{report.mapping}'",
@@ -84,13 +93,14 @@ def layer_line(result: LayerResult) -> str:
         verdict += " (non-deterministic output)"
     if result.diagnosis:
         verdict += f" — {result.diagnosis['id']}: {result.diagnosis['message']}"
-    return (f"{result.layer:>5}  {_sci(result.max_abs_diff):>9}  {_sci(result.max_rel_diff):>9}  "
+    cell = f"{result.layer:>5}" if result.expert is None else f"{result.layer:>5}  {result.expert:>6}"
+    return (f"{cell}  {_sci(result.max_abs_diff):>9}  {_sci(result.max_rel_diff):>9}  "
             f"{_sci(result.mean_abs_diff):>9}  {_sci(result.noise_floor):>9}  {_sci(result.tolerance):>9}  "
             f"{result.ratio_to_noise:>7.1f}  {f'[{zmin:.1f}, {zmax:.1f}]':>15}  {verdict}")
 
 
 def summary_line(report: Report) -> str:
-    failed = [r.layer for r in report.layers if not r.passed]
+    failed = [r.layer if r.expert is None else f"{r.layer}/e{r.expert}" for r in report.layers if not r.passed]
     if not failed:
         return f"PASS: {len(report.layers)} layer(s) match transformers within tolerance."
     shown = ", ".join(map(str, failed[:12])) + (" ..." if len(failed) > 12 else "")
@@ -98,4 +108,5 @@ def summary_line(report: Report) -> str:
 
 
 def render(report: Report) -> str:
-    return "\n".join([*header_lines(report), "", HEADER, *map(layer_line, report.layers), "", summary_line(report)])
+    header = table_header(report.layers[0]) if report.layers else HEADER
+    return "\n".join([*header_lines(report), "", header, *map(layer_line, report.layers), "", summary_line(report)])
