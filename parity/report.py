@@ -101,10 +101,11 @@ def layer_line(result: LayerResult) -> str:
 
 def summary_line(report: Report) -> str:
     failed = [r.layer if r.expert is None else f"{r.layer}/e{r.expert}" for r in report.layers if not r.passed]
+    unit = "expert(s)" if report.layers and report.layers[0].expert is not None else "layer(s)"
     if not failed:
-        return f"PASS: {len(report.layers)} layer(s) match transformers within tolerance."
+        return f"PASS: {len(report.layers)} {unit} match transformers within tolerance."
     shown = ", ".join(map(str, failed[:12])) + (" ..." if len(failed) > 12 else "")
-    return f"FAIL: {len(failed)} of {len(report.layers)} layer(s) deviate from transformers: {shown}"
+    return f"FAIL: {len(failed)} of {len(report.layers)} {unit} deviate from transformers: {shown}"
 
 
 def render(report: Report) -> str:
