@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import difflib
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
@@ -33,6 +33,7 @@ class Checkpoint:
     weights_note: str | None = None
     repo_id: str | None = None  # set for hub checkpoints
     revision: str | None = None
+    notes: list[str] = field(default_factory=list)  # how the checkpoint was interpreted (GGUF, Meta), for the report
 
     def has(self, name: str) -> bool:
         return name in self.weight_map
@@ -184,27 +185,40 @@ def _product(shape: list[int]) -> int:
     return out
 
 
-def refuse_pickle(folder: Path) -> None:
-    pickles = [p.name for pattern in PICKLE_PATTERNS for p in sorted(folder.glob(pattern))]
+def refuse_pickle(folder: Path, pickles: list[str] | None = None) -> None:
+    pickles = pickles or [p.name for pattern in PICKLE_PATTERNS for p in sorted(folder.glob(pattern))]
     if pickles:
         raise PickleRefusedError(
             f"{folder}: holds only pickle-based weights ({', '.join(pickles)}). Unpickling can run arbitrary code, "
-            "so parity does not open them; convert the checkpoint to safetensors "
-            "(model.save_pretrained(..., safe_serialization=True))."
+            "so parity does not open them by default. If you trust the file, pass --allow-pickle "
+            "(allow_pickle=True in Python; it is then read with torch.load(weights_only=True)), or convert the "
+            "checkpoint to safetensors (model.save_pretrained(..., safe_serialization=True))."
         )
 
 
-def open_local(path: Path) -> Checkpoint:
-    """A local HF folder (config.json + model.safetensors or a sharded index), or one .safetensors file in it."""
+def open_local(path: Path, allow_pickle: bool = False) -> Checkpoint:
+    """A local HF folder (config.json + model.safetensors or a sharded index), or one .safetensors file in it.
+
+    A .gguf file, and pickle-based folders/files when ``allow_pickle``, go to their own modules."""
     path = path.expanduser()
     if not path.exists():
         raise UnknownModelError(f"{path}: no such file or folder")
     folder = path if path.is_dir() else path.parent
+    if path.is_file() and path.suffix == ".gguf":
+        from .gguf_source import open_gguf
+
+        return open_gguf(path)
     if path.is_file() and path.suffix != ".safetensors":
         if path.suffix in (".bin", ".pth", ".pt", ".ckpt"):
-            refuse_pickle(folder)
+            return _open_pickle(path, allow_pickle)
         raise CheckpointError(f"{path}: unsupported file type '{path.suffix}'; expected a .safetensors file or an HF folder")
     config_path = folder / CONFIG
+    if not config_path.is_file() and path.is_dir() and not any(folder.glob("*.safetensors")):
+        ggufs = sorted(folder.glob("*.gguf"))
+        if len(ggufs) == 1:
+            return open_local(ggufs[0])
+        if any(folder.glob(pattern) for pattern in PICKLE_PATTERNS):
+            return _open_pickle(folder, allow_pickle)
     if not config_path.is_file():
         raise CheckpointError(f"{folder}: no config.json; parity needs the checkpoint's HF config next to its weights")
     raw_config = read_json(config_path, "config.json")
@@ -215,7 +229,8 @@ def open_local(path: Path) -> Checkpoint:
     else:
         files = sorted(folder.glob("*.safetensors"))
         if not files:
-            refuse_pickle(folder)
+            if any(p for pattern in PICKLE_PATTERNS for p in folder.glob(pattern)):
+                return _open_pickle(folder, allow_pickle)
             raise CheckpointError(f"{folder}: no *.safetensors weights found")
         weight_map = weight_map_from_files(files)
 
@@ -226,3 +241,12 @@ def open_local(path: Path) -> Checkpoint:
         return file_path
 
     return Checkpoint(str(path), folder, raw_config, weight_map, fetch)
+
+
+def _open_pickle(path: Path, allow_pickle: bool) -> Checkpoint:
+    folder = path if path.is_dir() else path.parent
+    if not allow_pickle:
+        refuse_pickle(folder, [path.name] if path.is_file() else None)
+    from .pickle_source import open_pickle
+
+    return open_pickle(path)

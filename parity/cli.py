@@ -18,7 +18,8 @@ Check that a feed-forward module computes what transformers computes on the same
 checkpoint weights, one layer at a time.
 
 MODEL is a mapping name (gpt2, llama, gemma, ...; see `parity list`), a hub id
-(owner/name), a local folder with config.json + *.safetensors, or a .safetensors file.
+(owner/name), a local folder with config.json + *.safetensors, a .safetensors file, a
+.gguf file, or (with --allow-pickle) a pytorch_model.bin / Meta consolidated.00.pth folder.
 
 commands:
   parity MODEL [options]   check one model (this page)
@@ -56,6 +57,11 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--atol", type=float, metavar="X", help="absolute tolerance instead of the noise-floor-derived one")
     parser.add_argument("--logits", action="store_true",
                         help="also substitute the module into the full model and compare its final logits")
+    # checkpoint formats (issue 4): pickle-based files, mixture-of-experts layers
+    parser.add_argument("--allow-pickle", action="store_true",
+                        help="open pickle-based weights (pytorch_model*.bin, Meta consolidated.*.pth) with "
+                             "torch.load(weights_only=True); only for files you trust")
+    parser.add_argument("--experts", metavar="SPEC", help="MoE models: all | 0,3 | 2-5 experts of each layer (default: all)")
     add_output_options(parser)
     return parser
 
@@ -145,7 +151,7 @@ def run_specs(specs, args: argparse.Namespace, single: bool, shard=None) -> int:
     """Plan, run and report checks: tables, progress, baseline, JUnit, JSON; returns the exit code."""
     from .baseline import DEFAULT_FACTOR, DEFAULT_SLACK, compare, load_baseline, write_baseline
     from .progress import Progress, bar_wanted, silence_downloads
-    from .report import HEADER, diagnosis_lines, header_lines, layer_line, logits_lines, summary_line
+    from .report import diagnosis_lines, header_lines, layer_line, logits_lines, summary_line, table_header
     from .suite import exit_code, execute, plan
 
     json_stdout = args.json == "-"
@@ -167,7 +173,7 @@ def run_specs(specs, args: argparse.Namespace, single: bool, shard=None) -> int:
         if run not in shown:
             if shown:
                 say()
-            for line in [*header_lines(report), "", HEADER]:
+            for line in [*header_lines(report), "", table_header(result)]:
                 say(line)
             shown.append(run)
         say(layer_line(result))
@@ -281,7 +287,8 @@ def run_check(args: argparse.Namespace) -> int:
 
     layers = args.layer if args.layer is not None else args.layers
     spec = CheckSpec(model=args.model, checkpoint=args.checkpoint, layers=layers, target=args.target,
-                     mapping=args.mapping, revision=args.revision, seed=args.seed, atol=args.atol, logits=args.logits)
+                     mapping=args.mapping, revision=args.revision, seed=args.seed, atol=args.atol, logits=args.logits,
+                     allow_pickle=args.allow_pickle, experts=args.experts)
     return run_specs([spec], args, single=True)
 
 

@@ -88,9 +88,10 @@ def _activation_swap(name: str) -> Callable[[nn.Module], None]:
 
     def patch(module: nn.Module) -> None:
         act = activation_module(module)
-        for child_name, child in module.named_children():
-            if child is act:
-                setattr(module, child_name, ACT2FN[name])
+        for parent in list(module.modules()):  # every place it is registered (an MoE wrapper holds it twice)
+            for child_name, child in list(parent.named_children()):
+                if child is act:
+                    setattr(parent, child_name, ACT2FN[name])
     return patch
 
 
@@ -134,6 +135,9 @@ def hypotheses(reference: nn.Module, tensors: dict[str, torch.Tensor], config) -
                   Hypothesis("gelu_instead_of_silu", f"exact GELU; reference runs {act}", patch=_activation_swap("gelu"))]
     if "gate_proj.weight" in tensors and "up_proj.weight" in tensors:
         found.append(Hypothesis("gate_up_swapped", "gate_proj <-> up_proj", tensors=_swap("gate_proj", "up_proj")))
+    if "gate" in tensors and "up" in tensors:  # one MoE expert (parity.moe)
+        found.append(Hypothesis("gate_up_swapped", "expert gate <-> up",
+                                tensors=lambda t: {**t, "gate": t["up"], "up": t["gate"]}))
     for name, value in tensors.items():
         if name.endswith("gate_up_proj.weight") or name.endswith("gate_up_proj"):
             found.append(Hypothesis("gate_up_swapped", f"halves of {name}", tensors=_swap_halves(name)))

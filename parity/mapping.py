@@ -18,12 +18,13 @@ from .errors import MappingError
 TRANSFORMS = ("none", "transpose")
 
 _TOP_KEYS = {"name", "description", "model_types", "default_checkpoint", "num_layers", "hidden_size",
-             "notes", "checkpoint", "reference", "target", "tensors", "synthetic"}
+             "notes", "checkpoint", "reference", "target", "tensors", "synthetic", "experts"}
 _CHECKPOINT_KEYS = {"layer_key", "key_prefixes"}
 _REFERENCE_KEYS = {"module", "tensors"}
 _TARGET_KEYS = {"class", "args"}
 _TENSOR_KEYS = {"from", "transform", "chunk", "optional"}
 _SYNTHETIC_KEYS = {"config"}
+_EXPERT_KEYS = {"count", "stacked", "gate", "up", "down"}
 
 
 def builtin_mapping_dir() -> Path:
@@ -64,12 +65,28 @@ class Mapping:
     synthetic_config: dict[str, Any] | None = None
     # reference parameter (HF name, relative to the MLP) -> checkpoint tensor; empty: the same name
     reference_tensors: list[TensorRoute] = field(default_factory=list)
+    experts: "Experts | None" = None  # MoE: each expert's FFN is checked on its own
 
-    def layer_prefix(self, layer: int) -> str:
-        return self.layer_key.format(layer=layer)
+    def layer_prefix(self, layer: int, expert: int | None = None) -> str:
+        return self.layer_key.format(layer=layer, expert=0 if expert is None else expert)
 
     def reference_path(self, layer: int) -> str:
         return self.reference_module.format(layer=layer)
+
+
+@dataclass(frozen=True)
+class Experts:
+    """[experts]: how many experts a layer has and where one expert's gate/up/down projections are.
+
+    ``stacked`` names checkpoint tensors holding every expert along dim 0 (transformers' fused
+    layout, GGUF's ``ffn_*_exps``); one expert's slice is taken from them on read.
+    """
+
+    count: Any
+    gate: TensorRoute
+    up: TensorRoute
+    down: TensorRoute
+    stacked: tuple[str, ...] = ()
 
 
 def _fail(path: Path, key: str, what: str) -> MappingError:
@@ -153,11 +170,12 @@ def _parse_route(path: Path, target: str, spec: Any, table: str = "tensors") -> 
     return TensorRoute(target, source, transform, chunk, optional)
 
 
-def _check_template(path: Path, key: str, template: str) -> None:
+def _check_template(path: Path, key: str, template: str, placeholders: tuple[str, ...] = ("layer",)) -> None:
     try:
-        template.format(layer=0)
+        template.format(**{name: 0 for name in placeholders})
     except (ValueError, KeyError, IndexError, AttributeError) as exc:
-        raise _fail(path, key, f"not a valid template ({type(exc).__name__}: {exc}); the only placeholder is {{layer}}") from None
+        allowed = " and ".join("{" + name + "}" for name in placeholders)
+        raise _fail(path, key, f"not a valid template ({type(exc).__name__}: {exc}); the placeholders are {allowed}") from None
 
 
 def parse_mapping(text: str, path: Path) -> Mapping:
@@ -176,7 +194,7 @@ def parse_mapping(text: str, path: Path) -> Mapping:
     layer_key = _require(path, checkpoint, "layer_key", str, "checkpoint.")
     if "{layer}" not in layer_key:
         raise _fail(path, "checkpoint.layer_key", "must contain the placeholder {layer}")
-    _check_template(path, "checkpoint.layer_key", layer_key)
+    _check_template(path, "checkpoint.layer_key", layer_key, ("layer", "expert"))
     prefixes = checkpoint.get("key_prefixes", [""])
     if not isinstance(prefixes, list) or not all(isinstance(p, str) for p in prefixes):
         raise _fail(path, "checkpoint.key_prefixes", "expected a list of strings")
@@ -206,6 +224,9 @@ def parse_mapping(text: str, path: Path) -> Mapping:
             raise _fail(path, "synthetic", "expected a table")
         _check_keys(path, synthetic, _SYNTHETIC_KEYS, "synthetic.")
         synthetic = _require(path, synthetic, "config", dict, "synthetic.")
+    experts = _parse_experts(path, data["experts"]) if "experts" in data else None
+    if experts is None and "{expert}" in layer_key:
+        raise _fail(path, "checkpoint.layer_key", "uses {expert} but the mapping has no [experts] table")
     for key in ("description", "default_checkpoint"):
         if key in data and not isinstance(data[key], str):
             raise _fail(path, key, "expected a string")
@@ -224,7 +245,25 @@ def parse_mapping(text: str, path: Path) -> Mapping:
         hidden_size=data.get("hidden_size", "config.hidden_size"),
         description=data.get("description", ""), default_checkpoint=data.get("default_checkpoint"),
         key_prefixes=prefixes, notes=notes, synthetic_config=synthetic, reference_tensors=reference_routes,
+        experts=experts,
     )
+
+
+def _parse_experts(path: Path, table: Any) -> Experts:
+    if not isinstance(table, dict):
+        raise _fail(path, "experts", "expected a table {count = ..., gate = ..., up = ..., down = ...}")
+    _check_keys(path, table, _EXPERT_KEYS, "experts.")
+    if "count" not in table:
+        raise _fail(path, "experts.count", "is required (e.g. \"config.num_local_experts\")")
+    stacked = table.get("stacked", [])
+    if not isinstance(stacked, list) or not all(isinstance(s, str) for s in stacked):
+        raise _fail(path, "experts.stacked", "expected a list of checkpoint tensor names")
+    routes = {}
+    for role in ("gate", "up", "down"):
+        if role not in table:
+            raise _fail(path, f"experts.{role}", "is required: the checkpoint tensor of this expert's projection")
+        routes[role] = _parse_route(path, role, table[role], "experts")
+    return Experts(table["count"], routes["gate"], routes["up"], routes["down"], tuple(stacked))
 
 
 def load_mapping(path: str | Path) -> Mapping:
@@ -257,11 +296,25 @@ def mapping_by_name(name: str) -> Mapping | None:
     return builtin_mappings().get(name)
 
 
-def mapping_for_model_type(model_type: str | None) -> Mapping:
+def fits(mapping: Mapping, has) -> bool:
+    """Whether a checkpoint (its ``has(name)``) holds layer 0's tensors under this mapping's names."""
+    sources = [r.source for r in mapping.tensors if not r.optional]
+    return any(all(has(f"{prefix}{mapping.layer_prefix(0)}.{s}") for s in sources) for prefix in mapping.key_prefixes)
+
+
+def mappings_for_model_type(model_type: str | None) -> list[Mapping]:
+    """Built-in mappings serving ``model_type``; the plain HF-format one (no '-' suffix) first."""
+    found = [m for m in builtin_mappings().values() if model_type in m.model_types]
+    return sorted(found, key=lambda m: ("-" in m.name, m.name))
+
+
+def mapping_for_model_type(model_type: str | None, has=None) -> Mapping:
+    """The mapping for a checkpoint: of those serving its model_type, the one whose tensor names it holds."""
     mappings = builtin_mappings()
-    for mapping in mappings.values():
-        if model_type in mapping.model_types:
-            return mapping
+    candidates = mappings_for_model_type(model_type)
+    if candidates:
+        fitting = [m for m in candidates if has is not None and fits(m, has)]
+        return (fitting or candidates)[0]
     served = sorted(t for m in mappings.values() for t in m.model_types)
     raise MappingError(
         f"no mapping serves model_type {model_type!r} (config.json); known model types: {', '.join(served)}. "

@@ -44,6 +44,8 @@ class CheckSpec:
     atol: float | None = None
     name: str | None = None
     logits: bool = False
+    allow_pickle: bool = False
+    experts: Any = None  # MoE: None | "all" | "0,3" | list[int]
     where: str = ""  # "parity.toml: checks[2]" for error messages
 
     @property

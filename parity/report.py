@@ -28,6 +28,7 @@ class LayerResult:
     preactivation_range: list[float] | None  # [min, max] of the activation's input reached
     deterministic: bool = True
     diagnosis: dict | None = None  # {id, message, fix, distance, reference_distance}
+    expert: int | None = None  # MoE: which expert of the layer; null for dense models
 
 
 @dataclass
@@ -66,6 +67,14 @@ def _sci(value: float | None) -> str:
 HEADER = f"{'layer':>5}  {'max|Δ|':>9}  {'rel':>9}  {'mean|Δ|':>9}  {'noise':>9}  {'tol':>9}  {'×noise':>7}  {'z range':>15}  verdict"
 
 
+EXPERT_HEADER = f"{'layer':>5}  {'expert':>6}" + HEADER[5:]
+
+
+def table_header(result: LayerResult) -> str:
+    """The column header for a table whose rows look like ``result`` (an expert column for MoE)."""
+    return HEADER if result.expert is None else EXPERT_HEADER
+
+
 def header_lines(report: Report) -> list[str]:
     lines = [
         f"parity: {report.model} — mapping '{report.mapping}'",
@@ -86,7 +95,8 @@ def layer_line(result: LayerResult) -> str:
     verdict = "ok" if result.passed else "MISMATCH"
     if result.diagnosis:
         verdict += f" — {result.diagnosis['id']}"
-    return (f"{result.layer:>5}  {_sci(result.max_abs_diff):>9}  {_sci(result.max_rel_diff):>9}  "
+    cell = f"{result.layer:>5}" if result.expert is None else f"{result.layer:>5}  {result.expert:>6}"
+    return (f"{cell}  {_sci(result.max_abs_diff):>9}  {_sci(result.max_rel_diff):>9}  "
             f"{_sci(result.mean_abs_diff):>9}  {_sci(result.noise_floor):>9}  {_sci(result.tolerance):>9}  "
             f"{ratio:>7}  {zrange:>15}  {verdict}")
 
@@ -110,11 +120,12 @@ def diagnosis_lines(report: Report) -> list[str]:
 
 
 def summary_line(report: Report) -> str:
-    failed = [r.layer for r in report.layers if not r.passed]
+    failed = [r.layer if r.expert is None else f"{r.layer}/e{r.expert}" for r in report.layers if not r.passed]
+    unit = "expert(s)" if report.layers and report.layers[0].expert is not None else "layer(s)"
     if not failed:
-        return f"PASS: {len(report.layers)} layer(s) match transformers within tolerance."
+        return f"PASS: {len(report.layers)} {unit} match transformers within tolerance."
     shown = ", ".join(map(str, failed[:12])) + (" ..." if len(failed) > 12 else "")
-    return f"FAIL: {len(failed)} of {len(report.layers)} layer(s) deviate from transformers: {shown}"
+    return f"FAIL: {len(failed)} of {len(report.layers)} {unit} deviate from transformers: {shown}"
 
 
 def logits_lines(report: Report) -> list[str]:
@@ -133,5 +144,6 @@ def logits_lines(report: Report) -> list[str]:
 
 
 def render(report: Report) -> str:
-    return "\n".join([*header_lines(report), "", HEADER, *map(layer_line, report.layers), "",
+    header = table_header(report.layers[0]) if report.layers else HEADER
+    return "\n".join([*header_lines(report), "", header, *map(layer_line, report.layers), "",
                       *diagnosis_lines(report), *logits_lines(report), summary_line(report)])

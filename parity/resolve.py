@@ -11,8 +11,8 @@ from pathlib import Path
 from typing import Any
 
 from .checkpoint import Checkpoint, open_local
-from .errors import CheckpointError, GatedRepoError, OfflineError, UnknownModelError
-from .mapping import Mapping, builtin_mappings, load_mapping, mapping_for_model_type
+from .errors import CheckpointError, GatedRepoError, MappingError, OfflineError, UnknownModelError
+from .mapping import Mapping, builtin_mappings, fits, load_mapping, mapping_for_model_type
 
 
 @dataclass
@@ -24,10 +24,10 @@ class Resolved:
     notes: list[str] = field(default_factory=list)
 
 
-def open_checkpoint(spec: str, revision: str | None = None) -> Checkpoint:
+def open_checkpoint(spec: str, revision: str | None = None, allow_pickle: bool = False) -> Checkpoint:
     path = Path(spec).expanduser()
     if path.exists() or spec.startswith((".", "/", "~")) or spec.endswith((".safetensors", ".bin", ".pth", ".gguf")):
-        return open_local(path)
+        return open_local(path, allow_pickle=allow_pickle)
     from .hub import looks_like_hub_id, open_hub
 
     if not looks_like_hub_id(spec):
@@ -36,7 +36,7 @@ def open_checkpoint(spec: str, revision: str | None = None) -> Checkpoint:
 
 
 def resolve(model: str, checkpoint: str | None = None, mapping: str | Path | None = None,
-            revision: str | None = None) -> Resolved:
+            revision: str | None = None, allow_pickle: bool = False) -> Resolved:
     mappings = builtin_mappings()
     chosen = load_mapping(mapping) if mapping is not None else None
     notes: list[str] = []
@@ -52,17 +52,32 @@ def resolve(model: str, checkpoint: str | None = None, mapping: str | Path | Non
                 f"'{model}' is not a mapping name ({', '.join(sorted(mappings))}), a local path, or a hub id (owner/name)."
                 " Run `parity list` to see the mappings."
             )
-        ckpt = open_checkpoint(spec, revision)
+        ckpt = open_checkpoint(spec, revision, allow_pickle)
     model_type = ckpt.raw_config.get("model_type")
     if chosen is None:
-        chosen = mapping_for_model_type(model_type)
-    elif model_type not in chosen.model_types:
+        chosen = mapping_for_model_type(model_type, ckpt.has)
+    elif mapping is None and not fits(chosen, ckpt.has):  # `parity llama --checkpoint x.gguf`: the family's GGUF mapping
+        sibling = _fitting_mapping(model_type, ckpt)
+        if sibling is not None:
+            notes.append(f"this checkpoint stores mapping '{chosen.name}''s tensors under other names; "
+                         f"using mapping '{sibling.name}' of the same family")
+            chosen = sibling
+    if model_type not in chosen.model_types:
         notes.append(f"config.json says model_type={model_type!r}, which mapping '{chosen.name}' "
                      f"does not list ({', '.join(chosen.model_types)}); using it as asked")
     config = load_config(ckpt)
+    notes.extend(ckpt.notes)
     notes.extend(chosen.notes)
     notes.extend(activation_override_notes(ckpt.raw_config, config))
     return Resolved(model, chosen, ckpt, config, notes)
+
+
+def _fitting_mapping(model_type: str | None, ckpt: Checkpoint) -> Mapping | None:
+    try:
+        candidate = mapping_for_model_type(model_type, ckpt.has)
+    except MappingError:
+        return None
+    return candidate if fits(candidate, ckpt.has) else None
 
 
 def _default_checkpoint(mapping: Mapping, revision: str | None) -> Checkpoint:

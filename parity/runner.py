@@ -51,8 +51,8 @@ def skip_init() -> Iterator[None]:
             setattr(nn.init, name, fn)
 
 
-def parse_layers(spec: str | int | Iterable[int] | None, num_layers: int) -> list[int]:
-    """'all' | '3' | '0,3,5' | '2-7' | [0, 3] -> validated layer indices."""
+def parse_layers(spec: str | int | Iterable[int] | None, num_layers: int, what: str = "layer") -> list[int]:
+    """'all' | '3' | '0,3,5' | '2-7' | [0, 3] -> validated layer (or expert) indices."""
     if spec is None or spec == "all":
         return list(range(num_layers))
     if isinstance(spec, int):
@@ -68,12 +68,13 @@ def parse_layers(spec: str | int | Iterable[int] | None, num_layers: int) -> lis
                 else:
                     layers.append(int(part))
             except ValueError:
-                raise LayerRangeError(f"--layers {spec!r}: expected 'all', N, 'N,M,...' or 'N-M'") from None
+                raise LayerRangeError(f"--{what}s {spec!r}: expected 'all', N, 'N,M,...' or 'N-M'") from None
     else:
         layers = list(spec)
     for layer in layers:
         if not 0 <= layer < num_layers:
-            raise LayerRangeError(f"layer {layer} is out of range: this model has {num_layers} layers (valid: 0-{num_layers - 1})")
+            raise LayerRangeError(f"{what} {layer} is out of range: this model has {num_layers} {what}s{' per layer' if what == 'expert' else ''} "
+                                  f"(valid: 0-{num_layers - 1})")
     return layers
 
 
@@ -92,12 +93,14 @@ class Session:
         self.diagnose = diagnose
         self.target_notes: list[str] = []  # what loading the target had to work around, once each
         self.reference = ReferenceModel(self.config)
-        self.num_layers = self.config_int("num_layers")
-        self.hidden_size = self.config_int("hidden_size")
+        self.num_layers = self.config_int(self.mapping.num_layers, "num_layers")
+        self.hidden_size = self.config_int(self.mapping.hidden_size, "hidden_size")
+        experts = self.mapping.experts
+        self.num_experts = None if experts is None else self.config_int(experts.count, "experts.count")
+        self._stacked: tuple[str, dict[str, torch.Tensor]] | None = None  # MoE: the last layer's all-expert tensors
 
-    def config_int(self, key: str) -> int:
-        """The mapping's num_layers / hidden_size, read from the config: a config.json may hold anything there."""
-        spec = getattr(self.mapping, key)
+    def config_int(self, spec: Any, key: str) -> int:
+        """A mapping size (num_layers, hidden_size, experts.count) read from the config: a config.json may hold anything."""
         value = ConfigValue(self.config, self.mapping.path)(spec, key)
         if isinstance(value, bool) or not isinstance(value, int) and not (isinstance(value, float) and value.is_integer()):
             raise CheckpointError(f"{self.checkpoint.location}: {spec} (mapping key '{key}') is {value!r}, "
@@ -106,15 +109,18 @@ class Session:
 
     # -- tensors ---------------------------------------------------------------------------
     def reference_routes(self, layer: int) -> list[TensorRoute]:
-        """Reference parameter (HF name) <- checkpoint tensor; by default the same name."""
+        """Reference parameter (HF name) <- checkpoint tensor; by default the same name.  For MoE: the
+        expert's gate, up and down tensors, which parity.moe puts into transformers' experts module."""
+        if self.mapping.experts is not None:
+            return [self.mapping.experts.gate, self.mapping.experts.up, self.mapping.experts.down]
         given = {route.target: route for route in self.mapping.reference_tensors}
         names = self.reference.tensor_shapes(self.mapping.reference_path(layer))
         return [given.get(name, TensorRoute(name, name)) for name in names]
 
-    def layer_prefix(self, layer: int) -> str:
-        """The checkpoint key prefix under which this layer's FFN tensors are stored."""
+    def layer_prefix(self, layer: int, expert: int | None = None) -> str:
+        """The checkpoint key prefix under which this layer's (expert's) FFN tensors are stored."""
         sources = [route.source for route in self.reference_routes(layer)]
-        block = self.mapping.layer_prefix(layer)
+        block = self.mapping.layer_prefix(layer, expert)
         for prefix in self.mapping.key_prefixes:
             if all(self.checkpoint.has(f"{prefix}{block}.{name}") for name in sources):
                 return f"{prefix}{block}."
@@ -126,12 +132,12 @@ class Session:
             f"{self.mapping.key_prefixes} from {self.mapping.path.name}): {hints}"
         )
 
-    def read_layer(self, layer: int) -> dict[str, torch.Tensor]:
+    def read_layer(self, layer: int, expert: int | None = None) -> dict[str, torch.Tensor]:
         """The layer's FFN tensors under names relative to the layer, upcast to float32."""
-        prefix = self.layer_prefix(layer)
+        prefix = self.layer_prefix(layer, expert)
         routes = [*self.reference_routes(layer), *self.mapping.tensors]
         wanted = list(dict.fromkeys(r.source for r in routes if not r.optional or self.checkpoint.has(prefix + r.source)))
-        raw = self.checkpoint.read([prefix + n for n in wanted])
+        raw = self._read(prefix, wanted, expert)
         tensors = {}
         for name in wanted:
             tensor = raw.pop(prefix + name)
@@ -149,9 +155,42 @@ class Session:
             tensors[name] = tensor.to(torch.float32)
         return tensors
 
+    def _read(self, prefix: str, names: list[str], expert: int | None) -> dict[str, torch.Tensor]:
+        """checkpoint.read, except that MoE tensors stacked over experts are read once per layer and sliced."""
+        stacked = set(self.mapping.experts.stacked) if self.mapping.experts is not None else set()
+        plain = [prefix + n for n in names if n not in stacked]
+        out = self.checkpoint.read(plain) if plain else {}
+        wanted = [prefix + n for n in names if n in stacked]
+        if wanted:
+            if self._stacked is None or self._stacked[0] != prefix:
+                self._stacked = None  # release the previous layer's stack first
+                self._stacked = (prefix, self.checkpoint.read(wanted))
+            for key in wanted:
+                tensor = self._stacked[1][key]
+                if tensor.shape[0] != self.num_experts:
+                    from .errors import ShapeMismatchError
+
+                    raise ShapeMismatchError(f"{self.checkpoint.location}: '{key}' stacks {tensor.shape[0]} experts, "
+                                             f"the config says {self.num_experts}")
+                out[key] = tensor[expert]
+        return out
+
     # -- modules ---------------------------------------------------------------------------
     def build_reference(self, layer: int, tensors: dict[str, torch.Tensor]) -> nn.Module:
-        routed = {r.target: route_tensor(r, tensors[r.source]) for r in self.reference_routes(layer)}
+        return self.reference_from(layer, self.reference_tensors(layer, tensors))
+
+    def reference_tensors(self, layer: int, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Checkpoint tensors routed to the reference's own parameter names."""
+        return {r.target: route_tensor(r, tensors[r.source]) for r in self.reference_routes(layer)}
+
+    def reference_from(self, layer: int, routed: dict[str, torch.Tensor]) -> nn.Module:
+        """transformers' MLP for the layer (or its experts module holding one expert) with these tensors."""
+        if self.mapping.experts is not None:
+            from .moe import expert_reference
+
+            path = self.mapping.reference_path(layer)
+            return expert_reference(self.reference.meta_module(path), self.config, routed["gate"], routed["up"],
+                                    routed["down"], path)
         return self.reference.build(self.mapping.reference_path(layer), routed)
 
     def build_target(self, tensors: dict[str, torch.Tensor]) -> tuple[nn.Module, str]:
@@ -163,8 +202,8 @@ class Session:
         return module.eval(), name
 
     # -- inputs ----------------------------------------------------------------------------
-    def inputs(self, layer: int, reference: nn.Module) -> torch.Tensor:
-        generator = torch.Generator().manual_seed(self.seed * 100_003 + layer)
+    def inputs(self, layer: int, reference: nn.Module, expert: int | None = None) -> torch.Tensor:
+        generator = torch.Generator().manual_seed(self.seed * 100_003 + layer + (0 if expert is None else 7919 * (expert + 1)))
         base = torch.randn(len(ROW_TARGETS), TOKENS, self.hidden_size, generator=generator)
         base = base / base.pow(2).mean(-1, keepdim=True).sqrt()  # unit RMS rows, as after a norm layer
         with torch.no_grad():
@@ -176,10 +215,10 @@ class Session:
         return base * (torch.tensor(ROW_TARGETS) / reach).view(-1, 1, 1)
 
     # -- one layer -------------------------------------------------------------------------
-    def run_layer(self, layer: int) -> tuple[LayerResult, str]:
-        """Check one layer.  Peak memory: the layer's weights about 3 times over (float32 target
-        and reference, then the reference converted in place to float64), never the model."""
-        tensors = self.read_layer(layer)
+    def run_layer(self, layer: int, expert: int | None = None) -> tuple[LayerResult, str]:
+        """Check one layer (one expert of it, for MoE).  Peak memory: the layer's weights about 3 times
+        over (float32 target and reference, then the reference converted in place to float64), never the model."""
+        tensors = self.read_layer(layer, expert)
         # The reference first: a checkpoint that disagrees with its own config is bad input (exit 2);
         # only then is a tensor that does not fit the target the module's mistake (a failed layer).
         reference = self.build_reference(layer, tensors)  # shares storage with ``tensors``
@@ -188,7 +227,7 @@ class Session:
         except ShapeMismatchError as exc:
             return shape_failure(layer, exc), self.target_name()
         del tensors
-        x = self.inputs(layer, reference)
+        x = self.inputs(layer, reference, expert)
         with torch.no_grad():
             z = preactivation(reference, x)
             out32 = reference(x).double()
@@ -216,19 +255,19 @@ class Session:
             ratio_to_noise=max_abs / noise if noise else float("inf") if max_abs else 0.0,
             preactivation_range=[float(z.min()), float(z.max())] if z is not None else None,
             deterministic=deterministic,
+            expert=expert,
         )
         if not deterministic:  # before anything else: no replay can match a moving target
             result.diagnosis = diagnosis("dropout_active", float((got - again).abs().max()), max_abs)
         elif not result.passed and self.diagnose:
-            result.diagnosis = self.explain(layer, x, got, out64, tolerance)
+            result.diagnosis = self.explain(layer, expert, x, got, out64, tolerance)
         return result, target_name
 
-    def explain(self, layer: int, x: torch.Tensor, got: torch.Tensor, out64: torch.Tensor, tolerance: float) -> dict:
+    def explain(self, layer: int, expert: int | None, x: torch.Tensor, got: torch.Tensor, out64: torch.Tensor,
+                tolerance: float) -> dict:
         """Replay known mistakes on transformers' MLP for this layer (see diagnose.py)."""
-        tensors = self.read_layer(layer)
-        routed = {r.target: route_tensor(r, tensors[r.source]) for r in self.reference_routes(layer)}
-        path = self.mapping.reference_path(layer)
-        return diagnose(lambda t: self.reference.build(path, t), routed, self.config, x, got, out64, tolerance)
+        routed = self.reference_tensors(layer, self.read_layer(layer, expert))
+        return diagnose(lambda t: self.reference_from(layer, t), routed, self.config, x, got, out64, tolerance)
 
     def report(self) -> Report:
         import transformers
@@ -263,6 +302,14 @@ class Session:
                             "--layers all checks every one")
         return chosen
 
+    def expert_indices(self, spec: str | int | Iterable[int] | None) -> list[int | None]:
+        """[None] for a dense model; the selected experts (default: all) for MoE."""
+        if self.num_experts is None:
+            if spec is not None and spec != "all":
+                raise LayerRangeError(f"--experts {spec!r}: mapping '{self.mapping.name}' describes a dense model (no experts)")
+            return [None]
+        return parse_layers(spec, self.num_experts, "expert")
+
     def target_name(self) -> str:
         spec = self.target_spec if self.target_spec is not None else self.mapping.target_class
         return spec if isinstance(spec, str) else f"{spec.__module__}:{spec.__qualname__}"
@@ -287,7 +334,12 @@ def preactivation(module: nn.Module, x: torch.Tensor) -> torch.Tensor | None:
         module(x)
     finally:
         handle.remove()
-    return seen[0] if seen else None
+    if not seen:
+        return None
+    z = seen[0]
+    if z.dim() == 2 and x.dim() == 3:  # experts see tokens flattened, in order: one row per batch item again
+        z = z.reshape(x.shape[0], -1, z.shape[-1])
+    return z
 
 
 def run_module(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
@@ -316,38 +368,48 @@ def run_target(module: nn.Module, name: str, x: torch.Tensor, expected: torch.Si
 
 
 def open_session(model: str, checkpoint: str | None = None, mapping: str | None = None, revision: str | None = None,
-                 target: str | Any | None = None, seed: int = 0, atol: float | None = None) -> Session:
-    return Session(resolve(model, checkpoint, mapping, revision), target=target, seed=seed, atol=atol)
+                 target: str | Any | None = None, seed: int = 0, atol: float | None = None,
+                 allow_pickle: bool = False) -> Session:
+    return Session(resolve(model, checkpoint, mapping, revision, allow_pickle), target=target, seed=seed, atol=atol)
 
 
 def check(model: str, layers: str | int | Iterable[int] | None = None, target: str | Any | None = None,
           checkpoint: str | None = None, mapping: str | None = None, revision: str | None = None, seed: int = 0,
           atol: float | None = None, on_layer: Callable[[Report, LayerResult], None] | None = None,
-          logits: bool = False) -> Report:
+          logits: bool = False, allow_pickle: bool = False, experts: str | int | Iterable[int] | None = None) -> Report:
     """Check the selected layers (default: all), one at a time; returns the report the CLI prints.
 
-    ``logits=True`` also substitutes the target into the full model and compares its logits."""
-    session = open_session(model, checkpoint, mapping, revision, target, seed, atol)
+    ``logits=True`` also substitutes the target into the full model and compares its logits;
+    ``allow_pickle`` opts in to pickle-based files (torch.load(weights_only=True)); ``experts``
+    selects the experts of an MoE model (default: all), each checked on its own."""
+    session = open_session(model, checkpoint, mapping, revision, target, seed, atol, allow_pickle)
     report = session.report()
     if layers is None and session.checkpoint.weights == "synthetic":
         layers = session.synthetic_layers(report)
+    selected_experts = session.expert_indices(experts)
     for layer in parse_layers(layers, session.num_layers):
-        result, report.target = session.run_layer(layer)
-        report.notes.extend(n for n in session.target_notes if n not in report.notes)
-        report.layers.append(result)
-        if on_layer is not None:
-            on_layer(report, result)
+        for expert in selected_experts:
+            result, report.target = session.run_layer(layer, expert)
+            report.notes.extend(n for n in session.target_notes if n not in report.notes)
+            report.layers.append(result)
+            if on_layer is not None:
+                on_layer(report, result)
     if logits:
         from .logits import logits_impact
 
-        report.logits = logits_impact(session, [r.layer for r in report.layers])
+        report.logits = logits_impact(session, sorted({r.layer for r in report.layers}))
     return report
 
 
 def load_ffn(model: str, layer: int = 0, target: str | Any | None = None, checkpoint: str | None = None,
-             mapping: str | None = None, revision: str | None = None) -> nn.Module:
-    """The target module (default: the mapping's, e.g. FeedForward for gpt2) holding ``layer``'s weights, in eval mode."""
-    session = open_session(model, checkpoint, mapping, revision, target)
+             mapping: str | None = None, revision: str | None = None, allow_pickle: bool = False,
+             expert: int | None = None) -> nn.Module:
+    """The target module (default: the mapping's, e.g. FeedForward for gpt2) holding ``layer``'s weights
+    (of ``expert``, for MoE models), in eval mode."""
+    session = open_session(model, checkpoint, mapping, revision, target, allow_pickle=allow_pickle)
     (layer,) = parse_layers(int(layer), session.num_layers)
-    module, _ = session.build_target(session.read_layer(layer))
+    if session.num_experts is not None and expert is None:
+        raise LayerRangeError(f"'{model}' is a mixture of experts ({session.num_experts} per layer): pass expert=N")
+    (expert,) = session.expert_indices(None if expert is None else [int(expert)])
+    module, _ = session.build_target(session.read_layer(layer, expert))
     return module

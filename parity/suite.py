@@ -35,7 +35,8 @@ def plan_layers(spec: CheckSpec) -> tuple[list[int], list[str]]:
     """The layers `parity MODEL` would check for this spec, and notes about the choice."""
     from .runner import open_session, parse_layers
 
-    session = open_session(spec.model, spec.checkpoint, spec.mapping, spec.revision, spec.target, spec.seed, spec.atol)
+    session = open_session(spec.model, spec.checkpoint, spec.mapping, spec.revision, spec.target, spec.seed, spec.atol,
+                           spec.allow_pickle)
     layers = spec.layers
     notes: list[str] = []
     if layers is None and session.checkpoint.weights == "synthetic":
@@ -83,7 +84,8 @@ def execute(runs: list[CheckRun], on_layer: Callable[[CheckRun, Report, LayerRes
         try:
             report = check(spec.model, layers=run.layers, target=spec.target, checkpoint=spec.checkpoint,
                            mapping=spec.mapping, revision=spec.revision, seed=spec.seed, atol=spec.atol,
-                           on_layer=record, logits=spec.logits)
+                           on_layer=record, logits=spec.logits, allow_pickle=spec.allow_pickle,
+                           experts=spec.experts)
         except ParityError as exc:
             if raise_errors:
                 raise

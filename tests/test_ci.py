@@ -68,7 +68,8 @@ def test_junit_pass_has_no_failure(tiny, tmp_path, capsys):
 def test_junit_carries_diagnosis_expert_and_errors():
     diagnosed = layer_result(0, passed=False, max_abs=1e-3, diagnosis={
         "id": "exact_gelu", "message": "uses the exact erf GELU", "distance": 1e-9, "reference_distance": 9e-4})
-    expert = SimpleNamespace(**vars(layer_result(1)), expert=3)
+    expert = layer_result(1)
+    expert.expert = 3
     runs = [SimpleNamespace(label="gpt2", report=report_with(diagnosed, expert), error=None, seconds=[0.5, 0.25]),
             SimpleNamespace(label="broken", report=None, error="parity.toml: checks[1]: no such folder", seconds=[])]
     root = ET.fromstring(ET.tostring(build_junit(runs)))
