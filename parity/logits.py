@@ -46,6 +46,8 @@ class _Substitute(nn.Module):
 def logits_impact(session: Any, layers: list[int]) -> dict:
     from transformers import AutoModelForCausalLM
 
+    if session.mapping.experts is not None:
+        return {"skipped": "the targets are single experts; a routed MoE block cannot be replaced by one of them"}
     params = sum(p.numel() for p in session.reference.skeleton.parameters())
     need, have = params * 4, available_memory()
     if have is not None and need > MEMORY_SHARE * have:

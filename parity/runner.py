@@ -383,6 +383,13 @@ def check(model: str, layers: str | int | Iterable[int] | None = None, target: s
     ``allow_pickle`` opts in to pickle-based files (torch.load(weights_only=True)); ``experts``
     selects the experts of an MoE model (default: all), each checked on its own."""
     session = open_session(model, checkpoint, mapping, revision, target, seed, atol, allow_pickle)
+    return run_session(session, layers, on_layer, logits, experts)
+
+
+def run_session(session: Session, layers: str | int | Iterable[int] | None = None,
+                on_layer: Callable[[Report, LayerResult], None] | None = None, logits: bool = False,
+                experts: str | int | Iterable[int] | None = None) -> Report:
+    """``check`` on an already opened session (``parity check`` plans with the same session it runs)."""
     report = session.report()
     if layers is None and session.checkpoint.weights == "synthetic":
         layers = session.synthetic_layers(report)

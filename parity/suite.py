@@ -25,14 +25,15 @@ class CheckRun:
     error: str | None = None
     seconds: list[float] = field(default_factory=list)  # per checked layer
     plan_notes: list[str] = field(default_factory=list)
+    session: object | None = None  # opened while planning, reused to run: resolved once
 
     @property
     def label(self) -> str:
         return self.spec.label
 
 
-def plan_layers(spec: CheckSpec) -> tuple[list[int], list[str]]:
-    """The layers `parity MODEL` would check for this spec, and notes about the choice."""
+def plan_layers(spec: CheckSpec) -> tuple[list[int], list[str], object]:
+    """The layers `parity MODEL` would check for this spec, notes about the choice, and the session."""
     from .runner import open_session, parse_layers
 
     session = open_session(spec.model, spec.checkpoint, spec.mapping, spec.revision, spec.target, spec.seed, spec.atol,
@@ -42,7 +43,7 @@ def plan_layers(spec: CheckSpec) -> tuple[list[int], list[str]]:
     if layers is None and session.checkpoint.weights == "synthetic":
         stub = SimpleNamespace(notes=notes)
         layers = session.synthetic_layers(stub)
-    return parse_layers(layers, session.num_layers), notes
+    return parse_layers(layers, session.num_layers), notes, session
 
 
 def plan(specs: list[CheckSpec], shard: tuple[int, int] | None = None, raise_errors: bool = False) -> list[CheckRun]:
@@ -50,7 +51,7 @@ def plan(specs: list[CheckSpec], shard: tuple[int, int] | None = None, raise_err
     units = []
     for index, run in enumerate(runs):
         try:
-            layers, run.plan_notes = plan_layers(run.spec)
+            layers, run.plan_notes, run.session = plan_layers(run.spec)
         except ParityError as exc:
             if raise_errors:
                 raise
@@ -65,7 +66,7 @@ def plan(specs: list[CheckSpec], shard: tuple[int, int] | None = None, raise_err
 def execute(runs: list[CheckRun], on_layer: Callable[[CheckRun, Report, LayerResult], None] | None = None,
             raise_errors: bool = False, on_check: Callable[[CheckRun], None] | None = None) -> list[CheckRun]:
     """Run each planned check's layers (runs with none, or with a planning error, are skipped)."""
-    from .runner import check
+    from .runner import run_session
 
     for run in runs:
         if run.error is not None or not run.layers:
@@ -82,10 +83,8 @@ def execute(runs: list[CheckRun], on_layer: Callable[[CheckRun, Report, LayerRes
                 on_layer(run, report, result)
 
         try:
-            report = check(spec.model, layers=run.layers, target=spec.target, checkpoint=spec.checkpoint,
-                           mapping=spec.mapping, revision=spec.revision, seed=spec.seed, atol=spec.atol,
-                           on_layer=record, logits=spec.logits, allow_pickle=spec.allow_pickle,
-                           experts=spec.experts)
+            report = run_session(run.session, run.layers, on_layer=record, logits=spec.logits, experts=spec.experts)
+            run.session = None  # release the resolved checkpoint once its check is done
         except ParityError as exc:
             if raise_errors:
                 raise
