@@ -16,6 +16,7 @@ import torch
 from torch import nn
 
 from .errors import CheckpointError, MappingError
+from .upcast import upcast_on_call, works_on_call
 
 _ACTIVATION_CHILD_NAMES = ("act", "act_fn", "activation_fn", "activation")
 
@@ -33,6 +34,7 @@ class ReferenceModel:
 
     def __init__(self, config: Any):
         self.config = config
+        self._on_call_ok: dict[tuple[type, torch.dtype], bool] = {}
 
     @cached_property
     def skeleton(self) -> nn.Module:
@@ -61,10 +63,24 @@ class ReferenceModel:
         """HF names (relative to the MLP) and shapes of a layer's reference parameters."""
         return {name: tuple(p.shape) for name, p in self.meta_module(path).named_parameters()}
 
-    def build(self, path: str, tensors: dict[str, torch.Tensor]) -> nn.Module:
-        """A real, eval-mode copy of the layer's MLP holding ``tensors`` (float32 or float64)."""
-        module = copy.deepcopy(self.meta_module(path))
+    def build(self, path: str, tensors: dict[str, torch.Tensor], hidden_size: int) -> nn.Module:
+        """A real, eval-mode copy of the layer's MLP holding ``tensors`` as stored, computing in float32.
+
+        Weights stay in their stored dtype and are upcast per submodule as it runs
+        (``parity.upcast``); ``upcast.compute_in(module, torch.float64)`` switches to float64.
+        Where that cannot work the module is converted to float32 as a whole.
+        """
+        meta = self.meta_module(path)
+        module = copy.deepcopy(meta)
         module.load_state_dict(tensors, strict=True, assign=True)
+        stored = next((t.dtype for t in tensors.values() if t.is_floating_point()), torch.float32)
+        key = (type(meta), stored)
+        if key not in self._on_call_ok:
+            self._on_call_ok[key] = works_on_call(meta, stored, hidden_size)
+        if self._on_call_ok[key]:
+            upcast_on_call(module, torch.float32)
+        else:
+            module.float()
         return module.eval()
 
 

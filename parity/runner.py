@@ -21,11 +21,13 @@ from torch import nn
 from . import __version__
 from .errors import LayerRangeError, MissingTensorError, WeightDefectError
 from .mapping import ConfigValue, Mapping
+from .memory import young_objects_only
 from .reference import ReferenceModel, activation_module, activation_name, configured_activation
 from .report import LayerResult, Report
 from .resolve import Resolved, resolve
 from .mapping import TensorRoute
 from .target import build_target, fill_target, route_tensor
+from .upcast import compute_in
 
 ROW_TARGETS = (1.0, 3.0, 8.0)  # max |pre-activation| aimed at by each batch row
 TOKENS = 16
@@ -112,8 +114,8 @@ class Session:
             f"{self.mapping.key_prefixes} from {self.mapping.path.name}): {hints}"
         )
 
-    def read_layer(self, layer: int) -> dict[str, torch.Tensor]:
-        """The layer's FFN tensors under names relative to the layer, upcast to float32."""
+    def read_layer(self, layer: int, dtype: torch.dtype | None = torch.float32) -> dict[str, torch.Tensor]:
+        """The layer's FFN tensors under names relative to the layer, upcast to ``dtype`` (None: as stored)."""
         prefix = self.layer_prefix(layer)
         routes = [*self.reference_routes(layer), *self.mapping.tensors]
         wanted = list(dict.fromkeys(r.source for r in routes if not r.optional or self.checkpoint.has(prefix + r.source)))
@@ -121,19 +123,19 @@ class Session:
         tensors = {}
         for name in wanted:
             tensor = raw.pop(prefix + name)
-            if tensor.is_floating_point() and not torch.isfinite(tensor).all():
+            if not all_finite(tensor):
                 bad = int((~torch.isfinite(tensor)).sum())
                 raise WeightDefectError(
                     f"{self.checkpoint.location}: tensor '{prefix + name}' holds {bad} NaN/Inf values: "
                     "the checkpoint is defective (not a module mismatch)"
                 )
-            tensors[name] = tensor.to(torch.float32)
+            tensors[name] = tensor if dtype is None or not tensor.is_floating_point() else tensor.to(dtype)
         return tensors
 
     # -- modules ---------------------------------------------------------------------------
     def build_reference(self, layer: int, tensors: dict[str, torch.Tensor]) -> nn.Module:
         routed = {r.target: route_tensor(r, tensors[r.source]) for r in self.reference_routes(layer)}
-        return self.reference.build(self.mapping.reference_path(layer), routed)
+        return self.reference.build(self.mapping.reference_path(layer), routed, self.hidden_size)
 
     def build_target(self, tensors: dict[str, torch.Tensor]) -> tuple[nn.Module, str]:
         with skip_init():
@@ -156,9 +158,9 @@ class Session:
 
     # -- one layer -------------------------------------------------------------------------
     def run_layer(self, layer: int) -> tuple[LayerResult, str]:
-        """Check one layer.  Peak memory: the layer's weights about 3 times over (float32 target
-        and reference, then the reference converted in place to float64), never the model."""
-        tensors = self.read_layer(layer)
+        """Check one layer.  Peak memory: the layer's weights as stored plus the float32 target;
+        the reference upcasts one projection at a time (``parity.upcast``), never the model."""
+        tensors = self.read_layer(layer, dtype=None)
         target, target_name = self.build_target(tensors)
         reference = self.build_reference(layer, tensors)  # shares storage with ``tensors``
         del tensors
@@ -169,7 +171,7 @@ class Session:
             got = run_module(target, x)
             again = run_module(target, x)
             del target
-            out64 = reference.double()(x.double())  # in place: float32 weights are released as converted
+            out64 = compute_in(reference, torch.float64)(x.double())  # one projection at a time in float64
         del reference
         gc.collect()
         noise = float((out32 - out64).abs().max())
@@ -231,15 +233,38 @@ class Session:
         return spec if isinstance(spec, str) else f"{spec.__module__}:{spec.__qualname__}"
 
 
+def all_finite(tensor: torch.Tensor) -> bool:
+    """No NaN/Inf.  aminmax propagates NaN and returns any Inf: one pass, ~100x faster on
+    bfloat16 than ``isfinite(t).all()`` (0.4 s per 1B-model layer)."""
+    if not tensor.is_floating_point() or tensor.numel() == 0:
+        return True
+    lo, hi = torch.aminmax(tensor)
+    return math.isfinite(float(lo)) and math.isfinite(float(hi))
+
+
+class _Stop(Exception):
+    """Raised by the activation's pre-hook: the rest of the forward is not needed."""
+
+
 def preactivation(module: nn.Module, x: torch.Tensor) -> torch.Tensor | None:
-    """The input the module's activation sees for ``x`` (None when it has no activation child)."""
+    """The input the module's activation sees for ``x`` (None when it has no activation child).
+
+    The forward stops at the activation: the projections after it would be computed for nothing.
+    """
     act = activation_module(module)
     if act is None:
         return None
     seen = []
-    handle = act.register_forward_pre_hook(lambda _m, args: seen.append(args[0].detach()))
+
+    def grab(_module, args):
+        seen.append(args[0].detach())
+        raise _Stop
+
+    handle = act.register_forward_pre_hook(grab)
     try:
         module(x)
+    except _Stop:
+        pass
     finally:
         handle.remove()
     return seen[0] if seen else None
@@ -268,11 +293,12 @@ def check(model: str, layers: str | int | Iterable[int] | None = None, target: s
     report = session.report()
     if layers is None and session.checkpoint.weights == "synthetic":
         layers = session.synthetic_layers(report)
-    for layer in parse_layers(layers, session.num_layers):
-        result, report.target = session.run_layer(layer)
-        report.layers.append(result)
-        if on_layer is not None:
-            on_layer(report, result)
+    with young_objects_only():  # the per-layer gc.collect() then costs milliseconds, not 0.5 s
+        for layer in parse_layers(layers, session.num_layers):
+            result, report.target = session.run_layer(layer)
+            report.layers.append(result)
+            if on_layer is not None:
+                on_layer(report, result)
     return report
 
 
