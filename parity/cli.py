@@ -38,6 +38,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--seed", type=int, default=0, help="seed of the generated inputs (default 0)")
     parser.add_argument("--atol", type=float, metavar="X", help="absolute tolerance instead of the noise-floor-derived one")
     parser.add_argument("--json", metavar="FILE|-", help="write the JSON report to FILE, or to stdout with '-'")
+    parser.add_argument("-q", "--quiet", action="store_true",
+                        help="no download progress bars and no per-layer table (the summary line and errors still print)")
     parser.add_argument("--debug", action="store_true", help="show tracebacks for errors")
     return parser
 
@@ -61,8 +63,14 @@ def run_check(args: argparse.Namespace) -> int:
     to_stdout = args.json == "-"
     say = (lambda text: print(text, file=sys.stderr)) if to_stdout else print
     started = []
+    if args.quiet or to_stdout:  # progress bars would interleave with the table / JSON consumers' stderr
+        from huggingface_hub.utils import disable_progress_bars
+
+        disable_progress_bars()
 
     def on_layer(report, result):
+        if args.quiet:
+            return
         if not started:
             for line in [*header_lines(report), "", HEADER]:
                 say(line)
@@ -72,7 +80,8 @@ def run_check(args: argparse.Namespace) -> int:
     layers = args.layer if args.layer is not None else args.layers
     report = check(args.model, layers=layers, target=args.target, checkpoint=args.checkpoint, mapping=args.mapping,
                    revision=args.revision, seed=args.seed, atol=args.atol, on_layer=on_layer)
-    say("")
+    if not args.quiet:
+        say("")
     say(summary_line(report))
     if args.json:
         if to_stdout:
