@@ -11,6 +11,7 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 
 import parity
+import parity.runner
 from parity.errors import WeightDefectError
 from parity.memory import young_objects_only
 from parity.runner import all_finite, preactivation
@@ -39,6 +40,18 @@ def test_upcast_on_call_computes_exactly_as_a_converted_module():
     assert {p.dtype for p in hooked.parameters()} == {torch.bfloat16}  # released after the call
 
 
+def test_scratch_buffers_are_reused_across_shapes_and_dtypes():
+    stored = build_model("gpt2", seed=4).transformer.h[0].mlp.to(torch.bfloat16)  # weights and biases of 4 sizes
+    x = torch.randn(3, 4, 32)
+    want = _converted(stored, torch.float32)(x)
+    hooked = upcast_on_call(_converted(stored, torch.bfloat16), torch.float32)
+    with torch.no_grad():
+        for _ in range(3):  # later calls run on buffers left by earlier ones
+            assert torch.equal(hooked(x), want)
+        assert torch.equal(compute_in(hooked, torch.float64)(x.double()), _converted(stored, torch.float64)(x.double()))
+        assert torch.equal(compute_in(hooked, torch.float32)(x), want)
+
+
 def test_only_the_running_projection_is_upcast():
     module = upcast_on_call(llama_mlp(), torch.float64)
     seen = {}
@@ -52,6 +65,15 @@ def test_only_the_running_projection_is_upcast():
     assert set(seen) == {"gate_proj", "up_proj", "down_proj"}
     for running, dtypes in seen.items():
         assert {n for n, d in dtypes.items() if d == torch.float64} == {f"{running}.weight"}
+
+
+@pytest.mark.parametrize("model_type", ["gpt2", "llama", "gemma3_text"])
+def test_checks_use_per_call_upcasting(tiny, model_type):
+    session = parity.runner.open_session(str(tiny[model_type]))
+    tensors = {k: v.to(torch.bfloat16) for k, v in session.read_layer(0, dtype=None).items()}
+    reference = session.build_reference(0, tensors)
+    assert hasattr(reference, "_parity_compute")  # not converted as a whole
+    assert {p.dtype for p in reference.parameters()} == {torch.bfloat16}
 
 
 def test_forward_reading_a_child_dtype_is_not_upcast_per_call():
