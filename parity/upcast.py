@@ -34,15 +34,19 @@ class _Compute:
         self._free: dict[torch.dtype, list[torch.Tensor]] = {}
 
     def upcast(self, stored: torch.Tensor) -> torch.Tensor:
-        if not stored.is_floating_point() or stored.dtype == self.dtype:
+        """``stored`` in the compute dtype, or wider if it is stored wider (never a downcast)."""
+        if not stored.is_floating_point():
             return stored
-        free = self._free.setdefault(self.dtype, [])
+        dtype = torch.promote_types(self.dtype, stored.dtype)
+        if dtype == stored.dtype:
+            return stored
+        free = self._free.setdefault(dtype, [])
         fits = sorted((buf.numel(), i) for i, buf in enumerate(free) if buf.numel() >= stored.numel())
-        buf = free.pop(fits[0][1]) if fits else torch.empty(stored.numel(), dtype=self.dtype, device=stored.device)
+        buf = free.pop(fits[0][1]) if fits else torch.empty(stored.numel(), dtype=dtype, device=stored.device)
         return buf[:stored.numel()].view(stored.shape).copy_(stored)
 
     def give_back(self, used: torch.Tensor, stored: torch.Tensor) -> None:
-        if used is not stored and used.dtype == self.dtype:
+        if used is not stored and used.dtype != stored.dtype:
             whole = torch.empty(0, dtype=used.dtype, device=used.device).set_(used.untyped_storage())  # flat, whole
             self._free.setdefault(used.dtype, []).append(whole)
 
@@ -65,7 +69,12 @@ def _current(module: nn.Module, name: str) -> torch.Tensor:
 
 
 def _materialize(mode: _Compute, module: nn.Module, _args) -> None:
-    for name, stored in getattr(module, _STORED).items():
+    kept = getattr(module, _STORED)
+    for name, stored in kept.items():
+        current = _current(module, name)
+        if current.dtype != stored.dtype or current.data_ptr() != stored.data_ptr():
+            # converted or reassigned since (module.double(), load_state_dict): that is the stored tensor now
+            stored = kept[name] = current.detach()
         _put(module, name, mode.upcast(stored))
 
 

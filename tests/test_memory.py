@@ -52,6 +52,16 @@ def test_scratch_buffers_are_reused_across_shapes_and_dtypes():
         assert torch.equal(compute_in(hooked, torch.float32)(x), want)
 
 
+def test_a_hooked_module_converted_as_a_whole_computes_in_that_dtype():
+    stored = llama_mlp()
+    x = torch.randn(2, 3, 32, dtype=torch.float64)
+    hooked = upcast_on_call(_converted(stored, torch.bfloat16), torch.float32).double()  # the pre-upcast idiom
+    with torch.no_grad():
+        got = hooked(x)
+    assert got.dtype == torch.float64 and torch.equal(got, _converted(stored, torch.float64)(x))
+    assert {p.dtype for p in hooked.parameters()} == {torch.float64}
+
+
 def test_only_the_running_projection_is_upcast():
     module = upcast_on_call(llama_mlp(), torch.float64)
     seen = {}
