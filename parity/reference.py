@@ -63,20 +63,22 @@ class ReferenceModel:
         """HF names (relative to the MLP) and shapes of a layer's reference parameters."""
         return {name: tuple(p.shape) for name, p in self.meta_module(path).named_parameters()}
 
-    def build(self, path: str, tensors: dict[str, torch.Tensor], hidden_size: int) -> nn.Module:
+    def build(self, path: str, tensors: dict[str, torch.Tensor], hidden_size: int | None = None) -> nn.Module:
         """A real, eval-mode copy of the layer's MLP holding ``tensors`` as stored, computing in float32.
 
         Weights stay in their stored dtype and are upcast per submodule as it runs
         (``parity.upcast``); ``upcast.compute_in(module, torch.float64)`` switches to float64.
-        Where that cannot work the module is converted to float32 as a whole.
+        Where that cannot work the module is converted to float32 as a whole; ``.double()``
+        on the result still converts it as a whole.
         """
+        hidden_size = hidden_size or getattr(self.config, "hidden_size", None)
         meta = self.meta_module(path)
         module = copy.deepcopy(meta)
         module.load_state_dict(tensors, strict=True, assign=True)
         stored = next((t.dtype for t in tensors.values() if t.is_floating_point()), torch.float32)
         key = (type(meta), stored)
         if key not in self._on_call_ok:
-            self._on_call_ok[key] = works_on_call(meta, stored, hidden_size)
+            self._on_call_ok[key] = bool(hidden_size) and works_on_call(meta, stored, int(hidden_size))
         if self._on_call_ok[key]:
             upcast_on_call(module, torch.float32)
         else:
