@@ -1,6 +1,7 @@
 """Hub checkpoints through huggingface_hub: the local cache first when offline, and with
 network only config.json, the index, and the byte ranges of the requested tensors in the
-shards that hold them (shards already cached are read from the cache).
+shards that hold them (shards already cached are read from the cache; tensors read by
+range are kept by parity.tensorcache, and read from there even offline).
 
 huggingface_hub retries an unreachable hub for over 20 s; parity asks the network once,
 with a short timeout, and treats a failure as offline (HF_HUB_OFFLINE=1 skips even that).
@@ -21,6 +22,7 @@ from .checkpoint import (CONFIG, INDEX, SINGLE, Checkpoint, read_json, read_safe
                          weight_map_from_index)
 from .errors import CheckpointError, GatedRepoError, OfflineError, PickleRefusedError, UnknownModelError
 from .ranges import Fetch, RangedReader
+from .tensorcache import TensorCache
 
 REACH_TIMEOUT_S = float(os.environ.get("PARITY_HUB_TIMEOUT", "3"))
 RANGE_CHUNK = 16 * 2**20  # bytes per HTTP range request (and progress-bar step)
@@ -103,7 +105,7 @@ def open_hub(repo_id: str, revision: str | None = None) -> Checkpoint:
             raise CheckpointError(f"'{repo_id}': {file_name} is listed in {INDEX} but missing from the repository") from None
 
     location = repo_id + (f"@{revision}" if revision else "")
-    reader = None if offline else remote_reader(repo_id, _pinned(config_path, revision), fetch)
+    reader = remote_reader(repo_id, _pinned(config_path, revision), fetch, offline=offline)
     return Checkpoint(location, config_path.parent, raw_config, weight_map, fetch, reader=reader)
 
 
@@ -148,18 +150,24 @@ def progress_bar(description: str, total: int):
 
 
 def remote_reader(repo_id: str, revision: str | None, download: Callable[[str], Path],
-                  fetcher: Fetch | None = None) -> Callable[[str, list[str]], dict]:
-    """Read tensors from the cached shard when there is one, else only their byte ranges."""
+                  fetcher: Fetch | None = None, offline: bool = False) -> Callable[[str, list[str]], dict]:
+    """Read tensors from the cached shard when there is one, else from parity's cache of
+    tensors read by range, else (online) only their byte ranges."""
     from huggingface_hub import try_to_load_from_cache
 
-    ranged = RangedReader(fetcher or hub_range_fetcher(repo_id, revision), progress=progress_bar)
+    kept = TensorCache(repo_id, revision)
+    if offline:
+        def ranged_read(file_name: str, names: list[str]) -> dict:
+            raise OfflineError(_offline_help(repo_id))
+    else:
+        ranged_read = RangedReader(fetcher or hub_range_fetcher(repo_id, revision), progress=progress_bar).read
 
     def read(file_name: str, names: list[str]) -> dict:
         cached = try_to_load_from_cache(repo_id, file_name, revision=revision)
         if isinstance(cached, str):
             return read_safetensors(Path(cached), names)
         try:
-            return ranged.read(file_name, names)
+            return kept.read_through(file_name, names, ranged_read)
         except _RangeFailed as exc:
             print(f"parity: reading byte ranges of {repo_id}/{file_name} failed ({exc}); downloading the whole file",
                   file=sys.stderr)

@@ -138,6 +138,7 @@ def online_hub_without_shards(llama_sharded, tmp_path, monkeypatch):
     for name in ("config.json", "model.safetensors.index.json"):
         shutil.copy(llama_sharded / name, snapshot / name)
     monkeypatch.setenv("HF_HUB_CACHE", str(home / "hub"))
+    monkeypatch.setenv("PARITY_CACHE", str(tmp_path / "parity_cache"))  # tensors read by range: this test's own
     from huggingface_hub import constants
 
     monkeypatch.setattr(constants, "HF_HUB_CACHE", str(home / "hub"))
@@ -212,3 +213,35 @@ def test_progress_bars_on_by_default(tiny, capsys):
     assert main([str(tiny["llama"]), "--layer", "0"]) == 0
     assert not are_progress_bars_disabled()
     assert "max|Δ|" in capsys.readouterr().out
+
+
+def test_tensors_read_by_range_are_cached_for_the_commit(online_hub_without_shards, llama_sharded, monkeypatch):
+    calls, _, commit = online_hub_without_shards
+    first = parity.check("tiny-org/sharded", layers=[1])
+    assert calls
+    calls.clear()
+    again = parity.check("tiny-org/sharded", layers=[1])
+    assert calls == []  # nothing fetched the second time
+    assert [r.max_abs_diff for r in again.layers] == [r.max_abs_diff for r in first.layers]
+    monkeypatch.setattr(hub, "hub_reachable", lambda: False)  # and offline, from the same cache
+    assert parity.check("tiny-org/sharded", layers=[1]).passed and calls == []
+    with pytest.raises(hub.OfflineError, match="not in the local Hugging Face cache"):
+        parity.check("tiny-org/sharded", layers=[0])  # never read: fails fast, says what to do
+
+
+def test_branch_names_are_not_cached(llama_sharded, tmp_path):
+    from parity.tensorcache import TensorCache
+
+    reads = []
+
+    def read(file_name, names):
+        reads.append(names)
+        return {n: torch.ones(2) for n in names}
+
+    for cache in (TensorCache("org/x", "main"), TensorCache("org/x", None)):
+        cache.read_through("a.safetensors", ["t"], read)
+        cache.read_through("a.safetensors", ["t"], read)
+    assert len(reads) == 4
+    pinned = TensorCache("org/x", "0" * 40)
+    pinned.read_through("a.safetensors", ["t", "u"], read)
+    assert pinned.read_through("a.safetensors", ["u", "t"], read)["u"].tolist() == [1.0, 1.0] and len(reads) == 5
