@@ -2,9 +2,9 @@
 
 The reference MLP of a 1B model holds ~70 MB of bfloat16 weights, 140 MB in float32 and
 280 MB in float64; converting the whole module puts the float64 copy on top of everything
-else.  Instead each submodule that owns parameters gets its weights upcast just before it
-runs and dropped right after, so at most one projection exists in the compute dtype at a
-time.  Values are identical: bfloat16/float16/float32 values are exact in the wider dtype.
+else.  Instead each submodule that owns parameters gets its weights upcast (into a reused
+scratch buffer) just before it runs, and its stored tensors back right after, so at most
+one projection exists in the compute dtype at a time.  Values are identical: bfloat16/float16/float32 values are exact in the wider dtype.
 
 Hooks hold no reference to the module (no reference cycles: everything is freed by
 reference counting the moment the caller drops the module, without ``gc.collect``).
