@@ -2,8 +2,9 @@
 
 A ``Checkpoint`` knows its config.json and a map tensor-name -> file.  Files are obtained
 through ``fetch`` only when a tensor in them is read: a local folder returns its own
-files, the hub downloads the one shard, the synthetic default writes it.  Reading goes
-through ``safe_open``, so only the requested tensors are ever materialised.
+files, the synthetic default writes it.  Reading goes through ``safe_open``, so only the
+requested tensors are ever materialised; a hub checkpoint with network instead reads the
+byte ranges of those tensors of shards it has not cached (``reader``).
 """
 
 from __future__ import annotations
@@ -34,6 +35,9 @@ class Checkpoint:
     repo_id: str | None = None  # set for hub checkpoints
     revision: str | None = None
     notes: list[str] = field(default_factory=list)  # how the checkpoint was interpreted (GGUF, Meta), for the report
+    # (file name, tensor names in it) -> tensors; None: safe_open on fetch(file name).  The hub
+    # sets one that reads byte ranges of shards it has not cached (parity.ranges).
+    reader: Callable[[str, list[str]], dict] | None = None
 
     def has(self, name: str) -> bool:
         return name in self.weight_map
@@ -52,25 +56,31 @@ class Checkpoint:
             raise MissingTensorError(f"{self.location}: missing tensors: {hints}")
         out = {}
         for file_name in self.files_for(names):
-            with self._open(file_name) as handle:  # closed at once: no shard stays mapped after its layer
-                for name in names:
-                    if self.weight_map[name] == file_name:
-                        try:
-                            out[name] = handle.get_tensor(name)
-                        except Exception as exc:
-                            raise CheckpointError(
-                                f"{file_name} in {self.location}: cannot read tensor '{name}': {exc}") from None
+            in_file = [name for name in names if self.weight_map[name] == file_name]
+            if self.reader is not None:
+                out.update(self.reader(file_name, in_file))
+            else:
+                out.update(read_safetensors(self.fetch(file_name), in_file))
         return out
 
-    def _open(self, file_name: str):
-        from safetensors import safe_open
 
-        path = self.fetch(file_name)
-        require_regular_file(path)
-        try:
-            return safe_open(str(path), framework="pt")
-        except Exception as exc:
-            raise unreadable(path, exc) from None
+def read_safetensors(path: Path, names: list[str]) -> dict:
+    """These tensors of one local safetensors file; the file is closed (unmapped) on return."""
+    from safetensors import safe_open
+
+    require_regular_file(path)
+    try:
+        handle = safe_open(str(path), framework="pt")
+    except Exception as exc:
+        raise unreadable(path, exc) from None
+    out = {}
+    with handle:
+        for name in names:
+            try:
+                out[name] = handle.get_tensor(name)
+            except Exception as exc:
+                raise CheckpointError(f"{path}: cannot read tensor '{name}': {exc}") from None
+    return out
 
 
 def read_json(path: Path, what: str) -> dict:

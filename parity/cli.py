@@ -158,7 +158,7 @@ def run_specs(specs, args: argparse.Namespace, single: bool, shard=None) -> int:
     out = sys.stderr if json_stdout else sys.stdout
     if args.update_baseline and not args.baseline:
         raise UsageError("--update-baseline needs --baseline FILE (or 'baseline' in the project file)")
-    if args.quiet:
+    if args.quiet or json_stdout:  # download bars would interleave with the table / JSON consumers' stderr
         silence_downloads()
     entries = load_baseline(args.baseline) if args.baseline and not args.update_baseline else None
     runs = plan(specs, shard, raise_errors=single)

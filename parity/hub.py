@@ -1,5 +1,7 @@
 """Hub checkpoints through huggingface_hub: the local cache first when offline, and with
-network only config.json, the index, and the shards that hold the requested tensors.
+network only config.json, the index, and the byte ranges of the requested tensors in the
+shards that hold them (shards already cached are read from the cache; tensors read by
+range are kept by parity.tensorcache, and read from there even offline).
 
 huggingface_hub retries an unreachable hub for over 20 s; parity asks the network once,
 with a short timeout, and treats a failure as offline (HF_HUB_OFFLINE=1 skips even that).
@@ -8,15 +10,22 @@ with a short timeout, and treats a failure as offline (HF_HUB_OFFLINE=1 skips ev
 from __future__ import annotations
 
 import os
+import re
 import socket
+import sys
 from functools import lru_cache
 from pathlib import Path
+from typing import Callable, Iterator
 from urllib.parse import urlparse
 
-from .checkpoint import CONFIG, INDEX, SINGLE, Checkpoint, read_json, weight_map_from_files, weight_map_from_index
+from .checkpoint import (CONFIG, INDEX, SINGLE, Checkpoint, read_json, read_safetensors, weight_map_from_files,
+                         weight_map_from_index)
 from .errors import CheckpointError, GatedRepoError, OfflineError, PickleRefusedError, UnknownModelError
+from .ranges import Fetch, RangedReader
+from .tensorcache import TensorCache
 
 REACH_TIMEOUT_S = float(os.environ.get("PARITY_HUB_TIMEOUT", "3"))
+RANGE_CHUNK = 16 * 2**20  # bytes per HTTP range request (and progress-bar step)
 
 
 def looks_like_hub_id(text: str) -> bool:
@@ -98,7 +107,76 @@ def open_hub(repo_id: str, revision: str | None = None) -> Checkpoint:
             raise CheckpointError(f"'{repo_id}': {file_name} is listed in {INDEX} but missing from the repository") from None
 
     location = repo_id + (f"@{revision}" if revision else "")
-    return Checkpoint(location, config_path.parent, raw_config, weight_map, fetch, repo_id=repo_id, revision=revision)
+    reader = remote_reader(repo_id, _pinned(config_path, revision), fetch, offline=offline)
+    return Checkpoint(location, config_path.parent, raw_config, weight_map, fetch, reader=reader,
+                      repo_id=repo_id, revision=revision)
+
+
+def _pinned(config_path: Path, revision: str | None) -> str | None:
+    """The commit config.json came from (its snapshot folder), so every range is read from it."""
+    commit = config_path.parent.name
+    return commit if re.fullmatch(r"[0-9a-f]{40}", commit) else revision
+
+
+class _RangeFailed(Exception):
+    """The hub would not serve a byte range; the whole shard is downloaded instead."""
+
+
+def hub_range_fetcher(repo_id: str, revision: str | None) -> Fetch:
+    """(file, start, end) -> chunks, through HfFileSystem (auth, endpoint and redirects as huggingface_hub does)."""
+    from huggingface_hub import HfFileSystem
+
+    fs = HfFileSystem()
+
+    def fetch(file_name: str, start: int, end: int) -> Iterator[bytes]:
+        try:  # cache_type "none": every read() is one HTTP range request, nothing is buffered twice
+            with fs.open(f"{repo_id}/{file_name}", "rb", revision=revision, block_size=RANGE_CHUNK,
+                         cache_type="none") as handle:
+                handle.seek(start)
+                while start < end:
+                    data = handle.read(min(RANGE_CHUNK, end - start))
+                    if not data:
+                        return
+                    start += len(data)
+                    yield data
+        except Exception as exc:  # HTTP, connection and fsspec errors alike
+            raise _RangeFailed(f"{type(exc).__name__}: {exc}") from exc
+
+    return fetch
+
+
+def progress_bar(description: str, total: int):
+    """A byte progress bar on stderr; silent after huggingface_hub.utils.disable_progress_bars()."""
+    from huggingface_hub.utils import tqdm
+
+    return tqdm(total=total, desc=description, unit="B", unit_scale=True, unit_divisor=1024)
+
+
+def remote_reader(repo_id: str, revision: str | None, download: Callable[[str], Path],
+                  fetcher: Fetch | None = None, offline: bool = False) -> Callable[[str, list[str]], dict]:
+    """Read tensors from the cached shard when there is one, else from parity's cache of
+    tensors read by range, else (online) only their byte ranges."""
+    from huggingface_hub import try_to_load_from_cache
+
+    kept = TensorCache(repo_id, revision)
+    if offline:
+        def ranged_read(file_name: str, names: list[str]) -> dict:
+            raise OfflineError(_offline_help(repo_id))
+    else:
+        ranged_read = RangedReader(fetcher or hub_range_fetcher(repo_id, revision), progress=progress_bar).read
+
+    def read(file_name: str, names: list[str]) -> dict:
+        cached = try_to_load_from_cache(repo_id, file_name, revision=revision)
+        if isinstance(cached, str):
+            return read_safetensors(Path(cached), names)
+        try:
+            return kept.read_through(file_name, names, ranged_read)
+        except _RangeFailed as exc:
+            print(f"parity: reading byte ranges of {repo_id}/{file_name} failed ({exc}); downloading the whole file",
+                  file=sys.stderr)
+            return read_safetensors(download(file_name), names)
+
+    return read
 
 
 def _single_file_map(repo_id: str, revision: str | None, offline: bool) -> dict[str, str]:

@@ -16,6 +16,7 @@ import torch
 from torch import nn
 
 from .errors import CheckpointError, MappingError, ShapeMismatchError
+from .upcast import upcast_on_call, works_on_call
 
 _ACTIVATION_CHILD_NAMES = ("act", "act_fn", "activation_fn", "activation")
 
@@ -33,6 +34,7 @@ class ReferenceModel:
 
     def __init__(self, config: Any):
         self.config = config
+        self._on_call_ok: dict[tuple[type, torch.dtype], bool] = {}
 
     @cached_property
     def skeleton(self) -> nn.Module:
@@ -61,9 +63,18 @@ class ReferenceModel:
         """HF names (relative to the MLP) and shapes of a layer's reference parameters."""
         return {name: tuple(p.shape) for name, p in self.meta_module(path).named_parameters()}
 
-    def build(self, path: str, tensors: dict[str, torch.Tensor]) -> nn.Module:
-        """A real, eval-mode copy of the layer's MLP holding ``tensors`` (float32 or float64)."""
-        module = copy.deepcopy(self.meta_module(path))
+    def build(self, path: str, tensors: dict[str, torch.Tensor], hidden_size: int | None = None,
+              on_call: bool = True) -> nn.Module:
+        """A real, eval-mode copy of the layer's MLP holding ``tensors`` as stored, computing in float32.
+
+        Weights stay in their stored dtype and are upcast per submodule as it runs
+        (``parity.upcast``); ``upcast.compute_in(module, torch.float64)`` switches to float64.
+        Where that cannot work, or with ``on_call=False`` (a plain module, for replays that
+        convert it themselves), the module is converted to float32 as a whole.
+        """
+        hidden_size = hidden_size or getattr(self.config, "hidden_size", None)
+        meta = self.meta_module(path)
+        module = copy.deepcopy(meta)
         expected = {name: tuple(p.shape) for name, p in module.named_parameters()}
         for name, tensor in tensors.items():
             if name in expected and tuple(tensor.shape) != expected[name]:
@@ -74,6 +85,14 @@ class ReferenceModel:
                     "(wrong config for these weights, or a mapping route in [reference.tensors] is wrong)"
                 )
         module.load_state_dict(tensors, strict=True, assign=True)
+        stored = next((t.dtype for t in tensors.values() if t.is_floating_point()), torch.float32)
+        key = (type(meta), stored)
+        if key not in self._on_call_ok:
+            self._on_call_ok[key] = bool(hidden_size) and works_on_call(meta, stored, int(hidden_size))
+        if on_call and self._on_call_ok[key]:
+            upcast_on_call(module, torch.float32)
+        else:
+            module.float()
         return module.eval()
 
 

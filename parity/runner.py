@@ -23,11 +23,13 @@ from .diagnose import diagnose, diagnosis
 from .errors import (CheckpointError, LayerRangeError, MissingTensorError, ShapeMismatchError, TargetError,
                      WeightDefectError)
 from .mapping import ConfigValue, Mapping
+from .memory import young_objects_only
 from .reference import ReferenceModel, activation_module, activation_name, configured_activation
 from .report import LayerResult, Report
 from .resolve import Resolved, resolve
 from .mapping import TensorRoute
 from .target import build_target, fill_target, route_tensor
+from .upcast import compute_in
 
 ROW_TARGETS = (1.0, 3.0, 8.0)  # max |pre-activation| aimed at by each batch row
 TOKENS = 16
@@ -132,8 +134,9 @@ class Session:
             f"{self.mapping.key_prefixes} from {self.mapping.path.name}): {hints}"
         )
 
-    def read_layer(self, layer: int, expert: int | None = None) -> dict[str, torch.Tensor]:
-        """The layer's FFN tensors under names relative to the layer, upcast to float32."""
+    def read_layer(self, layer: int, expert: int | None = None,
+                   dtype: torch.dtype | None = torch.float32) -> dict[str, torch.Tensor]:
+        """The layer's FFN tensors under names relative to the layer, upcast to ``dtype`` (None: as stored)."""
         prefix = self.layer_prefix(layer, expert)
         routes = [*self.reference_routes(layer), *self.mapping.tensors]
         wanted = list(dict.fromkeys(r.source for r in routes if not r.optional or self.checkpoint.has(prefix + r.source)))
@@ -146,13 +149,13 @@ class Session:
                     f"{self.checkpoint.location}: tensor '{prefix + name}' is stored as {tensor.dtype}, not floating "
                     "point (a quantized checkpoint?); parity compares float weights: dequantize it first"
                 )
-            if tensor.is_floating_point() and not torch.isfinite(tensor).all():
+            if not all_finite(tensor):
                 bad = int((~torch.isfinite(tensor)).sum())
                 raise WeightDefectError(
                     f"{self.checkpoint.location}: tensor '{prefix + name}' holds {bad} NaN/Inf values: "
                     "the checkpoint is defective (not a module mismatch)"
                 )
-            tensors[name] = tensor.to(torch.float32)
+            tensors[name] = tensor if dtype is None or not tensor.is_floating_point() else tensor.to(dtype)
         return tensors
 
     def _read(self, prefix: str, names: list[str], expert: int | None) -> dict[str, torch.Tensor]:
@@ -183,15 +186,16 @@ class Session:
         """Checkpoint tensors routed to the reference's own parameter names."""
         return {r.target: route_tensor(r, tensors[r.source]) for r in self.reference_routes(layer)}
 
-    def reference_from(self, layer: int, routed: dict[str, torch.Tensor]) -> nn.Module:
-        """transformers' MLP for the layer (or its experts module holding one expert) with these tensors."""
+    def reference_from(self, layer: int, routed: dict[str, torch.Tensor], on_call: bool = True) -> nn.Module:
+        """transformers' MLP for the layer (or its experts module holding one expert) with these tensors;
+        ``on_call=False``: a plain float32 module (see ReferenceModel.build)."""
         if self.mapping.experts is not None:
             from .moe import expert_reference
 
             path = self.mapping.reference_path(layer)
-            return expert_reference(self.reference.meta_module(path), self.config, routed["gate"], routed["up"],
-                                    routed["down"], path)
-        return self.reference.build(self.mapping.reference_path(layer), routed)
+            return expert_reference(self.reference.meta_module(path), self.config, routed["gate"].float(),
+                                    routed["up"].float(), routed["down"].float(), path)
+        return self.reference.build(self.mapping.reference_path(layer), routed, self.hidden_size, on_call)
 
     def build_target(self, tensors: dict[str, torch.Tensor]) -> tuple[nn.Module, str]:
         with skip_init():
@@ -216,9 +220,9 @@ class Session:
 
     # -- one layer -------------------------------------------------------------------------
     def run_layer(self, layer: int, expert: int | None = None) -> tuple[LayerResult, str]:
-        """Check one layer (one expert of it, for MoE).  Peak memory: the layer's weights about 3 times
-        over (float32 target and reference, then the reference converted in place to float64), never the model."""
-        tensors = self.read_layer(layer, expert)
+        """Check one layer (one expert of it, for MoE).  Peak memory: the layer's weights as stored
+        plus the float32 target; the reference upcasts one projection at a time (``parity.upcast``)."""
+        tensors = self.read_layer(layer, expert, dtype=None)
         # The reference first: a checkpoint that disagrees with its own config is bad input (exit 2);
         # only then is a tensor that does not fit the target the module's mistake (a failed layer).
         reference = self.build_reference(layer, tensors)  # shares storage with ``tensors``
@@ -234,7 +238,7 @@ class Session:
             got = run_target(target, target_name, x, out32.shape)
             again = run_target(target, target_name, x, out32.shape)
             del target
-            out64 = reference.double()(x.double())  # in place: float32 weights are released as converted
+            out64 = compute_in(reference, torch.float64)(x.double())  # one projection at a time in float64
         del reference
         gc.collect()
         noise = float((out32 - out64).abs().max())
@@ -267,7 +271,8 @@ class Session:
                 tolerance: float) -> dict:
         """Replay known mistakes on transformers' MLP for this layer (see diagnose.py)."""
         routed = self.reference_tensors(layer, self.read_layer(layer, expert))
-        return diagnose(lambda t: self.reference_from(layer, t), routed, self.config, x, got, out64, tolerance)
+        return diagnose(lambda t: self.reference_from(layer, t, on_call=False), routed, self.config, x, got, out64,
+                        tolerance)
 
     def report(self) -> Report:
         import transformers
@@ -323,15 +328,38 @@ def shape_failure(layer: int, error: ShapeMismatchError) -> LayerResult:
     return result
 
 
+def all_finite(tensor: torch.Tensor) -> bool:
+    """No NaN/Inf.  aminmax propagates NaN and returns any Inf: one pass, ~100x faster on
+    bfloat16 than ``isfinite(t).all()`` (0.4 s per 1B-model layer)."""
+    if not tensor.is_floating_point() or tensor.numel() == 0:
+        return True
+    lo, hi = torch.aminmax(tensor)
+    return math.isfinite(float(lo)) and math.isfinite(float(hi))
+
+
+class _Stop(Exception):
+    """Raised by the activation's pre-hook: the rest of the forward is not needed."""
+
+
 def preactivation(module: nn.Module, x: torch.Tensor) -> torch.Tensor | None:
-    """The input the module's activation sees for ``x`` (None when it has no activation child)."""
+    """The input the module's activation sees for ``x`` (None when it has no activation child).
+
+    The forward stops at the activation: the projections after it would be computed for nothing.
+    """
     act = activation_module(module)
     if act is None:
         return None
     seen = []
-    handle = act.register_forward_pre_hook(lambda _m, args: seen.append(args[0].detach()))
+
+    def grab(_module, args):
+        seen.append(args[0].detach())
+        raise _Stop
+
+    handle = act.register_forward_pre_hook(grab)
     try:
         module(x)
+    except _Stop:
+        pass
     finally:
         handle.remove()
     if not seen:
@@ -394,13 +422,14 @@ def run_session(session: Session, layers: str | int | Iterable[int] | None = Non
     if layers is None and session.checkpoint.weights == "synthetic":
         layers = session.synthetic_layers(report)
     selected_experts = session.expert_indices(experts)
-    for layer in parse_layers(layers, session.num_layers):
-        for expert in selected_experts:
-            result, report.target = session.run_layer(layer, expert)
-            report.notes.extend(n for n in session.target_notes if n not in report.notes)
-            report.layers.append(result)
-            if on_layer is not None:
-                on_layer(report, result)
+    with young_objects_only():  # the per-layer gc.collect() then costs milliseconds, not 0.5 s
+        for layer in parse_layers(layers, session.num_layers):
+            for expert in selected_experts:
+                result, report.target = session.run_layer(layer, expert)
+                report.notes.extend(n for n in session.target_notes if n not in report.notes)
+                report.layers.append(result)
+                if on_layer is not None:
+                    on_layer(report, result)
     if logits:
         from .logits import logits_impact
 

@@ -334,7 +334,7 @@ def test_internal_error_in_process_is_one_line(monkeypatch, capsys):
     def broken(*args, **kwargs):
         raise KeyError("unexpected")
 
-    monkeypatch.setattr(parity.runner, "check", broken)
+    monkeypatch.setattr(parity.runner, "run_session", broken)
     assert parity.cli.main(["llama"]) == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and "internal error" in err and "--debug" in err

@@ -1,0 +1,255 @@
+#!/usr/bin/env python
+"""Speed and memory of parity, measured as whole processes, side by side in one run.
+
+Not a test: timings on a shared machine are noisy, so every figure is the median of
+several interleaved runs and the goals are stated as ratios of runs made together.
+
+    PYTHONPATH=$PWD python scripts/bench.py [--quick] [--runs N] [--out bench.json]
+
+Checkpoints are synthetic (random bfloat16 / float32 values) with real shapes and the
+on-disk layout save_pretrained writes; they are built once and cached under --root.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+GIB = 2**30
+
+GPT2_SMALL = dict(model_type="gpt2", n_embd=768, n_layer=12, n_head=12, n_positions=1024, vocab_size=50257,
+                  activation_function="gelu_new", torch_dtype="float32")
+LLAMA_1B = dict(model_type="llama", architectures=["LlamaForCausalLM"], hidden_size=2048, intermediate_size=5632,
+                num_hidden_layers=22, num_attention_heads=32, num_key_value_heads=4, max_position_embeddings=2048,
+                rms_norm_eps=1e-5, rope_theta=10000.0, vocab_size=32000, hidden_act="silu",
+                tie_word_embeddings=False, torch_dtype="bfloat16")
+SWEEP = (4, 8, 16, 22)
+
+# The naive route: the whole model, a hook on the layer's MLP, one forward.  In float32 (what
+# a check needs: bf16 cannot tell exact from tanh GELU), and as stored ("auto") for reference.
+NAIVE = """
+import sys, torch
+from transformers import AutoModelForCausalLM
+folder, layer, path, dtype = sys.argv[1], int(sys.argv[2]), sys.argv[3], sys.argv[4]
+model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype if dtype == "auto" else getattr(torch, dtype)).eval()
+seen = []
+mlp = model.get_submodule(path.format(layer=layer))
+mlp.register_forward_hook(lambda m, args, out: seen.append((args[0].detach().clone(), out.detach().clone())))
+with torch.no_grad():
+    model(torch.arange(16).view(1, 16))
+assert seen, "hook did not fire"
+print(next(model.parameters()).dtype)
+"""
+IMPORTS = {"gpt2": "import torch, transformers.models.gpt2.modeling_gpt2",
+           "llama": "import torch, transformers.models.llama.modeling_llama"}
+MLP_PATH = {"gpt2": "transformer.h.{layer}.mlp", "llama": "model.layers.{layer}.mlp"}
+
+
+# -- checkpoints -------------------------------------------------------------------------
+def build_checkpoint(folder: Path, raw_config: dict, per_layer_shards: bool) -> Path:
+    """config.json + safetensors with every tensor of the full model (random values, stored dtype)."""
+    if (folder / "config.json").is_file():
+        return folder
+    import torch
+    from safetensors.torch import save_file
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    folder.mkdir(parents=True, exist_ok=True)
+    kwargs = {k: v for k, v in raw_config.items() if k not in ("model_type", "torch_dtype")}
+    config = AutoConfig.for_model(raw_config["model_type"], **kwargs)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    dtype = getattr(torch, raw_config["torch_dtype"])
+    shapes = {name: tuple(t.shape) for name, t in model.state_dict().items()}
+    if getattr(config, "tie_word_embeddings", False):
+        shapes.pop("lm_head.weight", None)
+    generator = torch.Generator().manual_seed(0)
+
+    def tensor(shape):
+        return (torch.randn(shape, generator=generator) * 0.02).to(dtype)
+
+    if not per_layer_shards:
+        save_file({n: tensor(s) for n, s in shapes.items()}, str(folder / "model.safetensors"), metadata={"format": "pt"})
+    else:  # one shard per decoder layer, plus one for embeddings / norm / head (shareable by layer-subset folders)
+        groups: dict[str, list[str]] = {}
+        for name in shapes:
+            parts = name.split(".")
+            key = f"layer-{int(parts[2]):03d}" if name.startswith("model.layers.") else "rest"
+            groups.setdefault(key, []).append(name)
+        weight_map = {}
+        for key, names in groups.items():
+            file_name = f"model-{key}.safetensors"
+            save_file({n: tensor(shapes[n]) for n in names}, str(folder / file_name), metadata={"format": "pt"})
+            weight_map.update({n: file_name for n in names})
+        total = sum(os.path.getsize(folder / f) for f in set(weight_map.values()))
+        (folder / "model.safetensors.index.json").write_text(
+            json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=1))
+    config_dict = config.to_dict()
+    config_dict["torch_dtype"] = config_dict["dtype"] = raw_config["torch_dtype"]
+    (folder / "config.json").write_text(json.dumps(config_dict, indent=1))
+    return folder
+
+
+def layer_subset(full: Path, folder: Path, layers: int) -> Path:
+    """The first ``layers`` layers of ``full``: own config and index, shard files symlinked."""
+    if (folder / "config.json").is_file():
+        return folder
+    folder.mkdir(parents=True, exist_ok=True)
+    index = json.loads((full / "model.safetensors.index.json").read_text())
+    keep = {n: f for n, f in index["weight_map"].items()
+            if not n.startswith("model.layers.") or int(n.split(".")[2]) < layers}
+    for file_name in set(keep.values()):
+        (folder / file_name).symlink_to(full / file_name)
+    (folder / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": keep}, indent=1))
+    config = json.loads((full / "config.json").read_text())
+    config["num_hidden_layers"] = layers
+    (folder / "config.json").write_text(json.dumps(config, indent=1))
+    return folder
+
+
+# -- measuring ---------------------------------------------------------------------------
+def measure(cmd: list[str]) -> tuple[float, float]:
+    """Run a whole process -> (wall seconds, its peak RSS in bytes).
+
+    Through /usr/bin/time: a child forked from this (large) process would report this
+    process's RSS as its own peak (ru_maxrss survives fork + exec).
+    """
+    env = dict(os.environ, PYTHONPATH=str(REPO), HF_HUB_OFFLINE="1", PYTHONDONTWRITEBYTECODE="1")
+    with tempfile.NamedTemporaryFile("r", suffix=".time") as stats:
+        started = time.perf_counter()
+        proc = subprocess.run(["/usr/bin/time", "-o", stats.name, "-f", "%M", *cmd], env=env,
+                              stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+        wall = time.perf_counter() - started
+        if proc.returncode != 0:
+            raise RuntimeError(f"{' '.join(cmd)} exited {proc.returncode}:\n{proc.stderr.decode(errors='replace')[-2000:]}")
+        peak_kib = int(stats.read().split()[-1])
+    return wall, peak_kib * 1024.0
+
+
+def parity_cmd(*args: str) -> list[str]:
+    return [sys.executable, "-m", "parity.cli", *args]
+
+
+def run_all(commands: dict[str, list[str]], runs: int) -> dict[str, dict]:
+    """Every command ``runs`` times, interleaved, -> {name: {wall_s, peak_rss, ...}} (medians)."""
+    samples: dict[str, list[tuple[float, float]]] = {name: [] for name in commands}
+    for i in range(runs):
+        for name, cmd in commands.items():
+            samples[name].append(measure(cmd))
+            print(f"  run {i + 1}/{runs} {name}: {samples[name][-1][0]:.2f} s, "
+                  f"{samples[name][-1][1] / 2**20:.0f} MiB", file=sys.stderr)
+    return {name: {"wall_s": statistics.median(w for w, _ in s), "peak_rss": statistics.median(r for _, r in s),
+                   "wall_runs": [w for w, _ in s], "rss_runs": [r for _, r in s]} for name, s in samples.items()}
+
+
+# -- the benchmark -----------------------------------------------------------------------
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true", help="one run of each (default: --runs)")
+    parser.add_argument("--runs", type=int, default=3, help="runs per command; medians are reported (default 3)")
+    parser.add_argument("--root", type=Path, default=Path(tempfile.gettempdir()) / "parity-bench",
+                        help="where the synthetic checkpoints are cached")
+    parser.add_argument("--out", type=Path, help="write the results as JSON")
+    parser.add_argument("--skip", action="append", default=[], choices=["compare", "sweep", "startup"])
+    args = parser.parse_args()
+    runs = 1 if args.quick else args.runs
+
+    print(f"building checkpoints under {args.root} (once)", file=sys.stderr)
+    gpt2 = build_checkpoint(args.root / "gpt2-small", GPT2_SMALL, per_layer_shards=False)
+    llama = build_checkpoint(args.root / "llama-1b", LLAMA_1B, per_layer_shards=True)
+    subsets = {n: layer_subset(llama, args.root / f"llama-1b-{n}L", n) for n in SWEEP if n != 22}
+    subsets[22] = llama
+
+    results: dict = {"runs": runs, "python": sys.version.split()[0], "cpus": os.cpu_count()}
+    with tempfile.TemporaryDirectory() as tmp:
+        if "compare" not in args.skip:
+            print("(a) one layer: parity vs the naive route", file=sys.stderr)
+            layer = {"gpt2": 5, "llama": 11}
+            commands = {}
+            for family, folder in (("gpt2", gpt2), ("llama", llama)):
+                commands[f"{family}/parity"] = parity_cmd(str(folder), "--layer", str(layer[family]), "--json",
+                                                          f"{tmp}/{family}.json")
+                commands[f"{family}/naive"] = [sys.executable, "-c", NAIVE, str(folder), str(layer[family]),
+                                               MLP_PATH[family], "float32"]
+                if family == "llama":  # GPT-2 is stored in float32: "auto" is the same route
+                    commands[f"{family}/naive-bf16"] = [*commands[f"{family}/naive"][:-1], "auto"]
+                commands[f"{family}/imports"] = [sys.executable, "-c", IMPORTS[family]]
+            results["compare"] = run_all(commands, runs)
+        if "sweep" not in args.skip:
+            print("(b) --layers all, 4 to 22 layers of the 1B shape", file=sys.stderr)
+            commands = {f"{n}": parity_cmd(str(subsets[n]), "--layers", "all", "--json", f"{tmp}/sweep{n}.json")
+                        for n in SWEEP}
+            results["sweep"] = run_all(commands, runs)
+        if "startup" not in args.skip:
+            print("(c) start-up", file=sys.stderr)
+            commands = {"parity --version": parity_cmd("--version"), "parity list": parity_cmd("list"),
+                        "import torch": [sys.executable, "-c", "import torch"],
+                        "python": [sys.executable, "-c", "pass"]}
+            results["startup"] = run_all(commands, max(runs, 3))
+    print_table(results)
+    if args.out:
+        args.out.write_text(json.dumps(results, indent=2) + "\n")
+        print(f"\nwrote {args.out}", file=sys.stderr)
+    return 0
+
+
+def print_table(results: dict) -> None:
+    mib = lambda b: f"{b / 2**20:8.0f} MiB"  # noqa: E731
+    print(f"\nmedian of {results['runs']} run(s); peak RSS of the whole process")
+    if "compare" in results:
+        c = results["compare"]
+        print("\n(a) one-layer check vs naive route (from_pretrained whole model + MLP forward hook)")
+        print(f"{'shape':<8}{'route':<12}{'wall':>9}{'peak RSS':>14}")
+        summary = {}
+        for family in ("gpt2", "llama"):
+            for route in ("parity", "naive", "naive-bf16", "imports"):
+                if f"{family}/{route}" not in c:
+                    continue
+                r = c[f"{family}/{route}"]
+                print(f"{family:<8}{route:<12}{r['wall_s']:8.2f}s{mib(r['peak_rss']):>14}")
+            p, n, i = c[f"{family}/parity"], c[f"{family}/naive"], c[f"{family}/imports"]
+            # paired: run k of parity against run k of the bare imports, made one after the other
+            own = statistics.median(max(a - b, 0.0) for a, b in zip(p["wall_runs"], i["wall_runs"]))
+            share = statistics.median(max(a - b, 0.0) / a for a, b in zip(p["wall_runs"], i["wall_runs"]))
+            summary[family] = {"rss_ratio": n["peak_rss"] / p["peak_rss"], "speedup": n["wall_s"] / p["wall_s"],
+                               "own_work_s": own, "own_work_share": share,
+                               "rss_beyond_imports": p["peak_rss"] - i["peak_rss"]}
+            s = summary[family]
+            if f"{family}/naive-bf16" in c:
+                b = c[f"{family}/naive-bf16"]
+                s["rss_ratio_bf16"], s["speedup_bf16"] = b["peak_rss"] / p["peak_rss"], b["wall_s"] / p["wall_s"]
+                print(f"{family:<8}naive-bf16/parity: {s['rss_ratio_bf16']:.1f}x less peak RSS, {s['speedup_bf16']:.1f}x faster")
+            print(f"{family:<8}naive/parity: {s['rss_ratio']:.1f}x less peak RSS, {s['speedup']:.1f}x faster; "
+                  f"parity's work beyond imports {s['own_work_s']:.2f} s = {100 * s['own_work_share']:.0f}% of its wall time, "
+                  f"{s['rss_beyond_imports'] / 2**20:.0f} MiB above the imports' RSS")
+        results["compare_summary"] = summary
+    if "sweep" in results:
+        s = results["sweep"]
+        print("\n(b) --layers all on the 1B shape")
+        print(f"{'layers':>7}{'wall':>9}{'per layer':>11}{'peak RSS':>14}")
+        for n in SWEEP:
+            r = s[str(n)]
+            print(f"{n:>7}{r['wall_s']:8.2f}s{r['wall_s'] / n:10.2f}s{mib(r['peak_rss']):>14}")
+        results["sweep_rss_spread"] = max(s[str(n)]["peak_rss"] for n in SWEEP) / min(s[str(n)]["peak_rss"] for n in SWEEP)
+        growth = s[str(SWEEP[-1])]["peak_rss"] / s[str(SWEEP[0])]["peak_rss"]
+        results["sweep_rss_growth"] = growth
+        per_layer = (s[str(SWEEP[-1])]["wall_s"] - s[str(SWEEP[0])]["wall_s"]) / (SWEEP[-1] - SWEEP[0])
+        results["sweep_marginal_s_per_layer"] = per_layer
+        print(f"peak RSS {SWEEP[-1]} vs {SWEEP[0]} layers: x{growth:.3f} (max/min over the sweep x{results['sweep_rss_spread']:.3f}); "
+              f"marginal time per layer {per_layer:.2f} s")
+    if "startup" in results:
+        print("\n(c) start-up")
+        for name, r in results["startup"].items():
+            print(f"{name:<18}{r['wall_s']:8.3f}s{mib(r['peak_rss']):>14}")
+
+
+if __name__ == "__main__":
+    sys.exit(main())
