@@ -45,15 +45,21 @@ class Checkpoint:
     def closest(self, name: str, n: int = 3) -> list[str]:
         return difflib.get_close_matches(name, list(self.weight_map), n=n, cutoff=0.5)
 
+    def missing_hint(self, names: list[str]) -> str:
+        """'name (closest present: a, b)' for each of ``names`` not in the checkpoint."""
+        return "; ".join(f"{m} (closest present: {', '.join(self.closest(m)) or 'none'})"
+                         for m in names if not self.has(m))
+
+    def require(self, names: list[str]) -> None:
+        if not all(self.has(n) for n in names):
+            raise MissingTensorError(f"{self.location}: missing tensors: {self.missing_hint(names)}")
+
     def files_for(self, names: list[str]) -> list[str]:
         return sorted({self.weight_map[n] for n in names})
 
     def read(self, names: list[str]):
         """Read exactly these tensors (dtype as stored) -> {name: tensor}."""
-        missing = [n for n in names if n not in self.weight_map]
-        if missing:
-            hints = "; ".join(f"{m} (closest present: {', '.join(self.closest(m)) or 'none'})" for m in missing)
-            raise MissingTensorError(f"{self.location}: missing tensors: {hints}")
+        self.require(names)
         out = {}
         for file_name in self.files_for(names):
             in_file = [name for name in names if self.weight_map[name] == file_name]

@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from .checkpoint import Checkpoint
-from .errors import CheckpointError, MissingTensorError
+from .errors import CheckpointError
 
 MAGIC = b"GGUF"
 DEFAULT_ALIGNMENT = 32
@@ -214,10 +214,7 @@ class GGUFCheckpoint(Checkpoint):
         self.notes = notes
 
     def read(self, names: list[str]):
-        missing = [n for n in names if n not in self.header.tensors]
-        if missing:
-            hints = "; ".join(f"{m} (closest present: {', '.join(self.closest(m)) or 'none'})" for m in missing)
-            raise MissingTensorError(f"{self.location}: missing tensors: {hints}")
+        self.require(names)
         return {name: dequantize(self.header.path, self.header.tensors[name]) for name in names}
 
 

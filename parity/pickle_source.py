@@ -13,7 +13,7 @@ import pickle
 from pathlib import Path
 
 from .checkpoint import CONFIG, Checkpoint, read_json, weight_map_from_index
-from .errors import CheckpointError, MissingTensorError
+from .errors import CheckpointError
 
 BIN_INDEX = "pytorch_model.bin.index.json"
 META_PARAMS = "params.json"
@@ -61,10 +61,7 @@ class PickleCheckpoint(Checkpoint):
         return self._opened[1]
 
     def read(self, names: list[str]):
-        missing = [n for n in names if n not in self.weight_map]
-        if missing:
-            hints = "; ".join(f"{m} (closest present: {', '.join(self.closest(m)) or 'none'})" for m in missing)
-            raise MissingTensorError(f"{self.location}: missing tensors: {hints}")
+        self.require(names)
         out = {}
         for file_name in self.files_for(names):
             state = self._state(file_name)
@@ -82,7 +79,7 @@ def open_pickle(path: Path) -> Checkpoint:
     if not (folder / CONFIG).is_file():
         raise CheckpointError(f"{folder}: no config.json (HF) or params.json (Meta) next to the pickle-based weights")
     raw_config = read_json(folder / CONFIG, "config.json")
-    note = [f"pickle-based weights, read with torch.load(weights_only=True, mmap=True) as --allow-pickle asked"]
+    note = ["pickle-based weights, read with torch.load(weights_only=True, mmap=True) as --allow-pickle asked"]
     if path.is_file():
         state = load_state(path)
         return PickleCheckpoint(str(path), folder, raw_config, dict.fromkeys(state, path.name), folder, note,

@@ -12,7 +12,6 @@ from __future__ import annotations
 import contextlib
 import gc
 import math
-from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Iterator
 
 import torch
@@ -126,9 +125,7 @@ class Session:
         for prefix in self.mapping.key_prefixes:
             if all(self.checkpoint.has(f"{prefix}{block}.{name}") for name in sources):
                 return f"{prefix}{block}."
-        wanted = [f"{self.mapping.key_prefixes[0]}{block}.{name}" for name in sources]
-        absent = [w for w in wanted if not self.checkpoint.has(w)]
-        hints = "; ".join(f"{w} (closest present: {', '.join(self.checkpoint.closest(w)) or 'none'})" for w in absent)
+        hints = self.checkpoint.missing_hint([f"{self.mapping.key_prefixes[0]}{block}.{name}" for name in sources])
         raise MissingTensorError(
             f"{self.checkpoint.location}: layer {layer}'s FFN tensors are missing (tried key prefixes "
             f"{self.mapping.key_prefixes} from {self.mapping.path.name}): {hints}"

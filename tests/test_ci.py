@@ -13,7 +13,7 @@ import pytest
 from parity import cli
 from parity.baseline import compare, entry_key, load_baseline
 from parity.junit import build_junit
-from parity.project import CheckSpec, ProjectConfigError, ShardError, load_project, parse_shard, shard_units
+from parity.project import ProjectConfigError, ShardError, load_project, parse_shard, shard_units
 from parity.report import SCHEMA_VERSION, LayerResult, Report
 
 ROOT = Path(__file__).resolve().parent.parent

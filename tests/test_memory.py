@@ -2,7 +2,6 @@
 the cheap finiteness check and the frozen-gc layer loop."""
 
 import gc
-import json
 import shutil
 
 import pytest
