@@ -49,15 +49,14 @@ def checkpoint_key(report: Report) -> str:
 
 def entry_key(report: Report, layer: LayerResult) -> str:
     key = f"{report.model} | {checkpoint_key(report)} | {report.target} | layer {layer.layer:04d}"
-    expert = getattr(layer, "expert", None)
-    if expert is not None:
-        key += f" | expert {expert:04d}"
+    if layer.expert is not None:
+        key += f" | expert {layer.expert:04d}"
     return key
 
 
 def _entry(layer: LayerResult) -> dict:
-    def short(value: float) -> float:
-        return float(f"{value:.4e}")
+    def short(value: float | None) -> float | None:  # None: the module could not even be loaded
+        return None if value is None else float(f"{value:.4e}")
 
     return {"passed": layer.passed, "max_abs_diff": short(layer.max_abs_diff), "tolerance": short(layer.tolerance),
             "noise_floor": short(layer.noise_floor)}
@@ -73,7 +72,8 @@ def load_baseline(path: str | Path) -> dict[str, dict]:
         raise BaselineError(f"{path}: not a readable JSON baseline ({exc}); regenerate it with --update-baseline") from None
     entries = data.get("entries") if isinstance(data, dict) else None
     if not isinstance(entries, dict) or not all(
-            isinstance(v, dict) and isinstance(v.get("max_abs_diff"), (int, float)) for v in entries.values()):
+            isinstance(v, dict) and (v.get("max_abs_diff") is None or isinstance(v.get("max_abs_diff"), (int, float)))
+            for v in entries.values()):
         raise BaselineError(f"{path}: not a parity baseline (expected {{\"entries\": {{key: {{\"max_abs_diff\": ...}}}}}}); "
                             "regenerate it with --update-baseline")
     return entries
@@ -90,12 +90,16 @@ def compare(reports: Iterable[Report], entries: dict[str, dict], factor: float =
             if old is None:
                 continue
             compared += 1
+            if old.get("passed", True) and not layer.passed:
+                now = "cannot be loaded" if layer.max_abs_diff is None else f"{layer.max_abs_diff:.2e}"
+                regressions.append(Regression(key, report, layer, f"passed in the baseline, fails now "
+                                              f"(max|Δ| {old['max_abs_diff']} -> {now})"))
+                continue
+            if old["max_abs_diff"] is None or layer.max_abs_diff is None:
+                continue  # no numbers to compare: the verdicts above said what matters
             before = float(old["max_abs_diff"])
             allowed = factor * before + slack
-            if old.get("passed", True) and not layer.passed:
-                regressions.append(Regression(key, report, layer, f"passed in the baseline, fails now "
-                                              f"(max|Δ| {before:.2e} -> {layer.max_abs_diff:.2e})"))
-            elif layer.max_abs_diff > allowed:
+            if layer.max_abs_diff > allowed:
                 grown = layer.max_abs_diff / before if before else float("inf")
                 regressions.append(Regression(key, report, layer, f"max|Δ| grew {before:.2e} -> {layer.max_abs_diff:.2e} "
                                               f"({grown:.1f}x; allowed {factor:g}x + {slack:g})"))
@@ -112,6 +116,9 @@ def write_baseline(path: str | Path, reports: Iterable[Report]) -> int:
             entries[entry_key(report, layer)] = _entry(layer)
             written += 1
     data = {"parity_baseline": BASELINE_VERSION, "entries": dict(sorted(entries.items()))}
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n", encoding="utf-8")
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n", encoding="utf-8")
+    except OSError as exc:
+        raise BaselineError(f"{path}: cannot write the baseline: {exc.strerror or exc}") from None
     return written

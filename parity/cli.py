@@ -35,9 +35,19 @@ baseline), 2 bad input or unusable checkpoint."""
 
 def seed_value(text: str) -> int:
     """argparse type: torch seeds must fit in 64 bits (a larger one fails deep inside torch)."""
+    from .project import SEED_LIMIT
+
     value = int(text)
-    if not -2**40 < value < 2**40:
+    if not -SEED_LIMIT < value < SEED_LIMIT:
         raise argparse.ArgumentTypeError(f"{text} is out of range: use |seed| < 2**40")
+    return value
+
+
+def positive_float(text: str) -> float:
+    """argparse type for --atol: a tolerance of 0, below 0 or NaN would fail every layer or none."""
+    value = float(text)
+    if not value > 0 or value == float("inf"):
+        raise argparse.ArgumentTypeError(f"{text}: expected a positive number")
     return value
 
 
@@ -54,7 +64,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--mapping", metavar="FILE.toml", help="mapping file to use instead of the built-in one")
     parser.add_argument("--revision", metavar="REV", help="hub revision (branch, tag or commit)")
     parser.add_argument("--seed", type=seed_value, default=0, help="seed of the generated inputs (default 0)")
-    parser.add_argument("--atol", type=float, metavar="X", help="absolute tolerance instead of the noise-floor-derived one")
+    parser.add_argument("--atol", type=positive_float, metavar="X", help="absolute tolerance instead of the noise-floor-derived one")
     parser.add_argument("--logits", action="store_true",
                         help="also substitute the module into the full model and compare its final logits")
     # checkpoint formats (issue 4): pickle-based files, mixture-of-experts layers
@@ -295,14 +305,14 @@ def run_check(args: argparse.Namespace) -> int:
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["list"]:
-        return list_mappings()
-    command = {"check": (build_check_parser, run_project), "inspect": (build_inspect_parser, run_inspect)}.get(argv[0] if argv else "")
-    if command is not None:
-        args, run = command[0]().parse_args(argv[1:]), command[1]
+        args, run = argparse.Namespace(debug="--debug" in argv), lambda _args: list_mappings()
+    elif argv[:1] in (["check"], ["inspect"]):
+        build, run = {"check": (build_check_parser, run_project), "inspect": (build_inspect_parser, run_inspect)}[argv[0]]
+        args = build().parse_args(argv[1:])
     else:
         args, run = build_parser().parse_args(argv), run_check
-    if getattr(args, "target", None) and os.getcwd() not in sys.path:
-        sys.path.insert(0, os.getcwd())  # `--target mymodule:MLP` from the project being checked
+    if os.getcwd() not in sys.path:
+        sys.path.insert(0, os.getcwd())  # a target class (--target or a mapping's target.class) from the project checked
     try:
         return run(args)
     except ParityError as exc:

@@ -10,20 +10,23 @@ import xml.etree.ElementTree as ET
 from pathlib import Path
 from typing import Iterable
 
+from .errors import ParityError
 from .report import LayerResult, Report, layer_line
 
 
 def case_name(layer: LayerResult) -> str:
     name = f"layer {layer.layer}"
-    expert = getattr(layer, "expert", None)
-    return name if expert is None else f"{name} expert {expert}"
+    return name if layer.expert is None else f"{name} expert {layer.expert}"
 
 
 def failure_message(layer: LayerResult) -> str:
-    parts = [f"max|Δ| {layer.max_abs_diff:.3e} > tolerance {layer.tolerance:.3e} "
-             f"({layer.ratio_to_noise:.1f}x the noise floor {layer.noise_floor:.2e})"]
-    if layer.max_abs_diff <= layer.tolerance:
+    if layer.max_abs_diff is None:  # the module could not hold the checkpoint's tensors: no numbers
+        parts = ["the module cannot be loaded with this layer's tensors"]
+    elif layer.max_abs_diff <= layer.tolerance:
         parts = [f"max|Δ| {layer.max_abs_diff:.3e} within tolerance {layer.tolerance:.3e}"]
+    else:
+        parts = [f"max|Δ| {layer.max_abs_diff:.3e} > tolerance {layer.tolerance:.3e} "
+                 f"({layer.ratio_to_noise:.1f}x the noise floor {layer.noise_floor:.2e})"]
     if not layer.deterministic:
         parts.append("output is non-deterministic (dropout or train mode?)")
     diagnosis = layer.diagnosis
@@ -87,4 +90,7 @@ def write_junit(path: str | Path, runs: Iterable, regressions: dict[int, str] | 
     ET.indent(tree)
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    tree.write(path, encoding="utf-8", xml_declaration=True)
+    try:
+        tree.write(path, encoding="utf-8", xml_declaration=True)
+    except OSError as exc:
+        raise ParityError(f"--junit {path}: cannot write the report: {exc.strerror or exc}") from None

@@ -19,7 +19,8 @@ PROJECT_FILES = ("parity.toml", "pyproject.toml")
 
 _TOP_KEYS = {"checks", "baseline", "baseline_factor", "baseline_slack", "junit", "defaults"}
 _CHECK_KEYS = {"name", "model", "checkpoint", "layers", "layer", "target", "mapping", "revision", "seed", "atol",
-               "tolerance", "logits"}
+               "tolerance", "logits", "experts", "allow_pickle"}
+SEED_LIMIT = 2**40  # torch seeds must fit in 64 bits; a larger one fails deep inside torch
 
 
 class ProjectConfigError(ParityError):
@@ -161,16 +162,20 @@ def _parse_check(entry: dict, where: str, base: Path) -> CheckSpec:
             or (isinstance(layers, list) and all(isinstance(v, int) and not isinstance(v, bool) for v in layers))):
         raise fail("'layers' must be \"all\", \"0,3,5\", \"2-7\", an integer or a list of integers")
     seed = entry.get("seed", 0)
-    if not isinstance(seed, int) or isinstance(seed, bool):
-        raise fail("'seed' must be an integer")
+    if not isinstance(seed, int) or isinstance(seed, bool) or not -SEED_LIMIT < seed < SEED_LIMIT:
+        raise fail("'seed' must be an integer with |seed| < 2**40")
     if "atol" in entry and "tolerance" in entry:
         raise fail("give 'atol' or 'tolerance' (the same thing), not both")
     atol = entry.get("atol", entry.get("tolerance"))
     if atol is not None and (not isinstance(atol, (int, float)) or isinstance(atol, bool) or atol <= 0):
         raise fail("'atol' must be a positive number")
-    logits = entry.get("logits", False)
-    if not isinstance(logits, bool):
-        raise fail("'logits' must be true or false")
+    logits, allow_pickle = entry.get("logits", False), entry.get("allow_pickle", False)
+    if not isinstance(logits, bool) or not isinstance(allow_pickle, bool):
+        raise fail("'logits' and 'allow_pickle' must be true or false")
+    experts = entry.get("experts")
+    if experts is not None and not (isinstance(experts, str) or (
+            isinstance(experts, list) and all(isinstance(v, int) and not isinstance(v, bool) for v in experts))):
+        raise fail("'experts' must be \"all\", \"0,3\", \"2-5\" or a list of integers")
     mapping = entry.get("mapping")
     if mapping is not None and not Path(mapping).is_absolute():
         mapping = str(base / mapping)  # relative to the project file, like every path in it
@@ -182,7 +187,7 @@ def _parse_check(entry: dict, where: str, base: Path) -> CheckSpec:
         model = str(base / model)  # same rule as `parity MODEL`: an existing path wins over a name
     return CheckSpec(model=model, checkpoint=checkpoint, layers=layers, target=entry.get("target"), mapping=mapping,
                      revision=entry.get("revision"), seed=seed, atol=None if atol is None else float(atol),
-                     name=entry.get("name"), logits=logits, where=where)
+                     name=entry.get("name"), logits=logits, allow_pickle=allow_pickle, experts=experts, where=where)
 
 
 def parse_shard(text: str) -> tuple[int, int]:

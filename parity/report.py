@@ -101,6 +101,11 @@ def layer_line(result: LayerResult) -> str:
             f"{ratio:>7}  {zrange:>15}  {verdict}")
 
 
+def unit_label(result: LayerResult) -> str:
+    """'3' for a layer, '3/e1' for expert 1 of layer 3."""
+    return str(result.layer) if result.expert is None else f"{result.layer}/e{result.expert}"
+
+
 def diagnosis_lines(report: Report) -> list[str]:
     """One block per distinct diagnosis: the evidence and the fix."""
     lines, seen = [], set()
@@ -109,7 +114,7 @@ def diagnosis_lines(report: Report) -> list[str]:
         if not d or d["id"] in seen:
             continue
         seen.add(d["id"])
-        layers = [r.layer for r in report.layers if r.diagnosis and r.diagnosis["id"] == d["id"]]
+        layers = [unit_label(r) for r in report.layers if r.diagnosis and r.diagnosis["id"] == d["id"]]
         lines.append(f"diagnosis {d['id']} (layers {', '.join(map(str, layers))}): {d['message']}")
         if d.get("distance") is not None and d.get("reference_distance") is not None:
             lines.append(f"  evidence: the module is {d['distance']:.2e} from this mistake's replay "
@@ -120,7 +125,7 @@ def diagnosis_lines(report: Report) -> list[str]:
 
 
 def summary_line(report: Report) -> str:
-    failed = [r.layer if r.expert is None else f"{r.layer}/e{r.expert}" for r in report.layers if not r.passed]
+    failed = [unit_label(r) for r in report.layers if not r.passed]
     unit = "expert(s)" if report.layers and report.layers[0].expert is not None else "layer(s)"
     if not failed:
         return f"PASS: {len(report.layers)} {unit} match transformers within tolerance."

@@ -226,7 +226,7 @@ class Session:
         try:
             target, target_name = self.build_target(tensors)
         except ShapeMismatchError as exc:
-            return shape_failure(layer, exc), self.target_name()
+            return shape_failure(layer, expert, exc), self.target_name()
         del tensors
         x = self.inputs(layer, reference, expert)
         with torch.no_grad():
@@ -317,10 +317,11 @@ class Session:
         return spec if isinstance(spec, str) else f"{spec.__module__}:{spec.__qualname__}"
 
 
-def shape_failure(layer: int, error: ShapeMismatchError) -> LayerResult:
+def shape_failure(layer: int, expert: int | None, error: ShapeMismatchError) -> LayerResult:
     """A layer whose module cannot hold the checkpoint's tensors: failed, with the likely cause."""
     result = LayerResult(layer=layer, passed=False, max_abs_diff=None, max_rel_diff=None, mean_abs_diff=None,
-                         max_at=None, noise_floor=None, tolerance=None, ratio_to_noise=None, preactivation_range=None)
+                         max_at=None, noise_floor=None, tolerance=None, ratio_to_noise=None, preactivation_range=None,
+                         expert=expert)
     result.diagnosis = diagnosis(error.mistake_id, None, None, str(error))
     return result
 

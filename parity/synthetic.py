@@ -10,13 +10,16 @@ seeded per tensor name, so no two tensors (gate and up in particular) hold the s
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
 import tempfile
 from pathlib import Path
+from typing import Iterator
 
 from .checkpoint import CONFIG, INDEX, Checkpoint
+from .errors import CheckpointError
 from .mapping import ConfigValue, Mapping
 
 FORMAT_VERSION = 1  # bump when the generated values or layout change
@@ -44,8 +47,9 @@ def synthetic_checkpoint(mapping: Mapping, reason: str) -> Checkpoint:
     raw = dict(mapping.synthetic_config)
     digest = hashlib.sha256(json.dumps([raw, FORMAT_VERSION], sort_keys=True).encode()).hexdigest()[:12]
     folder = cache_root() / f"{mapping.name}-{digest}"
-    folder.mkdir(parents=True, exist_ok=True)
-    _write_atomic(folder / CONFIG, json.dumps(raw, indent=2))
+    with _writable(folder):
+        folder.mkdir(parents=True, exist_ok=True)
+        _write_atomic(folder / CONFIG, json.dumps(raw, indent=2))
 
     quiet_transformers()
     config = AutoConfig.from_pretrained(str(folder))
@@ -61,7 +65,9 @@ def synthetic_checkpoint(mapping: Mapping, reason: str) -> Checkpoint:
         file_name = f"model-{layer + 1:05d}-of-{num_layers:05d}.safetensors"
         shards[file_name] = {f"{prefix}{mapping.layer_prefix(layer)}.{n}": s for n, s in shapes.items()}
     weight_map = {key: file_name for file_name, keys in shards.items() for key in keys}
-    _write_atomic(folder / INDEX, json.dumps({"metadata": {"parity_synthetic": True}, "weight_map": weight_map}, indent=2))
+    with _writable(folder):
+        _write_atomic(folder / INDEX, json.dumps({"metadata": {"parity_synthetic": True}, "weight_map": weight_map},
+                                                 indent=2))
 
     def fetch(file_name: str) -> Path:
         path = folder / file_name
@@ -70,12 +76,22 @@ def synthetic_checkpoint(mapping: Mapping, reason: str) -> Checkpoint:
             for key, shape in shards[file_name].items():
                 generator = torch.Generator().manual_seed(_seed_for(key))
                 tensors[key] = (torch.randn(shape, generator=generator) * std).to(dtype)
-            tmp = path.with_suffix(".tmp")
-            save_file(tensors, str(tmp), metadata={"format": "pt"})
-            os.replace(tmp, path)
+            tmp = path.with_suffix(f".{os.getpid()}.tmp")  # per process: CI jobs may share the cache
+            with _writable(folder):
+                save_file(tensors, str(tmp), metadata={"format": "pt"})
+                os.replace(tmp, path)
         return path
 
     return Checkpoint(str(folder), folder, raw, weight_map, fetch, weights="synthetic", weights_note=reason)
+
+
+@contextlib.contextmanager
+def _writable(folder: Path) -> Iterator[None]:
+    try:
+        yield
+    except OSError as exc:
+        raise CheckpointError(f"{folder}: cannot write the synthetic stand-in checkpoint ({exc.strerror or exc}); "
+                              "set PARITY_CACHE to a writable folder, or pass --checkpoint") from None
 
 
 def _write_atomic(path: Path, text: str) -> None:

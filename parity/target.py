@@ -36,7 +36,8 @@ def import_object(spec: str, what: str = "--target") -> Any:
 def build_target(mapping: Mapping, config: Any, target: str | Any | None = None) -> tuple[nn.Module, str]:
     """Construct the target from the mapping's class (or an override) and evaluated args."""
     spec = target if target is not None else mapping.target_class
-    factory = import_object(spec) if isinstance(spec, str) else spec
+    what = "--target" if target is not None else f"{mapping.path}: target.class"
+    factory = import_object(spec, what) if isinstance(spec, str) else spec
     name = spec if isinstance(spec, str) else f"{factory.__module__}:{factory.__qualname__}"
     value = ConfigValue(config, mapping.path)
     kwargs = {key: value(raw, f"target.args.{key}") for key, raw in mapping.target_args.items()}

@@ -49,9 +49,12 @@ class TensorCache:
             fetched = read(file_name, missing)
             for name, tensor in fetched.items():
                 path = self._path(file_name, name)
-                path.parent.mkdir(parents=True, exist_ok=True)
-                tmp = path.with_suffix(f".{os.getpid()}.tmp")
-                save_file({name: tensor.contiguous()}, str(tmp), metadata={"source": file_name})
-                os.replace(tmp, path)
+                try:
+                    path.parent.mkdir(parents=True, exist_ok=True)
+                    tmp = path.with_suffix(f".{os.getpid()}.tmp")
+                    save_file({name: tensor.contiguous()}, str(tmp), metadata={"source": file_name})
+                    os.replace(tmp, path)
+                except OSError:  # a read-only or full cache only costs the next run a fetch
+                    pass
             out.update(fetched)
         return out

@@ -19,7 +19,9 @@ class ParityAssertionError(AssertionError):
 
 def assert_parity(model: str, target: str | Any | None = None, layers: str | int | Iterable[int] | None = None,
                   checkpoint: str | None = None, mapping: str | None = None, revision: str | None = None,
-                  seed: int = 0, atol: float | None = None, require_real_weights: bool = False) -> Report:
+                  seed: int = 0, atol: float | None = None, require_real_weights: bool = False,
+                  allow_pickle: bool = False, experts: str | int | Iterable[int] | None = None,
+                  logits: bool = False) -> Report:
     """Check ``target`` (a class, factory or 'pkg.module:Name') against transformers; return the report.
 
     Raises ParityAssertionError (an AssertionError) when a layer deviates, with the table.
@@ -31,7 +33,7 @@ def assert_parity(model: str, target: str | Any | None = None, layers: str | int
     from .runner import check
 
     report = check(model, layers=layers, target=target, checkpoint=checkpoint, mapping=mapping, revision=revision,
-                   seed=seed, atol=atol)
+                   seed=seed, atol=atol, allow_pickle=allow_pickle, experts=experts, logits=logits)
     if require_real_weights and report.weights != "real":
         raise ParityAssertionError(f"parity: {model} was checked on {report.weights} weights "
                                    f"({report.weights_note}); real weights were required\n\n{render(report)}", report)

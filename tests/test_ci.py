@@ -271,3 +271,43 @@ def test_subcommand_help_is_light():
     probe = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                            env={**os.environ, "PYTHONPATH": str(ROOT)})
     assert probe.stdout.strip() == "False False", probe.stderr
+
+
+# -- layers whose module cannot even be loaded (shape mismatch: no metrics) ----------------------
+
+def test_shape_failure_reaches_junit_and_baseline_as_a_failure(tiny, tmp_path, capsys):
+    junit, baseline = tmp_path / "junit.xml", tmp_path / "base.json"
+    args = [tiny["llama"], "--layer", "1", "--target", "tests.mutants:llama_four_d"]
+    code, _, err = run_main(capsys, *args, "--junit", junit, "--baseline", baseline, "--update-baseline")
+    assert code == 1 and "internal error" not in err
+    failure = ET.parse(junit).getroot().find(".//failure")
+    assert failure is not None and "intermediate_size_mismatch" in failure.get("message")
+    assert json.loads(baseline.read_text())["entries"].popitem()[1]["max_abs_diff"] is None
+    code, _, err = run_main(capsys, *args, "--baseline", baseline)
+    assert code == 1 and "internal error" not in err
+
+
+def test_passing_layer_that_now_cannot_load_is_a_regression(tiny, tmp_path, capsys):
+    baseline, mapping = tmp_path / "base.json", tmp_path / "llama.toml"
+    text = (Path(cli.__file__).parent.parent / "mappings" / "llama.toml").read_text()
+    mapping.write_text(text.replace('hidden_dim = "config.intermediate_size", ', ""))  # the module falls back to 4d
+    assert run_main(capsys, tiny["llama"], "--layer", "0", "--baseline", baseline, "--update-baseline")[0] == 0
+    code, out, _ = run_main(capsys, tiny["llama"], "--layer", "0", "--mapping", mapping, "--baseline", baseline)
+    assert code == 1 and "passed in the baseline, fails now" in out and "cannot be loaded" in out
+
+
+def test_mapping_target_class_imported_from_the_working_directory(tiny, tmp_path, capsys, monkeypatch):
+    (tmp_path / "mymodel_for_parity.py").write_text((Path(__file__).parent / "mutants.py").read_text())
+    text = (Path(cli.__file__).parent.parent / "mappings" / "gpt2.toml").read_text()
+    mapping = tmp_path / "m.toml"
+    mapping.write_text(text.replace("parity.ffn:FeedForward", "mymodel_for_parity:gpt2_exact_gelu_module"))
+    monkeypatch.chdir(tmp_path)
+    code, out, err = run_main(capsys, tiny["gpt2"], "--layer", "0", "--mapping", mapping)
+    assert code == 1 and "gelu_exact_instead_of_tanh" in out, err  # the module loaded and was diagnosed
+
+
+@pytest.mark.parametrize("atol", ["0", "-1", "nan"])
+def test_atol_must_be_positive(tiny, atol, capsys):
+    with pytest.raises(SystemExit) as info:
+        cli.main([str(tiny["gpt2"]), "--atol", atol])
+    assert info.value.code == 2 and "positive" in capsys.readouterr().err
