@@ -85,7 +85,7 @@ the [tool.parity] table of pyproject.toml (or --config FILE), with one summary a
   model = "gpt2"                          # as `parity MODEL`
   layers = [0, 11]                        # or "all", "0,3", "2-7"; default all
   target = "mypkg.ffn:MLP"                # optional, as --target
-  # checkpoint, mapping, revision, seed, atol (alias tolerance), name: optional
+  # checkpoint, mapping, revision, seed, atol (alias tolerance), logits, experts, allow_pickle, name: optional
 
 --shard K/N runs the K-th of N shares of the (check, layer) units, dealt round-robin in
 file and layer order, so N CI jobs together run each unit exactly once.

@@ -8,6 +8,7 @@ list`` stays instant.
 from __future__ import annotations
 
 import re
+import functools
 import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -284,16 +285,17 @@ def load_mapping(path: str | Path) -> Mapping:
 
 
 def builtin_mappings() -> dict[str, Mapping]:
-    """All built-in mappings by name (``mappings/*.toml``)."""
+    """All built-in mappings by name (``mappings/*.toml``), parsed once per process."""
+    return dict(_builtin_mappings())
+
+
+@functools.lru_cache(maxsize=1)
+def _builtin_mappings() -> dict[str, Mapping]:
     found = {}
     for path in sorted(builtin_mapping_dir().glob("*.toml")):
         mapping = load_mapping(path)
         found[mapping.name] = mapping
     return found
-
-
-def mapping_by_name(name: str) -> Mapping | None:
-    return builtin_mappings().get(name)
 
 
 def fits(mapping: Mapping, has) -> bool:

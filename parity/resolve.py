@@ -1,7 +1,8 @@
 """MODEL argument -> (mapping, checkpoint, transformers config).
 
 MODEL may be a mapping name (its default hub checkpoint, or the synthetic stand-in when
-the hub cannot be reached), a hub id, a local folder or a .safetensors file.
+the hub cannot be reached), a hub id, a local folder, a .safetensors or .gguf file, or
+(with allow_pickle) a folder of pickle-based weights.
 """
 
 from __future__ import annotations
