@@ -54,6 +54,11 @@ class Checkpoint:
         if not all(self.has(n) for n in names):
             raise MissingTensorError(f"{self.location}: missing tensors: {self.missing_hint(names)}")
 
+    def describe(self, names: list[str]) -> dict[str, tuple[list[int], str]] | None:
+        """Shape and stored type of these tensors without reading them, where the format's own
+        index holds both (GGUF); None: read them from the safetensors headers instead."""
+        return None
+
     def files_for(self, names: list[str]) -> list[str]:
         return sorted({self.weight_map[n] for n in names})
 

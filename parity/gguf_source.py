@@ -213,6 +213,10 @@ class GGUFCheckpoint(Checkpoint):
         self.header = header
         self.notes = notes
 
+    def describe(self, names: list[str]) -> dict[str, tuple[list[int], str]]:
+        self.require(names)
+        return {n: (list(self.header.tensors[n].shape), _qtype_name(self.header.tensors[n].qtype)) for n in names}
+
     def read(self, names: list[str]):
         self.require(names)
         return {name: dequantize(self.header.path, self.header.tensors[name]) for name in names}

@@ -49,7 +49,10 @@ def tensor_info(checkpoint, session, layer: int, names: list[str]) -> list[dict[
         by_file.setdefault(checkpoint.weight_map[name], []).append(name)
     for file_name, members in by_file.items():
         local = checkpoint.config_dir / file_name if checkpoint.config_dir is not None else None
-        if local is not None and local.is_file():
+        described = checkpoint.describe(members)
+        if described is not None:
+            rows.extend(_row(name, *described[name], file_name, "index") for name in members)
+        elif local is not None and local.is_file():
             from safetensors import safe_open
 
             with safe_open(str(local), framework="pt") as handle:

@@ -1,7 +1,8 @@
 """Many checks in one run: plan every (check, layer) unit, keep this shard's, run them.
 
-Planning resolves each check (config.json only: no tensor is read) to know its layers,
-so `--shard K/N` can split units, not whole checks.  A check that cannot be set up is
+Planning resolves each check (its config and tensor index; nothing is compared yet) to know
+its layers, so `--shard K/N` can split units, not whole checks; the session opened then is
+the one the check runs on.  A check that cannot be set up is
 recorded as an error and the others still run: one CI run shows every problem.
 """
 
@@ -60,6 +61,9 @@ def plan(specs: list[CheckSpec], shard: tuple[int, int] | None = None, raise_err
         units.extend((index, layer) for layer in layers)
     for index, layer in shard_units(units, shard):
         runs[index].layers.append(layer)
+    for run in runs:
+        if not run.layers:
+            run.session = None  # nothing of this check in this shard: do not hold its checkpoint open
     return runs
 
 
@@ -84,7 +88,6 @@ def execute(runs: list[CheckRun], on_layer: Callable[[CheckRun, Report, LayerRes
 
         try:
             report = run_session(run.session, run.layers, on_layer=record, logits=spec.logits, experts=spec.experts)
-            run.session = None  # release the resolved checkpoint once its check is done
         except ParityError as exc:
             if raise_errors:
                 raise
@@ -92,6 +95,8 @@ def execute(runs: list[CheckRun], on_layer: Callable[[CheckRun, Report, LayerRes
         else:
             report.notes.extend(n for n in run.plan_notes if n not in report.notes)
             run.report = report
+        finally:
+            run.session = None  # release the resolved checkpoint once its check is done
         if on_check is not None:
             on_check(run)
     return runs

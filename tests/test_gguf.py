@@ -195,3 +195,13 @@ def test_cli_on_a_gguf_file(llama_mixed):
     bad = subprocess.run(["parity", str(llama_mixed), "--target", "tests.mutants:SwappedSwiGLU"], capture_output=True,
                          text=True, env=env, cwd=ROOT, timeout=300)
     assert bad.returncode == 1 and "MISMATCH" in bad.stdout
+
+
+def test_inspect_describes_gguf_tensors_from_the_file_index(llama_mixed):
+    from parity.inspect_cmd import inspect_model
+
+    info = inspect_model(str(llama_mixed), layer=1)
+    rows = {row["name"]: row for row in info["tensors"]}
+    assert set(rows) >= {"blk.1.ffn_gate.weight", "blk.1.ffn_up.weight", "blk.1.ffn_down.weight"}
+    for row in rows.values():
+        assert row["shape"] is not None and row["dtype"] and row["source"] == "index"
