@@ -94,7 +94,7 @@ def _row(name: str, shape, dtype, file_name: str, source: str) -> dict[str, Any]
 def inspect_model(model: str, checkpoint: str | None = None, mapping: str | None = None, revision: str | None = None,
                   target: str | None = None, layer: int = 0) -> dict[str, Any]:
     from .mapping import ConfigValue
-    from .reference import activation_module, activation_name, configured_activation
+    from .reference import ACTIVATION_ATTRS, activation_module, activation_name, config_dff, configured_activation
     from .runner import open_session, parse_layers
 
     session = open_session(model, checkpoint, mapping, revision, target)
@@ -102,12 +102,11 @@ def inspect_model(model: str, checkpoint: str | None = None, mapping: str | None
     config, ckpt, fam = session.config, session.checkpoint, session.mapping
     probe = session.reference.meta_module(fam.reference_path(layer))
     d = session.hidden_size
-    d_ff = next((getattr(config, attr) for attr in ("intermediate_size", "n_inner") if getattr(config, attr, None)), None)
+    d_ff = config_dff(config)
     shapes = session.reference.tensor_shapes(fam.reference_path(layer))
     if d_ff is None:  # GPT configs leave n_inner empty: the model uses 4d; read it off the built MLP
         d_ff = next((max(s) for n, s in shapes.items() if n.endswith("weight") and len(s) == 2), None)
-    named = {attr: ckpt.raw_config[attr] for attr in ("hidden_act", "hidden_activation", "activation_function", "afn")
-             if isinstance(ckpt.raw_config.get(attr), str)}
+    named = {attr: ckpt.raw_config[attr] for attr in ACTIVATION_ATTRS if isinstance(ckpt.raw_config.get(attr), str)}
     act = activation_module(probe)
     prefix = session.layer_prefix(layer)
     routes = [*session.reference_routes(layer), *fam.tensors]

@@ -96,9 +96,17 @@ class ReferenceModel:
         return module.eval()
 
 
+# Where configs name their activation, most specific first (Gemma 2/3 use hidden_activation).
+ACTIVATION_ATTRS = ("hidden_activation", "hidden_act", "activation_function", "afn")
+
+
+def config_dff(config: Any) -> int | None:
+    """d_ff as the config states it; None where it is implied (GPT configs leave n_inner empty: 4d)."""
+    return getattr(config, "intermediate_size", None) or getattr(config, "n_inner", None)
+
+
 def _sizes(config: Any) -> str:
-    d = getattr(config, "hidden_size", None)
-    d_ff = getattr(config, "intermediate_size", None) or getattr(config, "n_inner", None)
+    d, d_ff = getattr(config, "hidden_size", None), config_dff(config)
     return f"d={d}, d_ff={d_ff}" if d_ff else f"d={d}, d_ff=4d"
 
 
@@ -127,7 +135,7 @@ def activation_name(module: nn.Module, configured: str | None) -> str:
 
 
 def configured_activation(config: Any) -> str | None:
-    for attr in ("hidden_activation", "hidden_act", "activation_function", "afn"):
+    for attr in ACTIVATION_ATTRS:
         value = getattr(config, attr, None)
         if isinstance(value, str):
             return value

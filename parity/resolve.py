@@ -121,8 +121,10 @@ def load_config(ckpt: Checkpoint) -> Any:
 
 def activation_override_notes(raw: dict, config: Any) -> list[str]:
     """Where transformers runs another activation than config.json names (Gemma 1's 'gelu')."""
+    from .reference import ACTIVATION_ATTRS
+
     notes = []
-    for attr in ("hidden_act", "hidden_activation", "activation_function"):
+    for attr in ACTIVATION_ATTRS:
         said = raw.get(attr)
         runs = getattr(config, attr, None)
         if isinstance(said, str) and isinstance(runs, str) and said != runs:

@@ -11,6 +11,7 @@ from torch import nn
 
 from .errors import MappingError, MissingTensorError, ShapeMismatchError, TargetError
 from .mapping import ConfigValue, Mapping, TensorRoute
+from .reference import config_dff
 
 
 def import_object(spec: str, what: str = "--target") -> Any:
@@ -134,7 +135,7 @@ def shape_message(route: TensorRoute, found: tuple[int, ...], expected: tuple[in
         mistake = "missing_transpose"
         hints.append("the shapes are transposed: the mapping's transform for this tensor is probably wrong "
                      "(Conv1D weights are stored [in, out] and need transform = \"transpose\")")
-    d_ff = getattr(config, "intermediate_size", None) or getattr(config, "n_inner", None)
+    d_ff = config_dff(config)
     d = getattr(config, "hidden_size", None)
     if d and len(found) == len(expected) and found != expected and found[::-1] != expected:
         target_dff = [s for s in expected if s != d]
