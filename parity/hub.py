@@ -21,7 +21,7 @@ from urllib.parse import urlparse
 from .checkpoint import (CONFIG, INDEX, SINGLE, Checkpoint, read_json, read_safetensors, weight_map_from_files,
                          weight_map_from_index)
 from .errors import CheckpointError, GatedRepoError, OfflineError, PickleRefusedError, UnknownModelError
-from .ranges import Fetch, RangedReader
+from .ranges import Fetch, RangedReader, read_span
 from .tensorcache import TensorCache
 
 REACH_TIMEOUT_S = float(os.environ.get("PARITY_HUB_TIMEOUT", "3"))
@@ -132,13 +132,7 @@ def hub_range_fetcher(repo_id: str, revision: str | None) -> Fetch:
         try:  # cache_type "none": every read() is one HTTP range request, nothing is buffered twice
             with fs.open(f"{repo_id}/{file_name}", "rb", revision=revision, block_size=RANGE_CHUNK,
                          cache_type="none") as handle:
-                handle.seek(start)
-                while start < end:
-                    data = handle.read(min(RANGE_CHUNK, end - start))
-                    if not data:
-                        return
-                    start += len(data)
-                    yield data
+                yield from read_span(handle, start, end, RANGE_CHUNK)
         except Exception as exc:  # HTTP, connection and fsspec errors alike
             raise _RangeFailed(f"{type(exc).__name__}: {exc}") from exc
 

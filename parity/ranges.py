@@ -167,6 +167,17 @@ def _bytes_of(tensor) -> memoryview:
     return memoryview(flat.numpy()).cast("B")
 
 
+def read_span(handle, start: int, end: int, chunk: int) -> Iterator[bytes]:
+    """Bytes [start, end) of an open binary file-like object, ``chunk`` at a time; stops early at EOF."""
+    handle.seek(start)
+    while start < end:
+        data = handle.read(min(chunk, end - start))
+        if not data:
+            return
+        start += len(data)
+        yield data
+
+
 def local_fetcher(folder) -> Fetch:
     """Byte ranges of files in a local folder (tests, and a model for remote fetchers)."""
     from pathlib import Path
@@ -175,12 +186,6 @@ def local_fetcher(folder) -> Fetch:
 
     def fetch(file_name: str, start: int, end: int, chunk: int = 1 << 22) -> Iterator[bytes]:
         with open(folder / file_name, "rb") as handle:
-            handle.seek(start)
-            while start < end:
-                data = handle.read(min(chunk, end - start))
-                if not data:
-                    return
-                start += len(data)
-                yield data
+            yield from read_span(handle, start, end, chunk)
 
     return fetch
