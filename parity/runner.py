@@ -21,12 +21,11 @@ from . import __version__
 from .diagnose import diagnose, diagnosis
 from .errors import (CheckpointError, LayerRangeError, MissingTensorError, ShapeMismatchError, TargetError,
                      WeightDefectError)
-from .mapping import ConfigValue, Mapping
+from .mapping import ConfigValue, Mapping, TensorRoute
 from .memory import young_objects_only
 from .reference import ReferenceModel, activation_module, activation_name, configured_activation
 from .report import LayerResult, Report
 from .resolve import Resolved, resolve
-from .mapping import TensorRoute
 from .target import build_target, fill_target, route_tensor
 from .upcast import compute_in
 
@@ -152,7 +151,7 @@ class Session:
                     f"{self.checkpoint.location}: tensor '{prefix + name}' holds {bad} NaN/Inf values: "
                     "the checkpoint is defective (not a module mismatch)"
                 )
-            tensors[name] = tensor if dtype is None or not tensor.is_floating_point() else tensor.to(dtype)
+            tensors[name] = tensor if dtype is None else tensor.to(dtype)
         return tensors
 
     def _read(self, prefix: str, names: list[str], expert: int | None) -> dict[str, torch.Tensor]:
@@ -168,8 +167,6 @@ class Session:
             for key in wanted:
                 tensor = self._stacked[1][key]
                 if tensor.shape[0] != self.num_experts:
-                    from .errors import ShapeMismatchError
-
                     raise ShapeMismatchError(f"{self.checkpoint.location}: '{key}' stacks {tensor.shape[0]} experts, "
                                              f"the config says {self.num_experts}")
                 out[key] = tensor[expert]
@@ -289,7 +286,7 @@ class Session:
             notes=list(self.resolved.notes),
         )
 
-    def synthetic_layers(self, report: Report) -> list[int] | None:
+    def synthetic_layers(self, notes: list[str]) -> list[int] | None:
         """All layers, unless the synthetic model would be large: then first, middle and last.
 
         Random weights are the same kind of tensor at every depth; writing gigabytes of them
@@ -300,7 +297,7 @@ class Session:
         if layer_bytes * self.num_layers <= SYNTHETIC_BUDGET_BYTES:
             return None
         chosen = sorted({0, self.num_layers // 2, self.num_layers - 1})
-        report.notes.append(f"synthetic weights of this size: checking layers {chosen} of {self.num_layers}; "
+        notes.append(f"synthetic weights of this size: checking layers {chosen} of {self.num_layers}; "
                             "--layers all checks every one")
         return chosen
 
@@ -418,7 +415,7 @@ def run_session(session: Session, layers: str | int | Iterable[int] | None = Non
     """``check`` on an already opened session (``parity check`` plans with the same session it runs)."""
     report = session.report()
     if layers is None and session.checkpoint.weights == "synthetic":
-        layers = session.synthetic_layers(report)
+        layers = session.synthetic_layers(report.notes)
     selected_experts = session.expert_indices(experts)
     with young_objects_only():  # the per-layer gc.collect() then costs milliseconds, not 0.5 s
         for layer in parse_layers(layers, session.num_layers):

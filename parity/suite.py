@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from types import SimpleNamespace
 from typing import Callable
 
 from .errors import ParityError
@@ -42,8 +41,7 @@ def plan_layers(spec: CheckSpec) -> tuple[list[int], list[str], object]:
     layers = spec.layers
     notes: list[str] = []
     if layers is None and session.checkpoint.weights == "synthetic":
-        stub = SimpleNamespace(notes=notes)
-        layers = session.synthetic_layers(stub)
+        layers = session.synthetic_layers(notes)
     return parse_layers(layers, session.num_layers), notes, session
 
 
