@@ -119,18 +119,38 @@ def weight_map_from_index(index_path: Path) -> dict[str, str]:
 
 
 def weight_map_from_files(files: list[Path]) -> dict[str, str]:
-    """Tensor names from safetensors headers (reads only the header of each file)."""
+    """Tensor names from safetensors headers (reads only the header of each file).
+
+    Without an index nothing says which of two files holding the same tensor is the
+    checkpoint (transformers would load model.safetensors alone): refuse rather than let
+    the later file, often a stale copy, silently win.
+    """
     from safetensors import safe_open
 
-    weight_map = {}
+    weight_map: dict[str, str] = {}
+    clashes: dict[tuple[str, str], list[str]] = {}
     for path in files:
         require_regular_file(path)
         try:
             with safe_open(str(path), framework="pt") as handle:
-                for key in handle.keys():
-                    weight_map[key] = path.name
+                names = list(handle.keys())
         except Exception as exc:
             raise unreadable(path, exc) from None
+        for name in names:
+            if name in weight_map:
+                clashes.setdefault((weight_map[name], path.name), []).append(name)
+            else:
+                weight_map[name] = path.name
+    if clashes:
+        (first, second), names = next(iter(clashes.items()))
+        folder = files[0].parent
+        shown = ", ".join(names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
+        others = f" (and {len(clashes) - 1} other pair(s) of files)" if len(clashes) > 1 else ""
+        raise CheckpointError(
+            f"{folder}: {first} and {second} both hold tensor(s) {shown}{others}, and there is no {INDEX} to say "
+            f"which file is the checkpoint. Remove (or move away) the stray file, add a {INDEX} mapping each "
+            f"tensor to its file, or pass the one file to check ({folder / first})"
+        )
     return weight_map
 
 
@@ -238,7 +258,7 @@ def open_local(path: Path, allow_pickle: bool = False) -> Checkpoint:
         ggufs = sorted(folder.glob("*.gguf"))
         if len(ggufs) == 1:
             return open_local(ggufs[0])
-        if any(folder.glob(pattern) for pattern in PICKLE_PATTERNS):
+        if any(next(folder.glob(pattern), None) is not None for pattern in PICKLE_PATTERNS):  # a glob is always truthy
             return _open_pickle(folder, allow_pickle)
     if not config_path.is_file():
         raise CheckpointError(f"{folder}: no config.json; parity needs the checkpoint's HF config next to its weights")

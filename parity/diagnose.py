@@ -24,6 +24,7 @@ from typing import Callable
 import torch
 from torch import nn
 
+from .mistakes import MistakeId, diagnosis
 from .reference import activation_module, activation_name, configured_activation
 
 TANH_GELUS = {"gelu_new", "gelu_pytorch_tanh", "gelu_python_tanh", "gelu_fast", "gelu_accurate"}
@@ -31,53 +32,9 @@ EXACT_GELUS = {"gelu", "gelu_python"}
 SILUS = {"silu", "swish"}
 
 
-@dataclass(frozen=True)
-class Mistake:
-    id: str
-    message: str
-    fix: str
-
-
-MISTAKES = {m.id: m for m in [
-    Mistake("dropout_active", "the module's output changes between two identical runs: dropout is active at inference",
-            "call model.eval() before comparing, or build the FFN with dropout=0"),
-    Mistake("gelu_exact_instead_of_tanh", "exact (erf) GELU where the checkpoint expects the tanh approximation",
-            "use the tanh GELU: nn.GELU(approximate='tanh') or parity.ffn.GELU (HF gelu_new / gelu_pytorch_tanh)"),
-    Mistake("gelu_tanh_instead_of_exact", "tanh-approximated GELU where the checkpoint expects the exact (erf) GELU",
-            "use nn.GELU() (exact)"),
-    Mistake("quick_gelu", "x*sigmoid(1.702x) (quick GELU) used in place of GELU",
-            "use the GELU variant the checkpoint was trained with"),
-    Mistake("silu_instead_of_gelu", "SiLU where the checkpoint expects GELU (a GeGLU checkpoint in a SwiGLU module?)",
-            "use GeGLU / the tanh GELU for Gemma-style checkpoints"),
-    Mistake("gelu_instead_of_silu", "GELU where the checkpoint expects SiLU (a SwiGLU checkpoint in a GeGLU module?)",
-            "use SwiGLU / SiLU for LLaMA-style checkpoints"),
-    Mistake("gate_up_swapped", "gate and up projections are swapped: the activation is applied to the up branch",
-            "load gate_proj (Meta w1, GGUF ffn_gate) into the gated branch and up_proj (w3, ffn_up) into the other"),
-    Mistake("missing_transpose", "a weight is used without the transpose its storage layout needs",
-            "transpose Conv1D weights ([in, out]) when loading them into nn.Linear ([out, in])"),
-    Mistake("bias_dropped", "checkpoint biases are not loaded (or the module has none)",
-            "create the projections with bias=True and load the checkpoint's biases"),
-    Mistake("low_precision_compute", "the module computes in half precision",
-            "compute in float32 (upcast the weights) when checking against the reference"),
-    Mistake("intermediate_size_mismatch", "the module's d_ff differs from the checkpoint's intermediate_size",
-            "build the FFN with hidden_dim = config.intermediate_size"),
-    Mistake("shape_mismatch", "a checkpoint tensor does not fit the module's parameter",
-            "compare the module's parameter shapes with the checkpoint's (parity inspect)"),
-    Mistake("unexplained", "no known mistake explains this deviation",
-            "compare the module's forward with transformers' MLP line by line"),
-]}
-
-
-def diagnosis(mistake_id: str, distance: float | None, reference_distance: float | None, detail: str = "") -> dict:
-    mistake = MISTAKES[mistake_id]
-    message = mistake.message + (f" ({detail})" if detail else "")
-    return {"id": mistake.id, "message": message, "fix": mistake.fix,
-            "distance": distance, "reference_distance": reference_distance}
-
-
 @dataclass
 class Hypothesis:
-    id: str
+    id: MistakeId
     detail: str
     tensors: Callable[[dict[str, torch.Tensor]], dict[str, torch.Tensor]] = lambda t: t
     patch: Callable[[nn.Module], None] = lambda m: None
@@ -121,37 +78,37 @@ def hypotheses(reference: nn.Module, tensors: dict[str, torch.Tensor], config) -
     found: list[Hypothesis] = []
     act = activation_name(reference, configured_activation(config))
     if act in TANH_GELUS:
-        found += [Hypothesis("gelu_exact_instead_of_tanh", f"reference runs {act}", patch=_activation_swap("gelu")),
-                  Hypothesis("quick_gelu", f"reference runs {act}", patch=_activation_swap("quick_gelu")),
-                  Hypothesis("silu_instead_of_gelu", f"reference runs {act}", patch=_activation_swap("silu"))]
+        found += [Hypothesis(MistakeId.GELU_EXACT_INSTEAD_OF_TANH, f"reference runs {act}", patch=_activation_swap("gelu")),
+                  Hypothesis(MistakeId.QUICK_GELU, f"reference runs {act}", patch=_activation_swap("quick_gelu")),
+                  Hypothesis(MistakeId.SILU_INSTEAD_OF_GELU, f"reference runs {act}", patch=_activation_swap("silu"))]
     elif act in EXACT_GELUS:
-        found += [Hypothesis("gelu_tanh_instead_of_exact", f"reference runs {act}",
+        found += [Hypothesis(MistakeId.GELU_TANH_INSTEAD_OF_EXACT, f"reference runs {act}",
                              patch=_activation_swap("gelu_pytorch_tanh")),
-                  Hypothesis("quick_gelu", f"reference runs {act}", patch=_activation_swap("quick_gelu")),
-                  Hypothesis("silu_instead_of_gelu", f"reference runs {act}", patch=_activation_swap("silu"))]
+                  Hypothesis(MistakeId.QUICK_GELU, f"reference runs {act}", patch=_activation_swap("quick_gelu")),
+                  Hypothesis(MistakeId.SILU_INSTEAD_OF_GELU, f"reference runs {act}", patch=_activation_swap("silu"))]
     elif act in SILUS:
-        found += [Hypothesis("gelu_instead_of_silu", f"tanh GELU; reference runs {act}",
+        found += [Hypothesis(MistakeId.GELU_INSTEAD_OF_SILU, f"tanh GELU; reference runs {act}",
                              patch=_activation_swap("gelu_pytorch_tanh")),
-                  Hypothesis("gelu_instead_of_silu", f"exact GELU; reference runs {act}", patch=_activation_swap("gelu"))]
+                  Hypothesis(MistakeId.GELU_INSTEAD_OF_SILU, f"exact GELU; reference runs {act}", patch=_activation_swap("gelu"))]
     if "gate_proj.weight" in tensors and "up_proj.weight" in tensors:
-        found.append(Hypothesis("gate_up_swapped", "gate_proj <-> up_proj", tensors=_swap("gate_proj", "up_proj")))
+        found.append(Hypothesis(MistakeId.GATE_UP_SWAPPED, "gate_proj <-> up_proj", tensors=_swap("gate_proj", "up_proj")))
     if "gate" in tensors and "up" in tensors:  # one MoE expert (parity.moe)
-        found.append(Hypothesis("gate_up_swapped", "expert gate <-> up",
+        found.append(Hypothesis(MistakeId.GATE_UP_SWAPPED, "expert gate <-> up",
                                 tensors=lambda t: {**t, "gate": t["up"], "up": t["gate"]}))
     for name, value in tensors.items():
         if name.endswith("gate_up_proj.weight") or name.endswith("gate_up_proj"):
-            found.append(Hypothesis("gate_up_swapped", f"halves of {name}", tensors=_swap_halves(name)))
+            found.append(Hypothesis(MistakeId.GATE_UP_SWAPPED, f"halves of {name}", tensors=_swap_halves(name)))
     squares = [n for n, v in tensors.items() if v.dim() == 2 and v.shape[0] == v.shape[1]]
     for name in squares:
-        found.append(Hypothesis("missing_transpose", f"{name} not transposed", tensors=_replace(name, torch.t)))
+        found.append(Hypothesis(MistakeId.MISSING_TRANSPOSE, f"{name} not transposed", tensors=_replace(name, torch.t)))
     if len(squares) > 1:
-        found.append(Hypothesis("missing_transpose", "square weights not transposed",
+        found.append(Hypothesis(MistakeId.MISSING_TRANSPOSE, "square weights not transposed",
                                 tensors=lambda t: {**t, **{n: t[n].t() for n in squares}}))
     biases = [n for n, v in tensors.items() if n.endswith("bias") and bool(v.abs().max() > 0)]
     for name in biases:
-        found.append(Hypothesis("bias_dropped", f"{name} missing", tensors=_replace(name, torch.zeros_like)))
+        found.append(Hypothesis(MistakeId.BIAS_DROPPED, f"{name} missing", tensors=_replace(name, torch.zeros_like)))
     if len(biases) > 1:
-        found.append(Hypothesis("bias_dropped", "all biases missing",
+        found.append(Hypothesis(MistakeId.BIAS_DROPPED, "all biases missing",
                                 tensors=lambda t: {**t, **{n: torch.zeros_like(t[n]) for n in biases}}))
     return found
 
@@ -164,7 +121,7 @@ def _low_precision(build, tensors, x, got, reference64, reference_distance, dtyp
     low = build(tensors).to(dtype)(x.to(dtype)).double()
     name = str(dtype).removeprefix("torch.")
     detail = f"{name}: the reference computed in {name} deviates from float64 by {(low - reference64).abs().max():.2e}"
-    return diagnosis("low_precision_compute", float((got - low).abs().max()), reference_distance, detail)
+    return diagnosis(MistakeId.LOW_PRECISION_COMPUTE, float((got - low).abs().max()), reference_distance, detail)
 
 
 def diagnose(build: Callable[[dict[str, torch.Tensor]], nn.Module], tensors: dict[str, torch.Tensor], config,
@@ -199,4 +156,4 @@ def diagnose(build: Callable[[dict[str, torch.Tensor]], nn.Module], tensors: dic
                 if alike > 0.5 and 0.25 <= scale <= 4:
                     return _low_precision(build, tensors, x, got, reference64, reference_distance, dtype)
     closest = f"closest known mistake: {best[1].id}, {best[1].detail}, at {best[0]:.2e}" if best else ""
-    return diagnosis("unexplained", best[0] if best else None, reference_distance, closest)
+    return diagnosis(MistakeId.UNEXPLAINED, best[0] if best else None, reference_distance, closest)

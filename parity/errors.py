@@ -57,3 +57,11 @@ class LayerRangeError(ParityError):
 
 class PickleRefusedError(CheckpointError):
     """A pickle-based file was found and the user did not opt in with --allow-pickle."""
+
+
+class SyntheticWeightsError(CheckpointError):
+    """Real weights were required (--require-real, `parity check`) and only the synthetic stand-in was available."""
+
+
+class UsageError(ParityError, ValueError):
+    """An option or argument value that cannot mean anything (empty, NaN, inf, negative, options that clash)."""

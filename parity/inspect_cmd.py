@@ -95,10 +95,11 @@ def inspect_model(model: str, checkpoint: str | None = None, mapping: str | None
                   target: str | None = None, layer: int = 0) -> dict[str, Any]:
     from .mapping import ConfigValue
     from .reference import ACTIVATION_ATTRS, activation_module, activation_name, config_dff, configured_activation
-    from .runner import open_session, parse_layers
+    from .runner import open_session
+    from .selection import parse_selection
 
     session = open_session(model, checkpoint, mapping, revision, target)
-    (layer,) = parse_layers(int(layer), session.num_layers)
+    (layer,) = parse_selection(int(layer), session.num_layers)
     config, ckpt, fam = session.config, session.checkpoint, session.mapping
     probe = session.reference.meta_module(fam.reference_path(layer))
     d = session.hidden_size

@@ -10,13 +10,15 @@ import xml.etree.ElementTree as ET
 from pathlib import Path
 from typing import Iterable
 
-from .errors import ParityError
+from .atomic import write_text_atomic
 from .report import LayerResult, Report, layer_line
 
 
 def case_name(layer: LayerResult) -> str:
+    """'layer 3', 'layer 3 expert 1'; '(synthetic weights)' appended so no CI page shows a bare pass of random weights."""
     name = f"layer {layer.layer}"
-    return name if layer.expert is None else f"{name} expert {layer.expert}"
+    name = name if layer.expert is None else f"{name} expert {layer.expert}"
+    return f"{name} (synthetic weights)" if layer.weights == "synthetic" else name
 
 
 def failure_message(layer: LayerResult) -> str:
@@ -38,10 +40,14 @@ def failure_message(layer: LayerResult) -> str:
     return "; ".join(parts)
 
 
-def build_junit(runs: Iterable, regressions: dict[int, str] | None = None) -> ET.Element:
+def build_junit(runs: Iterable, regressions: dict[int, str] | None = None, other_weights: dict[int, str] | None = None,
+                baseline_error: str | None = None) -> ET.Element:
     """``runs``: objects with ``label``, ``report`` (Report | None), ``error`` (str | None) and
-    ``seconds`` (per layer).  ``regressions``: id(LayerResult) -> baseline message (a failure too)."""
-    regressions = regressions or {}
+    ``seconds`` (per layer).  ``regressions``: id(LayerResult) -> baseline message (a failure too);
+    ``other_weights``: the same for entries made from other weights (not compared: a failure, so a
+    CI page does not show the layer as checked against the baseline); ``baseline_error``: why the
+    baseline as a whole cannot be trusted, an <error> of its own."""
+    regressions, other_weights = regressions or {}, other_weights or {}
     root = ET.Element("testsuites", name="parity")
     totals = {"tests": 0, "failures": 0, "errors": 0}
     for run in runs:
@@ -60,15 +66,23 @@ def build_junit(runs: Iterable, regressions: dict[int, str] | None = None) -> ET
                 case = ET.SubElement(suite, "testcase", name=case_name(layer), classname=run.label,
                                      time=f"{seconds:.3f}")
                 counts["tests"] += 1
+                if layer.unverifiable is not None:  # an error, not a failure: the set-up cannot judge the module
+                    counts["errors"] += 1
+                    ET.SubElement(case, "error", message=f"unverifiable: {layer.unverifiable}",
+                                  type="Unverifiable").text = layer_line(layer)
+                    continue
                 problems = []
                 if not layer.passed:
                     problems.append(failure_message(layer))
                 if id(layer) in regressions:
                     problems.append("baseline: " + regressions[id(layer)])
+                if id(layer) in other_weights:
+                    problems.append("baseline: " + other_weights[id(layer)])
                 if problems:
                     counts["failures"] += 1
-                    failure = ET.SubElement(case, "failure", message="; ".join(problems),
-                                            type="BaselineRegression" if layer.passed else "Mismatch")
+                    kind = ("Mismatch" if not layer.passed else "BaselineRegression" if id(layer) in regressions
+                            else "BaselineOtherWeights")
+                    failure = ET.SubElement(case, "failure", message="; ".join(problems), type=kind)
                     failure.text = layer_line(layer)
         if run.error is not None:
             counts["tests"] += 1
@@ -80,17 +94,22 @@ def build_junit(runs: Iterable, regressions: dict[int, str] | None = None) -> ET
             totals[key] += value
         suite.set("skipped", "0")
         suite.set("time", f"{sum(run.seconds):.3f}")
+    if baseline_error is not None:
+        suite = ET.SubElement(root, "testsuite", name="baseline", tests="1", failures="0", errors="1", skipped="0",
+                              time="0.000")
+        case = ET.SubElement(suite, "testcase", name="baseline", classname="baseline", time="0.000")
+        ET.SubElement(case, "error", message=baseline_error, type="BaselineError").text = baseline_error
+        totals["tests"] += 1
+        totals["errors"] += 1
     for key, value in totals.items():
         root.set(key, str(value))
     return root
 
 
-def write_junit(path: str | Path, runs: Iterable, regressions: dict[int, str] | None = None) -> None:
-    tree = ET.ElementTree(build_junit(runs, regressions))
+def write_junit(path: str | Path, runs: Iterable, regressions: dict[int, str] | None = None,
+                other_weights: dict[int, str] | None = None, baseline_error: str | None = None) -> None:
+    """Atomically: a CI page must never parse half a report (parity.atomic)."""
+    tree = ET.ElementTree(build_junit(runs, regressions, other_weights, baseline_error))
     ET.indent(tree)
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    try:
-        tree.write(path, encoding="utf-8", xml_declaration=True)
-    except OSError as exc:
-        raise ParityError(f"--junit {path}: cannot write the report: {exc.strerror or exc}") from None
+    text = ET.tostring(tree.getroot(), encoding="unicode")
+    write_text_atomic(path, "<?xml version='1.0' encoding='utf-8'?>\n" + text + "\n", "--junit")

@@ -7,12 +7,13 @@ list`` stays instant.
 
 from __future__ import annotations
 
+import difflib
 import re
 import functools
 import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterable
 
 from .errors import MappingError
 
@@ -67,6 +68,12 @@ class Mapping:
     # reference parameter (HF name, relative to the MLP) -> checkpoint tensor; empty: the same name
     reference_tensors: list[TensorRoute] = field(default_factory=list)
     experts: "Experts | None" = None  # MoE: each expert's FFN is checked on its own
+    text: str = field(default="", repr=False, compare=False)  # the file's text, for line numbers in later errors
+
+    def where(self, key: str) -> str:
+        """'FILE:LINE' of a key, for errors found only once the target or reference exists."""
+        line = line_of(self.text, key) if self.text else None
+        return f"{self.path}:{line}" if line is not None else str(self.path)
 
     def layer_prefix(self, layer: int, expert: int | None = None) -> str:
         return self.layer_key.format(layer=layer, expert=0 if expert is None else expert)
@@ -228,6 +235,9 @@ def parse_mapping(text: str, path: Path) -> Mapping:
     experts = _parse_experts(path, data["experts"]) if "experts" in data else None
     if experts is None and "{expert}" in layer_key:
         raise _fail(path, "checkpoint.layer_key", "uses {expert} but the mapping has no [experts] table")
+    if experts is not None and reference_routes:
+        raise _fail(path, "reference.tensors", "is not used by a mapping with [experts]: the reference gets each "
+                                               "expert's tensors from [experts] gate/up/down; remove it")
     for key in ("description", "default_checkpoint"):
         if key in data and not isinstance(data[key], str):
             raise _fail(path, key, "expected a string")
@@ -246,7 +256,7 @@ def parse_mapping(text: str, path: Path) -> Mapping:
         hidden_size=data.get("hidden_size", "config.hidden_size"),
         description=data.get("description", ""), default_checkpoint=data.get("default_checkpoint"),
         key_prefixes=prefixes, notes=notes, synthetic_config=synthetic, reference_tensors=reference_routes,
-        experts=experts,
+        experts=experts, text=text,
     )
 
 
@@ -269,6 +279,8 @@ def _parse_experts(path: Path, table: Any) -> Experts:
 
 def load_mapping(path: str | Path) -> Mapping:
     path = Path(path)
+    if path.is_dir():
+        raise MappingError(f"{path}: is a folder, not a mapping file; give the path of a FILE.toml")
     try:
         text = path.read_text(encoding="utf-8")
     except FileNotFoundError:
@@ -282,6 +294,38 @@ def load_mapping(path: str | Path) -> Mapping:
         if line is None:
             raise
         raise MappingError(str(exc).replace(f"{path}: ", f"{path}:{line}: ", 1)) from None
+
+
+def route_key(table: str, name: str) -> str:
+    """The dotted key of one route, as line_of and the error messages write it."""
+    return f'{table}."{name}"'
+
+
+def unknown_route_names(mapping: Mapping, table: str, names: list[str], have: list[str], whose: str) -> str:
+    """The message for routes (``names``, keys of ``table``) to parameters the module lacks: each
+    with its line and the closest existing name, then the names that do exist."""
+    parts = []
+    for name in names:
+        close = difflib.get_close_matches(name, have, n=1, cutoff=0.6)
+        hint = f" (did you mean '{close[0]}'?)" if close else ""
+        parts.append(f"{mapping.where(route_key(table, name))}: key '{route_key(table, name)}': "
+                     f"{whose} has no parameter '{name}'{hint}")
+    return "; ".join(parts) + f". Its parameters are: {', '.join(have) or '(none)'}"
+
+
+def check_reference_routes(mapping: Mapping, reference_names: Iterable[str]) -> None:
+    """Every key of [reference.tensors] must be a parameter of transformers' MLP (``reference_names``,
+    relative to reference.module).  The reference is filled by its own parameter names, so a route
+    to a name it lacks would be ignored and the checkpoint tensor of the same name used instead."""
+    have = list(reference_names)
+    missing = [route.target for route in mapping.reference_tensors if route.target not in have]
+    if missing:
+        raise MappingError(
+            unknown_route_names(mapping, "reference.tensors", missing, have,
+                                f"transformers' MLP at '{mapping.reference_module}'")
+            + ". Write these names (transformers' own) on the left of [reference.tensors] and the checkpoint's "
+              "tensor names on the right."
+        )
 
 
 def builtin_mappings() -> dict[str, Mapping]:

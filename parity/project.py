@@ -8,6 +8,7 @@ write the file.
 
 from __future__ import annotations
 
+import math
 import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -19,8 +20,27 @@ PROJECT_FILES = ("parity.toml", "pyproject.toml")
 
 _TOP_KEYS = {"checks", "baseline", "baseline_factor", "baseline_slack", "junit", "defaults"}
 _CHECK_KEYS = {"name", "model", "checkpoint", "layers", "layer", "target", "mapping", "revision", "seed", "atol",
-               "tolerance", "logits", "experts", "allow_pickle"}
+               "tolerance", "logits", "experts", "allow_pickle", "require_real"}
 SEED_LIMIT = 2**40  # torch seeds must fit in 64 bits; a larger one fails deep inside torch
+
+
+# The lowest value each baseline number may take: a factor below 1 would fail layers whose
+# deviation did not change at all; a negative slack would do the same for exact zeros.
+BASELINE_MINIMUM = {"baseline_factor": 1.0, "baseline_slack": 0.0}
+
+
+def baseline_number(key: str, value: float) -> float:
+    """The one rule for baseline_factor / baseline_slack, from the CLI or the project file:
+    finite and not below BASELINE_MINIMUM.  NaN would pass every layer (every comparison
+    with NaN is false), inf likewise.  Raises ValueError saying what is wrong."""
+    if not math.isfinite(value):
+        raise ValueError(f"must be a finite number, not {value}")
+    minimum = BASELINE_MINIMUM[key]
+    if value < minimum:
+        why = ("a factor below 1 fails layers whose deviation did not change" if key == "baseline_factor"
+               else "it is the absolute growth always allowed")
+        raise ValueError(f"must be >= {minimum:g}, not {value:g} ({why})")
+    return float(value)
 
 
 class ProjectConfigError(ParityError):
@@ -47,6 +67,7 @@ class CheckSpec:
     logits: bool = False
     allow_pickle: bool = False
     experts: Any = None  # MoE: None | "all" | "0,3" | list[int]
+    require_real: bool = False  # synthetic weights are an error (exit 2), not a check; project files default to true
     where: str = ""  # "parity.toml: checks[2]" for error messages
 
     @property
@@ -137,6 +158,11 @@ def parse_project(table: dict, file: Path) -> Project:
             raise ProjectConfigError(f"{file}: '{prefix}{key}' has the wrong type ({type(value).__name__})")
         if isinstance(value, str) and key in ("baseline", "junit"):
             value = str(file.parent / value)
+        if value is not None and key in BASELINE_MINIMUM:
+            try:
+                value = baseline_number(key, float(value))
+            except ValueError as exc:
+                raise ProjectConfigError(f"{file}: '{prefix}{key}' {exc}") from None
         setattr(project, key, value)
     return project
 
@@ -154,6 +180,8 @@ def _parse_check(entry: dict, where: str, base: Path) -> CheckSpec:
     for key in ("checkpoint", "target", "mapping", "revision", "name"):
         if key in entry and not isinstance(entry[key], str):
             raise fail(f"'{key}' must be a string")
+        if key in entry and not entry[key].strip():  # "" joined to the project folder would name the folder
+            raise fail(f"'{key}' is empty: give a value or leave the key out")
     if "layer" in entry and "layers" in entry:
         raise fail("give 'layer' or 'layers', not both")
     layers = entry.get("layers", entry.get("layer"))
@@ -167,11 +195,12 @@ def _parse_check(entry: dict, where: str, base: Path) -> CheckSpec:
     if "atol" in entry and "tolerance" in entry:
         raise fail("give 'atol' or 'tolerance' (the same thing), not both")
     atol = entry.get("atol", entry.get("tolerance"))
-    if atol is not None and (not isinstance(atol, (int, float)) or isinstance(atol, bool) or atol <= 0):
-        raise fail("'atol' must be a positive number")
+    if atol is not None and (not isinstance(atol, (int, float)) or isinstance(atol, bool) or not 0 < atol < math.inf):
+        raise fail(f"'atol' must be a positive finite number, not {atol!r}: a tolerance of inf or nan passes anything")
     logits, allow_pickle = entry.get("logits", False), entry.get("allow_pickle", False)
-    if not isinstance(logits, bool) or not isinstance(allow_pickle, bool):
-        raise fail("'logits' and 'allow_pickle' must be true or false")
+    require_real = entry.get("require_real", True)  # a project file is CI: random weights prove nothing there
+    if not all(isinstance(flag, bool) for flag in (logits, allow_pickle, require_real)):
+        raise fail("'logits', 'allow_pickle' and 'require_real' must be true or false")
     experts = entry.get("experts")
     if experts is not None and not (isinstance(experts, str) or (
             isinstance(experts, list) and all(isinstance(v, int) and not isinstance(v, bool) for v in experts))):
@@ -187,7 +216,8 @@ def _parse_check(entry: dict, where: str, base: Path) -> CheckSpec:
         model = str(base / model)  # same rule as `parity MODEL`: an existing path wins over a name
     return CheckSpec(model=model, checkpoint=checkpoint, layers=layers, target=entry.get("target"), mapping=mapping,
                      revision=entry.get("revision"), seed=seed, atol=None if atol is None else float(atol),
-                     name=entry.get("name"), logits=logits, allow_pickle=allow_pickle, experts=experts, where=where)
+                     name=entry.get("name"), logits=logits, allow_pickle=allow_pickle, experts=experts,
+                     require_real=require_real, where=where)
 
 
 def parse_shard(text: str) -> tuple[int, int]:

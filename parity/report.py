@@ -6,6 +6,7 @@ The JSON field names are a stable interface (CI users parse them); add, never re
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -29,6 +30,9 @@ class LayerResult:
     deterministic: bool = True
     diagnosis: dict | None = None  # {id, message, fix, distance, reference_distance}
     expert: int | None = None  # MoE: which expert of the layer; null for dense models
+    weights: str = "real"  # where this layer's weights came from: "real" | "synthetic"
+    fingerprint: str | None = None  # hash of the layer's stored FFN tensors (names, dtypes, shapes, bytes)
+    unverifiable: str | None = None  # why this comparison could not tell right from wrong (then passed is false)
 
 
 @dataclass
@@ -49,15 +53,49 @@ class Report:
 
     @property
     def passed(self) -> bool:
+        """No layer checked is no evidence: an empty report never passes."""
         return bool(self.layers) and all(layer.passed for layer in self.layers)
+
+    @property
+    def unverifiable(self) -> list[LayerResult]:
+        return [layer for layer in self.layers if layer.unverifiable is not None]
+
+    @property
+    def synthetic(self) -> bool:
+        """Any layer checked on synthetic (random) weights: the pass then says nothing about a real checkpoint."""
+        return self.weights == "synthetic" or any(layer.weights == "synthetic" for layer in self.layers)
+
+    @property
+    def status(self) -> str:
+        """'pass' | 'fail' (some layer deviates) | 'unverifiable' (nothing checked, or a layer that cannot be judged)."""
+        if not self.layers or self.unverifiable:
+            return "unverifiable"
+        return "pass" if self.passed else "fail"
 
     def to_dict(self) -> dict[str, Any]:
         data = asdict(self)
-        data = {"schema_version": SCHEMA_VERSION, "passed": self.passed, **data}
-        return data
+        for layer, result in zip(data["layers"], self.layers):
+            layer["status"] = layer_status(result)
+        data = {"schema_version": SCHEMA_VERSION, "passed": self.passed, "status": self.status, **data}
+        return finite_json(data)
 
     def to_json(self) -> str:
         return json.dumps(self.to_dict(), indent=2)
+
+
+def layer_status(result: LayerResult) -> str:
+    return "unverifiable" if result.unverifiable is not None else "pass" if result.passed else "fail"
+
+
+def finite_json(value: Any) -> Any:
+    """NaN/Inf become null: strict JSON parsers (and CI tools) reject the bare NaN json.dumps writes."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {k: finite_json(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [finite_json(v) for v in value]
+    return value
 
 
 def _sci(value: float | None) -> str:
@@ -92,7 +130,7 @@ def header_lines(report: Report) -> list[str]:
 def layer_line(result: LayerResult) -> str:
     zrange = "-" if result.preactivation_range is None else "[{:.1f}, {:.1f}]".format(*result.preactivation_range)
     ratio = "-" if result.ratio_to_noise is None else f"{result.ratio_to_noise:.1f}"
-    verdict = "ok" if result.passed else "MISMATCH"
+    verdict = "ok" if result.passed else "UNVERIFIABLE" if result.unverifiable is not None else "MISMATCH"
     if result.diagnosis:
         verdict += f" — {result.diagnosis['id']}"
     cell = f"{result.layer:>5}" if result.expert is None else f"{result.layer:>5}  {result.expert:>6}"
@@ -107,8 +145,14 @@ def unit_label(result: LayerResult) -> str:
 
 
 def diagnosis_lines(report: Report) -> list[str]:
-    """One block per distinct diagnosis: the evidence and the fix."""
+    """One block per distinct diagnosis: the evidence and the fix; then why layers could not be verified."""
     lines, seen = [], set()
+    reasons: dict[str, list[str]] = {}
+    for result in report.unverifiable:
+        reasons.setdefault(result.unverifiable, []).append(unit_label(result))
+    for reason, units in reasons.items():
+        lines += [f"unverifiable (layers {', '.join(units)}): {reason}",
+                  "  a pass here would prove nothing; check weights that can tell a right module from a wrong one", ""]
     for result in report.layers:
         d = result.diagnosis
         if not d or d["id"] in seen:
@@ -124,13 +168,30 @@ def diagnosis_lines(report: Report) -> list[str]:
     return lines
 
 
+def _units(results: list[LayerResult]) -> str:
+    return ", ".join(unit_label(r) for r in results[:12]) + (" ..." if len(results) > 12 else "")
+
+
+SYNTHETIC_WARNING = "SYNTHETIC weights: no real checkpoint weight was read (--require-real refuses this)."
+
+
 def summary_line(report: Report) -> str:
-    failed = [unit_label(r) for r in report.layers if not r.passed]
-    unit = "expert(s)" if report.layers and report.layers[0].expert is not None else "layer(s)"
-    if not failed:
-        return f"PASS: {len(report.layers)} {unit} match transformers within tolerance."
-    shown = ", ".join(map(str, failed[:12])) + (" ..." if len(failed) > 12 else "")
-    return f"FAIL: {len(failed)} of {len(report.layers)} {unit} deviate from transformers: {shown}"
+    """The one line CI logs show (also with --quiet): the verdict, and what it rests on."""
+    if not report.layers:
+        return "ERROR: no layer was checked: nothing was compared, so this is not a pass."
+    unit = "expert(s)" if report.layers[0].expert is not None else "layer(s)"
+    failed = [r for r in report.layers if not r.passed and r.unverifiable is None]
+    unverifiable = report.unverifiable
+    if failed:
+        line = f"FAIL: {len(failed)} of {len(report.layers)} {unit} deviate from transformers: {_units(failed)}"
+        if unverifiable:
+            line += f"; {len(unverifiable)} could not be verified: {_units(unverifiable)}"
+    elif unverifiable:
+        line = (f"ERROR: {len(unverifiable)} of {len(report.layers)} {unit} could not be verified "
+                f"({unverifiable[0].unverifiable}): {_units(unverifiable)}")
+    else:
+        line = f"PASS: {len(report.layers)} {unit} match transformers within tolerance."
+    return f"{line} {SYNTHETIC_WARNING}" if report.synthetic else line
 
 
 def logits_lines(report: Report) -> list[str]:

@@ -12,8 +12,12 @@ from pathlib import Path
 from typing import Any
 
 from .checkpoint import Checkpoint, open_local
-from .errors import CheckpointError, GatedRepoError, MappingError, OfflineError, UnknownModelError
+from .errors import CheckpointError, GatedRepoError, MappingError, OfflineError, ParityError, UnknownModelError
 from .mapping import Mapping, builtin_mappings, fits, load_mapping, mapping_for_model_type
+
+
+class EmptyValueError(ParityError):
+    """An empty MODEL, checkpoint, mapping or revision: it names nothing (exit 2)."""
 
 
 @dataclass
@@ -36,8 +40,23 @@ def open_checkpoint(spec: str, revision: str | None = None, allow_pickle: bool =
     return open_hub(spec, revision)
 
 
+def require_values(**given: object) -> None:
+    """An empty string is never a usable MODEL, checkpoint, mapping or revision; treated as absent, it
+    would quietly turn into another question (`--checkpoint ''` checks MODEL as a hub id)."""
+    for name, value in given.items():
+        if isinstance(value, str) and not value.strip():
+            raise EmptyValueError(f"{name} is empty ({value!r}): {EMPTY_HINTS[name]}")
+
+
+EMPTY_HINTS = {"model": "give a mapping name (see `parity list`), a hub id (owner/name) or a local path",
+               "checkpoint": "give a local path or a hub id (owner/name), or leave it out to use the mapping's default",
+               "mapping": "give the path of a mapping file (FILE.toml), or leave it out to use the built-in one",
+               "revision": "give a branch, tag or commit, or leave it out for the default branch"}
+
+
 def resolve(model: str, checkpoint: str | None = None, mapping: str | Path | None = None,
             revision: str | None = None, allow_pickle: bool = False) -> Resolved:
+    require_values(model=model, checkpoint=checkpoint, mapping=mapping, revision=revision)
     mappings = builtin_mappings()
     chosen = load_mapping(mapping) if mapping is not None else None
     notes: list[str] = []

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import hashlib
 import math
 from typing import Any, Callable, Iterable, Iterator
 
@@ -18,21 +19,22 @@ import torch
 from torch import nn
 
 from . import __version__
-from .diagnose import diagnose, diagnosis
-from .errors import (CheckpointError, LayerRangeError, MissingTensorError, ShapeMismatchError, TargetError,
-                     WeightDefectError)
-from .mapping import ConfigValue, Mapping, TensorRoute
+from .compare import Runs, first_nonfinite, input_change, same_values, tolerance_for, unverifiable_reason
+from .diagnose import diagnose
+from .mistakes import MistakeId, diagnosis
+from .errors import (CheckpointError, LayerRangeError, MissingTensorError, ParityError, ShapeMismatchError,
+                     SyntheticWeightsError, TargetError, UsageError, WeightDefectError)
+from .mapping import ConfigValue, Mapping, TensorRoute, check_reference_routes
 from .memory import young_objects_only
 from .reference import ReferenceModel, activation_module, activation_name, configured_activation
 from .report import LayerResult, Report
 from .resolve import Resolved, resolve
+from .selection import Selection, parse_selection
 from .target import build_target, fill_target, route_tensor
 from .upcast import compute_in
 
 ROW_TARGETS = (1.0, 3.0, 8.0)  # max |pre-activation| aimed at by each batch row
 TOKENS = 16
-NOISE_FACTOR = 16.0  # tolerance = NOISE_FACTOR x noise floor ...
-RELATIVE_FLOOR = 2.0 ** -20  # ... but never below this x max |reference| (fp32 rounding of the output)
 SYNTHETIC_BUDGET_BYTES = 2 * 2**30  # synthetic FFN weights written for a default run
 
 
@@ -51,33 +53,6 @@ def skip_init() -> Iterator[None]:
             setattr(nn.init, name, fn)
 
 
-def parse_layers(spec: str | int | Iterable[int] | None, num_layers: int, what: str = "layer") -> list[int]:
-    """'all' | '3' | '0,3,5' | '2-7' | [0, 3] -> validated layer (or expert) indices."""
-    if spec is None or spec == "all":
-        return list(range(num_layers))
-    if isinstance(spec, int):
-        layers = [spec]
-    elif isinstance(spec, str):
-        layers = []
-        for part in spec.split(","):
-            part = part.strip()
-            try:
-                if "-" in part.lstrip("-"):
-                    lo, hi = part.split("-", 1) if not part.startswith("-") else ("-" + part[1:].split("-")[0], part[1:].split("-", 1)[1])
-                    layers.extend(range(int(lo), int(hi) + 1))
-                else:
-                    layers.append(int(part))
-            except ValueError:
-                raise LayerRangeError(f"--{what}s {spec!r}: expected 'all', N, 'N,M,...' or 'N-M'") from None
-    else:
-        layers = list(spec)
-    for layer in layers:
-        if not 0 <= layer < num_layers:
-            raise LayerRangeError(f"{what} {layer} is out of range: this model has {num_layers} {what}s{' per layer' if what == 'expert' else ''} "
-                                  f"(valid: 0-{num_layers - 1})")
-    return layers
-
-
 class Session:
     """Everything resolved once for a run; ``run_layer`` then works on one layer at a time."""
 
@@ -89,6 +64,8 @@ class Session:
         self.config = resolved.config
         self.target_spec = target
         self.seed = seed
+        if atol is not None and (isinstance(atol, bool) or not isinstance(atol, (int, float)) or not 0 < atol < math.inf):
+            raise UsageError(f"atol={atol!r}: expected a positive finite number (a tolerance of inf or nan passes anything)")
         self.atol = atol
         self.diagnose = diagnose
         self.target_notes: list[str] = []  # what loading the target had to work around, once each
@@ -98,6 +75,8 @@ class Session:
         experts = self.mapping.experts
         self.num_experts = None if experts is None else self.config_int(experts.count, "experts.count")
         self._stacked: tuple[str, dict[str, torch.Tensor]] | None = None  # MoE: the last layer's all-expert tensors
+        if experts is None:  # a [reference.tensors] name the MLP lacks would silently route nothing
+            check_reference_routes(self.mapping, self.reference.tensor_shapes(self.mapping.reference_path(0)))
 
     def config_int(self, spec: Any, key: str) -> int:
         """A mapping size (num_layers, hidden_size, experts.count) read from the config: a config.json may hold anything."""
@@ -192,9 +171,11 @@ class Session:
         return self.reference.build(self.mapping.reference_path(layer), routed, self.hidden_size, on_call)
 
     def build_target(self, tensors: dict[str, torch.Tensor]) -> tuple[nn.Module, str]:
-        with skip_init():
+        with skip_init(), user_code(f"target {self.target_name()} could not be built"):
             module, name = build_target(self.mapping, self.config, self.target_spec)
-        for note in fill_target(module, self.mapping, tensors, self.config):
+        with user_code(f"target {name} could not be filled with the checkpoint's tensors", exceptions=False):
+            notes = fill_target(module, self.mapping, tensors, self.config)
+        for note in notes:
             if note not in self.target_notes:
                 self.target_notes.append(note)
         return module.eval(), name
@@ -217,49 +198,65 @@ class Session:
         """Check one layer (one expert of it, for MoE).  Peak memory: the layer's weights as stored
         plus the float32 target; the reference upcasts one projection at a time (``parity.upcast``)."""
         tensors = self.read_layer(layer, expert, dtype=None)
+        fingerprint = weights_fingerprint(tensors)
         # The reference first: a checkpoint that disagrees with its own config is bad input (exit 2);
         # only then is a tensor that does not fit the target the module's mistake (a failed layer).
-        reference = self.build_reference(layer, tensors)  # shares storage with ``tensors``
+        routed = self.reference_tensors(layer, tensors)  # views of ``tensors``: no copy
+        reference = self.reference_from(layer, routed)
         try:
             target, target_name = self.build_target(tensors)
         except ShapeMismatchError as exc:
             return shape_failure(layer, expert, exc), self.target_name()
         del tensors
         x = self.inputs(layer, reference, expert)
-        with torch.no_grad():
-            z = preactivation(reference, x)
-            out32 = reference(x).double()
-            got = run_target(target, target_name, x, out32.shape)
-            again = run_target(target, target_name, x, out32.shape)
+        with torch.no_grad():  # every run gets its own copy of the inputs: a module that writes into
+            z = preactivation(reference, x.clone())  # its input must not change what the others see
+            out32 = reference(x.clone()).double()
+            got, changed = run_target(target, target_name, x, out32.shape)
+            again, changed_again = run_target(target, target_name, x, out32.shape)
             del target
             out64 = compute_in(reference, torch.float64)(x.double())  # one projection at a time in float64
         del reference
         gc.collect()
-        noise = float((out32 - out64).abs().max())
-        scale = float(out64.abs().max())
-        diff = (got - out64).abs()
-        max_abs = float(diff.max())
-        tolerance = self.atol if self.atol is not None else max(NOISE_FACTOR * noise, RELATIVE_FLOOR * scale)
-        deterministic = bool(torch.equal(got, again))
-        result = LayerResult(
-            layer=layer,
-            passed=bool(max_abs <= tolerance) and deterministic,
-            max_abs_diff=max_abs,
-            max_rel_diff=max_abs / scale if scale else float("inf"),
-            mean_abs_diff=float(diff.mean()),
-            max_at=[int(i) for i in torch.unravel_index(diff.argmax(), diff.shape)],
-            noise_floor=noise,
-            tolerance=tolerance,
-            ratio_to_noise=max_abs / noise if noise else float("inf") if max_abs else 0.0,
-            preactivation_range=[float(z.min()), float(z.max())] if z is not None else None,
-            deterministic=deterministic,
-            expert=expert,
-        )
-        if not deterministic:  # before anything else: no replay can match a moving target
-            result.diagnosis = diagnosis("dropout_active", float((got - again).abs().max()), max_abs)
-        elif not result.passed and self.diagnose:
-            result.diagnosis = self.explain(layer, expert, x, got, out64, tolerance)
+        runs = Runs(out64, out32, got, again, changed or changed_again)
+        result = self.verdict(layer, expert, runs, routed, z)
+        result.fingerprint = fingerprint
+        if result.diagnosis is None and not result.passed and result.unverifiable is None and self.diagnose:
+            result.diagnosis = self.explain(layer, expert, x, got, out64, result.tolerance)
         return result, target_name
+
+    def verdict(self, layer: int, expert: int | None, runs: Runs, weights: dict[str, torch.Tensor],
+                z: torch.Tensor | None) -> LayerResult:
+        """compare.py's formula on this layer's runs; the findings that need no replay are named here."""
+        noise = float((runs.reference32 - runs.reference64).abs().max())
+        scale = float(runs.reference64.abs().max())
+        tolerance = tolerance_for(noise, scale, self.atol)
+        diff = (runs.target - runs.reference64).abs()
+        finite = bool(torch.isfinite(runs.target).all())
+        max_abs = float(diff.max()) if finite else None
+        result = LayerResult(
+            layer=layer, passed=False, max_abs_diff=max_abs,
+            max_rel_diff=None if max_abs is None else max_abs / scale if scale else float("inf"),
+            mean_abs_diff=float(diff.mean()) if finite else None,
+            max_at=[int(i) for i in torch.unravel_index(diff.nan_to_num(float("inf")).argmax(), diff.shape)],
+            noise_floor=noise, tolerance=tolerance,
+            ratio_to_noise=None if max_abs is None else max_abs / noise if noise else float("inf") if max_abs else 0.0,
+            preactivation_range=[float(z.min()), float(z.max())] if z is not None else None,
+            deterministic=same_values(runs.target, runs.again), expert=expert, weights=self.checkpoint.weights,
+        )
+        result.unverifiable = unverifiable_reason(weights, runs, tolerance)
+        if runs.input_change is not None:  # a definite bug whatever the reference can judge
+            result.diagnosis = diagnosis(MistakeId.INPUT_MUTATED, None, max_abs, runs.input_change)
+        elif result.unverifiable is not None:
+            pass
+        elif not finite:
+            result.diagnosis = diagnosis(MistakeId.NONFINITE_OUTPUT, None, None, first_nonfinite(runs.target))
+        elif not result.deterministic:  # no replay can match a moving target
+            moved = float((runs.target - runs.again).abs().nan_to_num(float("inf")).max())
+            result.diagnosis = diagnosis(MistakeId.DROPOUT_ACTIVE, moved, max_abs)
+        else:
+            result.passed = max_abs <= tolerance
+        return result
 
     def explain(self, layer: int, expert: int | None, x: torch.Tensor, got: torch.Tensor, out64: torch.Tensor,
                 tolerance: float) -> dict:
@@ -307,7 +304,7 @@ class Session:
             if spec is not None and spec != "all":
                 raise LayerRangeError(f"--experts {spec!r}: mapping '{self.mapping.name}' describes a dense model (no experts)")
             return [None]
-        return parse_layers(spec, self.num_experts, "expert")
+        return parse_selection(spec, self.num_experts, "expert")
 
     def target_name(self) -> str:
         spec = self.target_spec if self.target_spec is not None else self.mapping.target_class
@@ -321,6 +318,17 @@ def shape_failure(layer: int, expert: int | None, error: ShapeMismatchError) -> 
                          expert=expert)
     result.diagnosis = diagnosis(error.mistake_id, None, None, str(error))
     return result
+
+
+def weights_fingerprint(tensors: dict[str, torch.Tensor]) -> str:
+    """A short hash of a layer's stored FFN tensors: a baseline of other weights must not be
+    compared as if it were this checkpoint's (blake2b runs at ~1 GB/s: ~70 ms for a 1B layer)."""
+    digest = hashlib.blake2b(digest_size=8)
+    for name in sorted(tensors):
+        tensor = tensors[name].detach().cpu().contiguous()
+        digest.update(f"{name}|{tensor.dtype}|{list(tensor.shape)}|".encode())
+        digest.update(tensor.reshape(-1).view(torch.uint8).numpy())  # the buffer itself: no copy
+    return digest.hexdigest()
 
 
 def all_finite(tensor: torch.Tensor) -> bool:
@@ -365,11 +373,14 @@ def preactivation(module: nn.Module, x: torch.Tensor) -> torch.Tensor | None:
     return z
 
 
+def module_dtype(module: nn.Module, fallback: torch.dtype) -> torch.dtype:
+    param = next(module.parameters(), None)
+    return param.dtype if param is not None and param.is_floating_point() else fallback
+
+
 def run_module(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
     """Run a target in its own parameter dtype (a bf16 target computes in bf16) -> float64."""
-    param = next(module.parameters(), None)
-    dtype = param.dtype if param is not None and param.is_floating_point() else x.dtype
-    out = module(x.to(dtype))
+    out = module(x.to(module_dtype(module, x.dtype)))
     if isinstance(out, tuple):
         out = out[0]
     if not isinstance(out, torch.Tensor):
@@ -377,35 +388,61 @@ def run_module(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
     return out.double()
 
 
-def run_target(module: nn.Module, name: str, x: torch.Tensor, expected: torch.Size) -> torch.Tensor:
-    """``run_module`` for the module under test: its failures are the user's to fix, not a parity crash."""
+@contextlib.contextmanager
+def user_code(what: str, exceptions: bool = True) -> Iterator[None]:
+    """The module under test is the user's code: what it raises (even SystemExit) is a target error
+    naming it, never a parity crash or an exit code of its choosing.  Ctrl-C stays Ctrl-C.
+    ``exceptions=False`` where parity's own code runs too: only SystemExit and the like are the target's."""
     try:
-        out = run_module(module, x)
-    except Exception as exc:
-        raise TargetError(f"target {name} failed on an input of shape {list(x.shape)}: "
-                          f"{type(exc).__name__}: {exc}") from exc
+        yield
+    except (KeyboardInterrupt, ParityError):
+        raise
+    except BaseException as exc:  # noqa: BLE001 - SystemExit(0) from a target must not end parity with 0
+        if isinstance(exc, Exception) and not exceptions:
+            raise
+        raise TargetError(f"{what}: {type(exc).__name__}: {exc}") from exc
+
+
+def run_target(module: nn.Module, name: str, x: torch.Tensor, expected: torch.Size) -> tuple[torch.Tensor, str | None]:
+    """``run_module`` on the target's own copy of ``x``; returns the output and what the target did to
+    that copy (None: nothing).  Its failures are the user's to fix, not a parity crash."""
+    fed = x.to(module_dtype(module, x.dtype), copy=True)
+    before = fed.clone()
+    with user_code(f"target {name} failed on an input of shape {list(x.shape)}"):
+        out = run_module(module, fed)
     if tuple(out.shape) != tuple(expected):
         raise TargetError(f"target {name}: forward on an input of shape {list(x.shape)} returned shape "
                           f"{list(out.shape)}; the reference returns {list(expected)}")
-    return out
+    return out, input_change(before, fed)
 
 
 def open_session(model: str, checkpoint: str | None = None, mapping: str | None = None, revision: str | None = None,
                  target: str | Any | None = None, seed: int = 0, atol: float | None = None,
-                 allow_pickle: bool = False) -> Session:
-    return Session(resolve(model, checkpoint, mapping, revision, allow_pickle), target=target, seed=seed, atol=atol)
+                 allow_pickle: bool = False, require_real: bool = False) -> Session:
+    resolved = resolve(model, checkpoint, mapping, revision, allow_pickle)
+    if require_real and resolved.checkpoint.weights != "real":
+        why = (resolved.checkpoint.weights_note or "").removeprefix("SYNTHETIC weights: ").split(";")[0]
+        raise SyntheticWeightsError(
+            f"{model}: real weights are required, but {why or 'only synthetic weights are available'}. Make it "
+            "reachable (network, or an HF cache that holds it: HF_HOME) or pass --checkpoint PATH (checkpoint = "
+            "\"...\" in a project file); to check the synthetic stand-in instead, drop --require-real "
+            "(require_real = false in a project file)."
+        )
+    return Session(resolved, target=target, seed=seed, atol=atol)
 
 
 def check(model: str, layers: str | int | Iterable[int] | None = None, target: str | Any | None = None,
           checkpoint: str | None = None, mapping: str | None = None, revision: str | None = None, seed: int = 0,
           atol: float | None = None, on_layer: Callable[[Report, LayerResult], None] | None = None,
-          logits: bool = False, allow_pickle: bool = False, experts: str | int | Iterable[int] | None = None) -> Report:
+          logits: bool = False, allow_pickle: bool = False, experts: str | int | Iterable[int] | None = None,
+          require_real: bool = False) -> Report:
     """Check the selected layers (default: all), one at a time; returns the report the CLI prints.
 
     ``logits=True`` also substitutes the target into the full model and compares its logits;
     ``allow_pickle`` opts in to pickle-based files (torch.load(weights_only=True)); ``experts``
-    selects the experts of an MoE model (default: all), each checked on its own."""
-    session = open_session(model, checkpoint, mapping, revision, target, seed, atol, allow_pickle)
+    selects the experts of an MoE model (default: all), each checked on its own; ``require_real``
+    refuses the synthetic stand-in (SyntheticWeightsError) instead of checking random weights."""
+    session = open_session(model, checkpoint, mapping, revision, target, seed, atol, allow_pickle, require_real)
     return run_session(session, layers, on_layer, logits, experts)
 
 
@@ -418,7 +455,7 @@ def run_session(session: Session, layers: str | int | Iterable[int] | None = Non
         layers = session.synthetic_layers(report.notes)
     selected_experts = session.expert_indices(experts)
     with young_objects_only():  # the per-layer gc.collect() then costs milliseconds, not 0.5 s
-        for layer in parse_layers(layers, session.num_layers):
+        for layer in parse_selection(layers, session.num_layers):
             for expert in selected_experts:
                 result, report.target = session.run_layer(layer, expert)
                 report.notes.extend(n for n in session.target_notes if n not in report.notes)
@@ -438,7 +475,7 @@ def load_ffn(model: str, layer: int = 0, target: str | Any | None = None, checkp
     """The target module (default: the mapping's, e.g. FeedForward for gpt2) holding ``layer``'s weights
     (of ``expert``, for MoE models), in eval mode."""
     session = open_session(model, checkpoint, mapping, revision, target, allow_pickle=allow_pickle)
-    (layer,) = parse_layers(int(layer), session.num_layers)
+    (layer,) = parse_selection(int(layer), session.num_layers)
     if session.num_experts is not None and expert is None:
         raise LayerRangeError(f"'{model}' is a mixture of experts ({session.num_experts} per layer): pass expert=N")
     (expert,) = session.expert_indices(None if expert is None else [int(expert)])

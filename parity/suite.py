@@ -34,15 +34,16 @@ class CheckRun:
 
 def plan_layers(spec: CheckSpec) -> tuple[list[int], list[str], object]:
     """The layers `parity MODEL` would check for this spec, notes about the choice, and the session."""
-    from .runner import open_session, parse_layers
+    from .runner import open_session
+    from .selection import parse_selection
 
     session = open_session(spec.model, spec.checkpoint, spec.mapping, spec.revision, spec.target, spec.seed, spec.atol,
-                           spec.allow_pickle)
+                           spec.allow_pickle, spec.require_real)
     layers = spec.layers
     notes: list[str] = []
     if layers is None and session.checkpoint.weights == "synthetic":
         layers = session.synthetic_layers(notes)
-    return parse_layers(layers, session.num_layers), notes, session
+    return parse_selection(layers, session.num_layers), notes, session
 
 
 def plan(specs: list[CheckSpec], shard: tuple[int, int] | None = None, raise_errors: bool = False) -> list[CheckRun]:
@@ -101,7 +102,12 @@ def execute(runs: list[CheckRun], on_layer: Callable[[CheckRun, Report, LayerRes
 
 
 def exit_code(runs: list[CheckRun], regressions: int = 0) -> int:
+    """2: a check could not run, a layer could not be verified, or nothing was checked at all;
+    1: some layer deviates or regressed; 0: every checked layer matches (and at least one was checked)."""
     if any(run.error is not None for run in runs):
+        return 2
+    reports = [run.report for run in runs if run.report is not None]
+    if not any(report.layers for report in reports) or any(report.unverifiable for report in reports):
         return 2
     if regressions or any(run.report is not None and not run.report.passed for run in runs):
         return 1

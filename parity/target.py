@@ -10,12 +10,14 @@ import torch
 from torch import nn
 
 from .errors import MappingError, MissingTensorError, ShapeMismatchError, TargetError
-from .mapping import ConfigValue, Mapping, TensorRoute
+from .mapping import ConfigValue, Mapping, TensorRoute, unknown_route_names
 from .reference import config_dff
 
 
 def import_object(spec: str, what: str = "--target") -> Any:
     """'package.module:Name' -> the object (a class or a factory callable)."""
+    if not spec.strip():
+        raise TargetError(f"{what} is empty; give the module to check as 'package.module:ClassOrFunction'")
     module_name, _, attr = spec.partition(":")
     if not module_name or not attr:
         raise TargetError(f"{what} {spec!r}: expected 'package.module:ClassOrFunction'")
@@ -78,23 +80,19 @@ def fill_target(module: nn.Module, mapping: Mapping, tensors: dict[str, torch.Te
     """Copy routed checkpoint tensors (names relative to the layer) into the target's parameters.
 
     Biases are the one thing a module may legitimately lack or leave unloaded: a bias route
-    without a target parameter is skipped and an unrouted bias is zeroed, both noted, so the
-    comparison itself shows whether that matters (diagnosis ``bias_dropped``).  Any other
-    unrouted parameter would hold arbitrary values: that is a mapping error.
+    to a module built without that bias is skipped and an unrouted bias is zeroed, both noted,
+    so the comparison itself shows whether that matters (diagnosis ``bias_dropped``).  Any other
+    route to a name the target lacks is a mapping error (it would route nothing), and so is any
+    other unrouted parameter (it would hold arbitrary values).
     """
     params = dict(module.named_parameters())
+    skipped = check_target_routes(module, mapping, params)
     routed, notes = set(), []
     for route in mapping.tensors:
-        if route.target not in params:
-            if route.optional:
-                continue
-            if route.target.endswith("bias"):
+        if route in skipped:
+            if not route.optional:
                 notes.append(f"the target has no parameter '{route.target}': checkpoint tensor '{route.source}' is not used")
-                continue
-            raise MappingError(
-                f"{mapping.path}: key 'tensors.\"{route.target}\"': the target {type(module).__name__} has no parameter "
-                f"'{route.target}'; it has: {', '.join(params)}"
-            )
+            continue
         param = params[route.target]
         if route.source not in tensors:  # an optional route whose tensor the checkpoint lacks
             raise MissingTensorError(
@@ -119,10 +117,36 @@ def fill_target(module: nn.Module, mapping: Mapping, tensors: dict[str, torch.Te
     unrouted = [n for n in unrouted if not n.endswith("bias")]
     if unrouted:
         raise MappingError(
-            f"{mapping.path}: the target's parameters {', '.join(unrouted)} get no checkpoint tensor; "
+            f"{mapping.where('tensors')}: the target's parameters {', '.join(unrouted)} get no checkpoint tensor; "
             "route each in [tensors] (they would keep arbitrary initial values)"
         )
     return notes
+
+
+def check_target_routes(module: nn.Module, mapping: Mapping, params: dict[str, nn.Parameter]) -> list[TensorRoute]:
+    """Every key of [tensors] must name a parameter of the target; returns the routes to skip.
+
+    Skipped (not an error): an optional route, or a route to a ``bias``, whose owning submodule
+    exists but has no such parameter: a module built with bias=False.  A route whose owner does
+    not exist either is a misspelt or foreign name, and routing nothing would go unnoticed.
+    """
+    owners = dict(module.named_modules())
+    skipped, missing = [], []
+    for route in mapping.tensors:
+        if route.target in params:
+            continue
+        owner, _, leaf = route.target.rpartition(".")
+        if (route.optional or leaf == "bias") and owner in owners:
+            skipped.append(route)
+        else:
+            missing.append(route.target)
+    if missing:
+        raise MappingError(
+            unknown_route_names(mapping, "tensors", missing, list(params), f"the target {type(module).__name__}")
+            + ". Write the target's parameter names on the left of [tensors] and the checkpoint's tensor names "
+              "on the right (a --target with other names than the mapping's needs its own --mapping FILE.toml)."
+        )
+    return skipped
 
 
 def shape_message(route: TensorRoute, found: tuple[int, ...], expected: tuple[int, ...], config: Any) -> tuple[str, str]:

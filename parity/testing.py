@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from typing import Any, Iterable
 
-from .report import Report, render
+from .report import Report, render, summary_line
 
 
 class ParityAssertionError(AssertionError):
@@ -19,24 +19,28 @@ class ParityAssertionError(AssertionError):
 
 def assert_parity(model: str, target: str | Any | None = None, layers: str | int | Iterable[int] | None = None,
                   checkpoint: str | None = None, mapping: str | None = None, revision: str | None = None,
-                  seed: int = 0, atol: float | None = None, require_real_weights: bool = False,
+                  seed: int = 0, atol: float | None = None, require_real: bool = False,
                   allow_pickle: bool = False, experts: str | int | Iterable[int] | None = None,
-                  logits: bool = False) -> Report:
+                  logits: bool = False, require_real_weights: bool = False) -> Report:
     """Check ``target`` (a class, factory or 'pkg.module:Name') against transformers; return the report.
 
-    Raises ParityAssertionError (an AssertionError) when a layer deviates, with the table.
-    Bad input (no such checkpoint, unimportable target) raises parity's own ParityError, as
-    the CLI's exit code 2 does: a broken test set-up is not a failing module.
-    ``require_real_weights`` fails instead of silently checking the synthetic stand-in that
-    is used when the default hub checkpoint is unreachable.
+    Raises ParityAssertionError (an AssertionError) unless every checked layer matches: a deviation,
+    a layer that could not be verified, or nothing checked.  Its first line is the verdict, so
+    ``pytest --tb=line`` says what failed; the table and diagnosis follow.  Bad input (no such
+    checkpoint, unimportable target) raises parity's own ParityError, as the CLI's exit code 2
+    does: a broken test set-up is not a failing module.  ``require_real`` (``require_real_weights``,
+    its older name) fails instead of checking the synthetic stand-in used when the default hub
+    checkpoint is unreachable.
     """
+    __tracebackhide__ = True  # pytest shows the assertion, not parity's frames
     from .runner import check
 
+    require_real = require_real or require_real_weights
     report = check(model, layers=layers, target=target, checkpoint=checkpoint, mapping=mapping, revision=revision,
                    seed=seed, atol=atol, allow_pickle=allow_pickle, experts=experts, logits=logits)
-    if require_real_weights and report.weights != "real":
-        raise ParityAssertionError(f"parity: {model} was checked on {report.weights} weights "
+    if require_real and report.synthetic:
+        raise ParityAssertionError(f"parity: {model} was checked on synthetic weights "
                                    f"({report.weights_note}); real weights were required\n\n{render(report)}", report)
     if not report.passed:
-        raise ParityAssertionError("parity: the module deviates from transformers\n\n" + render(report), report)
+        raise ParityAssertionError(f"parity: {model} [{report.target}]: {summary_line(report)}\n\n{render(report)}", report)
     return report

@@ -127,7 +127,7 @@ def test_project_from_pyproject_and_parity_toml_wins(tmp_path):
     ('[[checks]]\nlayers = [0]\n', "checks[0]: 'model' is required"),
     ('[[checks]]\nmodel = "gpt2"\n[[checks]]\nmodel = "llama"\nlayer = 1\nlayers = [2]\n', "checks[1] (model 'llama'): give 'layer'"),
     ('[[checks]]\nmodel = "gpt2"\nlayrs = [0]\n', "unknown key 'layrs'"),
-    ('[[checks]]\nmodel = "gpt2"\natol = -1\n', "'atol' must be a positive number"),
+    ('[[checks]]\nmodel = "gpt2"\natol = -1\n', "'atol' must be a positive finite number"),
     ('[[checks]]\nmodel = "gpt2"\nlayers = [true]\n', "'layers' must be"),
     ('checks = []\n', "non-empty array"),
     ('[[checks]\n', "invalid TOML"),

@@ -1,0 +1,80 @@
+"""The catalogue of mistakes parity can name: id, what it means, how to fix it.
+
+One entry per mistake.  ``diagnose.py`` holds how each is replayed; this module is pure data
+(no torch), so reports, JUnit and baselines can name mistakes without loading the engine.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from enum import StrEnum
+
+
+class MistakeId(StrEnum):
+    """Every diagnosis id (stable: JSON consumers match on them)."""
+
+    INPUT_MUTATED = "input_mutated"
+    NONFINITE_OUTPUT = "nonfinite_output"
+    DROPOUT_ACTIVE = "dropout_active"
+    GELU_EXACT_INSTEAD_OF_TANH = "gelu_exact_instead_of_tanh"
+    GELU_TANH_INSTEAD_OF_EXACT = "gelu_tanh_instead_of_exact"
+    QUICK_GELU = "quick_gelu"
+    SILU_INSTEAD_OF_GELU = "silu_instead_of_gelu"
+    GELU_INSTEAD_OF_SILU = "gelu_instead_of_silu"
+    GATE_UP_SWAPPED = "gate_up_swapped"
+    MISSING_TRANSPOSE = "missing_transpose"
+    BIAS_DROPPED = "bias_dropped"
+    LOW_PRECISION_COMPUTE = "low_precision_compute"
+    INTERMEDIATE_SIZE_MISMATCH = "intermediate_size_mismatch"
+    SHAPE_MISMATCH = "shape_mismatch"
+    UNEXPLAINED = "unexplained"
+
+
+@dataclass(frozen=True)
+class Mistake:
+    id: MistakeId
+    message: str
+    fix: str
+
+
+MISTAKES = {m.id: m for m in [
+    Mistake(MistakeId.INPUT_MUTATED, "the module changes its input tensor in place",
+            "do not modify the input (x.zero_(), x.clamp_(), F.silu(x, inplace=True), x += ...): in a model the caller's "
+            "tensor (the residual stream) would be corrupted; compute on a copy or use the out-of-place op"),
+    Mistake(MistakeId.NONFINITE_OUTPUT, "the module's output holds NaN or Inf where transformers' output is finite",
+            "look for a division by zero, log/sqrt of a negative, an overflow in a low-precision dtype, or an "
+            "uninitialised parameter (torch.empty) the mapping does not fill"),
+    Mistake(MistakeId.DROPOUT_ACTIVE, "the module's output changes between two identical runs: dropout is active at inference",
+            "call model.eval() before comparing, or build the FFN with dropout=0"),
+    Mistake(MistakeId.GELU_EXACT_INSTEAD_OF_TANH, "exact (erf) GELU where the checkpoint expects the tanh approximation",
+            "use the tanh GELU: nn.GELU(approximate='tanh') or parity.ffn.GELU (HF gelu_new / gelu_pytorch_tanh)"),
+    Mistake(MistakeId.GELU_TANH_INSTEAD_OF_EXACT, "tanh-approximated GELU where the checkpoint expects the exact (erf) GELU",
+            "use nn.GELU() (exact)"),
+    Mistake(MistakeId.QUICK_GELU, "x*sigmoid(1.702x) (quick GELU) used in place of GELU",
+            "use the GELU variant the checkpoint was trained with"),
+    Mistake(MistakeId.SILU_INSTEAD_OF_GELU, "SiLU where the checkpoint expects GELU (a GeGLU checkpoint in a SwiGLU module?)",
+            "use GeGLU / the tanh GELU for Gemma-style checkpoints"),
+    Mistake(MistakeId.GELU_INSTEAD_OF_SILU, "GELU where the checkpoint expects SiLU (a SwiGLU checkpoint in a GeGLU module?)",
+            "use SwiGLU / SiLU for LLaMA-style checkpoints"),
+    Mistake(MistakeId.GATE_UP_SWAPPED, "gate and up projections are swapped: the activation is applied to the up branch",
+            "load gate_proj (Meta w1, GGUF ffn_gate) into the gated branch and up_proj (w3, ffn_up) into the other"),
+    Mistake(MistakeId.MISSING_TRANSPOSE, "a weight is used without the transpose its storage layout needs",
+            "transpose Conv1D weights ([in, out]) when loading them into nn.Linear ([out, in])"),
+    Mistake(MistakeId.BIAS_DROPPED, "checkpoint biases are not loaded (or the module has none)",
+            "create the projections with bias=True and load the checkpoint's biases"),
+    Mistake(MistakeId.LOW_PRECISION_COMPUTE, "the module computes in half precision",
+            "compute in float32 (upcast the weights) when checking against the reference"),
+    Mistake(MistakeId.INTERMEDIATE_SIZE_MISMATCH, "the module's d_ff differs from the checkpoint's intermediate_size",
+            "build the FFN with hidden_dim = config.intermediate_size"),
+    Mistake(MistakeId.SHAPE_MISMATCH, "a checkpoint tensor does not fit the module's parameter",
+            "compare the module's parameter shapes with the checkpoint's (parity inspect)"),
+    Mistake(MistakeId.UNEXPLAINED, "no known mistake explains this deviation",
+            "compare the module's forward with transformers' MLP line by line"),
+]}
+
+
+def diagnosis(mistake_id: MistakeId | str, distance: float | None, reference_distance: float | None, detail: str = "") -> dict:
+    mistake = MISTAKES[mistake_id]
+    message = mistake.message + (f" ({detail})" if detail else "")
+    return {"id": str(mistake.id), "message": message, "fix": mistake.fix,
+            "distance": distance, "reference_distance": reference_distance}
