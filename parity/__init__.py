@@ -9,7 +9,7 @@ __all__ = ["check", "load_ffn", "__version__"]
 def __getattr__(name: str):
     # Lazy: `parity --help` / `parity list` must not import torch or transformers.
     if name in ("check", "load_ffn"):
-        from . import runner
+        from parity import api
 
-        return getattr(runner, name)
+        return getattr(api, name)
     raise AttributeError(f"module 'parity' has no attribute {name!r}")

@@ -1,7 +1,10 @@
-"""One exception per failure a user can act on.  Every one maps to exit code 2.
+"""One exception per failure a user can act on; the message says what was wrong, where, and
+what to do next.  Every ParityError maps to exit code 2 (the CLI prints it without a
+traceback; ``--debug`` shows one).  Each also derives from the standard exception a library
+user would catch for that kind of problem where one fits: ValueError for values and files that
+say something invalid, LookupError for names that are not there.
 
-The message says what was wrong, where, and what to do next; the CLI prints it
-without a traceback (``--debug`` shows one).
+Nothing here imports anything: every layer of parity may raise these.
 """
 
 from __future__ import annotations
@@ -13,16 +16,41 @@ class ParityError(Exception):
     exit_code = 2
 
 
-class MappingError(ParityError):
+# -- values and options --------------------------------------------------------------------------
+
+class UsageError(ParityError, ValueError):
+    """An option or argument value that cannot mean anything (empty, NaN, inf, negative, options that clash)."""
+
+
+class EmptyValueError(UsageError):
+    """An empty MODEL, checkpoint, mapping or revision: it names nothing."""
+
+
+class LayerRangeError(ParityError, ValueError):
+    """The requested layer (or expert) selection is outside the model or selects nothing."""
+
+
+class ProjectConfigError(ParityError, ValueError):
+    """The project's parity table is missing or one of its entries is invalid."""
+
+
+class ShardError(UsageError):
+    """--shard is not K/N with 1 <= K <= N."""
+
+
+class MappingError(ParityError, ValueError):
     """A mapping file is invalid: names the file, the key and what was expected."""
 
 
-class UnknownModelError(ParityError):
+# -- what is checked -------------------------------------------------------------------------------
+
+class UnknownModelError(ParityError, LookupError):
     """MODEL is neither a mapping name, a local path nor a hub id we can resolve."""
 
 
 class CheckpointError(ParityError):
-    """The checkpoint cannot be opened or read (missing file, corrupt safetensors, ...)."""
+    """The checkpoint cannot be opened or read (missing file, corrupt safetensors, ...).  Deliberately
+    not an OSError: code that handles a failed read (``except OSError``) must not swallow it."""
 
 
 class OfflineError(CheckpointError):
@@ -33,26 +61,12 @@ class GatedRepoError(CheckpointError):
     """The hub repository needs an accepted licence and a token."""
 
 
-class MissingTensorError(CheckpointError):
+class MissingTensorError(CheckpointError, LookupError):
     """The checkpoint lacks tensors the mapping needs."""
 
 
 class WeightDefectError(CheckpointError):
     """The checkpoint's weights hold NaN or Inf: a checkpoint defect, not a module mismatch."""
-
-
-class ShapeMismatchError(ParityError):
-    """A checkpoint tensor does not fit the target parameter (``mistake_id`` names the likely cause)."""
-
-    mistake_id = "shape_mismatch"
-
-
-class TargetError(ParityError):
-    """The target module cannot be imported, constructed or loaded."""
-
-
-class LayerRangeError(ParityError):
-    """The requested layer index is outside the model."""
 
 
 class PickleRefusedError(CheckpointError):
@@ -63,5 +77,28 @@ class SyntheticWeightsError(CheckpointError):
     """Real weights were required (--require-real, `parity check`) and only the synthetic stand-in was available."""
 
 
-class UsageError(ParityError, ValueError):
-    """An option or argument value that cannot mean anything (empty, NaN, inf, negative, options that clash)."""
+class ShapeMismatchError(ParityError, ValueError):
+    """A checkpoint tensor does not fit the target parameter (``mistake_id`` names the likely cause)."""
+
+    mistake_id = "shape_mismatch"  # a parity.spec.mistakes.MistakeId value (errors.py imports nothing)
+
+
+class TargetError(ParityError):
+    """The target module cannot be imported, constructed, loaded or run."""
+
+
+# -- outputs ---------------------------------------------------------------------------------------
+
+class BaselineError(ParityError, ValueError):
+    """The baseline file cannot be read or is not a parity baseline."""
+
+
+# -- the test-suite front door ---------------------------------------------------------------------
+
+class ParityAssertionError(AssertionError):
+    """``assert_parity``: a layer deviates, cannot be verified, or nothing was checked; ``.report``
+    holds the full report.  An AssertionError, so a test framework reports a failed test."""
+
+    def __init__(self, message: str, report: object):
+        super().__init__(message)
+        self.report = report

@@ -12,6 +12,6 @@ import pytest
 @pytest.fixture
 def parity_check():
     """assert_parity(model, target=..., layers=...): fails the test with parity's table when a layer deviates."""
-    from .testing import assert_parity
+    from parity.testing import assert_parity
 
     return assert_parity

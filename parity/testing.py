@@ -4,17 +4,12 @@ failure message a reader can act on (the per-layer table and the diagnosis).
 
 from __future__ import annotations
 
+from parity.errors import ParityAssertionError
+
 from typing import Any, Iterable
 
-from .report import Report, render, summary_line
-
-
-class ParityAssertionError(AssertionError):
-    """A layer deviates from transformers; ``.report`` holds the full report."""
-
-    def __init__(self, message: str, report: Report):
-        super().__init__(message)
-        self.report = report
+from parity.engine.results import Report
+from parity.outputs.text import render, summary_line
 
 
 def assert_parity(model: str, target: str | Any | None = None, layers: str | int | Iterable[int] | None = None,
@@ -33,7 +28,7 @@ def assert_parity(model: str, target: str | Any | None = None, layers: str | int
     checkpoint is unreachable.
     """
     __tracebackhide__ = True  # pytest shows the assertion, not parity's frames
-    from .runner import check
+    from parity.api import check
 
     require_real = require_real or require_real_weights
     report = check(model, layers=layers, target=target, checkpoint=checkpoint, mapping=mapping, revision=revision,

@@ -17,8 +17,11 @@ from pathlib import Path
 
 import pytest
 
-from parity import atomic, cli
-from parity.baseline import BASELINE_VERSION, BaselineError, load_baseline, load_for_update
+from parity import cli
+from parity.cli.options import build_parser
+from parity.outputs import atomic
+from parity.errors import BaselineError
+from parity.outputs.baseline import BASELINE_VERSION, load_baseline, load_for_update
 from parity.errors import ParityError
 
 from .conftest import build_model, save
@@ -198,12 +201,12 @@ def test_bad_factor_or_slack_in_the_project_file_is_exit_2(tmp_path, monkeypatch
 
 
 def test_limits_themselves_are_accepted(tmp_path):
-    from parity.project import load_project
+    from parity.spec.project import load_project
 
     (tmp_path / "parity.toml").write_text('baseline_factor = 1\nbaseline_slack = 0\n[[checks]]\nmodel = "gpt2"\n')
     project = load_project(cwd=tmp_path)
     assert (project.baseline_factor, project.baseline_slack) == (1.0, 0.0)
-    assert cli.build_parser().parse_args(["m", "--baseline-factor", "1", "--baseline-slack", "0"]).baseline_factor == 1.0
+    assert build_parser().parse_args(["m", "--baseline-factor", "1", "--baseline-slack", "0"]).baseline_factor == 1.0
 
 
 # -- broken baseline files ---------------------------------------------------------------------------
@@ -305,7 +308,7 @@ def test_junit_under_a_regular_file_is_exit_2_naming_the_file(tiny, tmp_path, ca
 # -- the rules themselves (no model run) -----------------------------------------------------------
 
 def test_compare_rules_for_fingerprints_hub_keys_and_unreadable_numbers(tmp_path):
-    from parity.baseline import compare_baseline, entry_key, problem_message, write_baseline
+    from parity.outputs.baseline import compare_baseline, entry_key, problem_message, write_baseline
 
     from .test_ci import layer_result, report_with
 

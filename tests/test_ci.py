@@ -11,10 +11,12 @@ from types import SimpleNamespace
 import pytest
 
 from parity import cli
-from parity.baseline import compare, entry_key, load_baseline
-from parity.junit import build_junit
-from parity.project import ProjectConfigError, ShardError, load_project, parse_shard, shard_units
-from parity.report import SCHEMA_VERSION, LayerResult, Report
+from parity.spec.mapping import builtin_mapping_dir
+from parity.outputs.baseline import compare, entry_key, load_baseline
+from parity.outputs.junit import build_junit
+from parity.errors import ProjectConfigError, ShardError
+from parity.spec.project import load_project, parse_shard, shard_units
+from parity.engine.results import SCHEMA_VERSION, LayerResult, Report
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -289,7 +291,7 @@ def test_shape_failure_reaches_junit_and_baseline_as_a_failure(tiny, tmp_path, c
 
 def test_passing_layer_that_now_cannot_load_is_a_regression(tiny, tmp_path, capsys):
     baseline, mapping = tmp_path / "base.json", tmp_path / "llama.toml"
-    text = (Path(cli.__file__).parent.parent / "mappings" / "llama.toml").read_text()
+    text = (builtin_mapping_dir() / "llama.toml").read_text()
     mapping.write_text(text.replace('hidden_dim = "config.intermediate_size", ', ""))  # the module falls back to 4d
     assert run_main(capsys, tiny["llama"], "--layer", "0", "--baseline", baseline, "--update-baseline")[0] == 0
     code, out, _ = run_main(capsys, tiny["llama"], "--layer", "0", "--mapping", mapping, "--baseline", baseline)
@@ -298,7 +300,7 @@ def test_passing_layer_that_now_cannot_load_is_a_regression(tiny, tmp_path, caps
 
 def test_mapping_target_class_imported_from_the_working_directory(tiny, tmp_path, capsys, monkeypatch):
     (tmp_path / "mymodel_for_parity.py").write_text((Path(__file__).parent / "mutants.py").read_text())
-    text = (Path(cli.__file__).parent.parent / "mappings" / "gpt2.toml").read_text()
+    text = (builtin_mapping_dir() / "gpt2.toml").read_text()
     mapping = tmp_path / "m.toml"
     mapping.write_text(text.replace("parity.ffn:FeedForward", "mymodel_for_parity:gpt2_exact_gelu_module"))
     monkeypatch.chdir(tmp_path)

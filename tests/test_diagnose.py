@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 import parity
-from parity.mapping import builtin_mapping_dir
+from parity.spec.mapping import builtin_mapping_dir
 
 from . import mutants as m
 from .conftest import build_model, save

@@ -24,7 +24,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from parity.mapping import builtin_mapping_dir
+from parity.spec.mapping import builtin_mapping_dir
 
 from .test_cli import PARITY, ROOT
 
@@ -329,12 +329,12 @@ def test_debug_shows_the_traceback(tiny, tmp_path):
 
 def test_internal_error_in_process_is_one_line(monkeypatch, capsys):
     import parity.cli
-    import parity.runner
+    import parity.engine.suite
 
     def broken(*args, **kwargs):
         raise KeyError("unexpected")
 
-    monkeypatch.setattr(parity.runner, "run_session", broken)
+    monkeypatch.setattr(parity.engine.suite, "run_session", broken)
     assert parity.cli.main(["llama"]) == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and "internal error" in err and "--debug" in err
@@ -356,7 +356,7 @@ def gated(*args, **kwargs):
 def gated_hub(monkeypatch):
     import huggingface_hub
 
-    from parity.hub import hub_reachable
+    from parity.sources.hub import hub_reachable
 
     monkeypatch.setattr(huggingface_hub, "hf_hub_download", gated)
     hub_reachable.cache_clear()
@@ -374,7 +374,7 @@ def test_gated_repo_says_accept_licence_and_set_token(gated_hub, capsys):
 
 
 def test_gated_default_checkpoint_falls_back_to_synthetic(gated_hub):
-    from parity.resolve import resolve
+    from parity.engine.resolve import resolve
 
     resolved = resolve("gpt2")
     assert resolved.checkpoint.weights == "synthetic" and "gated" in resolved.checkpoint.weights_note
@@ -384,11 +384,11 @@ def test_offline_message_when_hub_unreachable_without_hf_hub_offline(monkeypatch
     from huggingface_hub import constants
 
     from parity.errors import OfflineError
-    from parity.hub import open_hub
+    from parity.sources.hub import open_hub
 
     monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
     monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
-    monkeypatch.setattr("parity.hub.hub_reachable", lambda: False)
+    monkeypatch.setattr("parity.sources.hub.hub_reachable", lambda: False)
     with pytest.raises(OfflineError) as info:
         open_hub("someone/uncached")
     message = str(info.value)
@@ -399,8 +399,9 @@ def test_offline_message_when_hub_unreachable_without_hf_hub_offline(monkeypatch
 # -- the reference side: weights whose shapes disagree with config.json ----------------------
 def test_reference_names_both_shapes_when_config_and_weights_disagree(tiny):
     from parity.errors import ShapeMismatchError
-    from parity.reference import ReferenceModel
-    from parity.resolve import load_config, open_checkpoint
+    from parity.engine.reference import ReferenceModel
+    from parity.engine.resolve import load_config
+    from parity.engine.resolve import open_checkpoint
 
     config = load_config(open_checkpoint(str(tiny["llama"])))
     reference = ReferenceModel(config)
@@ -413,7 +414,7 @@ def test_reference_names_both_shapes_when_config_and_weights_disagree(tiny):
 
 def test_mapping_error_names_the_line(tmp_path):
     from parity.errors import MappingError
-    from parity.mapping import load_mapping
+    from parity.spec.mapping import load_mapping
 
     text = (builtin_mapping_dir() / "gpt2.toml").read_text()
     path = tmp_path / "m.toml"

@@ -16,11 +16,11 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from parity.checkpoint import open_local
+from parity.sources.registry import open_local
 from parity.errors import ParityError
-from parity.mapping import builtin_mapping_dir, parse_mapping
-from parity.resolve import resolve
-from parity.runner import Session
+from parity.spec.mapping import builtin_mapping_dir, parse_mapping
+from parity.engine.resolve import resolve
+from parity.engine.session import Session
 
 FAST = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 ST = "model.safetensors"

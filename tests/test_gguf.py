@@ -12,7 +12,7 @@ import torch
 import parity
 from parity.errors import CheckpointError, MissingTensorError
 from parity.ffn import FeedForward, GeGLU, SwiGLU
-from parity.gguf_source import open_gguf, read_header
+from parity.sources.gguf import open_gguf, read_header
 
 from .conftest import build_model
 from .gguf_files import Q, gguf_from_hf, gguf_gpt2, write_gguf
@@ -79,7 +79,7 @@ def test_load_ffn_holds_the_dequantized_weights(llama_mixed):
 
 
 def test_config_comes_from_the_metadata(llama_mixed):
-    from parity.resolve import resolve
+    from parity.engine.resolve import resolve
 
     resolved = resolve(str(llama_mixed))
     config = resolved.config
@@ -90,7 +90,7 @@ def test_config_comes_from_the_metadata(llama_mixed):
 
 
 def test_only_the_layers_tensors_are_read(llama_mixed, monkeypatch):
-    from parity import gguf_source
+    from parity.sources import gguf as gguf_source
 
     read = []
     original = gguf_source.dequantize
@@ -179,7 +179,7 @@ def test_header_skips_the_vocabulary_and_keeps_offsets(tmp_path):
     header = read_header(path)
     assert header.metadata["tokenizer.ggml.tokens"].count == 50_000  # counted, not decoded
     assert header.tensors["blk.0.ffn_up.weight"].shape == (64, 32)
-    from parity.gguf_source import dequantize
+    from parity.sources.gguf import dequantize
 
     assert torch.equal(dequantize(path, header.tensors["blk.0.ffn_up.weight"]), torch.from_numpy(values))
 
@@ -198,7 +198,7 @@ def test_cli_on_a_gguf_file(llama_mixed):
 
 
 def test_inspect_describes_gguf_tensors_from_the_file_index(llama_mixed):
-    from parity.inspect_cmd import inspect_model
+    from parity.engine.inspect import inspect_model
 
     info = inspect_model(str(llama_mixed), layer=1)
     rows = {row["name"]: row for row in info["tensors"]}

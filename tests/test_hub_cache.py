@@ -3,7 +3,7 @@
 import pytest
 
 from parity.errors import OfflineError
-from parity.hub import hub_reachable
+from parity.sources.hub import hub_reachable
 
 
 @pytest.fixture(autouse=True)

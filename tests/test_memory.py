@@ -10,11 +10,12 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 
 import parity
-import parity.runner
+import parity.engine.suite
 from parity.errors import WeightDefectError
-from parity.memory import young_objects_only
-from parity.runner import all_finite, preactivation
-from parity.upcast import compute_in, upcast_on_call, works_on_call
+from parity.engine.memory import young_objects_only
+from parity.engine.inputs import preactivation
+from parity.engine.layer import all_finite
+from parity.engine.upcast import compute_in, upcast_on_call, works_on_call
 
 from .conftest import build_model
 
@@ -78,7 +79,7 @@ def test_only_the_running_projection_is_upcast():
 
 @pytest.mark.parametrize("model_type", ["gpt2", "llama", "gemma3_text"])
 def test_checks_use_per_call_upcasting(tiny, model_type):
-    session = parity.runner.open_session(str(tiny[model_type]))
+    session = parity.engine.suite.open_session(str(tiny[model_type]))
     tensors = {k: v.to(torch.bfloat16) for k, v in session.read_layer(0, dtype=None).items()}
     reference = session.build_reference(0, tensors)
     assert hasattr(reference, "_parity_compute")  # not converted as a whole

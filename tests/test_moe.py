@@ -99,7 +99,7 @@ def test_expert_reference_is_transformers_own_expert(mixtral, mixtral_hub):
     """The one-expert oracle agrees with the loaded model's own experts module routed to that expert."""
     from transformers import AutoModelForCausalLM
 
-    from parity.runner import open_session
+    from parity.engine.suite import open_session
 
     loaded = AutoModelForCausalLM.from_pretrained(str(mixtral_hub)).eval()
     session = open_session(str(mixtral_hub))
@@ -111,7 +111,7 @@ def test_expert_reference_is_transformers_own_expert(mixtral, mixtral_hub):
 
 
 def test_a_target_reading_the_wrong_expert_fails(mixtral_hub, tmp_path):
-    text = (parity.mapping.builtin_mapping_dir() / "mixtral.toml").read_text()
+    text = (parity.spec.mapping.builtin_mapping_dir() / "mixtral.toml").read_text()
     text = text.replace('layer_key = "model.layers.{layer}.block_sparse_moe.experts.{expert}"',
                         'layer_key = "model.layers.{layer}.block_sparse_moe.experts.{expert}"\nkey_prefixes = [""]')
     text = text.replace('[tensors]\n"_gate.weight" = "w1.weight"\n"_up.weight" = "w3.weight"',

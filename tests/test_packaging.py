@@ -32,7 +32,7 @@ def test_installed_wheel_lists_builtin_mappings(wheel, tmp_path):
     target = tmp_path / "site"
     subprocess.run([sys.executable, "-m", "pip", "install", "--no-deps", "-q", "--target", str(target), str(wheel)],
                    check=True, capture_output=True, timeout=300)
-    code = "import json, parity.mapping as m; print(m.builtin_mapping_dir()); print(json.dumps(sorted(m.builtin_mappings())))"
+    code = "import json, parity.spec.mapping as m; print(m.builtin_mapping_dir()); print(json.dumps(sorted(m.builtin_mappings())))"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=tmp_path,
                          env={"PYTHONPATH": str(target), "PATH": "/usr/bin:/bin"}, timeout=120)
     assert out.returncode == 0, out.stderr

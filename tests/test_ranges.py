@@ -10,9 +10,9 @@ import torch
 from safetensors import safe_open
 
 import parity
-from parity import hub
+from parity.sources import hub
 from parity.errors import CheckpointError
-from parity.ranges import RangedReader, Span, layer_ranges, local_fetcher, plan
+from parity.sources.ranges import RangedReader, Span, layer_ranges, local_fetcher, plan
 
 
 def index_of(folder):
@@ -232,7 +232,7 @@ def test_tensors_read_by_range_are_cached_for_the_commit(online_hub_without_shar
 
 
 def test_branch_names_are_not_cached(llama_sharded, tmp_path):
-    from parity.tensorcache import TensorCache
+    from parity.sources.tensorcache import TensorCache
 
     reads = []
 

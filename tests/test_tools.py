@@ -10,8 +10,9 @@ from pathlib import Path
 import pytest
 
 from parity import cli
-from parity.inspect_cmd import dff_rule, inspect_model, render_inspection
-from parity.progress import Progress, bar_wanted
+from parity.engine.inspect import inspect_model, render_inspection
+from parity.spec.families import dff_rule
+from parity.outputs.progress import Progress, bar_wanted
 from parity.testing import ParityAssertionError, assert_parity
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -31,7 +32,7 @@ def test_dff_rules():
 
 
 def test_inspect_reads_headers_only(tiny, monkeypatch):
-    from parity.checkpoint import Checkpoint
+    from parity.sources.checkpoint import Checkpoint
 
     def no_reading(*_args, **_kwargs):
         raise AssertionError("inspect must not load tensors")

@@ -2,9 +2,7 @@
 
 import json
 import math
-import os
 import xml.etree.ElementTree as ET
-from pathlib import Path
 
 import pytest
 import torch

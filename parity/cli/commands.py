@@ -1,0 +1,227 @@
+"""What each command does: plan and run checks, then print, compare with the baseline and
+write the CI files.  Heavy imports (torch, transformers) happen inside, when a check runs."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+from parity.errors import UsageError
+
+EXIT_PASS, EXIT_MISMATCH, EXIT_BAD_INPUT = 0, 1, 2
+
+
+def run_inspect(args: argparse.Namespace) -> int:
+    from parity.engine.inspect import inspect_model, inspection_json, render_inspection
+
+    info = inspect_model(args.model, checkpoint=args.checkpoint, mapping=args.mapping, revision=args.revision,
+                         target=args.target, layer=args.layer)
+    print(inspection_json(info) if args.json else render_inspection(info))
+    return EXIT_PASS
+
+
+def run_project(args: argparse.Namespace) -> int:
+    from parity.spec.project import load_project, parse_shard
+
+    project = load_project(args.config)
+    shard = parse_shard(args.shard) if args.shard else None  # validated before any model is resolved
+    for folder in (str(project.path.parent.resolve()), os.getcwd()):
+        if folder not in sys.path:
+            sys.path.insert(0, folder)  # targets of the project being checked
+    for key in ("baseline", "junit", "baseline_factor", "baseline_slack"):
+        if getattr(args, key) is None:
+            setattr(args, key, getattr(project, key))
+    args.key_root = project.path.parent  # baseline keys name local paths relative to the project
+    return run_specs(project.checks, args, single=False, shard=shard)
+
+
+def run_specs(specs, args: argparse.Namespace, single: bool, shard=None) -> int:
+    """Plan, run and report checks: tables, progress, baseline, JUnit, JSON; returns the exit code."""
+    from parity.engine.suite import exit_code
+    from parity.outputs.baseline import load_baseline, load_for_update
+
+    if args.update_baseline and not args.baseline:
+        raise UsageError("--update-baseline needs --baseline FILE (or 'baseline' in the project file)")
+    entries = load_baseline(args.baseline) if args.baseline and not args.update_baseline else None
+    if args.update_baseline:
+        load_for_update(args.baseline)  # refuse a file that is not a baseline before computing anything
+    out = sys.stderr if args.json == "-" else sys.stdout  # stdout is the JSON's
+    runs = run_with_progress(specs, args, single, shard, out)
+    reports = [run.report for run in runs if run.report is not None]
+    comparison = compare_with_baseline(reports, entries, args) if entries is not None else None
+    regressions = comparison.regressions if comparison is not None else []
+    for run in runs:
+        if run.error is not None:
+            print(f"parity: error: {run.error}", file=sys.stderr)
+    for line in baseline_lines(args.baseline, comparison):
+        print(line, file=out)
+    code = exit_code(runs, len(regressions))
+    problem = baseline_problem(args.baseline, comparison, entries)
+    if problem is not None:
+        code = max(code, EXIT_BAD_INPUT)  # a baseline that does not describe this run proves nothing
+    print(summary(runs, args, single, shard, code, regressions, entries is not None), file=out)
+    if args.update_baseline:
+        update_baseline(args, reports, out)
+    elif comparison is not None and not args.quiet:
+        print(f"baseline: {comparison.compared} layer(s) compared with {args.baseline}, {len(regressions)} regressed",
+              file=out)
+    if problem is not None:
+        print(f"parity: error: {problem}", file=sys.stderr)
+    write_outputs(args, runs, single, shard, comparison, problem, code)
+    return code
+
+
+def run_with_progress(specs, args: argparse.Namespace, single: bool, shard, out) -> list:
+    """Plan and execute the checks, streaming each table (unless --quiet) under a progress bar."""
+    from parity.engine.suite import execute, plan
+    from parity.outputs.progress import Progress, bar_wanted, silence_downloads
+    from parity.outputs.text import TextWriter
+
+    json_stdout = args.json == "-"
+    if args.quiet or json_stdout:  # download bars would interleave with the table / JSON consumers' stderr
+        silence_downloads()
+    runs = plan(specs, shard, raise_errors=single)
+    progress = Progress(sum(len(run.layers) for run in runs), bar_wanted(args.quiet, json_stdout))
+    writer = TextWriter(lambda text: None if args.quiet else progress.say(text, out))
+
+    def on_layer(run, report, result) -> None:
+        writer.layer(report, result)
+        progress.step(f"{run.label} layer {result.layer}")
+
+    def on_check(run) -> None:
+        if run.report is not None:
+            writer.finish(run.report, summary=not single)  # a single check's summary comes last, with the baseline's
+
+    try:
+        execute(runs, on_layer, raise_errors=single, on_check=on_check)
+    finally:
+        progress.close()
+    return runs
+
+
+def summary(runs, args: argparse.Namespace, single: bool, shard, code: int, regressions: list, compared: bool) -> str:
+    from parity.outputs.text import suite_summary, summary_line
+
+    if not single:
+        return suite_summary(runs, code, len(regressions) if compared else None, shard)
+    line = summary_line(runs[0].report)
+    if regressions:
+        line += f" BASELINE: {len(regressions)} layer(s) regressed against {args.baseline}."
+    return line
+
+
+def key_roots(args: argparse.Namespace) -> tuple:
+    """Folders a local path in a baseline key is relative to: the project file's (`parity check`),
+    then the working directory; never an absolute path, which differs on every CI runner."""
+    from pathlib import Path
+
+    root = getattr(args, "key_root", None)
+    return tuple(dict.fromkeys(p.resolve() for p in ([Path(root)] if root is not None else []) + [Path.cwd()]))
+
+
+def compare_with_baseline(reports, entries: dict, args: argparse.Namespace):
+    from parity.outputs.baseline import DEFAULT_FACTOR, DEFAULT_SLACK, compare_baseline
+
+    factor = args.baseline_factor if args.baseline_factor is not None else DEFAULT_FACTOR
+    slack = args.baseline_slack if args.baseline_slack is not None else DEFAULT_SLACK
+    return compare_baseline(reports, entries, factor, slack, key_roots(args))
+
+
+def baseline_lines(path, comparison) -> list[str]:
+    """Regressions, entries made from other weights, and what was left out: printed even with
+    --quiet, since each says the baseline result is not what the exit code alone suggests."""
+    from parity.outputs.baseline import note_lines
+
+    if comparison is None:
+        return []
+    return [*(f"baseline: {r.key}: {r.message}" for r in comparison.regressions + comparison.other_weights),
+            *(f"baseline: {line}" for line in note_lines(path, comparison))]
+
+
+def baseline_problem(path, comparison, entries) -> str | None:
+    from parity.outputs.baseline import problem_message
+
+    return None if comparison is None else problem_message(path, comparison, entries)
+
+
+def update_baseline(args: argparse.Namespace, reports, out) -> None:
+    from parity.outputs.baseline import BASELINE_VERSION, write_baseline
+
+    written, dropped = write_baseline(args.baseline, reports, key_roots(args))
+    print(f"baseline: wrote {written} layer entr{'y' if written == 1 else 'ies'} to {args.baseline}", file=out)
+    if dropped:
+        print(f"baseline: dropped {dropped} entr{'y' if dropped == 1 else 'ies'} of the old format (no weight "
+              f"fingerprint, keys that may hold absolute paths); the file is now format {BASELINE_VERSION}", file=out)
+
+
+def write_outputs(args: argparse.Namespace, runs, single: bool, shard, comparison, problem: str | None,
+                  code: int) -> None:
+    """--junit and --json, each written atomically (parity.outputs.atomic): a CI step never reads half a file."""
+    from parity.outputs.atomic import write_text_atomic
+
+    regressions = comparison.regressions if comparison is not None else []
+    if args.junit:
+        from parity.outputs.junit import write_junit
+
+        write_junit(args.junit, runs, {id(r.layer): r.message for r in regressions},
+                    {id(r.layer): r.message for r in (comparison.other_weights if comparison is not None else [])},
+                    problem)
+    if args.json:
+        text = json.dumps(json_document(runs, single, shard, args, comparison, problem, code), indent=2)
+        if args.json == "-":
+            print(text)
+        else:
+            write_text_atomic(args.json, text + "\n", "--json", create_folder=False)
+
+
+def json_document(runs, single: bool, shard, args, comparison, problem: str | None, code: int) -> dict:
+    """Single check: the report (schema_version 1, unchanged).  `parity check`: a suite of reports."""
+    from parity.engine.results import SCHEMA_VERSION
+
+    baseline = None
+    if comparison is not None:
+        def listed(items):
+            return [{"key": r.key, "layer": r.layer.layer, "message": r.message} for r in items]
+
+        baseline = {"file": str(args.baseline), "compared": comparison.compared,
+                    "regressions": listed(comparison.regressions), "other_weights": listed(comparison.other_weights),
+                    "not_compared": comparison.not_compared, "unfingerprinted": comparison.unfingerprinted,
+                    "error": problem}
+    if single:
+        data = runs[0].report.to_dict()
+        if baseline is not None:
+            data["baseline"] = baseline
+        return data
+    return {
+        "schema_version": SCHEMA_VERSION, "kind": "suite", "passed": code == 0,
+        "shard": list(shard) if shard else None,
+        "checks": [{"name": run.label, "where": run.spec.where, "error": run.error,
+                    "report": run.report.to_dict() if run.report is not None else None} for run in runs],
+        "baseline": baseline,
+    }
+
+
+def list_mappings() -> int:
+    from parity.spec.mapping import builtin_mapping_dir, builtin_mappings
+
+    mappings = builtin_mappings()
+    width = max(map(len, mappings), default=4)
+    print(f"Built-in mappings ({builtin_mapping_dir()}):")
+    for name, mapping in mappings.items():
+        print(f"  {name:<{width}}  {mapping.description}")
+        print(f"  {'':<{width}}  model_type: {', '.join(mapping.model_types)}; default: {mapping.default_checkpoint}")
+    return EXIT_PASS
+
+
+def run_check(args: argparse.Namespace) -> int:
+    from parity.spec.project import CheckSpec
+
+    layers = args.layer if args.layer is not None else args.layers
+    spec = CheckSpec(model=args.model, checkpoint=args.checkpoint, layers=layers, target=args.target,
+                     mapping=args.mapping, revision=args.revision, seed=args.seed, atol=args.atol, logits=args.logits,
+                     allow_pickle=args.allow_pickle, experts=args.experts, require_real=args.require_real)
+    return run_specs([spec], args, single=True)
+
+

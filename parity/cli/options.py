@@ -1,0 +1,148 @@
+"""The command line's options: one parser per command, and argparse types that apply the
+project's one rule for each value (``parity.spec.values``).  Imports no torch."""
+
+from __future__ import annotations
+
+import argparse
+import functools
+
+from parity import __version__
+from parity.spec.values import atol_value, baseline_number, nonempty, seed_value
+
+DESCRIPTION = """\
+Check that a feed-forward module computes what transformers computes on the same
+checkpoint weights, one layer at a time.
+
+MODEL is a mapping name (gpt2, llama, gemma, ...; see `parity list`), a hub id
+(owner/name), a local folder with config.json + *.safetensors, a .safetensors file, a
+.gguf file, or (with --allow-pickle) a pytorch_model.bin / Meta consolidated.00.pth folder.
+
+commands:
+  parity MODEL [options]   check one model (this page)
+  parity check [options]   run every check listed in ./parity.toml or [tool.parity] in
+                           ./pyproject.toml (`parity check --help`); a folder literally
+                           named "check" must be given as ./check
+  parity inspect MODEL     show what would be checked, computing nothing
+  parity list              the built-in mappings
+
+exit codes: 0 every checked layer matches, 1 some layer deviates (or grew beyond the
+baseline), 2 bad input or unusable checkpoint."""
+
+
+def value_type(rule, convert=str, hint: str = ""):
+    """argparse type from a parity.spec.values rule: the same check as project files and the API."""
+    def parse(text: str):
+        try:
+            value = convert(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not {'a number' if convert is float else 'an integer'}") from None
+        try:
+            return rule(value)
+        except ValueError as exc:
+            said = f"the value {exc}" if str(exc).startswith("is ") else str(exc)
+            raise argparse.ArgumentTypeError(f"{said}{': ' + hint if hint else ''}") from None
+
+    parse.__name__ = getattr(rule, "__name__", "value")  # argparse names the type in some messages
+    return parse
+
+
+SEED = value_type(seed_value, int)
+ATOL = value_type(atol_value, float)
+MODEL_VALUE = value_type(nonempty, hint="give a mapping name (see `parity list`), a hub id or a local path")
+CHECKPOINT_VALUE = value_type(nonempty, hint="give a local path or a hub id, or leave the option out to use the mapping's default")
+TARGET_VALUE = value_type(nonempty, hint="give pkg.module:Class, or leave the option out to use the mapping's target")
+MAPPING_VALUE = value_type(nonempty, hint="give a mapping file FILE.toml, or leave the option out to use the built-in one")
+REVISION_VALUE = value_type(nonempty, hint="give a branch, tag or commit, or leave the option out")
+FACTOR = value_type(functools.partial(baseline_number, "baseline_factor"), float)
+SLACK = value_type(functools.partial(baseline_number, "baseline_slack"), float)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="parity", description=DESCRIPTION,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--version", action="version", version=f"parity {__version__}")
+    parser.add_argument("model", metavar="MODEL", type=MODEL_VALUE, help="mapping name, hub id, local folder or file; or 'list'")
+    parser.add_argument("--checkpoint", metavar="PATH_OR_ID", type=CHECKPOINT_VALUE, help="weights to use instead of the mapping's default")
+    layers = parser.add_mutually_exclusive_group()
+    layers.add_argument("--layer", type=int, metavar="N", help="check one layer")
+    layers.add_argument("--layers", metavar="SPEC", help="all | 0,3,5 | 2-7 (default: all; for large synthetic stand-ins first, middle, last)")
+    parser.add_argument("--target", metavar="pkg.module:Class", type=TARGET_VALUE, help="module (class or factory) to check instead of the mapping's")
+    parser.add_argument("--mapping", metavar="FILE.toml", type=MAPPING_VALUE, help="mapping file to use instead of the built-in one")
+    parser.add_argument("--revision", metavar="REV", type=REVISION_VALUE, help="hub revision (branch, tag or commit)")
+    parser.add_argument("--seed", type=SEED, default=0, help="seed of the generated inputs (default 0)")
+    parser.add_argument("--atol", type=ATOL, metavar="X", help="absolute tolerance instead of the noise-floor-derived one")
+    parser.add_argument("--logits", action="store_true",
+                        help="also substitute the module into the full model and compare its final logits")
+    # checkpoint formats (issue 4): pickle-based files, mixture-of-experts layers
+    parser.add_argument("--allow-pickle", action="store_true",
+                        help="open pickle-based weights (pytorch_model*.bin, Meta consolidated.*.pth) with "
+                             "torch.load(weights_only=True); only for files you trust")
+    parser.add_argument("--experts", metavar="SPEC", help="MoE models: all | 0,3 | 2-5 experts of each layer (default: all)")
+    parser.add_argument("--require-real", action="store_true",
+                        help="exit 2 instead of checking synthetic weights when the default checkpoint is unreachable "
+                             "(`parity check` requires real weights by default)")
+    add_output_options(parser)
+    return parser
+
+
+# -- CI outputs, baselines, project checks, inspect ------------------------------------------------
+
+CHECK_DESCRIPTION = """Run every check listed in the project file of the current directory: parity.toml, else
+the [tool.parity] table of pyproject.toml (or --config FILE), with one summary at the end.
+
+  [[tool.parity.checks]]
+  model = "gpt2"                          # as `parity MODEL`
+  layers = [0, 11]                        # or "all", "0,3", "2-7"; default all
+  target = "mypkg.ffn:MLP"                # optional, as --target
+  # checkpoint, mapping, revision, seed, atol (alias tolerance), logits, experts, allow_pickle, name: optional
+
+--shard K/N runs the K-th of N shares of the (check, layer) units, dealt round-robin in
+file and layer order, so N CI jobs together run each unit exactly once.
+
+exit codes: 0 all match, 1 some layer deviates or regressed against the baseline,
+2 a bad project file or a check that cannot run (named by file and entry)."""
+
+INSPECT_DESCRIPTION = """Show what `parity MODEL` would check, without computing anything: the family and its
+mapping file, d and d_ff (and whether d_ff follows the family's rule), the activation the
+config names and the one transformers runs, biases, and one layer's FFN tensors (names,
+shapes, dtypes, shard files) read from safetensors headers. No tensor is loaded."""
+
+
+def add_output_options(parser: argparse.ArgumentParser) -> None:
+    out = parser.add_argument_group("CI outputs")
+    out.add_argument("--json", metavar="FILE|-", help="write the JSON report to FILE, or to stdout with '-'")
+    out.add_argument("--junit", metavar="FILE", help="write JUnit XML: one test case per layer (per expert), failures with the diagnosis")
+    out.add_argument("--quiet", "-q", action="store_true", help="print only the summary line, baseline findings and errors")
+    out.add_argument("--baseline", metavar="FILE", help="fail (exit 1) when a layer's max|Δ| grew beyond the stored run's, or a passing layer now fails; "
+                          "exit 2 when the file matches none of the run's layers or was made from other weights")
+    out.add_argument("--baseline-factor", type=FACTOR, metavar="F",
+                     help="allowed growth factor over the baseline, >= 1 (default 2.0)")
+    out.add_argument("--baseline-slack", type=SLACK, metavar="X",
+                     help="absolute growth always allowed, >= 0 (default 1e-8): noise, not drift")
+    out.add_argument("--update-baseline", action="store_true", help="write this run's deviations into --baseline FILE (merged, sorted) instead of comparing")
+    out.add_argument("--debug", action="store_true", help="show tracebacks for errors")
+
+
+def build_check_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="parity check", description=CHECK_DESCRIPTION,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--config", metavar="FILE", help="project file to read instead of ./parity.toml or ./pyproject.toml")
+    parser.add_argument("--shard", metavar="K/N", help="run only this job's share: K of N (e.g. 2/4 in a CI matrix)")
+    add_output_options(parser)
+    return parser
+
+
+def build_inspect_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="parity inspect", description=INSPECT_DESCRIPTION,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("model", metavar="MODEL", type=MODEL_VALUE, help="mapping name, hub id, local folder or file")
+    parser.add_argument("--checkpoint", metavar="PATH_OR_ID", type=CHECKPOINT_VALUE, help="weights to use instead of the mapping's default")
+    parser.add_argument("--layer", type=int, default=0, metavar="N", help="layer whose tensors to list (default 0)")
+    parser.add_argument("--target", metavar="pkg.module:Class", type=TARGET_VALUE, help="target to name instead of the mapping's")
+    parser.add_argument("--mapping", metavar="FILE.toml", type=MAPPING_VALUE, help="mapping file to use instead of the built-in one")
+    parser.add_argument("--revision", metavar="REV", type=REVISION_VALUE, help="hub revision (branch, tag or commit)")
+    parser.add_argument("--json", action="store_true", help="print the inspection as JSON")
+    parser.add_argument("--debug", action="store_true", help="show tracebacks for errors")
+    return parser
+
+

@@ -1,0 +1,144 @@
+"""The verdict on one layer, from its tensors alone.
+
+passed  = the reference can judge this layer (``unverifiable_reason`` is None)
+          and the target left its input alone
+          and its output is finite and the same in two identical runs
+          and max |target - reference64| <= tolerance,
+tolerance = atol, or max(NOISE_FACTOR x noise floor, RELATIVE_FLOOR x max |reference64|),
+noise floor = max |reference32 - reference64| (the float32 reference against its own float64 run).
+
+A layer the reference cannot judge (its float32 output overflows, the tolerance is as large
+as the output itself, a weight matrix is all zeros, two weights are identical, the output
+does not depend on the input) is reported as
+unverifiable with the reason: a pass there would be a green light that proves nothing.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from parity.engine.results import LayerResult
+from parity.errors import ShapeMismatchError
+from parity.spec.mistakes import MistakeId, diagnosis
+
+NOISE_FACTOR = 16.0  # tolerance = NOISE_FACTOR x noise floor ...
+RELATIVE_FLOOR = 2.0 ** -20  # ... but never below this x max |reference| (fp32 rounding of the output)
+
+
+@dataclass
+class Runs:
+    """What one layer's check computed; every tensor is float64 and shaped like the reference output."""
+
+    reference64: torch.Tensor  # the truth: transformers' MLP in float64
+    reference32: torch.Tensor  # the same MLP in float32: its distance to the truth is the noise floor
+    target: torch.Tensor  # the module under test, first run
+    again: torch.Tensor  # the module under test, second identical run
+    input_change: str | None = None  # what the target did to its own copy of the inputs, if anything
+
+
+def tolerance_for(noise: float, scale: float, atol: float | None) -> float:
+    return atol if atol is not None else max(NOISE_FACTOR * noise, RELATIVE_FLOOR * scale)
+
+
+def same_values(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Bitwise equality where NaN equals NaN: a NaN in both runs is not non-determinism."""
+    return a.shape == b.shape and bool(torch.allclose(a, b, rtol=0.0, atol=0.0, equal_nan=True))
+
+
+def unverifiable_reason(weights: dict[str, torch.Tensor], runs: Runs, tolerance: float) -> str | None:
+    """Why comparing against this layer's reference could not tell a right module from a wrong one."""
+    for name, output in (("float32", runs.reference32), ("float64", runs.reference64)):
+        if not bool(torch.isfinite(output).all()):
+            largest = max((float(w.abs().max()) for w in weights.values() if w.numel()), default=0.0)
+            return (f"transformers' MLP gives NaN/Inf in {name} on this layer (largest |weight| {largest:.3g}): "
+                    "the reference overflows, so it is no truth to compare against")
+    if not math.isfinite(tolerance):
+        return f"the tolerance is not finite ({tolerance})"
+    matrices = {name: w for name, w in weights.items() if w.dim() >= 2 and w.numel()}
+    for name, w in matrices.items():
+        if not bool(w.any()):
+            return f"weight '{name}' is all zeros: the layer computes a constant, so any module built like it passes"
+    names = sorted(matrices)
+    for i, a in enumerate(names):
+        for b in names[i + 1:]:
+            if matrices[a].shape == matrices[b].shape and torch.equal(matrices[a], matrices[b]):
+                return f"weights '{a}' and '{b}' are identical: exchanging them (e.g. gate and up) cannot be seen"
+    scale = float(runs.reference64.abs().max())
+    if tolerance >= scale:
+        return (f"the tolerance {tolerance:.3g} is at least the reference output's largest magnitude {scale:.3g}: "
+                "a module that outputs zeros would pass (lower --atol)")
+    truth = runs.reference64.reshape(-1, runs.reference64.shape[-1])
+    spread = float((truth - truth[:1]).abs().max())
+    if spread <= tolerance:
+        return (f"the reference output does not depend on the input (it varies by {spread:.2e} over all tokens, "
+                f"tolerance {tolerance:.2e}): every module computing that constant would pass")
+    return None
+
+
+def first_nonfinite(output: torch.Tensor) -> str:
+    """'3 of 1536 values, first at [batch 0, token 2, channel 7]'."""
+    bad = ~torch.isfinite(output)
+    where = [int(i) for i in torch.unravel_index(bad.flatten().nonzero()[0, 0], bad.shape)]
+    labels = ("batch", "token", "channel") if len(where) == 3 else tuple(f"dim{i}" for i in range(len(where)))
+    return (f"{int(bad.sum())} of {bad.numel()} values are NaN/Inf, first at "
+            f"[{', '.join(f'{label} {i}' for label, i in zip(labels, where))}]")
+
+
+def input_change(before: torch.Tensor, after: torch.Tensor) -> str | None:
+    """None when the module left its input alone; else how many elements it changed, and the first."""
+    if after.shape == before.shape and torch.equal(after, before):
+        return None
+    if after.shape != before.shape:
+        return f"the input's shape changed from {list(before.shape)} to {list(after.shape)}"
+    changed = after != before
+    if before.is_floating_point():
+        changed &= ~(after.isnan() & before.isnan())
+    index = [int(i) for i in torch.unravel_index(changed.flatten().nonzero()[0, 0], changed.shape)]
+    return (f"{int(changed.sum())} of {changed.numel()} input elements changed, first at {index}: "
+            f"{float(before[tuple(index)]):.4g} -> {float(after[tuple(index)]):.4g}")
+
+
+def judge(layer: int, expert: int | None, runs: Runs, weights: dict[str, torch.Tensor], z: torch.Tensor | None,
+          atol: float | None, weights_kind: str) -> LayerResult:
+    """The formula at the top of this module, and the findings that need no replay named."""
+    noise = float((runs.reference32 - runs.reference64).abs().max())
+    scale = float(runs.reference64.abs().max())
+    tolerance = tolerance_for(noise, scale, atol)
+    diff = (runs.target - runs.reference64).abs()
+    finite = bool(torch.isfinite(runs.target).all())
+    max_abs = float(diff.max()) if finite else None
+    result = LayerResult(
+        layer=layer, passed=False, max_abs_diff=max_abs,
+        max_rel_diff=None if max_abs is None else max_abs / scale if scale else math.inf,
+        mean_abs_diff=float(diff.mean()) if finite else None,
+        max_at=[int(i) for i in torch.unravel_index(diff.nan_to_num(math.inf).argmax(), diff.shape)],
+        noise_floor=noise, tolerance=tolerance,
+        ratio_to_noise=None if max_abs is None else max_abs / noise if noise else math.inf if max_abs else 0.0,
+        preactivation_range=[float(z.min()), float(z.max())] if z is not None else None,
+        deterministic=same_values(runs.target, runs.again), expert=expert, weights=weights_kind,
+    )
+    result.unverifiable = unverifiable_reason(weights, runs, tolerance)
+    if runs.input_change is not None:  # a definite bug, whatever the reference can judge
+        result.diagnosis = diagnosis(MistakeId.INPUT_MUTATED, None, max_abs, runs.input_change)
+    elif result.unverifiable is not None:
+        pass
+    elif not finite:
+        result.diagnosis = diagnosis(MistakeId.NONFINITE_OUTPUT, None, None, first_nonfinite(runs.target))
+    elif not result.deterministic:  # no replay can match a moving target
+        moved = float((runs.target - runs.again).abs().nan_to_num(math.inf).max())
+        result.diagnosis = diagnosis(MistakeId.DROPOUT_ACTIVE, moved, max_abs)
+    else:
+        result.passed = max_abs <= tolerance
+    return result
+
+
+def shape_failure(layer: int, expert: int | None, error: ShapeMismatchError, weights_kind: str) -> LayerResult:
+    """A layer whose module cannot hold the checkpoint's tensors: failed, with the likely cause."""
+    result = LayerResult(layer=layer, passed=False, max_abs_diff=None, max_rel_diff=None, mean_abs_diff=None,
+                         max_at=None, noise_floor=None, tolerance=None, ratio_to_noise=None, preactivation_range=None,
+                         expert=expert, weights=weights_kind)
+    result.diagnosis = diagnosis(error.mistake_id, None, None, str(error))
+    return result

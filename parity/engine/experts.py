@@ -1,0 +1,72 @@
+"""Mixture-of-experts layers: each expert's FFN checked on its own against transformers.
+
+transformers 5 keeps a layer's experts fused in one module (MixtralExperts: ``gate_up_proj``
+[E, 2*ff, d], ``down_proj`` [E, d, ff]) that is called with the router's choice of experts and
+weights.  The oracle for expert e is that very module, holding only expert e's weights and
+called with every token routed to it at weight 1: transformers' own expert computation with
+the routing forced, not a re-implementation.  How the fused tensors are laid out ([gate; up]
+concatenated or not, transposed or not) is read from the attributes transformers' experts
+decorator sets on the module.
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import torch
+from torch import nn
+
+from parity.errors import MappingError
+
+
+class ExpertReference(nn.Module):
+    """One expert of a transformers experts module, as a plain [batch, tokens, d] -> same module."""
+
+    def __init__(self, experts: nn.Module):
+        super().__init__()
+        self.experts = experts
+        self.act_fn = experts.act_fn  # the activation, where parity's pre-activation probe looks for it
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        tokens = x.reshape(-1, x.shape[-1])
+        index = torch.zeros(tokens.shape[0], 1, dtype=torch.long)  # every token to (the only) expert 0 ...
+        weights = torch.ones(tokens.shape[0], 1, dtype=x.dtype)  # ... with routing weight 1
+        return self.experts(tokens, index, weights).reshape(x.shape)
+
+
+def _one_expert_config(config: Any) -> Any:
+    single = copy.deepcopy(config)
+    for attr in ("num_local_experts", "num_experts", "n_routed_experts"):
+        if hasattr(single, attr):
+            setattr(single, attr, 1)
+    # The eager path is transformers' reference loop; grouped kernels do not all run in float64.
+    single._experts_implementation = "eager"
+    return single
+
+
+def expert_reference(meta_experts: nn.Module, config: Any, gate: torch.Tensor, up: torch.Tensor,
+                     down: torch.Tensor, where: str) -> nn.Module:
+    """transformers' experts module holding one expert's weights ([out, in] each), in eval mode."""
+    if not hasattr(meta_experts, "gate_up_proj") or not hasattr(meta_experts, "down_proj"):
+        raise MappingError(f"reference.module '{where}' is {type(meta_experts).__name__}, not a fused experts module "
+                           "with gate_up_proj / down_proj (mapping key 'reference.module')")
+    if getattr(meta_experts, "has_bias", False) or not getattr(meta_experts, "is_concatenated", True):
+        raise MappingError(f"{type(meta_experts).__name__} stores biased or interleaved experts; parity checks "
+                           "concatenated [gate; up] experts without biases (Mixtral, Qwen-MoE style)")
+    with torch.device("meta"):
+        module = type(meta_experts)(_one_expert_config(config))
+    gate_up, down_proj = torch.cat([gate, up], dim=0), down
+    if getattr(meta_experts, "is_transposed", False):
+        gate_up, down_proj = gate_up.t(), down_proj.t()
+    expected = {n: tuple(p.shape) for n, p in module.named_parameters()}
+    given = {"gate_up_proj": gate_up.unsqueeze(0), "down_proj": down_proj.unsqueeze(0)}
+    for name, tensor in given.items():
+        if tuple(tensor.shape) != expected.get(name):
+            from parity.errors import ShapeMismatchError
+
+            raise ShapeMismatchError(f"expert tensors give {where}.{name} the shape {list(tensor.shape)}, but "
+                                     f"transformers expects {list(expected.get(name, ()))} for one expert "
+                                     "(is the config's intermediate_size right for this checkpoint?)")
+    module.load_state_dict(given, strict=True, assign=True)
+    return ExpertReference(module).eval()

@@ -1,0 +1,172 @@
+"""`parity inspect`: what a check would compare, without computing anything.
+
+It resolves the model like a check does, then reports the config values that decide the
+FFN (d, d_ff against the family's rule, the activation named and the one transformers
+runs, biases) and one layer's tensors as the safetensors headers describe them.  No
+tensor is loaded and no forward pass runs; the reference model exists on the meta device.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from parity.engine.resolve import activation_override_notes
+from parity.spec.families import dff_rule
+
+
+def tensor_info(checkpoint, session, layer: int, names: list[str]) -> list[dict[str, Any]]:
+    """Shape, dtype and file of each tensor, from headers only.
+
+    A file already on disk (local folder, hub cache, written synthetic shard) is opened
+    with safe_open, which reads the header and maps nothing else; a hub file not yet
+    downloaded is described by its remote header; a synthetic shard not yet written, by
+    the shapes it will be written with.
+    """
+    rows = []
+    by_file: dict[str, list[str]] = {}
+    for name in names:
+        by_file.setdefault(checkpoint.weight_map[name], []).append(name)
+    for file_name, members in by_file.items():
+        local = checkpoint.config_dir / file_name if checkpoint.config_dir is not None else None
+        described = checkpoint.describe(members)
+        if described is not None:
+            rows.extend(_row(name, *described[name], file_name, "index") for name in members)
+        elif local is not None and local.is_file():
+            from safetensors import safe_open
+
+            with safe_open(str(local), framework="pt") as handle:
+                for name in members:
+                    piece = handle.get_slice(name)
+                    rows.append(_row(name, piece.get_shape(), piece.get_dtype(), file_name, "header"))
+        elif checkpoint.weights == "synthetic":
+            shapes = session.reference.tensor_shapes(session.mapping.reference_path(layer))
+            dtype = str(checkpoint.raw_config.get("torch_dtype", "float32"))
+            prefix = session.reader.layer_prefix(layer)
+            for name in members:
+                rows.append(_row(name, shapes.get(name[len(prefix):]), dtype, file_name, "synthetic, not written yet"))
+        else:
+            rows.extend(_remote_rows(checkpoint, file_name, members))
+    order = {name: i for i, name in enumerate(names)}
+    return sorted(rows, key=lambda row: order[row["name"]])
+
+
+def _remote_rows(checkpoint, file_name: str, members: list[str]) -> list[dict[str, Any]]:
+    from parity.sources.hub import hub_reachable
+
+    repo_id, _, revision = checkpoint.location.partition("@")
+    if hub_reachable():
+        from huggingface_hub import get_safetensors_metadata
+
+        try:
+            meta = get_safetensors_metadata(repo_id, revision=revision or None).files_metadata[file_name]
+            return [_row(n, meta.tensors[n].shape, meta.tensors[n].dtype, file_name, "remote header") for n in members]
+        except Exception:  # any hub failure: say so below rather than abort an inspection
+            pass
+    return [_row(n, None, None, file_name, "not downloaded") for n in members]
+
+
+def _row(name: str, shape, dtype, file_name: str, source: str) -> dict[str, Any]:
+    return {"name": name, "shape": list(shape) if shape is not None else None, "dtype": dtype, "file": file_name,
+            "source": source}
+
+
+def inspect_model(model: str, checkpoint: str | None = None, mapping: str | None = None, revision: str | None = None,
+                  target: str | None = None, layer: int = 0) -> dict[str, Any]:
+    from parity.spec.mapping import ConfigValue
+    from parity.engine.reference import activation_module, activation_name
+    from parity.spec.families import ACTIVATION_ATTRS, config_dff, configured_activation
+    from parity.engine.resolve import resolve
+    from parity.engine.session import Session
+    from parity.spec.selection import parse_selection
+
+    session = Session(resolve(model, checkpoint, mapping, revision), target=target)
+    (layer,) = parse_selection(int(layer), session.num_layers)
+    config, ckpt, fam = session.config, session.checkpoint, session.mapping
+    probe = session.reference.meta_module(fam.reference_path(layer))
+    d = session.hidden_size
+    d_ff = config_dff(config)
+    shapes = session.reference.tensor_shapes(fam.reference_path(layer))
+    if d_ff is None:  # GPT configs leave n_inner empty: the model uses 4d; read it off the built MLP
+        d_ff = next((max(s) for n, s in shapes.items() if n.endswith("weight") and len(s) == 2), None)
+    named = {attr: ckpt.raw_config[attr] for attr in ACTIVATION_ATTRS if isinstance(ckpt.raw_config.get(attr), str)}
+    act = activation_module(probe)
+    prefix = session.reader.layer_prefix(layer)
+    routes = [*session.reader.reference_routes(layer), *fam.tensors]
+    names = list(dict.fromkeys(prefix + r.source for r in routes if not r.optional or ckpt.has(prefix + r.source)))
+    args = ConfigValue(config, fam.path)
+    target_args = {k: _plain(args(v, f"target.args.{k}")) for k, v in fam.target_args.items()}
+    return {
+        "model": session.resolved.model,
+        "checkpoint": ckpt.location,
+        "weights": ckpt.weights,
+        "weights_note": ckpt.weights_note,
+        "family": fam.name,
+        "mapping_file": str(fam.path),
+        "model_type": ckpt.raw_config.get("model_type"),
+        "num_layers": session.num_layers,
+        "layer": layer,
+        "hidden_size": d,
+        "intermediate_size": d_ff,
+        "intermediate_rule": dff_rule(ckpt.raw_config.get("model_type"), d, d_ff),
+        "activation": {
+            "config": named,
+            "transformers_runs": activation_name(probe, configured_activation(config)),
+            "module": f"{type(probe).__name__}.{_child_name(probe, act)}: {type(act).__name__}" if act is not None else None,
+            "overrides": activation_override_notes(ckpt.raw_config, config),
+        },
+        "biases": sorted(n for n in shapes if n.endswith("bias")),
+        "target": session.target_name(),
+        "target_args": target_args,
+        "reference": f"{type(probe).__module__}.{type(probe).__name__}",
+        "notes": list(session.resolved.notes),
+        "tensors": tensor_info(ckpt, session, layer, names),
+    }
+
+
+def _child_name(module, child) -> str:
+    return next((name for name, c in module.named_children() if c is child), "?")
+
+
+def _plain(value: Any) -> Any:
+    return value if isinstance(value, (int, float, str, bool, type(None))) else type(value).__name__
+
+
+def render_inspection(info: dict[str, Any]) -> str:
+    rule = info["intermediate_rule"]
+    if rule["rule"] is None:
+        follows = f"d_ff/d = {rule['ratio']}; no fixed rule for this family (read from the config)"
+    elif rule["follows"]:
+        follows = f"follows {rule['rule']} = {rule['expected']}"
+    else:
+        follows = f"does NOT follow {rule['rule']} = {rule['expected']} (d_ff/d = {rule['ratio']}); the config decides"
+    act = info["activation"]
+    said = ", ".join(f"{k}={v!r}" for k, v in act["config"].items()) or "none named"
+    lines = [
+        f"parity inspect: {info['model']} — family '{info['family']}' ({info['mapping_file']})",
+        f"  checkpoint   {info['checkpoint']} ({info['weights']} weights)",
+    ]
+    if info["weights_note"]:
+        lines.append(f"  !! {info['weights_note']}")
+    lines += [
+        f"  model_type   {info['model_type']}; {info['num_layers']} layers",
+        f"  d            {info['hidden_size']}",
+        f"  d_ff         {info['intermediate_size']}: {follows}",
+        f"  activation   config.json: {said}; transformers runs {act['transformers_runs']} ({act['module']})",
+        f"  biases       {', '.join(info['biases']) if info['biases'] else 'none'}",
+        f"  target       {info['target']}({', '.join(f'{k}={v!r}' for k, v in info['target_args'].items())})",
+        f"  reference    {info['reference']}",
+    ]
+    lines.extend(f"  note: {note}" for note in info["notes"])
+    lines += ["", f"layer {info['layer']} FFN tensors (from safetensors headers; nothing loaded):"]
+    rows = [(t["name"], "?" if t["shape"] is None else str(t["shape"]), t["dtype"] or "?", t["file"],
+             "" if t["source"] == "header" else f"({t['source']})") for t in info["tensors"]]
+    widths = [max(len(r[i]) for r in rows) for i in range(4)] if rows else [0] * 4
+    for row in rows:
+        lines.append("  " + "  ".join(f"{row[i]:<{widths[i]}}" for i in range(4)) + (f"  {row[4]}" if row[4] else ""))
+    return "\n".join(line.rstrip() for line in lines)
+
+
+def inspection_json(info: dict[str, Any]) -> str:
+    return json.dumps(info, indent=2, default=str)
+

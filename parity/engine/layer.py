@@ -1,0 +1,118 @@
+"""Reading one layer's FFN tensors, exactly as stored, through the mapping's routes.
+
+Only the tensors of the requested layer (one expert of it, for MoE) are read; MoE tensors
+stacked over experts (GGUF ``*_exps``) are read once per layer and sliced.  Tensors are
+checked here, before any module sees them: a quantized integer tensor or a NaN in the
+checkpoint is bad input (exit 2), not a module mismatch.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+
+import torch
+
+from parity.engine.reference import ReferenceModel
+from parity.errors import CheckpointError, MissingTensorError, ShapeMismatchError, WeightDefectError
+from parity.sources.checkpoint import Checkpoint
+from parity.spec.mapping import Mapping, TensorRoute
+
+
+class LayerReader:
+    """The checkpoint's tensors for one layer at a time, under names relative to the layer."""
+
+    def __init__(self, mapping: Mapping, checkpoint: Checkpoint, reference: ReferenceModel, num_experts: int | None):
+        self.mapping = mapping
+        self.checkpoint = checkpoint
+        self.reference = reference
+        self.num_experts = num_experts
+        self._stacked: tuple[str, dict[str, torch.Tensor]] | None = None  # MoE: the last layer's all-expert tensors
+
+    def reference_routes(self, layer: int) -> list[TensorRoute]:
+        """Reference parameter (HF name) <- checkpoint tensor; by default the same name.  For MoE: the
+        expert's gate, up and down tensors, which parity.engine.experts puts into transformers' experts module."""
+        if self.mapping.experts is not None:
+            return [self.mapping.experts.gate, self.mapping.experts.up, self.mapping.experts.down]
+        given = {route.target: route for route in self.mapping.reference_tensors}
+        names = self.reference.tensor_shapes(self.mapping.reference_path(layer))
+        return [given.get(name, TensorRoute(name, name)) for name in names]
+
+    def layer_prefix(self, layer: int, expert: int | None = None) -> str:
+        """The checkpoint key prefix under which this layer's (expert's) FFN tensors are stored."""
+        sources = [route.source for route in self.reference_routes(layer)]
+        block = self.mapping.layer_prefix(layer, expert)
+        for prefix in self.mapping.key_prefixes:
+            if all(self.checkpoint.has(f"{prefix}{block}.{name}") for name in sources):
+                return f"{prefix}{block}."
+        hints = self.checkpoint.missing_hint([f"{self.mapping.key_prefixes[0]}{block}.{name}" for name in sources])
+        raise MissingTensorError(
+            f"{self.checkpoint.location}: layer {layer}'s FFN tensors are missing (tried key prefixes "
+            f"{self.mapping.key_prefixes} from {self.mapping.path.name}): {hints}"
+        )
+
+    def read(self, layer: int, expert: int | None = None,
+             dtype: torch.dtype | None = torch.float32) -> dict[str, torch.Tensor]:
+        """The layer's FFN tensors under names relative to the layer, upcast to ``dtype`` (None: as stored)."""
+        prefix = self.layer_prefix(layer, expert)
+        routes = [*self.reference_routes(layer), *self.mapping.tensors]
+        wanted = list(dict.fromkeys(r.source for r in routes
+                                    if not r.optional or self.checkpoint.has(prefix + r.source)))
+        raw = self._read(prefix, wanted, expert)
+        tensors = {}
+        for name in wanted:
+            tensor = raw.pop(prefix + name)
+            self._check(prefix + name, tensor)
+            tensors[name] = tensor if dtype is None else tensor.to(dtype)
+        return tensors
+
+    def _check(self, key: str, tensor: torch.Tensor) -> None:
+        if not tensor.is_floating_point():
+            raise CheckpointError(
+                f"{self.checkpoint.location}: tensor '{key}' is stored as {tensor.dtype}, not floating "
+                "point (a quantized checkpoint?); parity compares float weights: dequantize it first"
+            )
+        if not all_finite(tensor):
+            bad = int((~torch.isfinite(tensor)).sum())
+            raise WeightDefectError(
+                f"{self.checkpoint.location}: tensor '{key}' holds {bad} NaN/Inf values: "
+                "the checkpoint is defective (not a module mismatch)"
+            )
+
+    def _read(self, prefix: str, names: list[str], expert: int | None) -> dict[str, torch.Tensor]:
+        """checkpoint.read, except that MoE tensors stacked over experts are read once per layer and sliced."""
+        stacked = set(self.mapping.experts.stacked) if self.mapping.experts is not None else set()
+        plain = [prefix + n for n in names if n not in stacked]
+        out = self.checkpoint.read(plain) if plain else {}
+        wanted = [prefix + n for n in names if n in stacked]
+        if wanted:
+            if self._stacked is None or self._stacked[0] != prefix:
+                self._stacked = None  # release the previous layer's stack first
+                self._stacked = (prefix, self.checkpoint.read(wanted))
+            for key in wanted:
+                tensor = self._stacked[1][key]
+                if tensor.shape[0] != self.num_experts:
+                    raise ShapeMismatchError(f"{self.checkpoint.location}: '{key}' stacks {tensor.shape[0]} experts, "
+                                             f"the config says {self.num_experts}")
+                out[key] = tensor[expert]
+        return out
+
+
+def weights_fingerprint(tensors: dict[str, torch.Tensor]) -> str:
+    """A short hash of a layer's stored FFN tensors: a baseline of other weights must not be
+    compared as if it were this checkpoint's (blake2b runs at ~1 GB/s: ~70 ms for a 1B layer)."""
+    digest = hashlib.blake2b(digest_size=8)
+    for name in sorted(tensors):
+        tensor = tensors[name].detach().cpu().contiguous()
+        digest.update(f"{name}|{tensor.dtype}|{list(tensor.shape)}|".encode())
+        digest.update(tensor.reshape(-1).view(torch.uint8).numpy())  # the buffer itself: no copy
+    return digest.hexdigest()
+
+
+def all_finite(tensor: torch.Tensor) -> bool:
+    """No NaN/Inf.  aminmax propagates NaN and returns any Inf: one pass, ~100x faster on
+    bfloat16 than ``isfinite(t).all()`` (0.4 s per 1B-model layer)."""
+    if not tensor.is_floating_point() or tensor.numel() == 0:
+        return True
+    lo, hi = torch.aminmax(tensor)
+    return math.isfinite(float(lo)) and math.isfinite(float(hi))

@@ -1,0 +1,90 @@
+"""The oracle: transformers' own MLP class for a checkpoint's config.
+
+The model is built once from the config on the meta device (no memory, no init), and
+each layer's MLP is copied out of it and filled with that layer's tensors under their
+HF names.  Nothing here re-implements an FFN.
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import torch
+from torch import nn
+
+from parity.errors import ShapeMismatchError
+from parity.sources.skeleton import ModelSkeleton
+from parity.spec.families import config_dff
+from parity.engine.upcast import upcast_on_call, works_on_call
+
+_ACTIVATION_CHILD_NAMES = ("act", "act_fn", "activation_fn", "activation")
+
+
+class ReferenceModel(ModelSkeleton):
+    """The skeleton, from which each layer's MLP is cut and filled with that layer's tensors."""
+
+    def __init__(self, config: Any):
+        super().__init__(config)
+        self._on_call_ok: dict[tuple[type, torch.dtype], bool] = {}
+
+    def build(self, path: str, tensors: dict[str, torch.Tensor], hidden_size: int | None = None,
+              on_call: bool = True) -> nn.Module:
+        """A real, eval-mode copy of the layer's MLP holding ``tensors`` as stored, computing in float32.
+
+        Weights stay in their stored dtype and are upcast per submodule as it runs
+        (``parity.engine.upcast``); ``upcast.compute_in(module, torch.float64)`` switches to float64.
+        Where that cannot work, or with ``on_call=False`` (a plain module, for replays that
+        convert it themselves), the module is converted to float32 as a whole.
+        """
+        hidden_size = hidden_size or getattr(self.config, "hidden_size", None)
+        meta = self.meta_module(path)
+        module = copy.deepcopy(meta)
+        expected = {name: tuple(p.shape) for name, p in module.named_parameters()}
+        for name, tensor in tensors.items():
+            if name in expected and tuple(tensor.shape) != expected[name]:
+                raise ShapeMismatchError(
+                    f"checkpoint tensor for {type(module).__name__}.{name} has shape {list(tensor.shape)}, but the "
+                    f"checkpoint's config.json implies {list(expected[name])} ({_sizes(self.config)}): "
+                    "config.json and weights disagree "
+                    "(wrong config for these weights, or a mapping route in [reference.tensors] is wrong)"
+                )
+        module.load_state_dict(tensors, strict=True, assign=True)
+        stored = next((t.dtype for t in tensors.values() if t.is_floating_point()), torch.float32)
+        key = (type(meta), stored)
+        if key not in self._on_call_ok:
+            self._on_call_ok[key] = bool(hidden_size) and works_on_call(meta, stored, int(hidden_size))
+        if on_call and self._on_call_ok[key]:
+            upcast_on_call(module, torch.float32)
+        else:
+            module.float()
+        return module.eval()
+
+
+def _sizes(config: Any) -> str:
+    d, d_ff = getattr(config, "hidden_size", None), config_dff(config)
+    return f"d={d}, d_ff={d_ff}" if d_ff else f"d={d}, d_ff=4d"
+
+
+def activation_module(module: nn.Module) -> nn.Module | None:
+    """The activation inside a transformers MLP (GPT2MLP.act, LlamaMLP.act_fn, ...)."""
+    from transformers.activations import ACT2CLS
+
+    classes = tuple({v[0] if isinstance(v, tuple) else v for v in ACT2CLS.values()})
+    for name, child in module.named_children():
+        if name in _ACTIVATION_CHILD_NAMES or isinstance(child, classes):
+            return child
+    return None
+
+
+def activation_name(module: nn.Module, configured: str | None) -> str:
+    """The ACT2FN name of the activation the reference really runs (prefers the configured name)."""
+    from transformers.activations import ACT2CLS
+
+    act = activation_module(module)
+    if act is None:
+        return "unknown"
+    names = [k for k, v in ACT2CLS.items() if (v[0] if isinstance(v, tuple) else v) is type(act)]
+    if configured in names:
+        return configured
+    return names[0] if names else type(act).__name__

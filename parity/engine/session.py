@@ -1,0 +1,210 @@
+"""A check session: everything resolved once, then one layer at a time.
+
+One layer's check, in order: read its tensors as stored (``layer.py``), build transformers'
+MLP and the target from them (``reference.py``, ``target.py``), make the inputs
+(``inputs.py``), run both, judge (``compare.py``), and replay known mistakes when it failed
+(``diagnose.py``).  This module only puts those steps in order.
+"""
+
+from __future__ import annotations
+
+import gc
+import math
+from typing import TYPE_CHECKING, Any, Callable, Iterable
+
+import torch
+from torch import nn
+
+from parity import __version__
+from parity.engine.compare import Runs, judge, shape_failure
+from parity.engine.diagnose import diagnose
+from parity.engine.inputs import make_inputs, preactivation
+from parity.engine.layer import LayerReader, weights_fingerprint
+from parity.engine.memory import young_objects_only
+from parity.engine.reference import ReferenceModel, activation_name
+from parity.spec.families import configured_activation
+from parity.engine.results import LayerResult, Report
+from parity.engine.target import build_target, fill_target, route_tensor, run_target, skip_init, user_code
+from parity.engine.upcast import compute_in
+from parity.errors import CheckpointError, LayerRangeError, ShapeMismatchError
+from parity.spec.mapping import ConfigValue, Mapping, check_reference_routes
+from parity.spec.selection import Selection, parse_selection
+from parity.spec.values import check_atol
+
+if TYPE_CHECKING:  # the session is given what resolve found; it never resolves anything itself
+    from parity.engine.resolve import Resolved
+
+SYNTHETIC_BUDGET_BYTES = 2 * 2**30  # synthetic FFN weights written for a default run
+
+
+class Session:
+    """Everything resolved once for a run; ``run_layer`` then works on one layer at a time."""
+
+    def __init__(self, resolved: Resolved, target: str | Any | None = None, seed: int = 0, atol: float | None = None,
+                 diagnose: bool = True):
+        self.resolved = resolved
+        self.mapping: Mapping = resolved.mapping
+        self.checkpoint = resolved.checkpoint
+        self.config = resolved.config
+        self.target_spec = target
+        self.seed = seed
+        self.atol = None if atol is None else check_atol(atol, "atol")
+        self.diagnose = diagnose
+        self.target_notes: list[str] = []  # what loading the target had to work around, once each
+        self.reference = ReferenceModel(self.config)
+        self.num_layers = self.config_int(self.mapping.num_layers, "num_layers")
+        self.hidden_size = self.config_int(self.mapping.hidden_size, "hidden_size")
+        experts = self.mapping.experts
+        self.num_experts = None if experts is None else self.config_int(experts.count, "experts.count")
+        self.reader = LayerReader(self.mapping, self.checkpoint, self.reference, self.num_experts)
+        if experts is None:  # a [reference.tensors] name the MLP lacks would silently route nothing
+            check_reference_routes(self.mapping, self.reference.tensor_shapes(self.mapping.reference_path(0)))
+
+    def config_int(self, spec: Any, key: str) -> int:
+        """A mapping size (num_layers, hidden_size, experts.count) read from the config: a config.json may hold anything."""
+        value = ConfigValue(self.config, self.mapping.path)(spec, key)
+        if isinstance(value, bool) or not isinstance(value, int) and not (isinstance(value, float) and value.is_integer()):
+            raise CheckpointError(f"{self.checkpoint.location}: {spec} (mapping key '{key}') is {value!r}, "
+                                  "not an integer; fix config.json")
+        return int(value)
+
+    def read_layer(self, layer: int, expert: int | None = None,
+                   dtype: torch.dtype | None = torch.float32) -> dict[str, torch.Tensor]:
+        """The layer's FFN tensors, relative names, upcast to ``dtype`` (None: as stored)."""
+        return self.reader.read(layer, expert, dtype)
+
+    # -- modules ---------------------------------------------------------------------------
+    def build_reference(self, layer: int, tensors: dict[str, torch.Tensor]) -> nn.Module:
+        return self.reference_from(layer, self.reference_tensors(layer, tensors))
+
+    def reference_tensors(self, layer: int, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Checkpoint tensors routed to the reference's own parameter names."""
+        return {r.target: route_tensor(r, tensors[r.source]) for r in self.reader.reference_routes(layer)}
+
+    def reference_from(self, layer: int, routed: dict[str, torch.Tensor], on_call: bool = True) -> nn.Module:
+        """transformers' MLP for the layer (or its experts module holding one expert) with these tensors;
+        ``on_call=False``: a plain float32 module (see ReferenceModel.build)."""
+        if self.mapping.experts is not None:
+            from parity.engine.experts import expert_reference
+
+            path = self.mapping.reference_path(layer)
+            return expert_reference(self.reference.meta_module(path), self.config, routed["gate"].float(),
+                                    routed["up"].float(), routed["down"].float(), path)
+        return self.reference.build(self.mapping.reference_path(layer), routed, self.hidden_size, on_call)
+
+    def build_target(self, tensors: dict[str, torch.Tensor]) -> tuple[nn.Module, str]:
+        with skip_init(), user_code(f"target {self.target_name()} could not be built"):
+            module, name = build_target(self.mapping, self.config, self.target_spec)
+        with user_code(f"target {name} could not be filled with the checkpoint's tensors", exceptions=False):
+            notes = fill_target(module, self.mapping, tensors, self.config)
+        for note in notes:
+            if note not in self.target_notes:
+                self.target_notes.append(note)
+        return module.eval(), name
+
+    # -- one layer -------------------------------------------------------------------------
+    def run_layer(self, layer: int, expert: int | None = None) -> tuple[LayerResult, str]:
+        """Check one layer (one expert of it, for MoE).  Peak memory: the layer's weights as stored
+        plus the float32 target; the reference upcasts one projection at a time (``engine.upcast``)."""
+        tensors = self.read_layer(layer, expert, dtype=None)
+        fingerprint = weights_fingerprint(tensors)
+        # The reference first: a checkpoint that disagrees with its own config is bad input (exit 2);
+        # only then is a tensor that does not fit the target the module's mistake (a failed layer).
+        routed = self.reference_tensors(layer, tensors)  # views of ``tensors``: no copy
+        reference = self.reference_from(layer, routed)
+        try:
+            target, target_name = self.build_target(tensors)
+        except ShapeMismatchError as exc:
+            return shape_failure(layer, expert, exc, self.checkpoint.weights), self.target_name()
+        del tensors
+        x = make_inputs(reference, self.hidden_size, self.seed, layer, expert)
+        runs, z = run_both(reference, target, target_name, x)
+        del reference, target
+        gc.collect()
+        result = judge(layer, expert, runs, routed, z, self.atol, self.checkpoint.weights)
+        result.fingerprint = fingerprint
+        if result.diagnosis is None and not result.passed and result.unverifiable is None and self.diagnose:
+            result.diagnosis = self.explain(layer, expert, x, runs.target, runs.reference64, result.tolerance)
+        return result, target_name
+
+    def explain(self, layer: int, expert: int | None, x: torch.Tensor, got: torch.Tensor, out64: torch.Tensor,
+                tolerance: float) -> dict:
+        """Replay known mistakes on transformers' MLP for this layer (see diagnose.py)."""
+        routed = self.reference_tensors(layer, self.read_layer(layer, expert))
+        return diagnose(lambda t: self.reference_from(layer, t, on_call=False), routed, self.config, x, got, out64,
+                        tolerance)
+
+    def report(self) -> Report:
+        import transformers
+
+        probe = self.reference.meta_module(self.mapping.reference_path(0))
+        return Report(
+            model=self.resolved.model,
+            checkpoint=self.checkpoint.location,
+            weights=self.checkpoint.weights,
+            weights_note=self.checkpoint.weights_note,
+            mapping=self.mapping.name,
+            target=self.target_name(),
+            reference=f"{type(probe).__module__}.{type(probe).__name__}",
+            reference_activation=activation_name(probe, configured_activation(self.config)),
+            versions={"parity": __version__, "transformers": transformers.__version__, "torch": torch.__version__},
+            seed=self.seed,
+            notes=list(self.resolved.notes),
+        )
+
+    def synthetic_layers(self, notes: list[str]) -> list[int] | None:
+        """All layers, unless the synthetic model would be large: then first, middle and last.
+
+        Random weights are the same kind of tensor at every depth; writing gigabytes of them
+        proves nothing more than three layers do.
+        """
+        shapes = self.reference.tensor_shapes(self.mapping.reference_path(0)).values()
+        layer_bytes = sum(math.prod(shape) for shape in shapes) * 2
+        if layer_bytes * self.num_layers <= SYNTHETIC_BUDGET_BYTES:
+            return None
+        chosen = sorted({0, self.num_layers // 2, self.num_layers - 1})
+        notes.append(f"synthetic weights of this size: checking layers {chosen} of {self.num_layers}; "
+                            "--layers all checks every one")
+        return chosen
+
+    def expert_indices(self, spec: str | int | Iterable[int] | None) -> list[int | None]:
+        """[None] for a dense model; the selected experts (default: all) for MoE."""
+        if self.num_experts is None:
+            if spec is not None and spec != "all":
+                raise LayerRangeError(f"--experts {spec!r}: mapping '{self.mapping.name}' describes a dense model (no experts)")
+            return [None]
+        return parse_selection(spec, self.num_experts, "expert")
+
+    def target_name(self) -> str:
+        spec = self.target_spec if self.target_spec is not None else self.mapping.target_class
+        return spec if isinstance(spec, str) else f"{spec.__module__}:{spec.__qualname__}"
+
+
+def run_both(reference: nn.Module, target: nn.Module, target_name: str, x: torch.Tensor) -> tuple[Runs, torch.Tensor | None]:
+    """Every run gets its own copy of the inputs: a module that writes into its input must not
+    change what the others see, and the float64 truth is computed on the pristine inputs."""
+    with torch.no_grad():
+        z = preactivation(reference, x.clone())
+        out32 = reference(x.clone()).double()
+        got, changed = run_target(target, target_name, x, out32.shape)
+        again, changed_again = run_target(target, target_name, x, out32.shape)
+        out64 = compute_in(reference, torch.float64)(x.double())  # one projection at a time in float64
+    return Runs(out64, out32, got, again, changed or changed_again), z
+
+
+def run_session(session: Session, layers: Selection = None,
+                on_layer: Callable[[Report, LayerResult], None] | None = None, experts: Selection = None) -> Report:
+    """Check the selected layers (default: all; first, middle and last of a large synthetic model)."""
+    report = session.report()
+    if layers is None and session.checkpoint.weights == "synthetic":
+        layers = session.synthetic_layers(report.notes)
+    selected_experts = session.expert_indices(experts)
+    with young_objects_only():  # the per-layer gc.collect() then costs milliseconds, not 0.5 s
+        for layer in parse_selection(layers, session.num_layers):
+            for expert in selected_experts:
+                result, report.target = session.run_layer(layer, expert)
+                report.notes.extend(n for n in session.target_notes if n not in report.notes)
+                report.layers.append(result)
+                if on_layer is not None:
+                    on_layer(report, result)
+    return report

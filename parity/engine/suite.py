@@ -1,0 +1,135 @@
+"""Many checks in one run: plan every (check, layer) unit, keep this shard's, run them.
+
+``open_session`` is where every front door (CLI, ``parity.check``, project files) resolves a
+check.  Planning resolves each check (its config and tensor index; nothing is compared yet) to know
+its layers, so `--shard K/N` can split units, not whole checks; the session opened then is
+the one the check runs on.  A check that cannot be set up is
+recorded as an error and the others still run: one CI run shows every problem.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+from parity.engine.logits import logits_impact
+from parity.engine.resolve import resolve
+from parity.engine.results import LayerResult, Report
+from parity.engine.session import Session, run_session
+from parity.errors import ParityError, SyntheticWeightsError
+from parity.spec.project import CheckSpec, shard_units
+from parity.spec.selection import parse_selection
+
+
+@dataclass
+class CheckRun:
+    spec: CheckSpec
+    layers: list[int] = field(default_factory=list)  # planned for this shard
+    report: Report | None = None
+    error: str | None = None
+    seconds: list[float] = field(default_factory=list)  # per checked layer
+    plan_notes: list[str] = field(default_factory=list)
+    session: object | None = None  # opened while planning, reused to run: resolved once
+
+    @property
+    def label(self) -> str:
+        return self.spec.label
+
+
+def plan_layers(spec: CheckSpec) -> tuple[list[int], list[str], object]:
+    """The layers `parity MODEL` would check for this spec, notes about the choice, and the session."""
+
+    session = open_session(spec.model, spec.checkpoint, spec.mapping, spec.revision, spec.target, spec.seed, spec.atol,
+                           spec.allow_pickle, spec.require_real)
+    layers = spec.layers
+    notes: list[str] = []
+    if layers is None and session.checkpoint.weights == "synthetic":
+        layers = session.synthetic_layers(notes)
+    return parse_selection(layers, session.num_layers), notes, session
+
+
+def plan(specs: list[CheckSpec], shard: tuple[int, int] | None = None, raise_errors: bool = False) -> list[CheckRun]:
+    runs = [CheckRun(spec) for spec in specs]
+    units = []
+    for index, run in enumerate(runs):
+        try:
+            layers, run.plan_notes, run.session = plan_layers(run.spec)
+        except ParityError as exc:
+            if raise_errors:
+                raise
+            run.error = f"{run.spec.where + ': ' if run.spec.where else ''}{exc}"
+            continue
+        units.extend((index, layer) for layer in layers)
+    for index, layer in shard_units(units, shard):
+        runs[index].layers.append(layer)
+    for run in runs:
+        if not run.layers:
+            run.session = None  # nothing of this check in this shard: do not hold its checkpoint open
+    return runs
+
+
+def execute(runs: list[CheckRun], on_layer: Callable[[CheckRun, Report, LayerResult], None] | None = None,
+            raise_errors: bool = False, on_check: Callable[[CheckRun], None] | None = None) -> list[CheckRun]:
+    """Run each planned check's layers (runs with none, or with a planning error, are skipped)."""
+
+    for run in runs:
+        if run.error is not None or not run.layers:
+            continue
+        spec = run.spec
+        clock = [time.perf_counter()]
+
+        def record(report: Report, result: LayerResult, run: CheckRun = run) -> None:
+            now = time.perf_counter()
+            run.seconds.append(now - clock[0])
+            clock[0] = now
+            run.report = report
+            if on_layer is not None:
+                on_layer(run, report, result)
+
+        try:
+            report = run_session(run.session, run.layers, on_layer=record, experts=spec.experts)
+            if spec.logits:
+                report.logits = logits_impact(run.session, sorted({r.layer for r in report.layers}))
+        except ParityError as exc:
+            if raise_errors:
+                raise
+            run.error = f"{spec.where + ': ' if spec.where else ''}{exc}"
+        else:
+            report.notes.extend(n for n in run.plan_notes if n not in report.notes)
+            run.report = report
+        finally:
+            run.session = None  # release the resolved checkpoint once its check is done
+        if on_check is not None:
+            on_check(run)
+    return runs
+
+
+def exit_code(runs: list[CheckRun], regressions: int = 0) -> int:
+    """2: a check could not run, a layer could not be verified, or nothing was checked at all;
+    1: some layer deviates or regressed; 0: every checked layer matches (and at least one was checked)."""
+    if any(run.error is not None for run in runs):
+        return 2
+    reports = [run.report for run in runs if run.report is not None]
+    if not any(report.layers for report in reports) or any(report.unverifiable for report in reports):
+        return 2
+    if regressions or any(run.report is not None and not run.report.passed for run in runs):
+        return 1
+    return 0
+
+
+def open_session(model: str, checkpoint: str | None = None, mapping: str | None = None, revision: str | None = None,
+                 target: str | Any | None = None, seed: int = 0, atol: float | None = None,
+                 allow_pickle: bool = False, require_real: bool = False) -> Session:
+    """Resolve MODEL (mapping, checkpoint, config) and open a session on it; ``require_real`` refuses
+    the synthetic stand-in before anything is computed."""
+    resolved = resolve(model, checkpoint, mapping, revision, allow_pickle)
+    if require_real and resolved.checkpoint.weights != "real":
+        why = (resolved.checkpoint.weights_note or "").removeprefix("SYNTHETIC weights: ").split(";")[0]
+        raise SyntheticWeightsError(
+            f"{model}: real weights are required, but {why or 'only synthetic weights are available'}. Make it "
+            "reachable (network, or an HF cache that holds it: HF_HOME) or pass --checkpoint PATH (checkpoint = "
+            "\"...\" in a project file); to check the synthetic stand-in instead, drop --require-real "
+            "(require_real = false in a project file)."
+        )
+    return Session(resolved, target=target, seed=seed, atol=atol)

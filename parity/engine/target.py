@@ -1,0 +1,245 @@
+"""The module under test: built from the mapping's [target], filled through [tensors], and run.
+
+Everything here calls the user's code, so what that code raises (even SystemExit) becomes a
+TargetError naming it, and the module runs on its own copy of the inputs.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+import inspect
+from typing import Any, Iterator
+
+import torch
+from torch import nn
+
+from parity.engine.compare import input_change
+from parity.errors import MappingError, MissingTensorError, ParityError, ShapeMismatchError, TargetError
+from parity.spec.mapping import ConfigValue, Mapping, TensorRoute, unknown_route_names
+from parity.spec.families import config_dff
+from parity.spec.mistakes import MistakeId
+
+
+def import_object(spec: str, what: str = "--target") -> Any:
+    """'package.module:Name' -> the object (a class or a factory callable)."""
+    if not spec.strip():
+        raise TargetError(f"{what} is empty; give the module to check as 'package.module:ClassOrFunction'")
+    module_name, _, attr = spec.partition(":")
+    if not module_name or not attr:
+        raise TargetError(f"{what} {spec!r}: expected 'package.module:ClassOrFunction'")
+    try:
+        module = importlib.import_module(module_name)
+    except Exception as exc:
+        raise TargetError(f"{what} {spec!r}: cannot import module '{module_name}': {type(exc).__name__}: {exc}. "
+                          "Is it installed or on PYTHONPATH?") from None
+    obj = module
+    for part in attr.split("."):
+        if not hasattr(obj, part):
+            raise TargetError(f"{what} {spec!r}: module '{module_name}' has no attribute '{attr}'")
+        obj = getattr(obj, part)
+    if not callable(obj):
+        raise TargetError(f"{what} {spec!r}: is not a class or a callable")
+    return obj
+
+
+def build_target(mapping: Mapping, config: Any, target: str | Any | None = None) -> tuple[nn.Module, str]:
+    """Construct the target from the mapping's class (or an override) and evaluated args."""
+    spec = target if target is not None else mapping.target_class
+    what = "--target" if target is not None else f"{mapping.path}: target.class"
+    factory = import_object(spec, what) if isinstance(spec, str) else spec
+    name = spec if isinstance(spec, str) else f"{factory.__module__}:{factory.__qualname__}"
+    value = ConfigValue(config, mapping.path)
+    kwargs = {key: value(raw, f"target.args.{key}") for key, raw in mapping.target_args.items()}
+    try:
+        module = factory(**kwargs)
+    except Exception as exc:
+        try:
+            signature = f"{name.split(':')[-1]}{inspect.signature(factory)}"
+        except (TypeError, ValueError):
+            signature = name
+        shown = {k: (type(v).__name__ if k == "config" or v is config else v) for k, v in kwargs.items()}
+        raise TargetError(
+            f"cannot construct target {name} with {shown}: {type(exc).__name__}: {exc}. "
+            f"Its signature is {signature}; set [target].args in a mapping file (--mapping) to match it."
+        ) from None
+    if not isinstance(module, nn.Module):
+        raise TargetError(f"target {name} returned {type(module).__name__}, not a torch.nn.Module")
+    return module, name
+
+
+def route_tensor(route: TensorRoute, stored: torch.Tensor) -> torch.Tensor:
+    """Apply a route's chunk and transform to the stored tensor."""
+    tensor = stored
+    if route.chunk is not None:
+        index, count = route.chunk
+        if tensor.shape[0] % count:
+            raise ShapeMismatchError(
+                f"tensor '{route.source}' {tuple(tensor.shape)}: dim 0 is not divisible into {count} chunks"
+            )
+        tensor = tensor.chunk(count, dim=0)[index]
+    if route.transform == "transpose":
+        tensor = tensor.t()
+    return tensor
+
+
+def fill_target(module: nn.Module, mapping: Mapping, tensors: dict[str, torch.Tensor], config: Any = None) -> list[str]:
+    """Copy routed checkpoint tensors (names relative to the layer) into the target's parameters.
+
+    Biases are the one thing a module may legitimately lack or leave unloaded: a bias route
+    to a module built without that bias is skipped and an unrouted bias is zeroed, both noted,
+    so the comparison itself shows whether that matters (diagnosis ``bias_dropped``).  Any other
+    route to a name the target lacks is a mapping error (it would route nothing), and so is any
+    other unrouted parameter (it would hold arbitrary values).
+    """
+    params = dict(module.named_parameters())
+    skipped = check_target_routes(module, mapping, params)
+    routed, notes = set(), []
+    for route in mapping.tensors:
+        if route in skipped:
+            if not route.optional:
+                notes.append(f"the target has no parameter '{route.target}': checkpoint tensor '{route.source}' is not used")
+            continue
+        param = params[route.target]
+        if route.source not in tensors:  # an optional route whose tensor the checkpoint lacks
+            raise MissingTensorError(
+                f"the target {type(module).__name__} has parameter '{route.target}', but the checkpoint has no "
+                f"tensor '{route.source}' for it (mapping {mapping.path.name}); build the target without it "
+                "(e.g. bias=False) or use a checkpoint that has it"
+            )
+        value = route_tensor(route, tensors[route.source])
+        if tuple(value.shape) != tuple(param.shape):
+            message, mistake = shape_message(route, tuple(value.shape), tuple(param.shape), config)
+            error = ShapeMismatchError(message)
+            error.mistake_id = mistake
+            raise error
+        with torch.no_grad():
+            param.copy_(value)
+        routed.add(route.target)
+    unrouted = [name for name in params if name not in routed]
+    for name in [n for n in unrouted if n.endswith("bias")]:
+        with torch.no_grad():
+            params[name].zero_()
+        notes.append(f"target parameter '{name}' gets no checkpoint tensor: set to zero")
+    unrouted = [n for n in unrouted if not n.endswith("bias")]
+    if unrouted:
+        raise MappingError(
+            f"{mapping.where('tensors')}: the target's parameters {', '.join(unrouted)} get no checkpoint tensor; "
+            "route each in [tensors] (they would keep arbitrary initial values)"
+        )
+    return notes
+
+
+def check_target_routes(module: nn.Module, mapping: Mapping, params: dict[str, nn.Parameter]) -> list[TensorRoute]:
+    """Every key of [tensors] must name a parameter of the target; returns the routes to skip.
+
+    Skipped (not an error): an optional route, or a route to a ``bias``, whose owning submodule
+    exists but has no such parameter: a module built with bias=False.  A route whose owner does
+    not exist either is a misspelt or foreign name, and routing nothing would go unnoticed.
+    """
+    owners = dict(module.named_modules())
+    skipped, missing = [], []
+    for route in mapping.tensors:
+        if route.target in params:
+            continue
+        owner, _, leaf = route.target.rpartition(".")
+        if (route.optional or leaf == "bias") and owner in owners:
+            skipped.append(route)
+        else:
+            missing.append(route.target)
+    if missing:
+        raise MappingError(
+            unknown_route_names(mapping, "tensors", missing, list(params), f"the target {type(module).__name__}")
+            + ". Write the target's parameter names on the left of [tensors] and the checkpoint's tensor names "
+              "on the right (a --target with other names than the mapping's needs its own --mapping FILE.toml)."
+        )
+    return skipped
+
+
+def shape_message(route: TensorRoute, found: tuple[int, ...], expected: tuple[int, ...], config: Any) -> tuple[str, str]:
+    """Say which tensor, both shapes, and the likely cause; and the diagnosis id of that cause."""
+    message = (f"checkpoint tensor '{route.source}' has shape {list(found)} after the mapping's transform, "
+               f"but target parameter '{route.target}' has shape {list(expected)}")
+    hints = []
+    mistake = MistakeId.SHAPE_MISMATCH
+    if len(found) == 2 and found[::-1] == expected:
+        mistake = MistakeId.MISSING_TRANSPOSE
+        hints.append("the shapes are transposed: the mapping's transform for this tensor is probably wrong "
+                     "(Conv1D weights are stored [in, out] and need transform = \"transpose\")")
+    d_ff = config_dff(config)
+    d = getattr(config, "hidden_size", None)
+    if d and len(found) == len(expected) and found != expected and found[::-1] != expected:
+        target_dff = [s for s in expected if s != d]
+        ckpt_dff = [s for s in found if s != d]
+        if target_dff and ckpt_dff and target_dff != ckpt_dff:
+            t, c = target_dff[0], ckpt_dff[0]
+            mistake = MistakeId.INTERMEDIATE_SIZE_MISMATCH
+            cause = f"the target's d_ff is {t} but the checkpoint's is {c}"
+            if t == 4 * d:
+                cause += " (the target uses the 4*d default: pass hidden_dim = config.intermediate_size)"
+            elif t == 2 * c:
+                cause += " (the target doubles d_ff: Gemma's published size sums gate and up)"
+            elif t < c:
+                cause += " (rounded down instead of up to multiple_of, as llama_intermediate_size must?)"
+            hints.append(cause)
+    if d_ff and not hints:
+        hints.append(f"the checkpoint's config says d={d}, d_ff={d_ff}")
+    return message + (": " + "; ".join(hints) if hints else ""), mistake
+
+
+@contextlib.contextmanager
+def skip_init() -> Iterator[None]:
+    """Constructing a 7B-size target should not spend seconds on random init it will overwrite."""
+    names = ("uniform_", "normal_", "kaiming_uniform_", "kaiming_normal_", "xavier_uniform_", "xavier_normal_",
+             "trunc_normal_", "constant_", "zeros_", "ones_")
+    saved = {name: getattr(nn.init, name) for name in names}
+    try:
+        for name in names:
+            setattr(nn.init, name, lambda tensor, *args, **kwargs: tensor)
+        yield
+    finally:
+        for name, fn in saved.items():
+            setattr(nn.init, name, fn)
+
+
+def module_dtype(module: nn.Module, fallback: torch.dtype) -> torch.dtype:
+    param = next(module.parameters(), None)
+    return param.dtype if param is not None and param.is_floating_point() else fallback
+
+
+def run_module(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """Run a target in its own parameter dtype (a bf16 target computes in bf16) -> float64."""
+    out = module(x.to(module_dtype(module, x.dtype)))
+    if isinstance(out, tuple):
+        out = out[0]
+    if not isinstance(out, torch.Tensor):
+        raise TypeError(f"forward returned {type(out).__name__}, not a torch.Tensor")
+    return out.double()
+
+
+@contextlib.contextmanager
+def user_code(what: str, exceptions: bool = True) -> Iterator[None]:
+    """The module under test is the user's code: what it raises (even SystemExit) is a target error
+    naming it, never a parity crash or an exit code of its choosing.  Ctrl-C stays Ctrl-C.
+    ``exceptions=False`` where parity's own code runs too: only SystemExit and the like are the target's."""
+    try:
+        yield
+    except (KeyboardInterrupt, ParityError):
+        raise
+    except BaseException as exc:  # noqa: BLE001 - SystemExit(0) from a target must not end parity with 0
+        if isinstance(exc, Exception) and not exceptions:
+            raise
+        raise TargetError(f"{what}: {type(exc).__name__}: {exc}") from exc
+
+
+def run_target(module: nn.Module, name: str, x: torch.Tensor, expected: torch.Size) -> tuple[torch.Tensor, str | None]:
+    """``run_module`` on the target's own copy of ``x``; returns the output and what the target did to
+    that copy (None: nothing).  Its failures are the user's to fix, not a parity crash."""
+    fed = x.to(module_dtype(module, x.dtype), copy=True)
+    before = fed.clone()
+    with user_code(f"target {name} failed on an input of shape {list(x.shape)}"):
+        out = run_module(module, fed)
+    if tuple(out.shape) != tuple(expected):
+        raise TargetError(f"target {name}: forward on an input of shape {list(x.shape)} returned shape "
+                          f"{list(out.shape)}; the reference returns {list(expected)}")
+    return out, input_change(before, fed)

@@ -1,0 +1,161 @@
+"""Pickle-based checkpoints, opened only on request (--allow-pickle / allow_pickle=True).
+
+Two layouts: an HF folder with ``config.json`` and ``pytorch_model*.bin`` (optionally
+sharded by ``pytorch_model.bin.index.json``), and Meta's original release: ``params.json``
+with ``consolidated.00.pth``.  Unpickling can run code, so files are loaded only with
+``torch.load(weights_only=True)`` (a restricted unpickler: tensors and plain containers) and
+``mmap=True`` (tensor data stays on disk; reading a layer copies out just its tensors).
+"""
+
+from __future__ import annotations
+
+import pickle
+from pathlib import Path
+
+from parity.sources.checkpoint import PICKLE_PATTERNS, Checkpoint, refuse_pickle
+from parity.sources.safetensors_files import CONFIG, INDEX, read_json, weight_map_from_index
+from parity.errors import CheckpointError
+
+BIN_INDEX = "pytorch_model.bin.index.json"
+META_PARAMS = "params.json"
+META_FFN = "layers.0.feed_forward.w1.weight"  # used to check params.json's d_ff against the weights
+
+
+def load_state(path: Path) -> dict:
+    """The file's tensors, memory-mapped; only tensors and plain containers are unpickled."""
+    import torch
+
+    try:
+        state = torch.load(str(path), map_location="cpu", weights_only=True, mmap=True)
+    except pickle.UnpicklingError as exc:
+        raise CheckpointError(
+            f"{path}: holds objects other than tensors, which torch.load(weights_only=True) refuses to unpickle "
+            f"({str(exc).splitlines()[0]}). Convert it to safetensors in an environment you trust."
+        ) from None
+    except (RuntimeError, OSError, EOFError) as exc:
+        raise CheckpointError(
+            f"{path}: cannot be memory-mapped by torch.load ({str(exc).splitlines()[0]}); files written before "
+            "torch 1.6 (non-zip format) must be re-saved with torch.save, or converted to safetensors"
+        ) from None
+    if isinstance(state, dict) and isinstance(state.get("state_dict"), dict):
+        state = state["state_dict"]  # training checkpoints wrap the weights
+    if not isinstance(state, dict) or not all(isinstance(k, str) for k in state):
+        raise CheckpointError(f"{path}: does not hold a state dict (tensor name -> tensor)")
+    return {k: v for k, v in state.items() if isinstance(v, torch.Tensor)}
+
+
+class PickleCheckpoint(Checkpoint):
+    """Same interface as Checkpoint; ``read`` copies the asked tensors out of the mapped file."""
+
+    def __init__(self, location: str, config_dir: Path | None, raw_config: dict, weight_map: dict[str, str],
+                 folder: Path, notes: list[str], opened: tuple[str, dict] | None = None):
+        super().__init__(location, config_dir, raw_config, weight_map, lambda name: folder / name, notes=notes)
+        self._opened = opened  # the one file kept mapped: (file name, state)
+
+    def _state(self, file_name: str) -> dict:
+        if self._opened is None or self._opened[0] != file_name:
+            self._opened = None  # drop the previous file's mapping first
+            path = self.fetch(file_name)
+            if not path.is_file():
+                raise CheckpointError(f"{path}: listed in {BIN_INDEX} but missing on disk")
+            self._opened = (file_name, load_state(path))
+        return self._opened[1]
+
+    def read(self, names: list[str]):
+        self.require(names)
+        out = {}
+        for file_name in self.files_for(names):
+            state = self._state(file_name)
+            for name in names:
+                if self.weight_map[name] == file_name:
+                    out[name] = state[name].clone()  # off the mapped file: nothing keeps it alive after the layer
+        return out
+
+
+def open_pickle(path: Path) -> Checkpoint:
+    """A pickle-based HF folder or Meta folder (or a .bin/.pth file in one)."""
+    folder = path if path.is_dir() else path.parent
+    if (folder / META_PARAMS).is_file() and not (folder / CONFIG).is_file():
+        return open_meta(folder)
+    if not (folder / CONFIG).is_file():
+        raise CheckpointError(f"{folder}: no config.json (HF) or params.json (Meta) next to the pickle-based weights")
+    raw_config = read_json(folder / CONFIG, "config.json")
+    note = ["pickle-based weights, read with torch.load(weights_only=True, mmap=True) as --allow-pickle asked"]
+    if path.is_file():
+        state = load_state(path)
+        return PickleCheckpoint(str(path), folder, raw_config, dict.fromkeys(state, path.name), folder, note,
+                                (path.name, state))
+    if (folder / BIN_INDEX).is_file():
+        return PickleCheckpoint(str(folder), folder, raw_config, weight_map_from_index(folder / BIN_INDEX), folder, note)
+    files = sorted(folder.glob("pytorch_model*.bin"))
+    if len(files) != 1:
+        raise CheckpointError(f"{folder}: expected one pytorch_model.bin or a {BIN_INDEX}, found "
+                              f"{', '.join(f.name for f in files) or 'none'}")
+    state = load_state(files[0])
+    return PickleCheckpoint(str(folder), folder, raw_config, dict.fromkeys(state, files[0].name), folder, note,
+                            (files[0].name, state))
+
+
+def open_meta(folder: Path) -> Checkpoint:
+    """Meta's release format: params.json + consolidated.00.pth -> an equivalent LlamaConfig."""
+    from parity.spec.families import llama_intermediate_size
+
+    shards = sorted(folder.glob("consolidated*.pth"))
+    if not shards:
+        raise CheckpointError(f"{folder}: has params.json but no consolidated.*.pth weights")
+    if len(shards) > 1:
+        raise CheckpointError(
+            f"{folder}: holds {len(shards)} model-parallel shards ({', '.join(s.name for s in shards)}), each with a "
+            "slice of every matrix; parity reads single-file checkpoints. Convert the model with transformers' "
+            "convert_llama_weights_to_hf.py and check the HF folder."
+        )
+    params = read_json(folder / META_PARAMS, "params.json")
+    try:
+        dim, n_layers, n_heads = int(params["dim"]), int(params["n_layers"]), int(params["n_heads"])
+    except (KeyError, TypeError, ValueError) as exc:
+        raise CheckpointError(f"{folder / META_PARAMS}: needs integer 'dim', 'n_layers' and 'n_heads' ({exc})") from None
+    multiple_of = int(params.get("multiple_of", 256))
+    multiplier = params.get("ffn_dim_multiplier")
+    d_ff = llama_intermediate_size(dim, multiple_of, multiplier)
+    state = load_state(shards[0])
+    stored = state.get(META_FFN)
+    if stored is not None and stored.shape[0] != d_ff:
+        raise CheckpointError(
+            f"{folder}: params.json gives d_ff = llama_intermediate_size({dim}, multiple_of={multiple_of}, "
+            f"ffn_dim_multiplier={multiplier}) = {d_ff}, but {META_FFN} has {stored.shape[0]} rows; "
+            "the params.json does not belong to these weights"
+        )
+    vocab = int(params.get("vocab_size", -1))
+    if vocab <= 0 and "tok_embeddings.weight" in state:
+        vocab = int(state["tok_embeddings.weight"].shape[0])
+    raw_config = {
+        "model_type": "llama", "hidden_size": dim, "intermediate_size": d_ff, "num_hidden_layers": n_layers,
+        "num_attention_heads": n_heads, "num_key_value_heads": int(params.get("n_kv_heads") or n_heads),
+        "rms_norm_eps": float(params.get("norm_eps", 1e-5)), "vocab_size": vocab if vocab > 0 else 32000,
+        "rope_theta": float(params.get("rope_theta", 10000.0)), "hidden_act": "silu",
+    }
+    notes = [
+        f"Meta checkpoint: params.json read as a LlamaConfig, d_ff = llama_intermediate_size({dim}, "
+        f"multiple_of={multiple_of}, ffn_dim_multiplier={multiplier}) = {d_ff}",
+        "pickle-based weights, read with torch.load(weights_only=True, mmap=True) as --allow-pickle asked",
+    ]
+    return PickleCheckpoint(str(shards[0]), None, raw_config, dict.fromkeys(state, shards[0].name), folder, notes,
+                            (shards[0].name, state))
+
+
+PICKLE_SUFFIXES = (".bin", ".pth", ".pt", ".ckpt")
+
+
+def claims(path: Path) -> bool:
+    """A .bin/.pth/.pt/.ckpt file, or a folder whose only weights are pickle-based."""
+    if path.is_file():
+        return path.suffix in PICKLE_SUFFIXES
+    return (path.is_dir() and not any(path.glob("*.safetensors")) and not (path / INDEX).is_file()
+            and any(next(path.glob(pattern), None) is not None for pattern in PICKLE_PATTERNS))
+
+
+def open_path(path: Path, allow_pickle: bool = False) -> Checkpoint:
+    """Unpickling can run code: refused unless the user opted in (then weights_only=True)."""
+    if not allow_pickle:
+        refuse_pickle(path if path.is_dir() else path.parent, [path.name] if path.is_file() else None)
+    return open_pickle(path)

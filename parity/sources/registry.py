@@ -1,0 +1,44 @@
+"""Which format a checkpoint is in, and the module that opens it: the one place that knows
+every format.  A format is a module in ``parity.sources`` offering ``claims(path)`` (does this
+local file or folder hold my format?) and ``open_path(path, allow_pickle)`` (a Checkpoint);
+adding one is a module and one row of ``FORMATS`` (CONTRIBUTING.md).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+from parity.errors import CheckpointError, UnknownModelError
+from parity.sources import gguf, hf_folder, pickled
+from parity.sources.checkpoint import Checkpoint
+
+
+@dataclass(frozen=True)
+class Format:
+    name: str
+    claims: Callable[[Path], bool]
+    open_path: Callable[[Path, bool], Checkpoint]  # (path, allow_pickle)
+
+
+# Tried in order; the HF folder (config.json + safetensors) is the default and comes last.
+FORMATS = [
+    Format("gguf", gguf.claims, gguf.open_path),
+    Format("pickle", pickled.claims, pickled.open_path),
+    Format("safetensors", hf_folder.claims, hf_folder.open_path),
+]
+
+
+def open_local(path: Path, allow_pickle: bool = False) -> Checkpoint:
+    """A local file or folder, in whichever format claims it."""
+    path = path.expanduser()
+    if not path.exists():
+        raise UnknownModelError(f"{path}: no such file or folder")
+    for form in FORMATS:
+        if form.claims(path):
+            return form.open_path(path, allow_pickle)
+    if path.is_file():
+        raise CheckpointError(f"{path}: unsupported file type '{path.suffix}'; expected a .safetensors, .gguf or "
+                              "(with --allow-pickle) .bin/.pth file, or an HF folder")
+    return hf_folder.open_path(path, allow_pickle)  # says what the folder lacks

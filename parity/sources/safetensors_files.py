@@ -1,0 +1,202 @@
+"""Safetensors files: the header, parsed in one place (an 8-byte little-endian length, a JSON
+object giving each tensor's dtype, shape and [begin, end) offsets into the data that follows),
+JSON files of the layout (config.json, the index), and reading the tensors asked for with ``safe_open``.
+
+Used to read byte ranges of remote shards (``ranges.py``) and to say in words what is wrong
+with a local file safetensors refuses (``describe_defect``): its own messages ("incomplete
+metadata, file not fully covered") do not say that the usual cause is an interrupted download.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import struct
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+from parity.errors import CheckpointError
+
+CONFIG = "config.json"
+SINGLE = "model.safetensors"
+INDEX = "model.safetensors.index.json"
+
+MAX_HEADER_BYTES = 100 * 2**20  # safetensors' own limit
+DTYPES = {  # safetensors dtype -> (torch dtype name, bytes per element)
+    "F64": ("float64", 8), "F32": ("float32", 4), "F16": ("float16", 2), "BF16": ("bfloat16", 2),
+    "I64": ("int64", 8), "I32": ("int32", 4), "I16": ("int16", 2), "I8": ("int8", 1), "U8": ("uint8", 1),
+    "BOOL": ("bool", 1), "U16": ("uint16", 2), "U32": ("uint32", 4), "U64": ("uint64", 8), "C64": ("complex64", 8),
+    "F8_E4M3": ("float8_e4m3fn", 1), "F8_E5M2": ("float8_e5m2", 1),
+}
+
+
+@dataclass(frozen=True)
+class Span:
+    """Where one tensor's bytes are in its file (absolute offsets)."""
+
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+    start: int
+    end: int
+
+
+def header_length(prefix: bytes, file_name: str) -> int:
+    """The JSON header's length from a file's first 8 bytes."""
+    if len(prefix) != 8:
+        raise CheckpointError(f"{file_name}: too short to be a safetensors file")
+    (length,) = struct.unpack("<Q", prefix)
+    if not 0 < length <= MAX_HEADER_BYTES:
+        raise CheckpointError(f"{file_name}: not a safetensors file (header length {length})")
+    return length
+
+
+def parse_header(raw: bytes, file_name: str) -> dict[str, Span]:
+    """JSON header bytes -> {tensor name: Span}, offsets made absolute (8 + header length + ...)."""
+    try:
+        header = json.loads(raw)
+    except (UnicodeDecodeError, ValueError, RecursionError) as exc:
+        raise CheckpointError(f"{file_name}: its header is not valid JSON, overwritten or corrupted ({exc})") from None
+    if not isinstance(header, dict):
+        raise CheckpointError(f"{file_name}: its safetensors header is not a JSON object")
+    base = 8 + len(raw)
+    spans = {}
+    for name, info in header.items():
+        if name == "__metadata__":
+            continue
+        try:
+            begin, end = (int(v) for v in info["data_offsets"])
+            shape = tuple(int(d) for d in info["shape"])
+            spans[name] = Span(name, str(info["dtype"]), shape, base + begin, base + end)
+        except (KeyError, TypeError, ValueError, OverflowError):
+            raise CheckpointError(f"{file_name}: header entry for tensor '{name}' lacks valid dtype / shape / "
+                                  "data_offsets") from None
+    return spans
+
+
+def describe_defect(path: Path) -> str | None:
+    """What is wrong with a local safetensors file, in words (None: nothing this can see).  Reads only the header."""
+    try:
+        size = path.stat().st_size
+        if size < 8:
+            return f"the file is {size} bytes, too short for a safetensors header (empty or cut off)"
+        with path.open("rb") as handle:
+            length = header_length(handle.read(8), path.name)
+            if length > size - 8:
+                return (f"the header claims {length} bytes but the file has only {size - 8} after the length field: "
+                        "truncated, or not a safetensors file")
+            spans = parse_header(handle.read(length), path.name)
+    except OSError as exc:
+        return f"cannot read it: {exc.strerror or exc}"
+    except CheckpointError as exc:
+        return str(exc).split(": ", 1)[-1]
+    base, data_end, covered = 8 + length, size, 8 + length
+    for span in spans.values():
+        if span.end > data_end:
+            return (f"tensor '{span.name}' lies at bytes {span.start - base}-{span.end - base} of the data section, "
+                    f"but the file holds only {data_end - base} data bytes: truncated (an interrupted download?)")
+        width = DTYPES.get(span.dtype, (None, None))[1]
+        if width is not None and span.end - span.start != width * math.prod(span.shape):
+            return (f"tensor '{span.name}': shape {list(span.shape)} of {span.dtype} needs "
+                    f"{width * math.prod(span.shape)} bytes, but its data_offsets span {span.end - span.start}")
+        covered = max(covered, span.end)
+    if covered < data_end:
+        return f"{data_end - covered} bytes after the last tensor's data belong to no tensor (corrupted or appended to)"
+    return None
+
+
+def read_safetensors(path: Path, names: list[str]) -> dict:
+    """These tensors of one local safetensors file; the file is closed (unmapped) on return."""
+    from safetensors import safe_open
+
+    require_regular_file(path)
+    try:
+        handle = safe_open(str(path), framework="pt")
+    except Exception as exc:
+        raise unreadable(path, exc) from None
+    out = {}
+    with handle:
+        for name in names:
+            try:
+                out[name] = handle.get_tensor(name)
+            except Exception as exc:
+                raise CheckpointError(f"{path}: cannot read tensor '{name}': {exc}") from None
+    return out
+
+
+def read_json(path: Path, what: str) -> dict:
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise CheckpointError(f"{path}: {what} not found") from None
+    except (OSError, UnicodeDecodeError, ValueError, RecursionError) as exc:
+        raise CheckpointError(f"{path}: {what} is not valid JSON ({type(exc).__name__}: {exc})") from None
+    if not isinstance(data, dict):
+        raise CheckpointError(f"{path}: {what} must hold a JSON object")
+    return data
+
+
+def local_reader(fetch: Callable[[str], Path]) -> Callable[[str, list[str]], dict]:
+    """A Checkpoint reader for safetensors files obtained through ``fetch`` (file name -> local path)."""
+    return lambda file_name, names: read_safetensors(fetch(file_name), names)
+
+
+def weight_map_from_index(index_path: Path) -> dict[str, str]:
+    index = read_json(index_path, "safetensors index")
+    weight_map = index.get("weight_map")
+    if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
+        raise CheckpointError(f"{index_path}: has no valid 'weight_map' (tensor name -> shard file)")
+    outside = sorted({v for v in weight_map.values() if Path(v).is_absolute() or ".." in Path(v).parts or not v})
+    if outside:  # a shard must live in the checkpoint's own folder
+        raise CheckpointError(f"{index_path}: 'weight_map' names shard files outside the checkpoint folder: "
+                              f"{', '.join(outside[:3])}")
+    return weight_map
+
+
+def weight_map_from_files(files: list[Path]) -> dict[str, str]:
+    """Tensor names from safetensors headers (reads only the header of each file).
+
+    Without an index nothing says which of two files holding the same tensor is the
+    checkpoint (transformers would load model.safetensors alone): refuse rather than let
+    the later file, often a stale copy, silently win.
+    """
+    from safetensors import safe_open
+
+    weight_map: dict[str, str] = {}
+    clashes: dict[tuple[str, str], list[str]] = {}
+    for path in files:
+        require_regular_file(path)
+        try:
+            with safe_open(str(path), framework="pt") as handle:
+                names = list(handle.keys())
+        except Exception as exc:
+            raise unreadable(path, exc) from None
+        for name in names:
+            if name in weight_map:
+                clashes.setdefault((weight_map[name], path.name), []).append(name)
+            else:
+                weight_map[name] = path.name
+    if clashes:
+        (first, second), names = next(iter(clashes.items()))
+        folder = files[0].parent
+        shown = ", ".join(names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
+        others = f" (and {len(clashes) - 1} other pair(s) of files)" if len(clashes) > 1 else ""
+        raise CheckpointError(
+            f"{folder}: {first} and {second} both hold tensor(s) {shown}{others}, and there is no {INDEX} to say "
+            f"which file is the checkpoint. Remove (or move away) the stray file, add a {INDEX} mapping each "
+            f"tensor to its file, or pass the one file to check ({folder / first})"
+        )
+    return weight_map
+
+
+def require_regular_file(path: Path) -> None:
+    """A FIFO or device named *.safetensors would block the reader forever: refuse it up front."""
+    if not path.is_file():
+        raise CheckpointError(f"{path}: not a regular file; expected a safetensors file")
+
+
+def unreadable(path: Path, exc: Exception) -> CheckpointError:
+    """The error for a safetensors file that does not open: what exactly is wrong, when we can tell."""
+    reason = describe_defect(path) or str(exc)
+    return CheckpointError(f"{path}: not a readable safetensors file: {reason}; re-download or re-save it")

@@ -1,0 +1,54 @@
+"""What a family's config says about its FFN, read the way transformers reads it: d_ff, the
+activation's name, and the published d_ff rules (to say when a config departs from them).
+
+parity's own copy of LLaMA's rule: the code under test (``parity.ffn``) has one too, and
+the checker must not share code with what it checks.  Pure Python, no torch.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+# Where configs name their activation, most specific first (Gemma 2/3 use hidden_activation).
+ACTIVATION_ATTRS = ("hidden_activation", "hidden_act", "activation_function", "afn")
+
+
+def config_dff(config: Any) -> int | None:
+    """d_ff as the config states it; None where it is implied (GPT configs leave n_inner empty: 4d)."""
+    return getattr(config, "intermediate_size", None) or getattr(config, "n_inner", None)
+
+
+def configured_activation(config: Any) -> str | None:
+    for attr in ACTIVATION_ATTRS:
+        value = getattr(config, attr, None)
+        if isinstance(value, str):
+            return value
+    return None
+
+
+def llama_intermediate_size(embed_dim: int, multiple_of: int = 256, ffn_dim_multiplier: float | None = None) -> int:
+    """m * ceil(floor(8d/3) [* multiplier] / m): 4096 -> 11008; llama2.c's 288 with m=32 -> 768."""
+    hidden = (8 * embed_dim) // 3
+    if ffn_dim_multiplier is not None:
+        hidden = int(ffn_dim_multiplier * hidden)
+    return -(-hidden // multiple_of) * multiple_of
+
+
+def dff_rule(model_type: str | None, d: int, d_ff: int | None) -> dict[str, Any]:
+    """Whether d_ff follows the family's published rule (it must still be read from the config)."""
+    rules = {
+        "gpt2": ("4d (GPT)", 4 * d), "openai-gpt": ("4d (GPT)", 4 * d),
+        "llama": (f"llama_intermediate_size({d})", llama_intermediate_size(d)),
+        "mistral": ("3.5d (Mistral)", int(3.5 * d)), "gemma": ("8d (Gemma 1)", 8 * d),
+    }
+    ratio = round(d_ff / d, 4) if d_ff else None
+    if model_type not in rules or d_ff is None:
+        return {"rule": None, "expected": None, "follows": None, "ratio": ratio}
+    rule, expected = rules[model_type]
+    follows = d_ff == expected
+    if not follows and model_type == "llama":  # other multiple_of values (llama2.c uses 32)
+        for multiple in (32, 64, 128, 512, 1024):
+            if llama_intermediate_size(d, multiple) == d_ff:
+                rule, expected, follows = f"llama_intermediate_size({d}, multiple_of={multiple})", d_ff, True
+                break
+    return {"rule": rule, "expected": expected, "follows": follows, "ratio": ratio}

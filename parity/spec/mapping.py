@@ -1,0 +1,420 @@
+"""Mapping files: per-family data that routes checkpoint tensors into a target module.
+
+A mapping is plain TOML (see ``mappings/*.toml`` and the README).  This module only
+reads and validates it; it imports neither torch nor transformers so that ``parity
+list`` stays instant.
+"""
+
+from __future__ import annotations
+
+import difflib
+import re
+import functools
+import tomllib
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Iterable
+
+from parity.errors import MappingError
+
+TRANSFORMS = ("none", "transpose")
+
+_TOP_KEYS = {"name", "description", "model_types", "default_checkpoint", "num_layers", "hidden_size",
+             "notes", "checkpoint", "reference", "target", "tensors", "synthetic", "experts"}
+_CHECKPOINT_KEYS = {"layer_key", "key_prefixes"}
+_REFERENCE_KEYS = {"module", "tensors"}
+_TARGET_KEYS = {"class", "args"}
+_TENSOR_KEYS = {"from", "transform", "chunk", "optional"}
+_SYNTHETIC_KEYS = {"config"}
+_EXPERT_KEYS = {"count", "stacked", "gate", "up", "down"}
+
+
+def builtin_mapping_dir() -> Path:
+    """Where the built-in mappings live: inside the wheel, or ``mappings/`` of a source checkout."""
+    packaged = Path(__file__).resolve().parent.parent / "mappings"  # parity/mappings in a wheel
+    if packaged.is_dir():
+        return packaged
+    return Path(__file__).resolve().parent.parent.parent / "mappings"  # the repository's, in a checkout
+
+
+@dataclass(frozen=True)
+class TensorRoute:
+    """Fill one target parameter from one checkpoint tensor (name relative to the layer)."""
+
+    target: str
+    source: str
+    transform: str = "none"
+    chunk: tuple[int, int] | None = None  # (index, count) along dim 0, for fused tensors
+    optional: bool = False  # skipped when the target has no such parameter (e.g. biases off)
+
+
+@dataclass
+class Mapping:
+    name: str
+    path: Path
+    model_types: list[str]
+    layer_key: str
+    reference_module: str
+    target_class: str
+    target_args: dict[str, Any]
+    tensors: list[TensorRoute]
+    num_layers: Any
+    hidden_size: Any
+    description: str = ""
+    default_checkpoint: str | None = None
+    key_prefixes: list[str] = field(default_factory=lambda: [""])
+    notes: list[str] = field(default_factory=list)
+    synthetic_config: dict[str, Any] | None = None
+    # reference parameter (HF name, relative to the MLP) -> checkpoint tensor; empty: the same name
+    reference_tensors: list[TensorRoute] = field(default_factory=list)
+    experts: "Experts | None" = None  # MoE: each expert's FFN is checked on its own
+    text: str = field(default="", repr=False, compare=False)  # the file's text, for line numbers in later errors
+
+    def where(self, key: str) -> str:
+        """'FILE:LINE' of a key, for errors found only once the target or reference exists."""
+        line = line_of(self.text, key) if self.text else None
+        return f"{self.path}:{line}" if line is not None else str(self.path)
+
+    def layer_prefix(self, layer: int, expert: int | None = None) -> str:
+        return self.layer_key.format(layer=layer, expert=0 if expert is None else expert)
+
+    def reference_path(self, layer: int) -> str:
+        return self.reference_module.format(layer=layer)
+
+
+@dataclass(frozen=True)
+class Experts:
+    """[experts]: how many experts a layer has and where one expert's gate/up/down projections are.
+
+    ``stacked`` names checkpoint tensors holding every expert along dim 0 (transformers' fused
+    layout, GGUF's ``ffn_*_exps``); one expert's slice is taken from them on read.
+    """
+
+    count: Any
+    gate: TensorRoute
+    up: TensorRoute
+    down: TensorRoute
+    stacked: tuple[str, ...] = ()
+
+
+def _fail(path: Path, key: str, what: str) -> MappingError:
+    error = MappingError(f"{path}: key '{key}': {what}")
+    error.key = key  # load_mapping adds the line it is on
+    return error
+
+
+def _key_parts(key: str) -> list[str]:
+    return [part.strip('"') for part in re.findall(r'"[^"]*"|[^.]+', key)]
+
+
+def line_of(text: str, key: str) -> int | None:
+    """The line (1-based) where a dotted key is written, or its nearest written parent; None if unknown.
+
+    tomllib gives line numbers only for syntax errors; a validation error names a key, and a
+    user needs the line to find it.  Handles [tables], inline tables and quoted keys.
+    """
+    parts = _key_parts(key)
+    while parts:
+        *tables, leaf = parts
+        current: list[str] = []
+        for number, line in enumerate(text.splitlines(), 1):
+            header = re.match(r"\s*\[+([^\]]+)\]+", line)
+            if header:
+                current = _key_parts(header.group(1).strip())
+                if current == parts:
+                    return number
+                continue
+            code = line.split("#", 1)[0]
+            if current == tables and _assigns(code, leaf, anywhere=True):
+                return number
+            if (len(tables) == len(current) + 1 and current == tables[:-1] and _assigns(code, tables[-1])
+                    and _assigns(code, leaf, anywhere=True)):  # leaf inside an inline table
+                return number
+        parts = parts[:-1]
+    return None
+
+
+def _assigns(code: str, key: str, anywhere: bool = False) -> bool:
+    """Whether this line of TOML assigns ``key`` (at its start, or anywhere, as in inline tables)."""
+    lead = r"(^|[{,\s])" if anywhere else r"^\s*"
+    return re.search(lead + r'("' + re.escape(key) + r'"|' + re.escape(key) + r")\s*=", code) is not None
+
+
+def _check_keys(path: Path, table: dict, allowed: set[str], where: str) -> None:
+    for key in table:
+        if key not in allowed:
+            raise _fail(path, f"{where}{key}", f"unknown key; expected one of {sorted(allowed)}")
+
+
+def _require(path: Path, table: dict, key: str, kind: type, where: str = "") -> Any:
+    if key not in table:
+        raise _fail(path, f"{where}{key}", "is required")
+    value = table[key]
+    if not isinstance(value, kind):
+        raise _fail(path, f"{where}{key}", f"expected {kind.__name__}, got {type(value).__name__}")
+    return value
+
+
+def _parse_route(path: Path, target: str, spec: Any, table: str = "tensors") -> TensorRoute:
+    where = f"{table}.\"{target}\""
+    if isinstance(spec, str):
+        return TensorRoute(target, spec)
+    if not isinstance(spec, dict):
+        raise _fail(path, where, "expected a tensor name or a table {from = ..., transform = ...}")
+    _check_keys(path, spec, _TENSOR_KEYS, where + ".")
+    source = _require(path, spec, "from", str, where + ".")
+    transform = spec.get("transform", "none")
+    if transform not in TRANSFORMS:
+        raise _fail(path, where + ".transform", f"unknown transform {transform!r}; expected one of {list(TRANSFORMS)}")
+    chunk = spec.get("chunk")
+    if chunk is not None:
+        if (not isinstance(chunk, list) or len(chunk) != 2 or not all(isinstance(c, int) for c in chunk)
+                or not 0 <= chunk[0] < chunk[1]):
+            raise _fail(path, where + ".chunk", "expected [index, count] with 0 <= index < count")
+        chunk = (chunk[0], chunk[1])
+    optional = spec.get("optional", False)
+    if not isinstance(optional, bool):
+        raise _fail(path, where + ".optional", "expected true or false")
+    return TensorRoute(target, source, transform, chunk, optional)
+
+
+def _check_template(path: Path, key: str, template: str, placeholders: tuple[str, ...] = ("layer",)) -> None:
+    try:
+        template.format(**{name: 0 for name in placeholders})
+    except (ValueError, KeyError, IndexError, AttributeError) as exc:
+        allowed = " and ".join("{" + name + "}" for name in placeholders)
+        raise _fail(path, key, f"not a valid template ({type(exc).__name__}: {exc}); the placeholders are {allowed}") from None
+
+
+def parse_mapping(text: str, path: Path) -> Mapping:
+    """Validate a mapping file's text; every error names the file and the key."""
+    try:
+        data = tomllib.loads(text)
+    except tomllib.TOMLDecodeError as exc:
+        raise MappingError(f"{path}: invalid TOML: {exc}") from None
+    _check_keys(path, data, _TOP_KEYS, "")
+    name = _require(path, data, "name", str)
+    model_types = _require(path, data, "model_types", list)
+    if not all(isinstance(m, str) for m in model_types):
+        raise _fail(path, "model_types", "expected a list of strings")
+    layer_key, prefixes = _parse_checkpoint(path, _require(path, data, "checkpoint", dict))
+    module, reference_routes = _parse_reference(path, _require(path, data, "reference", dict))
+    target_class, args = _parse_target(path, _require(path, data, "target", dict))
+    tensors = _require(path, data, "tensors", dict)
+    if not tensors:
+        raise _fail(path, "tensors", "must route at least one tensor")
+    routes = [_parse_route(path, t, spec) for t, spec in tensors.items()]
+    experts = _parse_experts(path, data["experts"]) if "experts" in data else None
+    if experts is None and "{expert}" in layer_key:
+        raise _fail(path, "checkpoint.layer_key", "uses {expert} but the mapping has no [experts] table")
+    if experts is not None and reference_routes:
+        raise _fail(path, "reference.tensors", "is not used by a mapping with [experts]: the reference gets each "
+                                               "expert's tensors from [experts] gate/up/down; remove it")
+    _check_plain_values(path, data)
+    return Mapping(
+        name=name, path=path, model_types=model_types, layer_key=layer_key, reference_module=module,
+        target_class=target_class, target_args=args, tensors=routes,
+        num_layers=data.get("num_layers", "config.num_hidden_layers"),
+        hidden_size=data.get("hidden_size", "config.hidden_size"),
+        description=data.get("description", ""), default_checkpoint=data.get("default_checkpoint"),
+        key_prefixes=prefixes, notes=data.get("notes", []), synthetic_config=_parse_synthetic(path, data),
+        reference_tensors=reference_routes, experts=experts, text=text,
+    )
+
+
+def _parse_checkpoint(path: Path, checkpoint: dict) -> tuple[str, list[str]]:
+    _check_keys(path, checkpoint, _CHECKPOINT_KEYS, "checkpoint.")
+    layer_key = _require(path, checkpoint, "layer_key", str, "checkpoint.")
+    if "{layer}" not in layer_key:
+        raise _fail(path, "checkpoint.layer_key", "must contain the placeholder {layer}")
+    _check_template(path, "checkpoint.layer_key", layer_key, ("layer", "expert"))
+    prefixes = checkpoint.get("key_prefixes", [""])
+    if not isinstance(prefixes, list) or not all(isinstance(p, str) for p in prefixes):
+        raise _fail(path, "checkpoint.key_prefixes", "expected a list of strings")
+    return layer_key, prefixes
+
+
+def _parse_reference(path: Path, reference: dict) -> tuple[str, list[TensorRoute]]:
+    _check_keys(path, reference, _REFERENCE_KEYS, "reference.")
+    module = _require(path, reference, "module", str, "reference.")
+    _check_template(path, "reference.module", module)
+    tensors = reference.get("tensors", {})
+    if not isinstance(tensors, dict):
+        raise _fail(path, "reference.tensors", "expected a table: reference parameter = checkpoint tensor")
+    return module, [_parse_route(path, t, spec, "reference.tensors") for t, spec in tensors.items()]
+
+
+def _parse_target(path: Path, target: dict) -> tuple[str, dict]:
+    _check_keys(path, target, _TARGET_KEYS, "target.")
+    target_class = _require(path, target, "class", str, "target.")
+    if ":" not in target_class:
+        raise _fail(path, "target.class", f"expected 'package.module:Name', got {target_class!r}")
+    args = target.get("args", {})
+    if not isinstance(args, dict):
+        raise _fail(path, "target.args", "expected a table of constructor arguments")
+    return target_class, args
+
+
+def _parse_synthetic(path: Path, data: dict) -> dict | None:
+    synthetic = data.get("synthetic")
+    if synthetic is None:
+        return None
+    if not isinstance(synthetic, dict):
+        raise _fail(path, "synthetic", "expected a table")
+    _check_keys(path, synthetic, _SYNTHETIC_KEYS, "synthetic.")
+    return _require(path, synthetic, "config", dict, "synthetic.")
+
+
+def _check_plain_values(path: Path, data: dict) -> None:
+    for key in ("description", "default_checkpoint"):
+        if key in data and not isinstance(data[key], str):
+            raise _fail(path, key, "expected a string")
+    for key in ("num_layers", "hidden_size"):
+        value = data.get(key, "config.")
+        if not (isinstance(value, int) and not isinstance(value, bool) or isinstance(value, str)
+                and value.startswith("config.") or isinstance(value, dict) and "config" in value):
+            raise _fail(path, key, "expected an integer or \"config.ATTRIBUTE\"")
+    notes = data.get("notes", [])
+    if not isinstance(notes, list) or not all(isinstance(n, str) for n in notes):
+        raise _fail(path, "notes", "expected a list of strings")
+
+
+def _parse_experts(path: Path, table: Any) -> Experts:
+    if not isinstance(table, dict):
+        raise _fail(path, "experts", "expected a table {count = ..., gate = ..., up = ..., down = ...}")
+    _check_keys(path, table, _EXPERT_KEYS, "experts.")
+    if "count" not in table:
+        raise _fail(path, "experts.count", "is required (e.g. \"config.num_local_experts\")")
+    stacked = table.get("stacked", [])
+    if not isinstance(stacked, list) or not all(isinstance(s, str) for s in stacked):
+        raise _fail(path, "experts.stacked", "expected a list of checkpoint tensor names")
+    routes = {}
+    for role in ("gate", "up", "down"):
+        if role not in table:
+            raise _fail(path, f"experts.{role}", "is required: the checkpoint tensor of this expert's projection")
+        routes[role] = _parse_route(path, role, table[role], "experts")
+    return Experts(table["count"], routes["gate"], routes["up"], routes["down"], tuple(stacked))
+
+
+def load_mapping(path: str | Path) -> Mapping:
+    path = Path(path)
+    if path.is_dir():
+        raise MappingError(f"{path}: is a folder, not a mapping file; give the path of a FILE.toml")
+    try:
+        text = path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise MappingError(f"{path}: mapping file not found") from None
+    except (OSError, UnicodeDecodeError) as exc:
+        raise MappingError(f"{path}: cannot read mapping file: {exc}") from None
+    try:
+        return parse_mapping(text, path)
+    except MappingError as exc:
+        line = line_of(text, exc.key) if getattr(exc, "key", None) else None
+        if line is None:
+            raise
+        raise MappingError(str(exc).replace(f"{path}: ", f"{path}:{line}: ", 1)) from None
+
+
+def route_key(table: str, name: str) -> str:
+    """The dotted key of one route, as line_of and the error messages write it."""
+    return f'{table}."{name}"'
+
+
+def unknown_route_names(mapping: Mapping, table: str, names: list[str], have: list[str], whose: str) -> str:
+    """The message for routes (``names``, keys of ``table``) to parameters the module lacks: each
+    with its line and the closest existing name, then the names that do exist."""
+    parts = []
+    for name in names:
+        close = difflib.get_close_matches(name, have, n=1, cutoff=0.6)
+        hint = f" (did you mean '{close[0]}'?)" if close else ""
+        parts.append(f"{mapping.where(route_key(table, name))}: key '{route_key(table, name)}': "
+                     f"{whose} has no parameter '{name}'{hint}")
+    return "; ".join(parts) + f". Its parameters are: {', '.join(have) or '(none)'}"
+
+
+def check_reference_routes(mapping: Mapping, reference_names: Iterable[str]) -> None:
+    """Every key of [reference.tensors] must be a parameter of transformers' MLP (``reference_names``,
+    relative to reference.module).  The reference is filled by its own parameter names, so a route
+    to a name it lacks would be ignored and the checkpoint tensor of the same name used instead."""
+    have = list(reference_names)
+    missing = [route.target for route in mapping.reference_tensors if route.target not in have]
+    if missing:
+        raise MappingError(
+            unknown_route_names(mapping, "reference.tensors", missing, have,
+                                f"transformers' MLP at '{mapping.reference_module}'")
+            + ". Write these names (transformers' own) on the left of [reference.tensors] and the checkpoint's "
+              "tensor names on the right."
+        )
+
+
+def builtin_mappings() -> dict[str, Mapping]:
+    """All built-in mappings by name (``mappings/*.toml``), parsed once per process."""
+    return dict(_builtin_mappings())
+
+
+@functools.lru_cache(maxsize=1)
+def _builtin_mappings() -> dict[str, Mapping]:
+    found = {}
+    for path in sorted(builtin_mapping_dir().glob("*.toml")):
+        mapping = load_mapping(path)
+        found[mapping.name] = mapping
+    return found
+
+
+def fits(mapping: Mapping, has) -> bool:
+    """Whether a checkpoint (its ``has(name)``) holds layer 0's tensors under this mapping's names."""
+    sources = [r.source for r in mapping.tensors if not r.optional]
+    return any(all(has(f"{prefix}{mapping.layer_prefix(0)}.{s}") for s in sources) for prefix in mapping.key_prefixes)
+
+
+def mappings_for_model_type(model_type: str | None) -> list[Mapping]:
+    """Built-in mappings serving ``model_type``; the plain HF-format one (no '-' suffix) first."""
+    found = [m for m in builtin_mappings().values() if model_type in m.model_types]
+    return sorted(found, key=lambda m: ("-" in m.name, m.name))
+
+
+def mapping_for_model_type(model_type: str | None, has=None) -> Mapping:
+    """The mapping for a checkpoint: of those serving its model_type, the one whose tensor names it holds."""
+    mappings = builtin_mappings()
+    candidates = mappings_for_model_type(model_type)
+    if candidates:
+        fitting = [m for m in candidates if has is not None and fits(m, has)]
+        return (fitting or candidates)[0]
+    served = sorted(t for m in mappings.values() for t in m.model_types)
+    raise MappingError(
+        f"no mapping serves model_type {model_type!r} (config.json); known model types: {', '.join(served)}. "
+        "Write a mapping file for it and pass it with --mapping FILE.toml (README: 'Adding a model family')."
+    )
+
+
+class ConfigValue:
+    """Evaluates mapping values: "config.n_embd", {config = "mlp_bias", default = false}, "config", or literals."""
+
+    def __init__(self, config: Any, path: Path):
+        self.config = config
+        self.path = path
+
+    def __call__(self, value: Any, key: str) -> Any:
+        if isinstance(value, str) and (value == "config" or value.startswith("config.")):
+            if value == "config":
+                return self.config
+            return self._lookup(value[len("config."):], key, required=True)
+        if isinstance(value, dict) and set(value) <= {"config", "default"} and "config" in value:
+            return self._lookup(value["config"], key, required="default" not in value, default=value.get("default"))
+        return value
+
+    def _lookup(self, attr: str, key: str, required: bool, default: Any = None) -> Any:
+        value = self.config
+        for part in attr.split("."):
+            if isinstance(value, dict):
+                value = value.get(part, _MISSING)
+            else:
+                value = getattr(value, part, _MISSING)
+            if value is _MISSING:
+                if required:
+                    raise MappingError(f"{self.path}: key '{key}': the checkpoint's config has no '{attr}'")
+                return default
+        return default if value is None and not required else value
+
+
+_MISSING = object()
