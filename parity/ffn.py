@@ -56,7 +56,8 @@ class FeedForward(nn.Module):
 class _GatedFFN(nn.Module):
     """down(act(gate(x)) * up(x)): the activation sits on the gate branch, as in HF."""
 
-    def __init__(self, emb_size: int, dropout: float, hidden_dim: int | None, bias: bool, activation: nn.Module) -> None:
+    def __init__(self, emb_size: int, dropout: float, hidden_dim: int | None, bias: bool,
+                 activation: nn.Module) -> None:
         super().__init__()
         hidden_dim = 4 * emb_size if hidden_dim is None else hidden_dim
         if hidden_dim <= 0:

@@ -4,20 +4,23 @@ failure message a reader can act on (the per-layer table and the diagnosis).
 
 from __future__ import annotations
 
-from parity.errors import ParityAssertionError
-
-from typing import Any, Iterable
+from collections.abc import Iterable
+from typing import Any
 
 from parity.engine.results import Report
-from parity.outputs.text import render, summary_line
+from parity.errors import ParityAssertionError
+from parity.outputs.render import render
+from parity.outputs.text import summary_line
 
 
 def assert_parity(model: str, target: str | Any | None = None, layers: str | int | Iterable[int] | None = None,
                   checkpoint: str | None = None, mapping: str | None = None, revision: str | None = None,
                   seed: int = 0, atol: float | None = None, require_real: bool = False,
                   allow_pickle: bool = False, experts: str | int | Iterable[int] | None = None,
-                  logits: bool = False, require_real_weights: bool = False) -> Report:
-    """Check ``target`` (a class, factory or 'pkg.module:Name') against transformers; return the report.
+                  logits: bool = False, require_real_weights: bool = False, device: str = "cpu",
+                  dtype: str = "float32") -> Report:
+    """Check ``target`` (a class, a factory, an nn.Module instance, which is not modified, or 'pkg.module:Name')
+    against transformers; return the report.
 
     Raises ParityAssertionError (an AssertionError) unless every checked layer matches: a deviation,
     a layer that could not be verified, or nothing checked.  Its first line is the verdict, so
@@ -32,10 +35,17 @@ def assert_parity(model: str, target: str | Any | None = None, layers: str | int
 
     require_real = require_real or require_real_weights
     report = check(model, layers=layers, target=target, checkpoint=checkpoint, mapping=mapping, revision=revision,
-                   seed=seed, atol=atol, allow_pickle=allow_pickle, experts=experts, logits=logits)
+                   seed=seed, atol=atol, allow_pickle=allow_pickle, experts=experts, logits=logits, device=device,
+                   dtype=dtype)
     if require_real and report.synthetic:
         raise ParityAssertionError(f"parity: {model} was checked on synthetic weights "
                                    f"({report.weights_note}); real weights were required\n\n{render(report)}", report)
     if not report.passed:
-        raise ParityAssertionError(f"parity: {model} [{report.target}]: {summary_line(report)}\n\n{render(report)}", report)
+        raise ParityAssertionError(f"{failure_line(model, report)}\n\n{render(report)}", report)
     return report
+
+
+def failure_line(model: str, report: Report) -> str:
+    """The verdict in one line, with the diagnosis ids: what `pytest --tb=line` and its summary show."""
+    ids = list(dict.fromkeys(r.diagnosis["id"] for r in report.layers if r.diagnosis))
+    return f"parity: {model} [{report.target}]: {summary_line(report)}" + (f" — {', '.join(ids)}" if ids else "")

@@ -77,7 +77,8 @@ def build_checkpoint(folder: Path, raw_config: dict, per_layer_shards: bool) -> 
         return (torch.randn(shape, generator=generator) * 0.02).to(dtype)
 
     if not per_layer_shards:
-        save_file({n: tensor(s) for n, s in shapes.items()}, str(folder / "model.safetensors"), metadata={"format": "pt"})
+        save_file({n: tensor(s) for n, s in shapes.items()}, str(folder / "model.safetensors"),
+                  metadata={"format": "pt"})
     else:  # one shard per decoder layer, plus one for embeddings / norm / head (shareable by layer-subset folders)
         groups: dict[str, list[str]] = {}
         for name in shapes:
@@ -129,13 +130,14 @@ def measure(cmd: list[str]) -> tuple[float, float]:
                               stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
         wall = time.perf_counter() - started
         if proc.returncode != 0:
-            raise RuntimeError(f"{' '.join(cmd)} exited {proc.returncode}:\n{proc.stderr.decode(errors='replace')[-2000:]}")
+            raise RuntimeError(f"{' '.join(cmd)} exited {proc.returncode}:\n"
+                               f"{proc.stderr.decode(errors='replace')[-2000:]}")
         peak_kib = int(stats.read().split()[-1])
     return wall, peak_kib * 1024.0
 
 
 def parity_cmd(*args: str) -> list[str]:
-    return [sys.executable, "-m", "parity.cli", *args]
+    return [sys.executable, "-m", "parity", *args]
 
 
 def run_all(commands: dict[str, list[str]], runs: int) -> dict[str, dict]:
@@ -158,7 +160,7 @@ def main() -> int:
     parser.add_argument("--root", type=Path, default=Path(tempfile.gettempdir()) / "parity-bench",
                         help="where the synthetic checkpoints are cached")
     parser.add_argument("--out", type=Path, help="write the results as JSON")
-    parser.add_argument("--skip", action="append", default=[], choices=["compare", "sweep", "startup"])
+    parser.add_argument("--skip", action="append", default=[], choices=["compare", "sweep", "startup", "bf16"])
     args = parser.parse_args()
     runs = 1 if args.quick else args.runs
 
@@ -188,6 +190,11 @@ def main() -> int:
             commands = {f"{n}": parity_cmd(str(subsets[n]), "--layers", "all", "--json", f"{tmp}/sweep{n}.json")
                         for n in SWEEP}
             results["sweep"] = run_all(commands, runs)
+        if "bf16" not in args.skip:
+            print("(d) one layer of the 1B shape computed in bfloat16 vs float32", file=sys.stderr)
+            commands = {dtype: parity_cmd(str(llama), "--layer", "11", "--dtype", dtype,
+                                          "--json", f"{tmp}/{dtype}.json") for dtype in ("float32", "bfloat16")}
+            results["bf16"] = run_all(commands, runs)
         if "startup" not in args.skip:
             print("(c) start-up", file=sys.stderr)
             commands = {"parity --version": parity_cmd("--version"), "parity list": parity_cmd("list"),
@@ -217,8 +224,9 @@ def print_table(results: dict) -> None:
                 print(f"{family:<8}{route:<12}{r['wall_s']:8.2f}s{mib(r['peak_rss']):>14}")
             p, n, i = c[f"{family}/parity"], c[f"{family}/naive"], c[f"{family}/imports"]
             # paired: run k of parity against run k of the bare imports, made one after the other
-            own = statistics.median(max(a - b, 0.0) for a, b in zip(p["wall_runs"], i["wall_runs"]))
-            share = statistics.median(max(a - b, 0.0) / a for a, b in zip(p["wall_runs"], i["wall_runs"]))
+            own = statistics.median(max(a - b, 0.0) for a, b in zip(p["wall_runs"], i["wall_runs"], strict=True))
+            share = statistics.median(max(a - b, 0.0) / a
+                                      for a, b in zip(p["wall_runs"], i["wall_runs"], strict=True))
             summary[family] = {"rss_ratio": n["peak_rss"] / p["peak_rss"], "speedup": n["wall_s"] / p["wall_s"],
                                "own_work_s": own, "own_work_share": share,
                                "rss_beyond_imports": p["peak_rss"] - i["peak_rss"]}
@@ -226,9 +234,11 @@ def print_table(results: dict) -> None:
             if f"{family}/naive-bf16" in c:
                 b = c[f"{family}/naive-bf16"]
                 s["rss_ratio_bf16"], s["speedup_bf16"] = b["peak_rss"] / p["peak_rss"], b["wall_s"] / p["wall_s"]
-                print(f"{family:<8}naive-bf16/parity: {s['rss_ratio_bf16']:.1f}x less peak RSS, {s['speedup_bf16']:.1f}x faster")
+                print(f"{family:<8}naive-bf16/parity: {s['rss_ratio_bf16']:.1f}x less peak RSS, "
+                      f"{s['speedup_bf16']:.1f}x faster")
             print(f"{family:<8}naive/parity: {s['rss_ratio']:.1f}x less peak RSS, {s['speedup']:.1f}x faster; "
-                  f"parity's work beyond imports {s['own_work_s']:.2f} s = {100 * s['own_work_share']:.0f}% of its wall time, "
+                  f"parity's work beyond imports {s['own_work_s']:.2f} s = "
+                  f"{100 * s['own_work_share']:.0f}% of its wall time, "
                   f"{s['rss_beyond_imports'] / 2**20:.0f} MiB above the imports' RSS")
         results["compare_summary"] = summary
     if "sweep" in results:
@@ -238,13 +248,24 @@ def print_table(results: dict) -> None:
         for n in SWEEP:
             r = s[str(n)]
             print(f"{n:>7}{r['wall_s']:8.2f}s{r['wall_s'] / n:10.2f}s{mib(r['peak_rss']):>14}")
-        results["sweep_rss_spread"] = max(s[str(n)]["peak_rss"] for n in SWEEP) / min(s[str(n)]["peak_rss"] for n in SWEEP)
+        results["sweep_rss_spread"] = (max(s[str(n)]["peak_rss"] for n in SWEEP)
+                                       / min(s[str(n)]["peak_rss"] for n in SWEEP))
         growth = s[str(SWEEP[-1])]["peak_rss"] / s[str(SWEEP[0])]["peak_rss"]
         results["sweep_rss_growth"] = growth
         per_layer = (s[str(SWEEP[-1])]["wall_s"] - s[str(SWEEP[0])]["wall_s"]) / (SWEEP[-1] - SWEEP[0])
         results["sweep_marginal_s_per_layer"] = per_layer
-        print(f"peak RSS {SWEEP[-1]} vs {SWEEP[0]} layers: x{growth:.3f} (max/min over the sweep x{results['sweep_rss_spread']:.3f}); "
+        print(f"peak RSS {SWEEP[-1]} vs {SWEEP[0]} layers: x{growth:.3f} "
+              f"(max/min over the sweep x{results['sweep_rss_spread']:.3f}); "
               f"marginal time per layer {per_layer:.2f} s")
+    if "bf16" in results:
+        b = results["bf16"]
+        print("\n(d) one-layer check (layer 11 of the 1B shape) by compute dtype")
+        for dtype in ("float32", "bfloat16"):
+            print(f"--dtype {dtype:<10}{b[dtype]['wall_s']:8.2f}s{mib(b[dtype]['peak_rss']):>14}")
+        results["bf16_vs_float32"] = {"wall": b["bfloat16"]["wall_s"] / b["float32"]["wall_s"],
+                                      "peak_rss": b["bfloat16"]["peak_rss"] / b["float32"]["peak_rss"]}
+        print(f"bfloat16/float32: wall x{results['bf16_vs_float32']['wall']:.2f}, "
+              f"peak RSS x{results['bf16_vs_float32']['peak_rss']:.2f}")
     if "startup" in results:
         print("\n(c) start-up")
         for name, r in results["startup"].items():

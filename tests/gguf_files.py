@@ -10,13 +10,13 @@ from __future__ import annotations
 from pathlib import Path
 
 import numpy as np
-
 from gguf import GGMLQuantizationType as Q
 from gguf import GGUFWriter
 from gguf.constants import GGML_QUANT_SIZES
 from gguf.quants import quantize
 
-HF_TO_GGUF = {"gate_proj.weight": "ffn_gate.weight", "up_proj.weight": "ffn_up.weight", "down_proj.weight": "ffn_down.weight"}
+HF_TO_GGUF = {"gate_proj.weight": "ffn_gate.weight", "up_proj.weight": "ffn_up.weight",
+              "down_proj.weight": "ffn_down.weight"}
 
 
 def random_k_blocks(shape: tuple[int, int], qtype: Q, rng: np.random.Generator) -> np.ndarray:

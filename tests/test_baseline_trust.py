@@ -19,10 +19,9 @@ import pytest
 
 from parity import cli
 from parity.cli.options import build_parser
+from parity.errors import BaselineError, ParityError
 from parity.outputs import atomic
-from parity.errors import BaselineError
 from parity.outputs.baseline import BASELINE_VERSION, load_baseline, load_for_update
-from parity.errors import ParityError
 
 from .conftest import build_model, save
 from .test_cli import PARITY
@@ -101,7 +100,8 @@ def test_single_check_keys_are_relative_to_the_working_directory(tiny, tmp_path,
     monkeypatch.chdir(tmp_path)
     assert run_main(capsys, "gpt2", "--checkpoint", tmp_path / "ckpt", "--layer", "0", "--baseline", "b.json",
                     "--update-baseline")[0] == 0
-    assert list(json.loads(Path("b.json").read_text())["entries"]) == ["gpt2 | ckpt | parity.ffn:FeedForward | layer 0000"]
+    assert list(json.loads(Path("b.json").read_text())["entries"]) == [
+        "gpt2 | ckpt | parity.ffn:FeedForward | layer 0000"]
     outside = tmp_path.parent / f"{tmp_path.name}-outside"
     shutil.copytree(tiny["gpt2"], outside / "deep" / "tiny-gpt2")  # neither under the working directory: its name only
     assert run_main(capsys, outside / "deep" / "tiny-gpt2", "--layer", "0", "--baseline", "c.json",
@@ -227,7 +227,8 @@ NOT_OURS = "will not overwrite it"
     ('{"parity_baseline": 2, "entries": {"k | c | t | layer 0000": {"passed": true}}}',
      "entry 'k | c | t | layer 0000' has no 'max_abs_diff'", NOT_OURS),
     ('{"parity_baseline": 2, "entries": {"k": {"max_abs_diff": NaN}}}', "not a finite number or null", NOT_OURS),
-    ('{"parity_baseline": 2, "entries": {"k": {"max_abs_diff": 1e-7, "passed": "yes"}}}', "'passed' is 'yes'", NOT_OURS),
+    ('{"parity_baseline": 2, "entries": {"k": {"max_abs_diff": 1e-7, "passed": "yes"}}}', "'passed' is 'yes'",
+     NOT_OURS),
     ('{"parity_baseline": 9, "entries": {}}', "written by a newer parity", "upgrade parity"),
     ('{"entries": ' + "[" * 100_000 + "]" * 100_000 + "}", "nested too deeply", NOT_OURS),
 ])
@@ -299,7 +300,8 @@ def test_junit_under_a_regular_file_is_exit_2_naming_the_file(tiny, tmp_path, ca
     blocker = tmp_path / "reports"
     blocker.write_text("a file, not a folder")
     code, _, err = run_main(capsys, tiny["gpt2"], "--layer", "0", "--junit", blocker / "junit.xml")
-    assert code == 2 and f"--junit {blocker / 'junit.xml'}: cannot write the file ({blocker} is a file, not a folder)" in err, err
+    assert code == 2 and (f"--junit {blocker / 'junit.xml'}: cannot write the file "
+                          f"({blocker} is a file, not a folder)") in err, err
     assert "Traceback" not in err and blocker.read_text() == "a file, not a folder"
     with pytest.raises(ParityError, match="--json"):
         atomic.write_text_atomic(blocker / "r.json", "{}", "--json")
@@ -317,7 +319,8 @@ def test_compare_rules_for_fingerprints_hub_keys_and_unreadable_numbers(tmp_path
     report.checkpoint = "owner/name@v1.0"  # a hub checkpoint: named as asked, the fingerprint pins the weights
     keys = [entry_key(report, layer) for layer in report.layers]
     assert keys[0] == "owner/name | owner/name@v1.0 | pkg:FFN | layer 0000"
-    entries = {keys[0]: {"max_abs_diff": 1e-9, "fingerprint": "aaaa"}, keys[1]: {"max_abs_diff": 1e-9, "fingerprint": "zzzz"},
+    entries = {keys[0]: {"max_abs_diff": 1e-9, "fingerprint": "aaaa"},
+               keys[1]: {"max_abs_diff": 1e-9, "fingerprint": "zzzz"},
                keys[2]: {"max_abs_diff": 1e-9}}
     result = compare_baseline([report], entries)
     assert result.compared == 2 and result.unfingerprinted == 1 and result.regressions == []

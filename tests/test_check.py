@@ -17,7 +17,8 @@ def test_repository_modules_pass_on_every_family(tiny, model_type):
     assert report.mapping == FAMILY[model_type]
     assert report.weights == "real"
     assert report.passed, [(r.layer, r.max_abs_diff, r.tolerance) for r in report.layers]
-    assert [r.layer for r in report.layers] == list(range(TINY[model_type].get("n_layer") or TINY[model_type]["num_hidden_layers"]))
+    assert [r.layer for r in report.layers] == list(
+        range(TINY[model_type].get("n_layer") or TINY[model_type]["num_hidden_layers"]))
     for r in report.layers:
         assert r.max_abs_diff <= r.tolerance and r.noise_floor > 0
         assert max(abs(v) for v in r.preactivation_range) >= 6.0  # the activation's interesting range is swept
@@ -95,7 +96,8 @@ def test_wrong_intermediate_size_fails_with_a_hint(tiny):
 
     report = parity.check(str(tiny["llama"]), target=four_d, layers=[0])
     assert not report.passed and report.layers[0].diagnosis["id"] == "intermediate_size_mismatch"
-    assert "4*d default" in report.layers[0].diagnosis["message"] and "[128, 32]" in report.layers[0].diagnosis["message"]
+    assert ("4*d default" in report.layers[0].diagnosis["message"]
+            and "[128, 32]" in report.layers[0].diagnosis["message"])
 
 
 def test_missing_transpose_fails_with_a_hint(tiny, tmp_path):
@@ -138,8 +140,9 @@ args = { config = "config" }
 
 
 def test_missing_tensor_lists_closest_names(tiny, tmp_path):
-    from safetensors.torch import load_file, save_file
     import shutil
+
+    from safetensors.torch import load_file, save_file
 
     folder = tmp_path / "broken"
     shutil.copytree(tiny["llama"], folder)
@@ -152,7 +155,8 @@ def test_missing_tensor_lists_closest_names(tiny, tmp_path):
 
 
 def test_unknown_model_type(tmp_path, tiny):
-    import json, shutil
+    import json
+    import shutil
 
     folder = tmp_path / "odd"
     shutil.copytree(tiny["llama"], folder)

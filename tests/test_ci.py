@@ -11,12 +11,12 @@ from types import SimpleNamespace
 import pytest
 
 from parity import cli
-from parity.spec.mapping import builtin_mapping_dir
+from parity.engine.results import SCHEMA_VERSION, LayerResult, Report
+from parity.errors import BaselineError, ProjectConfigError, ShardError
 from parity.outputs.baseline import compare, entry_key, load_baseline
 from parity.outputs.junit import build_junit
-from parity.errors import ProjectConfigError, ShardError
+from parity.spec.mapping import builtin_mapping_dir
 from parity.spec.project import load_project, parse_shard, shard_units
-from parity.engine.results import SCHEMA_VERSION, LayerResult, Report
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -116,7 +116,8 @@ def write(path: Path, text: str) -> Path:
 
 
 def test_project_from_pyproject_and_parity_toml_wins(tmp_path):
-    write(tmp_path / "pyproject.toml", '[project]\nname = "x"\n[[tool.parity.checks]]\nmodel = "gpt2"\nlayers = [0, 11]\n')
+    write(tmp_path / "pyproject.toml",
+          '[project]\nname = "x"\n[[tool.parity.checks]]\nmodel = "gpt2"\nlayers = [0, 11]\n')
     project = load_project(cwd=tmp_path)
     assert project.path.name == "pyproject.toml"
     assert [(c.model, c.layers) for c in project.checks] == [("gpt2", [0, 11])]
@@ -127,7 +128,8 @@ def test_project_from_pyproject_and_parity_toml_wins(tmp_path):
 
 @pytest.mark.parametrize("text, message", [
     ('[[checks]]\nlayers = [0]\n', "checks[0]: 'model' is required"),
-    ('[[checks]]\nmodel = "gpt2"\n[[checks]]\nmodel = "llama"\nlayer = 1\nlayers = [2]\n', "checks[1] (model 'llama'): give 'layer'"),
+    ('[[checks]]\nmodel = "gpt2"\n[[checks]]\nmodel = "llama"\nlayer = 1\nlayers = [2]\n',
+     "checks[1] (model 'llama'): give 'layer'"),
     ('[[checks]]\nmodel = "gpt2"\nlayrs = [0]\n', "unknown key 'layrs'"),
     ('[[checks]]\nmodel = "gpt2"\natol = -1\n', "'atol' must be a positive finite number"),
     ('[[checks]]\nmodel = "gpt2"\nlayers = [true]\n', "'layers' must be"),
@@ -206,8 +208,9 @@ def test_shard_jobs_together_run_each_layer_once(tiny, tmp_path, monkeypatch, ca
         assert code == 0
         data = json.loads(out)
         assert data["shard"] == [k, 2]
-        seen += [(c["name"], l["layer"]) for c in data["checks"] if c["report"] for l in c["report"]["layers"]]
-    assert sorted(seen) == sorted([(str(tiny["gpt2"]), i) for i in range(3)] + [(str(tiny["qwen2"]), i) for i in range(2)])
+        seen += [(c["name"], layer["layer"]) for c in data["checks"] if c["report"] for layer in c["report"]["layers"]]
+    assert sorted(seen) == sorted([(str(tiny["gpt2"]), i) for i in range(3)]
+                                  + [(str(tiny["qwen2"]), i) for i in range(2)])
     assert run_main(capsys, "check", "--shard", "3/2")[0] == 2
 
 
@@ -256,7 +259,7 @@ def test_bad_baseline_file_is_exit_2(tiny, tmp_path, capsys):
     bad = write(tmp_path / "b.json", '{"not": "a baseline"}')
     code, _, err = run_main(capsys, tiny["gpt2"], "--baseline", bad)
     assert code == 2 and "not a parity baseline" in err
-    with pytest.raises(Exception):
+    with pytest.raises(BaselineError):
         load_baseline(bad)
     assert run_main(capsys, tiny["gpt2"], "--update-baseline")[0] == 2
 

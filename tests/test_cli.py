@@ -24,7 +24,8 @@ def test_version_and_help_are_light():
     out = run("--version")
     assert out.returncode == 0 and out.stdout.startswith("parity ")
     assert run("--help").returncode == 0
-    code = "import sys, parity.cli; parity.cli.main(['list']); print('torch' in sys.modules, 'transformers' in sys.modules)"
+    code = ("import sys, parity.cli; parity.cli.main(['list']); "
+            "print('torch' in sys.modules, 'transformers' in sys.modules)")
     probe = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert probe.stdout.strip().endswith("False False")
     assert time.perf_counter() - started < 20

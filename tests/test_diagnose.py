@@ -88,7 +88,8 @@ def test_missing_transpose_square_conv1d(extra, tmp_path):
 
 
 def test_square_module_with_right_mapping_passes(extra, tmp_path):
-    mapping = mapping_variant(tmp_path, "gpt2", 'class = "parity.ffn:FeedForward"', 'class = "tests.mutants:gpt2_square"')
+    mapping = mapping_variant(tmp_path, "gpt2", 'class = "parity.ffn:FeedForward"',
+                              'class = "tests.mutants:gpt2_square"')
     report = parity.check(str(extra["gpt2_square"]), mapping=mapping)
     assert report.passed and all(r.diagnosis is None for r in report.layers)
 
@@ -101,7 +102,8 @@ def test_missing_transpose_square_linear(extra, tmp_path):
 
 
 def test_missing_transpose_by_shape(tiny, tmp_path):
-    mapping = mapping_variant(tmp_path, "gpt2", '"_layer2.weight" = { from = "c_proj.weight", transform = "transpose" }',
+    mapping = mapping_variant(tmp_path, "gpt2",
+                              '"_layer2.weight" = { from = "c_proj.weight", transform = "transpose" }',
                               '"_layer2.weight" = "c_proj.weight"')
     report = parity.check(str(tiny["gpt2"]), mapping=mapping, layers=[1])
     (layer,) = report.layers
@@ -114,7 +116,8 @@ def test_exact_gelu_checkpoint_passes_with_exact_module(extra):
     assert report.passed and report.reference_activation == "gelu"
 
 
-@pytest.mark.parametrize("model_type", ["gpt2", "openai-gpt", "llama", "mistral", "qwen2", "gemma", "gemma2", "gemma3_text"])
+@pytest.mark.parametrize("model_type",
+                         ["gpt2", "openai-gpt", "llama", "mistral", "qwen2", "gemma", "gemma2", "gemma3_text"])
 def test_correct_modules_get_no_diagnosis(tiny, model_type):
     report = parity.check(str(tiny[model_type]))
     assert report.passed and all(r.diagnosis is None for r in report.layers)

@@ -15,10 +15,10 @@ import shutil
 import stat
 import struct
 import subprocess
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable
 
 import pytest
 import torch
@@ -26,6 +26,8 @@ from safetensors.torch import load_file, save_file
 
 from parity.spec.mapping import builtin_mapping_dir
 
+from .hostile_files import ARRAY, STRING, UINT32, nested_arrays
+from .hostile_files import Value as HValue
 from .test_cli import PARITY, ROOT
 
 ST = "model.safetensors"
@@ -127,6 +129,111 @@ def shard_outside(folder: Path) -> None:
     index_path.write_text(json.dumps(index))
 
 
+# -- hostile values: sizes a file claims, values of the wrong type or range -------------------
+def fp8_up(folder: Path) -> None:
+    edit_tensors(folder / ST, lambda t: t.__setitem__(UP0, t[UP0].to(torch.float8_e4m3fn)))
+
+
+def write_gguf_copy(folder: Path, edit: Callable | None = None) -> None:
+    """folder/m.gguf: the tiny LLaMA as GGUF, with one field made hostile (tests/hostile_files.py)."""
+    from .conftest import build_model
+    from .gguf_files import Q, gguf_from_hf
+    from .hostile_files import gguf_bytes, read_gguf
+
+    path = gguf_from_hf(build_model("llama", seed=5), folder / "m.gguf", "llama", Q.F32)
+    if edit is not None:
+        gguf = read_gguf(path)
+        edit(gguf)
+        path.write_bytes(gguf_bytes(gguf))
+
+
+def gguf_edit(edit: Callable | None) -> Callable[[Path], None]:
+    return lambda folder: write_gguf_copy(folder, edit)
+
+
+def gguf_meta(key: str, value) -> Callable:
+    return lambda gguf: gguf.metadata.__setitem__(key, value)
+
+
+def gguf_tensor(field_name: str, value) -> Callable:
+    return lambda gguf: setattr(next(t for t in gguf.tensors if t.name == "blk.0.ffn_up.weight"), field_name, value)
+
+
+def q8_rows_of_33(gguf) -> None:
+    tensor = next(t for t in gguf.tensors if t.name == "blk.0.ffn_up.weight")
+    tensor.qtype, tensor.dims = 8, [33, 88]  # Q8_0 packs rows in blocks of 32 values
+
+
+def gguf_fifo(folder: Path) -> None:
+    os.mkfifo(folder / "m.gguf")
+
+
+def meta_folder(edit: dict) -> Callable[[Path], None]:
+    """Meta's release layout (params.json + consolidated.00.pth) with params.json edited."""
+    def apply(folder: Path) -> None:
+        from .test_pickle import write_meta
+
+        write_meta(folder / "meta", n_layers=2)
+        params = json.loads((folder / "meta" / "params.json").read_text()) | edit
+        (folder / "meta" / "params.json").write_text(json.dumps(params))
+    return apply
+
+
+def index_edit(edit: Callable[[dict, Path], None]) -> Callable[[Path], None]:
+    def apply(folder: Path) -> None:
+        path = folder / "model.safetensors.index.json"
+        index = json.loads(path.read_text())
+        edit(index, folder)
+        path.write_text(json.dumps(index))
+    return apply
+
+
+def shard_missing(index: dict, folder: Path) -> None:
+    index["weight_map"][UP0] = "model-00099-of-00099.safetensors"
+
+
+def shard_wrong(index: dict, folder: Path) -> None:
+    index["weight_map"][UP0] = next(f for f in sorted(set(index["weight_map"].values()))
+                                    if f != index["weight_map"][UP0])
+
+
+def shard_corrupt(index: dict, folder: Path) -> None:
+    (folder / index["weight_map"][UP0]).write_bytes(b"\xff" * 100)
+
+
+def bin_index_only(folder: Path) -> None:
+    for path in folder.glob("*.safetensors"):
+        path.unlink()
+    (folder / "pytorch_model.bin.index.json").write_text(json.dumps({"weight_map": {UP0: "pytorch_model-1.bin"}}))
+
+
+def empty_folder(folder: Path) -> None:
+    shutil.rmtree(folder)
+    folder.mkdir()
+
+
+def mapping_edit(old: str, new: str) -> Callable[[Path], Path]:
+    def write(root: Path) -> Path:
+        path = root / "hostile.toml"
+        text = (builtin_mapping_dir() / "llama.toml").read_text()
+        assert old in text
+        path.write_text(text.replace(old, new, 1))
+        return path
+    return write
+
+
+def fifo_mapping(root: Path) -> Path:
+    os.mkfifo(root / "fifo.toml")
+    return root / "fifo.toml"
+
+
+def project_file(name: str, text: str) -> Callable[[Path], Path]:
+    def write(root: Path) -> Path:
+        (root / name).write_text(text)
+        return root / name
+    return write
+
+
 # -- mapping files (written next to, never inside, the checkpoint) ----------------------------
 def invalid_toml(root: Path) -> Path:
     path = root / "broken.toml"
@@ -149,12 +256,14 @@ class Case:
     breaks: Callable[[Path], None] | None = None
     mapping: Callable[[Path], Path] | None = None
     env: dict[str, str] = field(default_factory=dict)
-    ckpt: str = "{folder}"  # the MODEL argument
+    ckpt: str | None = "{folder}"  # the MODEL argument (None: none, as `parity check` takes)
     in_process: bool = False  # run through parity.cli.main in this process (the same code, without the import cost)
+    command: list[str] = field(default_factory=list)  # ["inspect"], ["check"]: before MODEL
 
 
 CASES = [
-    Case("nonexistent-path", ["/no/such/checkpoint", "no such file or folder"], source=None, ckpt="/no/such/checkpoint"),
+    Case("nonexistent-path", ["/no/such/checkpoint", "no such file or folder"], source=None,
+         ckpt="/no/such/checkpoint"),
     Case("unknown-name", ["not-a-family", "not a mapping name", "parity list"], source=None, ckpt="not-a-family"),
     Case("offline-uncached-hub-id", ["someone/some-model", "HF_HUB_OFFLINE", "--checkpoint", "cache"], source=None,
          ckpt="someone/some-model", env={"HF_HOME": "{root}/hf_home", "HF_HUB_CACHE": "{root}/hf_home/hub"}),
@@ -167,15 +276,18 @@ CASES = [
          breaks=offsets_past_end),
     Case("shape-vs-offsets", ["{folder}/model.safetensors", UP0, "[88, 33]", "data_offsets span"],
          breaks=shape_disagrees_with_offsets, in_process=True),
-    Case("empty-safetensors", ["{folder}/model.safetensors", "0 bytes"], breaks=lambda f: (f / ST).write_bytes(b""), in_process=True),
+    Case("empty-safetensors", ["{folder}/model.safetensors", "0 bytes"], breaks=lambda f: (f / ST).write_bytes(b""),
+         in_process=True),
     Case("fifo-safetensors", ["{folder}/model.safetensors", "not a regular file"], breaks=fifo_weights),
     Case("missing-ffn-tensor", [GATE0, "closest present", "model.layers.0.mlp.gate.weight"], args=["--layer", "0"],
          breaks=rename_gate),
     Case("unexpected-shape", ["up_proj.weight", "[80, 32]", "[88, 32]", "d_ff"], args=["--layer", "0"],
          breaks=wrong_up_shape),
     Case("nan-weights", [DOWN0, "NaN", "checkpoint is defective"], args=["--layer", "0"], breaks=nan_in_down),
-    Case("inf-weights", [UP0, "NaN/Inf", "checkpoint is defective"], args=["--layer", "0"], breaks=inf_in_up, in_process=True),
-    Case("integer-weights", [UP0, "int32", "not floating point"], args=["--layer", "0"], breaks=int_weights, in_process=True),
+    Case("inf-weights", [UP0, "NaN/Inf", "checkpoint is defective"], args=["--layer", "0"], breaks=inf_in_up,
+         in_process=True),
+    Case("integer-weights", [UP0, "int32", "not floating point"], args=["--layer", "0"], breaks=int_weights,
+         in_process=True),
     Case("layer-out-of-range", ["layer 7", "valid: 0-2"], args=["--layer", "7"]),
     Case("layers-spec-out-of-range", ["layer 3", "valid: 0-2"], args=["--layers", "1-3"], in_process=True),
     Case("invalid-toml", ["broken.toml", "invalid TOML"], args=["--mapping", "{mapping}"], mapping=invalid_toml),
@@ -188,7 +300,8 @@ CASES = [
          args=["--target", "tests.broken_targets:RaisesInInit"]),
     Case("target-not-a-module", ["tests.broken_targets:not_a_module", "not a torch.nn.Module"],
          args=["--target", "tests.broken_targets:not_a_module"]),
-    Case("target-wrong-signature", ["WrongSignature", "unexpected keyword argument", "signature is WrongSignature(width)"],
+    Case("target-wrong-signature",
+         ["WrongSignature", "unexpected keyword argument", "signature is WrongSignature(width)"],
          args=["--target", "tests.broken_targets:WrongSignature"]),
     Case("target-forward-raises", ["tests.broken_targets:ForwardRaises", "[3, 16, 32]", "ValueError: boom in forward"],
          args=["--layer", "0", "--target", "tests.broken_targets:ForwardRaises"]),
@@ -205,13 +318,98 @@ CASES = [
          breaks=lambda f: (f / "config.json").write_text("[1, 2]"), in_process=True),
     Case("config-unserved-model-type", ["'frobnicator'", "llama", "gpt2", "Adding a model family", "--mapping"],
          breaks=config_edit(lambda c: c.__setitem__("model_type", "frobnicator"))),
-    Case("config-bad-value", ["hidden_size", "cannot load its config"],
+    Case("config-bad-value", ["config.json", "'hidden_size' = 'big'", "expected an integer"],
          breaks=config_edit(lambda c: c.__setitem__("hidden_size", "big")), in_process=True),
     Case("no-config", ["no config.json"], breaks=lambda f: (f / "config.json").unlink(), in_process=True),
     Case("shard-outside-folder", ["model.safetensors.index.json", "../elsewhere.safetensors", "outside"],
          source="llama_sharded", breaks=shard_outside, in_process=True),
     Case("json-report-unwritable", ["--json {root}/no/such/dir/r.json", "cannot write"],
          args=["--layer", "0", "--json", "{root}/no/such/dir/r.json"], in_process=True),
+    # -- hostile inputs (issue 9): one representative of each class ------------------------------
+    # sizes a file claims, checked against what the file holds before anything is allocated or iterated
+    Case("config-claims-a-million-layers", ["config.json", "'num_hidden_layers' = 1000000", "30 tensors"],
+         args=["--layer", "0"], breaks=config_edit(lambda c: c.__setitem__("num_hidden_layers", 1000000)),
+         in_process=True),
+    Case("config-zero-layers", ["config.json", "'num_hidden_layers' = 0", "at least one layer"],
+         breaks=config_edit(lambda c: c.__setitem__("num_hidden_layers", 0)), in_process=True),
+    Case("config-more-layers-than-weights", ["num_hidden_layers", "holds no tensor of layer 3", "layers 0-2"],
+         breaks=config_edit(lambda c: c.__setitem__("num_hidden_layers", 4)), in_process=True),
+    Case("gguf-block-count-2^31", ["m.gguf", "'llama.block_count' = 2147483648"], ckpt="{folder}/m.gguf",
+         breaks=gguf_edit(gguf_meta("llama.block_count", HValue(UINT32, 2**31)))),
+    Case("gguf-block-count-0", ["m.gguf", "'llama.block_count' = 0"], ckpt="{folder}/m.gguf",
+         breaks=gguf_edit(gguf_meta("llama.block_count", HValue(UINT32, 0))), in_process=True),
+    Case("gguf-dims-claim-gigabytes", ["blk.0.ffn_up.weight", "claims bytes", "the file has only"],
+         ckpt="{folder}/m.gguf", breaks=gguf_edit(gguf_tensor("dims", [32, 150_000_000])), in_process=True),
+    Case("gguf-offset-2^63", ["blk.0.ffn_up.weight", "the file has only"], ckpt="{folder}/m.gguf",
+         breaks=gguf_edit(gguf_tensor("offset", 2**63)), in_process=True),
+    Case("gguf-q8-rows-not-blocks", ["blk.0.ffn_up.weight", "Q8_0", "not a multiple of its block size 32"],
+         ckpt="{folder}/m.gguf", breaks=gguf_edit(q8_rows_of_33), in_process=True),
+    Case("gguf-alignment-0", ["m.gguf", "'general.alignment' = 0", "power of two"], ckpt="{folder}/m.gguf",
+         breaks=gguf_edit(gguf_meta("general.alignment", HValue(UINT32, 0))), in_process=True),
+    Case("gguf-string-claims-10^12-bytes", ["m.gguf", "claims 1000000000000 bytes"], ckpt="{folder}/m.gguf",
+         breaks=gguf_edit(gguf_meta("x.strings", HValue(ARRAY, [HValue(STRING, "ab", claimed_length=10**12)],
+                                                        item=STRING))), in_process=True),
+    Case("gguf-arrays-5000-deep", ["m.gguf", "nested more than"], ckpt="{folder}/m.gguf",
+         breaks=gguf_edit(gguf_meta("x.nested", nested_arrays(5000))), in_process=True),
+    Case("mapping-a-billion-layers", ["hostile.toml", "num_layers", "1000000000"], args=["--mapping", "{mapping}"],
+         mapping=mapping_edit('default_checkpoint', 'num_layers = 1000000000\ndefault_checkpoint'), in_process=True),
+    # values of the wrong type or range, each message naming the file, the field and the value
+    Case("config-intermediate-size-0", ["config.json", "'intermediate_size' = 0"],
+         breaks=config_edit(lambda c: c.__setitem__("intermediate_size", 0)), in_process=True),
+    Case("config-unknown-activation", ["config.json", "'hidden_act' = 'frobnicate'", "ACT2FN"],
+         breaks=config_edit(lambda c: c.__setitem__("hidden_act", "frobnicate")), in_process=True),
+    Case("meta-multiple-of-0", ["params.json", "'multiple_of' = 0"], ckpt="{folder}/meta",
+         args=["--allow-pickle"], breaks=meta_folder({"multiple_of": 0}), in_process=True),
+    Case("meta-norm-eps-string", ["params.json", "'norm_eps' = 'x'"], ckpt="{folder}/meta",
+         args=["--allow-pickle"], breaks=meta_folder({"norm_eps": "x"}), in_process=True),
+    Case("meta-rope-theta-list", ["params.json", "'rope_theta' = [1]"], ckpt="{folder}/meta",
+         args=["--allow-pickle"], breaks=meta_folder({"rope_theta": [1]}), in_process=True),
+    Case("meta-zero-layers", ["params.json", "'n_layers' = 0"], ckpt="{folder}/meta", args=["--allow-pickle"],
+         breaks=meta_folder({"n_layers": 0}), in_process=True),
+    Case("mapping-template-indexes-layer", ["hostile.toml", "checkpoint.layer_key", "{layer[0]}", "not allowed"],
+         args=["--mapping", "{mapping}"], in_process=True,
+         mapping=mapping_edit('layer_key = "model.layers.{layer}.mlp"', 'layer_key = "model.layers.{layer[0]}.mlp"')),
+    Case("mapping-no-key-prefixes", ["hostile.toml", "checkpoint.key_prefixes", "empty"],
+         args=["--mapping", "{mapping}"], mapping=mapping_edit('key_prefixes = [""]', "key_prefixes = []"),
+         in_process=True),
+    Case("mapping-hidden-size-0", ["hostile.toml", "hidden_size", "out of range"], args=["--mapping", "{mapping}"],
+         mapping=mapping_edit('default_checkpoint', 'hidden_size = 0\ndefault_checkpoint'), in_process=True),
+    # weights parity cannot compute with as stored
+    Case("fp8-weights", [UP0, "float8_e4m3fn", "FP8", "scale"], args=["--layer", "0"], breaks=fp8_up,
+         in_process=True),
+    Case("mapping-chunk-does-not-divide", ["hostile.toml", "chunk [0, 3]", "[88, 32]"],
+         args=["--layer", "0", "--mapping", "{mapping}"], in_process=True,
+         mapping=mapping_edit('"_up.weight" = "up_proj.weight"',
+                              '"_up.weight" = { from = "up_proj.weight", chunk = [0, 3] }')),
+    # sharded folders: a check and `parity inspect` validate alike
+    Case("index-names-missing-shard", ["model-00099-of-00099.safetensors", "model.safetensors.index.json",
+                                       "does not exist"], source="llama_sharded", breaks=index_edit(shard_missing),
+         in_process=True),
+    Case("inspect-index-names-missing-shard", ["model-00099-of-00099.safetensors", "does not exist"],
+         command=["inspect"], source="llama_sharded", breaks=index_edit(shard_missing), in_process=True),
+    Case("inspect-tensor-in-wrong-shard", [UP0, "holds no tensor", "index and the shards disagree"],
+         command=["inspect"], source="llama_sharded", breaks=index_edit(shard_wrong), in_process=True),
+    Case("inspect-corrupt-shard", ["not a readable safetensors file"], command=["inspect"], source="llama_sharded",
+         breaks=index_edit(shard_corrupt), in_process=True),
+    Case("bin-index-names-missing-shard", ["pytorch_model-1.bin", "pytorch_model.bin.index.json", "does not exist"],
+         args=["--allow-pickle"], breaks=bin_index_only, in_process=True),
+    # special files and odd paths
+    Case("fifo-gguf", ["m.gguf", "FIFO", "not a regular file"], ckpt="{folder}/m.gguf", breaks=gguf_fifo),
+    Case("fifo-mapping", ["fifo.toml", "FIFO", "not a regular file"], args=["--mapping", "{mapping}"],
+         mapping=fifo_mapping),
+    Case("fifo-config-json", ["config.json", "FIFO"], breaks=lambda f: (f / "config.json").unlink()
+         or os.mkfifo(f / "config.json")),
+    Case("empty-folder", ["{folder}", "the folder is empty"], breaks=empty_folder, in_process=True),
+    Case("newline-in-path", ["a\\nb", "the folder is empty"], ckpt="{root}/a\nb",
+         breaks=lambda f: (f.parent / "a\nb").mkdir(), in_process=True),
+    Case("pyproject-tool-not-a-table", ["pyproject.toml", "'tool'", "must be a table"], ckpt=None, source=None,
+         command=["check"], args=["--config", "{mapping}"], mapping=project_file("pyproject.toml", 'tool = "x"\n'),
+         in_process=True),
+    Case("pyproject-without-tool-parity", ["pyproject.toml", "no [tool.parity] table"], ckpt=None, source=None,
+         command=["check"], args=["--config", "{mapping}"], in_process=True,
+         mapping=project_file("pyproject.toml", '[project]\nname = "x"\n')),
+    Case("target-names-a-builtin", ["os:system", "built-in function", "does not call it"],
+         args=["--layer", "0", "--target", "os:system"], in_process=True),
     Case("internal-error", ["internal error", "ZeroDivisionError", "please report", "--debug"],
          args=["--layer", "0", "--target", "tests.broken_targets:BrokenParameters"]),
 ]
@@ -255,7 +453,8 @@ def prepare(case: Case, root: Path, sources: dict[str, Path]) -> tuple[Outcome, 
             case.breaks(folder)
     outcome = Outcome(case, folder, root, snapshot(folder))
     mapping = case.mapping(root) if case.mapping else None
-    args = [outcome.fill(case.ckpt), *[outcome.fill(a).replace("{mapping}", str(mapping)) for a in case.args]]
+    model = [] if case.ckpt is None else [outcome.fill(case.ckpt)]
+    args = [*case.command, *model, *[outcome.fill(a).replace("{mapping}", str(mapping)) for a in case.args]]
     env = {key: outcome.fill(value) for key, value in case.env.items()}
     return outcome, args, env
 
@@ -398,10 +597,9 @@ def test_offline_message_when_hub_unreachable_without_hf_hub_offline(monkeypatch
 
 # -- the reference side: weights whose shapes disagree with config.json ----------------------
 def test_reference_names_both_shapes_when_config_and_weights_disagree(tiny):
-    from parity.errors import ShapeMismatchError
     from parity.engine.reference import ReferenceModel
-    from parity.engine.resolve import load_config
-    from parity.engine.resolve import open_checkpoint
+    from parity.engine.resolve import load_config, open_checkpoint
+    from parity.errors import ShapeMismatchError
 
     config = load_config(open_checkpoint(str(tiny["llama"])))
     reference = ReferenceModel(config)

@@ -83,7 +83,8 @@ def test_config_comes_from_the_metadata(llama_mixed):
 
     resolved = resolve(str(llama_mixed))
     config = resolved.config
-    assert (config.model_type, config.hidden_size, config.intermediate_size, config.num_hidden_layers) == ("llama", 256, 512, 2)
+    assert (config.model_type, config.hidden_size, config.intermediate_size,
+            config.num_hidden_layers) == ("llama", 256, 512, 2)
     assert config.vocab_size == 64  # from the token list: the file has no token_embd.weight
     assert config.hidden_act == "silu"
     assert resolved.checkpoint.config_dir is None

@@ -11,11 +11,11 @@ from torch import nn
 
 import parity
 import parity.engine.suite
-from parity.errors import WeightDefectError
-from parity.engine.memory import young_objects_only
 from parity.engine.inputs import preactivation
 from parity.engine.layer import all_finite
+from parity.engine.memory import young_objects_only
 from parity.engine.upcast import compute_in, upcast_on_call, works_on_call
+from parity.errors import WeightDefectError
 
 from .conftest import build_model
 
@@ -29,7 +29,8 @@ def test_upcast_on_call_computes_exactly_as_a_converted_module():
     x = torch.randn(2, 5, 32)
     want32, want64 = [
         type(stored).forward(converted, x.to(dtype))
-        for dtype, converted in ((torch.float32, _converted(stored, torch.float32)), (torch.float64, _converted(stored, torch.float64)))
+        for dtype, converted in ((torch.float32, _converted(stored, torch.float32)),
+                                 (torch.float64, _converted(stored, torch.float64)))
     ]
     hooked = upcast_on_call(_converted(stored, torch.bfloat16), torch.float32)
     with torch.no_grad():

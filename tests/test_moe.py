@@ -146,7 +146,8 @@ def test_mixtral_gguf_stacked_experts(mixtral, tmp_path):
         gate_up = state[f"model.layers.{layer}.mlp.experts.gate_up_proj"].numpy()
         tensors[f"blk.{layer}.ffn_gate_exps.weight"] = (np.ascontiguousarray(gate_up[:, :48]), Q.F16)
         tensors[f"blk.{layer}.ffn_up_exps.weight"] = (np.ascontiguousarray(gate_up[:, 48:]), Q.F16)
-        tensors[f"blk.{layer}.ffn_down_exps.weight"] = (state[f"model.layers.{layer}.mlp.experts.down_proj"].numpy(), Q.BF16)
+        tensors[f"blk.{layer}.ffn_down_exps.weight"] = (state[f"model.layers.{layer}.mlp.experts.down_proj"].numpy(),
+                                                        Q.BF16)
     path = write_gguf(tmp_path / "mixtral.gguf", "llama", meta, tensors)
     report = parity.check(str(path), layers=[1])
     assert report.mapping == "mixtral-gguf" and report.passed and len(report.layers) == 4

@@ -23,8 +23,10 @@ def wheel(tmp_path_factory):
 
 def test_wheel_carries_every_mapping(wheel):
     names = set(zipfile.ZipFile(wheel).namelist())
-    for toml in (ROOT / "mappings").glob("*.toml"):
+    for toml in (ROOT / "mappings").glob("*.toml"):  # aliases.toml, the parameter names by role, too
         assert f"parity/mappings/{toml.name}" in names
+    assert "parity/mappings/aliases.toml" in names
+    assert "parity/schema/report.schema.json" in names  # the JSON Schema of --json
     assert any(n.endswith("entry_points.txt") for n in names)
 
 
@@ -32,10 +34,13 @@ def test_installed_wheel_lists_builtin_mappings(wheel, tmp_path):
     target = tmp_path / "site"
     subprocess.run([sys.executable, "-m", "pip", "install", "--no-deps", "-q", "--target", str(target), str(wheel)],
                    check=True, capture_output=True, timeout=300)
-    code = "import json, parity.spec.mapping as m; print(m.builtin_mapping_dir()); print(json.dumps(sorted(m.builtin_mappings())))"
+    code = ("import json, parity.spec.mapping as m, parity.spec.aliases as a, parity.engine.results as r; "
+            "print(m.builtin_mapping_dir()); print(json.dumps(sorted(m.builtin_mappings()))); "
+            "print(a.load_aliases().path); print(r.SCHEMA_FILE.is_file())")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=tmp_path,
                          env={"PYTHONPATH": str(target), "PATH": "/usr/bin:/bin"}, timeout=120)
     assert out.returncode == 0, out.stderr
-    folder, names = out.stdout.splitlines()
+    folder, names, aliases, schema = out.stdout.splitlines()
     assert folder == str(target / "parity" / "mappings")
+    assert aliases == str(target / "parity" / "mappings" / "aliases.toml") and schema == "True"
     assert {"gpt2", "llama", "gemma", "mistral", "qwen2", "openai-gpt"} <= set(json.loads(names))

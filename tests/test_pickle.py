@@ -28,9 +28,11 @@ def write_meta(folder: Path, dim=64, n_layers=2, multiple_of=32, multiplier=None
              "norm.weight": torch.ones(dim).bfloat16()}
     for layer in range(n_layers):
         for name, shape in (("w1", (d_ff, dim)), ("w3", (d_ff, dim)), ("w2", (dim, d_ff))):
-            state[f"layers.{layer}.feed_forward.{name}.weight"] = (torch.randn(*shape, generator=generator) * 0.05).bfloat16()
+            state[f"layers.{layer}.feed_forward.{name}.weight"] = (
+                torch.randn(*shape, generator=generator) * 0.05).bfloat16()
     torch.save(state, folder / "consolidated.00.pth")
-    params = {"dim": dim, "n_layers": n_layers, "n_heads": 4, "multiple_of": multiple_of, "norm_eps": 1e-5, "vocab_size": -1}
+    params = {"dim": dim, "n_layers": n_layers, "n_heads": 4, "multiple_of": multiple_of, "norm_eps": 1e-5,
+              "vocab_size": -1}
     if multiplier is not None:
         params["ffn_dim_multiplier"] = multiplier
     (folder / "params.json").write_text(json.dumps(params))

@@ -10,8 +10,8 @@ import torch
 from safetensors import safe_open
 
 import parity
-from parity.sources import hub
 from parity.errors import CheckpointError
+from parity.sources import hub
 from parity.sources.ranges import RangedReader, Span, layer_ranges, local_fetcher, plan
 
 
@@ -204,15 +204,32 @@ def test_quiet_and_json_stdout_silence_progress_bars(tiny, flags, capsys):
         assert json.loads(out.out)["passed"] is True
 
 
-def test_progress_bars_on_by_default(tiny, capsys):
+def test_progress_bars_on_by_default_on_a_terminal(tiny, capsys, monkeypatch):
     from huggingface_hub.utils import are_progress_bars_disabled, enable_progress_bars
 
     from parity.cli import main
 
+    monkeypatch.setattr("parity.outputs.progress.bar_wanted", lambda quiet, json_stdout, stream=None: True)
     enable_progress_bars()
     assert main([str(tiny["llama"]), "--layer", "0"]) == 0
     assert not are_progress_bars_disabled()
     assert "max|Δ|" in capsys.readouterr().out
+
+
+def test_no_library_progress_bars_when_stderr_is_no_terminal(tiny, capsys):
+    """A CI log (stderr not a terminal) gets no huggingface_hub or transformers bars (issue 10)."""
+    from huggingface_hub.utils import are_progress_bars_disabled, enable_progress_bars
+    from transformers.utils import logging as hf_logging
+
+    from parity.cli import main
+
+    enable_progress_bars()
+    try:
+        assert main([str(tiny["llama"]), "--layer", "0"]) == 0
+        assert are_progress_bars_disabled() and not hf_logging.is_progress_bar_enabled()
+    finally:
+        enable_progress_bars()
+        hf_logging.enable_progress_bar()
 
 
 def test_tensors_read_by_range_are_cached_for_the_commit(online_hub_without_shards, llama_sharded, monkeypatch):
@@ -223,7 +240,8 @@ def test_tensors_read_by_range_are_cached_for_the_commit(online_hub_without_shar
     again = parity.check("tiny-org/sharded", layers=[1])
     assert calls == []  # nothing fetched the second time
     for now, before in zip(again.layers, first.layers, strict=True):  # the same weights, read from the cache
-        # (not bit-equal deviations: the tensors may sit at other memory alignments, which can change a kernel's rounding)
+        # (not bit-equal deviations: the tensors may sit at other memory alignments, which can change a kernel's
+        # rounding)
         assert now.passed and now.preactivation_range == pytest.approx(before.preactivation_range, rel=1e-5)
     monkeypatch.setattr(hub, "hub_reachable", lambda: False)  # and offline, from the same cache
     assert parity.check("tiny-org/sharded", layers=[1]).passed and calls == []

@@ -116,7 +116,8 @@ def test_reference_tensors_with_experts_is_refused_on_load(tmp_path):
     text = (builtin_mapping_dir() / "mixtral.toml").read_text()
     path = tmp_path / "moe.toml"
     path.write_text(text.replace("[experts]", '[reference.tensors]\n"w1.weight" = "w1.weight"\n\n[experts]', 1))
-    with pytest.raises(MappingError, match=r"moe\.toml:\d+: key 'reference.tensors': is not used by a mapping with \[experts\]"):
+    with pytest.raises(MappingError,
+                       match=r"moe\.toml:\d+: key 'reference.tensors': is not used by a mapping with \[experts\]"):
         load_mapping(path)
 
 

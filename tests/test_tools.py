@@ -11,8 +11,8 @@ import pytest
 
 from parity import cli
 from parity.engine.inspect import inspect_model, render_inspection
-from parity.spec.families import dff_rule
 from parity.outputs.progress import Progress, bar_wanted
+from parity.spec.families import dff_rule
 from parity.testing import ParityAssertionError, assert_parity
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -45,7 +45,8 @@ def test_inspect_reads_headers_only(tiny, monkeypatch):
     assert info["activation"]["transformers_runs"] == "gelu_new" and info["biases"] == ["c_fc.bias", "c_proj.bias"]
     tensors = {t["name"]: t for t in info["tensors"]}
     assert tensors["transformer.h.2.mlp.c_fc.weight"]["shape"] == [32, 128]  # Conv1D [in, out], as stored
-    assert {t["dtype"] for t in tensors.values()} == {"F32"} and {t["file"] for t in tensors.values()} == {"model.safetensors"}
+    assert ({t["dtype"] for t in tensors.values()} == {"F32"}
+            and {t["file"] for t in tensors.values()} == {"model.safetensors"})
     text = render_inspection(info)
     assert "follows 4d (GPT) = 128" in text and "transformer.h.2.mlp.c_proj.bias" in text
 

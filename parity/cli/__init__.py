@@ -6,38 +6,138 @@ from __future__ import annotations
 
 import argparse
 import os
+import signal
 import sys
 
-from parity.cli.commands import EXIT_BAD_INPUT, list_mappings, run_check, run_inspect, run_project
+from parity.cli.commands import EXIT_BAD_INPUT, list_mappings, one_line, run_check, run_inspect, run_project
 from parity.cli.options import build_check_parser, build_inspect_parser, build_parser
 from parity.errors import ParityError
 
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    if argv[:1] == ["list"]:
-        args, run = argparse.Namespace(debug="--debug" in argv), lambda _args: list_mappings()
-    elif argv[:1] in (["check"], ["inspect"]):
-        build, run = {"check": (build_check_parser, run_project), "inspect": (build_inspect_parser, run_inspect)}[argv[0]]
-        args = build().parse_args(argv[1:])
-    else:
-        args, run = build_parser().parse_args(argv), run_check
+    try:
+        args, run = _parse(argv)
+    except SystemExit:  # --help, --version, a usage error: their text must reach a full disk's error too
+        _flush_stdout(0)
+        raise
     if os.getcwd() not in sys.path:
-        sys.path.insert(0, os.getcwd())  # a target class (--target or a mapping's target.class) from the project checked
+        # a target class (--target or a mapping's target.class) from the project checked
+        sys.path.insert(0, os.getcwd())
+    previous = _interrupt_once()
+    stdout, sys.stdout = sys.stdout, _Guarded(sys.stdout)
+    try:
+        code = _run(run, args)
+    finally:
+        sys.stdout = stdout
+        if previous is not None and not _SIGNALLED:  # after a real Ctrl-C, later ones stay ignored until exit
+            signal.signal(signal.SIGINT, previous)
+    return _flush_stdout(code)
+
+
+def _parse(argv: list[str]):
+    if argv[:1] == ["list"]:
+        return argparse.Namespace(debug="--debug" in argv), lambda _args: list_mappings()
+    if argv[:1] in (["check"], ["inspect"]):
+        build, run = {"check": (build_check_parser, run_project),
+                      "inspect": (build_inspect_parser, run_inspect)}[argv[0]]
+        return build().parse_args(argv[1:]), run
+    return build_parser().parse_args(argv), run_check
+
+
+def _run(run, args: argparse.Namespace) -> int:
+    """The command, with every way it can end turned into an exit code and at most one line on stderr."""
     try:
         return run(args)
     except ParityError as exc:
         if args.debug:
             raise
-        print(f"parity: error: {exc}", file=sys.stderr)
+        print(f"parity: error: {one_line(str(exc))}", file=sys.stderr)
         return exc.exit_code
-    except KeyboardInterrupt:
+    except StdoutError as exc:
+        return _stdout_failed(exc.__cause__ or exc, EXIT_BAD_INPUT)
+    except KeyboardInterrupt:  # from Ctrl-C, later ones are ignored (_interrupt_once): no traceback at exit
         print("parity: interrupted", file=sys.stderr)
         return 130
     except Exception as exc:  # a bug in parity (or in a library it calls): one line, not a traceback
         if args.debug:
             raise
-        print(f"parity: internal error ({type(exc).__name__}: {' '.join(str(exc).split())}); please report it, "
-              "and rerun with --debug to see the traceback", file=sys.stderr)
+        print(f"parity: internal error ({type(exc).__name__}: {one_line(' '.join(str(exc).split()))}); please "
+              "report it, and rerun with --debug to see the traceback", file=sys.stderr)
         return EXIT_BAD_INPUT
 
+
+_SIGNALLED = False
+
+
+def _interrupt_once():
+    """Turn the first SIGINT into KeyboardInterrupt and ignore any that follow: a second Ctrl-C (``timeout``
+    and process managers send more than one) would otherwise interrupt the exit itself and print an
+    "Exception ignored in atexit callback" traceback.  Returns the previous handler, to restore; None where
+    signals cannot be set (not the main thread, or a handler someone else installed)."""
+    def first(_signum, _frame):
+        global _SIGNALLED
+        _SIGNALLED = True
+        _ignore_interrupts()
+        raise KeyboardInterrupt
+
+    try:
+        if signal.getsignal(signal.SIGINT) is not signal.default_int_handler:
+            return None
+        return signal.signal(signal.SIGINT, first)
+    except ValueError:
+        return None
+
+
+def _ignore_interrupts() -> None:
+    try:
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+    except ValueError:  # not the main thread
+        pass
+
+
+class StdoutError(Exception):
+    """Writing to stdout failed (a full disk, a closed pipe): the run cannot report, which is not a parity bug."""
+
+
+class _Guarded:
+    """sys.stdout while a command runs: a failed write raises StdoutError (told apart from any other OSError)."""
+
+    def __init__(self, inner):
+        self._inner = inner
+
+    def write(self, text: str) -> int:
+        try:
+            return self._inner.write(text)
+        except OSError as exc:
+            raise StdoutError(str(exc)) from exc
+
+    def flush(self) -> None:
+        try:
+            self._inner.flush()
+        except OSError as exc:
+            raise StdoutError(str(exc)) from exc
+
+    def __getattr__(self, name: str):
+        return getattr(self._inner, name)
+
+
+def _flush_stdout(code: int) -> int:
+    """Flush stdout now, while an error can still be reported: at exit, a full disk (``parity list > /dev/full``)
+    or a closed pipe would print a traceback."""
+    try:
+        sys.stdout.flush()
+        return code
+    except OSError as exc:
+        return _stdout_failed(exc, code or EXIT_BAD_INPUT)
+
+
+def _stdout_failed(exc: BaseException, code: int) -> int:
+    """Say so on stderr, and point stdout at /dev/null so the interpreter's own flush at exit succeeds."""
+    try:
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+    except (OSError, ValueError, AttributeError):  # no file descriptor (an in-process capture)
+        pass
+    reason = getattr(exc, "strerror", None) or str(exc)
+    print(f"parity: error: cannot write to standard output: {reason}", file=sys.stderr)
+    return code

@@ -8,7 +8,7 @@ import json
 import os
 import sys
 
-from parity.errors import UsageError
+from parity.errors import MappingError, UsageError
 
 EXIT_PASS, EXIT_MISMATCH, EXIT_BAD_INPUT = 0, 1, 2
 
@@ -18,23 +18,37 @@ def run_inspect(args: argparse.Namespace) -> int:
 
     info = inspect_model(args.model, checkpoint=args.checkpoint, mapping=args.mapping, revision=args.revision,
                          target=args.target, layer=args.layer)
-    print(inspection_json(info) if args.json else render_inspection(info))
+    if args.json == "-":
+        print(inspection_json(info))
+        return EXIT_PASS
+    print(render_inspection(info))
+    if args.json:
+        from parity.outputs.atomic import write_text_atomic
+
+        write_text_atomic(args.json, inspection_json(info) + "\n", "--json", create_folder=False)
     return EXIT_PASS
 
 
 def run_project(args: argparse.Namespace) -> int:
-    from parity.spec.project import load_project, parse_shard
+    from parity.spec.project import load_project, parse_shard, select_checks
 
     project = load_project(args.config)
+    if args.select:
+        project.checks = select_checks(project.checks, args.select)
     shard = parse_shard(args.shard) if args.shard else None  # validated before any model is resolved
     for folder in (str(project.path.parent.resolve()), os.getcwd()):
         if folder not in sys.path:
             sys.path.insert(0, folder)  # targets of the project being checked
-    for key in ("baseline", "junit", "baseline_factor", "baseline_slack"):
+    for key in ("baseline", "junit", "html", "baseline_factor", "baseline_slack"):
         if getattr(args, key) is None:
             setattr(args, key, getattr(project, key))
     args.key_root = project.path.parent  # baseline keys name local paths relative to the project
     return run_specs(project.checks, args, single=False, shard=shard)
+
+
+def one_line(text: str) -> str:
+    """A message as exactly one line: a newline (or another control character) in a path is shown escaped."""
+    return "".join(c if c.isprintable() else repr(c)[1:-1] for c in text)
 
 
 def run_specs(specs, args: argparse.Namespace, single: bool, shard=None) -> int:
@@ -54,7 +68,7 @@ def run_specs(specs, args: argparse.Namespace, single: bool, shard=None) -> int:
     regressions = comparison.regressions if comparison is not None else []
     for run in runs:
         if run.error is not None:
-            print(f"parity: error: {run.error}", file=sys.stderr)
+            print(f"parity: error: {one_line(run.error)}", file=sys.stderr)
     for line in baseline_lines(args.baseline, comparison):
         print(line, file=out)
     code = exit_code(runs, len(regressions))
@@ -82,6 +96,8 @@ def run_with_progress(specs, args: argparse.Namespace, single: bool, shard, out)
     json_stdout = args.json == "-"
     if args.quiet or json_stdout:  # download bars would interleave with the table / JSON consumers' stderr
         silence_downloads()
+    if not bar_wanted(False, False):  # stderr is no terminal (a CI log): no library's bars either
+        silence_foreign_bars()
     runs = plan(specs, shard, raise_errors=single)
     progress = Progress(sum(len(run.layers) for run in runs), bar_wanted(args.quiet, json_stdout))
     writer = TextWriter(lambda text: None if args.quiet else progress.say(text, out))
@@ -99,6 +115,17 @@ def run_with_progress(specs, args: argparse.Namespace, single: bool, shard, out)
     finally:
         progress.close()
     return runs
+
+
+def silence_foreign_bars() -> None:
+    """huggingface_hub's download bars and transformers' own ("Loading weights", under --logits) write
+    carriage returns into CI logs: only a terminal gets them."""
+    from transformers.utils import logging as hf_logging
+
+    from parity.outputs.progress import silence_downloads
+
+    silence_downloads()
+    hf_logging.disable_progress_bar()
 
 
 def summary(runs, args: argparse.Namespace, single: bool, shard, code: int, regressions: list, compared: bool) -> str:
@@ -158,7 +185,8 @@ def update_baseline(args: argparse.Namespace, reports, out) -> None:
 
 def write_outputs(args: argparse.Namespace, runs, single: bool, shard, comparison, problem: str | None,
                   code: int) -> None:
-    """--junit and --json, each written atomically (parity.outputs.atomic): a CI step never reads half a file."""
+    """--junit, --html and --json, each written atomically (parity.outputs.atomic): a CI step never reads half a
+    file."""
     from parity.outputs.atomic import write_text_atomic
 
     regressions = comparison.regressions if comparison is not None else []
@@ -168,12 +196,38 @@ def write_outputs(args: argparse.Namespace, runs, single: bool, shard, compariso
         write_junit(args.junit, runs, {id(r.layer): r.message for r in regressions},
                     {id(r.layer): r.message for r in (comparison.other_weights if comparison is not None else [])},
                     problem)
+    if getattr(args, "html", None):
+        from parity.outputs.html import write_html
+
+        line = summary(runs, args, single, shard, code, regressions, comparison is not None)
+        write_html(args.html, runs, line, code, problem)
+    if single and getattr(args, "save_mapping", None):
+        save_mapping(args.save_mapping, runs[0].report)
     if args.json:
         text = json.dumps(json_document(runs, single, shard, args, comparison, problem, code), indent=2)
         if args.json == "-":
             print(text)
         else:
             write_text_atomic(args.json, text + "\n", "--json", create_folder=False)
+
+
+def save_mapping(path: str, report) -> None:
+    """--save-mapping: the routes this run used, as a mapping file that repeats the run with --mapping FILE."""
+    from parity.outputs.atomic import write_text_atomic
+    from parity.spec.mapping import mapping_text
+
+    if report is None or not report.routes:
+        raise UsageError(f"--save-mapping {path}: no layer was built, so no routes were used; nothing written")
+    routes = report.routes
+    how = "read off the target's parameter names" if routes["inferred"] else "of the mapping it extends"
+    header = (f"Written by `parity {report.model} --save-mapping`: target {report.target}, routes {how}.\n"
+              f"The same run: parity {report.model} --mapping {path}")
+    if routes["args"] is None:
+        header += "\nThe run checked an nn.Module instance: set [target].args to build its class as it was built."
+    if "<" in report.target:
+        header += f"\n{report.target} cannot be imported by name: put the factory in a module (module:function)."
+    text = mapping_text(routes["extends"], report.target, routes["args"], routes["tensors"], header=header)
+    write_text_atomic(path, text, "--save-mapping", create_folder=False)
 
 
 def json_document(runs, single: bool, shard, args, comparison, problem: str | None, code: int) -> dict:
@@ -221,7 +275,14 @@ def run_check(args: argparse.Namespace) -> int:
     layers = args.layer if args.layer is not None else args.layers
     spec = CheckSpec(model=args.model, checkpoint=args.checkpoint, layers=layers, target=args.target,
                      mapping=args.mapping, revision=args.revision, seed=args.seed, atol=args.atol, logits=args.logits,
-                     allow_pickle=args.allow_pickle, experts=args.experts, require_real=args.require_real)
-    return run_specs([spec], args, single=True)
+                     allow_pickle=args.allow_pickle, experts=args.experts, require_real=args.require_real,
+                     device=args.device, dtype=args.dtype)
+    try:
+        return run_specs([spec], args, single=True)
+    except MappingError as exc:
+        if getattr(exc, "details", None) is None:
+            raise
+        print(exc.details, file=sys.stderr)  # the target's parameters, the checkpoint's tensors, a mapping to edit
+        raise MappingError(exc.headline) from None
 
 

@@ -7,7 +7,7 @@ import argparse
 import functools
 
 from parity import __version__
-from parity.spec.values import atol_value, baseline_number, nonempty, seed_value
+from parity.spec.values import atol_value, baseline_number, device_value, dtype_value, nonempty, seed_value
 
 DESCRIPTION = """\
 Check that a feed-forward module computes what transformers computes on the same
@@ -19,8 +19,9 @@ MODEL is a mapping name (gpt2, llama, gemma, ...; see `parity list`), a hub id
 
 commands:
   parity MODEL [options]   check one model (this page)
-  parity check [options]   run every check listed in ./parity.toml or [tool.parity] in
-                           ./pyproject.toml (`parity check --help`); a folder literally
+  parity check [options]   run every check listed in parity.toml or [tool.parity] in
+                           pyproject.toml, here or in a parent folder (`parity check
+                           --help`); a folder literally
                            named "check" must be given as ./check
   parity inspect MODEL     show what would be checked, computing nothing
   parity list              the built-in mappings
@@ -35,7 +36,8 @@ def value_type(rule, convert=str, hint: str = ""):
         try:
             value = convert(text)
         except ValueError:
-            raise argparse.ArgumentTypeError(f"{text!r} is not {'a number' if convert is float else 'an integer'}") from None
+            raise argparse.ArgumentTypeError(
+                f"{text!r} is not {'a number' if convert is float else 'an integer'}") from None
         try:
             return rule(value)
         except ValueError as exc:
@@ -49,52 +51,74 @@ def value_type(rule, convert=str, hint: str = ""):
 SEED = value_type(seed_value, int)
 ATOL = value_type(atol_value, float)
 MODEL_VALUE = value_type(nonempty, hint="give a mapping name (see `parity list`), a hub id or a local path")
-CHECKPOINT_VALUE = value_type(nonempty, hint="give a local path or a hub id, or leave the option out to use the mapping's default")
+CHECKPOINT_VALUE = value_type(nonempty, hint="give a local path or a hub id, "
+                                             "or leave the option out to use the mapping's default")
 TARGET_VALUE = value_type(nonempty, hint="give pkg.module:Class, or leave the option out to use the mapping's target")
-MAPPING_VALUE = value_type(nonempty, hint="give a mapping file FILE.toml, or leave the option out to use the built-in one")
+MAPPING_VALUE = value_type(nonempty, hint="give a mapping file FILE.toml, "
+                                          "or leave the option out to use the built-in one")
 REVISION_VALUE = value_type(nonempty, hint="give a branch, tag or commit, or leave the option out")
 FACTOR = value_type(functools.partial(baseline_number, "baseline_factor"), float)
 SLACK = value_type(functools.partial(baseline_number, "baseline_slack"), float)
+DEVICE = value_type(device_value)
+DTYPE = value_type(dtype_value)
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="parity", description=DESCRIPTION,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--version", action="version", version=f"parity {__version__}")
-    parser.add_argument("model", metavar="MODEL", type=MODEL_VALUE, help="mapping name, hub id, local folder or file; or 'list'")
-    parser.add_argument("--checkpoint", metavar="PATH_OR_ID", type=CHECKPOINT_VALUE, help="weights to use instead of the mapping's default")
+    parser.add_argument("model", metavar="MODEL", type=MODEL_VALUE,
+                        help="mapping name, hub id, local folder or file; or 'list'")
+    parser.add_argument("--checkpoint", metavar="PATH_OR_ID", type=CHECKPOINT_VALUE,
+                        help="weights to use instead of the mapping's default")
     layers = parser.add_mutually_exclusive_group()
     layers.add_argument("--layer", type=int, metavar="N", help="check one layer")
-    layers.add_argument("--layers", metavar="SPEC", help="all | 0,3,5 | 2-7 (default: all; for large synthetic stand-ins first, middle, last)")
-    parser.add_argument("--target", metavar="pkg.module:Class", type=TARGET_VALUE, help="module (class or factory) to check instead of the mapping's")
-    parser.add_argument("--mapping", metavar="FILE.toml", type=MAPPING_VALUE, help="mapping file to use instead of the built-in one")
+    layers.add_argument("--layers", metavar="SPEC",
+                        help="all | 0,3,5 | 2-7 (default: all; for large synthetic stand-ins first, middle, last)")
+    parser.add_argument("--target", metavar="pkg.module:Class", type=TARGET_VALUE,
+                        help="module (class or factory) to check instead of the mapping's")
+    parser.add_argument("--mapping", metavar="FILE.toml", type=MAPPING_VALUE,
+                        help="mapping file to use instead of the built-in one")
+    parser.add_argument("--save-mapping", metavar="FILE.toml",
+                        help="write the routes this run used (inferred from names, or the mapping's) as a mapping "
+                             "file; `--mapping FILE.toml` then repeats the same run")
     parser.add_argument("--revision", metavar="REV", type=REVISION_VALUE, help="hub revision (branch, tag or commit)")
     parser.add_argument("--seed", type=SEED, default=0, help="seed of the generated inputs (default 0)")
-    parser.add_argument("--atol", type=ATOL, metavar="X", help="absolute tolerance instead of the noise-floor-derived one")
+    parser.add_argument("--atol", type=ATOL, metavar="X",
+                        help="absolute tolerance instead of the noise-floor-derived one")
     parser.add_argument("--logits", action="store_true",
                         help="also substitute the module into the full model and compare its final logits")
     # checkpoint formats (issue 4): pickle-based files, mixture-of-experts layers
     parser.add_argument("--allow-pickle", action="store_true",
                         help="open pickle-based weights (pytorch_model*.bin, Meta consolidated.*.pth) with "
                              "torch.load(weights_only=True); only for files you trust")
-    parser.add_argument("--experts", metavar="SPEC", help="MoE models: all | 0,3 | 2-5 experts of each layer (default: all)")
+    parser.add_argument("--experts", metavar="SPEC",
+                        help="MoE models: all | 0,3 | 2-5 experts of each layer (default: all)")
     parser.add_argument("--require-real", action="store_true",
                         help="exit 2 instead of checking synthetic weights when the default checkpoint is unreachable "
                              "(`parity check` requires real weights by default)")
+    # where and in what the target computes (issue 11); the truth stays float64 on the CPU
+    parser.add_argument("--device", type=DEVICE, default="cpu", metavar="DEV",
+                        help="run the target on cpu (default), cuda, cuda:N or mps")
+    parser.add_argument("--dtype", type=DTYPE, default="float32", metavar="DTYPE",
+                        help="the target's compute dtype: float32 (default), bfloat16 or float16; a low precision "
+                             "is held to the reference's own error in that dtype (README: Low precision and devices)")
     add_output_options(parser)
     return parser
 
 
 # -- CI outputs, baselines, project checks, inspect ------------------------------------------------
 
-CHECK_DESCRIPTION = """Run every check listed in the project file of the current directory: parity.toml, else
-the [tool.parity] table of pyproject.toml (or --config FILE), with one summary at the end.
+CHECK_DESCRIPTION = """Run every check listed in the project file: the nearest parity.toml, else pyproject.toml
+with a [tool.parity] table, in the current folder or its parents (or --config FILE), with one
+summary at the end.  -k EXPR runs the checks whose name matches (as pytest -k).
 
   [[tool.parity.checks]]
   model = "gpt2"                          # as `parity MODEL`
   layers = [0, 11]                        # or "all", "0,3", "2-7"; default all
   target = "mypkg.ffn:MLP"                # optional, as --target
-  # checkpoint, mapping, revision, seed, atol (alias tolerance), logits, experts, allow_pickle, name: optional
+  # checkpoint, mapping, revision, seed, atol (alias tolerance), logits, experts, allow_pickle, name,
+  # device, dtype: optional
 
 --shard K/N runs the K-th of N shares of the (check, layer) units, dealt round-robin in
 file and layer order, so N CI jobs together run each unit exactly once.
@@ -111,23 +135,34 @@ shapes, dtypes, shard files) read from safetensors headers. No tensor is loaded.
 def add_output_options(parser: argparse.ArgumentParser) -> None:
     out = parser.add_argument_group("CI outputs")
     out.add_argument("--json", metavar="FILE|-", help="write the JSON report to FILE, or to stdout with '-'")
-    out.add_argument("--junit", metavar="FILE", help="write JUnit XML: one test case per layer (per expert), failures with the diagnosis")
-    out.add_argument("--quiet", "-q", action="store_true", help="print only the summary line, baseline findings and errors")
-    out.add_argument("--baseline", metavar="FILE", help="fail (exit 1) when a layer's max|Δ| grew beyond the stored run's, or a passing layer now fails; "
-                          "exit 2 when the file matches none of the run's layers or was made from other weights")
+    out.add_argument("--junit", metavar="FILE",
+                     help="write JUnit XML: one test case per layer (per expert), failures with the diagnosis")
+    out.add_argument("--html", metavar="FILE",
+                     help="write one self-contained HTML page: context, a per-layer chart of max|Δ| against noise "
+                          "floor and tolerance, the diagnoses' evidence drawn (viewable offline)")
+    out.add_argument("--quiet", "-q", action="store_true",
+                     help="print only the summary line, baseline findings and errors")
+    out.add_argument("--baseline", metavar="FILE",
+                     help="fail (exit 1) when a layer's max|Δ| grew beyond the stored run's, or a passing layer now "
+                          "fails; exit 2 when the file matches none of the run's layers or was made from other weights")
     out.add_argument("--baseline-factor", type=FACTOR, metavar="F",
                      help="allowed growth factor over the baseline, >= 1 (default 2.0)")
     out.add_argument("--baseline-slack", type=SLACK, metavar="X",
                      help="absolute growth always allowed, >= 0 (default 1e-8): noise, not drift")
-    out.add_argument("--update-baseline", action="store_true", help="write this run's deviations into --baseline FILE (merged, sorted) instead of comparing")
+    out.add_argument("--update-baseline", action="store_true",
+                     help="write this run's deviations into --baseline FILE (merged, sorted) instead of comparing")
     out.add_argument("--debug", action="store_true", help="show tracebacks for errors")
 
 
 def build_check_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="parity check", description=CHECK_DESCRIPTION,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--config", metavar="FILE", help="project file to read instead of ./parity.toml or ./pyproject.toml")
+    parser.add_argument("--config", metavar="FILE",
+                        help="project file to read instead of the nearest parity.toml or pyproject.toml")
     parser.add_argument("--shard", metavar="K/N", help="run only this job's share: K of N (e.g. 2/4 in a CI matrix)")
+    parser.add_argument("-k", metavar="EXPR", dest="select",
+                        help="run only the checks whose name matches: a substring (case-insensitive), or words "
+                             "combined with and / or / not and parentheses, as pytest -k")
     add_output_options(parser)
     return parser
 
@@ -136,12 +171,16 @@ def build_inspect_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="parity inspect", description=INSPECT_DESCRIPTION,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("model", metavar="MODEL", type=MODEL_VALUE, help="mapping name, hub id, local folder or file")
-    parser.add_argument("--checkpoint", metavar="PATH_OR_ID", type=CHECKPOINT_VALUE, help="weights to use instead of the mapping's default")
+    parser.add_argument("--checkpoint", metavar="PATH_OR_ID", type=CHECKPOINT_VALUE,
+                        help="weights to use instead of the mapping's default")
     parser.add_argument("--layer", type=int, default=0, metavar="N", help="layer whose tensors to list (default 0)")
-    parser.add_argument("--target", metavar="pkg.module:Class", type=TARGET_VALUE, help="target to name instead of the mapping's")
-    parser.add_argument("--mapping", metavar="FILE.toml", type=MAPPING_VALUE, help="mapping file to use instead of the built-in one")
+    parser.add_argument("--target", metavar="pkg.module:Class", type=TARGET_VALUE,
+                        help="target to name instead of the mapping's")
+    parser.add_argument("--mapping", metavar="FILE.toml", type=MAPPING_VALUE,
+                        help="mapping file to use instead of the built-in one")
     parser.add_argument("--revision", metavar="REV", type=REVISION_VALUE, help="hub revision (branch, tag or commit)")
-    parser.add_argument("--json", action="store_true", help="print the inspection as JSON")
+    parser.add_argument("--json", metavar="FILE|-", nargs="?", const="-",
+                        help="write the inspection as JSON to FILE, or to stdout with '-' (the default)")
     parser.add_argument("--debug", action="store_true", help="show tracebacks for errors")
     return parser
 

@@ -7,6 +7,14 @@ passed  = the reference can judge this layer (``unverifiable_reason`` is None)
 tolerance = atol, or max(NOISE_FACTOR x noise floor, RELATIVE_FLOOR x max |reference64|),
 noise floor = max |reference32 - reference64| (the float32 reference against its own float64 run).
 
+A low-precision run (``--dtype bfloat16`` / ``float16``) is held to the reference's own error in
+that dtype instead: transformers' MLP cast to the dtype, on the target's device, run on the same
+inputs, against the float64 truth,
+tolerance = atol, or max(LOW_PRECISION_FACTOR x reference error, RELATIVE_FLOOR x max |reference64|),
+reference error = max |reference_low - reference64|,
+and the layer's ``ratio_to_reference_error`` = max |target - reference64| / reference error
+(README, "Low precision and devices": why the factor is LOW_PRECISION_FACTOR).
+
 A layer the reference cannot judge (its float32 output overflows, the tolerance is as large
 as the output itself, a weight matrix is all zeros, two weights are identical, the output
 does not depend on the input) is reported as
@@ -26,6 +34,7 @@ from parity.spec.mistakes import MistakeId, diagnosis
 
 NOISE_FACTOR = 16.0  # tolerance = NOISE_FACTOR x noise floor ...
 RELATIVE_FLOOR = 2.0 ** -20  # ... but never below this x max |reference| (fp32 rounding of the output)
+LOW_PRECISION_FACTOR = 4.0  # low-precision runs: tolerance = this x the reference's own error in that dtype
 
 
 @dataclass
@@ -37,10 +46,25 @@ class Runs:
     target: torch.Tensor  # the module under test, first run
     again: torch.Tensor  # the module under test, second identical run
     input_change: str | None = None  # what the target did to its own copy of the inputs, if anything
+    low: torch.Tensor | None = None  # low-precision runs: the reference in the compute dtype on the device
+    dtype: str = "float32"  # the target's compute dtype
 
 
-def tolerance_for(noise: float, scale: float, atol: float | None) -> float:
-    return atol if atol is not None else max(NOISE_FACTOR * noise, RELATIVE_FLOOR * scale)
+def tolerance_for(noise: float, scale: float, atol: float | None, factor: float = NOISE_FACTOR) -> float:
+    return atol if atol is not None else max(factor * noise, RELATIVE_FLOOR * scale)
+
+
+def ratio(value: float | None, reference: float | None) -> float | None:
+    if value is None or reference is None:
+        return None
+    return value / reference if reference else math.inf if value else 0.0
+
+
+def finding(mistake_id: MistakeId, distance: float | None, reference_distance: float | None,
+            detail: str = "", candidates: list[dict] | None = None) -> dict:
+    """A diagnosis dict with the distances of the hypotheses replayed for it (none for findings
+    that need no replay)."""
+    return {**diagnosis(mistake_id, distance, reference_distance, detail), "candidates": candidates or []}
 
 
 def same_values(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -50,9 +74,13 @@ def same_values(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 def unverifiable_reason(weights: dict[str, torch.Tensor], runs: Runs, tolerance: float) -> str | None:
     """Why comparing against this layer's reference could not tell a right module from a wrong one."""
-    for name, output in (("float32", runs.reference32), ("float64", runs.reference64)):
-        if not bool(torch.isfinite(output).all()):
+    for name, output in (("float32", runs.reference32), ("float64", runs.reference64), (runs.dtype, runs.low)):
+        if output is not None and not bool(torch.isfinite(output).all()):
             largest = max((float(w.abs().max()) for w in weights.values() if w.numel()), default=0.0)
+            if output is runs.low:
+                return (f"transformers' MLP gives NaN/Inf in {name} on this layer (largest |weight| {largest:.3g}): "
+                        f"the layer overflows {name} itself, so {name} has no error to hold the module to; "
+                        "check it with --dtype bfloat16 or float32")
             return (f"transformers' MLP gives NaN/Inf in {name} on this layer (largest |weight| {largest:.3g}): "
                     "the reference overflows, so it is no truth to compare against")
     if not math.isfinite(tolerance):
@@ -84,7 +112,7 @@ def first_nonfinite(output: torch.Tensor) -> str:
     where = [int(i) for i in torch.unravel_index(bad.flatten().nonzero()[0, 0], bad.shape)]
     labels = ("batch", "token", "channel") if len(where) == 3 else tuple(f"dim{i}" for i in range(len(where)))
     return (f"{int(bad.sum())} of {bad.numel()} values are NaN/Inf, first at "
-            f"[{', '.join(f'{label} {i}' for label, i in zip(labels, where))}]")
+            f"[{', '.join(f'{label} {i}' for label, i in zip(labels, where, strict=True))}]")
 
 
 def input_change(before: torch.Tensor, after: torch.Tensor) -> str | None:
@@ -106,7 +134,9 @@ def judge(layer: int, expert: int | None, runs: Runs, weights: dict[str, torch.T
     """The formula at the top of this module, and the findings that need no replay named."""
     noise = float((runs.reference32 - runs.reference64).abs().max())
     scale = float(runs.reference64.abs().max())
-    tolerance = tolerance_for(noise, scale, atol)
+    own = None if runs.low is None else float((runs.low - runs.reference64).abs().max())  # NaN: overflowed
+    tolerance = (tolerance_for(noise, scale, atol) if own is None
+                 else tolerance_for(own, scale, atol, LOW_PRECISION_FACTOR))
     diff = (runs.target - runs.reference64).abs()
     finite = bool(torch.isfinite(runs.target).all())
     max_abs = float(diff.max()) if finite else None
@@ -116,20 +146,21 @@ def judge(layer: int, expert: int | None, runs: Runs, weights: dict[str, torch.T
         mean_abs_diff=float(diff.mean()) if finite else None,
         max_at=[int(i) for i in torch.unravel_index(diff.nan_to_num(math.inf).argmax(), diff.shape)],
         noise_floor=noise, tolerance=tolerance,
-        ratio_to_noise=None if max_abs is None else max_abs / noise if noise else math.inf if max_abs else 0.0,
+        ratio_to_noise=ratio(max_abs, noise),
         preactivation_range=[float(z.min()), float(z.max())] if z is not None else None,
         deterministic=same_values(runs.target, runs.again), expert=expert, weights=weights_kind,
+        reference_error=own, ratio_to_reference_error=ratio(max_abs, own),
     )
     result.unverifiable = unverifiable_reason(weights, runs, tolerance)
     if runs.input_change is not None:  # a definite bug, whatever the reference can judge
-        result.diagnosis = diagnosis(MistakeId.INPUT_MUTATED, None, max_abs, runs.input_change)
+        result.diagnosis = finding(MistakeId.INPUT_MUTATED, None, max_abs, runs.input_change)
     elif result.unverifiable is not None:
         pass
     elif not finite:
-        result.diagnosis = diagnosis(MistakeId.NONFINITE_OUTPUT, None, None, first_nonfinite(runs.target))
+        result.diagnosis = finding(MistakeId.NONFINITE_OUTPUT, None, None, first_nonfinite(runs.target))
     elif not result.deterministic:  # no replay can match a moving target
         moved = float((runs.target - runs.again).abs().nan_to_num(math.inf).max())
-        result.diagnosis = diagnosis(MistakeId.DROPOUT_ACTIVE, moved, max_abs)
+        result.diagnosis = finding(MistakeId.DROPOUT_ACTIVE, moved, max_abs)
     else:
         result.passed = max_abs <= tolerance
     return result
@@ -140,5 +171,5 @@ def shape_failure(layer: int, expert: int | None, error: ShapeMismatchError, wei
     result = LayerResult(layer=layer, passed=False, max_abs_diff=None, max_rel_diff=None, mean_abs_diff=None,
                          max_at=None, noise_floor=None, tolerance=None, ratio_to_noise=None, preactivation_range=None,
                          expert=expert, weights=weights_kind)
-    result.diagnosis = diagnosis(error.mistake_id, None, None, str(error))
+    result.diagnosis = finding(error.mistake_id, None, None, str(error))
     return result

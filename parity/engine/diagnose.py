@@ -14,19 +14,26 @@ transposing a square matrix or dropping a nonzero bias changes it by O(1) of its
 Mistakes are tried one at a time, exact replays first; half precision is tested last and
 by its own signature (outputs that are exactly bfloat16/float16 values, or an error that
 lines up with the error of the reference replayed in that format).
+
+In a low-precision run (--dtype bfloat16 / float16) the replays run in that dtype on the
+target's device and match within the dtype-aware tolerance; every replay's distance is kept
+in the diagnosis (``candidates``).  Not every mistake stays visible there: ``separability``
+measures, per layer, how far each mistake moves the output against that dtype's own error
+(exact vs tanh GELU never comes near bfloat16's), and reports the ones it cannot see.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import torch
 from torch import nn
 
-from parity.spec.mistakes import MistakeId, diagnosis
+from parity.engine.compare import finding
 from parity.engine.reference import activation_module, activation_name
 from parity.spec.families import configured_activation
+from parity.spec.mistakes import MistakeId
 
 TANH_GELUS = {"gelu_new", "gelu_pytorch_tanh", "gelu_python_tanh", "gelu_fast", "gelu_accurate"}
 EXACT_GELUS = {"gelu", "gelu_python"}
@@ -79,7 +86,8 @@ def hypotheses(reference: nn.Module, tensors: dict[str, torch.Tensor], config) -
     found: list[Hypothesis] = []
     act = activation_name(reference, configured_activation(config))
     if act in TANH_GELUS:
-        found += [Hypothesis(MistakeId.GELU_EXACT_INSTEAD_OF_TANH, f"reference runs {act}", patch=_activation_swap("gelu")),
+        found += [Hypothesis(MistakeId.GELU_EXACT_INSTEAD_OF_TANH, f"reference runs {act}",
+                             patch=_activation_swap("gelu")),
                   Hypothesis(MistakeId.QUICK_GELU, f"reference runs {act}", patch=_activation_swap("quick_gelu")),
                   Hypothesis(MistakeId.SILU_INSTEAD_OF_GELU, f"reference runs {act}", patch=_activation_swap("silu"))]
     elif act in EXACT_GELUS:
@@ -90,13 +98,15 @@ def hypotheses(reference: nn.Module, tensors: dict[str, torch.Tensor], config) -
     elif act in SILUS:
         found += [Hypothesis(MistakeId.GELU_INSTEAD_OF_SILU, f"tanh GELU; reference runs {act}",
                              patch=_activation_swap("gelu_pytorch_tanh")),
-                  Hypothesis(MistakeId.GELU_INSTEAD_OF_SILU, f"exact GELU; reference runs {act}", patch=_activation_swap("gelu"))]
+                  Hypothesis(MistakeId.GELU_INSTEAD_OF_SILU, f"exact GELU; reference runs {act}",
+                             patch=_activation_swap("gelu"))]
     if "gate_proj.weight" in tensors and "up_proj.weight" in tensors:
-        found.append(Hypothesis(MistakeId.GATE_UP_SWAPPED, "gate_proj <-> up_proj", tensors=_swap("gate_proj", "up_proj")))
+        found.append(Hypothesis(MistakeId.GATE_UP_SWAPPED, "gate_proj <-> up_proj",
+                                tensors=_swap("gate_proj", "up_proj")))
     if "gate" in tensors and "up" in tensors:  # one MoE expert (parity.engine.experts)
         found.append(Hypothesis(MistakeId.GATE_UP_SWAPPED, "expert gate <-> up",
                                 tensors=lambda t: {**t, "gate": t["up"], "up": t["gate"]}))
-    for name, value in tensors.items():
+    for name in tensors:
         if name.endswith("gate_up_proj.weight") or name.endswith("gate_up_proj"):
             found.append(Hypothesis(MistakeId.GATE_UP_SWAPPED, f"halves of {name}", tensors=_swap_halves(name)))
     squares = [n for n, v in tensors.items() if v.dim() == 2 and v.shape[0] == v.shape[1]]
@@ -114,47 +124,114 @@ def hypotheses(reference: nn.Module, tensors: dict[str, torch.Tensor], config) -
     return found
 
 
+Builder = Callable[..., nn.Module]  # build(tensors, dtype=torch.float32, on_call=False) -> transformers' MLP
+GELU_VARIANTS = {MistakeId.GELU_EXACT_INSTEAD_OF_TANH, MistakeId.GELU_TANH_INSTEAD_OF_EXACT}
+SEPARATION = 2.0  # a mistake is told apart at a low precision when its replay is this x the tolerance away
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def _run(module: nn.Module, x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``module`` on ``x`` in ``dtype``, on the module's device -> float64 on the CPU."""
+    param = next(module.parameters(), None)
+    device = param.device if param is not None else x.device
+    return module(x.to(device=device, dtype=dtype)).cpu().double()
+
+
+def replay(build: Builder, hypothesis: Hypothesis, tensors: dict[str, torch.Tensor], x: torch.Tensor,
+           dtype: torch.dtype = torch.float32, on_call: bool = False) -> torch.Tensor:
+    """transformers' MLP for the layer with one mistake made, run on ``x`` in ``dtype`` (on the
+    run's device for a low precision) -> float64 on the CPU."""
+    module = build(hypothesis.tensors(tensors), dtype=dtype, on_call=on_call)
+    hypothesis.patch(module)
+    return _run(module, x, dtype)
+
+
 def _exactly_representable(values: torch.Tensor, dtype: torch.dtype) -> bool:
     return bool(torch.equal(values, values.to(dtype).to(values.dtype)))
 
 
 def _low_precision(build, tensors, x, got, reference64, reference_distance, dtype) -> dict:
-    low = build(tensors).to(dtype)(x.to(dtype)).double()
-    name = str(dtype).removeprefix("torch.")
+    low = build(tensors, dtype=dtype, on_call=False).cpu()(x.to(dtype)).double()
+    name = dtype_name(dtype)
     detail = f"{name}: the reference computed in {name} deviates from float64 by {(low - reference64).abs().max():.2e}"
-    return diagnosis(MistakeId.LOW_PRECISION_COMPUTE, float((got - low).abs().max()), reference_distance, detail)
+    return finding(MistakeId.LOW_PRECISION_COMPUTE, float((got - low).abs().max()), reference_distance, detail)
 
 
-def diagnose(build: Callable[[dict[str, torch.Tensor]], nn.Module], tensors: dict[str, torch.Tensor], config,
-             x: torch.Tensor, got: torch.Tensor, reference64: torch.Tensor, tolerance: float) -> dict:
-    """Explain a failing layer.  ``build(tensors)`` returns a fresh float32 reference MLP."""
+def _coarser(dtype: torch.dtype) -> tuple[torch.dtype, ...]:
+    """The half-precision formats a module checked in ``dtype`` may wrongly compute in (bf16 values are also
+    fp16 values: bf16 first).  A bfloat16 run has none: every format it could drop to is as fine as its own."""
+    return {torch.float32: (torch.bfloat16, torch.float16), torch.float16: (torch.bfloat16,)}.get(dtype, ())
+
+
+def _low_precision_signature(build, tensors, x, got, reference64, reference_distance, formats) -> dict | None:
+    """Half precision, recognised by its signature: outputs that are exactly values of the format, or an
+    error pattern that lines up with the error of the reference replayed in that format."""
+    for dtype in formats:
+        if _exactly_representable(got, dtype) and not _exactly_representable(reference64, dtype):
+            return _low_precision(build, tensors, x, got, reference64, reference_distance, dtype)
+    error = got - reference64
+    for dtype in formats:
+        # Rounding the same weights to the same format leaves the same error pattern: a
+        # half-precision module's error lines up with a half-precision replay's error.
+        # Two replays: everything in that format, and only weights and input rounded to it.
+        whole = build(tensors, dtype=dtype, on_call=False).cpu()(x.to(dtype)).double()
+        rounded = build({k: v.to(dtype).float() for k, v in tensors.items()})(x.to(dtype).float()).double()
+        for low in (whole, rounded):
+            low_error = low - reference64
+            alike = float(torch.nn.functional.cosine_similarity(error.flatten(), low_error.flatten(), dim=0))
+            scale = reference_distance / max(float(low_error.abs().max()), 1e-30)
+            if alike > 0.5 and 0.25 <= scale <= 4:
+                return _low_precision(build, tensors, x, got, reference64, reference_distance, dtype)
+    return None
+
+
+def diagnose(build: Builder, tensors: dict[str, torch.Tensor], config, x: torch.Tensor, got: torch.Tensor,
+             reference64: torch.Tensor, tolerance: float, dtype: torch.dtype = torch.float32) -> dict:
+    """Explain a failing layer.  ``build(tensors, dtype)`` returns a fresh reference MLP computing in ``dtype``
+    (on the run's device for a low precision); each mistake is replayed in the dtype the target ran in and
+    matched within ``tolerance``, the one the layer was judged with.  ``candidates`` lists every replay."""
     reference_distance = float((got - reference64).abs().max())
     probe = build(tensors)
+    candidates: list[dict] = []
     best: tuple[float, Hypothesis] | None = None
     with torch.no_grad():
         for hypothesis in hypotheses(probe, tensors, config):
-            module = build(hypothesis.tensors(tensors))
-            hypothesis.patch(module)
-            distance = float((got - module(x).double()).abs().max())
+            distance = float((got - replay(build, hypothesis, tensors, x, dtype)).abs().max())
+            candidates.append({"id": str(hypothesis.id), "detail": hypothesis.detail, "distance": distance})
             if best is None or distance < best[0]:
                 best = (distance, hypothesis)
         if best is not None and best[0] <= tolerance:
-            return diagnosis(best[1].id, best[0], reference_distance, best[1].detail)
-        for dtype in (torch.bfloat16, torch.float16):  # bf16 values are also fp16 values: bf16 first
-            if _exactly_representable(got, dtype) and not _exactly_representable(reference64, dtype):
-                return _low_precision(build, tensors, x, got, reference64, reference_distance, dtype)
-        error = got - reference64
-        for dtype in (torch.bfloat16, torch.float16):
-            # Rounding the same weights to the same format leaves the same error pattern: a
-            # half-precision module's error lines up with a half-precision replay's error.
-            # Two replays: everything in that format, and only weights and input rounded to it.
-            whole = build(tensors).to(dtype)(x.to(dtype)).double()
-            rounded = build({k: v.to(dtype).float() for k, v in tensors.items()})(x.to(dtype).float()).double()
-            for replay in (whole, rounded):
-                low_error = replay - reference64
-                alike = float(torch.nn.functional.cosine_similarity(error.flatten(), low_error.flatten(), dim=0))
-                scale = reference_distance / max(float(low_error.abs().max()), 1e-30)
-                if alike > 0.5 and 0.25 <= scale <= 4:
-                    return _low_precision(build, tensors, x, got, reference64, reference_distance, dtype)
+            return finding(best[1].id, best[0], reference_distance, best[1].detail, candidates)
+        found = _low_precision_signature(build, tensors, x, got, reference64, reference_distance, _coarser(dtype))
+    if found is not None:
+        return {**found, "candidates": candidates}
     closest = f"closest known mistake: {best[1].id}, {best[1].detail}, at {best[0]:.2e}" if best else ""
-    return diagnosis(MistakeId.UNEXPLAINED, best[0] if best else None, reference_distance, closest)
+    return finding(MistakeId.UNEXPLAINED, best[0] if best else None, reference_distance, closest, candidates)
+
+
+def separability(build: Builder, tensors: dict[str, torch.Tensor], config, x: torch.Tensor,
+                 reference64: torch.Tensor, tolerance: float, reference_error: float, dtype: str) -> list[dict]:
+    """Which known mistakes a check at a low precision can still tell from a correct module on this layer.
+
+    Each mistake is replayed in float32 (its own error, ~1e-6, is far below any low-precision
+    tolerance) and its distance d from the float64 truth measured.  A module making the mistake
+    is off by at least d minus its own rounding error, which a correct module's is held to stay
+    under the tolerance T; so the mistake is certain to fail only when d > SEPARATION x T.
+    Below that it may pass, and is reported as not checked at this dtype.
+    """
+    rows = []
+    with torch.no_grad():
+        for hypothesis in hypotheses(build(tensors, on_call=True), tensors, config):
+            distance = float((replay(build, hypothesis, tensors, x, on_call=True) - reference64).abs().max())
+            checked = distance > SEPARATION * tolerance
+            what = "GELU variant" if hypothesis.id in GELU_VARIANTS else f"{hypothesis.id} ({hypothesis.detail})"
+            message = None if checked else (
+                f"{what} not checked at {dtype}: run with --dtype float32 to check it (on this layer the mistake "
+                f"changes the output by max|Δ| {distance:.2e}; {dtype}'s own error here is {reference_error:.2e}, "
+                f"the tolerance {tolerance:.2e}: only beyond {SEPARATION * tolerance:.2e} is it sure to fail)")
+            rows.append({"id": str(hypothesis.id), "detail": hypothesis.detail, "distance": distance,
+                         "checked": checked, "message": message})
+    return rows

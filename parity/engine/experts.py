@@ -30,8 +30,8 @@ class ExpertReference(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         tokens = x.reshape(-1, x.shape[-1])
-        index = torch.zeros(tokens.shape[0], 1, dtype=torch.long)  # every token to (the only) expert 0 ...
-        weights = torch.ones(tokens.shape[0], 1, dtype=x.dtype)  # ... with routing weight 1
+        index = torch.zeros(tokens.shape[0], 1, dtype=torch.long, device=x.device)  # every token to expert 0 ...
+        weights = torch.ones(tokens.shape[0], 1, dtype=x.dtype, device=x.device)  # ... with routing weight 1
         return self.experts(tokens, index, weights).reshape(x.shape)
 
 

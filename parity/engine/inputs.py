@@ -17,7 +17,8 @@ ROW_TARGETS = (1.0, 3.0, 8.0)  # max |pre-activation| aimed at by each batch row
 TOKENS = 16
 
 
-def make_inputs(reference: nn.Module, hidden_size: int, seed: int, layer: int, expert: int | None = None) -> torch.Tensor:
+def make_inputs(reference: nn.Module, hidden_size: int, seed: int, layer: int,
+                expert: int | None = None) -> torch.Tensor:
     """[len(ROW_TARGETS), TOKENS, hidden_size] float32, reproducible from (seed, layer, expert)."""
     generator = torch.Generator().manual_seed(seed * 100_003 + layer + (0 if expert is None else 7919 * (expert + 1)))
     base = torch.randn(len(ROW_TARGETS), TOKENS, hidden_size, generator=generator)

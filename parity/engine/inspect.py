@@ -12,43 +12,52 @@ import json
 from typing import Any
 
 from parity.engine.resolve import activation_override_notes
+from parity.engine.results import SCHEMA_VERSION
 from parity.spec.families import dff_rule
 
 
 def tensor_info(checkpoint, session, layer: int, names: list[str]) -> list[dict[str, Any]]:
-    """Shape, dtype and file of each tensor, from headers only.
+    """Shape, dtype and file of each tensor, from headers only, validated as a check would validate them.
 
-    A file already on disk (local folder, hub cache, written synthetic shard) is opened
-    with safe_open, which reads the header and maps nothing else; a hub file not yet
-    downloaded is described by its remote header; a synthetic shard not yet written, by
-    the shapes it will be written with.
+    A file already on disk (local folder, hub cache, written synthetic shard) is described by its
+    header, checked as a read would check it (a regular file, a sound header, each tensor where the
+    index says); a file of a local checkpoint that is missing is an error, as in a check.  A hub file
+    not yet downloaded is described by its remote header; a synthetic shard not yet written, by the
+    shapes it will be written with.
     """
     rows = []
     by_file: dict[str, list[str]] = {}
     for name in names:
         by_file.setdefault(checkpoint.weight_map[name], []).append(name)
     for file_name, members in by_file.items():
-        local = checkpoint.config_dir / file_name if checkpoint.config_dir is not None else None
-        described = checkpoint.describe(members)
-        if described is not None:
-            rows.extend(_row(name, *described[name], file_name, "index") for name in members)
-        elif local is not None and local.is_file():
-            from safetensors import safe_open
-
-            with safe_open(str(local), framework="pt") as handle:
-                for name in members:
-                    piece = handle.get_slice(name)
-                    rows.append(_row(name, piece.get_shape(), piece.get_dtype(), file_name, "header"))
-        elif checkpoint.weights == "synthetic":
-            shapes = session.reference.tensor_shapes(session.mapping.reference_path(layer))
-            dtype = str(checkpoint.raw_config.get("torch_dtype", "float32"))
-            prefix = session.reader.layer_prefix(layer)
-            for name in members:
-                rows.append(_row(name, shapes.get(name[len(prefix):]), dtype, file_name, "synthetic, not written yet"))
-        else:
-            rows.extend(_remote_rows(checkpoint, file_name, members))
+        rows.extend(_file_rows(checkpoint, session, layer, file_name, members))
     order = {name: i for i, name in enumerate(names)}
     return sorted(rows, key=lambda row: order[row["name"]])
+
+
+def _file_rows(checkpoint, session, layer: int, file_name: str, members: list[str]) -> list[dict[str, Any]]:
+    from parity.sources.safetensors_files import describe_local
+
+    described = checkpoint.describe(members)
+    if described is not None:
+        return [_row(name, *described[name], file_name, "index") for name in members]
+    local = checkpoint.config_dir / file_name if checkpoint.config_dir is not None else None
+    on_disk = local is not None and (local.exists() or local.is_symlink())
+    if checkpoint.weights == "synthetic" and not on_disk:
+        shapes = session.reference.tensor_shapes(session.mapping.reference_path(layer))
+        dtype = str(checkpoint.raw_config.get("torch_dtype", "float32"))
+        prefix = session.reader.layer_prefix(layer)
+        return [_row(name, shapes.get(name[len(prefix):]), dtype, file_name, "synthetic, not written yet")
+                for name in members]
+    if checkpoint.repo_id is not None and not on_disk:
+        return _remote_rows(checkpoint, file_name, members)
+    path = local if on_disk else checkpoint.fetch(file_name)  # a local checkpoint's missing file raises here
+    if path.suffix != ".safetensors":  # pickle-based: described by what torch.load (weights only) maps
+        tensors = checkpoint.read(members)
+        return [_row(n, list(tensors[n].shape), str(tensors[n].dtype).removeprefix("torch."), file_name, "loaded")
+                for n in members]
+    described = describe_local(path, members)
+    return [_row(name, *described[name], file_name, "header") for name in members]
 
 
 def _remote_rows(checkpoint, file_name: str, members: list[str]) -> list[dict[str, Any]]:
@@ -73,11 +82,11 @@ def _row(name: str, shape, dtype, file_name: str, source: str) -> dict[str, Any]
 
 def inspect_model(model: str, checkpoint: str | None = None, mapping: str | None = None, revision: str | None = None,
                   target: str | None = None, layer: int = 0) -> dict[str, Any]:
-    from parity.spec.mapping import ConfigValue
     from parity.engine.reference import activation_module, activation_name
-    from parity.spec.families import ACTIVATION_ATTRS, config_dff, configured_activation
     from parity.engine.resolve import resolve
     from parity.engine.session import Session
+    from parity.spec.families import ACTIVATION_ATTRS, config_dff, configured_activation
+    from parity.spec.mapping import ConfigValue
     from parity.spec.selection import parse_selection
 
     session = Session(resolve(model, checkpoint, mapping, revision), target=target)
@@ -112,7 +121,8 @@ def inspect_model(model: str, checkpoint: str | None = None, mapping: str | None
         "activation": {
             "config": named,
             "transformers_runs": activation_name(probe, configured_activation(config)),
-            "module": f"{type(probe).__name__}.{_child_name(probe, act)}: {type(act).__name__}" if act is not None else None,
+            "module": (f"{type(probe).__name__}.{_child_name(probe, act)}: {type(act).__name__}"
+                       if act is not None else None),
             "overrides": activation_override_notes(ckpt.raw_config, config),
         },
         "biases": sorted(n for n in shapes if n.endswith("bias")),
@@ -168,5 +178,6 @@ def render_inspection(info: dict[str, Any]) -> str:
 
 
 def inspection_json(info: dict[str, Any]) -> str:
-    return json.dumps(info, indent=2, default=str)
+    """`parity inspect --json`: the inspection, versioned like every report parity writes."""
+    return json.dumps({"schema_version": SCHEMA_VERSION, "kind": "inspection", **info}, indent=2, default=str)
 

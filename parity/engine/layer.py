@@ -8,15 +8,19 @@ checkpoint is bad input (exit 2), not a module mismatch.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import math
 
 import torch
 
 from parity.engine.reference import ReferenceModel
-from parity.errors import CheckpointError, MissingTensorError, ShapeMismatchError, WeightDefectError
+from parity.errors import CheckpointError, MappingError, MissingTensorError, ShapeMismatchError, WeightDefectError
 from parity.sources.checkpoint import Checkpoint
-from parity.spec.mapping import Mapping, TensorRoute
+from parity.spec.mapping import Mapping, TensorRoute, route_key
+
+FP8 = {getattr(torch, name) for name in ("float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz",
+                                          "float8_e8m0fnu") if hasattr(torch, name)}
 
 
 class LayerReader:
@@ -63,10 +67,36 @@ class LayerReader:
         for name in wanted:
             tensor = raw.pop(prefix + name)
             self._check(prefix + name, tensor)
-            tensors[name] = tensor if dtype is None else tensor.to(dtype)
-        return tensors
+            tensors[name] = tensor
+        self._check_routes(routes, tensors, prefix)
+        return common_dtype(tensors) if dtype is None else {n: t.to(dtype) for n, t in tensors.items()}
+
+    def _check_routes(self, routes: list[TensorRoute], tensors: dict[str, torch.Tensor], prefix: str) -> None:
+        """A route's chunk must divide its tensor and a transpose needs a matrix: else the mapping does not fit
+        this checkpoint (exit 2), which must not pass for a module mismatch (exit 1)."""
+        for route in routes:
+            tensor = tensors.get(route.source)
+            if tensor is None:
+                continue
+            table = "tensors" if route in self.mapping.tensors else "reference.tensors"
+            where = (f"{self.mapping.where(route_key(table, route.target))}: the route to '{route.target}' from "
+                     f"'{prefix}{route.source}'")
+            if route.chunk is not None and (tensor.dim() == 0 or tensor.shape[0] % route.chunk[1]):
+                raise MappingError(f"{where} takes chunk {list(route.chunk)}, but the tensor's shape "
+                                   f"{list(tensor.shape)} does not split into {route.chunk[1]} equal parts along "
+                                   "dim 0; fix the mapping's chunk")
+            if route.transform == "transpose" and tensor.dim() > 2:
+                raise MappingError(f"{where} transposes it, but the tensor has shape {list(tensor.shape)}: only a "
+                                   "matrix can be transposed; fix the mapping's transform")
 
     def _check(self, key: str, tensor: torch.Tensor) -> None:
+        if tensor.dtype in FP8:
+            raise CheckpointError(
+                f"{self.checkpoint.location}: tensor '{key}' is stored as {tensor.dtype} (FP8). Its true values are "
+                "these times the checkpoint's scale tensors (weight_scale_inv, per block), which parity does not "
+                "apply; comparing raw FP8 values would judge other weights than the model runs. Check the "
+                "checkpoint's BF16/F32 original instead"
+            )
         if not tensor.is_floating_point():
             raise CheckpointError(
                 f"{self.checkpoint.location}: tensor '{key}' is stored as {tensor.dtype}, not floating "
@@ -91,11 +121,24 @@ class LayerReader:
                 self._stacked = (prefix, self.checkpoint.read(wanted))
             for key in wanted:
                 tensor = self._stacked[1][key]
-                if tensor.shape[0] != self.num_experts:
-                    raise ShapeMismatchError(f"{self.checkpoint.location}: '{key}' stacks {tensor.shape[0]} experts, "
-                                             f"the config says {self.num_experts}")
+                if tensor.dim() == 0 or tensor.shape[0] != self.num_experts:
+                    raise ShapeMismatchError(f"{self.checkpoint.location}: '{key}' (shape {list(tensor.shape)}) "
+                                             f"stacks {tensor.shape[0] if tensor.dim() else 0} experts, the config "
+                                             f"says {self.num_experts}")
                 out[key] = tensor[expert]
         return out
+
+
+def common_dtype(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """A layer whose FFN tensors are stored in several float dtypes (up_proj F64, the others F32) is computed
+    in one: the widest of them (``torch.promote_types``), chosen once here.  Upcasting is exact, so both
+    modules see the stored values; the reference then computes as it would on a checkpoint stored wholly in
+    that dtype.  A layer stored in one dtype is returned as is (no copy)."""
+    dtypes = {t.dtype for t in tensors.values() if t.is_floating_point()}
+    if len(dtypes) <= 1:
+        return tensors
+    wide = functools.reduce(torch.promote_types, sorted(dtypes, key=str))
+    return {name: t.to(wide) if t.is_floating_point() else t for name, t in tensors.items()}
 
 
 def weights_fingerprint(tensors: dict[str, torch.Tensor]) -> str:

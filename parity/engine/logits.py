@@ -62,7 +62,8 @@ def logits_impact(session: Any, layers: list[int]) -> dict:
             _swap_module(model, session.mapping.reference_path(layer), reference)
         weights = "synthetic: checkpoint FFN weights, other weights seeded-random"
     elif checkpoint.repo_id is not None:  # the hub: downloads what the one-layer check did not need
-        model = AutoModelForCausalLM.from_pretrained(checkpoint.repo_id, revision=checkpoint.revision, dtype=torch.float32)
+        model = AutoModelForCausalLM.from_pretrained(checkpoint.repo_id, revision=checkpoint.revision,
+                                                     dtype=torch.float32)
         weights = "real"
     elif checkpoint.config_dir is not None:
         model = AutoModelForCausalLM.from_pretrained(str(checkpoint.config_dir), dtype=torch.float32)

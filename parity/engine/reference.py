@@ -13,10 +13,10 @@ from typing import Any
 import torch
 from torch import nn
 
+from parity.engine.upcast import upcast_on_call, works_on_call
 from parity.errors import ShapeMismatchError
 from parity.sources.skeleton import ModelSkeleton
 from parity.spec.families import config_dff
-from parity.engine.upcast import upcast_on_call, works_on_call
 
 _ACTIVATION_CHILD_NAMES = ("act", "act_fn", "activation_fn", "activation")
 
@@ -29,13 +29,15 @@ class ReferenceModel(ModelSkeleton):
         self._on_call_ok: dict[tuple[type, torch.dtype], bool] = {}
 
     def build(self, path: str, tensors: dict[str, torch.Tensor], hidden_size: int | None = None,
-              on_call: bool = True) -> nn.Module:
+              on_call: bool = True, dtype: torch.dtype = torch.float32) -> nn.Module:
         """A real, eval-mode copy of the layer's MLP holding ``tensors`` as stored, computing in float32.
 
         Weights stay in their stored dtype and are upcast per submodule as it runs
         (``parity.engine.upcast``); ``upcast.compute_in(module, torch.float64)`` switches to float64.
         Where that cannot work, or with ``on_call=False`` (a plain module, for replays that
-        convert it themselves), the module is converted to float32 as a whole.
+        convert it themselves), the module is converted to float32 as a whole.  Another ``dtype``
+        (bfloat16, float16: the reference's own low-precision run) converts it to that dtype
+        straight from the stored tensors, with no float32 copy on the way.
         """
         hidden_size = hidden_size or getattr(self.config, "hidden_size", None)
         meta = self.meta_module(path)
@@ -54,7 +56,9 @@ class ReferenceModel(ModelSkeleton):
         key = (type(meta), stored)
         if key not in self._on_call_ok:
             self._on_call_ok[key] = bool(hidden_size) and works_on_call(meta, stored, int(hidden_size))
-        if on_call and self._on_call_ok[key]:
+        if dtype != torch.float32:
+            module.to(dtype)
+        elif on_call and self._on_call_ok[key]:
             upcast_on_call(module, torch.float32)
         else:
             module.float()

@@ -7,14 +7,35 @@ the hub cannot be reached), a hub id, a local folder, a .safetensors or .gguf fi
 
 from __future__ import annotations
 
+import errno
+import re
+import string
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from parity.errors import (
+    CheckpointError,
+    EmptyValueError,
+    GatedRepoError,
+    MappingError,
+    OfflineError,
+    UnknownModelError,
+)
 from parity.sources.checkpoint import Checkpoint
+from parity.sources.config_check import (
+    MAX_EXPERTS,
+    MAX_WIDTH,
+    check_activation,
+    check_config_values,
+    config_where,
+    int_problem,
+    short,
+)
 from parity.sources.registry import open_local
-from parity.errors import CheckpointError, EmptyValueError, GatedRepoError, MappingError, OfflineError, UnknownModelError
-from parity.spec.mapping import Mapping, builtin_mappings, fits, load_mapping, mapping_for_model_type
+from parity.spec.files import shown
+from parity.spec.mapping import ConfigValue, Mapping, builtin_mappings, fits, load_mapping, mapping_for_model_type
 
 
 @dataclass
@@ -29,13 +50,28 @@ class Resolved:
 def open_checkpoint(spec: str, revision: str | None = None, allow_pickle: bool = False) -> Checkpoint:
     """MODEL or --checkpoint: an existing path (or one that looks like a path), else a hub id."""
     path = Path(spec).expanduser()
-    if path.exists() or spec.startswith((".", "/", "~")) or spec.endswith((".safetensors", ".bin", ".pth", ".gguf")):
+    looks_local = spec.startswith((".", "/", "~")) or spec.endswith((".safetensors", ".bin", ".pth", ".gguf"))
+    if looks_local or path_exists(path):
         return open_local(path, allow_pickle=allow_pickle)
     from parity.sources.hub import looks_like_hub_id, open_hub
 
     if not looks_like_hub_id(spec):
-        raise UnknownModelError(f"'{spec}' is neither a mapping name, an existing path nor a hub id (owner/name)")
-    return open_hub(spec, revision)
+        raise UnknownModelError(f"'{shown(spec)}' is neither a mapping name, an existing path nor a hub id "
+                                "(owner/name)")
+    try:
+        return open_hub(spec, revision)
+    except (UnknownModelError, OfflineError) as exc:  # 'ckpt/model' is a relative path as much as a hub id
+        found = "no such hub repository" if isinstance(exc, UnknownModelError) else "no such hub repository cached"
+        raise type(exc)(f"'{spec}': no such folder ({path.resolve()}), and {found}: {exc}") from None
+
+
+def path_exists(path: Path) -> bool:
+    """Whether something is at ``path``; one that cannot even be looked at (a parent folder without permission)
+    counts as there: opening it then says why it cannot be read."""
+    try:
+        return path.exists()
+    except OSError as exc:
+        return exc.errno != errno.ENAMETOOLONG
 
 
 def require_values(**given: object) -> None:
@@ -58,23 +94,25 @@ def resolve(model: str, checkpoint: str | None = None, mapping: str | Path | Non
     mappings = builtin_mappings()
     chosen = load_mapping(mapping) if mapping is not None else None
     notes: list[str] = []
-    named = mappings.get(model) if not Path(model).expanduser().exists() else None
+    named = mappings.get(model) if not path_exists(Path(model).expanduser()) else None
     if named is not None and chosen is None:
         chosen = named
     if checkpoint is None and named is not None:
         ckpt = _default_checkpoint(named, revision)
     else:
         spec = checkpoint or model
-        if named is None and checkpoint is None and "/" not in model and not Path(model).expanduser().exists():
+        if named is None and checkpoint is None and "/" not in model and not path_exists(Path(model).expanduser()):
             raise UnknownModelError(
-                f"'{model}' is not a mapping name ({', '.join(sorted(mappings))}), a local path, or a hub id (owner/name)."
-                " Run `parity list` to see the mappings."
+                f"'{shown(model)}' is not a mapping name ({', '.join(sorted(mappings))}), a local path, "
+                "or a hub id (owner/name). Run `parity list` to see the mappings."
             )
         ckpt = open_checkpoint(spec, revision, allow_pickle)
+    check_raw_config(ckpt)
     model_type = ckpt.raw_config.get("model_type")
     if chosen is None:
         chosen = mapping_for_model_type(model_type, ckpt.has)
-    elif mapping is None and not fits(chosen, ckpt.has):  # `parity llama --checkpoint x.gguf`: the family's GGUF mapping
+    elif mapping is None and not fits(chosen, ckpt.has):
+        # `parity llama --checkpoint x.gguf`: the family's GGUF mapping
         sibling = _fitting_mapping(model_type, ckpt)
         if sibling is not None:
             notes.append(f"this checkpoint stores mapping '{chosen.name}''s tensors under other names; "
@@ -84,6 +122,7 @@ def resolve(model: str, checkpoint: str | None = None, mapping: str | Path | Non
         notes.append(f"config.json says model_type={model_type!r}, which mapping '{chosen.name}' "
                      f"does not list ({', '.join(chosen.model_types)}); using it as asked")
     config = load_config(ckpt)
+    check_sizes(chosen, ckpt, config)
     notes.extend(ckpt.notes)
     notes.extend(chosen.notes)
     notes.extend(activation_override_notes(ckpt.raw_config, config))
@@ -118,6 +157,68 @@ def _default_checkpoint(mapping: Mapping, revision: str | None) -> Checkpoint:
         )
 
 
+def check_raw_config(ckpt: Checkpoint) -> None:
+    """The config's values, checked before transformers or parity uses them (``sources.config_check``)."""
+    where = config_where(ckpt.location, ckpt.config_dir)
+    check_config_values(ckpt.raw_config, where, len(ckpt.weight_map))
+    check_activation(ckpt.raw_config, where)
+
+
+def check_sizes(mapping: Mapping, ckpt: Checkpoint, config: Any) -> None:
+    """The mapping's sizes, as read from the config, against what the checkpoint holds: its last layer's (and
+    last expert's) tensors must exist, and the inputs' width must be the one transformers' MLP takes.  A
+    million layers claimed over three layers of weights is refused here, before anything is built or iterated."""
+    count = _mapping_int(mapping, config, mapping.num_layers, "num_layers", MAX_WIDTH)
+    if not _holds(mapping, ckpt, count - 1, 0):
+        held = layers_held(mapping, ckpt.weight_map)
+        raise _size_error(mapping, mapping.num_layers, "num_layers", count,
+                          f"the checkpoint holds no tensor of layer {count - 1} (none under "
+                          f"'{mapping.key_prefixes[0]}{mapping.layer_prefix(count - 1)}.'); it holds layers "
+                          f"{'0-' + str(held - 1) if held else '(none under this mapping)'}")
+    if mapping.experts is not None:
+        experts = _mapping_int(mapping, config, mapping.experts.count, "experts.count", MAX_EXPERTS)
+        if "{expert}" in mapping.layer_key and not _holds(mapping, ckpt, 0, experts - 1):
+            raise _size_error(mapping, mapping.experts.count, "experts.count", experts,
+                              f"the checkpoint holds no tensor of layer 0's expert {experts - 1}")
+    width = _mapping_int(mapping, config, mapping.hidden_size, "hidden_size", MAX_WIDTH)
+    stated = getattr(config, "hidden_size", None)
+    if isinstance(stated, int) and not isinstance(stated, bool) and stated != width:
+        raise MappingError(f"{mapping.where('hidden_size')}: key 'hidden_size' gives {width}, but the checkpoint's "
+                           f"config says hidden_size = {stated}: the inputs are [batch, tokens, hidden_size] and "
+                           "transformers' MLP takes config.hidden_size; leave the key out or fix it")
+
+
+def _mapping_int(mapping: Mapping, config: Any, spec: Any, key: str, maximum: int) -> int:
+    value = ConfigValue(config, mapping.path)(spec, key)
+    why = int_problem(value, 1, maximum)
+    if why is not None:
+        raise _size_error(mapping, spec, key, value, why)
+    return value
+
+
+def _size_error(mapping: Mapping, spec: Any, key: str, value: Any, why: str) -> Exception:
+    """A size the mapping states as a literal is the mapping's error; one read from the config, the checkpoint's."""
+    if not isinstance(spec, (str, dict)):
+        return MappingError(f"{mapping.where(key)}: key '{key}' = {short(value)}: {why}; fix the mapping")
+    source = spec if isinstance(spec, str) else spec.get("config")
+    return CheckpointError(f"{mapping.path.name} reads '{key}' from {source} = {short(value)}: {why}; the checkpoint's "
+                           "config does not describe its weights (fix the config, or use the one that came with them)")
+
+
+def _holds(mapping: Mapping, ckpt: Checkpoint, layer: int, expert: int) -> bool:
+    prefixes = tuple(f"{p}{mapping.layer_prefix(layer, expert)}." for p in mapping.key_prefixes)
+    return any(name.startswith(prefixes) for name in ckpt.weight_map)
+
+
+def layers_held(mapping: Mapping, names: Iterable[str]) -> int:
+    """1 + the highest layer index under the mapping's layer_key among ``names`` (0: none)."""
+    pattern = "".join(re.escape(literal) + ({"layer": r"(\d+)", "expert": r"\d+"}.get(field or "", ""))
+                      for literal, field, _, _ in string.Formatter().parse(mapping.layer_key))
+    prefixes = "|".join(re.escape(p) for p in mapping.key_prefixes)
+    found = (re.match(f"(?:{prefixes}){pattern}\\.", name) for name in names)
+    return max((int(m.group(1)) + 1 for m in found if m), default=0)
+
+
 def load_config(ckpt: Checkpoint) -> Any:
     from transformers import AutoConfig
 
@@ -131,8 +232,8 @@ def load_config(ckpt: Checkpoint) -> Any:
         return AutoConfig.for_model(model_type, **{k: v for k, v in ckpt.raw_config.items() if k != "model_type"})
     except Exception as exc:  # transformers raises ValueError/KeyError/OSError for unusable configs
         raise CheckpointError(
-            f"{ckpt.location}: transformers cannot load its config "
-            f"(model_type={model_type!r}): {type(exc).__name__}: {' '.join(str(exc).split())}"
+            f"{config_where(ckpt.location, ckpt.config_dir)}: transformers cannot load this config "
+            f"(model_type={model_type!r}): {type(exc).__name__}: {' '.join(str(exc).split())[:600]}"
         ) from None
 
 

@@ -7,10 +7,14 @@ from __future__ import annotations
 
 import json
 import math
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 from typing import Any
 
 SCHEMA_VERSION = 1
+# The JSON Schema of what --json writes (reports, `parity check` suites, `parity inspect`); shipped in the package.
+SCHEMA_FILE = Path(__file__).resolve().parent.parent / "schema" / "report.schema.json"
 
 
 @dataclass
@@ -28,11 +32,20 @@ class LayerResult:
     ratio_to_noise: float | None
     preactivation_range: list[float] | None  # [min, max] of the activation's input reached
     deterministic: bool = True
-    diagnosis: dict | None = None  # {id, message, fix, distance, reference_distance}
+    diagnosis: dict | None = None  # {id, message, fix, distance, reference_distance, candidates}
     expert: int | None = None  # MoE: which expert of the layer; null for dense models
     weights: str = "real"  # where this layer's weights came from: "real" | "synthetic"
     fingerprint: str | None = None  # hash of the layer's stored FFN tensors (names, dtypes, shapes, bytes)
     unverifiable: str | None = None  # why this comparison could not tell right from wrong (then passed is false)
+    # low-precision runs only (--dtype bfloat16 / float16); null in float32 runs:
+    reference_error: float | None = None  # max |reference in the compute dtype on the device - reference float64|
+    ratio_to_reference_error: float | None = None  # max_abs_diff / reference_error
+    separability: list[dict] | None = None  # [{id, detail, distance, checked, message}]: mistakes told apart or not
+
+    @property
+    def not_checked(self) -> list[dict]:
+        """The known mistakes this layer's check cannot tell from a correct module at its dtype."""
+        return [s for s in self.separability or [] if not s["checked"]]
 
 
 @dataclass
@@ -50,6 +63,14 @@ class Report:
     notes: list[str] = field(default_factory=list)
     layers: list[LayerResult] = field(default_factory=list)
     logits: dict | None = None  # --logits: the target substituted inside the full model
+    device: str = "cpu"  # where the target ran
+    dtype: str = "float32"  # the target's compute dtype; the truth is always float64 on the CPU
+    # how the target was filled: {inferred, extends, args, tensors} as a mapping file writes them (--save-mapping)
+    routes: dict | None = None
+
+    @property
+    def low_precision(self) -> bool:
+        return self.dtype != "float32"
 
     @property
     def passed(self) -> bool:
@@ -67,20 +88,44 @@ class Report:
 
     @property
     def status(self) -> str:
-        """'pass' | 'fail' (some layer deviates) | 'unverifiable' (nothing checked, or a layer that cannot be judged)."""
+        """'pass' | 'fail' (some layer deviates) | 'unverifiable' (nothing checked, or a layer that cannot be
+        judged)."""
         if not self.layers or self.unverifiable:
             return "unverifiable"
         return "pass" if self.passed else "fail"
 
     def to_dict(self) -> dict[str, Any]:
         data = asdict(self)
-        for layer, result in zip(data["layers"], self.layers):
+        for layer, result in zip(data["layers"], self.layers, strict=True):
             layer["status"] = layer_status(result)
         data = {"schema_version": SCHEMA_VERSION, "passed": self.passed, "status": self.status, **data}
         return finite_json(data)
 
     def to_json(self) -> str:
         return json.dumps(self.to_dict(), indent=2)
+
+    def __str__(self) -> str:
+        """The text report, as `parity MODEL` prints it (``parity.render``)."""
+        return _RENDERERS["text"](self) if "text" in _RENDERERS else self._plain()
+
+    def _repr_html_(self) -> str | None:
+        """Jupyter shows this: the same report, as HTML."""
+        return _RENDERERS["html"](self) if "html" in _RENDERERS else None
+
+    def _plain(self) -> str:
+        """One line, for a process that never imported a renderer: model, target, verdict."""
+        return f"parity report: {self.model} [{self.target}]: {self.status}, {len(self.layers)} layer(s) checked"
+
+
+# Renderers live in parity.outputs, above the engine: parity.outputs.render registers them here when imported
+# (parity.api and parity.testing import it), so a Report prints as its text table, and the engine never imports
+# upward (tests/test_architecture.py counts function-level imports too).
+_RENDERERS: dict[str, Callable[[Report], str]] = {}
+
+
+def register_renderers(**renderers: Callable[[Report], str]) -> None:
+    """``text=`` and ``html=`` render a Report for ``str(report)`` and notebooks' ``_repr_html_``."""
+    _RENDERERS.update(renderers)
 
 
 def layer_status(result: LayerResult) -> str:

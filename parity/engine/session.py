@@ -8,28 +8,42 @@ MLP and the target from them (``reference.py``, ``target.py``), make the inputs
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import math
-from typing import TYPE_CHECKING, Any, Callable, Iterable
+from collections.abc import Callable, Iterable
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 
 from parity import __version__
-from parity.engine.compare import Runs, judge, shape_failure
-from parity.engine.diagnose import diagnose
+from parity.engine.compare import LOW_PRECISION_FACTOR, Runs, judge, shape_failure
+from parity.engine.diagnose import diagnose, separability
 from parity.engine.inputs import make_inputs, preactivation
 from parity.engine.layer import LayerReader, weights_fingerprint
 from parity.engine.memory import young_objects_only
 from parity.engine.reference import ReferenceModel, activation_name
-from parity.spec.families import configured_activation
 from parity.engine.results import LayerResult, Report
-from parity.engine.target import build_target, fill_target, route_tensor, run_target, skip_init, user_code
+from parity.engine.routes import TargetRoutes
+from parity.engine.target import (
+    build_target,
+    fill_target,
+    place,
+    route_tensor,
+    run_module,
+    run_target,
+    skip_init,
+    target_label,
+    torch_device,
+    user_code,
+)
 from parity.engine.upcast import compute_in
 from parity.errors import CheckpointError, LayerRangeError, ShapeMismatchError
-from parity.spec.mapping import ConfigValue, Mapping, check_reference_routes
+from parity.spec.families import configured_activation
+from parity.spec.mapping import ConfigValue, Mapping, check_reference_routes, is_builtin
 from parity.spec.selection import Selection, parse_selection
-from parity.spec.values import check_atol
+from parity.spec.values import check_atol, check_compute
 
 if TYPE_CHECKING:  # the session is given what resolve found; it never resolves anything itself
     from parity.engine.resolve import Resolved
@@ -41,12 +55,19 @@ class Session:
     """Everything resolved once for a run; ``run_layer`` then works on one layer at a time."""
 
     def __init__(self, resolved: Resolved, target: str | Any | None = None, seed: int = 0, atol: float | None = None,
-                 diagnose: bool = True):
+                 diagnose: bool = True, device: str = "cpu", dtype: str = "float32"):
         self.resolved = resolved
+        # where and in what the target computes; the truth stays transformers' MLP in float64 on the CPU
+        self.device_name, self.dtype_name = check_compute(device, dtype)
+        self.device = torch_device(self.device_name)
+        self.compute_dtype: torch.dtype = getattr(torch, self.dtype_name)
+        self.low_precision = self.compute_dtype != torch.float32
         self.mapping: Mapping = resolved.mapping
         self.checkpoint = resolved.checkpoint
         self.config = resolved.config
         self.target_spec = target
+        # a user's target with a built-in mapping: routes read off its parameter names when [tensors] do not fit
+        self.routes = TargetRoutes(self.mapping, target, infer=target is not None and is_builtin(self.mapping))
         self.seed = seed
         self.atol = None if atol is None else check_atol(atol, "atol")
         self.diagnose = diagnose
@@ -61,9 +82,11 @@ class Session:
             check_reference_routes(self.mapping, self.reference.tensor_shapes(self.mapping.reference_path(0)))
 
     def config_int(self, spec: Any, key: str) -> int:
-        """A mapping size (num_layers, hidden_size, experts.count) read from the config: a config.json may hold anything."""
+        """A mapping size (num_layers, hidden_size, experts.count) read from the config: a config.json may hold
+        anything."""
         value = ConfigValue(self.config, self.mapping.path)(spec, key)
-        if isinstance(value, bool) or not isinstance(value, int) and not (isinstance(value, float) and value.is_integer()):
+        if (isinstance(value, bool)
+                or not isinstance(value, int) and not (isinstance(value, float) and value.is_integer())):
             raise CheckpointError(f"{self.checkpoint.location}: {spec} (mapping key '{key}') is {value!r}, "
                                   "not an integer; fix config.json")
         return int(value)
@@ -81,22 +104,40 @@ class Session:
         """Checkpoint tensors routed to the reference's own parameter names."""
         return {r.target: route_tensor(r, tensors[r.source]) for r in self.reader.reference_routes(layer)}
 
-    def reference_from(self, layer: int, routed: dict[str, torch.Tensor], on_call: bool = True) -> nn.Module:
+    def reference_from(self, layer: int, routed: dict[str, torch.Tensor], on_call: bool = True,
+                       dtype: torch.dtype = torch.float32) -> nn.Module:
         """transformers' MLP for the layer (or its experts module holding one expert) with these tensors;
-        ``on_call=False``: a plain float32 module (see ReferenceModel.build)."""
+        ``on_call=False``: a plain float32 module; another ``dtype``: a plain module in that dtype
+        (see ReferenceModel.build)."""
         if self.mapping.experts is not None:
             from parity.engine.experts import expert_reference
 
             path = self.mapping.reference_path(layer)
-            return expert_reference(self.reference.meta_module(path), self.config, routed["gate"].float(),
-                                    routed["up"].float(), routed["down"].float(), path)
-        return self.reference.build(self.mapping.reference_path(layer), routed, self.hidden_size, on_call)
+            module = expert_reference(self.reference.meta_module(path), self.config, routed["gate"].float(),
+                                      routed["up"].float(), routed["down"].float(), path)
+            return module if dtype == torch.float32 else module.to(dtype)
+        return self.reference.build(self.mapping.reference_path(layer), routed, self.hidden_size, on_call, dtype)
+
+    def replay_builder(self, layer: int) -> Callable[..., nn.Module]:
+        """``build(tensors, dtype=float32, on_call=False)``: transformers' MLP for replays (diagnose.py).  In the
+        run's low-precision dtype it computes on the run's device, as the target did; float32 stays on the CPU."""
+        def build(tensors: dict[str, torch.Tensor], dtype: torch.dtype = torch.float32,
+                  on_call: bool = False) -> nn.Module:
+            module = self.reference_from(layer, tensors, on_call, dtype)
+            return module.to(self.device) if self.low_precision and dtype == self.compute_dtype else module
+        return build
 
     def build_target(self, tensors: dict[str, torch.Tensor]) -> tuple[nn.Module, str]:
-        with skip_init(), user_code(f"target {self.target_name()} could not be built"):
-            module, name = build_target(self.mapping, self.config, self.target_spec)
+        """The target, built on the run's device and cast to a low-precision compute dtype before it is filled
+        (float32 runs leave the module's own dtype alone), then filled with the checkpoint's tensors."""
+        where = f" on {self.device} in {self.dtype_name}" if self.device.type != "cpu" or self.low_precision else ""
+        on_device = torch.device(self.device) if self.device.type != "cpu" else contextlib.nullcontext()
+        with skip_init(), user_code(f"target {self.target_name()} could not be built{where}"), on_device:
+            module, name, args = build_target(self.mapping, self.config, self.target_spec)
+            place(module, self.device, self.compute_dtype if self.low_precision else None)
         with user_code(f"target {name} could not be filled with the checkpoint's tensors", exceptions=False):
-            notes = fill_target(module, self.mapping, tensors, self.config)
+            routes = self.routes.choose(module, tensors, self.hidden_size, args)
+            notes = [*self.routes.notes, *fill_target(module, routes, tensors, self.config)]
         for note in notes:
             if note not in self.target_notes:
                 self.target_notes.append(note)
@@ -118,21 +159,26 @@ class Session:
             return shape_failure(layer, expert, exc, self.checkpoint.weights), self.target_name()
         del tensors
         x = make_inputs(reference, self.hidden_size, self.seed, layer, expert)
-        runs, z = run_both(reference, target, target_name, x)
+        low = (lambda: self.replay_builder(layer)(routed, self.compute_dtype)) if self.low_precision else None
+        runs, z = run_both(reference, target, target_name, x, low)
+        runs.dtype = self.dtype_name
         del reference, target
         gc.collect()
         result = judge(layer, expert, runs, routed, z, self.atol, self.checkpoint.weights)
         result.fingerprint = fingerprint
+        if self.low_precision and result.unverifiable is None:
+            result.separability = separability(self.replay_builder(layer), routed, self.config, x, runs.reference64,
+                                               result.tolerance, result.reference_error, self.dtype_name)
         if result.diagnosis is None and not result.passed and result.unverifiable is None and self.diagnose:
             result.diagnosis = self.explain(layer, expert, x, runs.target, runs.reference64, result.tolerance)
         return result, target_name
 
     def explain(self, layer: int, expert: int | None, x: torch.Tensor, got: torch.Tensor, out64: torch.Tensor,
                 tolerance: float) -> dict:
-        """Replay known mistakes on transformers' MLP for this layer (see diagnose.py)."""
+        """Replay known mistakes on transformers' MLP for this layer, in the dtype the target ran in
+        (see diagnose.py)."""
         routed = self.reference_tensors(layer, self.read_layer(layer, expert))
-        return diagnose(lambda t: self.reference_from(layer, t, on_call=False), routed, self.config, x, got, out64,
-                        tolerance)
+        return diagnose(self.replay_builder(layer), routed, self.config, x, got, out64, tolerance, self.compute_dtype)
 
     def report(self) -> Report:
         import transformers
@@ -149,8 +195,22 @@ class Session:
             reference_activation=activation_name(probe, configured_activation(self.config)),
             versions={"parity": __version__, "transformers": transformers.__version__, "torch": torch.__version__},
             seed=self.seed,
-            notes=list(self.resolved.notes),
+            notes=list(self.resolved.notes) + self.compute_notes(),
+            device=str(self.device),
+            dtype=self.dtype_name,
         )
+
+    def compute_notes(self) -> list[str]:
+        if not self.low_precision and self.device.type == "cpu":
+            return []
+        truth = "the truth is transformers' MLP in float64 on the CPU"
+        if not self.low_precision:
+            return [f"the target runs on {self.device} in float32; {truth}, the tolerance the float32 one"]
+        rule = ("--atol" if self.atol is not None else
+                f"{LOW_PRECISION_FACTOR:g} x the reference's own {self.dtype_name} error (transformers' MLP cast to "
+                f"{self.dtype_name} on {self.device}, same inputs)")
+        return [f"the target runs on {self.device} in {self.dtype_name}; {truth}; a layer passes when max|Δ| <= "
+                f"{rule}"]
 
     def synthetic_layers(self, notes: list[str]) -> list[int] | None:
         """All layers, unless the synthetic model would be large: then first, middle and last.
@@ -171,25 +231,29 @@ class Session:
         """[None] for a dense model; the selected experts (default: all) for MoE."""
         if self.num_experts is None:
             if spec is not None and spec != "all":
-                raise LayerRangeError(f"--experts {spec!r}: mapping '{self.mapping.name}' describes a dense model (no experts)")
+                raise LayerRangeError(f"--experts {spec!r}: mapping '{self.mapping.name}' describes a dense model "
+                                      "(no experts)")
             return [None]
         return parse_selection(spec, self.num_experts, "expert")
 
     def target_name(self) -> str:
-        spec = self.target_spec if self.target_spec is not None else self.mapping.target_class
-        return spec if isinstance(spec, str) else f"{spec.__module__}:{spec.__qualname__}"
+        return target_label(self.target_spec if self.target_spec is not None else self.mapping.target_class)
 
 
-def run_both(reference: nn.Module, target: nn.Module, target_name: str, x: torch.Tensor) -> tuple[Runs, torch.Tensor | None]:
+def run_both(reference: nn.Module, target: nn.Module, target_name: str, x: torch.Tensor,
+             low: Callable[[], nn.Module] | None = None) -> tuple[Runs, torch.Tensor | None]:
     """Every run gets its own copy of the inputs: a module that writes into its input must not
-    change what the others see, and the float64 truth is computed on the pristine inputs."""
+    change what the others see, and the float64 truth is computed on the pristine inputs.
+    ``low`` builds the reference in the run's low-precision dtype on its device (built only when
+    its turn comes, and dropped after it ran)."""
     with torch.no_grad():
         z = preactivation(reference, x.clone())
         out32 = reference(x.clone()).double()
         got, changed = run_target(target, target_name, x, out32.shape)
         again, changed_again = run_target(target, target_name, x, out32.shape)
         out64 = compute_in(reference, torch.float64)(x.double())  # one projection at a time in float64
-    return Runs(out64, out32, got, again, changed or changed_again), z
+        out_low = None if low is None else run_module(low(), x.clone())
+    return Runs(out64, out32, got, again, changed or changed_again, out_low), z
 
 
 def run_session(session: Session, layers: Selection = None,
@@ -203,6 +267,7 @@ def run_session(session: Session, layers: Selection = None,
         for layer in parse_selection(layers, session.num_layers):
             for expert in selected_experts:
                 result, report.target = session.run_layer(layer, expert)
+                report.routes = session.routes.describe()
                 report.notes.extend(n for n in session.target_notes if n not in report.notes)
                 report.layers.append(result)
                 if on_layer is not None:

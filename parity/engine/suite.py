@@ -10,16 +10,19 @@ recorded as an error and the others still run: one CI run shows every problem.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 from parity.engine.logits import logits_impact
 from parity.engine.resolve import resolve
 from parity.engine.results import LayerResult, Report
 from parity.engine.session import Session, run_session
+from parity.engine.target import torch_device
 from parity.errors import ParityError, SyntheticWeightsError
 from parity.spec.project import CheckSpec, shard_units
 from parity.spec.selection import parse_selection
+from parity.spec.values import check_compute
 
 
 @dataclass
@@ -41,7 +44,7 @@ def plan_layers(spec: CheckSpec) -> tuple[list[int], list[str], object]:
     """The layers `parity MODEL` would check for this spec, notes about the choice, and the session."""
 
     session = open_session(spec.model, spec.checkpoint, spec.mapping, spec.revision, spec.target, spec.seed, spec.atol,
-                           spec.allow_pickle, spec.require_real)
+                           spec.allow_pickle, spec.require_real, spec.device, spec.dtype)
     layers = spec.layers
     notes: list[str] = []
     if layers is None and session.checkpoint.weights == "synthetic":
@@ -79,7 +82,7 @@ def execute(runs: list[CheckRun], on_layer: Callable[[CheckRun, Report, LayerRes
         spec = run.spec
         clock = [time.perf_counter()]
 
-        def record(report: Report, result: LayerResult, run: CheckRun = run) -> None:
+        def record(report: Report, result: LayerResult, run: CheckRun = run, clock: list[float] = clock) -> None:
             now = time.perf_counter()
             run.seconds.append(now - clock[0])
             clock[0] = now
@@ -120,9 +123,12 @@ def exit_code(runs: list[CheckRun], regressions: int = 0) -> int:
 
 def open_session(model: str, checkpoint: str | None = None, mapping: str | None = None, revision: str | None = None,
                  target: str | Any | None = None, seed: int = 0, atol: float | None = None,
-                 allow_pickle: bool = False, require_real: bool = False) -> Session:
+                 allow_pickle: bool = False, require_real: bool = False, device: str = "cpu",
+                 dtype: str = "float32") -> Session:
     """Resolve MODEL (mapping, checkpoint, config) and open a session on it; ``require_real`` refuses
-    the synthetic stand-in before anything is computed."""
+    the synthetic stand-in before anything is computed.  ``device`` and ``dtype``: where and in what the
+    target computes (checked before anything is resolved: a missing GPU is said at once)."""
+    torch_device(check_compute(device, dtype)[0])
     resolved = resolve(model, checkpoint, mapping, revision, allow_pickle)
     if require_real and resolved.checkpoint.weights != "real":
         why = (resolved.checkpoint.weights_note or "").removeprefix("SYNTHETIC weights: ").split(";")[0]
@@ -132,4 +138,4 @@ def open_session(model: str, checkpoint: str | None = None, mapping: str | None 
             "\"...\" in a project file); to check the synthetic stand-in instead, drop --require-real "
             "(require_real = false in a project file)."
         )
-    return Session(resolved, target=target, seed=seed, atol=atol)
+    return Session(resolved, target=target, seed=seed, atol=atol, device=device, dtype=dtype)

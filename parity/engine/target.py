@@ -7,17 +7,22 @@ TargetError naming it, and the module runs on its own copy of the inputs.
 from __future__ import annotations
 
 import contextlib
+import copy
 import importlib
 import inspect
-from typing import Any, Iterator
+import os
+import sys
+from collections.abc import Iterator
+from typing import Any
 
 import torch
 from torch import nn
 
 from parity.engine.compare import input_change
 from parity.errors import MappingError, MissingTensorError, ParityError, ShapeMismatchError, TargetError
-from parity.spec.mapping import ConfigValue, Mapping, TensorRoute, unknown_route_names
+from parity.spec.aliases import load_aliases
 from parity.spec.families import config_dff
+from parity.spec.mapping import ConfigValue, Mapping, TensorRoute, unknown_route_names
 from parity.spec.mistakes import MistakeId
 
 
@@ -35,37 +40,121 @@ def import_object(spec: str, what: str = "--target") -> Any:
                           "Is it installed or on PYTHONPATH?") from None
     obj = module
     for part in attr.split("."):
-        if not hasattr(obj, part):
+        if part.startswith("__") or not hasattr(obj, part):
             raise TargetError(f"{what} {spec!r}: module '{module_name}' has no attribute '{attr}'")
         obj = getattr(obj, part)
-    if not callable(obj):
-        raise TargetError(f"{what} {spec!r}: is not a class or a callable")
+    check_constructible(obj, spec, what)
     return obj
 
 
-def build_target(mapping: Mapping, config: Any, target: str | Any | None = None) -> tuple[nn.Module, str]:
-    """Construct the target from the mapping's class (or an override) and evaluated args."""
+def check_constructible(obj: Any, spec: str, what: str) -> None:
+    """A target is imported code, as trusted as a conftest.py; still, parity calls only what can build a
+    module: an nn.Module subclass, or a function written in Python (a factory).  ``os:system``,
+    ``builtins:exec`` or ``subprocess:Popen`` are refused before anything is called."""
+    if inspect.isclass(obj):
+        if issubclass(obj, nn.Module):
+            return
+        raise TargetError(f"{what} {spec!r}: is the class {obj.__module__}.{obj.__qualname__}, not a torch.nn.Module "
+                          "subclass; name the module class (or a function that builds it)")
+    function = obj.__func__ if inspect.ismethod(obj) else obj
+    if inspect.isfunction(function):
+        return
+    kind = "a built-in function" if inspect.isbuiltin(obj) else f"a {type(obj).__name__}"
+    raise TargetError(f"{what} {spec!r}: is {kind}, not an nn.Module class or a Python function that builds one; "
+                      "parity does not call it")
+
+
+def target_label(spec: Any) -> str:
+    """How reports name a target: 'pkg.module:Name' (for an instance, its class)."""
+    if isinstance(spec, str):
+        return spec
+    if isinstance(spec, nn.Module):
+        spec = type(spec)
+    name = getattr(spec, "__qualname__", None) or getattr(spec, "__name__", None) or type(spec).__name__
+    return f"{getattr(spec, '__module__', None) or '?'}:{name}"
+
+
+@contextlib.contextmanager
+def cwd_importable() -> Iterator[None]:
+    """The working directory importable (first on sys.path, as the `parity` command has it) while a check
+    resolves its target: 'mymodel:MLP' means the same in a shell, in Python and under pytest."""
+    cwd = os.getcwd()
+    added = cwd not in sys.path
+    if added:
+        sys.path.insert(0, cwd)
+        importlib.invalidate_caches()
+    try:
+        yield
+    finally:
+        if added and cwd in sys.path:
+            sys.path.remove(cwd)
+
+
+def build_target(mapping: Mapping, config: Any, target: str | Any | None = None) -> tuple[nn.Module, str, dict | None]:
+    """Construct the target: the mapping's [target].class, or ``target``: 'pkg.module:Name', a class, a factory,
+    or an nn.Module instance (deep-copied: the caller's instance is never modified).  Returns the module, its
+    name and its constructor arguments as a mapping file spells them (None for an instance)."""
     spec = target if target is not None else mapping.target_class
+    name = target_label(spec)
+    if isinstance(spec, nn.Module):
+        return copy.deepcopy(spec), name, None
     what = "--target" if target is not None else f"{mapping.path}: target.class"
     factory = import_object(spec, what) if isinstance(spec, str) else spec
-    name = spec if isinstance(spec, str) else f"{factory.__module__}:{factory.__qualname__}"
-    value = ConfigValue(config, mapping.path)
-    kwargs = {key: value(raw, f"target.args.{key}") for key, raw in mapping.target_args.items()}
+    if not callable(factory):
+        raise TargetError(f"target {name}: a {type(spec).__name__} is not a class, a factory or an nn.Module")
+    raw, kwargs = constructor_args(factory, mapping, config)
     try:
         module = factory(**kwargs)
     except Exception as exc:
+        short = name.split(":")[-1]
         try:
-            signature = f"{name.split(':')[-1]}{inspect.signature(factory)}"
+            parameters = inspect.signature(factory).parameters
+            signature = f"{short}{inspect.signature(factory)}"
         except (TypeError, ValueError):
-            signature = name
+            parameters, signature = {}, name
+        call = ", ".join(f"{p}=..." for p, v in parameters.items() if v.default is v.empty and v.kind in _NAMED)
         shown = {k: (type(v).__name__ if k == "config" or v is config else v) for k, v in kwargs.items()}
         raise TargetError(
             f"cannot construct target {name} with {shown}: {type(exc).__name__}: {exc}. "
-            f"Its signature is {signature}; set [target].args in a mapping file (--mapping) to match it."
+            f"Its signature is {signature}; set [target].args in a mapping file (--mapping) to match it, "
+            f"or pass a factory as --target: def make_ffn(config): return {short}({call}), with the values "
+            "read from the checkpoint's transformers config."
         ) from None
     if not isinstance(module, nn.Module):
         raise TargetError(f"target {name} returned {type(module).__name__}, not a torch.nn.Module")
-    return module, name
+    return module, name, raw
+
+
+_NAMED = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
+
+
+def constructor_args(factory: Any, mapping: Mapping, config: Any) -> tuple[dict, dict]:
+    """The constructor's arguments, as a mapping spells them and evaluated: the mapping's [target].args when
+    the constructor takes them (or its signature cannot be read); else the checkpoint's transformers config
+    for a parameter named `config` (aliases.toml [constructor]); else none, when every parameter has a
+    default; else the mapping's args, and the constructor's error says what to change."""
+    raw = mapping.target_args
+    try:
+        signature = inspect.signature(factory)
+    except (TypeError, ValueError):
+        signature = None
+    if signature is not None and not (raw and _binds(signature, raw)):
+        names = load_aliases().config_names
+        taker = next((p.name for p in signature.parameters.values() if p.name in names and p.kind in _NAMED), None)
+        if taker is not None and _binds(signature, {taker: config}):
+            return {taker: "config"}, {taker: config}
+        if _binds(signature, {}):
+            return {}, {}
+    value = ConfigValue(config, mapping.path)
+    return raw, {key: value(spec, f"target.args.{key}") for key, spec in raw.items()}
+
+
+def _binds(signature: inspect.Signature, kwargs: dict) -> bool:
+    try:
+        signature.bind(**kwargs)
+    except TypeError:
+        return False
+    return True
 
 
 def route_tensor(route: TensorRoute, stored: torch.Tensor) -> torch.Tensor:
@@ -98,7 +187,8 @@ def fill_target(module: nn.Module, mapping: Mapping, tensors: dict[str, torch.Te
     for route in mapping.tensors:
         if route in skipped:
             if not route.optional:
-                notes.append(f"the target has no parameter '{route.target}': checkpoint tensor '{route.source}' is not used")
+                notes.append(f"the target has no parameter '{route.target}': "
+                             f"checkpoint tensor '{route.source}' is not used")
             continue
         param = params[route.target]
         if route.source not in tensors:  # an optional route whose tensor the checkpoint lacks
@@ -156,7 +246,8 @@ def check_target_routes(module: nn.Module, mapping: Mapping, params: dict[str, n
     return skipped
 
 
-def shape_message(route: TensorRoute, found: tuple[int, ...], expected: tuple[int, ...], config: Any) -> tuple[str, str]:
+def shape_message(route: TensorRoute, found: tuple[int, ...], expected: tuple[int, ...],
+                  config: Any) -> tuple[str, str]:
     """Say which tensor, both shapes, and the likely cause; and the diagnosis id of that cause."""
     message = (f"checkpoint tensor '{route.source}' has shape {list(found)} after the mapping's transform, "
                f"but target parameter '{route.target}' has shape {list(expected)}")
@@ -207,14 +298,55 @@ def module_dtype(module: nn.Module, fallback: torch.dtype) -> torch.dtype:
     return param.dtype if param is not None and param.is_floating_point() else fallback
 
 
+def module_device(module: nn.Module, fallback: torch.device) -> torch.device:
+    param = next(module.parameters(), None)
+    return param.device if param is not None else fallback
+
+
 def run_module(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
-    """Run a target in its own parameter dtype (a bf16 target computes in bf16) -> float64."""
-    out = module(x.to(module_dtype(module, x.dtype)))
+    """Run a target on its own device in its own parameter dtype (a bf16 target computes in bf16)
+    -> float64 on the CPU (float64 after the move: MPS has no float64)."""
+    out = module(x.to(device=module_device(module, x.device), dtype=module_dtype(module, x.dtype)))
     if isinstance(out, tuple):
         out = out[0]
     if not isinstance(out, torch.Tensor):
         raise TypeError(f"forward returned {type(out).__name__}, not a torch.Tensor")
-    return out.double()
+    return out.cpu().double()
+
+
+def torch_device(name: str) -> torch.device:
+    """A --device value (already valid by ``spec.values.device_value``) that this machine and this torch
+    can run on; a UsageError saying why not."""
+    from parity.errors import UsageError
+
+    if name.startswith("cuda"):
+        if not torch.cuda.is_available():
+            raise UsageError(f"--device {name}: no CUDA device is available (torch {torch.__version__}"
+                             f"{', built without CUDA' if torch.version.cuda is None else ''}); "
+                             "run on a machine with an NVIDIA GPU and a CUDA build of torch, or use --device cpu")
+        index = int(name.partition(":")[2] or torch.cuda.current_device())
+        if index >= torch.cuda.device_count():
+            raise UsageError(f"--device {name}: this machine has {torch.cuda.device_count()} CUDA device(s) "
+                             f"(cuda:0 to cuda:{torch.cuda.device_count() - 1})")
+        return torch.device("cuda", index)
+    if name == "mps":
+        mps = getattr(torch.backends, "mps", None)
+        if mps is None or not mps.is_available():
+            raise UsageError("--device mps: the Apple GPU (MPS) is not available here (it needs macOS 12.3+ on Apple "
+                             "silicon and a torch built with MPS); use --device cpu")
+        return torch.device("mps")
+    return torch.device("cpu")
+
+
+def place(module: nn.Module, device: torch.device, dtype: torch.dtype | None) -> nn.Module:
+    """The target moved to ``device`` and, when ``dtype`` is given, cast to that compute dtype (floating
+    parameters and buffers, as ``module.to`` does).  None keeps the module's own dtype: a float32 check
+    runs the module as it was built, so one built in bfloat16 is still seen as computing in bfloat16."""
+    if device.type != "cpu":
+        module.to(device)
+    if dtype is not None:
+        module.to(dtype)
+    return module
 
 
 @contextlib.contextmanager
@@ -235,7 +367,7 @@ def user_code(what: str, exceptions: bool = True) -> Iterator[None]:
 def run_target(module: nn.Module, name: str, x: torch.Tensor, expected: torch.Size) -> tuple[torch.Tensor, str | None]:
     """``run_module`` on the target's own copy of ``x``; returns the output and what the target did to
     that copy (None: nothing).  Its failures are the user's to fix, not a parity crash."""
-    fed = x.to(module_dtype(module, x.dtype), copy=True)
+    fed = x.to(device=module_device(module, x.device), dtype=module_dtype(module, x.dtype), copy=True)
     before = fed.clone()
     with user_code(f"target {name} failed on an input of shape {list(x.shape)}"):
         out = run_module(module, fed)

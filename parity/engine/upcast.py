@@ -4,7 +4,8 @@ The reference MLP of a 1B model holds ~70 MB of bfloat16 weights, 140 MB in floa
 280 MB in float64; converting the whole module puts the float64 copy on top of everything
 else.  Instead each submodule that owns parameters gets its weights upcast (into a reused
 scratch buffer) just before it runs, and its stored tensors back right after, so at most
-one projection exists in the compute dtype at a time.  Values are identical: bfloat16/float16/float32 values are exact in the wider dtype.
+one projection exists in the compute dtype at a time.  Values are identical: bfloat16/float16/float32
+values are exact in the wider dtype.
 
 Hooks hold no reference to the module (no reference cycles: everything is freed by
 reference counting the moment the caller drops the module, without ``gc.collect``).
@@ -53,7 +54,8 @@ class _Compute:
 
 def _own_tensors(module: nn.Module) -> dict[str, torch.Tensor]:
     tensors = {name: p for name, p in module.named_parameters(recurse=False)}
-    tensors.update({name: b for name, b in module.named_buffers(recurse=False) if b is not None and b.is_floating_point()})
+    tensors.update({name: b for name, b in module.named_buffers(recurse=False)
+                    if b is not None and b.is_floating_point()})
     return tensors
 
 
@@ -125,7 +127,8 @@ def works_on_call(meta_module: nn.Module, stored_dtype: torch.dtype, hidden_size
     for sub in probe.modules():
         if hasattr(sub, _STORED):
             sub.register_forward_pre_hook(
-                lambda _m, args: inputs.update(a.dtype for a in args if isinstance(a, torch.Tensor) and a.is_floating_point()))
+                lambda _m, args: inputs.update(a.dtype for a in args
+                                               if isinstance(a, torch.Tensor) and a.is_floating_point()))
     try:
         with torch.no_grad():
             out = probe(torch.empty(1, 2, hidden_size, dtype=torch.float64, device="meta"))

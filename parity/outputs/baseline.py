@@ -15,13 +15,14 @@ from __future__ import annotations
 
 import json
 import math
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Iterable, Sequence
 
-from parity.outputs.atomic import write_text_atomic
-from parity.errors import BaselineError
 from parity.engine.results import LayerResult, Report
+from parity.errors import BaselineError
+from parity.outputs.atomic import write_text_atomic
+from parity.spec.files import not_regular, shown
 
 BASELINE_VERSION = 2  # 2: portable keys, fingerprint and weights per entry; 1: neither
 DEFAULT_FACTOR = 2.0
@@ -90,9 +91,12 @@ def checkpoint_key(report: Report, roots: Sequence[Path] | None = None) -> str:
 
 def entry_key(report: Report, layer: LayerResult, roots: Sequence[Path] | None = None) -> str:
     roots = roots or default_roots()
-    key = f"{source_key(report.model, roots)} | {checkpoint_key(report, roots)} | {report.target} | layer {layer.layer:04d}"
+    key = (f"{source_key(report.model, roots)} | {checkpoint_key(report, roots)} | {report.target} "
+           f"| layer {layer.layer:04d}")
     if layer.expert is not None:
         key += f" | expert {layer.expert:04d}"
+    if getattr(report, "dtype", "float32") != "float32" or getattr(report, "device", "cpu") != "cpu":
+        key += f" | {report.dtype} on {report.device}"  # a bf16 run's deviations are not a float32 run's
     return key
 
 
@@ -110,6 +114,9 @@ def _entry(report: Report, layer: LayerResult) -> dict:
 def _read(path: Path) -> tuple[int, dict[str, dict]]:
     """(format version, entries) of a baseline file; NotABaseline says why it is not one.
     FileNotFoundError and OSError pass through: the callers word them (reading vs. updating)."""
+    kind = not_regular(path) if path.exists() and not path.is_dir() else None
+    if kind is not None:  # a FIFO or device would block the read forever
+        raise BaselineError(f"{shown(path)}: {kind}; --baseline takes a JSON file")
     try:
         data = json.loads(path.read_text(encoding="utf-8"))
     except (UnicodeDecodeError, ValueError) as exc:
@@ -132,7 +139,8 @@ def _read(path: Path) -> tuple[int, dict[str, dict]]:
 def _check_entry(key: str, entry: object) -> None:
     """Every field compare() reads must be there and of its type: a hand-edited entry must not crash a run."""
     def number(value: object) -> bool:
-        return value is None or (isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value))
+        return value is None or (isinstance(value, (int, float)) and not isinstance(value, bool)
+                                 and math.isfinite(value))
 
     if not isinstance(entry, dict):
         raise NotABaseline(f"entry '{key}' is {type(entry).__name__}, not an object")
@@ -173,10 +181,12 @@ def load_for_update(path: str | Path) -> tuple[int, dict[str, dict]]:
     except FileNotFoundError:
         return BASELINE_VERSION, {}
     except OSError as exc:
-        raise BaselineError(f"{path}: cannot read the existing baseline to merge into ({exc.strerror or exc})") from None
+        raise BaselineError(f"{path}: cannot read the existing baseline to merge into "
+                            f"({exc.strerror or exc})") from None
     except NotABaseline as exc:
         raise BaselineError(f"{path}: exists but is not a parity baseline ({exc}); --update-baseline will not "
-                            "overwrite it. Delete or move it if it is a damaged baseline, or pass another file") from None
+                            "overwrite it. Delete or move it if it is a damaged baseline, "
+                            "or pass another file") from None
 
 
 # -- comparing --------------------------------------------------------------------------------------
@@ -252,8 +262,9 @@ def note_lines(path: str | Path, result: Comparison) -> list[str]:
                      f"{_quoted(result.not_compared)}")
     if result.unfingerprinted:
         lines.append(f"{result.unfingerprinted} entr{'y has' if result.unfingerprinted == 1 else 'ies have'} no weight "
-                     "fingerprint (a format-1 baseline, or a layer that could not be loaded when it was made): compared "
-                     "without confirming they describe these weights; regenerate with --update-baseline to add them")
+                     "fingerprint (a format-1 baseline, or a layer that could not be loaded when it was made): "
+                     "compared without confirming they describe these weights; "
+                     "regenerate with --update-baseline to add them")
     return lines
 
 

@@ -7,16 +7,17 @@
 from __future__ import annotations
 
 import xml.etree.ElementTree as ET
+from collections.abc import Iterable
 from pathlib import Path
-from typing import Iterable
 
-from parity.outputs.atomic import write_text_atomic
 from parity.engine.results import LayerResult, Report
+from parity.outputs.atomic import write_text_atomic
 from parity.outputs.text import layer_line
 
 
 def case_name(layer: LayerResult) -> str:
-    """'layer 3', 'layer 3 expert 1'; '(synthetic weights)' appended so no CI page shows a bare pass of random weights."""
+    """'layer 3', 'layer 3 expert 1'; '(synthetic weights)' appended so no CI page shows a bare pass of random
+    weights."""
     name = f"layer {layer.layer}"
     name = name if layer.expert is None else f"{name} expert {layer.expert}"
     return f"{name} (synthetic weights)" if layer.weights == "synthetic" else name
@@ -27,6 +28,10 @@ def failure_message(layer: LayerResult) -> str:
         parts = ["the module cannot be loaded with this layer's tensors"]
     elif layer.max_abs_diff <= layer.tolerance:
         parts = [f"max|Δ| {layer.max_abs_diff:.3e} within tolerance {layer.tolerance:.3e}"]
+    elif layer.ratio_to_reference_error is not None:  # a low-precision run: judged against the reference's own error
+        parts = [f"max|Δ| {layer.max_abs_diff:.3e} > tolerance {layer.tolerance:.3e} "
+                 f"({layer.ratio_to_reference_error:.1f}x the reference's own error {layer.reference_error:.2e} "
+                 "in the run's dtype)"]
     else:
         parts = [f"max|Δ| {layer.max_abs_diff:.3e} > tolerance {layer.tolerance:.3e} "
                  f"({layer.ratio_to_noise:.1f}x the noise floor {layer.noise_floor:.2e})"]
@@ -36,7 +41,8 @@ def failure_message(layer: LayerResult) -> str:
     if diagnosis:
         text = f"diagnosis {diagnosis.get('id')}: {diagnosis.get('message')}"
         if diagnosis.get("distance") is not None and diagnosis.get("reference_distance") is not None:
-            text += f" (distance {diagnosis['distance']:.2e}; to the correct reference {diagnosis['reference_distance']:.2e})"
+            text += (f" (distance {diagnosis['distance']:.2e}; "
+                     f"to the correct reference {diagnosis['reference_distance']:.2e})")
         parts.append(text)
     return "; ".join(parts)
 

@@ -6,24 +6,35 @@ The CLI prints these pieces as layers finish; ``render`` joins them for a finish
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 from parity.engine.results import LayerResult, Report
+from parity.spec.mistakes import MistakeId
+
+GELU_VARIANTS = (MistakeId.GELU_EXACT_INSTEAD_OF_TANH, MistakeId.GELU_TANH_INSTEAD_OF_EXACT)
+# found from the runs and the shapes, not by a replay: as visible at a low precision as in float32
+NEEDS_NO_REPLAY = (MistakeId.DROPOUT_ACTIVE, MistakeId.INPUT_MUTATED, MistakeId.NONFINITE_OUTPUT,
+                   MistakeId.INTERMEDIATE_SIZE_MISMATCH, MistakeId.SHAPE_MISMATCH)
 
 
 def _sci(value: float | None) -> str:
     return "-" if value is None else f"{value:.2e}"
 
 
-HEADER = f"{'layer':>5}  {'max|Δ|':>9}  {'rel':>9}  {'mean|Δ|':>9}  {'noise':>9}  {'tol':>9}  {'×noise':>7}  {'z range':>15}  verdict"
+HEADER = (f"{'layer':>5}  {'max|Δ|':>9}  {'rel':>9}  {'mean|Δ|':>9}  {'noise':>9}  {'tol':>9}  "
+          f"{'×noise':>7}  {'z range':>15}  verdict")
 
 
 EXPERT_HEADER = f"{'layer':>5}  {'expert':>6}" + HEADER[5:]
+# A low-precision run (--dtype bfloat16 / float16): the noise columns hold the reference's own error in that
+# dtype and the ratio to it (LayerResult.reference_error, ratio_to_reference_error).
+LOW_COLUMNS = (f"{'noise':>9}  {'tol':>9}  {'×noise':>7}", f"{'ref err':>9}  {'tol':>9}  {'×ref':>7}")
 
 
-def table_header(result: LayerResult) -> str:
+def table_header(result: LayerResult | None, low_precision: bool = False) -> str:
     """The column header for a table whose rows look like ``result`` (an expert column for MoE)."""
-    return HEADER if result.expert is None else EXPERT_HEADER
+    header = HEADER if result is None or result.expert is None else EXPERT_HEADER
+    return header.replace(*LOW_COLUMNS) if low_precision else header
 
 
 def header_lines(report: Report) -> list[str]:
@@ -31,24 +42,44 @@ def header_lines(report: Report) -> list[str]:
         f"parity: {report.model} — mapping '{report.mapping}'",
         f"  checkpoint  {report.checkpoint} ({report.weights} weights)",
         f"  target      {report.target}",
+        *([f"  routes      {routes_line(report.routes)}"] if report.routes else []),
         f"  reference   transformers {report.versions.get('transformers', '?')} {report.reference} "
         f"(activation: {report.reference_activation})",
     ]
+    if report.low_precision or report.device != "cpu":
+        lines.append(f"  compute     {report.dtype} on {report.device} (truth: float64 on cpu)")
     if report.weights_note:
         lines.append(f"  !! {report.weights_note}")
     lines.extend(f"  note: {note}" for note in report.notes)
     return lines
 
 
+def routes_line(routes: dict) -> str:
+    """The routes that filled the target, 'param ← tensor' ('.T': transposed), and where they came from."""
+    parts = []
+    for target, spec in routes["tensors"].items():
+        if isinstance(spec, str):
+            parts.append(f"{target} ← {spec}")
+        elif not spec.get("optional"):  # optional routes (biases a checkpoint may lack) are in the JSON
+            chunk = f"[chunk {spec['chunk'][0]}/{spec['chunk'][1]}]" if spec.get("chunk") else ""
+            parts.append(f"{target} ← {spec['from']}{chunk}{'.T' if spec.get('transform') == 'transpose' else ''}")
+    origin = ("inferred from parameter names; --save-mapping FILE writes them" if routes.get("inferred")
+              else f"mapping {routes['extends'].rsplit('/', 1)[-1]}")
+    return f"{', '.join(parts)} ({origin})"
+
+
 def layer_line(result: LayerResult) -> str:
     zrange = "-" if result.preactivation_range is None else "[{:.1f}, {:.1f}]".format(*result.preactivation_range)
-    ratio = "-" if result.ratio_to_noise is None else f"{result.ratio_to_noise:.1f}"
+    low = result.reference_error is not None  # a low-precision row: its noise is the reference's own error
+    noise, ratio = ((result.reference_error, result.ratio_to_reference_error) if low
+                    else (result.noise_floor, result.ratio_to_noise))
+    ratio = "-" if ratio is None else f"{ratio:.1f}"
     verdict = "ok" if result.passed else "UNVERIFIABLE" if result.unverifiable is not None else "MISMATCH"
     if result.diagnosis:
         verdict += f" — {result.diagnosis['id']}"
     cell = f"{result.layer:>5}" if result.expert is None else f"{result.layer:>5}  {result.expert:>6}"
     return (f"{cell}  {_sci(result.max_abs_diff):>9}  {_sci(result.max_rel_diff):>9}  "
-            f"{_sci(result.mean_abs_diff):>9}  {_sci(result.noise_floor):>9}  {_sci(result.tolerance):>9}  "
+            f"{_sci(result.mean_abs_diff):>9}  {_sci(noise):>9}  {_sci(result.tolerance):>9}  "
             f"{ratio:>7}  {zrange:>15}  {verdict}")
 
 
@@ -78,7 +109,28 @@ def diagnosis_lines(report: Report) -> list[str]:
                          f"and {d['reference_distance']:.2e} from transformers")
         lines.append(f"  fix: {d['fix']}")
         lines.append("")
-    return lines
+    return lines + separability_lines(report)
+
+
+def separability_lines(report: Report) -> list[str]:
+    """A low-precision run: which known mistakes its layers can still tell from a correct module, and
+    which not (with the numbers of the layer where the mistake came closest to passing)."""
+    rows = [row for result in report.layers for row in result.separability or []]
+    if not report.low_precision or not rows:
+        return []
+    missed: dict[tuple[str, str], list[tuple[LayerResult, dict]]] = {}  # (id, detail) -> where it is not checked
+    for result in report.layers:
+        for row in result.not_checked:
+            key = (row["id"], "" if row["id"] in GELU_VARIANTS else row["detail"])
+            missed.setdefault(key, []).append((result, row))
+    lines = []
+    for found in missed.values():  # the numbers of the layer where the mistake is least visible
+        _, row = min(found, key=lambda pair: pair[1]["distance"] / max(pair[0].tolerance or 0.0, 1e-300))
+        units = ", ".join(dict.fromkeys(unit_label(r) for r, _ in found))
+        lines.append(f"not checked at {report.dtype} (layers {units}): {row['message']}")
+    told = sorted({row["id"] for row in rows if row["checked"]} - {mistake for mistake, _ in missed})
+    lines.append(f"told apart at {report.dtype} on every layer: {', '.join(told + list(NEEDS_NO_REPLAY))}")
+    return [*lines, ""]
 
 
 def _units(results: list[LayerResult]) -> str:
@@ -104,7 +156,19 @@ def summary_line(report: Report) -> str:
                 f"({unverifiable[0].unverifiable}): {_units(unverifiable)}")
     else:
         line = f"PASS: {len(report.layers)} {unit} match transformers within tolerance."
+    if report.low_precision:
+        line = line.rstrip(".") + f" (at {report.dtype} on {report.device})." + not_checked_summary(report)
     return f"{line} {SYNTHETIC_WARNING}" if report.synthetic else line
+
+
+def not_checked_summary(report: Report) -> str:
+    """' Not checked at bfloat16: GELU variant, ...; run with --dtype float32 to check them.' or ''."""
+    names = list(dict.fromkeys("GELU variant" if row["id"] in GELU_VARIANTS else row["id"]
+                               for result in report.layers for row in result.not_checked))
+    if not names:
+        return ""
+    return (f" Not checked at {report.dtype}: {', '.join(names)}; run with --dtype float32 to check "
+            f"{'it' if len(names) == 1 else 'them'}.")
 
 
 def logits_lines(report: Report) -> list[str]:
@@ -168,7 +232,7 @@ class TextWriter:
         if self.started:
             self.say("")
         self.started.append(id(report))
-        for line in [*header_lines(report), "", HEADER if first is None else table_header(first)]:
+        for line in [*header_lines(report), "", table_header(first, report.low_precision)]:
             self.say(line)
 
 

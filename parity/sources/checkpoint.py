@@ -10,9 +10,9 @@ byte ranges of those tensors of shards it has not cached (``reader``).
 from __future__ import annotations
 
 import difflib
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable
 
 from parity.errors import MissingTensorError, PickleRefusedError
 

@@ -8,7 +8,16 @@ from pathlib import Path
 
 from parity.errors import CheckpointError
 from parity.sources.checkpoint import Checkpoint
-from parity.sources.safetensors_files import CONFIG, INDEX, local_reader, read_json, weight_map_from_files, weight_map_from_index
+from parity.sources.safetensors_files import (
+    CONFIG,
+    INDEX,
+    check_shards,
+    local_reader,
+    read_json,
+    weight_map_from_files,
+    weight_map_from_index,
+)
+from parity.spec.files import shown
 
 
 def claims(path: Path) -> bool:
@@ -18,23 +27,28 @@ def claims(path: Path) -> bool:
 def open_path(path: Path, allow_pickle: bool = False) -> Checkpoint:
     folder = path if path.is_dir() else path.parent
     config_path = folder / CONFIG
-    if not config_path.is_file():
-        raise CheckpointError(f"{folder}: no config.json; parity needs the checkpoint's HF config next to its weights")
-    raw_config = read_json(config_path, "config.json")
-    if path.is_file():
+    if path.is_dir() and not any(folder.iterdir()):
+        raise CheckpointError(f"{shown(folder)}: the folder is empty; expected a checkpoint: config.json next to "
+                              "model.safetensors (or its shards and model.safetensors.index.json), or a .gguf file")
+    if not config_path.exists() and not config_path.is_symlink():
+        raise CheckpointError(f"{shown(folder)}: no config.json; parity needs the checkpoint's HF config next to its "
+                              "weights")
+    raw_config = read_json(config_path, "config.json")  # refuses a FIFO, a folder or a device named config.json
+    if not path.is_dir():
         weight_map = weight_map_from_files([path])
-    elif (folder / INDEX).is_file():
+    elif (folder / INDEX).exists() or (folder / INDEX).is_symlink():
         weight_map = weight_map_from_index(folder / INDEX)
+        check_shards(folder / INDEX, weight_map)
     else:
         files = sorted(folder.glob("*.safetensors"))
         if not files:
-            raise CheckpointError(f"{folder}: no *.safetensors weights found")
+            raise CheckpointError(f"{shown(folder)}: no *.safetensors weights found (and no {INDEX})")
         weight_map = weight_map_from_files(files)
 
     def fetch(file_name: str) -> Path:
         file_path = folder / file_name
         if not file_path.is_file():
-            raise CheckpointError(f"{file_path}: listed in {INDEX} but missing on disk")
+            raise CheckpointError(f"{shown(file_path)}: listed in {INDEX} but missing on disk")
         return file_path
 
     return Checkpoint(str(path), folder, raw_config, weight_map, fetch, reader=local_reader(fetch))

@@ -12,9 +12,11 @@ from __future__ import annotations
 import pickle
 from pathlib import Path
 
-from parity.sources.checkpoint import PICKLE_PATTERNS, Checkpoint, refuse_pickle
-from parity.sources.safetensors_files import CONFIG, INDEX, read_json, weight_map_from_index
 from parity.errors import CheckpointError
+from parity.sources.checkpoint import PICKLE_PATTERNS, Checkpoint, refuse_pickle
+from parity.sources.config_check import MAX_LENGTH, MAX_WIDTH, float_problem, int_problem, short
+from parity.sources.safetensors_files import CONFIG, INDEX, check_shards, read_json, weight_map_from_index
+from parity.spec.files import not_regular, shown
 
 BIN_INDEX = "pytorch_model.bin.index.json"
 META_PARAMS = "params.json"
@@ -25,6 +27,9 @@ def load_state(path: Path) -> dict:
     """The file's tensors, memory-mapped; only tensors and plain containers are unpickled."""
     import torch
 
+    why = not_regular(path)
+    if why is not None:  # torch.load would block on a FIFO
+        raise CheckpointError(f"{shown(path)}: {why}; expected a pickle-based weights file")
     try:
         state = torch.load(str(path), map_location="cpu", weights_only=True, mmap=True)
     except pickle.UnpicklingError as exc:
@@ -32,7 +37,7 @@ def load_state(path: Path) -> dict:
             f"{path}: holds objects other than tensors, which torch.load(weights_only=True) refuses to unpickle "
             f"({str(exc).splitlines()[0]}). Convert it to safetensors in an environment you trust."
         ) from None
-    except (RuntimeError, OSError, EOFError) as exc:
+    except (RuntimeError, OSError, EOFError, ValueError, MemoryError) as exc:
         raise CheckpointError(
             f"{path}: cannot be memory-mapped by torch.load ({str(exc).splitlines()[0]}); files written before "
             "torch 1.6 (non-zip format) must be re-saved with torch.save, or converted to safetensors"
@@ -75,9 +80,9 @@ class PickleCheckpoint(Checkpoint):
 def open_pickle(path: Path) -> Checkpoint:
     """A pickle-based HF folder or Meta folder (or a .bin/.pth file in one)."""
     folder = path if path.is_dir() else path.parent
-    if (folder / META_PARAMS).is_file() and not (folder / CONFIG).is_file():
+    if _present(folder / META_PARAMS) and not _present(folder / CONFIG):
         return open_meta(folder)
-    if not (folder / CONFIG).is_file():
+    if not _present(folder / CONFIG):
         raise CheckpointError(f"{folder}: no config.json (HF) or params.json (Meta) next to the pickle-based weights")
     raw_config = read_json(folder / CONFIG, "config.json")
     note = ["pickle-based weights, read with torch.load(weights_only=True, mmap=True) as --allow-pickle asked"]
@@ -85,8 +90,10 @@ def open_pickle(path: Path) -> Checkpoint:
         state = load_state(path)
         return PickleCheckpoint(str(path), folder, raw_config, dict.fromkeys(state, path.name), folder, note,
                                 (path.name, state))
-    if (folder / BIN_INDEX).is_file():
-        return PickleCheckpoint(str(folder), folder, raw_config, weight_map_from_index(folder / BIN_INDEX), folder, note)
+    if (folder / BIN_INDEX).exists() or (folder / BIN_INDEX).is_symlink():
+        weight_map = weight_map_from_index(folder / BIN_INDEX, BIN_INDEX)
+        check_shards(folder / BIN_INDEX, weight_map)
+        return PickleCheckpoint(str(folder), folder, raw_config, weight_map, folder, note)
     files = sorted(folder.glob("pytorch_model*.bin"))
     if len(files) != 1:
         raise CheckpointError(f"{folder}: expected one pytorch_model.bin or a {BIN_INDEX}, found "
@@ -110,29 +117,30 @@ def open_meta(folder: Path) -> Checkpoint:
             "convert_llama_weights_to_hf.py and check the HF folder."
         )
     params = read_json(folder / META_PARAMS, "params.json")
-    try:
-        dim, n_layers, n_heads = int(params["dim"]), int(params["n_layers"]), int(params["n_heads"])
-    except (KeyError, TypeError, ValueError) as exc:
-        raise CheckpointError(f"{folder / META_PARAMS}: needs integer 'dim', 'n_layers' and 'n_heads' ({exc})") from None
-    multiple_of = int(params.get("multiple_of", 256))
-    multiplier = params.get("ffn_dim_multiplier")
+    meta = meta_params(folder / META_PARAMS, params)
+    dim, multiple_of, multiplier = meta["dim"], meta["multiple_of"], meta["ffn_dim_multiplier"]
     d_ff = llama_intermediate_size(dim, multiple_of, multiplier)
     state = load_state(shards[0])
+    if meta["n_layers"] > len(state):
+        raise CheckpointError(f"{shown(folder / META_PARAMS)}: 'n_layers' = {meta['n_layers']}: more layers than the "
+                              f"{len(state)} tensors of {shards[0].name} could hold; the params.json does not belong "
+                              "to these weights")
     stored = state.get(META_FFN)
-    if stored is not None and stored.shape[0] != d_ff:
+    if stored is not None and (stored.dim() != 2 or stored.shape[0] != d_ff):
         raise CheckpointError(
-            f"{folder}: params.json gives d_ff = llama_intermediate_size({dim}, multiple_of={multiple_of}, "
-            f"ffn_dim_multiplier={multiplier}) = {d_ff}, but {META_FFN} has {stored.shape[0]} rows; "
+            f"{shown(folder)}: params.json gives d_ff = llama_intermediate_size({dim}, multiple_of={multiple_of}, "
+            f"ffn_dim_multiplier={multiplier}) = {d_ff}, but {META_FFN} has shape {list(stored.shape)}; "
             "the params.json does not belong to these weights"
         )
-    vocab = int(params.get("vocab_size", -1))
-    if vocab <= 0 and "tok_embeddings.weight" in state:
-        vocab = int(state["tok_embeddings.weight"].shape[0])
+    vocab = meta["vocab_size"]
+    embedding = state.get("tok_embeddings.weight")
+    if vocab <= 0 and embedding is not None and embedding.dim() == 2:
+        vocab = int(embedding.shape[0])
     raw_config = {
-        "model_type": "llama", "hidden_size": dim, "intermediate_size": d_ff, "num_hidden_layers": n_layers,
-        "num_attention_heads": n_heads, "num_key_value_heads": int(params.get("n_kv_heads") or n_heads),
-        "rms_norm_eps": float(params.get("norm_eps", 1e-5)), "vocab_size": vocab if vocab > 0 else 32000,
-        "rope_theta": float(params.get("rope_theta", 10000.0)), "hidden_act": "silu",
+        "model_type": "llama", "hidden_size": dim, "intermediate_size": d_ff, "num_hidden_layers": meta["n_layers"],
+        "num_attention_heads": meta["n_heads"], "num_key_value_heads": meta["n_kv_heads"] or meta["n_heads"],
+        "rms_norm_eps": float(meta["norm_eps"]), "vocab_size": vocab if vocab > 0 else 32000,
+        "rope_theta": float(meta["rope_theta"]), "hidden_act": "silu",
     }
     notes = [
         f"Meta checkpoint: params.json read as a LlamaConfig, d_ff = llama_intermediate_size({dim}, "
@@ -143,6 +151,41 @@ def open_meta(folder: Path) -> Checkpoint:
                             (shards[0].name, state))
 
 
+# params.json key -> (default, kind, minimum, maximum); kind "int", "int?" (null allowed) or "number"
+META_KEYS = {
+    "dim": (None, "int", 1, MAX_WIDTH), "n_layers": (None, "int", 1, MAX_WIDTH), "n_heads": (None, "int", 1, MAX_WIDTH),
+    "n_kv_heads": (None, "int?", 1, MAX_WIDTH), "multiple_of": (256, "int", 1, MAX_WIDTH),
+    "ffn_dim_multiplier": (None, "number?", 1e-3, 1e3), "norm_eps": (1e-5, "number", 0.0, 1.0),
+    "rope_theta": (10000.0, "number", 1e-300, 1e300), "vocab_size": (-1, "int", -1, MAX_LENGTH),
+}
+
+
+def meta_params(path: Path, params: dict) -> dict:
+    """params.json's values, each checked for type and range (a message names the file, the key and the value)."""
+    values = {}
+    for key, (default, kind, minimum, maximum) in META_KEYS.items():
+        if key not in params and default is None and not kind.endswith("?"):
+            raise CheckpointError(f"{shown(path)}: needs '{key}' (an integer); is this Meta's params.json?")
+        value = params.get(key, default)
+        if value is None and kind.endswith("?"):
+            values[key] = None
+            continue
+        if kind.startswith("int"):
+            why = int_problem(value, minimum, maximum)
+        else:
+            why = float_problem(value, minimum) or (f"expected at most {maximum:g}" if value > maximum else None)
+        if why is not None:
+            raise CheckpointError(f"{shown(path)}: '{key}' = {short(value)}: {why}; fix params.json or use the one "
+                                  "that came with these weights")
+        values[key] = value
+    return values
+
+
+def _present(path: Path) -> bool:
+    """There is something by that name (a FIFO too: read_json then refuses it by name)."""
+    return path.exists() or path.is_symlink()
+
+
 PICKLE_SUFFIXES = (".bin", ".pth", ".pt", ".ckpt")
 
 
@@ -151,11 +194,15 @@ def claims(path: Path) -> bool:
     if path.is_file():
         return path.suffix in PICKLE_SUFFIXES
     return (path.is_dir() and not any(path.glob("*.safetensors")) and not (path / INDEX).is_file()
-            and any(next(path.glob(pattern), None) is not None for pattern in PICKLE_PATTERNS))
+            and ((path / BIN_INDEX).exists()
+                 or any(next(path.glob(pattern), None) is not None for pattern in PICKLE_PATTERNS)))
 
 
 def open_path(path: Path, allow_pickle: bool = False) -> Checkpoint:
     """Unpickling can run code: refused unless the user opted in (then weights_only=True)."""
     if not allow_pickle:
-        refuse_pickle(path if path.is_dir() else path.parent, [path.name] if path.is_file() else None)
+        folder = path if path.is_dir() else path.parent
+        refuse_pickle(folder, [path.name] if path.is_file() else None)
+        if (folder / BIN_INDEX).exists():  # an index of pickle shards, none of them present: still pickle
+            refuse_pickle(folder, [BIN_INDEX])
     return open_pickle(path)

@@ -10,7 +10,7 @@ file in the tests.
 
 from __future__ import annotations
 
-from typing import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 
 from parity.errors import CheckpointError, MissingTensorError
 from parity.sources.safetensors_files import DTYPES, Span, header_length, parse_header
@@ -41,7 +41,8 @@ def layer_ranges(weight_map: dict[str, str], headers: dict[str, dict[str, Span]]
     by_file: dict[str, list[str]] = {}
     for name in names:
         by_file.setdefault(weight_map[name], []).append(name)
-    return {file: [(s, e) for s, e, _ in plan(headers[file], members, max_gap)] for file, members in sorted(by_file.items())}
+    return {file: [(s, e) for s, e, _ in plan(headers[file], members, max_gap)]
+            for file, members in sorted(by_file.items())}
 
 
 class RangedReader:
@@ -70,7 +71,8 @@ class RangedReader:
         out = {}
         for span in (spans[n] for n in names):
             if span.dtype not in DTYPES or not hasattr(torch, DTYPES[span.dtype][0]):
-                raise CheckpointError(f"{file_name}: tensor '{span.name}' has dtype {span.dtype}, which parity cannot read")
+                raise CheckpointError(f"{file_name}: tensor '{span.name}' has dtype {span.dtype}, "
+                                      "which parity cannot read")
             out[span.name] = torch.empty(span.shape, dtype=getattr(torch, DTYPES[span.dtype][0]))
             if out[span.name].numel() * out[span.name].element_size() != span.end - span.start:
                 raise CheckpointError(f"{file_name}: tensor '{span.name}' {span.dtype}{list(span.shape)} does not fit "

@@ -12,11 +12,12 @@ from __future__ import annotations
 import json
 import math
 import struct
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
 
 from parity.errors import CheckpointError
+from parity.spec.files import not_regular, read_text, short, shown
 
 CONFIG = "config.json"
 SINGLE = "model.safetensors"
@@ -52,8 +53,9 @@ def header_length(prefix: bytes, file_name: str) -> int:
     return length
 
 
-def parse_header(raw: bytes, file_name: str) -> dict[str, Span]:
-    """JSON header bytes -> {tensor name: Span}, offsets made absolute (8 + header length + ...)."""
+def parse_header(raw: bytes, file_name: str, sizes: bool = True) -> dict[str, Span]:
+    """JSON header bytes -> {tensor name: Span}, offsets made absolute (8 + header length + ...).
+    Every entry is checked: a known dtype's shape must need exactly the bytes its offsets span."""
     try:
         header = json.loads(raw)
     except (UnicodeDecodeError, ValueError, RecursionError) as exc:
@@ -65,18 +67,46 @@ def parse_header(raw: bytes, file_name: str) -> dict[str, Span]:
     for name, info in header.items():
         if name == "__metadata__":
             continue
-        try:
-            begin, end = (int(v) for v in info["data_offsets"])
-            shape = tuple(int(d) for d in info["shape"])
-            spans[name] = Span(name, str(info["dtype"]), shape, base + begin, base + end)
-        except (KeyError, TypeError, ValueError, OverflowError):
-            raise CheckpointError(f"{file_name}: header entry for tensor '{name}' lacks valid dtype / shape / "
-                                  "data_offsets") from None
+        span = _span(name, info, base)
+        if span is None:
+            raise CheckpointError(f"{file_name}: header entry for tensor {short(name)} lacks valid dtype / shape / "
+                                  "data_offsets")
+        spans[name] = span
+    if sizes:
+        for span in spans.values():
+            mismatch = size_mismatch(span)
+            if mismatch is not None:
+                raise CheckpointError(f"{file_name}: {mismatch}")
     return spans
+
+
+def size_mismatch(span: Span) -> str | None:
+    """Whether a tensor's offsets span the bytes its shape and dtype need (None: they do, or the dtype is unknown)."""
+    width = DTYPES.get(span.dtype, (None, None))[1]
+    if width is None or span.end - span.start == width * math.prod(span.shape):
+        return None
+    return (f"tensor {short(span.name)}: shape {list(span.shape)} of {span.dtype} needs "
+            f"{width * math.prod(span.shape)} bytes, but its data_offsets span {span.end - span.start}")
+
+
+def _span(name: str, info: object, base: int) -> Span | None:
+    """One header entry as a Span, or None when a field is missing or of the wrong type or range."""
+    if not isinstance(info, dict) or not isinstance(info.get("dtype"), str):
+        return None
+    shape, offsets = info.get("shape"), info.get("data_offsets")
+    if not isinstance(shape, list) or not isinstance(offsets, list) or len(offsets) != 2:
+        return None
+    if not all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in [*shape, *offsets]):
+        return None
+    if offsets[0] > offsets[1] or len(shape) > 16:
+        return None
+    return Span(name, info["dtype"], tuple(shape), base + offsets[0], base + offsets[1])
 
 
 def describe_defect(path: Path) -> str | None:
     """What is wrong with a local safetensors file, in words (None: nothing this can see).  Reads only the header."""
+    if not_regular(path) is not None:
+        return not_regular(path)
     try:
         size = path.stat().st_size
         if size < 8:
@@ -86,7 +116,7 @@ def describe_defect(path: Path) -> str | None:
             if length > size - 8:
                 return (f"the header claims {length} bytes but the file has only {size - 8} after the length field: "
                         "truncated, or not a safetensors file")
-            spans = parse_header(handle.read(length), path.name)
+            spans = parse_header(handle.read(length), path.name, sizes=False)
     except OSError as exc:
         return f"cannot read it: {exc.strerror or exc}"
     except CheckpointError as exc:
@@ -96,10 +126,8 @@ def describe_defect(path: Path) -> str | None:
         if span.end > data_end:
             return (f"tensor '{span.name}' lies at bytes {span.start - base}-{span.end - base} of the data section, "
                     f"but the file holds only {data_end - base} data bytes: truncated (an interrupted download?)")
-        width = DTYPES.get(span.dtype, (None, None))[1]
-        if width is not None and span.end - span.start != width * math.prod(span.shape):
-            return (f"tensor '{span.name}': shape {list(span.shape)} of {span.dtype} needs "
-                    f"{width * math.prod(span.shape)} bytes, but its data_offsets span {span.end - span.start}")
+        if size_mismatch(span) is not None:
+            return size_mismatch(span)
         covered = max(covered, span.end)
     if covered < data_end:
         return f"{data_end - covered} bytes after the last tensor's data belong to no tensor (corrupted or appended to)"
@@ -117,23 +145,43 @@ def read_safetensors(path: Path, names: list[str]) -> dict:
         raise unreadable(path, exc) from None
     out = {}
     with handle:
+        held = set(handle.keys())
         for name in names:
+            if name not in held:
+                raise CheckpointError(f"{shown(path)}: holds no tensor {short(name)}, though the checkpoint's index "
+                                      f"places it in this file: the index and the shards disagree; re-download it")
             try:
                 out[name] = handle.get_tensor(name)
             except Exception as exc:
-                raise CheckpointError(f"{path}: cannot read tensor '{name}': {exc}") from None
+                raise CheckpointError(f"{shown(path)}: cannot read tensor {short(name)}: {exc}") from None
     return out
 
 
+def describe_local(path: Path, names: list[str]) -> dict[str, tuple[list[int], str]]:
+    """Shape and dtype of these tensors of a local safetensors file, from its header alone, validated as a
+    read would be (a regular file, a sound header, every tensor inside the file, each name present)."""
+    require_regular_file(path)
+    reason = describe_defect(path)
+    if reason is not None:
+        raise CheckpointError(f"{shown(path)}: not a readable safetensors file: {reason}; re-download or re-save it")
+    with path.open("rb") as handle:
+        spans = parse_header(handle.read(header_length(handle.read(8), path.name)), path.name)
+    for name in names:
+        if name not in spans:
+            raise CheckpointError(f"{shown(path)}: holds no tensor {short(name)}, though the checkpoint's index "
+                                  f"places it in this file: the index and the shards disagree; re-download it")
+    return {name: (list(spans[name].shape), spans[name].dtype) for name in names}
+
+
 def read_json(path: Path, what: str) -> dict:
+    """A JSON object from a regular file (a FIFO or a device is refused, never read)."""
+    text = read_text(path, what, CheckpointError)
     try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except FileNotFoundError:
-        raise CheckpointError(f"{path}: {what} not found") from None
-    except (OSError, UnicodeDecodeError, ValueError, RecursionError) as exc:
-        raise CheckpointError(f"{path}: {what} is not valid JSON ({type(exc).__name__}: {exc})") from None
+        data = json.loads(text)
+    except (ValueError, RecursionError) as exc:
+        raise CheckpointError(f"{shown(path)}: {what} is not valid JSON ({type(exc).__name__}: {exc})") from None
     if not isinstance(data, dict):
-        raise CheckpointError(f"{path}: {what} must hold a JSON object")
+        raise CheckpointError(f"{shown(path)}: {what} must hold a JSON object")
     return data
 
 
@@ -142,16 +190,34 @@ def local_reader(fetch: Callable[[str], Path]) -> Callable[[str, list[str]], dic
     return lambda file_name, names: read_safetensors(fetch(file_name), names)
 
 
-def weight_map_from_index(index_path: Path) -> dict[str, str]:
-    index = read_json(index_path, "safetensors index")
+def weight_map_from_index(index_path: Path, what: str = "safetensors index") -> dict[str, str]:
+    index = read_json(index_path, what)
     weight_map = index.get("weight_map")
     if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
-        raise CheckpointError(f"{index_path}: has no valid 'weight_map' (tensor name -> shard file)")
-    outside = sorted({v for v in weight_map.values() if Path(v).is_absolute() or ".." in Path(v).parts or not v})
+        raise CheckpointError(f"{shown(index_path)}: has no valid 'weight_map' (tensor name -> shard file)")
+    if not weight_map:
+        raise CheckpointError(f"{shown(index_path)}: 'weight_map' is empty: the index lists no tensors")
+    outside = sorted({v for v in weight_map.values() if Path(v).is_absolute() or ".." in Path(v).parts or not v
+                      or "\0" in v})
     if outside:  # a shard must live in the checkpoint's own folder
-        raise CheckpointError(f"{index_path}: 'weight_map' names shard files outside the checkpoint folder: "
-                              f"{', '.join(outside[:3])}")
+        raise CheckpointError(f"{shown(index_path)}: 'weight_map' names shard files outside the checkpoint folder: "
+                              f"{', '.join(short(v) for v in outside[:3])}")
     return weight_map
+
+
+def check_shards(index_path: Path, weight_map: dict[str, str]) -> None:
+    """Every shard a local index names is a regular file next to it: a checkpoint missing one is incomplete
+    (an interrupted download), whichever layer is asked for.  Refused when opened, by a check and by inspect."""
+    folder = index_path.parent
+    for file_name in sorted(set(weight_map.values())):
+        why = not_regular(folder / file_name)
+        if why is not None:
+            names = [n for n, f in weight_map.items() if f == file_name]
+            raise CheckpointError(
+                f"{shown(folder / file_name)}: listed in {index_path.name} (for {short(names[0])}"
+                f"{f' and {len(names) - 1} more tensors' if len(names) > 1 else ''}) but {why}: the checkpoint is "
+                "incomplete; re-download it"
+            )
 
 
 def weight_map_from_files(files: list[Path]) -> dict[str, str]:
@@ -192,8 +258,9 @@ def weight_map_from_files(files: list[Path]) -> dict[str, str]:
 
 def require_regular_file(path: Path) -> None:
     """A FIFO or device named *.safetensors would block the reader forever: refuse it up front."""
-    if not path.is_file():
-        raise CheckpointError(f"{path}: not a regular file; expected a safetensors file")
+    why = not_regular(path)
+    if why is not None:
+        raise CheckpointError(f"{shown(path)}: {why}; expected a safetensors file")
 
 
 def unreadable(path: Path, exc: Exception) -> CheckpointError:

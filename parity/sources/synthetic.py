@@ -13,18 +13,23 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import json
+import math
 import os
+import re
 import tempfile
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Iterator
 
+from parity.errors import CheckpointError
 from parity.sources.cache import parity_cache
 from parity.sources.checkpoint import Checkpoint
-from parity.sources.safetensors_files import CONFIG, INDEX, local_reader
-from parity.errors import CheckpointError
+from parity.sources.config_check import check_activation, check_config_values, int_problem, short
+from parity.sources.safetensors_files import CONFIG, INDEX, describe_defect, local_reader
 from parity.spec.mapping import ConfigValue, Mapping
 
 FORMAT_VERSION = 1  # bump when the generated values or layout change
+MAX_LAYERS = 1024  # a stand-in's layer count (the largest models have under 200)
+SHARD_BUDGET_BYTES = 8 * 2**30  # one layer's FFN weights (Mixtral 8x7B: 2.8 GB in bf16)
 
 
 def _seed_for(name: str) -> int:
@@ -33,29 +38,26 @@ def _seed_for(name: str) -> int:
 
 def synthetic_checkpoint(mapping: Mapping, reason: str) -> Checkpoint:
     """A synthetic checkpoint in ``mapping``'s family format, under the parity cache folder."""
-    import torch
-    from safetensors.torch import save_file
-    from transformers import AutoConfig
-
-    from parity.sources.skeleton import ModelSkeleton, quiet_transformers
+    from parity.sources.skeleton import ModelSkeleton
 
     if mapping.synthetic_config is None:
-        raise ValueError(f"{mapping.path}: has no [synthetic.config] table")
+        raise CheckpointError(f"{mapping.path}: has no [synthetic.config] table to build a stand-in from")
     raw = dict(mapping.synthetic_config)
+    where = f"{mapping.path}: [synthetic.config]"
+    check_config_values(raw, where, MAX_LAYERS)
+    check_activation(raw, where)
     digest = hashlib.sha256(json.dumps([raw, FORMAT_VERSION], sort_keys=True).encode()).hexdigest()[:12]
-    folder = parity_cache("synthetic") / f"{mapping.name}-{digest}"
+    folder = parity_cache("synthetic") / f"{re.sub(r'[^A-Za-z0-9._-]', '_', mapping.name)}-{digest}"
     with _writable(folder):
         folder.mkdir(parents=True, exist_ok=True)
         _write_atomic(folder / CONFIG, json.dumps(raw, indent=2))
-
-    quiet_transformers()
-    config = AutoConfig.from_pretrained(str(folder))
+    config = _config(folder, where)
     reference = ModelSkeleton(config)
-    num_layers = int(ConfigValue(config, mapping.path)(mapping.num_layers, "num_layers"))
+    num_layers = ConfigValue(config, mapping.path)(mapping.num_layers, "num_layers")
+    why = int_problem(num_layers, 1, MAX_LAYERS)
+    if why is not None:
+        raise CheckpointError(f"{where}: gives num_layers = {short(num_layers)}: {why}")
     prefix = mapping.key_prefixes[0]
-    dtype = getattr(torch, str(raw.get("torch_dtype", "float32")))
-    std = float(raw.get("initializer_range", 0.02))
-
     shards: dict[str, dict[str, tuple[int, ...]]] = {}
     for layer in range(num_layers):
         shapes = reference.tensor_shapes(mapping.reference_path(layer))
@@ -65,22 +67,64 @@ def synthetic_checkpoint(mapping: Mapping, reason: str) -> Checkpoint:
     with _writable(folder):
         _write_atomic(folder / INDEX, json.dumps({"metadata": {"parity_synthetic": True}, "weight_map": weight_map},
                                                  indent=2))
+    write = _shard_writer(folder, shards, _dtype(raw, where), float(raw.get("initializer_range", 0.02)))
+    return Checkpoint(str(folder), folder, raw, weight_map, write, weights="synthetic", weights_note=reason,
+                      reader=local_reader(write))
+
+
+def _config(folder: Path, where: str):
+    from transformers import AutoConfig
+
+    from parity.sources.skeleton import quiet_transformers
+
+    quiet_transformers()
+    try:
+        return AutoConfig.from_pretrained(str(folder))
+    except Exception as exc:  # transformers raises many types for unusable configs
+        raise CheckpointError(f"{where}: transformers cannot load it: {type(exc).__name__}: {exc}") from None
+
+
+def _dtype(raw: dict, where: str):
+    import torch
+
+    name = raw.get("torch_dtype", "float32")
+    dtype = getattr(torch, name, None) if isinstance(name, str) else None
+    if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+        raise CheckpointError(f"{where}: torch_dtype = {short(name)} is not a torch float dtype "
+                              "(\"bfloat16\", \"float16\", \"float32\")")
+    return dtype
+
+
+def _shard_writer(folder: Path, shards: dict[str, dict[str, tuple[int, ...]]], dtype, std: float):
+    """``fetch`` for the synthetic checkpoint: a shard is written the first time it is read, atomically (a
+    temporary file renamed into place, removed if anything interrupts the write), and a shard found
+    damaged (by a disk that filled up, or a hand) is written again rather than trusted."""
+    import torch
 
     def fetch(file_name: str) -> Path:
+        from safetensors.torch import save_file
+
         path = folder / file_name
-        if not path.is_file():
-            tensors = {}
-            for key, shape in shards[file_name].items():
-                generator = torch.Generator().manual_seed(_seed_for(key))
-                tensors[key] = (torch.randn(shape, generator=generator) * std).to(dtype)
-            tmp = path.with_suffix(f".{os.getpid()}.tmp")  # per process: CI jobs may share the cache
+        if path.is_file() and describe_defect(path) is None:
+            return path
+        budget = sum(math.prod(shape) for shape in shards[file_name].values()) * dtype.itemsize
+        if budget > SHARD_BUDGET_BYTES:
+            raise CheckpointError(f"{folder}: the synthetic shard {file_name} would hold {budget} bytes, more than "
+                                  f"{SHARD_BUDGET_BYTES}; pass --checkpoint to check real weights")
+        tensors = {}
+        for key, shape in shards[file_name].items():
+            generator = torch.Generator().manual_seed(_seed_for(key))
+            tensors[key] = (torch.randn(shape, generator=generator) * std).to(dtype)
+        tmp = path.with_suffix(f".{os.getpid()}.tmp")  # per process: CI jobs may share the cache
+        try:
             with _writable(folder):
                 save_file(tensors, str(tmp), metadata={"format": "pt"})
                 os.replace(tmp, path)
+        finally:
+            tmp.unlink(missing_ok=True)
         return path
 
-    return Checkpoint(str(folder), folder, raw, weight_map, fetch, weights="synthetic", weights_note=reason,
-                      reader=local_reader(fetch))
+    return fetch
 
 
 @contextlib.contextmanager
@@ -93,6 +137,11 @@ def _writable(folder: Path) -> Iterator[None]:
 
 
 def _write_atomic(path: Path, text: str) -> None:
-    with tempfile.NamedTemporaryFile("w", dir=path.parent, delete=False, suffix=".tmp") as handle:
-        handle.write(text)
-    os.replace(handle.name, path)
+    """The whole text or nothing: written to a temporary file beside ``path``, then renamed over it."""
+    handle = tempfile.NamedTemporaryFile("w", dir=path.parent, delete=False, suffix=".tmp", encoding="utf-8")
+    try:
+        with handle:
+            handle.write(text)
+        os.replace(handle.name, path)
+    finally:
+        Path(handle.name).unlink(missing_ok=True)

@@ -8,14 +8,19 @@ list`` stays instant.
 from __future__ import annotations
 
 import difflib
-import re
 import functools
+import json
+import re
+import string
 import tomllib
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any
 
 from parity.errors import MappingError
+from parity.spec.datafiles import NOT_MAPPINGS, builtin_mapping_dir
+from parity.spec.files import read_text
 
 TRANSFORMS = ("none", "transpose")
 
@@ -27,14 +32,6 @@ _TARGET_KEYS = {"class", "args"}
 _TENSOR_KEYS = {"from", "transform", "chunk", "optional"}
 _SYNTHETIC_KEYS = {"config"}
 _EXPERT_KEYS = {"count", "stacked", "gate", "up", "down"}
-
-
-def builtin_mapping_dir() -> Path:
-    """Where the built-in mappings live: inside the wheel, or ``mappings/`` of a source checkout."""
-    packaged = Path(__file__).resolve().parent.parent / "mappings"  # parity/mappings in a wheel
-    if packaged.is_dir():
-        return packaged
-    return Path(__file__).resolve().parent.parent.parent / "mappings"  # the repository's, in a checkout
 
 
 @dataclass(frozen=True)
@@ -67,7 +64,7 @@ class Mapping:
     synthetic_config: dict[str, Any] | None = None
     # reference parameter (HF name, relative to the MLP) -> checkpoint tensor; empty: the same name
     reference_tensors: list[TensorRoute] = field(default_factory=list)
-    experts: "Experts | None" = None  # MoE: each expert's FFN is checked on its own
+    experts: Experts | None = None  # MoE: each expert's FFN is checked on its own
     text: str = field(default="", repr=False, compare=False)  # the file's text, for line numbers in later errors
 
     def where(self, key: str) -> str:
@@ -179,19 +176,28 @@ def _parse_route(path: Path, target: str, spec: Any, table: str = "tensors") -> 
 
 
 def _check_template(path: Path, key: str, template: str, placeholders: tuple[str, ...] = ("layer",)) -> None:
+    """Only plain placeholders: ``{layer[0]}``, ``{layer.real}``, ``{layer!r}`` or ``{layer:>1000000000}`` would
+    index, reach into, or pad (to a gigabyte) the number instead of naming a layer."""
+    allowed = " and ".join("{" + name + "}" for name in placeholders)
     try:
-        template.format(**{name: 0 for name in placeholders})
-    except (ValueError, KeyError, IndexError, AttributeError) as exc:
-        allowed = " and ".join("{" + name + "}" for name in placeholders)
-        raise _fail(path, key, f"not a valid template ({type(exc).__name__}: {exc}); the placeholders are {allowed}") from None
+        fields = [(f, spec, conv) for _, f, spec, conv in string.Formatter().parse(template) if f is not None]
+    except ValueError as exc:
+        raise _fail(path, key, f"not a valid template ({exc}); the placeholders are {allowed}") from None
+    for name, spec, conversion in fields:
+        if name not in placeholders or spec or conversion:
+            written = "{" + name + (f"!{conversion}" if conversion else "") + (f":{spec}" if spec else "") + "}"
+            raise _fail(path, key, f"placeholder {written!r} is not allowed; write plain {allowed} "
+                                   "(no index, attribute, conversion or format spec)")
 
 
 def parse_mapping(text: str, path: Path) -> Mapping:
     """Validate a mapping file's text; every error names the file and the key."""
     try:
         data = tomllib.loads(text)
-    except tomllib.TOMLDecodeError as exc:
+    except ValueError as exc:  # TOMLDecodeError, or an integer of more than 4300 digits
         raise MappingError(f"{path}: invalid TOML: {exc}") from None
+    except RecursionError:
+        raise MappingError(f"{path}: invalid TOML: arrays or tables nested too deeply to read") from None
     _check_keys(path, data, _TOP_KEYS, "")
     name = _require(path, data, "name", str)
     model_types = _require(path, data, "model_types", list)
@@ -225,12 +231,15 @@ def parse_mapping(text: str, path: Path) -> Mapping:
 def _parse_checkpoint(path: Path, checkpoint: dict) -> tuple[str, list[str]]:
     _check_keys(path, checkpoint, _CHECKPOINT_KEYS, "checkpoint.")
     layer_key = _require(path, checkpoint, "layer_key", str, "checkpoint.")
+    _check_template(path, "checkpoint.layer_key", layer_key, ("layer", "expert"))
     if "{layer}" not in layer_key:
         raise _fail(path, "checkpoint.layer_key", "must contain the placeholder {layer}")
-    _check_template(path, "checkpoint.layer_key", layer_key, ("layer", "expert"))
     prefixes = checkpoint.get("key_prefixes", [""])
     if not isinstance(prefixes, list) or not all(isinstance(p, str) for p in prefixes):
         raise _fail(path, "checkpoint.key_prefixes", "expected a list of strings")
+    if not prefixes:
+        raise _fail(path, "checkpoint.key_prefixes", "is empty: list at least one prefix (\"\" for none), or leave "
+                                                     "the key out")
     return layer_key, prefixes
 
 
@@ -270,13 +279,36 @@ def _check_plain_values(path: Path, data: dict) -> None:
         if key in data and not isinstance(data[key], str):
             raise _fail(path, key, "expected a string")
     for key in ("num_layers", "hidden_size"):
-        value = data.get(key, "config.")
-        if not (isinstance(value, int) and not isinstance(value, bool) or isinstance(value, str)
-                and value.startswith("config.") or isinstance(value, dict) and "config" in value):
-            raise _fail(path, key, "expected an integer or \"config.ATTRIBUTE\"")
+        if key in data:
+            _check_size(path, key, data[key])
     notes = data.get("notes", [])
     if not isinstance(notes, list) or not all(isinstance(n, str) for n in notes):
         raise _fail(path, "notes", "expected a list of strings")
+
+
+SIZE_LIMITS = {"num_layers": 2**16, "hidden_size": 2**24, "experts.count": 2**16}
+
+
+def _check_size(path: Path, key: str, value: Any) -> None:
+    """num_layers, hidden_size, experts.count: a literal integer in range, or where in the config to read it."""
+    limit = SIZE_LIMITS[key]
+    if isinstance(value, int) and not isinstance(value, bool):
+        if not 1 <= value <= limit:
+            raise _fail(path, key, f"{value} is out of range: expected an integer from 1 to {limit}")
+        return
+    if isinstance(value, str) and value.startswith("config.") and _attribute_path(value[len("config."):]):
+        return
+    if (isinstance(value, dict) and set(value) <= {"config", "default"} and _attribute_path(value.get("config"))
+            and (isinstance(value.get("default"), int) and not isinstance(value.get("default"), bool)
+                 and 1 <= value["default"] <= limit or "default" not in value)):
+        return
+    raise _fail(path, key, f"{value!r:.80} is not a size: expected an integer from 1 to {limit}, "
+                           "\"config.ATTRIBUTE\", or { config = \"ATTRIBUTE\", default = N }")
+
+
+def _attribute_path(attr: Any) -> bool:
+    """A config attribute as mappings name it: dotted identifiers, none private ("rope_scaling.factor")."""
+    return isinstance(attr, str) and all(part.isidentifier() and not part.startswith("_") for part in attr.split("."))
 
 
 def _parse_experts(path: Path, table: Any) -> Experts:
@@ -285,6 +317,7 @@ def _parse_experts(path: Path, table: Any) -> Experts:
     _check_keys(path, table, _EXPERT_KEYS, "experts.")
     if "count" not in table:
         raise _fail(path, "experts.count", "is required (e.g. \"config.num_local_experts\")")
+    _check_size(path, "experts.count", table["count"])
     stacked = table.get("stacked", [])
     if not isinstance(stacked, list) or not all(isinstance(s, str) for s in stacked):
         raise _fail(path, "experts.stacked", "expected a list of checkpoint tensor names")
@@ -296,23 +329,162 @@ def _parse_experts(path: Path, table: Any) -> Experts:
     return Experts(table["count"], routes["gate"], routes["up"], routes["down"], tuple(stacked))
 
 
-def load_mapping(path: str | Path) -> Mapping:
+def load_mapping(path: str | Path, _chain: tuple[Path, ...] = ()) -> Mapping:
+    """Read and validate a mapping file.  ``extends = "gpt2"`` (a built-in mapping's name, or a mapping
+    file, relative to this one) starts from that mapping's tables; this file's own override them
+    (``merge_tables``).  Errors name this file and, where the key is written in it, the line."""
     path = Path(path)
-    if path.is_dir():
-        raise MappingError(f"{path}: is a folder, not a mapping file; give the path of a FILE.toml")
+    text = _read_mapping(path)
     try:
-        text = path.read_text(encoding="utf-8")
-    except FileNotFoundError:
-        raise MappingError(f"{path}: mapping file not found") from None
-    except (OSError, UnicodeDecodeError) as exc:
-        raise MappingError(f"{path}: cannot read mapping file: {exc}") from None
-    try:
-        return parse_mapping(text, path)
+        merged = _extended_text(text, path, _chain)
+        mapping = parse_mapping(text if merged is None else merged, path)
     except MappingError as exc:
         line = line_of(text, exc.key) if getattr(exc, "key", None) else None
         if line is None:
             raise
         raise MappingError(str(exc).replace(f"{path}: ", f"{path}:{line}: ", 1)) from None
+    mapping.text = text  # line numbers of later errors point into the file the user wrote
+    return mapping
+
+
+def _read_mapping(path: Path) -> str:
+    text = read_text(path, "mapping file", MappingError)  # a FIFO or a device is refused, never read
+    try:
+        tomllib.loads(text)
+    except RecursionError:  # tomllib recurses into nested arrays and tables: 5000 deep ends Python's stack
+        raise MappingError(f"{path}: invalid TOML: arrays or tables nested too deeply to read") from None
+    except ValueError:
+        pass  # parse_mapping reports it, with the line
+    return text
+
+
+def _extended_text(text: str, path: Path, chain: tuple[Path, ...]) -> str | None:
+    """The TOML text of ``extends``'s tables merged with this file's; None when the file extends nothing."""
+    tables = _mapping_tables(text, path, chain)
+    return None if tables is None else toml_text(tables)
+
+
+def _mapping_tables(text: str, path: Path, chain: tuple[Path, ...]) -> dict | None:
+    try:
+        data = tomllib.loads(text)
+    except tomllib.TOMLDecodeError:
+        return None  # parse_mapping reports it, with the line
+    if "extends" not in data:
+        return None
+    base = data.pop("extends")
+    if not isinstance(base, str) or not base.strip():
+        raise _fail(path, "extends", "expected a built-in mapping name (see `parity list`) or a mapping file")
+    base_path = extends_path(base, path)
+    here = (*chain, path.resolve())
+    if base_path.resolve() in here:
+        raise _fail(path, "extends", f"'{base}' extends, directly or not, this very file: a circle")
+    load_mapping(base_path, here)  # the base is valid on its own: its errors name its own file
+    base_text = _read_mapping(base_path)
+    base_tables = _mapping_tables(base_text, base_path, here)
+    return merge_tables(tomllib.loads(base_text) if base_tables is None else base_tables, data)
+
+
+def extends_path(base: str, path: Path) -> Path:
+    """``extends``: a built-in mapping's name ("gpt2"), or a file (a name ending in .toml or holding a
+    '/', relative to the extending file's folder)."""
+    if not base.endswith(".toml") and "/" not in base and "\\" not in base:
+        builtin = builtin_mapping_dir() / f"{base}.toml"
+        if builtin.is_file() and builtin.name not in NOT_MAPPINGS:
+            return builtin
+        names = sorted(p.stem for p in builtin_mapping_dir().glob("*.toml") if p.name not in NOT_MAPPINGS)
+        raise _fail(path, "extends", f"no built-in mapping '{base}' (built-ins: {', '.join(names)}); "
+                                     "a mapping file is written as a path ending in .toml")
+    found = Path(base).expanduser()
+    found = found if found.is_absolute() else path.parent / found
+    if not found.is_file():
+        raise _fail(path, "extends", f"mapping file {found} not found")
+    return found
+
+
+# Tables a mapping replaces as a whole when it writes them: routes are never merged (an inherited route
+# would fill, or demand, a parameter the new target may not have), nor are constructor arguments.
+REPLACED_TABLES = {("tensors",), ("reference", "tensors"), ("experts",), ("target", "args"), ("synthetic", "config")}
+
+
+def merge_tables(base: dict, child: dict, at: tuple[str, ...] = ()) -> dict:
+    """``child``'s keys over ``base``'s: tables merge key by key, except REPLACED_TABLES, and a [target]
+    that names a ``class`` replaces the inherited [target] (another class, other constructor arguments)."""
+    merged = dict(base)
+    for key, value in child.items():
+        where = (*at, key)
+        inherited = base.get(key)
+        if (isinstance(value, dict) and isinstance(inherited, dict) and where not in REPLACED_TABLES
+                and not (where == ("target",) and "class" in value)):
+            merged[key] = merge_tables(inherited, value, where)
+        else:
+            merged[key] = value
+    return merged
+
+
+def is_builtin(mapping: Mapping) -> bool:
+    """Whether this is one of parity's own mappings (not a file the user gave)."""
+    return builtin_mappings().get(mapping.name) is mapping
+
+
+def route_spelling(route: TensorRoute) -> str | dict[str, Any]:
+    """A route as a mapping file writes it: "name", or {from = ..., transform = ..., chunk = ..., optional = ...}."""
+    spec: dict[str, Any] = {"from": route.source}
+    if route.transform != "none":
+        spec["transform"] = route.transform
+    if route.chunk is not None:
+        spec["chunk"] = list(route.chunk)
+    if route.optional:
+        spec["optional"] = True
+    return route.source if len(spec) == 1 else spec
+
+
+def mapping_text(extends: str, target_class: str, args: dict[str, Any] | None, tensors: dict[str, Any],
+                 comments: dict[str, str] | None = None, header: str = "") -> str:
+    """A mapping file that extends another and gives its own [target] and [tensors] (``--save-mapping``,
+    and the mapping printed when routes cannot be read off names).  ``comments``: per tensor key."""
+    comments = comments or {}
+    lines = [f"# {line}" if line else "#" for line in header.splitlines()]
+    lines += [f"extends = {toml_value(extends)}", "", "[target]", f"class = {toml_value(target_class)}"]
+    if args is not None:
+        lines.append(f"args = {toml_value(args)}")
+    lines += ["", "[tensors]   # target parameter = checkpoint tensor (names relative to the layer)"]
+    for key, spec in tensors.items():
+        comment = f"   # {comments[key]}" if comments.get(key) else ""
+        lines.append(f"{toml_value(key)} = {toml_value(spec)}{comment}")
+    return "\n".join(lines) + "\n"
+
+
+def toml_text(tables: dict[str, Any]) -> str:
+    """Plain data as TOML: top-level values, then one [table] per dict (nested dicts as inline tables)."""
+    lines = [f"{toml_key(k)} = {toml_value(v)}" for k, v in tables.items() if not isinstance(v, dict)]
+    for name, table in tables.items():
+        if isinstance(table, dict):
+            lines += ["", f"[{toml_key(name)}]"]
+            lines += [f"{toml_key(k)} = {toml_value(v)}" for k, v in table.items()]
+    return "\n".join(lines) + "\n"
+
+
+def toml_key(key: str) -> str:
+    """A key bare where TOML allows it (``args = { config = "config" }``), else quoted."""
+    return key if re.fullmatch(r"[A-Za-z0-9_-]+", key) else toml_value(key)
+
+
+def toml_value(value: Any) -> str:
+    """One TOML value (strings and keys quoted; None as { none = true }, the spelling ConfigValue reads)."""
+    if value is None:
+        return "{ none = true }"
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, (int, float)):
+        return repr(value)
+    if isinstance(value, str):
+        return json.dumps(value, ensure_ascii=False).replace("\x7f", "\\u007f")
+    if isinstance(value, (list, tuple)):
+        return "[" + ", ".join(toml_value(v) for v in value) + "]"
+    if isinstance(value, dict):
+        items = ", ".join(f"{toml_key(str(k))} = {toml_value(v)}" for k, v in value.items())
+        return f"{{ {items} }}" if items else "{}"
+    raise TypeError(f"no TOML spelling for {type(value).__name__}")
 
 
 def route_key(table: str, name: str) -> str:
@@ -356,6 +528,8 @@ def builtin_mappings() -> dict[str, Mapping]:
 def _builtin_mappings() -> dict[str, Mapping]:
     found = {}
     for path in sorted(builtin_mapping_dir().glob("*.toml")):
+        if path.name in NOT_MAPPINGS:
+            continue
         mapping = load_mapping(path)
         found[mapping.name] = mapping
     return found
@@ -387,14 +561,20 @@ def mapping_for_model_type(model_type: str | None, has=None) -> Mapping:
     )
 
 
+NONE = {"none": True}  # a mapping's spelling of Python's None: ffn_dim_multiplier = { none = true }
+
+
 class ConfigValue:
-    """Evaluates mapping values: "config.n_embd", {config = "mlp_bias", default = false}, "config", or literals."""
+    """Evaluates mapping values: "config.n_embd", {config = "mlp_bias", default = false}, "config",
+    { none = true } (None), or literals."""
 
     def __init__(self, config: Any, path: Path):
         self.config = config
         self.path = path
 
     def __call__(self, value: Any, key: str) -> Any:
+        if value == NONE:  # TOML has no null
+            return None
         if isinstance(value, str) and (value == "config" or value.startswith("config.")):
             if value == "config":
                 return self.config
@@ -404,6 +584,9 @@ class ConfigValue:
         return value
 
     def _lookup(self, attr: str, key: str, required: bool, default: Any = None) -> Any:
+        if not _attribute_path(attr):
+            raise MappingError(f"{self.path}: key '{key}': {attr!r:.80} is not a config attribute (dotted names, "
+                               "none starting with '_'), e.g. \"config.hidden_size\" or { config = \"mlp_bias\" }")
         value = self.config
         for part in attr.split("."):
             if isinstance(value, dict):

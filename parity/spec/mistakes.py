@@ -39,24 +39,31 @@ class Mistake:
 
 MISTAKES = {m.id: m for m in [
     Mistake(MistakeId.INPUT_MUTATED, "the module changes its input tensor in place",
-            "do not modify the input (x.zero_(), x.clamp_(), F.silu(x, inplace=True), x += ...): in a model the caller's "
-            "tensor (the residual stream) would be corrupted; compute on a copy or use the out-of-place op"),
+            "do not modify the input (x.zero_(), x.clamp_(), F.silu(x, inplace=True), x += ...): "
+            "in a model the caller's tensor (the residual stream) would be corrupted; "
+            "compute on a copy or use the out-of-place op"),
     Mistake(MistakeId.NONFINITE_OUTPUT, "the module's output holds NaN or Inf where transformers' output is finite",
             "look for a division by zero, log/sqrt of a negative, an overflow in a low-precision dtype, or an "
             "uninitialised parameter (torch.empty) the mapping does not fill"),
-    Mistake(MistakeId.DROPOUT_ACTIVE, "the module's output changes between two identical runs: dropout is active at inference",
+    Mistake(MistakeId.DROPOUT_ACTIVE,
+            "the module's output changes between two identical runs: dropout is active at inference",
             "call model.eval() before comparing, or build the FFN with dropout=0"),
-    Mistake(MistakeId.GELU_EXACT_INSTEAD_OF_TANH, "exact (erf) GELU where the checkpoint expects the tanh approximation",
+    Mistake(MistakeId.GELU_EXACT_INSTEAD_OF_TANH,
+            "exact (erf) GELU where the checkpoint expects the tanh approximation",
             "use the tanh GELU: nn.GELU(approximate='tanh') or parity.ffn.GELU (HF gelu_new / gelu_pytorch_tanh)"),
-    Mistake(MistakeId.GELU_TANH_INSTEAD_OF_EXACT, "tanh-approximated GELU where the checkpoint expects the exact (erf) GELU",
+    Mistake(MistakeId.GELU_TANH_INSTEAD_OF_EXACT,
+            "tanh-approximated GELU where the checkpoint expects the exact (erf) GELU",
             "use nn.GELU() (exact)"),
     Mistake(MistakeId.QUICK_GELU, "x*sigmoid(1.702x) (quick GELU) used in place of GELU",
             "use the GELU variant the checkpoint was trained with"),
-    Mistake(MistakeId.SILU_INSTEAD_OF_GELU, "SiLU where the checkpoint expects GELU (a GeGLU checkpoint in a SwiGLU module?)",
+    Mistake(MistakeId.SILU_INSTEAD_OF_GELU,
+            "SiLU where the checkpoint expects GELU (a GeGLU checkpoint in a SwiGLU module?)",
             "use GeGLU / the tanh GELU for Gemma-style checkpoints"),
-    Mistake(MistakeId.GELU_INSTEAD_OF_SILU, "GELU where the checkpoint expects SiLU (a SwiGLU checkpoint in a GeGLU module?)",
+    Mistake(MistakeId.GELU_INSTEAD_OF_SILU,
+            "GELU where the checkpoint expects SiLU (a SwiGLU checkpoint in a GeGLU module?)",
             "use SwiGLU / SiLU for LLaMA-style checkpoints"),
-    Mistake(MistakeId.GATE_UP_SWAPPED, "gate and up projections are swapped: the activation is applied to the up branch",
+    Mistake(MistakeId.GATE_UP_SWAPPED,
+            "gate and up projections are swapped: the activation is applied to the up branch",
             "load gate_proj (Meta w1, GGUF ffn_gate) into the gated branch and up_proj (w3, ffn_up) into the other"),
     Mistake(MistakeId.MISSING_TRANSPOSE, "a weight is used without the transpose its storage layout needs",
             "transpose Conv1D weights ([in, out]) when loading them into nn.Linear ([out, in])"),
@@ -73,7 +80,8 @@ MISTAKES = {m.id: m for m in [
 ]}
 
 
-def diagnosis(mistake_id: MistakeId | str, distance: float | None, reference_distance: float | None, detail: str = "") -> dict:
+def diagnosis(mistake_id: MistakeId | str, distance: float | None, reference_distance: float | None,
+              detail: str = "") -> dict:
     mistake = MISTAKES[mistake_id]
     message = mistake.message + (f" ({detail})" if detail else "")
     return {"id": str(mistake.id), "message": message, "fix": mistake.fix,

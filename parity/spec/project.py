@@ -8,19 +8,22 @@ write the file.
 
 from __future__ import annotations
 
+import errno
+import re
 import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from parity.errors import ProjectConfigError, ShardError
-from parity.spec.values import BASELINE_MINIMUM, atol_value, baseline_number, seed_value
+from parity.errors import ProjectConfigError, ShardError, UsageError
+from parity.spec.files import read_text
+from parity.spec.values import BASELINE_MINIMUM, atol_value, baseline_number, device_value, dtype_value, seed_value
 
 PROJECT_FILES = ("parity.toml", "pyproject.toml")
 
-_TOP_KEYS = {"checks", "baseline", "baseline_factor", "baseline_slack", "junit", "defaults"}
+_TOP_KEYS = {"checks", "baseline", "baseline_factor", "baseline_slack", "junit", "html", "defaults"}
 _CHECK_KEYS = {"name", "model", "checkpoint", "layers", "layer", "target", "mapping", "revision", "seed", "atol",
-               "tolerance", "logits", "experts", "allow_pickle", "require_real"}
+               "tolerance", "logits", "experts", "allow_pickle", "require_real", "device", "dtype"}
 
 
 @dataclass
@@ -40,6 +43,8 @@ class CheckSpec:
     allow_pickle: bool = False
     experts: Any = None  # MoE: None | "all" | "0,3" | list[int]
     require_real: bool = False  # synthetic weights are an error (exit 2), not a check; project files default to true
+    device: str = "cpu"  # where the target runs: cpu, cuda, cuda:N, mps
+    dtype: str = "float32"  # the target's compute dtype: float32, bfloat16, float16
     where: str = ""  # "parity.toml: checks[2]" for error messages
 
     @property
@@ -62,24 +67,28 @@ class Project:
     baseline_factor: float | None = None
     baseline_slack: float | None = None
     junit: str | None = None
+    html: str | None = None  # the HTML report's file (--html)
     notes: list[str] = field(default_factory=list)
 
 
 def find_project_file(folder: Path) -> tuple[Path, dict]:
-    """parity.toml first, else pyproject.toml with a [tool.parity] table."""
-    for name in PROJECT_FILES:
-        path = folder / name
-        if not path.is_file():
-            continue
-        data = _read_toml(path)
-        if name == "parity.toml":
-            return path, data
-        table = data.get("tool", {}).get("parity")
-        if table is not None:
-            return path, table
+    """The nearest project file, in ``folder`` or its parents (as ruff, pytest and mypy look): in each folder
+    parity.toml first, else pyproject.toml with a [tool.parity] table (one without it is passed over)."""
+    start = folder.resolve()
+    for here in (start, *start.parents):
+        for name in PROJECT_FILES:
+            path = here / name
+            if not _exists(path) and not path.is_symlink():
+                continue
+            data = _read_toml(path)  # a FIFO or a folder of that name is refused, never read
+            if name == "parity.toml":
+                return path, data
+            table = _tool_parity(data, path)
+            if table is not None:
+                return path, table
     raise ProjectConfigError(
-        f"{folder}: no parity.toml and no [tool.parity] table in pyproject.toml. Add one listing the checks, e.g.\n"
-        "  [[tool.parity.checks]]\n  model = \"gpt2\"\n  layers = [0, 11]\n"
+        f"{folder}: no parity.toml and no [tool.parity] table in pyproject.toml, here or in any parent folder. "
+        "Add one listing the checks, e.g. [[tool.parity.checks]] with model = \"gpt2\" and layers = [0, 11] "
         "(README: 'Many checks at once'), or run `parity MODEL` for a single check."
     )
 
@@ -90,26 +99,48 @@ def load_project(path: str | Path | None = None, cwd: Path | None = None) -> Pro
         file, table = find_project_file(cwd or Path.cwd())
     else:
         file = Path(path)
-        if not file.is_file():
+        if not _exists(file) and not file.is_symlink():
             raise ProjectConfigError(f"{file}: project file not found")
         data = _read_toml(file)
-        table = data.get("tool", {}).get("parity", data) if file.name == "pyproject.toml" else data
+        table = _tool_parity(data, file) if file.name == "pyproject.toml" else data
+        if table is None:
+            raise ProjectConfigError(
+                f"{file}: has no [tool.parity] table; add one listing the checks ([[tool.parity.checks]] with "
+                "model = \"gpt2\", ...; README: 'Many checks at once'), or give --config a parity.toml")
     return parse_project(table, file)
 
 
-def _read_toml(path: Path) -> dict:
+def _tool_parity(data: dict, path: Path) -> Any:
+    """pyproject.toml's [tool.parity] (None: absent); a `tool` that is not a table is the file's error."""
+    tool = data.get("tool", {})
+    if not isinstance(tool, dict):
+        raise ProjectConfigError(f"{path}: 'tool' = {tool!r:.60} must be a table ([tool.parity], [tool.ruff], ...)")
+    return tool.get("parity")
+
+
+def _exists(path: Path) -> bool:
+    """Path.exists, for any text a file may hold: a name too long for the file system is not a file there
+    (and one that cannot be looked at counts as there: reading it then says why)."""
     try:
-        return tomllib.loads(path.read_text(encoding="utf-8"))
-    except tomllib.TOMLDecodeError as exc:
+        return path.exists()
+    except OSError as exc:
+        return exc.errno != errno.ENAMETOOLONG
+
+
+def _read_toml(path: Path) -> dict:
+    text = read_text(path, "project file", ProjectConfigError)  # a FIFO or a device is refused, never read
+    try:
+        return tomllib.loads(text)
+    except ValueError as exc:  # TOMLDecodeError, or an integer of more than 4300 digits
         raise ProjectConfigError(f"{path}: invalid TOML: {exc}") from None
-    except (OSError, UnicodeDecodeError) as exc:
-        raise ProjectConfigError(f"{path}: cannot read: {exc}") from None
+    except RecursionError:
+        raise ProjectConfigError(f"{path}: invalid TOML: nested too deeply to read") from None
 
 
 def parse_project(table: dict, file: Path) -> Project:
     prefix = "tool.parity." if file.name == "pyproject.toml" else ""
     if not isinstance(table, dict):
-        raise ProjectConfigError(f"{file}: '{prefix or 'parity'}' must be a table")
+        raise ProjectConfigError(f"{file}: '{prefix.rstrip('.') or 'parity'}' must be a table")
     for key in table:
         if key not in _TOP_KEYS:
             raise ProjectConfigError(f"{file}: unknown key '{prefix}{key}'; expected one of {sorted(_TOP_KEYS)}")
@@ -123,12 +154,12 @@ def parse_project(table: dict, file: Path) -> Project:
     specs = [_parse_check({**defaults, **entry}, f"{file.name}: {prefix}checks[{i}]", file.parent)
              for i, entry in enumerate(checks)]
     project = Project(file, specs)
-    for key, kind in (("baseline", str), ("junit", str), ("baseline_factor", (int, float)),
+    for key, kind in (("baseline", str), ("junit", str), ("html", str), ("baseline_factor", (int, float)),
                       ("baseline_slack", (int, float))):
         value = table.get(key)
         if value is not None and (not isinstance(value, kind) or isinstance(value, bool)):
             raise ProjectConfigError(f"{file}: '{prefix}{key}' has the wrong type ({type(value).__name__})")
-        if isinstance(value, str) and key in ("baseline", "junit"):
+        if isinstance(value, str) and key in ("baseline", "junit", "html"):
             value = str(file.parent / value)
         if value is not None and key in BASELINE_MINIMUM:
             try:
@@ -172,6 +203,12 @@ def _parse_check(entry: dict, where: str, base: Path) -> CheckSpec:
         atol = None if atol is None else atol_value(atol)
     except ValueError as exc:
         raise fail(f"'atol' {exc}") from None
+    compute = {}
+    for key, rule, default in (("device", device_value, "cpu"), ("dtype", dtype_value, "float32")):
+        try:
+            compute[key] = rule(entry.get(key, default))
+        except ValueError as exc:
+            raise fail(f"'{key}' {exc}") from None
     logits, allow_pickle = entry.get("logits", False), entry.get("allow_pickle", False)
     require_real = entry.get("require_real", True)  # a project file is CI: random weights prove nothing there
     if not all(isinstance(flag, bool) for flag in (logits, allow_pickle, require_real)):
@@ -184,15 +221,77 @@ def _parse_check(entry: dict, where: str, base: Path) -> CheckSpec:
     if mapping is not None and not Path(mapping).is_absolute():
         mapping = str(base / mapping)  # relative to the project file, like every path in it
     checkpoint = entry.get("checkpoint")
-    if checkpoint is not None and not Path(checkpoint).is_absolute() and (base / checkpoint).exists():
+    if checkpoint is not None and not Path(checkpoint).is_absolute() and _exists(base / checkpoint):
         checkpoint = str(base / checkpoint)
     model = entry["model"]
-    if not Path(model).is_absolute() and (base / model).exists():
+    if not Path(model).is_absolute() and _exists(base / model):
         model = str(base / model)  # same rule as `parity MODEL`: an existing path wins over a name
     return CheckSpec(model=model, checkpoint=checkpoint, layers=layers, target=entry.get("target"), mapping=mapping,
                      revision=entry.get("revision"), seed=seed, atol=None if atol is None else float(atol),
                      name=entry.get("name"), logits=logits, allow_pickle=allow_pickle, experts=experts,
-                     require_real=require_real, where=where)
+                     require_real=require_real, where=where, **compute)
+
+
+def select_checks(checks: list[CheckSpec], expression: str) -> list[CheckSpec]:
+    """`parity check -k EXPR`: the checks whose label matches, as pytest's -k matches test names: each word a
+    case-insensitive substring of the label, combined with and / or / not and parentheses."""
+    matcher = _parse_selection(expression)
+    chosen = [check for check in checks if matcher(check.label.lower())]
+    if not chosen:
+        raise UsageError(f"-k {expression!r} selects none of the {len(checks)} check(s): "
+                         f"{', '.join(repr(c.label) for c in checks)}")
+    return chosen
+
+
+def _parse_selection(expression: str):
+    """A small recursive-descent parser: or < and < not < (group) | word."""
+    tokens = re.findall(r"\(|\)|[^\s()]+", expression)
+    if not tokens:
+        raise UsageError("-k needs an expression: a part of a check's name, or words with and / or / not")
+    position = [0]
+
+    def peek() -> str | None:
+        return tokens[position[0]] if position[0] < len(tokens) else None
+
+    def take() -> str:
+        position[0] += 1
+        return tokens[position[0] - 1]
+
+    def either():
+        parts = [both()]
+        while peek() == "or":
+            take()
+            parts.append(both())
+        return lambda label: any(p(label) for p in parts)
+
+    def both():
+        parts = [negated()]
+        while peek() == "and":
+            take()
+            parts.append(negated())
+        return lambda label: all(p(label) for p in parts)
+
+    def negated():
+        if peek() == "not":
+            take()
+            inner = negated()
+            return lambda label: not inner(label)
+        token = take() if peek() is not None else None
+        if token == "(":
+            inner = either()
+            if peek() != ")":
+                raise UsageError(f"-k {expression!r}: a '(' is not closed")
+            take()
+            return inner
+        if token in (None, ")", "and", "or"):
+            raise UsageError(f"-k {expression!r}: expected a word where {token or 'the end'!r} stands")
+        word = token.lower()
+        return lambda label: word in label
+
+    matcher = either()
+    if peek() is not None:
+        raise UsageError(f"-k {expression!r}: unexpected {peek()!r}")
+    return matcher
 
 
 def parse_shard(text: str) -> tuple[int, int]:

@@ -8,7 +8,7 @@ nothing is not a pass.
 
 from __future__ import annotations
 
-from typing import Iterable
+from collections.abc import Iterable
 
 from parity.errors import LayerRangeError
 

@@ -9,10 +9,14 @@ fail) whatever the module computes; an empty string would quietly mean "absent".
 from __future__ import annotations
 
 import math
+import re
 from typing import Any
 
 SEED_LIMIT = 2**40  # torch seeds must fit in 64 bits; a larger one fails deep inside torch
 BASELINE_MINIMUM = {"baseline_factor": 1.0, "baseline_slack": 0.0}
+DTYPES = {"float32": "float32", "fp32": "float32", "bfloat16": "bfloat16", "bf16": "bfloat16",
+          "float16": "float16", "fp16": "float16", "half": "float16"}  # accepted spelling -> the name reports use
+DEVICE_PATTERN = re.compile(r"cpu|cuda(:\d+)?|mps")
 
 
 def _number(value: Any) -> float:
@@ -54,6 +58,34 @@ def nonempty(value: Any) -> Any:
     if isinstance(value, str) and not value.strip():
         raise ValueError(f"is empty ({value!r})")
     return value
+
+
+def dtype_value(value: Any) -> str:
+    """--dtype / dtype: the compute dtype of the target, as torch names it (bf16, fp16, fp32, half accepted)."""
+    name = value.strip().lower() if isinstance(value, str) else value
+    if name not in DTYPES:
+        raise ValueError(f"must be one of float32, bfloat16, float16 (or bf16, fp16), not {value!r}")
+    return DTYPES[name]
+
+
+def device_value(value: Any) -> str:
+    """--device / device: cpu, cuda, cuda:N or mps.  Whether this machine has it is the engine's to say."""
+    name = value.strip().lower() if isinstance(value, str) else None
+    if name is None or not DEVICE_PATTERN.fullmatch(name):
+        raise ValueError(f"must be cpu, cuda, cuda:N (N = 0, 1, ...) or mps, not {value!r}")
+    return name
+
+
+def check_compute(device: Any, dtype: Any) -> tuple[str, str]:
+    """``device_value`` and ``dtype_value`` for the Python API: a UsageError naming the argument."""
+    from parity.errors import UsageError
+
+    for name, rule, value in (("device", device_value, device), ("dtype", dtype_value, dtype)):
+        try:
+            rule(value)
+        except ValueError as exc:
+            raise UsageError(f"{name}={value!r}: {exc}") from None
+    return device_value(device), dtype_value(dtype)
 
 
 def check_atol(value: Any, name: str = "atol") -> float:

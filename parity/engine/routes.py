@@ -1,0 +1,233 @@
+"""Which checkpoint tensor fills which parameter of the target.
+
+The mapping's [tensors] do, unless a user's ``--target`` is checked with a built-in mapping whose
+[tensors] name other parameters (``parity MODEL --target mymodel:MLP``, no mapping file): then the
+routes are read off the target's parameter names with the alias table (``mappings/aliases.toml``).
+The built-in mapping still says where each role's tensor is in the checkpoint (its own routes name
+parity's modules, whose parameters are in the table too); the names say which parameter plays it.
+
+Assignment is by name only.  parity never tries assignments until the module passes: that would
+hide a gate/up swap in the user's own loading code.  A weight's orientation follows the shapes where
+they tell ([d_ff, d] or [d, d_ff]); for a square weight, the family's stored layout and the class of
+the module that owns the parameter (nn.Linear [out, in], transformers' Conv1D [in, out]).  A name
+in no table, or two parameters claiming one role, stops the run (exit 2) with a mapping to edit.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import torch
+from torch import nn
+
+from parity.engine.target import check_target_routes, target_label
+from parity.errors import MappingError
+from parity.spec.aliases import Aliases, load_aliases
+from parity.spec.mapping import Mapping, TensorRoute, is_builtin, mapping_text, route_spelling
+
+Role = tuple[str, str]  # (role name, "weight" | "bias")
+
+
+class TargetRoutes:
+    """The routes a session fills its target through, decided on the first layer (the same for every layer)."""
+
+    def __init__(self, mapping: Mapping, target: Any, infer: bool):
+        self.mapping = mapping
+        self.label = target_label(target if target is not None else mapping.target_class)
+        self.infer = infer  # a user's target with a built-in mapping
+        self.used: Mapping | None = None
+        self.inferred = False
+        self.args: dict | None = None
+        self.notes: list[str] = []
+
+    def choose(self, module: nn.Module, tensors: dict[str, torch.Tensor], hidden_size: int,
+               args: dict | None) -> Mapping:
+        """The mapping whose [tensors] fill ``module``: the session's own, or one with routes inferred from names."""
+        self.args = args
+        if self.used is None:
+            if self.infer and not mapping_fits(module, self.mapping):
+                routes, self.notes = infer_routes(module, self.mapping, tensors, hidden_size, self.label, args)
+                self.used = dataclasses.replace(self.mapping, tensors=routes, text="")
+                self.inferred = True
+            else:
+                self.used = self.mapping
+        return self.used
+
+    def describe(self) -> dict[str, Any] | None:
+        """The report's ``routes``: how the target was filled, as a mapping file writes it (``--save-mapping``)."""
+        if self.used is None:
+            return None
+        return {"inferred": self.inferred, "extends": mapping_reference(self.mapping), "args": self.args,
+                "tensors": {route.target: route_spelling(route) for route in self.used.tensors}}
+
+
+def mapping_reference(mapping: Mapping) -> str:
+    """How ``extends`` names a mapping: a built-in's name, else its file."""
+    return mapping.name if is_builtin(mapping) else str(mapping.path.resolve())
+
+
+def mapping_fits(module: nn.Module, mapping: Mapping) -> bool:
+    """Whether the mapping's [tensors] name this module's parameters (and route every weight)."""
+    params = dict(module.named_parameters())
+    try:
+        check_target_routes(module, mapping, params)
+    except MappingError:
+        return False
+    routed = {route.target for route in mapping.tensors}
+    return all(name in routed or name.endswith("bias") for name in params)
+
+
+def family_roles(family: Mapping, aliases: Aliases) -> dict[Role, TensorRoute]:
+    """(role, weight|bias) -> the family's route for it (its target named as parity's own modules name it)."""
+    canon: dict[Role, TensorRoute] = {}
+    for route in family.tensors:
+        roles = aliases.roles_of(route.target)
+        if len(roles) != 1:
+            raise MappingError(f"{family.path}: [tensors] key '{route.target}' plays no single role in "
+                               f"{aliases.path}; routes cannot be inferred with this mapping: give --mapping FILE")
+        canon[roles.pop()] = route
+    gate, up = canon.get(("gate", "weight")), canon.get(("up", "weight"))
+    if gate is not None and up is not None and gate.source == up.source and (gate.chunk, up.chunk) == ((0, 2), (1, 2)):
+        canon[("gate_up", "weight")] = TensorRoute("", gate.source, gate.transform)  # stored fused, [gate; up]
+    return canon
+
+
+def assign_roles(params: dict[str, tuple[int, ...]], canon: dict[Role, TensorRoute],
+                 aliases: Aliases) -> tuple[dict[str, Role], list[str]]:
+    """Each parameter's role, read off its name among the roles the checkpoint has; and what stands in the way."""
+    available = {role for role, _ in canon}
+    assigned: dict[str, Role] = {}
+    problems: list[str] = []
+    for name in params:
+        known = aliases.roles_of(name)
+        fitting = {r for r in known if r[0] in available}
+        if len(fitting) == 1:
+            assigned[name] = fitting.pop()
+        elif fitting:
+            problems.append(f"'{name}' reads as {' or '.join(sorted(r for r, _ in fitting))} alike")
+        elif known:
+            problems.append(f"'{name}' reads as {' or '.join(sorted(r for r, _ in known))}, which this checkpoint "
+                            f"does not store as such")
+        else:
+            problems.append(f"'{name}' is no name in {aliases.path.name}")
+    claims: dict[Role, list[str]] = {}
+    for name, role in assigned.items():
+        claims.setdefault(role, []).append(name)
+    problems += [f"{' and '.join(repr(n) for n in names)} all read as the {role} {kind}"
+                 for (role, kind), names in claims.items() if len(names) > 1]
+    covered = {role for role, kind in assigned.values() if kind == "weight"}
+    covered |= {part for role in covered for part in aliases.roles[role].fuses}
+    if "gate_up" in covered and {"gate", "up"} & {r for r, k in assigned.values() if k == "weight"}:
+        problems.append("the target has a fused gate_up weight and a separate gate or up weight")
+    needed = sorted({role for role, kind in canon if kind == "weight" and role != "gate_up"} - covered)
+    problems += [f"no parameter reads as the {role} projection (checkpoint tensor "
+                 f"'{canon[(role, 'weight')].source}')" for role in needed]
+    return assigned, problems
+
+
+def infer_routes(module: nn.Module, family: Mapping, tensors: dict[str, torch.Tensor], hidden_size: int,
+                 label: str, args: dict | None) -> tuple[list[TensorRoute], list[str]]:
+    """Routes for ``module`` read off its parameter names; MappingError (exit 2) with a mapping to edit when
+    the names do not say."""
+    aliases = load_aliases()
+    canon = family_roles(family, aliases)
+    params = {name: tuple(p.shape) for name, p in module.named_parameters()}
+    assigned, problems = assign_roles(params, canon, aliases)
+    if problems:
+        headline = (f"cannot tell which checkpoint tensor goes into which parameter of {label} from their names: "
+                    f"{'; '.join(problems)}. parity reads roles off parameter names ({aliases.path}) and never "
+                    "tries assignments until one passes (that would hide a gate/up swap in your own loading "
+                    "code): write the routes in a mapping file (one to edit is printed with this error) and "
+                    "pass it with --mapping FILE.toml")
+        details = unroutable(label, family, params, assigned, canon, tensors, args)
+        error = MappingError(f"{headline}\n{details}")
+        error.headline, error.details = headline, details  # the CLI prints the details, then the one-line error
+        raise error
+    routes, notes = [], []
+    for name, (role, kind) in assigned.items():
+        base = canon.get((role, kind))
+        if base is None:
+            continue  # a bias the checkpoint has no tensor for: fill_target zeroes it and says so
+        if kind == "bias":
+            routes.append(TensorRoute(name, base.source, "none", base.chunk, base.optional))
+            continue
+        owner = module.get_submodule(name.rpartition(".")[0])
+        layout = aliases.layout_of([cls.__name__ for cls in type(owner).__mro__])
+        transform = orientation(base, stored_shape(base, tensors), params[name], aliases.roles[role].side,
+                                hidden_size, layout)
+        if transform is None:
+            transform = base.transform
+            notes.append(f"target parameter '{name}' is square and its owner {type(owner).__name__} is neither "
+                         "nn.Linear nor Conv1D: its layout was taken as nn.Linear's [out, in]")
+        routes.append(TensorRoute(name, base.source, transform, base.chunk, base.optional))
+    return routes, notes
+
+
+def stored_shape(route: TensorRoute, tensors: dict[str, torch.Tensor]) -> tuple[int, ...]:
+    """The shape of a route's checkpoint tensor as stored, after its chunk (before any transform)."""
+    shape = list(tensors[route.source].shape)
+    if route.chunk is not None and shape:
+        shape[0] //= route.chunk[1]
+    return tuple(shape)
+
+
+def layout(shape: tuple[int, ...], side: str, d: int) -> str | None:
+    """'out_in' (nn.Linear) or 'in_out' (Conv1D) for a non-square 2-D weight of a projection that reads
+    (side "in") or writes ("out") the model width d; None when its shape cannot tell."""
+    if len(shape) != 2 or shape[0] == shape[1]:
+        return None
+    first, second = shape[0] == d, shape[1] == d
+    if side == "in":
+        return "out_in" if second else "in_out" if first else None
+    return "out_in" if first else "in_out" if second else None
+
+
+def orientation(base: TensorRoute, stored: tuple[int, ...], target: tuple[int, ...], side: str, d: int,
+                owner_layout: str | None) -> str | None:
+    """The transform ("none" | "transpose") from the stored tensor to the target's weight.  A square stored
+    tensor is in the family's layout (its built-in route transposes into nn.Linear iff it is stored [in, out]);
+    a square target weight in its owner's (None when the owner's class does not say)."""
+    square = len(stored) == 2 and stored[0] == stored[1]
+    stored_layout = ("in_out" if base.transform == "transpose" else "out_in") if square else layout(stored, side, d)
+    if len(target) == 2 and target[0] == target[1]:
+        if owner_layout is None:
+            return None
+        target_layout = owner_layout
+    else:
+        target_layout = layout(target, side, d)
+    if stored_layout is None or target_layout is None:
+        return base.transform  # the shapes do not fit at all: fill_target names both and the likely cause
+    return "transpose" if stored_layout != target_layout else "none"
+
+
+def unroutable(label: str, family: Mapping, params: dict[str, tuple[int, ...]], assigned: dict[str, Role],
+               canon: dict[Role, TensorRoute], tensors: dict[str, torch.Tensor], args: dict | None) -> str:
+    """Both sides with shapes and roles, and a mapping file to edit."""
+    sources = {route.source: role for role, route in canon.items() if route.source in tensors}
+    shapes = {name: tuple(tensors[name].shape) for name in sources}
+    width = max(map(len, [*params, *sources]), default=0)
+    lines = [f"target {label}, its parameters and the roles their names say:"]
+    lines += [f"    {name:<{width}}  {list(shape)!s:<14}  {' '.join(assigned.get(name, ('?',)))}"
+              for name, shape in params.items()]
+    lines.append(f"checkpoint tensors of a layer (under {family.layer_key}) and their roles:")
+    lines += [f"    {name:<{width}}  {list(shapes[name])!s:<14}  {' '.join(sources[name])}" for name in sources]
+    tensors_table, comments = {}, {}
+    for name, shape in params.items():
+        role = assigned.get(name)
+        base = canon.get(role) if role else None
+        if base is not None and sum(r == role for r in assigned.values()) == 1:
+            tensors_table[name] = route_spelling(dataclasses.replace(base, target=name))
+            comments[name] = f"{list(shape)}: read as {role[0]} {role[1]}"
+        else:
+            same = [s for s, sh in shapes.items() if sh == shape]
+            flipped = [s for s, sh in shapes.items() if sh == shape[::-1]]
+            tensors_table[name] = "?"
+            comments[name] = (f"{list(shape)}: same shape as {' or '.join(same)}" if same else
+                              f"{list(shape)}: transposed shape of {' or '.join(flipped)}" if flipped else
+                              f"{list(shape)}: no checkpoint tensor has this shape")
+    lines += ["a mapping to edit: replace each \"?\" with the checkpoint tensor for that parameter (written "
+              "{ from = \"...\", transform = \"transpose\" } where your weight is the stored one transposed), "
+              "save it as FILE.toml and run `parity MODEL --mapping FILE.toml`:", ""]
+    lines.append(mapping_text(mapping_reference(family), label, args, tensors_table, comments).rstrip("\n"))
+    return "\n".join(lines)

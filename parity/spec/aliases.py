@@ -1,0 +1,121 @@
+"""The alias table (``mappings/aliases.toml``): the role a module's parameter plays, read off its name.
+
+Pure data work, no torch: ``parity.engine.routes`` uses it to route a checkpoint into a user's
+module whose parameter names follow a common naming.  Every name is looked up exactly; nothing
+here guesses by similarity.
+"""
+
+from __future__ import annotations
+
+import functools
+import tomllib
+from dataclasses import dataclass
+from pathlib import Path
+
+from parity.errors import MappingError
+from parity.spec.datafiles import ALIASES_FILE, builtin_mapping_dir
+
+KINDS = ("gated", "classic")
+SIDES = ("in", "out")
+_ROLE_KEYS = {"kind", "side", "names", "fuses"}
+_OTHER_TABLES = {"biases", "layout", "constructor"}
+
+
+@dataclass(frozen=True)
+class Role:
+    """One projection of an FFN: its kind (gated or classic), the side that touches the model width d
+    ("in": nn.Linear weight [d_ff, d]; "out": [d, d_ff]), and the names modules give it."""
+
+    name: str
+    kind: str
+    side: str
+    names: frozenset[str]
+    biases: frozenset[str] = frozenset()
+    fuses: tuple[str, ...] = ()  # gate_up: the roles it holds, in order along dim 0
+
+
+@dataclass(frozen=True)
+class Aliases:
+    path: Path
+    roles: dict[str, Role]
+    out_in: tuple[str, ...]  # owner class names whose weight is [out, in] (nn.Linear)
+    in_out: tuple[str, ...]  # owner class names whose weight is [in, out] (transformers' Conv1D)
+    config_names: tuple[str, ...]  # constructor parameters that take the transformers config
+
+    def roles_of(self, name: str) -> set[tuple[str, str]]:
+        """Every (role, "weight" | "bias") the parameter ``name`` may be, by its last component(s)."""
+        parts = name.lower().split(".")
+        leaf, found = parts[-1], set()
+        if leaf in ("weight", "bias") and len(parts) > 1:
+            found |= {(r.name, leaf) for r in self.roles.values() if parts[-2] in r.names}
+        found |= {(r.name, "weight") for r in self.roles.values() if leaf in r.names}
+        found |= {(r.name, "bias") for r in self.roles.values() if leaf in r.biases}
+        return found
+
+    def layout_of(self, class_names: list[str]) -> str | None:
+        """'out_in' | 'in_out' for a weight owned by a module of these classes (its MRO), else None."""
+        for name in class_names:
+            if name in self.out_in:
+                return "out_in"
+            if name in self.in_out:
+                return "in_out"
+        return None
+
+
+def aliases_path() -> Path:
+    return builtin_mapping_dir() / ALIASES_FILE
+
+
+@functools.lru_cache(maxsize=4)
+def load_aliases(path: Path | None = None) -> Aliases:
+    """Read and validate the alias table (default: the built-in one, beside the mappings)."""
+    path = path or aliases_path()
+    try:
+        data = tomllib.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, tomllib.TOMLDecodeError) as exc:
+        raise MappingError(f"{path}: cannot read the alias table: {exc}") from None
+    biases = _string_lists(path, data.get("biases", {}), "biases")
+    roles = {}
+    for name, table in data.items():
+        if name in _OTHER_TABLES:
+            continue
+        roles[name] = _role(path, name, table, biases.get(name, []))
+    unknown = set(biases) - set(roles)
+    if unknown:
+        raise MappingError(f"{path}: key 'biases.{sorted(unknown)[0]}': no such role; roles: {sorted(roles)}")
+    _check_unique(path, roles)
+    layout = _string_lists(path, data.get("layout", {}), "layout")
+    constructor = _string_lists(path, data.get("constructor", {}), "constructor")
+    return Aliases(path, roles, tuple(layout.get("out_in", [])), tuple(layout.get("in_out", [])),
+                   tuple(constructor.get("config", [])))
+
+
+def _string_lists(path: Path, table: object, where: str) -> dict[str, list[str]]:
+    if not isinstance(table, dict) or not all(
+            isinstance(v, list) and all(isinstance(s, str) for s in v) for v in table.values()):
+        raise MappingError(f"{path}: key '{where}': expected a table of lists of names")
+    return table
+
+
+def _role(path: Path, name: str, table: object, biases: list[str]) -> Role:
+    if not isinstance(table, dict) or set(table) - _ROLE_KEYS:
+        raise MappingError(f"{path}: key '{name}': expected a role table with keys {sorted(_ROLE_KEYS)}")
+    kind, side, names = table.get("kind"), table.get("side"), table.get("names")
+    if kind not in KINDS or side not in SIDES:
+        raise MappingError(f"{path}: key '{name}': kind must be one of {KINDS} and side one of {SIDES}")
+    if not isinstance(names, list) or not all(isinstance(n, str) and n for n in names):
+        raise MappingError(f"{path}: key '{name}.names': expected a list of parameter names")
+    fuses = tuple(table.get("fuses", ()))
+    return Role(name, kind, side, frozenset(n.lower() for n in names), frozenset(b.lower() for b in biases), fuses)
+
+
+def _check_unique(path: Path, roles: dict[str, Role]) -> None:
+    """Within one kind, a name has one role: otherwise reading a role off a name would be a guess."""
+    for kind in KINDS:
+        seen: dict[tuple[str, str], str] = {}
+        for role in (r for r in roles.values() if r.kind == kind):
+            for key in [("weight", n) for n in role.names] + [("bias", b) for b in role.biases]:
+                if key in seen:
+                    raise MappingError(f"{path}: '{key[1]}' is listed for both {seen[key]} and {role.name} "
+                                       f"({kind} FFNs): a name must have one role within a kind")
+                seen[key] = role.name
