@@ -60,13 +60,6 @@ def ratio(value: float | None, reference: float | None) -> float | None:
     return value / reference if reference else math.inf if value else 0.0
 
 
-def finding(mistake_id: MistakeId, distance: float | None, reference_distance: float | None,
-            detail: str = "", candidates: list[dict] | None = None) -> dict:
-    """A diagnosis dict with the distances of the hypotheses replayed for it (none for findings
-    that need no replay)."""
-    return {**diagnosis(mistake_id, distance, reference_distance, detail), "candidates": candidates or []}
-
-
 def same_values(a: torch.Tensor, b: torch.Tensor) -> bool:
     """Bitwise equality where NaN equals NaN: a NaN in both runs is not non-determinism."""
     return a.shape == b.shape and bool(torch.allclose(a, b, rtol=0.0, atol=0.0, equal_nan=True))
@@ -153,14 +146,14 @@ def judge(layer: int, expert: int | None, runs: Runs, weights: dict[str, torch.T
     )
     result.unverifiable = unverifiable_reason(weights, runs, tolerance)
     if runs.input_change is not None:  # a definite bug, whatever the reference can judge
-        result.diagnosis = finding(MistakeId.INPUT_MUTATED, None, max_abs, runs.input_change)
+        result.diagnosis = diagnosis(MistakeId.INPUT_MUTATED, None, max_abs, runs.input_change)
     elif result.unverifiable is not None:
         pass
     elif not finite:
-        result.diagnosis = finding(MistakeId.NONFINITE_OUTPUT, None, None, first_nonfinite(runs.target))
+        result.diagnosis = diagnosis(MistakeId.NONFINITE_OUTPUT, None, None, first_nonfinite(runs.target))
     elif not result.deterministic:  # no replay can match a moving target
         moved = float((runs.target - runs.again).abs().nan_to_num(math.inf).max())
-        result.diagnosis = finding(MistakeId.DROPOUT_ACTIVE, moved, max_abs)
+        result.diagnosis = diagnosis(MistakeId.DROPOUT_ACTIVE, moved, max_abs)
     else:
         result.passed = max_abs <= tolerance
     return result
@@ -171,5 +164,5 @@ def shape_failure(layer: int, expert: int | None, error: ShapeMismatchError, wei
     result = LayerResult(layer=layer, passed=False, max_abs_diff=None, max_rel_diff=None, mean_abs_diff=None,
                          max_at=None, noise_floor=None, tolerance=None, ratio_to_noise=None, preactivation_range=None,
                          expert=expert, weights=weights_kind)
-    result.diagnosis = finding(error.mistake_id, None, None, str(error))
+    result.diagnosis = diagnosis(error.mistake_id, None, None, str(error))
     return result

@@ -30,10 +30,9 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from parity.engine.compare import finding
 from parity.engine.reference import activation_module, activation_name
 from parity.spec.families import configured_activation
-from parity.spec.mistakes import MistakeId
+from parity.spec.mistakes import MistakeId, diagnosis
 
 TANH_GELUS = {"gelu_new", "gelu_pytorch_tanh", "gelu_python_tanh", "gelu_fast", "gelu_accurate"}
 EXACT_GELUS = {"gelu", "gelu_python"}
@@ -157,7 +156,7 @@ def _low_precision(build, tensors, x, got, reference64, reference_distance, dtyp
     low = build(tensors, dtype=dtype, on_call=False).cpu()(x.to(dtype)).double()
     name = dtype_name(dtype)
     detail = f"{name}: the reference computed in {name} deviates from float64 by {(low - reference64).abs().max():.2e}"
-    return finding(MistakeId.LOW_PRECISION_COMPUTE, float((got - low).abs().max()), reference_distance, detail)
+    return diagnosis(MistakeId.LOW_PRECISION_COMPUTE, float((got - low).abs().max()), reference_distance, detail)
 
 
 def _coarser(dtype: torch.dtype) -> tuple[torch.dtype, ...]:
@@ -204,12 +203,12 @@ def diagnose(build: Builder, tensors: dict[str, torch.Tensor], config, x: torch.
             if best is None or distance < best[0]:
                 best = (distance, hypothesis)
         if best is not None and best[0] <= tolerance:
-            return finding(best[1].id, best[0], reference_distance, best[1].detail, candidates)
+            return diagnosis(best[1].id, best[0], reference_distance, best[1].detail, candidates)
         found = _low_precision_signature(build, tensors, x, got, reference64, reference_distance, _coarser(dtype))
     if found is not None:
         return {**found, "candidates": candidates}
     closest = f"closest known mistake: {best[1].id}, {best[1].detail}, at {best[0]:.2e}" if best else ""
-    return finding(MistakeId.UNEXPLAINED, best[0] if best else None, reference_distance, closest, candidates)
+    return diagnosis(MistakeId.UNEXPLAINED, best[0] if best else None, reference_distance, closest, candidates)
 
 
 def separability(build: Builder, tensors: dict[str, torch.Tensor], config, x: torch.Tensor,

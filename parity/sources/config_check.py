@@ -13,13 +13,13 @@ import math
 from typing import Any
 
 from parity.errors import CheckpointError
+from parity.spec.families import ACTIVATION_ATTRS
 from parity.spec.files import short, shown
 
 MAX_WIDTH = 2**24  # hidden size, d_ff, heads, head_dim: no model comes near 16M
 MAX_LENGTH = 2**31  # vocabulary, context length
 MAX_EXPERTS = 2**16
 LAYER_KEYS = ("num_hidden_layers", "n_layer", "n_layers", "num_layers")
-ACTIVATION_KEYS = ("hidden_activation", "hidden_act", "activation_function", "afn")
 
 # key -> (minimum, maximum, may be null)
 INT_KEYS: dict[str, tuple[int, int, bool]] = {
@@ -100,7 +100,7 @@ def check_activation(raw: dict, where: str) -> None:
     """An activation the config names must be one transformers knows (``ACT2FN``); what else could run?"""
     from transformers.activations import ACT2FN
 
-    for key in ACTIVATION_KEYS:
+    for key in ACTIVATION_ATTRS:
         value = raw.get(key)
         if value is None:
             continue

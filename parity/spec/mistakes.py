@@ -81,8 +81,10 @@ MISTAKES = {m.id: m for m in [
 
 
 def diagnosis(mistake_id: MistakeId | str, distance: float | None, reference_distance: float | None,
-              detail: str = "") -> dict:
+              detail: str = "", candidates: list[dict] | None = None) -> dict:
+    """A diagnosis as reports carry it, with the distances of the hypotheses replayed for it
+    (``candidates``; none for findings that need no replay)."""
     mistake = MISTAKES[mistake_id]
     message = mistake.message + (f" ({detail})" if detail else "")
     return {"id": str(mistake.id), "message": message, "fix": mistake.fix,
-            "distance": distance, "reference_distance": reference_distance}
+            "distance": distance, "reference_distance": reference_distance, "candidates": candidates or []}
