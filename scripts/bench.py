@@ -99,6 +99,47 @@ def build_checkpoint(folder: Path, raw_config: dict, per_layer_shards: bool) -> 
     return folder
 
 
+LLAMA_405B_LAYER = dict(model_type="llama", architectures=["LlamaForCausalLM"], hidden_size=16384,
+                        intermediate_size=53248, num_hidden_layers=1, num_attention_heads=128, num_key_value_heads=8,
+                        max_position_embeddings=131072, rms_norm_eps=1e-5, rope_theta=500000.0, vocab_size=128256,
+                        hidden_act="silu", tie_word_embeddings=False, torch_dtype="bfloat16")
+
+
+def build_big_layer(folder: Path, raw_config: dict) -> Path:
+    """config.json + one safetensors file holding only layer 0's FFN tensors (random bfloat16).
+
+    Written in row blocks straight into the file (the format is an 8-byte header length, a
+    JSON header, then the raw bytes), so building 5.2 GB needs no more than a block in memory.
+    """
+    if (folder / "config.json").is_file():
+        return folder
+    import torch
+
+    folder.mkdir(parents=True, exist_ok=True)
+    d, d_ff = raw_config["hidden_size"], raw_config["intermediate_size"]
+    shapes = {"model.layers.0.mlp.gate_proj.weight": (d_ff, d), "model.layers.0.mlp.up_proj.weight": (d_ff, d),
+              "model.layers.0.mlp.down_proj.weight": (d, d_ff)}
+    header, offset = {"__metadata__": {"format": "pt"}}, 0
+    for name, (rows, cols) in shapes.items():
+        header[name] = {"dtype": "BF16", "shape": [rows, cols], "data_offsets": [offset, offset + rows * cols * 2]}
+        offset += rows * cols * 2
+    raw = json.dumps(header).encode()
+    raw += b" " * (-len(raw) % 8)
+    generator = torch.Generator().manual_seed(0)
+    partial = folder / "model.safetensors.partial"
+    with open(partial, "wb") as out:
+        out.write(len(raw).to_bytes(8, "little") + raw)
+        for rows, cols in shapes.values():
+            for start in range(0, rows, 1024):
+                block = torch.randn(min(1024, rows - start), cols, generator=generator) * (1 / cols**0.5)
+                out.write(block.to(torch.bfloat16).view(torch.int16).numpy().tobytes())
+    partial.rename(folder / "model.safetensors")
+    config = {k: v for k, v in raw_config.items()}
+    config["dtype"] = config["torch_dtype"]
+    (folder / "config.json").write_text(json.dumps(config, indent=1))
+    return folder
+
+
 def layer_subset(full: Path, folder: Path, layers: int) -> Path:
     """The first ``layers`` layers of ``full``: own config and index, shard files symlinked."""
     if (folder / "config.json").is_file():
@@ -160,7 +201,7 @@ def main() -> int:
     parser.add_argument("--root", type=Path, default=Path(tempfile.gettempdir()) / "parity-bench",
                         help="where the synthetic checkpoints are cached")
     parser.add_argument("--out", type=Path, help="write the results as JSON")
-    parser.add_argument("--skip", action="append", default=[], choices=["compare", "sweep", "startup", "bf16"])
+    parser.add_argument("--skip", action="append", default=[], choices=["compare", "sweep", "startup", "bf16", "405b"])
     args = parser.parse_args()
     runs = 1 if args.quick else args.runs
 
@@ -195,6 +236,13 @@ def main() -> int:
             commands = {dtype: parity_cmd(str(llama), "--layer", "11", "--dtype", dtype,
                                           "--json", f"{tmp}/{dtype}.json") for dtype in ("float32", "bfloat16")}
             results["bf16"] = run_all(commands, runs)
+        if "405b" not in args.skip:
+            print("(e) one layer of the Llama-3.1-405B shape (builds a 5.2 GB file once; one run: minutes)",
+                  file=sys.stderr)
+            big = build_big_layer(args.root / "llama-405b-layer", LLAMA_405B_LAYER)
+            commands = {dtype: parity_cmd(str(big), "--layer", "0", "--dtype", dtype,
+                                          "--json", f"{tmp}/405b-{dtype}.json") for dtype in ("float32", "bfloat16")}
+            results["405b"] = run_all(commands, 1)
         if "startup" not in args.skip:
             print("(c) start-up", file=sys.stderr)
             commands = {"parity --version": parity_cmd("--version"), "parity list": parity_cmd("list"),
@@ -266,10 +314,29 @@ def print_table(results: dict) -> None:
                                       "peak_rss": b["bfloat16"]["peak_rss"] / b["float32"]["peak_rss"]}
         print(f"bfloat16/float32: wall x{results['bf16_vs_float32']['wall']:.2f}, "
               f"peak RSS x{results['bf16_vs_float32']['peak_rss']:.2f}")
+    if "405b" in results:
+        print_big_layer(results)
     if "startup" in results:
         print("\n(c) start-up")
         for name, r in results["startup"].items():
             print(f"{name:<18}{r['wall_s']:8.3f}s{mib(r['peak_rss']):>14}")
+
+
+
+def print_big_layer(results: dict) -> None:
+    """Peak RSS of the 405B-shaped layer against its floor: the target's own float32 weights."""
+    d, d_ff = LLAMA_405B_LAYER["hidden_size"], LLAMA_405B_LAYER["intermediate_size"]
+    floor = 3 * d * d_ff * 4
+    goal = 1.25 * floor + GIB
+    print(f"\n(e) one layer of the Llama-3.1-405B shape (d={d}, d_ff={d_ff}, bfloat16 on disk: "
+          f"{3 * d * d_ff * 2 / 1e9:.1f} GB); the target's float32 weights: {floor / GIB:.2f} GiB, "
+          f"goal: peak RSS <= 1.25 x that + 1 GiB = {goal / GIB:.2f} GiB")
+    summary = {}
+    for dtype, r in results["405b"].items():
+        summary[dtype] = {"peak_over_floor": r["peak_rss"] / floor, "within_goal": r["peak_rss"] <= goal}
+        print(f"--dtype {dtype:<10}{r['wall_s']:8.1f}s{r['peak_rss'] / GIB:9.2f} GiB  "
+              f"= {summary[dtype]['peak_over_floor']:.2f} x the float32 target's weights")
+    results["405b_summary"] = summary
 
 
 if __name__ == "__main__":

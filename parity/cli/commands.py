@@ -17,16 +17,20 @@ def run_inspect(args: argparse.Namespace) -> int:
     from parity.engine.inspect import inspect_model, inspection_json, render_inspection
 
     info = inspect_model(args.model, checkpoint=args.checkpoint, mapping=args.mapping, revision=args.revision,
-                         target=args.target, layer=args.layer)
+                         target=args.target, layer=args.layer, allow_pickle=args.allow_pickle)
+    # a target a check could not build or fill: the check would exit 2, and so does its inspection
+    code = EXIT_BAD_INPUT if info["target_error"] is not None else EXIT_PASS
     if args.json == "-":
         print(inspection_json(info))
-        return EXIT_PASS
-    print(render_inspection(info))
-    if args.json:
+    else:
+        print(render_inspection(info))
+    if args.json and args.json != "-":
         from parity.outputs.atomic import write_text_atomic
 
         write_text_atomic(args.json, inspection_json(info) + "\n", "--json", create_folder=False)
-    return EXIT_PASS
+    if code != EXIT_PASS:
+        print(f"parity: error: target {info['target']} {one_line(info['target_error'])}", file=sys.stderr)
+    return code
 
 
 def run_project(args: argparse.Namespace) -> int:

@@ -128,8 +128,13 @@ exit codes: 0 all match, 1 some layer deviates or regressed against the baseline
 
 INSPECT_DESCRIPTION = """Show what `parity MODEL` would check, without computing anything: the family and its
 mapping file, d and d_ff (and whether d_ff follows the family's rule), the activation the
-config names and the one transformers runs, biases, and one layer's FFN tensors (names,
-shapes, dtypes, shard files) read from safetensors headers. No tensor is loaded."""
+config names and the one transformers runs, biases, the target as a check would build it
+(constructor only) and the routes a check would fill it through (read off its parameter
+names for --target without --mapping), and one layer's FFN tensors (names, shapes, dtypes,
+shard files) read from safetensors headers. No tensor is loaded (a pickle-based checkpoint,
+opened with --allow-pickle, has no headers: its layer is read) and nothing runs forward.
+
+exit codes: 0 shown, 2 bad input, or a target a check could not build or fill."""
 
 
 def add_output_options(parser: argparse.ArgumentParser) -> None:
@@ -175,10 +180,14 @@ def build_inspect_parser() -> argparse.ArgumentParser:
                         help="weights to use instead of the mapping's default")
     parser.add_argument("--layer", type=int, default=0, metavar="N", help="layer whose tensors to list (default 0)")
     parser.add_argument("--target", metavar="pkg.module:Class", type=TARGET_VALUE,
-                        help="target to name instead of the mapping's")
+                        help="module (class or factory) a check would use instead of the mapping's: it is built "
+                             "(constructor only) and the routes a check would fill it through are shown")
     parser.add_argument("--mapping", metavar="FILE.toml", type=MAPPING_VALUE,
                         help="mapping file to use instead of the built-in one")
     parser.add_argument("--revision", metavar="REV", type=REVISION_VALUE, help="hub revision (branch, tag or commit)")
+    parser.add_argument("--allow-pickle", action="store_true",
+                        help="open pickle-based weights (pytorch_model*.bin, Meta consolidated.*.pth) with "
+                             "torch.load(weights_only=True); only for files you trust")
     parser.add_argument("--json", metavar="FILE|-", nargs="?", const="-",
                         help="write the inspection as JSON to FILE, or to stdout with '-' (the default)")
     parser.add_argument("--debug", action="store_true", help="show tracebacks for errors")

@@ -12,6 +12,7 @@ import torch
 from torch import nn
 
 from parity.engine.reference import activation_module
+from parity.engine.sliced import SlicedMLP
 
 ROW_TARGETS = (1.0, 3.0, 8.0)  # max |pre-activation| aimed at by each batch row
 TOKENS = 16
@@ -41,6 +42,9 @@ def preactivation(module: nn.Module, x: torch.Tensor) -> torch.Tensor | None:
 
     The forward stops at the activation: the projections after it would be computed for nothing.
     """
+    if isinstance(module, SlicedMLP):  # each slice's share of the units, in order
+        parts = [preactivation(part, x) for part in module.slices()]
+        return None if any(p is None for p in parts) else torch.cat(parts, dim=-1)
     act = activation_module(module)
     if act is None:
         return None

@@ -81,7 +81,9 @@ def _row(name: str, shape, dtype, file_name: str, source: str) -> dict[str, Any]
 
 
 def inspect_model(model: str, checkpoint: str | None = None, mapping: str | None = None, revision: str | None = None,
-                  target: str | None = None, layer: int = 0) -> dict[str, Any]:
+                  target: str | None = None, layer: int = 0, allow_pickle: bool = False) -> dict[str, Any]:
+    """What a check of ``layer`` would compare.  ``allow_pickle``: as for a check, pickle-based weights
+    (pytorch_model*.bin, consolidated.*.pth) are opened, with torch.load(weights_only=True), only when asked."""
     from parity.engine.reference import activation_module, activation_name
     from parity.engine.resolve import resolve
     from parity.engine.session import Session
@@ -89,7 +91,7 @@ def inspect_model(model: str, checkpoint: str | None = None, mapping: str | None
     from parity.spec.mapping import ConfigValue
     from parity.spec.selection import parse_selection
 
-    session = Session(resolve(model, checkpoint, mapping, revision), target=target)
+    session = Session(resolve(model, checkpoint, mapping, revision, allow_pickle=allow_pickle), target=target)
     (layer,) = parse_selection(int(layer), session.num_layers)
     config, ckpt, fam = session.config, session.checkpoint, session.mapping
     probe = session.reference.meta_module(fam.reference_path(layer))
@@ -103,8 +105,10 @@ def inspect_model(model: str, checkpoint: str | None = None, mapping: str | None
     prefix = session.reader.layer_prefix(layer)
     routes = [*session.reader.reference_routes(layer), *fam.tensors]
     names = list(dict.fromkeys(prefix + r.source for r in routes if not r.optional or ckpt.has(prefix + r.source)))
+    tensors = tensor_info(ckpt, session, layer, names)
+    built = target_routes(session, prefix, tensors)
     args = ConfigValue(config, fam.path)
-    target_args = {k: _plain(args(v, f"target.args.{k}")) for k, v in fam.target_args.items()}
+    target_args = {k: _plain(args(v, f"target.args.{k}")) for k, v in (built["args"] or {}).items()}
     return {
         "model": session.resolved.model,
         "checkpoint": ckpt.location,
@@ -128,10 +132,73 @@ def inspect_model(model: str, checkpoint: str | None = None, mapping: str | None
         "biases": sorted(n for n in shapes if n.endswith("bias")),
         "target": session.target_name(),
         "target_args": target_args,
+        **{f"target_{key}": value for key, value in built.items() if key != "args"},
         "reference": f"{type(probe).__module__}.{type(probe).__name__}",
         "notes": list(session.resolved.notes),
-        "tensors": tensor_info(ckpt, session, layer, names),
+        "tensors": tensors,
     }
+
+
+def target_routes(session, prefix: str, rows: list[dict[str, Any]]) -> dict[str, Any]:
+    """The target built as a check builds it and the routes a check would fill it through: read off its parameter
+    names for a --target with a built-in mapping (engine.routes), else the mapping's.  Only the constructor runs,
+    on the meta device (no memory for weights; on the CPU if it cannot run there); the routes are chosen and
+    checked (fill_target) against stand-ins with the shapes the headers give: no tensor is read, nothing runs
+    forward.  Returns args (as a mapping spells them), routes (the report's ``routes``), notes, and error (a check
+    would stop: exit 2), error_details (the parameters, tensors and a mapping to edit) or problem (a check would
+    fail the layer, or routes that cannot be shown)."""
+    import torch
+
+    from parity.engine.target import fill_target
+    from parity.errors import ParityError, ShapeMismatchError, TargetError
+
+    built: dict[str, Any] = {"args": None, "routes": None, "notes": [], "error": None, "error_details": None,
+                             "problem": None}
+    try:
+        module, built["args"], built_notes = _build_on_meta(session)
+    except TargetError as exc:
+        built["error"] = f"cannot be built: {exc}"
+        return built
+    if session.num_experts is not None:
+        built["problem"] = "mixture-of-experts: a check chooses the routes of each expert; not shown here"
+        return built
+    shapes = {row["name"][len(prefix):]: row["shape"] for row in rows if row["name"].startswith(prefix)}
+    unknown = sorted(name for name, shape in shapes.items() if shape is None)
+    if unknown:
+        built["problem"] = f"routes not shown: the shapes of {', '.join(unknown)} are unknown until downloaded"
+        return built
+    stand_ins = {name: torch.empty(shape, device="meta") for name, shape in shapes.items()}
+    try:
+        used = session.routes.choose(module, stand_ins, session.hidden_size, built["args"])
+        built["routes"] = session.routes.describe()
+        notes = [*session.routes.notes, *fill_target(module, used, stand_ins, session.config)]
+    except ShapeMismatchError as exc:
+        built["problem"] = f"a check would fail this layer: {exc}"
+        notes = list(session.routes.notes)
+    except ParityError as exc:  # routes that cannot be read off the names, a route to no parameter, ...
+        built["error"] = f"cannot be filled: {getattr(exc, 'headline', None) or exc}"
+        built["error_details"] = getattr(exc, "details", None)
+        return built
+    built["notes"] = list(dict.fromkeys([*built_notes, *notes]))
+    return built
+
+
+def _build_on_meta(session):
+    """``build_target`` as a check calls it (random init skipped, the user's exceptions a TargetError), on the meta
+    device; a constructor that cannot run there is built on the CPU and moved to it."""
+    import torch
+
+    from parity.engine.target import build_target, skip_init, user_code
+    from parity.errors import TargetError
+
+    with skip_init(), user_code(f"target {session.target_name()} could not be built"):
+        try:
+            with torch.device("meta"):
+                module, _, args, notes = build_target(session.mapping, session.config, session.target_spec)
+        except TargetError:
+            module, _, args, notes = build_target(session.mapping, session.config, session.target_spec)
+            module.to("meta")
+    return module, args, notes
 
 
 def _child_name(module, child) -> str:
@@ -164,10 +231,10 @@ def render_inspection(info: dict[str, Any]) -> str:
         f"  d_ff         {info['intermediate_size']}: {follows}",
         f"  activation   config.json: {said}; transformers runs {act['transformers_runs']} ({act['module']})",
         f"  biases       {', '.join(info['biases']) if info['biases'] else 'none'}",
-        f"  target       {info['target']}({', '.join(f'{k}={v!r}' for k, v in info['target_args'].items())})",
+        *target_lines(info),
         f"  reference    {info['reference']}",
     ]
-    lines.extend(f"  note: {note}" for note in info["notes"])
+    lines.extend(f"  note: {note}" for note in [*info["notes"], *info["target_notes"]])
     lines += ["", f"layer {info['layer']} FFN tensors (from safetensors headers; nothing loaded):"]
     rows = [(t["name"], "?" if t["shape"] is None else str(t["shape"]), t["dtype"] or "?", t["file"],
              "" if t["source"] == "header" else f"({t['source']})") for t in info["tensors"]]
@@ -175,6 +242,32 @@ def render_inspection(info: dict[str, Any]) -> str:
     for row in rows:
         lines.append("  " + "  ".join(f"{row[i]:<{widths[i]}}" for i in range(4)) + (f"  {row[4]}" if row[4] else ""))
     return "\n".join(line.rstrip() for line in lines)
+
+
+def target_lines(info: dict[str, Any]) -> list[str]:
+    """The target, how a check would build it, and the routes it would fill it through ('.T': transposed)."""
+    if info["target_error"] is not None and info["target_routes"] is None and not info["target_args"]:
+        lines = [f"  target       {info['target']}", f"  !! target {info['target']} {info['target_error']}"]
+    else:
+        lines = [f"  target       {info['target']}({', '.join(f'{k}={v!r}' for k, v in info['target_args'].items())})"]
+        if info["target_error"] is not None:
+            lines.append(f"  !! target {info['target']} {info['target_error']}")
+    if info["target_error_details"]:
+        lines += ["     " + line for line in info["target_error_details"].splitlines()]
+    routes = info["target_routes"]
+    if routes is not None:
+        parts = []
+        for name, spec in routes["tensors"].items():
+            if isinstance(spec, str):
+                parts.append(f"{name} ← {spec}")
+            elif not spec.get("optional"):
+                chunk = f"[chunk {spec['chunk'][0]}/{spec['chunk'][1]}]" if spec.get("chunk") else ""
+                parts.append(f"{name} ← {spec['from']}{chunk}{'.T' if spec.get('transform') == 'transpose' else ''}")
+        origin = "inferred from parameter names" if routes["inferred"] else f"mapping {info['family']}"
+        lines.append(f"  routes       {', '.join(parts)} ({origin})")
+    if info["target_problem"] is not None:
+        lines.append(f"  !! {info['target_problem']}")
+    return lines
 
 
 def inspection_json(info: dict[str, Any]) -> str:

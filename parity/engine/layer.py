@@ -11,6 +11,8 @@ from __future__ import annotations
 import functools
 import hashlib
 import math
+from collections.abc import Iterator
+from collections.abc import Mapping as MappingABC
 
 import torch
 
@@ -70,6 +72,13 @@ class LayerReader:
             tensors[name] = tensor
         self._check_routes(routes, tensors, prefix)
         return common_dtype(tensors) if dtype is None else {n: t.to(dtype) for n, t in tensors.items()}
+
+    def read_one(self, layer: int, expert: int | None, name: str, dtype: torch.dtype) -> torch.Tensor:
+        """One of the layer's FFN tensors (relative name), checked as ``read`` checks it, in ``dtype``."""
+        key = self.layer_prefix(layer, expert) + name
+        tensor = self._read(key[:-len(name)], [name], expert)[key]
+        self._check(key, tensor)
+        return tensor.to(dtype)
 
     def _check_routes(self, routes: list[TensorRoute], tensors: dict[str, torch.Tensor], prefix: str) -> None:
         """A route's chunk must divide its tensor and a transpose needs a matrix: else the mapping does not fit
@@ -159,3 +168,28 @@ def all_finite(tensor: torch.Tensor) -> bool:
         return True
     lo, hi = torch.aminmax(tensor)
     return math.isfinite(float(lo)) and math.isfinite(float(hi))
+
+
+class LayerOnDisk(MappingABC):
+    """A layer's stored tensors, each read from the checkpoint when it is asked for and not kept.
+
+    Filling the float32 target of a very large layer (one of Llama-3.1-405B: 10.5 GB) is the floor of
+    its check; holding the 5.2 GB of bfloat16 tensors beside it is not needed: they are read again
+    one at a time, copied into the target's parameter and dropped.  ``meta`` gives names, shapes and
+    dtypes without reading anything.
+    """
+
+    def __init__(self, reader: LayerReader, layer: int, expert: int | None, tensors: dict[str, torch.Tensor]):
+        self.reader, self.layer, self.expert = reader, layer, expert
+        self.meta = {name: torch.empty(t.shape, dtype=t.dtype, device="meta") for name, t in tensors.items()}
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        if name not in self.meta:
+            raise KeyError(name)
+        return self.reader.read_one(self.layer, self.expert, name, self.meta[name].dtype)
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.meta)
+
+    def __len__(self) -> int:
+        return len(self.meta)

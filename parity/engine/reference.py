@@ -13,10 +13,12 @@ from typing import Any
 import torch
 from torch import nn
 
+from parity.engine import sliced
+from parity.engine.sliced import SlicedMLP, SlicePlan, plan_slices
 from parity.engine.upcast import upcast_on_call, works_on_call
-from parity.errors import ShapeMismatchError
+from parity.errors import CheckpointError, MappingError, ShapeMismatchError
 from parity.sources.skeleton import ModelSkeleton
-from parity.spec.families import config_dff
+from parity.spec.families import config_dff, with_dff
 
 _ACTIVATION_CHILD_NAMES = ("act", "act_fn", "activation_fn", "activation")
 
@@ -24,9 +26,12 @@ _ACTIVATION_CHILD_NAMES = ("act", "act_fn", "activation_fn", "activation")
 class ReferenceModel(ModelSkeleton):
     """The skeleton, from which each layer's MLP is cut and filled with that layer's tensors."""
 
-    def __init__(self, config: Any):
+    def __init__(self, config: Any, slice_bytes: int | None = None):
         super().__init__(config)
         self._on_call_ok: dict[tuple[type, torch.dtype], bool] = {}
+        # float64 bytes beyond which a layer's reference is computed in slices (read when built: tests lower it)
+        self.slice_bytes = sliced.SLICE_BYTES if slice_bytes is None else slice_bytes
+        self._narrow: dict[int, ModelSkeleton | None] = {}  # slice width -> the skeleton of MLPs that wide
 
     def build(self, path: str, tensors: dict[str, torch.Tensor], hidden_size: int | None = None,
               on_call: bool = True, dtype: torch.dtype = torch.float32) -> nn.Module:
@@ -47,15 +52,19 @@ class ReferenceModel(ModelSkeleton):
             if name in expected and tuple(tensor.shape) != expected[name]:
                 raise ShapeMismatchError(
                     f"checkpoint tensor for {type(module).__name__}.{name} has shape {list(tensor.shape)}, but the "
-                    f"checkpoint's config.json implies {list(expected[name])} ({_sizes(self.config)}): "
-                    "config.json and weights disagree "
+                    f"checkpoint's config (config.json, or a GGUF file's metadata) implies {list(expected[name])} "
+                    f"({_sizes(self.config)}): the config and the weights disagree "
                     "(wrong config for these weights, or a mapping route in [reference.tensors] is wrong)"
                 )
-        module.load_state_dict(tensors, strict=True, assign=True)
         stored = next((t.dtype for t in tensors.values() if t.is_floating_point()), torch.float32)
         key = (type(meta), stored)
         if key not in self._on_call_ok:
             self._on_call_ok[key] = bool(hidden_size) and works_on_call(meta, stored, int(hidden_size))
+        plan = self.slice_plan(path, tensors, hidden_size) if dtype == torch.float32 else None
+        if plan is not None:
+            return SlicedMLP(tensors, plan, lambda width, act: self.narrow_module(path, width, act),
+                             copy.deepcopy(activation_module(meta)), on_call and self._on_call_ok[key]).eval()
+        module.load_state_dict(tensors, strict=True, assign=True)
         if dtype != torch.float32:
             module.to(dtype)
         elif on_call and self._on_call_ok[key]:
@@ -63,6 +72,41 @@ class ReferenceModel(ModelSkeleton):
         else:
             module.float()
         return module.eval()
+
+
+    def narrow_module(self, path: str, width: int, act: nn.Module) -> nn.Module:
+        """transformers' MLP of the layer ``width`` units wide (meta device), running ``act``."""
+        module = copy.deepcopy(self._narrow[width].meta_module(path))
+        own = activation_module(module)
+        for parent in list(module.modules()):  # every place it is registered
+            for child_name, child in list(parent.named_children()):
+                if child is own:
+                    setattr(parent, child_name, act)
+        return module
+
+    def slice_plan(self, path: str, tensors: dict[str, torch.Tensor], hidden_size: int | None) -> SlicePlan | None:
+        """How to compute this layer in slices along d_ff (parity.engine.sliced), or None: small enough whole,
+        or transformers' MLP of the slice width does not hold the slices these tensors cut into."""
+        d_ff = config_dff(self.config) or (4 * hidden_size if hidden_size else None)
+        shapes = {name: tuple(t.shape) for name, t in tensors.items()}
+        plan = plan_slices(shapes, d_ff, hidden_size, self.slice_bytes)
+        if plan is None or activation_module(self.meta_module(path)) is None:
+            return None
+        for width in {stop - start for start, stop in plan.bounds}:
+            if width not in self._narrow:
+                narrow_config = with_dff(self.config, width)
+                self._narrow[width] = None if narrow_config is None else ModelSkeleton(narrow_config)
+            skeleton = self._narrow[width]
+            expected = {name: tuple(width if axis == plan.axes[name] else size for axis, size in enumerate(shape))
+                        for name, shape in shapes.items()}
+            try:
+                fits = skeleton is not None and skeleton.tensor_shapes(path) == expected
+            except (CheckpointError, MappingError):
+                fits = False
+            if not fits:
+                self._narrow[width] = None
+                return None
+        return plan
 
 
 def _sizes(config: Any) -> str:

@@ -12,6 +12,7 @@ import contextlib
 import gc
 import math
 from collections.abc import Callable, Iterable
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -21,11 +22,12 @@ from parity import __version__
 from parity.engine.compare import LOW_PRECISION_FACTOR, Runs, judge, shape_failure
 from parity.engine.diagnose import diagnose, separability
 from parity.engine.inputs import make_inputs, preactivation
-from parity.engine.layer import LayerReader, weights_fingerprint
+from parity.engine.layer import LayerOnDisk, LayerReader, weights_fingerprint
 from parity.engine.memory import young_objects_only
 from parity.engine.reference import ReferenceModel, activation_name
 from parity.engine.results import LayerResult, Report
 from parity.engine.routes import TargetRoutes
+from parity.engine.sliced import SlicedMLP
 from parity.engine.target import (
     build_target,
     fill_target,
@@ -127,17 +129,18 @@ class Session:
             return module.to(self.device) if self.low_precision and dtype == self.compute_dtype else module
         return build
 
-    def build_target(self, tensors: dict[str, torch.Tensor]) -> tuple[nn.Module, str]:
+    def build_target(self, tensors: dict[str, torch.Tensor] | LayerOnDisk) -> tuple[nn.Module, str]:
         """The target, built on the run's device and cast to a low-precision compute dtype before it is filled
         (float32 runs leave the module's own dtype alone), then filled with the checkpoint's tensors."""
         where = f" on {self.device} in {self.dtype_name}" if self.device.type != "cpu" or self.low_precision else ""
         on_device = torch.device(self.device) if self.device.type != "cpu" else contextlib.nullcontext()
         with skip_init(), user_code(f"target {self.target_name()} could not be built{where}"), on_device:
-            module, name, args = build_target(self.mapping, self.config, self.target_spec)
+            module, name, args, built_notes = build_target(self.mapping, self.config, self.target_spec)
             place(module, self.device, self.compute_dtype if self.low_precision else None)
         with user_code(f"target {name} could not be filled with the checkpoint's tensors", exceptions=False):
-            routes = self.routes.choose(module, tensors, self.hidden_size, args)
-            notes = [*self.routes.notes, *fill_target(module, routes, tensors, self.config)]
+            shapes = tensors.meta if isinstance(tensors, LayerOnDisk) else tensors  # routes are chosen by shape
+            routes = self.routes.choose(module, shapes, self.hidden_size, args)
+            notes = [*built_notes, *self.routes.notes, *fill_target(module, routes, tensors, self.config)]
         for note in notes:
             if note not in self.target_notes:
                 self.target_notes.append(note)
@@ -145,26 +148,36 @@ class Session:
 
     # -- one layer -------------------------------------------------------------------------
     def run_layer(self, layer: int, expert: int | None = None) -> tuple[LayerResult, str]:
-        """Check one layer (one expert of it, for MoE).  Peak memory: the layer's weights as stored
-        plus the float32 target; the reference upcasts one projection at a time (``engine.upcast``)."""
+        """Check one layer (one expert of it, for MoE).  The reference runs first, on the stored tensors
+        (upcast one projection at a time, ``engine.upcast``; a very large layer in slices along d_ff,
+        ``engine.sliced``); then the target is built and run.  For a sliced layer the stored tensors are not
+        kept beside the float32 target: it is filled by reading them again one at a time."""
         tensors = self.read_layer(layer, expert, dtype=None)
         fingerprint = weights_fingerprint(tensors)
         # The reference first: a checkpoint that disagrees with its own config is bad input (exit 2);
         # only then is a tensor that does not fit the target the module's mistake (a failed layer).
         routed = self.reference_tensors(layer, tensors)  # views of ``tensors``: no copy
         reference = self.reference_from(layer, routed)
+        x = make_inputs(reference, self.hidden_size, self.seed, layer, expert)
+        low = (lambda: self.replay_builder(layer)(routed, self.compute_dtype)) if self.low_precision else None
+        truth = run_reference(reference, x, low)
+        large = isinstance(reference, SlicedMLP)
+        del reference
+        if large:
+            tensors = LayerOnDisk(self.reader, layer, expert, tensors)
+            del routed
         try:
             target, target_name = self.build_target(tensors)
         except ShapeMismatchError as exc:
             return shape_failure(layer, expert, exc, self.checkpoint.weights), self.target_name()
         del tensors
-        x = make_inputs(reference, self.hidden_size, self.seed, layer, expert)
-        low = (lambda: self.replay_builder(layer)(routed, self.compute_dtype)) if self.low_precision else None
-        runs, z = run_both(reference, target, target_name, x, low)
+        runs = run_target_twice(truth, target, target_name, x)
         runs.dtype = self.dtype_name
-        del reference, target
+        del target
         gc.collect()
-        result = judge(layer, expert, runs, routed, z, self.atol, self.checkpoint.weights)
+        if large:
+            routed = self.reference_tensors(layer, self.read_layer(layer, expert, dtype=None))
+        result = judge(layer, expert, runs, routed, truth.z, self.atol, self.checkpoint.weights)
         result.fingerprint = fingerprint
         if self.low_precision and result.unverifiable is None:
             result.separability = separability(self.replay_builder(layer), routed, self.config, x, runs.reference64,
@@ -177,7 +190,7 @@ class Session:
                 tolerance: float) -> dict:
         """Replay known mistakes on transformers' MLP for this layer, in the dtype the target ran in
         (see diagnose.py)."""
-        routed = self.reference_tensors(layer, self.read_layer(layer, expert))
+        routed = self.reference_tensors(layer, self.read_layer(layer, expert, dtype=None))
         return diagnose(self.replay_builder(layer), routed, self.config, x, got, out64, tolerance, self.compute_dtype)
 
     def report(self) -> Report:
@@ -240,20 +253,34 @@ class Session:
         return target_label(self.target_spec if self.target_spec is not None else self.mapping.target_class)
 
 
-def run_both(reference: nn.Module, target: nn.Module, target_name: str, x: torch.Tensor,
-             low: Callable[[], nn.Module] | None = None) -> tuple[Runs, torch.Tensor | None]:
-    """Every run gets its own copy of the inputs: a module that writes into its input must not
-    change what the others see, and the float64 truth is computed on the pristine inputs.
-    ``low`` builds the reference in the run's low-precision dtype on its device (built only when
-    its turn comes, and dropped after it ran)."""
+@dataclass
+class Truth:
+    """What the reference computed for one layer's inputs, before the target exists."""
+
+    z: torch.Tensor | None  # the activation's input (the range the inputs reached)
+    out32: torch.Tensor
+    out64: torch.Tensor
+    low: torch.Tensor | None
+
+
+def run_reference(reference: nn.Module, x: torch.Tensor, low: Callable[[], nn.Module] | None = None) -> Truth:
+    """transformers' MLP on its own copies of the inputs, in float32 and float64; ``low`` builds it in the run's
+    low-precision dtype on its device (built only when its turn comes, and dropped after it ran)."""
     with torch.no_grad():
         z = preactivation(reference, x.clone())
         out32 = reference(x.clone()).double()
-        got, changed = run_target(target, target_name, x, out32.shape)
-        again, changed_again = run_target(target, target_name, x, out32.shape)
-        out64 = compute_in(reference, torch.float64)(x.double())  # one projection at a time in float64
+        out64 = compute_in(reference, torch.float64)(x.double())  # one projection (or slice) at a time
         out_low = None if low is None else run_module(low(), x.clone())
-    return Runs(out64, out32, got, again, changed or changed_again, out_low), z
+    return Truth(z, out32, out64, out_low)
+
+
+def run_target_twice(truth: Truth, target: nn.Module, target_name: str, x: torch.Tensor) -> Runs:
+    """The target twice (determinism), each run on its own copy of the inputs: a module that writes into
+    its input must not change what the other run sees."""
+    with torch.no_grad():
+        got, changed = run_target(target, target_name, x, truth.out32.shape)
+        again, changed_again = run_target(target, target_name, x, truth.out32.shape)
+    return Runs(truth.out64, truth.out32, got, again, changed or changed_again, truth.low)
 
 
 def run_session(session: Session, layers: Selection = None,

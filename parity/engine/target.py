@@ -90,39 +90,105 @@ def cwd_importable() -> Iterator[None]:
             sys.path.remove(cwd)
 
 
-def build_target(mapping: Mapping, config: Any, target: str | Any | None = None) -> tuple[nn.Module, str, dict | None]:
+def build_target(mapping: Mapping, config: Any,
+                 target: str | Any | None = None) -> tuple[nn.Module, str, dict | None, list[str]]:
     """Construct the target: the mapping's [target].class, or ``target``: 'pkg.module:Name', a class, a factory,
     or an nn.Module instance (deep-copied: the caller's instance is never modified).  Returns the module, its
-    name and its constructor arguments as a mapping file spells them (None for an instance)."""
+    name, its constructor arguments as a mapping file spells them (None for an instance) and notes.
+
+    A constructor given the checkpoint's transformers config that reads a field the config lacks (nanoGPT's
+    ``config.bias``) is called once more with a read-only view of the config that answers it from aliases.toml
+    [config_fields] (``parity.engine.config_view``); each field the view supplied is one of the notes."""
     spec = target if target is not None else mapping.target_class
     name = target_label(spec)
     if isinstance(spec, nn.Module):
-        return copy.deepcopy(spec), name, None
+        return copy.deepcopy(spec), name, None, []
     what = "--target" if target is not None else f"{mapping.path}: target.class"
     factory = import_object(spec, what) if isinstance(spec, str) else spec
     if not callable(factory):
         raise TargetError(f"target {name}: a {type(spec).__name__} is not a class, a factory or an nn.Module")
     raw, kwargs = constructor_args(factory, mapping, config)
+    notes: list[str] = []
     try:
         module = factory(**kwargs)
+    except AttributeError as exc:
+        if not any(value is config for value in kwargs.values()):
+            raise construction_error(factory, name, kwargs, config, exc) from None
+        module, notes = build_with_view(factory, name, kwargs, mapping, config)
     except Exception as exc:
-        short = name.split(":")[-1]
-        try:
-            parameters = inspect.signature(factory).parameters
-            signature = f"{short}{inspect.signature(factory)}"
-        except (TypeError, ValueError):
-            parameters, signature = {}, name
-        call = ", ".join(f"{p}=..." for p, v in parameters.items() if v.default is v.empty and v.kind in _NAMED)
-        shown = {k: (type(v).__name__ if k == "config" or v is config else v) for k, v in kwargs.items()}
-        raise TargetError(
-            f"cannot construct target {name} with {shown}: {type(exc).__name__}: {exc}. "
-            f"Its signature is {signature}; set [target].args in a mapping file (--mapping) to match it, "
-            f"or pass a factory as --target: def make_ffn(config): return {short}({call}), with the values "
-            "read from the checkpoint's transformers config."
-        ) from None
+        raise construction_error(factory, name, kwargs, config, exc) from None
     if not isinstance(module, nn.Module):
         raise TargetError(f"target {name} returned {type(module).__name__}, not a torch.nn.Module")
-    return module, name, raw
+    return module, name, raw, notes
+
+
+def build_with_view(factory: Any, name: str, kwargs: dict, mapping: Mapping, config: Any) -> tuple[Any, list[str]]:
+    """The constructor called with parity's read-only view in place of the transformers config (config_view.py);
+    the built module and one note per field the view supplied."""
+    from parity.engine.config_view import config_view
+
+    view = config_view(config, load_aliases().config_fields, checkpoint_ffn_bias(mapping, config))
+    viewed = {key: view if value is config else value for key, value in kwargs.items()}
+    try:
+        module = factory(**viewed)
+    except Exception as exc:
+        raise construction_error(factory, name, viewed, config, exc) from None
+    return module, view.notes()
+
+
+def checkpoint_ffn_bias(mapping: Mapping, config: Any) -> tuple[bool, str]:
+    """Whether the checkpoint's FFN has bias tensors, and why parity says so: the mapping's own [target].args.bias
+    when it has one (LLaMA's reads config.mlp_bias), else its bias routes (GPT-2 routes c_fc.bias and c_proj.bias;
+    a check reads them, so the checkpoint has them), optional ones following config.mlp_bias."""
+    if "bias" in mapping.target_args:
+        value = ConfigValue(config, mapping.path)(mapping.target_args["bias"], "target.args.bias")
+        if isinstance(value, bool):
+            return value, (f"the checkpoint has {'' if value else 'no '}FFN biases: mapping '{mapping.name}' "
+                           "target.args.bias")
+    required = [r.source for r in mapping.tensors if r.target.endswith("bias") and not r.optional]
+    if required:
+        return True, f"the checkpoint has FFN biases: {', '.join(required)}"
+    optional = [r.source for r in mapping.tensors if r.target.endswith("bias")]
+    flag = getattr(config, "mlp_bias", None)
+    if optional and isinstance(flag, bool):
+        return flag, f"the checkpoint has {'' if flag else 'no '}FFN biases: {type(config).__name__}.mlp_bias"
+    return False, f"the checkpoint has no FFN biases: mapping '{mapping.name}' routes none"
+
+
+def construction_error(factory: Any, name: str, kwargs: dict, config: Any, exc: Exception) -> TargetError:
+    """What failed, the constructor's signature and how to give it what it needs (a mapping's args or a factory);
+    for a config field neither the config nor aliases.toml [config_fields] has, that field's name."""
+    short = name.split(":")[-1]
+    try:
+        parameters = inspect.signature(factory).parameters
+        signature = f"{short}{inspect.signature(factory)}"
+    except (TypeError, ValueError):
+        parameters, signature = {}, name
+    call = ", ".join(f"{p}=..." for p, v in parameters.items() if v.default is v.empty and v.kind in _NAMED)
+    shown = {k: (type(config).__name__ if k == "config" or v is config or _is_view(v) else v)
+             for k, v in kwargs.items()}
+    field = getattr(exc, "name", None) if isinstance(exc, AttributeError) else None
+    if field and any(v is config or _is_view(v) for v in kwargs.values()) and not hasattr(config, field):
+        return TargetError(
+            f"cannot construct target {name} with {shown}: it reads config.{field}, which the checkpoint's "
+            f"{type(config).__name__} does not have and aliases.toml [config_fields] does not supply. Supply "
+            f"'{field}' through a factory: --target mymodel:make_ffn with def make_ffn(config): return "
+            f"{short}(YourConfig({field}=..., ...)), the values read from the checkpoint's transformers config; or, "
+            f"for a constructor that takes plain values, [target].args in a mapping file (--mapping). Its signature "
+            f"is {signature}."
+        )
+    return TargetError(
+        f"cannot construct target {name} with {shown}: {type(exc).__name__}: {exc}. "
+        f"Its signature is {signature}; set [target].args in a mapping file (--mapping) to match it, "
+        f"or pass a factory as --target: def make_ffn(config): return {short}({call}), with the values "
+        "read from the checkpoint's transformers config."
+    )
+
+
+def _is_view(value: Any) -> bool:
+    from parity.engine.config_view import ConfigView
+
+    return isinstance(value, ConfigView)
 
 
 _NAMED = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import functools
 import tomllib
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from parity.errors import MappingError
@@ -18,7 +18,8 @@ from parity.spec.datafiles import ALIASES_FILE, builtin_mapping_dir
 KINDS = ("gated", "classic")
 SIDES = ("in", "out")
 _ROLE_KEYS = {"kind", "side", "names", "fuses"}
-_OTHER_TABLES = {"biases", "layout", "constructor"}
+_OTHER_TABLES = {"biases", "layout", "constructor", "config_fields"}
+FACTS = ("ffn_bias",)  # what parity knows about a checkpoint's FFN that [config_fields.facts] may name
 
 
 @dataclass(frozen=True)
@@ -35,12 +36,23 @@ class Role:
 
 
 @dataclass(frozen=True)
+class ConfigFields:
+    """[config_fields]: how a field a target's constructor reads, and the transformers config lacks, is answered
+    (parity.engine.config_view).  Each maps the name a module reads to its answer."""
+
+    aliases: dict[str, str]  # name -> the transformers config's own field ("n_embd" -> "hidden_size")
+    facts: dict[str, str]  # name -> a fact about the checkpoint's FFN ("bias" -> "ffn_bias")
+    values: dict[str, tuple[bool | int | float | str, str]]  # name -> (value, why) ("dropout" -> 0.0)
+
+
+@dataclass(frozen=True)
 class Aliases:
     path: Path
     roles: dict[str, Role]
     out_in: tuple[str, ...]  # owner class names whose weight is [out, in] (nn.Linear)
     in_out: tuple[str, ...]  # owner class names whose weight is [in, out] (transformers' Conv1D)
     config_names: tuple[str, ...]  # constructor parameters that take the transformers config
+    config_fields: ConfigFields = field(default_factory=lambda: ConfigFields({}, {}, {}))
 
     def roles_of(self, name: str) -> set[tuple[str, str]]:
         """Every (role, "weight" | "bias") the parameter ``name`` may be, by its last component(s)."""
@@ -87,7 +99,36 @@ def load_aliases(path: Path | None = None) -> Aliases:
     layout = _string_lists(path, data.get("layout", {}), "layout")
     constructor = _string_lists(path, data.get("constructor", {}), "constructor")
     return Aliases(path, roles, tuple(layout.get("out_in", [])), tuple(layout.get("in_out", [])),
-                   tuple(constructor.get("config", [])))
+                   tuple(constructor.get("config", [])), _config_fields(path, data.get("config_fields", {})))
+
+
+def _config_fields(path: Path, table: object) -> ConfigFields:
+    """[config_fields]: aliases and facts are tables of name lists, values a table of {value, why}; a name has one
+    answer."""
+    if not isinstance(table, dict) or set(table) - {"aliases", "facts", "values"}:
+        raise MappingError(f"{path}: key 'config_fields': expected the tables aliases, facts and values")
+    aliases = _string_lists(path, table.get("aliases", {}), "config_fields.aliases")
+    facts = _string_lists(path, table.get("facts", {}), "config_fields.facts")
+    unknown = set(facts) - set(FACTS)
+    if unknown:
+        raise MappingError(f"{path}: key 'config_fields.facts.{sorted(unknown)[0]}': no such fact; facts: {FACTS}")
+    values: dict[str, tuple[bool | int | float | str, str]] = {}
+    raw = table.get("values", {})
+    for name, spec in (raw.items() if isinstance(raw, dict) else [("", None)]):
+        if (not isinstance(spec, dict) or set(spec) != {"value", "why"} or not isinstance(spec["why"], str)
+                or not isinstance(spec["value"], (bool, int, float, str))):
+            raise MappingError(f"{path}: key 'config_fields.values.{name}': expected {{ value = ..., why = \"...\" }}")
+        values[name] = (spec["value"], spec["why"])
+    answers: dict[str, str] = {}
+    for kind, names in [*((f"aliases.{k}", v) for k, v in aliases.items()),
+                        *((f"facts.{k}", v) for k, v in facts.items()), *((f"values.{k}", [k]) for k in values)]:
+        for name in names:
+            if name in answers:
+                raise MappingError(f"{path}: config field '{name}' is listed in config_fields.{answers[name]} and "
+                                   f"config_fields.{kind}: a field must have one answer")
+            answers[name] = kind
+    return ConfigFields({n: k for k, names in aliases.items() for n in names},
+                        {n: k for k, names in facts.items() for n in names}, values)
 
 
 def _string_lists(path: Path, table: object, where: str) -> dict[str, list[str]]:

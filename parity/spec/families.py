@@ -52,3 +52,18 @@ def dff_rule(model_type: str | None, d: int, d_ff: int | None) -> dict[str, Any]
                 rule, expected, follows = f"llama_intermediate_size({d}, multiple_of={multiple})", d_ff, True
                 break
     return {"rule": rule, "expected": expected, "follows": follows, "ratio": ratio}
+
+
+def with_dff(config: Any, width: int) -> Any | None:
+    """A copy of ``config`` whose MLPs are ``width`` units wide (None: the config states d_ff nowhere parity knows).
+
+    GPT configs imply 4d by leaving ``n_inner`` empty; setting it is how transformers builds another width.
+    """
+    import copy
+
+    for attr in ("intermediate_size", "n_inner"):
+        if hasattr(config, attr) and (attr == "n_inner" or getattr(config, attr) is not None):
+            narrow = copy.deepcopy(config)
+            setattr(narrow, attr, width)
+            return narrow
+    return None

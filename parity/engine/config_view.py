@@ -1,0 +1,103 @@
+"""A read-only view of the checkpoint's transformers config, for targets written against their own config class.
+
+Why it exists: a module whose constructor takes a config reads that config's fields under its own names.
+nanoGPT's ``MLP(config)`` reads ``config.n_embd``, ``config.bias`` and ``config.dropout``; transformers'
+``GPT2Config`` has ``n_embd`` but neither ``bias`` nor ``dropout``, so building the module verbatim from the
+checkpoint's config raises AttributeError, and every such user had to write a factory.  When that happens,
+``parity.engine.target.build_target`` builds the target once more with this view instead of the config:
+
+- a field the config has is the config's own (attribute_map included: ``GPT2Config.hidden_size`` is
+  ``n_embd``); the view never overrides the checkpoint's config;
+- a field it lacks is answered from ``[config_fields]`` in ``mappings/aliases.toml`` (data, not code): an
+  alias of one of the config's own fields (``dim`` -> ``hidden_size``), a fact about the checkpoint's FFN
+  (``bias``: whether the layer has bias tensors) or a switch with one right value in a check
+  (``dropout = 0.0``: parity runs the module in eval mode);
+- a field in neither raises AttributeError naming it, as the config itself would.
+
+Every field the view answered is recorded (``supplied``) and becomes a note in the report: a value parity
+chose for the user's module is never silent.  The view is read-only: it answers, it never changes the
+config a module was given.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:  # the caller passes the table in: this module imports nothing of parity (a leaf)
+    from parity.spec.aliases import ConfigFields
+
+
+@dataclass(frozen=True)
+class Supplied:
+    """One field the view answered: its name, the value and why that value."""
+
+    field: str
+    value: Any
+    why: str
+
+
+class ConfigView:
+    """The config's own fields, plus ``answers`` (name -> (value, why)) for the names it lacks."""
+
+    __slots__ = ("_parity_config", "_parity_answers", "_parity_supplied", "_parity_table")
+
+    def __init__(self, config: Any, answers: dict[str, tuple[Any, str]], table: str = "aliases.toml [config_fields]"):
+        object.__setattr__(self, "_parity_config", config)
+        object.__setattr__(self, "_parity_answers", answers)
+        object.__setattr__(self, "_parity_supplied", {})
+        object.__setattr__(self, "_parity_table", table)
+
+    def __getattr__(self, name: str) -> Any:  # only for names the view itself does not have
+        config = object.__getattribute__(self, "_parity_config")
+        try:
+            return getattr(config, name)
+        except AttributeError:
+            pass
+        answers = object.__getattribute__(self, "_parity_answers")
+        if name.startswith("__") or name not in answers:
+            table = object.__getattribute__(self, "_parity_table")
+            raise AttributeError(f"'{type(config).__name__}' object has no attribute '{name}', and {table} does not "
+                                 "supply it", name=name, obj=self)
+        value, why = answers[name]
+        object.__getattribute__(self, "_parity_supplied")[name] = Supplied(name, value, why)
+        return value
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        raise AttributeError(f"parity's view of the checkpoint's {self.config_name} is read-only: cannot set '{name}'")
+
+    def __delattr__(self, name: str) -> None:
+        raise AttributeError(f"parity's view of the checkpoint's {self.config_name} is read-only: cannot delete "
+                             f"'{name}'")
+
+    def __repr__(self) -> str:
+        return f"<parity's read-only view of {self.config_name}>"
+
+    @property
+    def config_name(self) -> str:
+        return type(object.__getattribute__(self, "_parity_config")).__name__
+
+    @property
+    def supplied(self) -> list[Supplied]:
+        """The fields answered from the table, in the order first read."""
+        return list(object.__getattribute__(self, "_parity_supplied").values())
+
+    def notes(self) -> list[str]:
+        """One report note per supplied field."""
+        return [f"target config: `{s.field}` not in {self.config_name}, supplied {s.value!r} ({s.why})"
+                for s in self.supplied]
+
+
+def config_view(config: Any, fields: ConfigFields, ffn_bias: tuple[bool, str]) -> ConfigView:
+    """The view of ``config`` answering the names of ``fields`` (aliases.toml [config_fields]) the config lacks;
+    ``ffn_bias``: whether the checkpoint's FFN has bias tensors, and why parity says so
+    (``parity.engine.target.checkpoint_ffn_bias``)."""
+    answers: dict[str, tuple[Any, str]] = {}
+    for name, own in fields.aliases.items():
+        value = getattr(config, own, None)
+        if value is not None:
+            answers[name] = (value, f"{type(config).__name__}.{own}; alias in aliases.toml [config_fields]")
+    facts = {"ffn_bias": ffn_bias}
+    answers.update({name: facts[fact] for name, fact in fields.facts.items()})
+    answers.update(fields.values)
+    return ConfigView(config, answers)
