@@ -4,13 +4,14 @@ failure message a reader can act on (the per-layer table and the diagnosis).
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable
 from typing import Any
 
 from parity.engine.results import Report
 from parity.errors import ParityAssertionError
 from parity.outputs.render import render
-from parity.outputs.text import summary_line
+from parity.outputs.text import diagnosis_ids, summary_line, units_label
 
 
 def assert_parity(model: str, target: str | Any | None = None, layers: str | int | Iterable[int] | None = None,
@@ -46,6 +47,13 @@ def assert_parity(model: str, target: str | Any | None = None, layers: str | int
 
 
 def failure_line(model: str, report: Report) -> str:
-    """The verdict in one line, with the diagnosis ids: what `pytest --tb=line` and its summary show."""
-    ids = list(dict.fromkeys(r.diagnosis["id"] for r in report.layers if r.diagnosis))
-    return f"parity: {model} [{report.target}]: {summary_line(report)}" + (f" — {', '.join(ids)}" if ids else "")
+    """The verdict in one line, the diagnosis early (pytest's short summary cuts the line at the terminal's
+    width): 'parity: gpt2 layer 3: MISMATCH max|Δ| 9.0e-04 > tol 3.5e-05 — gelu_exact_instead_of_tanh [target]'."""
+    failed = [r for r in report.layers if not r.passed and r.unverifiable is None]
+    if not failed:
+        return f"parity: {model} [{report.target}]: {summary_line(report)}"
+    measured = [r for r in failed if r.max_abs_diff is not None and r.tolerance is not None]
+    worst = max(measured, key=lambda r: r.max_abs_diff / r.tolerance if r.tolerance else math.inf, default=None)
+    size = f" max|Δ| {worst.max_abs_diff:.1e} > tol {worst.tolerance:.1e}" if worst is not None else ""
+    count = f" ({len(failed)} of {len(report.layers)})" if len(failed) > 1 else ""
+    return f"parity: {model} {units_label(failed)}{count}: MISMATCH{size}{diagnosis_ids(failed)} [{report.target}]"

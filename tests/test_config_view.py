@@ -11,7 +11,7 @@ from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig
 
 from parity import cli
 from parity.engine.config_view import config_view
-from parity.engine.target import checkpoint_ffn_bias
+from parity.engine.target import checkpoint_ffn_bias, checkpoint_ffn_width
 from parity.errors import MappingError
 from parity.spec.aliases import aliases_path, load_aliases
 from parity.spec.mapping import builtin_mappings
@@ -117,7 +117,7 @@ def gpt2_config() -> GPT2Config:
 
 def test_view_answers_missing_fields_and_notes_each():
     config = gpt2_config()
-    view = config_view(config, FIELDS, (True, "the checkpoint has FFN biases"))
+    view = config_view(config, FIELDS, {"ffn_bias": (True, "the checkpoint has FFN biases"), "ffn_width": None})
     assert view.n_embd == 32 and view.hidden_size == 32 and view.n_head == 2  # the config's own (attribute_map too)
     assert view.supplied == []  # nothing supplied for fields the config has
     assert view.dim == 32 and view.d_model == 32  # aliases of hidden_size
@@ -128,18 +128,18 @@ def test_view_answers_missing_fields_and_notes_each():
 
 
 def test_view_unknown_field_raises_attribute_error_naming_it():
-    view = config_view(gpt2_config(), FIELDS, (True, "why"))
+    view = config_view(gpt2_config(), FIELDS, {"ffn_bias": (True, "why"), "ffn_width": None})
     with pytest.raises(AttributeError, match="frobnicate") as caught:
         view.frobnicate  # noqa: B018
     assert caught.value.name == "frobnicate"
-    with pytest.raises(AttributeError, match="hidden_dim"):  # an alias of a field GPT2Config lacks: no answer
+    with pytest.raises(AttributeError, match="hidden_dim"):  # a fact parity does not know: no answer
         view.hidden_dim  # noqa: B018
     assert not hasattr(view, "frobnicate") and getattr(view, "frobnicate", "default") == "default"
 
 
 def test_view_is_read_only_and_leaves_the_config_alone():
     config = gpt2_config()
-    view = config_view(config, FIELDS, (True, "why"))
+    view = config_view(config, FIELDS, {"ffn_bias": (True, "why")})
     with pytest.raises(AttributeError, match="read-only"):
         view.bias = False
     with pytest.raises(AttributeError, match="read-only"):
@@ -149,7 +149,7 @@ def test_view_is_read_only_and_leaves_the_config_alone():
 
 def test_view_aliases_resolve_on_a_llama_config():
     config = LlamaConfig(hidden_size=32, intermediate_size=88, num_hidden_layers=1, num_attention_heads=2)
-    view = config_view(config, FIELDS, (False, "no biases"))
+    view = config_view(config, FIELDS, {"ffn_bias": (False, "no biases"), "ffn_width": checkpoint_ffn_width(config)})
     assert (view.dim, view.n_embd, view.hidden_dim, view.ffn_dim, view.d_ff) == (32, 32, 88, 88, 88)
     assert view.mlp_bias is False and view.bias is False
     assert [s.field for s in view.supplied] == ["dim", "n_embd", "hidden_dim", "ffn_dim", "d_ff", "bias"]
@@ -166,6 +166,19 @@ def test_aliases_agree_with_the_fields_configs_already_have():
         for name, own in fields.aliases.items():
             if hasattr(config, name) and getattr(config, name) is not None and hasattr(config, own):
                 assert getattr(config, name) == getattr(config, own), (model_type, name, own)
+
+
+def test_ffn_width_is_what_transformers_builds():
+    """GPT-2 leaves n_inner unset (4d); a module reading config.intermediate_size or hidden_dim gets that width."""
+    assert checkpoint_ffn_width(gpt2_config()) == (128, "GPT2Config.n_inner is unset: transformers builds 4 x hidden "
+                                                        "size")
+    assert checkpoint_ffn_width(GPT2Config(n_embd=32, n_inner=80))[0] == 80
+    llama = LlamaConfig(hidden_size=32, intermediate_size=88, num_hidden_layers=1, num_attention_heads=2)
+    assert checkpoint_ffn_width(llama) == (88, "LlamaConfig.intermediate_size")
+    facts = {"ffn_bias": (True, "why"), "ffn_width": checkpoint_ffn_width(gpt2_config())}
+    view = config_view(gpt2_config(), FIELDS, facts)
+    assert view.intermediate_size == 128 and view.hidden_dim == 128
+    assert "`intermediate_size` not in GPT2Config, supplied 128 (GPT2Config.n_inner is unset" in view.notes()[0]
 
 
 def test_checkpoint_ffn_bias_from_the_mapping():
@@ -186,6 +199,6 @@ def test_config_fields_table_gives_each_name_one_answer(tmp_path):
     with pytest.raises(MappingError, match="'n_embd' is listed in"):
         load_aliases(clash)
     unknown = tmp_path / "unknown.toml"
-    unknown.write_text(text.replace("ffn_bias = [", "ffn_width = ["))
+    unknown.write_text(text.replace("ffn_bias = [", "ffn_colour = ["))
     with pytest.raises(MappingError, match="no such fact"):
         load_aliases(unknown)

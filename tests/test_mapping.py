@@ -89,3 +89,12 @@ def test_invalid_toml_names_the_line(tmp_path):
 
 def test_valid_copy_loads(tmp_path):
     assert load_mapping(write(tmp_path, GPT2)).name == "gpt2"
+
+
+@pytest.mark.parametrize("value", ['"?"', '{ from = "?", transform = "transpose" }', '""'])
+def test_unfilled_placeholder_is_named_not_looked_up(tmp_path, value):
+    """The mapping parity prints for an ambiguous module leaves '?' where it could not tell: saved as is, it must
+    say so, not look for a tensor called 'model.layers.0.mlp.?'."""
+    path = write(tmp_path, 'extends = "llama"\n[tensors]\n"a.weight" = ' + value + "\n")
+    with pytest.raises(MappingError, match=r":3: key 'tensors.\"a.weight\"': is still the placeholder"):
+        load_mapping(path)

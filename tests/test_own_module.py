@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from dataclasses import dataclass
@@ -397,8 +398,8 @@ def test_broken(parity_check):
                          capture_output=True, text=True, env=env, cwd=tmp_path, timeout=600)
     assert "1 failed, 2 passed" in out.stdout, out.stdout + out.stderr
     crash = next(line for line in out.stdout.splitlines() if line.startswith(str(tmp_path / "test_user.py")))
-    assert "ParityAssertionError: parity:" in crash and "nano_mlp_exact_gelu]" in crash  # --tb=line's one line
-    assert crash.endswith("FAIL: 1 of 1 layer(s) deviate from transformers: 1 — gelu_exact_instead_of_tanh")
+    assert "ParityAssertionError: parity:" in crash and crash.endswith(":nano_mlp_exact_gelu]")  # --tb=line's line
+    assert re.search(r"parity: \S+ layer 1: MISMATCH max\|Δ\| \S+ > tol \S+ — gelu_exact_instead_of_tanh \[", crash)
     summary = next(line for line in out.stdout.splitlines() if line.startswith("FAILED"))
     assert "test_broken - parity.errors.ParityAssertionError: parity:" in summary
     assert "parity/engine" not in out.stdout  # parity's own frames are hidden
@@ -514,3 +515,30 @@ def test_no_foreign_progress_bars_in_a_log_with_logits(tiny):
     assert out.returncode == 0, out.stderr
     assert "logits impact" in out.stdout
     assert "Loading weights" not in out.stderr and "\r" not in out.stderr
+
+
+class TupleSwiGLU(nn.Module):
+    """Returns (output, None), as some blocks return (hidden, aux): compared on its first element, and said."""
+
+    def __init__(self, config):
+        super().__init__()
+        self.gate_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
+
+    def forward(self, x):
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x)), None
+
+
+def test_a_tuple_output_is_compared_on_its_first_element_and_said(tiny):
+    report = parity.check(str(tiny["llama"]), target=TupleSwiGLU, layers=[0, 1])
+    assert report.passed
+    notes = [n for n in report.notes if "returns a tuple (Tensor, NoneType)" in n]
+    assert len(notes) == 1 and "its first element is compared" in notes[0]
+
+
+def test_the_summary_line_names_the_layers_and_the_diagnosis(tiny, capsys):
+    code, out, err = run(capsys, tiny["llama"], "--layers", "0-1", "--target", f"{HERE}:meta_swapped", "--quiet")
+    assert code == 1
+    assert (out + err).strip().splitlines()[-1] == ("FAIL: 2 of 2 layer(s) deviate from transformers: layers 0, 1 — "
+                                            "gate_up_swapped")

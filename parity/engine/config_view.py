@@ -88,16 +88,15 @@ class ConfigView:
                 for s in self.supplied]
 
 
-def config_view(config: Any, fields: ConfigFields, ffn_bias: tuple[bool, str]) -> ConfigView:
+def config_view(config: Any, fields: ConfigFields, facts: dict[str, tuple[Any, str] | None]) -> ConfigView:
     """The view of ``config`` answering the names of ``fields`` (aliases.toml [config_fields]) the config lacks;
-    ``ffn_bias``: whether the checkpoint's FFN has bias tensors, and why parity says so
-    (``parity.engine.target.checkpoint_ffn_bias``)."""
+    ``facts``: fact name -> (value, why parity says so) or None when unknown (``parity.engine.target``:
+    ``ffn_bias``, whether the checkpoint's FFN has bias tensors; ``ffn_width``, its d_ff)."""
     answers: dict[str, tuple[Any, str]] = {}
     for name, own in fields.aliases.items():
         value = getattr(config, own, None)
         if value is not None:
             answers[name] = (value, f"{type(config).__name__}.{own}; alias in aliases.toml [config_fields]")
-    facts = {"ffn_bias": ffn_bias}
-    answers.update({name: facts[fact] for name, fact in fields.facts.items()})
+    answers.update({name: facts[fact] for name, fact in fields.facts.items() if facts.get(fact) is not None})
     answers.update(fields.values)
     return ConfigView(config, answers)

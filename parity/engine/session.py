@@ -171,8 +171,10 @@ class Session:
         except ShapeMismatchError as exc:
             return shape_failure(layer, expert, exc, self.checkpoint.weights), self.target_name()
         del tensors
-        runs = run_target_twice(truth, target, target_name, x)
+        notes: list[str] = []
+        runs = run_target_twice(truth, target, target_name, x, notes)
         runs.dtype = self.dtype_name
+        self.target_notes.extend(n for n in dict.fromkeys(notes) if n not in self.target_notes)
         del target
         gc.collect()
         if large:
@@ -274,12 +276,13 @@ def run_reference(reference: nn.Module, x: torch.Tensor, low: Callable[[], nn.Mo
     return Truth(z, out32, out64, out_low)
 
 
-def run_target_twice(truth: Truth, target: nn.Module, target_name: str, x: torch.Tensor) -> Runs:
+def run_target_twice(truth: Truth, target: nn.Module, target_name: str, x: torch.Tensor,
+                     notes: list[str] | None = None) -> Runs:
     """The target twice (determinism), each run on its own copy of the inputs: a module that writes into
     its input must not change what the other run sees."""
     with torch.no_grad():
-        got, changed = run_target(target, target_name, x, truth.out32.shape)
-        again, changed_again = run_target(target, target_name, x, truth.out32.shape)
+        got, changed = run_target(target, target_name, x, truth.out32.shape, notes)
+        again, changed_again = run_target(target, target_name, x, truth.out32.shape, notes)
     return Runs(truth.out64, truth.out32, got, again, changed or changed_again, truth.low)
 
 

@@ -127,13 +127,27 @@ def build_with_view(factory: Any, name: str, kwargs: dict, mapping: Mapping, con
     the built module and one note per field the view supplied."""
     from parity.engine.config_view import config_view
 
-    view = config_view(config, load_aliases().config_fields, checkpoint_ffn_bias(mapping, config))
+    facts = {"ffn_bias": checkpoint_ffn_bias(mapping, config), "ffn_width": checkpoint_ffn_width(config)}
+    view = config_view(config, load_aliases().config_fields, facts)
     viewed = {key: view if value is config else value for key, value in kwargs.items()}
     try:
         module = factory(**viewed)
     except Exception as exc:
         raise construction_error(factory, name, viewed, config, exc) from None
     return module, view.notes()
+
+
+def checkpoint_ffn_width(config: Any) -> tuple[int, str] | None:
+    """d_ff as transformers builds the MLP from this config: its intermediate_size (n_inner), or 4 x the hidden
+    size where a GPT config leaves n_inner unset; None where the config states neither."""
+    width = config_dff(config)
+    if isinstance(width, int) and not isinstance(width, bool):
+        field = "intermediate_size" if getattr(config, "intermediate_size", None) else "n_inner"
+        return width, f"{type(config).__name__}.{field}"
+    hidden = getattr(config, "hidden_size", None)
+    if hasattr(config, "n_inner") and isinstance(hidden, int):
+        return 4 * hidden, f"{type(config).__name__}.n_inner is unset: transformers builds 4 x hidden size"
+    return None
 
 
 def checkpoint_ffn_bias(mapping: Mapping, config: Any) -> tuple[bool, str]:
@@ -369,11 +383,17 @@ def module_device(module: nn.Module, fallback: torch.device) -> torch.device:
     return param.device if param is not None else fallback
 
 
-def run_module(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
+def run_module(module: nn.Module, x: torch.Tensor, notes: list[str] | None = None) -> torch.Tensor:
     """Run a target on its own device in its own parameter dtype (a bf16 target computes in bf16)
-    -> float64 on the CPU (float64 after the move: MPS has no float64)."""
+    -> float64 on the CPU (float64 after the move: MPS has no float64).  A tuple's first element is the
+    output (a block returning (hidden, aux)); ``notes`` gets a line saying so, since a caller expecting a
+    tensor, as transformers' MLP returns, would not take the tuple."""
     out = module(x.to(device=module_device(module, x.device), dtype=module_dtype(module, x.dtype)))
-    if isinstance(out, tuple):
+    if isinstance(out, tuple) and out:
+        if notes is not None:
+            kinds = ", ".join(type(part).__name__ for part in out)
+            notes.append(f"the target returns a tuple ({kinds}): its first element is compared; transformers' MLP "
+                         "returns a tensor, so a caller expecting one would not take this output")
         out = out[0]
     if not isinstance(out, torch.Tensor):
         raise TypeError(f"forward returned {type(out).__name__}, not a torch.Tensor")
@@ -430,13 +450,14 @@ def user_code(what: str, exceptions: bool = True) -> Iterator[None]:
         raise TargetError(f"{what}: {type(exc).__name__}: {exc}") from exc
 
 
-def run_target(module: nn.Module, name: str, x: torch.Tensor, expected: torch.Size) -> tuple[torch.Tensor, str | None]:
+def run_target(module: nn.Module, name: str, x: torch.Tensor, expected: torch.Size,
+               notes: list[str] | None = None) -> tuple[torch.Tensor, str | None]:
     """``run_module`` on the target's own copy of ``x``; returns the output and what the target did to
     that copy (None: nothing).  Its failures are the user's to fix, not a parity crash."""
     fed = x.to(device=module_device(module, x.device), dtype=module_dtype(module, x.dtype), copy=True)
     before = fed.clone()
     with user_code(f"target {name} failed on an input of shape {list(x.shape)}"):
-        out = run_module(module, fed)
+        out = run_module(module, fed, notes)
     if tuple(out.shape) != tuple(expected):
         raise TargetError(f"target {name}: forward on an input of shape {list(x.shape)} returned shape "
                           f"{list(out.shape)}; the reference returns {list(expected)}")

@@ -133,8 +133,17 @@ def separability_lines(report: Report) -> list[str]:
     return [*lines, ""]
 
 
-def _units(results: list[LayerResult]) -> str:
-    return ", ".join(unit_label(r) for r in results[:12]) + (" ..." if len(results) > 12 else "")
+def units_label(results: list[LayerResult]) -> str:
+    """'layer 3', 'layers 0, 1', 'experts 1/e2, 1/e5' (named: a bare '1' reads as a count)."""
+    noun = "expert" if results and results[0].expert is not None else "layer"
+    labels = ", ".join(unit_label(r) for r in results[:12]) + (" ..." if len(results) > 12 else "")
+    return f"{noun}{'s' if len(results) > 1 else ''} {labels}"
+
+
+def diagnosis_ids(results: list[LayerResult]) -> str:
+    """' — gate_up_swapped, bias_dropped' (the distinct diagnosis ids of these layers) or ''."""
+    ids = list(dict.fromkeys(str(r.diagnosis["id"]) for r in results if r.diagnosis))
+    return f" — {', '.join(ids)}" if ids else ""
 
 
 SYNTHETIC_WARNING = "SYNTHETIC weights: no real checkpoint weight was read (--require-real refuses this)."
@@ -148,12 +157,13 @@ def summary_line(report: Report) -> str:
     failed = [r for r in report.layers if not r.passed and r.unverifiable is None]
     unverifiable = report.unverifiable
     if failed:
-        line = f"FAIL: {len(failed)} of {len(report.layers)} {unit} deviate from transformers: {_units(failed)}"
+        line = (f"FAIL: {len(failed)} of {len(report.layers)} {unit} deviate from transformers: {units_label(failed)}"
+                f"{diagnosis_ids(failed)}")
         if unverifiable:
-            line += f"; {len(unverifiable)} could not be verified: {_units(unverifiable)}"
+            line += f"; {len(unverifiable)} could not be verified: {units_label(unverifiable)}"
     elif unverifiable:
         line = (f"ERROR: {len(unverifiable)} of {len(report.layers)} {unit} could not be verified "
-                f"({unverifiable[0].unverifiable}): {_units(unverifiable)}")
+                f"({unverifiable[0].unverifiable}): {units_label(unverifiable)}")
     else:
         line = f"PASS: {len(report.layers)} {unit} match transformers within tolerance."
     if report.low_precision:

@@ -19,7 +19,7 @@ KINDS = ("gated", "classic")
 SIDES = ("in", "out")
 _ROLE_KEYS = {"kind", "side", "names", "fuses"}
 _OTHER_TABLES = {"biases", "layout", "constructor", "config_fields"}
-FACTS = ("ffn_bias",)  # what parity knows about a checkpoint's FFN that [config_fields.facts] may name
+FACTS = ("ffn_bias", "ffn_width")  # what parity knows about a checkpoint's FFN that [config_fields.facts] may name
 
 
 @dataclass(frozen=True)

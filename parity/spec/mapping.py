@@ -154,6 +154,11 @@ def _require(path: Path, table: dict, key: str, kind: type, where: str = "") -> 
 
 def _parse_route(path: Path, target: str, spec: Any, table: str = "tensors") -> TensorRoute:
     where = f"{table}.\"{target}\""
+    source = spec.get("from") if isinstance(spec, dict) else spec
+    if isinstance(source, str) and source.strip() in ("?", ""):
+        raise _fail(path, where, f"is still the placeholder {source!r}: write the checkpoint tensor (relative to the "
+                                 "layer, e.g. \"up_proj.weight\") that fills this parameter; the comments beside the "
+                                 "printed mapping list each tensor's shape and role")
     if isinstance(spec, str):
         return TensorRoute(target, spec)
     if not isinstance(spec, dict):
@@ -379,6 +384,8 @@ def _mapping_tables(text: str, path: Path, chain: tuple[Path, ...]) -> dict | No
     if base_path.resolve() in here:
         raise _fail(path, "extends", f"'{base}' extends, directly or not, this very file: a circle")
     load_mapping(base_path, here)  # the base is valid on its own: its errors name its own file
+    if base_path.resolve().parent == builtin_mapping_dir().resolve():  # reports name this file, not the built-in
+        data.setdefault("name", path.stem)
     base_text = _read_mapping(base_path)
     base_tables = _mapping_tables(base_text, base_path, here)
     return merge_tables(tomllib.loads(base_text) if base_tables is None else base_tables, data)
