@@ -542,3 +542,12 @@ def test_the_summary_line_names_the_layers_and_the_diagnosis(tiny, capsys):
     assert code == 1
     assert (out + err).strip().splitlines()[-1] == ("FAIL: 2 of 2 layer(s) deviate from transformers: layers 0, 1 — "
                                             "gate_up_swapped")
+
+
+def test_a_classic_ffn_on_a_gated_checkpoint_is_told_so(tiny, capsys):
+    """nanoGPT's two-matrix MLP pointed at LLaMA: the first thing said is that the kinds differ, not '?' routes."""
+    code, out, err = run(capsys, tiny["llama"], "--layer", "0", "--target", f"{HERE}:nano_mlp")
+    assert code == 2
+    last = err.strip().splitlines()[-1]
+    assert "from their names: the target's parameter names make it a classic FFN (fc_in, fc_out), but this " \
+           "checkpoint's layers are a gated FFN" in last

@@ -29,7 +29,9 @@ def run_inspect(args: argparse.Namespace) -> int:
 
         write_text_atomic(args.json, inspection_json(info) + "\n", "--json", create_folder=False)
     if code != EXIT_PASS:
-        print(f"parity: error: target {info['target']} {one_line(info['target_error'])}", file=sys.stderr)
+        what = one_line(info["target_error"]).split(":", 1)[0]  # "cannot be built" / "cannot be filled"
+        where = "in the JSON's target_error" if args.json == "-" else "above, after '!! target'"
+        print(f"parity: error: target {info['target']} {what}: the reason is {where}", file=sys.stderr)
     return code
 
 

@@ -54,7 +54,7 @@ class ReferenceModel(ModelSkeleton):
                     f"checkpoint tensor for {type(module).__name__}.{name} has shape {list(tensor.shape)}, but the "
                     f"checkpoint's config (config.json, or a GGUF file's metadata) implies {list(expected[name])} "
                     f"({_sizes(self.config)}): the config and the weights disagree "
-                    "(wrong config for these weights, or a mapping route in [reference.tensors] is wrong)"
+                    "(a config for other weights; with your own mapping file, check its [reference.tensors] routes)"
                 )
         stored = next((t.dtype for t in tensors.values() if t.is_floating_point()), torch.float32)
         key = (type(meta), stored)

@@ -123,7 +123,20 @@ def assign_roles(params: dict[str, tuple[int, ...]], canon: dict[Role, TensorRou
     needed = sorted({role for role, kind in canon if kind == "weight" and role != "gate_up"} - covered)
     problems += [f"no parameter reads as the {role} projection (checkpoint tensor "
                  f"'{canon[(role, 'weight')].source}')" for role in needed]
-    return assigned, problems
+    return assigned, [*kind_mismatch(params, canon, aliases), *problems]
+
+
+def kind_mismatch(params: dict[str, tuple[int, ...]], canon: dict[Role, TensorRoute], aliases: Aliases) -> list[str]:
+    """A classic two-matrix FFN pointed at a gated checkpoint (or the reverse) cannot compute its layers: said first,
+    before the roles it lacks."""
+    theirs = {aliases.roles[role].kind for name in params for role, _ in aliases.roles_of(name)}
+    ours = {aliases.roles[role].kind for role, _ in canon}
+    if not theirs or theirs & ours:
+        return []
+    shown = {"gated": "a gated FFN (gate, up, down: SwiGLU/GeGLU)", "classic": "a classic FFN (fc_in, fc_out)"}
+    return [f"the target's parameter names make it {' or '.join(shown[k] for k in sorted(theirs))}, but this "
+            f"checkpoint's layers are {' or '.join(shown[k] for k in sorted(ours))}: it cannot compute them (check "
+            "the model family, or the module)"]
 
 
 def infer_routes(module: nn.Module, family: Mapping, tensors: dict[str, torch.Tensor], hidden_size: int,
