@@ -258,6 +258,13 @@ def test_gelu_variant_not_checked_through_the_cli(tiny, capsys, tmp_path):
         assert any(r["id"] == "gelu_exact_instead_of_tanh" and not r["checked"] for r in layer["separability"])
     # the rest of the layer matches (exit 0), and the report says what that pass does not cover
     assert code == 0 and data["passed"]
+    # one line per mistake over all layers, quoting the layer where it comes closest to passing, and saying which
+    layers = data["layers"]
+    least = min(layers, key=lambda r: next(s["distance"] for s in r["separability"]
+                                           if s["id"] == "gelu_exact_instead_of_tanh") / r["tolerance"])
+    gelu = next(line for line in out.splitlines() if line.startswith("not checked at bfloat16 (") and "GELU" in line)
+    assert gelu.startswith(f"not checked at bfloat16 (layers {', '.join(str(r['layer']) for r in layers)}; the "
+                           f"figures are layer {least['layer']}'s, where it is least visible)")
 
 
 def test_swapped_through_the_cli_and_assert_parity(tiny, capsys):

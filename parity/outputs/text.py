@@ -125,9 +125,11 @@ def separability_lines(report: Report) -> list[str]:
             missed.setdefault(key, []).append((result, row))
     lines = []
     for found in missed.values():  # the numbers of the layer where the mistake is least visible
-        _, row = min(found, key=lambda pair: pair[1]["distance"] / max(pair[0].tolerance or 0.0, 1e-300))
-        units = ", ".join(dict.fromkeys(unit_label(r) for r, _ in found))
-        lines.append(f"not checked at {report.dtype} (layers {units}): {row['message']}")
+        least, row = min(found, key=lambda pair: pair[1]["distance"] / max(pair[0].tolerance or 0.0, 1e-300))
+        where = units_label(list({id(r): r for r, _ in found}.values()))
+        if len(found) > 1:
+            where += f"; the figures are {units_label([least])}'s, where it is least visible"
+        lines.append(f"not checked at {report.dtype} ({where}): {row['message']}")
     told = sorted({row["id"] for row in rows if row["checked"]} - {mistake for mistake, _ in missed})
     lines.append(f"told apart at {report.dtype} on every layer: {', '.join(told + list(NEEDS_NO_REPLAY))}")
     return [*lines, ""]
