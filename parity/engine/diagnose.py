@@ -30,7 +30,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from parity.engine.reference import activation_module, activation_name
+from parity.engine.reference import activation_name, replace_activation
 from parity.spec.families import configured_activation
 from parity.spec.mistakes import MistakeId, diagnosis
 
@@ -51,11 +51,7 @@ def _activation_swap(name: str) -> Callable[[nn.Module], None]:
     from transformers.activations import ACT2FN
 
     def patch(module: nn.Module) -> None:
-        act = activation_module(module)
-        for parent in list(module.modules()):  # every place it is registered (an MoE wrapper holds it twice)
-            for child_name, child in list(parent.named_children()):
-                if child is act:
-                    setattr(parent, child_name, ACT2FN[name])
+        replace_activation(module, ACT2FN[name])
     return patch
 
 

@@ -14,6 +14,7 @@ from typing import Any
 from parity.engine.resolve import activation_override_notes
 from parity.engine.results import SCHEMA_VERSION
 from parity.spec.families import dff_rule
+from parity.spec.mapping import route_arrows
 
 
 def tensor_info(checkpoint, session, layer: int, names: list[str]) -> list[dict[str, Any]]:
@@ -256,15 +257,8 @@ def target_lines(info: dict[str, Any]) -> list[str]:
         lines += ["     " + line for line in info["target_error_details"].splitlines()]
     routes = info["target_routes"]
     if routes is not None:
-        parts = []
-        for name, spec in routes["tensors"].items():
-            if isinstance(spec, str):
-                parts.append(f"{name} ← {spec}")
-            elif not spec.get("optional"):
-                chunk = f"[chunk {spec['chunk'][0]}/{spec['chunk'][1]}]" if spec.get("chunk") else ""
-                parts.append(f"{name} ← {spec['from']}{chunk}{'.T' if spec.get('transform') == 'transpose' else ''}")
         origin = "inferred from parameter names" if routes["inferred"] else f"mapping {info['family']}"
-        lines.append(f"  routes       {', '.join(parts)} ({origin})")
+        lines.append(f"  routes       {route_arrows(routes['tensors'])} ({origin})")
     if info["target_problem"] is not None:
         lines.append(f"  !! {info['target_problem']}")
     return lines

@@ -77,11 +77,7 @@ class ReferenceModel(ModelSkeleton):
     def narrow_module(self, path: str, width: int, act: nn.Module) -> nn.Module:
         """transformers' MLP of the layer ``width`` units wide (meta device), running ``act``."""
         module = copy.deepcopy(self._narrow[width].meta_module(path))
-        own = activation_module(module)
-        for parent in list(module.modules()):  # every place it is registered
-            for child_name, child in list(parent.named_children()):
-                if child is own:
-                    setattr(parent, child_name, act)
+        replace_activation(module, act)
         return module
 
     def slice_plan(self, path: str, tensors: dict[str, torch.Tensor], hidden_size: int | None) -> SlicePlan | None:
@@ -123,6 +119,15 @@ def activation_module(module: nn.Module) -> nn.Module | None:
         if name in _ACTIVATION_CHILD_NAMES or isinstance(child, classes):
             return child
     return None
+
+
+def replace_activation(module: nn.Module, new: nn.Module) -> None:
+    """Put ``new`` wherever ``module``'s activation is registered (an MoE wrapper holds it twice)."""
+    act = activation_module(module)
+    for parent in list(module.modules()):
+        for child_name, child in list(parent.named_children()):
+            if child is act:
+                setattr(parent, child_name, new)
 
 
 def activation_name(module: nn.Module, configured: str | None) -> str:

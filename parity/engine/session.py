@@ -185,14 +185,13 @@ class Session:
             result.separability = separability(self.replay_builder(layer), routed, self.config, x, runs.reference64,
                                                result.tolerance, result.reference_error, self.dtype_name)
         if result.diagnosis is None and not result.passed and result.unverifiable is None and self.diagnose:
-            result.diagnosis = self.explain(layer, expert, x, runs.target, runs.reference64, result.tolerance)
+            result.diagnosis = self.explain(layer, routed, x, runs.target, runs.reference64, result.tolerance)
         return result, target_name
 
-    def explain(self, layer: int, expert: int | None, x: torch.Tensor, got: torch.Tensor, out64: torch.Tensor,
-                tolerance: float) -> dict:
-        """Replay known mistakes on transformers' MLP for this layer, in the dtype the target ran in
-        (see diagnose.py)."""
-        routed = self.reference_tensors(layer, self.read_layer(layer, expert, dtype=None))
+    def explain(self, layer: int, routed: dict[str, torch.Tensor], x: torch.Tensor, got: torch.Tensor,
+                out64: torch.Tensor, tolerance: float) -> dict:
+        """Replay known mistakes on transformers' MLP for this layer (``routed``: its stored tensors under the
+        reference's names), in the dtype the target ran in (see diagnose.py)."""
         return diagnose(self.replay_builder(layer), routed, self.config, x, got, out64, tolerance, self.compute_dtype)
 
     def report(self) -> Report:

@@ -9,6 +9,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from parity.engine.results import LayerResult, Report
+from parity.spec.mapping import route_arrows
 from parity.spec.mistakes import MistakeId
 
 GELU_VARIANTS = (MistakeId.GELU_EXACT_INSTEAD_OF_TANH, MistakeId.GELU_TANH_INSTEAD_OF_EXACT)
@@ -56,16 +57,9 @@ def header_lines(report: Report) -> list[str]:
 
 def routes_line(routes: dict) -> str:
     """The routes that filled the target, 'param ← tensor' ('.T': transposed), and where they came from."""
-    parts = []
-    for target, spec in routes["tensors"].items():
-        if isinstance(spec, str):
-            parts.append(f"{target} ← {spec}")
-        elif not spec.get("optional"):  # optional routes (biases a checkpoint may lack) are in the JSON
-            chunk = f"[chunk {spec['chunk'][0]}/{spec['chunk'][1]}]" if spec.get("chunk") else ""
-            parts.append(f"{target} ← {spec['from']}{chunk}{'.T' if spec.get('transform') == 'transpose' else ''}")
     origin = ("inferred from parameter names; --save-mapping FILE writes them" if routes.get("inferred")
               else f"mapping {routes['extends'].rsplit('/', 1)[-1]}")
-    return f"{', '.join(parts)} ({origin})"
+    return f"{route_arrows(routes['tensors'])} ({origin})"
 
 
 def layer_line(result: LayerResult) -> str:

@@ -445,6 +445,19 @@ def route_spelling(route: TensorRoute) -> str | dict[str, Any]:
     return route.source if len(spec) == 1 else spec
 
 
+def route_arrows(tensors: dict[str, Any]) -> str:
+    """Routes as spelled (``route_spelling``) in one line: 'param ← tensor' ('.T': transposed).  Optional routes
+    (biases a checkpoint may lack) are left out: the JSON has them."""
+    parts = []
+    for target, spec in tensors.items():
+        if isinstance(spec, str):
+            parts.append(f"{target} ← {spec}")
+        elif not spec.get("optional"):
+            chunk = f"[chunk {spec['chunk'][0]}/{spec['chunk'][1]}]" if spec.get("chunk") else ""
+            parts.append(f"{target} ← {spec['from']}{chunk}{'.T' if spec.get('transform') == 'transpose' else ''}")
+    return ", ".join(parts)
+
+
 def mapping_text(extends: str, target_class: str, args: dict[str, Any] | None, tensors: dict[str, Any],
                  comments: dict[str, str] | None = None, header: str = "") -> str:
     """A mapping file that extends another and gives its own [target] and [tensors] (``--save-mapping``,
