@@ -24,11 +24,11 @@ from parity.spec.selection import parse_selection
 __all__ = ["check", "load_ffn", "render", "render_html"]
 
 
-def check(model: str, layers: str | int | Iterable[int] | None = None, target: str | Any | None = None,
+def check(model: str, *, layers: str | int | Iterable[int] | None = None, target: str | Any | None = None,
           checkpoint: str | None = None, mapping: str | None = None, revision: str | None = None, seed: int = 0,
           atol: float | None = None, on_layer: Callable[[Report, LayerResult], None] | None = None,
           logits: bool = False, allow_pickle: bool = False, experts: str | int | Iterable[int] | None = None,
-          require_real: bool = False, device: str = "cpu", dtype: str = "float32") -> Report:
+          require_real: bool = False, device: str | Any = "cpu", dtype: str | Any = "float32") -> Report:
     """Check the selected layers (default: all), one at a time; returns the report the CLI prints
     (``print(report)`` shows its table).
 
@@ -43,6 +43,7 @@ def check(model: str, layers: str | int | Iterable[int] | None = None, target: s
     refuses the synthetic stand-in (SyntheticWeightsError) instead of checking random weights; ``device``
     (cpu, cuda, cuda:N, mps) and ``dtype`` (float32, bfloat16, float16) say where and in what the target
     computes: a low precision is held to the reference's own error in that dtype."""
+    device, dtype = compute_names(device, dtype)
     with cwd_importable():
         session = open_session(model, checkpoint, mapping, revision, target, seed, atol, allow_pickle,
                                require_real, device, dtype)
@@ -52,7 +53,18 @@ def check(model: str, layers: str | int | Iterable[int] | None = None, target: s
     return report
 
 
-def load_ffn(model: str, layer: int = 0, target: str | Any | None = None, checkpoint: str | None = None,
+def compute_names(device: Any, dtype: Any) -> tuple[str, str]:
+    """``torch.device("cuda", 0)`` and ``torch.bfloat16`` as the names the CLI takes ('cuda:0', 'bfloat16')."""
+    import torch
+
+    if isinstance(device, torch.device):
+        device = str(device)
+    if isinstance(dtype, torch.dtype):
+        dtype = str(dtype).removeprefix("torch.")
+    return device, dtype
+
+
+def load_ffn(model: str, *, layer: int = 0, target: str | Any | None = None, checkpoint: str | None = None,
              mapping: str | None = None, revision: str | None = None, allow_pickle: bool = False,
              expert: int | None = None) -> nn.Module:
     """The target module (default: the mapping's, e.g. FeedForward for gpt2) holding ``layer``'s weights

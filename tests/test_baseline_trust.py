@@ -24,14 +24,14 @@ from parity.outputs import atomic
 from parity.outputs.baseline import BASELINE_VERSION, load_baseline, load_for_update
 
 from .conftest import build_model, save
-from .test_cli import PARITY
+from .support import PARITY
 
 LAYERS = 5  # gpt2 layers 0-1 + llama layers 0-2 in the project below
 
 
 def parity(cwd: Path, *args) -> subprocess.CompletedProcess:
     env = {**os.environ, "HF_HUB_OFFLINE": "1"}
-    return subprocess.run([PARITY, *map(str, args)], capture_output=True, text=True, env=env, cwd=cwd, timeout=600)
+    return subprocess.run([*PARITY, *map(str, args)], capture_output=True, text=True, env=env, cwd=cwd, timeout=600)
 
 
 def run_main(capsys, *args) -> tuple[int, str, str]:
@@ -279,7 +279,7 @@ def test_write_interrupted_by_any_exception_leaves_no_temp(tmp_path, monkeypatch
     target.write_text("old")
     monkeypatch.setattr(atomic.os, "replace", lambda src, dst: (_ for _ in ()).throw(KeyboardInterrupt()))
     with pytest.raises(KeyboardInterrupt):
-        atomic.write_text_atomic(target, "new", "baseline")
+        atomic.write_output(target, "new", "baseline")
     assert target.read_text() == "old" and [p.name for p in tmp_path.iterdir()] == ["b.json"]
 
 
@@ -287,10 +287,10 @@ def test_atomic_write_replaces_content_and_keeps_permissions(tmp_path):
     target = tmp_path / "b.json"
     target.write_text("old")
     target.chmod(0o640)
-    atomic.write_text_atomic(target, "new ✓\n", "baseline")
+    atomic.write_output(target, "new ✓\n", "baseline")
     assert target.read_text(encoding="utf-8") == "new ✓\n" and target.stat().st_mode & 0o777 == 0o640
     fresh = tmp_path / "sub" / "fresh.json"
-    atomic.write_text_atomic(fresh, "x", "baseline")
+    atomic.write_output(fresh, "x", "baseline")
     umask = os.umask(0)
     os.umask(umask)
     assert fresh.read_text() == "x" and fresh.stat().st_mode & 0o777 == 0o666 & ~umask  # not mkstemp's 0600
@@ -304,7 +304,7 @@ def test_junit_under_a_regular_file_is_exit_2_naming_the_file(tiny, tmp_path, ca
                           f"({blocker} is a file, not a folder)") in err, err
     assert "Traceback" not in err and blocker.read_text() == "a file, not a folder"
     with pytest.raises(ParityError, match="--json"):
-        atomic.write_text_atomic(blocker / "r.json", "{}", "--json")
+        atomic.write_output(blocker / "r.json", "{}", "--json")
 
 
 # -- the rules themselves (no model run) -----------------------------------------------------------

@@ -1,8 +1,6 @@
 """The real `parity` executable: exit codes, table, JSON."""
 
 import json
-import os
-import shutil
 import subprocess
 import sys
 import time
@@ -10,13 +8,11 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parent.parent
-PARITY = shutil.which("parity") or pytest.fail("the `parity` executable is not installed (pip install -e .)")
+from .support import ROOT, run_parity
 
 
 def run(*args, env=None, cwd=ROOT):
-    full_env = {**os.environ, "HF_HUB_OFFLINE": "1", **(env or {})}
-    return subprocess.run([PARITY, *map(str, args)], capture_output=True, text=True, env=full_env, cwd=cwd, timeout=600)
+    return run_parity(*args, env=env, cwd=cwd)
 
 
 def test_version_and_help_are_light():

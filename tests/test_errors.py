@@ -28,7 +28,7 @@ from parity.spec.mapping import builtin_mapping_dir
 
 from .hostile_files import ARRAY, STRING, UINT32, nested_arrays
 from .hostile_files import Value as HValue
-from .test_cli import PARITY, ROOT
+from .support import PARITY, ROOT
 
 ST = "model.safetensors"
 GATE0 = "model.layers.0.mlp.gate_proj.weight"
@@ -461,7 +461,7 @@ def prepare(case: Case, root: Path, sources: dict[str, Path]) -> tuple[Outcome, 
 
 def execute(outcome: Outcome, args: list[str], env: dict[str, str]) -> Outcome:
     full_env = {**os.environ, "HF_HUB_OFFLINE": "1", **env}
-    outcome.result = subprocess.run([PARITY, *args], capture_output=True, text=True, env=full_env, cwd=ROOT,
+    outcome.result = subprocess.run([*PARITY, *args], capture_output=True, text=True, env=full_env, cwd=ROOT,
                                     timeout=300)  # a hang fails the test instead of blocking CI
     outcome.after = snapshot(outcome.folder)
     return outcome
@@ -520,7 +520,7 @@ def test_cases_cover_every_checkpoint_source(tiny):
 def test_debug_shows_the_traceback(tiny, tmp_path):
     folder = shutil.copytree(tiny["llama"], tmp_path / "ckpt")
     truncate_half(folder)
-    out = subprocess.run([PARITY, str(folder), "--debug"], capture_output=True, text=True, cwd=ROOT,
+    out = subprocess.run([*PARITY, str(folder), "--debug"], capture_output=True, text=True, cwd=ROOT,
                          env={**os.environ, "HF_HUB_OFFLINE": "1"}, timeout=300)
     assert out.returncode != 0
     assert "Traceback" in out.stderr and "CheckpointError" in out.stderr and "truncated" in out.stderr

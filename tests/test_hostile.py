@@ -24,7 +24,7 @@ from parity.errors import CheckpointError, MappingError, ProjectConfigError, Tar
 from parity.spec.files import read_text
 from parity.spec.mapping import builtin_mapping_dir, load_mapping
 
-from .test_cli import PARITY, ROOT
+from .support import PARITY, ROOT, default_sigint
 
 ST = "model.safetensors"
 UP0 = "model.layers.0.mlp.up_proj.weight"
@@ -77,7 +77,7 @@ def test_unreadable_folder_says_permission_denied(tiny, tmp_path, monkeypatch):
 # -- the command line: one line on stderr, whatever happens to stdout or how often Ctrl-C comes -----
 def test_stdout_on_a_full_disk_is_an_error_not_a_traceback():
     with open("/dev/full", "w") as full:
-        out = subprocess.run([PARITY, "list"], stdout=full, stderr=subprocess.PIPE, text=True, env=ENV, timeout=120)
+        out = subprocess.run([*PARITY, "list"], stdout=full, stderr=subprocess.PIPE, text=True, env=ENV, timeout=120)
     assert out.returncode == 2, out.stderr
     assert out.stderr.strip() == "parity: error: cannot write to standard output: No space left on device"
 
@@ -98,7 +98,7 @@ def test_ctrl_c_delivered_twice_exits_130_without_a_traceback(tiny, tmp_path):
     (tmp_path / "slow_target.py").write_text(textwrap.dedent(SLOW_TARGET))
     process = subprocess.Popen([sys.executable, "-m", "parity", str(tiny["llama"]), "--layer", "0", "--target",
                                 "slow_target:Slow"], cwd=tmp_path, env=ENV, stdout=subprocess.PIPE,
-                               stderr=subprocess.PIPE, text=True)
+                               stderr=subprocess.PIPE, text=True, preexec_fn=default_sigint)
     try:
         deadline = time.monotonic() + 240
         while not (tmp_path / "running").exists() and process.poll() is None and time.monotonic() < deadline:

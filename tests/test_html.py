@@ -5,7 +5,6 @@ import collections
 import math
 import os
 import re
-import shutil
 import struct
 import subprocess
 import xml.etree.ElementTree as ET
@@ -20,8 +19,8 @@ from parity.errors import ParityError, ProjectConfigError
 from parity.outputs import html as page
 from parity.spec.project import parse_project
 
-ROOT = Path(__file__).resolve().parent.parent
-PARITY = shutil.which("parity") or pytest.fail("the `parity` executable is not installed (pip install -e .)")
+from .support import PARITY, ROOT
+
 CHROMIUM = Path("/usr/bin/chromium")
 
 
@@ -241,7 +240,7 @@ def test_project_file_html_key(tmp_path):
 
 def run(*args, cwd=ROOT):
     env = {**os.environ, "HF_HUB_OFFLINE": "1"}
-    return subprocess.run([PARITY, *map(str, args)], capture_output=True, text=True, env=env, cwd=cwd, timeout=600)
+    return subprocess.run([*PARITY, *map(str, args)], capture_output=True, text=True, env=env, cwd=cwd, timeout=600)
 
 
 @pytest.fixture(scope="module")

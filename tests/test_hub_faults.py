@@ -26,6 +26,7 @@ from parity.cli import main
 from parity.errors import UsageError
 from parity.sources import hub as hub_source
 from tests.hub_server import FakeHub
+from tests.support import default_sigint
 
 REPO = "tiny-org/sharded"
 LAYER = "2"
@@ -390,7 +391,7 @@ def test_ctrl_c_while_a_range_is_read_leaves_nothing_a_later_run_trusts(hub, loc
     env = {k: v for k, v in os.environ.items() if k not in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE")} | hub.env
     env["HF_HUB_DOWNLOAD_TIMEOUT"] = "60"  # the read is still waiting when Ctrl-C comes
     process = subprocess.Popen([sys.executable, "-m", "parity", REPO, "--layer", LAYER, "--quiet"], env=env, cwd=ROOT,
-                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, preexec_fn=default_sigint)
     try:
         deadline = time.monotonic() + TEST_LIMIT_S - 30
         while not stalled.hits and process.poll() is None and time.monotonic() < deadline:

@@ -7,8 +7,9 @@ import argparse
 import json
 import os
 import sys
+from dataclasses import dataclass, field
 
-from parity.errors import MappingError, UsageError
+from parity.errors import MappingError, ParityError, UsageError
 
 EXIT_PASS, EXIT_MISMATCH, EXIT_BAD_INPUT = 0, 1, 2
 
@@ -25,9 +26,9 @@ def run_inspect(args: argparse.Namespace) -> int:
     else:
         print(render_inspection(info))
     if args.json and args.json != "-":
-        from parity.outputs.atomic import write_text_atomic
+        from parity.outputs.atomic import write_output
 
-        write_text_atomic(args.json, inspection_json(info) + "\n", "--json", create_folder=False)
+        write_output(args.json, inspection_json(info) + "\n", "--json", create_folder=False)
     if code != EXIT_PASS:
         what = one_line(info["target_error"]).split(":", 1)[0]  # "cannot be built" / "cannot be filled"
         where = "in the JSON's target_error" if args.json == "-" else "above, after '!! target'"
@@ -36,6 +37,10 @@ def run_inspect(args: argparse.Namespace) -> int:
 
 
 def run_project(args: argparse.Namespace) -> int:
+    return with_error_outputs(args, "parity check", False, lambda: _run_project(args))
+
+
+def _run_project(args: argparse.Namespace) -> int:
     from parity.spec.project import load_project, parse_shard, select_checks
 
     project = load_project(args.config)
@@ -57,6 +62,67 @@ def one_line(text: str) -> str:
     return "".join(c if c.isprintable() else repr(c)[1:-1] for c in text)
 
 
+@dataclass
+class FailedRun:
+    """A run that ended in a ParityError before it had a report: what --junit, --json and --html then hold."""
+
+    label: str
+    error: str
+    report: None = None
+    seconds: list = field(default_factory=list)
+    spec: None = None
+
+
+def with_error_outputs(args: argparse.Namespace, label: str, single: bool, run) -> int:
+    """``run()``; when it raises a ParityError (exit 2), --json, --junit and --html still get written, holding the
+    error: a CI upload step must find a file, and never the previous run's green one."""
+    try:
+        return run()
+    except ParityError as exc:
+        failed = FailedRun(label, " ".join(str(getattr(exc, "headline", None) or exc).split()))
+        for write in (_error_junit, _error_html, _error_json):
+            try:
+                write(args, failed, single)
+            except ParityError as also:  # this output cannot be written either: say so, the error stays the cause
+                if str(also) not in str(exc):
+                    print(f"parity: error: {one_line(str(also))}", file=sys.stderr)
+        raise
+
+
+def _error_junit(args: argparse.Namespace, failed: FailedRun, single: bool) -> None:
+    if getattr(args, "junit", None):
+        from parity.outputs.junit import write_junit
+
+        write_junit(args.junit, [failed])
+
+
+def _error_html(args: argparse.Namespace, failed: FailedRun, single: bool) -> None:
+    if getattr(args, "html", None):
+        from parity.outputs.html import write_html
+
+        write_html(args.html, [failed], f"ERROR: {failed.error}", EXIT_BAD_INPUT)
+
+
+def _error_json(args: argparse.Namespace, failed: FailedRun, single: bool) -> None:
+    if not getattr(args, "json", None):
+        return
+    from parity.engine.results import SCHEMA_VERSION
+
+    document = {"schema_version": SCHEMA_VERSION, "kind": "error", "passed": False, "status": "error",
+                "model": getattr(args, "model", None) if single else None, "command": "check" if not single else None,
+                "error": failed.error, "exit_code": EXIT_BAD_INPUT}
+    _write_json(args.json, json.dumps(document, indent=2))
+
+
+def _write_json(path: str, text: str) -> None:
+    if path == "-":
+        print(text)
+        return
+    from parity.outputs.atomic import write_output
+
+    write_output(path, text + "\n", "--json", create_folder=False)
+
+
 def run_specs(specs, args: argparse.Namespace, single: bool, shard=None) -> int:
     """Plan, run and report checks: tables, progress, baseline, JUnit, JSON; returns the exit code."""
     from parity.engine.suite import exit_code
@@ -68,9 +134,10 @@ def run_specs(specs, args: argparse.Namespace, single: bool, shard=None) -> int:
     if args.update_baseline:
         load_for_update(args.baseline)  # refuse a file that is not a baseline before computing anything
     out = sys.stderr if args.json == "-" else sys.stdout  # stdout is the JSON's
-    runs = run_with_progress(specs, args, single, shard, out)
+    judge = baseline_judge(entries, args) if entries is not None else None
+    runs = run_with_progress(specs, args, single, shard, out, judge)
     reports = [run.report for run in runs if run.report is not None]
-    comparison = compare_with_baseline(reports, entries, args) if entries is not None else None
+    comparison = judge.comparison if judge is not None else None
     regressions = comparison.regressions if comparison is not None else []
     for run in runs:
         if run.error is not None:
@@ -93,8 +160,9 @@ def run_specs(specs, args: argparse.Namespace, single: bool, shard=None) -> int:
     return code
 
 
-def run_with_progress(specs, args: argparse.Namespace, single: bool, shard, out) -> list:
-    """Plan and execute the checks, streaming each table (unless --quiet) under a progress bar."""
+def run_with_progress(specs, args: argparse.Namespace, single: bool, shard, out, judge=None) -> list:
+    """Plan and execute the checks, streaming each table (unless --quiet) under a progress bar; ``judge``
+    (a BaselineJudge) marks each layer against the baseline before its row is printed."""
     from parity.engine.suite import execute, plan
     from parity.outputs.progress import Progress, bar_wanted, silence_downloads
     from parity.outputs.text import TextWriter
@@ -109,6 +177,8 @@ def run_with_progress(specs, args: argparse.Namespace, single: bool, shard, out)
     writer = TextWriter(lambda text: None if args.quiet else progress.say(text, out))
 
     def on_layer(run, report, result) -> None:
+        if judge is not None:
+            judge.layer(report, result)
         writer.layer(report, result)
         progress.step(f"{run.label} layer {result.layer}")
 
@@ -139,10 +209,7 @@ def summary(runs, args: argparse.Namespace, single: bool, shard, code: int, regr
 
     if not single:
         return suite_summary(runs, code, len(regressions) if compared else None, shard)
-    line = summary_line(runs[0].report)
-    if regressions:
-        line += f" BASELINE: {len(regressions)} layer(s) regressed against {args.baseline}."
-    return line
+    return summary_line(runs[0].report)  # a regression is the report's own verdict (LayerResult.baseline)
 
 
 def key_roots(args: argparse.Namespace) -> tuple:
@@ -154,12 +221,12 @@ def key_roots(args: argparse.Namespace) -> tuple:
     return tuple(dict.fromkeys(p.resolve() for p in ([Path(root)] if root is not None else []) + [Path.cwd()]))
 
 
-def compare_with_baseline(reports, entries: dict, args: argparse.Namespace):
-    from parity.outputs.baseline import DEFAULT_FACTOR, DEFAULT_SLACK, compare_baseline
+def baseline_judge(entries: dict, args: argparse.Namespace):
+    from parity.outputs.baseline import DEFAULT_FACTOR, DEFAULT_SLACK, BaselineJudge
 
     factor = args.baseline_factor if args.baseline_factor is not None else DEFAULT_FACTOR
     slack = args.baseline_slack if args.baseline_slack is not None else DEFAULT_SLACK
-    return compare_baseline(reports, entries, factor, slack, key_roots(args))
+    return BaselineJudge(entries, factor, slack, key_roots(args))
 
 
 def baseline_lines(path, comparison) -> list[str]:
@@ -193,8 +260,6 @@ def write_outputs(args: argparse.Namespace, runs, single: bool, shard, compariso
                   code: int) -> None:
     """--junit, --html and --json, each written atomically (parity.outputs.atomic): a CI step never reads half a
     file."""
-    from parity.outputs.atomic import write_text_atomic
-
     regressions = comparison.regressions if comparison is not None else []
     if args.junit:
         from parity.outputs.junit import write_junit
@@ -208,20 +273,20 @@ def write_outputs(args: argparse.Namespace, runs, single: bool, shard, compariso
         line = summary(runs, args, single, shard, code, regressions, comparison is not None)
         write_html(args.html, runs, line, code, problem)
     if single and getattr(args, "save_mapping", None):
-        save_mapping(args.save_mapping, runs[0].report)
+        save_mapping(args.save_mapping, runs[0].report, given=args.mapping, force=args.force)
     if args.json:
-        text = json.dumps(json_document(runs, single, shard, args, comparison, problem, code), indent=2)
-        if args.json == "-":
-            print(text)
-        else:
-            write_text_atomic(args.json, text + "\n", "--json", create_folder=False)
+        _write_json(args.json, json.dumps(json_document(runs, single, shard, args, comparison, problem, code),
+                                          indent=2))
 
 
-def save_mapping(path: str, report) -> None:
-    """--save-mapping: the routes this run used, as a mapping file that repeats the run with --mapping FILE."""
-    from parity.outputs.atomic import write_text_atomic
+def save_mapping(path: str, report, *, given: str | None = None, force: bool = False) -> None:
+    """--save-mapping: the routes this run used, as a mapping file that repeats the run with --mapping FILE.
+    Replaces only a file that --save-mapping wrote (or any with ``force``), and never the mapping the run was
+    given: the saved file extends that mapping, and would then extend itself."""
+    from parity.outputs.atomic import write_output
     from parity.spec.mapping import mapping_text
 
+    refuse_to_replace(path, given, force)
     if report is None or not report.routes:
         raise UsageError(f"--save-mapping {path}: no layer was built, so no routes were used; nothing written")
     routes = report.routes
@@ -233,7 +298,30 @@ def save_mapping(path: str, report) -> None:
     if "<" in report.target:
         header += f"\n{report.target} cannot be imported by name: put the factory in a module (module:function)."
     text = mapping_text(routes["extends"], report.target, routes["args"], routes["tensors"], header=header)
-    write_text_atomic(path, text, "--save-mapping", create_folder=False)
+    write_output(path, text, "--save-mapping", create_folder=False)
+
+
+def refuse_to_replace(path: str, given: str | None, force: bool) -> None:
+    from pathlib import Path
+
+    from parity.spec.files import shown
+    from parity.spec.mapping import SAVED_MAPPING_MARK
+
+    target = Path(path)
+    if given is not None and target.exists() and Path(given).exists() and os.path.samefile(target, given):
+        raise UsageError(f"--save-mapping {shown(path)}: is the mapping this run was given (--mapping); the saved "
+                         "mapping extends it, so writing it there would lose its content and make it extend itself. "
+                         "Save to another file")
+    if force or not target.is_file():
+        return
+    try:
+        with open(target, encoding="utf-8", errors="replace") as handle:
+            first = handle.readline(4096)
+    except OSError:
+        first = ""
+    if not first.startswith(SAVED_MAPPING_MARK):
+        raise UsageError(f"--save-mapping {shown(path)}: the file exists and was not written by --save-mapping; "
+                         "parity will not replace it. Choose another file, or add --force to replace it")
 
 
 def json_document(runs, single: bool, shard, args, comparison, problem: str | None, code: int) -> dict:
@@ -284,7 +372,7 @@ def run_check(args: argparse.Namespace) -> int:
                      allow_pickle=args.allow_pickle, experts=args.experts, require_real=args.require_real,
                      device=args.device, dtype=args.dtype)
     try:
-        return run_specs([spec], args, single=True)
+        return with_error_outputs(args, spec.label, True, lambda: run_specs([spec], args, single=True))
     except MappingError as exc:
         if getattr(exc, "details", None) is None:
             raise

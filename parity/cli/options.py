@@ -56,6 +56,7 @@ CHECKPOINT_VALUE = value_type(nonempty, hint="give a local path or a hub id, "
 TARGET_VALUE = value_type(nonempty, hint="give pkg.module:Class, or leave the option out to use the mapping's target")
 MAPPING_VALUE = value_type(nonempty, hint="give a mapping file FILE.toml, "
                                           "or leave the option out to use the built-in one")
+OUTPUT_FILE = value_type(nonempty, hint="give a file name (an unset variable in a CI script?), or leave the option out")
 REVISION_VALUE = value_type(nonempty, hint="give a branch, tag or commit, or leave the option out")
 FACTOR = value_type(functools.partial(baseline_number, "baseline_factor"), float)
 SLACK = value_type(functools.partial(baseline_number, "baseline_slack"), float)
@@ -79,9 +80,12 @@ def build_parser() -> argparse.ArgumentParser:
                         help="module (class or factory) to check instead of the mapping's")
     parser.add_argument("--mapping", metavar="FILE.toml", type=MAPPING_VALUE,
                         help="mapping file to use instead of the built-in one")
-    parser.add_argument("--save-mapping", metavar="FILE.toml",
+    parser.add_argument("--save-mapping", metavar="FILE.toml", type=OUTPUT_FILE,
                         help="write the routes this run used (inferred from names, or the mapping's) as a mapping "
-                             "file; `--mapping FILE.toml` then repeats the same run")
+                             "file; `--mapping FILE.toml` then repeats the same run (an existing file is replaced "
+                             "only when parity wrote it, or with --force)")
+    parser.add_argument("--force", action="store_true",
+                        help="let --save-mapping replace an existing file that parity did not write")
     parser.add_argument("--revision", metavar="REV", type=REVISION_VALUE, help="hub revision (branch, tag or commit)")
     parser.add_argument("--seed", type=SEED, default=0, help="seed of the generated inputs (default 0)")
     parser.add_argument("--atol", type=ATOL, metavar="X",
@@ -139,15 +143,17 @@ exit codes: 0 shown, 2 bad input, or a target a check could not build or fill.""
 
 def add_output_options(parser: argparse.ArgumentParser) -> None:
     out = parser.add_argument_group("CI outputs")
-    out.add_argument("--json", metavar="FILE|-", help="write the JSON report to FILE, or to stdout with '-'")
-    out.add_argument("--junit", metavar="FILE",
+    out.add_argument("--json", metavar="FILE|-", type=OUTPUT_FILE,
+                     help="write the JSON report to FILE, or to stdout with '-' (written on every exit code: on exit 2 "
+                          "it holds the error)")
+    out.add_argument("--junit", metavar="FILE", type=OUTPUT_FILE,
                      help="write JUnit XML: one test case per layer (per expert), failures with the diagnosis")
-    out.add_argument("--html", metavar="FILE",
+    out.add_argument("--html", metavar="FILE", type=OUTPUT_FILE,
                      help="write one self-contained HTML page: context, a per-layer chart of max|Δ| against noise "
                           "floor and tolerance, the diagnoses' evidence drawn (viewable offline)")
     out.add_argument("--quiet", "-q", action="store_true",
                      help="print only the summary line, baseline findings and errors")
-    out.add_argument("--baseline", metavar="FILE",
+    out.add_argument("--baseline", metavar="FILE", type=OUTPUT_FILE,
                      help="fail (exit 1) when a layer's max|Δ| grew beyond the stored run's, or a passing layer now "
                           "fails; exit 2 when the file matches none of the run's layers or was made from other weights")
     out.add_argument("--baseline-factor", type=FACTOR, metavar="F",
@@ -188,7 +194,7 @@ def build_inspect_parser() -> argparse.ArgumentParser:
     parser.add_argument("--allow-pickle", action="store_true",
                         help="open pickle-based weights (pytorch_model*.bin, Meta consolidated.*.pth) with "
                              "torch.load(weights_only=True); only for files you trust")
-    parser.add_argument("--json", metavar="FILE|-", nargs="?", const="-",
+    parser.add_argument("--json", metavar="FILE|-", type=OUTPUT_FILE, nargs="?", const="-",
                         help="write the inspection as JSON to FILE, or to stdout with '-' (the default)")
     parser.add_argument("--debug", action="store_true", help="show tracebacks for errors")
     return parser

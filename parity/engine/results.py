@@ -41,6 +41,14 @@ class LayerResult:
     reference_error: float | None = None  # max |reference in the compute dtype on the device - reference float64|
     ratio_to_reference_error: float | None = None  # max_abs_diff / reference_error
     separability: list[dict] | None = None  # [{id, detail, distance, checked, message}]: mistakes told apart or not
+    # against a stored baseline (--baseline): {key, status: ok|regressed|other_weights|not_compared, max_abs_diff,
+    # passed, target, message}; null when the run had no baseline
+    baseline: dict | None = None
+
+    @property
+    def regressed(self) -> bool:
+        """Within tolerance or not, its deviation grew beyond the baseline's (or it passed there and fails now)."""
+        return self.baseline is not None and self.baseline.get("status") == "regressed"
 
     @property
     def not_checked(self) -> list[dict]:
@@ -67,6 +75,7 @@ class Report:
     dtype: str = "float32"  # the target's compute dtype; the truth is always float64 on the CPU
     # how the target was filled: {inferred, extends, args, tensors} as a mapping file writes them (--save-mapping)
     routes: dict | None = None
+    name: str | None = None  # the check's name in a project file ([[checks]] name): its baseline key and heading
 
     @property
     def low_precision(self) -> bool:
@@ -74,8 +83,13 @@ class Report:
 
     @property
     def passed(self) -> bool:
-        """No layer checked is no evidence: an empty report never passes."""
-        return bool(self.layers) and all(layer.passed for layer in self.layers)
+        """No layer checked is no evidence: an empty report never passes; nor does one that regressed against
+        its baseline."""
+        return bool(self.layers) and all(layer.passed and not layer.regressed for layer in self.layers)
+
+    @property
+    def regressed(self) -> list[LayerResult]:
+        return [layer for layer in self.layers if layer.regressed]
 
     @property
     def unverifiable(self) -> list[LayerResult]:
@@ -88,11 +102,13 @@ class Report:
 
     @property
     def status(self) -> str:
-        """'pass' | 'fail' (some layer deviates) | 'unverifiable' (nothing checked, or a layer that cannot be
-        judged)."""
+        """'pass' | 'fail' (some layer deviates) | 'regressed' (every layer within tolerance, some grew beyond the
+        baseline) | 'unverifiable' (nothing checked, or a layer that cannot be judged)."""
         if not self.layers or self.unverifiable:
             return "unverifiable"
-        return "pass" if self.passed else "fail"
+        if any(not layer.passed for layer in self.layers):
+            return "fail"
+        return "regressed" if self.regressed else "pass"
 
     def to_dict(self) -> dict[str, Any]:
         data = asdict(self)
@@ -129,7 +145,12 @@ def register_renderers(**renderers: Callable[[Report], str]) -> None:
 
 
 def layer_status(result: LayerResult) -> str:
-    return "unverifiable" if result.unverifiable is not None else "pass" if result.passed else "fail"
+    """'unverifiable' | 'fail' | 'regressed' (within tolerance, beyond the baseline) | 'pass'."""
+    if result.unverifiable is not None:
+        return "unverifiable"
+    if not result.passed:
+        return "fail"
+    return "regressed" if result.regressed else "pass"
 
 
 def finite_json(value: Any) -> Any:

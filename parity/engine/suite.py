@@ -86,6 +86,7 @@ def execute(runs: list[CheckRun], on_layer: Callable[[CheckRun, Report, LayerRes
             now = time.perf_counter()
             run.seconds.append(now - clock[0])
             clock[0] = now
+            report.name = run.spec.name
             run.report = report
             if on_layer is not None:
                 on_layer(run, report, result)
@@ -132,10 +133,12 @@ def open_session(model: str, checkpoint: str | None = None, mapping: str | None 
     resolved = resolve(model, checkpoint, mapping, revision, allow_pickle)
     if require_real and resolved.checkpoint.weights != "real":
         why = (resolved.checkpoint.weights_note or "").removeprefix("SYNTHETIC weights: ").split(";")[0]
-        raise SyntheticWeightsError(
+        error = SyntheticWeightsError(
             f"{model}: real weights are required, but {why or 'only synthetic weights are available'}. Make it "
             "reachable (network, or an HF cache that holds it: HF_HOME) or pass --checkpoint PATH (checkpoint = "
             "\"...\" in a project file); to check the synthetic stand-in instead, drop --require-real "
             "(require_real = false in a project file)."
         )
+        error.reason = why or "only synthetic weights are available"  # the cause alone, for front doors' own words
+        raise error
     return Session(resolved, target=target, seed=seed, atol=atol, device=device, dtype=dtype)

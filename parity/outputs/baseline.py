@@ -21,8 +21,8 @@ from pathlib import Path
 
 from parity.engine.results import LayerResult, Report
 from parity.errors import BaselineError
-from parity.outputs.atomic import write_text_atomic
-from parity.spec.files import not_regular, shown
+from parity.outputs.atomic import write_output
+from parity.spec.files import not_regular, short, shown
 
 BASELINE_VERSION = 2  # 2: portable keys, fingerprint and weights per entry; 1: neither
 DEFAULT_FACTOR = 2.0
@@ -51,6 +51,7 @@ class Comparison:
     other_weights: list[Regression] = field(default_factory=list)  # entry made from other weights: not compared
     not_compared: list[str] = field(default_factory=list)  # keys of this run's layers without an entry
     unfingerprinted: int = 0  # compared, but the entry has no fingerprint to confirm the weights (format 1)
+    notes: list[str] = field(default_factory=list)  # said once each: "target was mymod:MLP, now mymod.ffn:MLP"
 
     @property
     def run_keys(self) -> int:
@@ -90,14 +91,27 @@ def checkpoint_key(report: Report, roots: Sequence[Path] | None = None) -> str:
 
 
 def entry_key(report: Report, layer: LayerResult, roots: Sequence[Path] | None = None) -> str:
+    """The layer's key: a named check (a project file's ``name``) by that name and the model, so moving or
+    renaming the target class keeps its entries; an unnamed one by model, checkpoint and target."""
+    if not report.name:
+        return legacy_key(report, layer, roots)
     roots = roots or default_roots()
-    key = (f"{source_key(report.model, roots)} | {checkpoint_key(report, roots)} | {report.target} "
-           f"| layer {layer.layer:04d}")
-    if layer.expert is not None:
-        key += f" | expert {layer.expert:04d}"
+    return f"check {report.name} | {source_key(report.model, roots)} | layer {layer.layer:04d}" + _key_tail(
+        report, layer)
+
+
+def legacy_key(report: Report, layer: LayerResult, roots: Sequence[Path] | None = None) -> str:
+    """model | checkpoint | target | layer: the key of unnamed checks, and of named ones before they had names."""
+    roots = roots or default_roots()
+    return (f"{source_key(report.model, roots)} | {checkpoint_key(report, roots)} | {report.target} "
+            f"| layer {layer.layer:04d}") + _key_tail(report, layer)
+
+
+def _key_tail(report: Report, layer: LayerResult) -> str:
+    tail = "" if layer.expert is None else f" | expert {layer.expert:04d}"
     if getattr(report, "dtype", "float32") != "float32" or getattr(report, "device", "cpu") != "cpu":
-        key += f" | {report.dtype} on {report.device}"  # a bf16 run's deviations are not a float32 run's
-    return key
+        tail += f" | {report.dtype} on {report.device}"  # a bf16 run's deviations are not a float32 run's
+    return tail
 
 
 def _entry(report: Report, layer: LayerResult) -> dict:
@@ -106,7 +120,7 @@ def _entry(report: Report, layer: LayerResult) -> dict:
 
     return {"passed": layer.passed, "max_abs_diff": short(layer.max_abs_diff), "tolerance": short(layer.tolerance),
             "noise_floor": short(layer.noise_floor), "fingerprint": layer.fingerprint,
-            "weights": report.weights}
+            "weights": report.weights, "target": report.target}
 
 
 # -- reading ----------------------------------------------------------------------------------------
@@ -143,15 +157,19 @@ def _check_entry(key: str, entry: object) -> None:
                                  and math.isfinite(value))
 
     if not isinstance(entry, dict):
-        raise NotABaseline(f"entry '{key}' is {type(entry).__name__}, not an object")
+        raise NotABaseline(f"entry '{shown(key, 200)}' is {type(entry).__name__}, not an object")
     if "max_abs_diff" not in entry:
-        raise NotABaseline(f"entry '{key}' has no 'max_abs_diff'")
-    if not number(entry["max_abs_diff"]):
-        raise NotABaseline(f"entry '{key}': 'max_abs_diff' is {entry['max_abs_diff']!r}, not a finite number or null")
+        raise NotABaseline(f"entry '{shown(key, 200)}' has no 'max_abs_diff'")
+    if not number(entry["max_abs_diff"]) or (entry["max_abs_diff"] or 0) < 0:
+        raise NotABaseline(f"entry '{shown(key, 200)}': 'max_abs_diff' is {short(entry['max_abs_diff'])}, not a "
+                           "finite number >= 0 or null")
     if not isinstance(entry.get("passed", True), bool):
-        raise NotABaseline(f"entry '{key}': 'passed' is {entry['passed']!r}, not true or false")
+        raise NotABaseline(f"entry '{shown(key, 200)}': 'passed' is {short(entry['passed'])}, not true or false")
+    if not isinstance(entry.get("target", ""), (str, type(None))):
+        raise NotABaseline(f"entry '{shown(key, 200)}': 'target' is {short(entry['target'])}, not a string or null")
     if not isinstance(entry.get("fingerprint", ""), (str, type(None))):
-        raise NotABaseline(f"entry '{key}': 'fingerprint' is {entry['fingerprint']!r}, not a string or null")
+        raise NotABaseline(f"entry '{shown(key, 200)}': 'fingerprint' is {short(entry['fingerprint'])}, not a string "
+                           "or null")
 
 
 def load_baseline(path: str | Path) -> dict[str, dict]:
@@ -191,29 +209,58 @@ def load_for_update(path: str | Path) -> tuple[int, dict[str, dict]]:
 
 # -- comparing --------------------------------------------------------------------------------------
 
+class BaselineJudge:
+    """Judges each layer against its stored entry as the layer finishes, so every view of the run (the table
+    row, the check's summary and status, JSON, JUnit, HTML) carries the baseline's verdict, not only the
+    suite's last line.  The finding is stored on the layer (``LayerResult.baseline``)."""
+
+    def __init__(self, entries: dict[str, dict], factor: float = DEFAULT_FACTOR, slack: float = DEFAULT_SLACK,
+                 roots: Sequence[Path] | None = None):
+        self.entries, self.factor, self.slack, self.roots = entries, factor, slack, roots
+        self.comparison = Comparison()
+
+    def layer(self, report: Report, layer: LayerResult) -> None:
+        result = self.comparison
+        key = entry_key(report, layer, self.roots)
+        old = self.entries.get(key)
+        if old is None and report.name:  # a named check's layers stored before checks had names
+            old = self.entries.get(legacy_key(report, layer, self.roots))
+        if old is None:
+            result.not_compared.append(key)
+            layer.baseline = {"key": key, "status": "not_compared", "max_abs_diff": None, "passed": None,
+                              "target": None, "message": "no entry in the baseline"}
+            return
+        found = {"key": key, "max_abs_diff": old["max_abs_diff"], "passed": old.get("passed", True),
+                 "target": old.get("target")}
+        moved = old.get("target")
+        if isinstance(moved, str) and moved != report.target:
+            note = f"target was {moved}, now {report.target}"
+            if note not in result.notes:
+                result.notes.append(note)
+        stored = old.get("fingerprint")
+        if stored is not None and layer.fingerprint is not None and stored != layer.fingerprint:
+            message = (f"baseline entry made from other weights (fingerprint {stored}, now {layer.fingerprint}): "
+                       "not compared")
+            result.other_weights.append(Regression(key, report, layer, message))
+            layer.baseline = {**found, "status": "other_weights", "message": message}
+            return
+        result.compared += 1
+        result.unfingerprinted += stored is None and layer.fingerprint is not None
+        message = _regression(old, layer, self.factor, self.slack)
+        if message is not None:
+            result.regressions.append(Regression(key, report, layer, message))
+        layer.baseline = {**found, "status": "ok" if message is None else "regressed", "message": message}
+
+
 def compare_baseline(reports: Iterable[Report], entries: dict[str, dict], factor: float = DEFAULT_FACTOR,
                      slack: float = DEFAULT_SLACK, roots: Sequence[Path] | None = None) -> Comparison:
-    """Each layer of the run against its entry: regressed, made from other weights, or without an entry."""
-    result = Comparison()
+    """Each layer of the run against its entry: regressed, made from other weights, or without an entry
+    (each layer's ``baseline`` is set as the judge sets it)."""
+    judge = BaselineJudge(entries, factor, slack, roots)
     for report in reports:
         for layer in report.layers:
-            key = entry_key(report, layer, roots)
-            old = entries.get(key)
-            if old is None:
-                result.not_compared.append(key)
-                continue
-            stored = old.get("fingerprint")
-            if stored is not None and layer.fingerprint is not None and stored != layer.fingerprint:
-                result.other_weights.append(Regression(
-                    key, report, layer, f"baseline entry made from other weights (fingerprint {stored}, now "
-                    f"{layer.fingerprint}): not compared"))
-                continue
-            result.compared += 1
-            result.unfingerprinted += stored is None and layer.fingerprint is not None
-            message = _regression(old, layer, factor, slack)
-            if message is not None:
-                result.regressions.append(Regression(key, report, layer, message))
-    return result
+            judge.layer(report, layer)
+    return judge.comparison
 
 
 def _regression(old: dict, layer: LayerResult, factor: float, slack: float) -> str | None:
@@ -256,7 +303,7 @@ def problem_message(path: str | Path, result: Comparison, entries: dict[str, dic
 
 def note_lines(path: str | Path, result: Comparison) -> list[str]:
     """What the comparison left out, for the log: layers without an entry, entries without a fingerprint."""
-    lines = []
+    lines = list(result.notes)
     if result.not_compared and len(result.not_compared) < result.run_keys:
         lines.append(f"{len(result.not_compared)} layer(s) not compared (no entry in {path}): "
                      f"{_quoted(result.not_compared)}")
@@ -269,8 +316,8 @@ def note_lines(path: str | Path, result: Comparison) -> list[str]:
 
 
 def _quoted(keys: Sequence[str]) -> str:
-    shown = ", ".join(f"'{key}'" for key in keys[:SHOWN_KEYS])
-    return shown + (f" and {len(keys) - SHOWN_KEYS} more" if len(keys) > SHOWN_KEYS else "")
+    listed = ", ".join(f"'{shown(key, 200)}'" for key in keys[:SHOWN_KEYS])  # a key is capped: a message, not a dump
+    return listed + (f" and {len(keys) - SHOWN_KEYS} more" if len(keys) > SHOWN_KEYS else "")
 
 
 # -- writing ----------------------------------------------------------------------------------------
@@ -287,8 +334,10 @@ def write_baseline(path: str | Path, reports: Iterable[Report], roots: Sequence[
     written = 0
     for report in reports:
         for layer in report.layers:
+            if report.name:  # the entry under its name replaces the one stored before the check had a name
+                entries.pop(legacy_key(report, layer, roots), None)
             entries[entry_key(report, layer, roots)] = _entry(report, layer)
             written += 1
     data = {"parity_baseline": BASELINE_VERSION, "entries": dict(sorted(entries.items()))}
-    write_text_atomic(path, json.dumps(data, indent=2, sort_keys=True, allow_nan=False) + "\n", "baseline")
+    write_output(path, json.dumps(data, indent=2, sort_keys=True, allow_nan=False) + "\n", "baseline")
     return written, dropped

@@ -29,16 +29,20 @@ from pathlib import Path
 
 from parity import __version__
 from parity.engine.results import LayerResult, Report, layer_status
-from parity.outputs.atomic import write_text_atomic
+from parity.outputs.atomic import write_output
 from parity.outputs.text import summary_line, unit_label
 
 SVG = 'xmlns="http://www.w3.org/2000/svg"'
-COLOURS = {"pass": "#1a7f37", "fail": "#cf222e", "unverifiable": "#b35c00", "tolerance": "#0550ae",
+COLOURS = {"pass": "#1a7f37", "fail": "#cf222e", "regressed": "#cf222e", "unverifiable": "#b35c00",
+           "baseline": "#57606a", "tolerance": "#0550ae",
            "noise": "#6e7781", "zone": "#ffe4e1", "grid": "#d8dee4", "ink": "#1f2328", "muted": "#59636e",
            "match": "#1a7f37", "reference_error": "#8250df", "other": "#8c959f", "reference": "#cf222e",
            "curve": "#8250df"}
 TANH_GELUS = {"gelu_new", "gelu_pytorch_tanh", "gelu_python_tanh", "gelu_fast", "gelu_accurate"}
 VERDICTS = {0: ("PASS", "pass"), 1: ("FAIL", "fail"), 2: ("ERROR", "unverifiable")}
+# a layer's (and a check's) status in words: the same word in the table, the tooltip and the badge
+STATUS_WORDS = {"pass": "ok", "fail": "MISMATCH", "regressed": "REGRESSED", "unverifiable": "UNVERIFIABLE"}
+BADGES = {"pass": "PASS", "fail": "FAIL", "regressed": "REGRESSED", "unverifiable": "ERROR"}
 _NOT_XML = re.compile("[\x00-\x08\x0b\x0c\x0e-\x1f\x7f\ufffe\uffff]")
 _SUPERSCRIPT = str.maketrans("-0123456789", "⁻⁰¹²³⁴⁵⁶⁷⁸⁹")
 
@@ -104,8 +108,16 @@ def text(x: float, y: float, content: str, cls: str = "", anchor: str = "start",
 
 
 def marker(kind: str, x: float, y: float, size: float = 5.5) -> str:
-    """pass: filled circle; fail: a cross; unverifiable: an open diamond (shape and colour both tell)."""
+    """pass: filled circle; fail: a cross; regressed: a filled triangle pointing up (grew); unverifiable: an open
+    diamond (shape and colour both tell); baseline: a short grey bar, the stored run's value."""
     colour = COLOURS[kind]
+    if kind == "regressed":
+        s = size + 1
+        return (f'<path d="M{x:.1f},{y - s:.1f} L{x + s:.1f},{y + s * 0.8:.1f} L{x - s:.1f},{y + s * 0.8:.1f} Z" '
+                f'fill="{colour}" stroke="#fff" stroke-width="1.5"/>')
+    if kind == "baseline":
+        return (f'<line x1="{x - size * 1.8:.1f}" y1="{y:.1f}" x2="{x + size * 1.8:.1f}" y2="{y:.1f}" '
+                f'stroke="{colour}" stroke-width="3"/>')
     if kind == "pass":
         return (f'<circle cx="{x:.1f}" cy="{y:.1f}" r="{size + 0.5:.1f}" fill="{colour}" stroke="#fff" '
                 'stroke-width="1.5"/>')
@@ -142,6 +154,10 @@ LAYER_LEGEND = [
 ]
 
 
+BASELINE_LEGEND = [(marker("regressed", 0, 0), "regressed (beyond the baseline)"),
+                   (marker("baseline", 0, 0), "baseline's max|Δ|")]
+
+
 # -- the per-layer chart -------------------------------------------------------------------------------
 
 LAYER_BOX = (84, 48, 940, 322)  # left, top, right, bottom of the plot area in a 960 x 380 view
@@ -152,12 +168,14 @@ def layer_chart(report: Report) -> str:
     left, top, right, bottom = LAYER_BOX
     layers = report.layers
     lines = layer_lines(report)
-    axis = LogAxis.around([r.max_abs_diff for r in layers] + [v for values, *_ in lines for v in values], bottom, top)
+    stored = [stored_value(r) for r in layers]
+    axis = LogAxis.around([r.max_abs_diff for r in layers] + [v for values, *_ in lines for v in values] + stored,
+                          bottom, top)
     band = (right - left) / max(1, len(layers))
     parts = [f'<svg {SVG} class="chart layer-chart" viewBox="0 0 960 380" role="img" '
              f'aria-label="max|Δ| per layer against tolerance and noise floor">',
-             legend(LAYER_LEGEND + [(LINE_SYMBOL.format(COLOURS[c], 2.5, s), label) for _, c, s, label in lines[2:]],
-                    left, 14)]
+             legend(LAYER_LEGEND + [(LINE_SYMBOL.format(COLOURS[c], 2.5, s), label) for _, c, s, label in lines[2:]]
+                    + (BASELINE_LEGEND if any(v is not None for v in stored) else []), left, 14)]
     for index, result in enumerate(layers):
         if finite_positive(result.tolerance):
             y = axis.at(result.tolerance)
@@ -173,6 +191,9 @@ def layer_chart(report: Report) -> str:
     step = max(1, math.ceil(len(layers) / (16 if expert else 24)))
     for index, result in enumerate(layers):
         x = left + (index + 0.5) * band
+        if finite_positive(stored[index]):  # the baseline's value beside today's, under it in the drawing order
+            parts.append(f'<g class="baseline-mark"><title>{esc(baseline_tip(result))}</title>'
+                         f"{marker('baseline', x, axis.at(stored[index]))}</g>")
         parts.append(layer_point(result, x, axis))
         if index % step == 0:
             parts.append(text(x, bottom + 18, unit_label(result), "tick", "middle"))
@@ -224,11 +245,28 @@ def step_line(values: Sequence[float | None], axis: LogAxis, left: float, band: 
     return f'<path class="{cls}" d="{" ".join(path)}" fill="none" {style}/>' if path else ""
 
 
+def stored_value(result: LayerResult) -> float | None:
+    """The baseline's max|Δ| for this layer, when it was compared with one."""
+    found = result.baseline
+    if not found or found.get("status") not in ("ok", "regressed"):
+        return None
+    value = found.get("max_abs_diff")
+    return float(value) if isinstance(value, (int, float)) else None
+
+
+def baseline_tip(result: LayerResult) -> str:
+    found = result.baseline or {}
+    text = f"layer {unit_label(result)}: baseline max|Δ| {sci(stored_value(result))}, now {sci(result.max_abs_diff)}"
+    return text + (f": REGRESSED — {found['message']}" if found.get("message") and result.regressed else "")
+
+
 def layer_point(result: LayerResult, x: float, axis: LogAxis) -> str:
     """The layer's mark; a value the log axis cannot show (0, none, NaN) sits on an edge, said in its tooltip."""
     status = layer_status(result)
     value = result.max_abs_diff
-    verdict = {"pass": "ok", "fail": "MISMATCH", "unverifiable": "UNVERIFIABLE"}[status]
+    verdict = STATUS_WORDS[status]
+    if result.regressed:
+        verdict += f" against the baseline ({result.baseline.get('message')})"
     if result.diagnosis:
         verdict += f" — {result.diagnosis.get('id')}"
     if result.unverifiable:
@@ -445,7 +483,9 @@ def layer_table(report: Report) -> str:
     rows = []
     for r in report.layers:
         status = layer_status(r)
-        verdict = {"pass": "ok", "fail": "MISMATCH", "unverifiable": "UNVERIFIABLE"}[status]
+        verdict = STATUS_WORDS[status]
+        if r.regressed:
+            verdict += f": {r.baseline.get('message')}"
         if r.diagnosis:
             verdict += f" — {r.diagnosis.get('id')}"
         if r.unverifiable:
@@ -532,7 +572,7 @@ def report_section(report: Report, summary: bool = True) -> str:
     """One check: its context, summary, chart, diagnoses, logits and table; ``summary``: repeat the check's
     summary line (a single check's is the page header)."""
     status = report.status
-    label = {"pass": "PASS", "fail": "FAIL", "unverifiable": "ERROR"}[status]
+    label = BADGES[status]
     synthetic = " synthetic" if report.synthetic else ""
     line = (f'<p class="summary {status}{synthetic}"><span class="badge {status}">{label}</span> '
             f"{esc(summary_line(report))}</p>")
@@ -568,7 +608,7 @@ def render_html(runs: Sequence, summary: str, code: int, problem: str | None = N
     contents = ""
     if len(runs) > 1:
         contents = '<nav><ol>' + "".join(
-            f'<li><a href="#check-{i}"><span class="badge {run_status(r)}">{esc(run_status(r).upper())}</span> '
+            f'<li><a href="#check-{i}"><span class="badge {run_status(r)}">{esc(BADGES[run_status(r)])}</span> '
             f"{esc(r.label)}</a></li>" for i, r in enumerate(runs)) + "</ol></nav>"
     extra = f'<p class="error">{esc(problem)}</p>' if problem else ""
     synthetic = any(run.report is not None and run.report.synthetic for run in runs)
@@ -586,7 +626,7 @@ def render_html(runs: Sequence, summary: str, code: int, problem: str | None = N
 
 def report_html(report: Report, label: str | None = None) -> str:
     """The page for a single Report (``parity.check``'s result)."""
-    code = {"pass": 0, "fail": 1}.get(report.status, 2)
+    code = {"pass": 0, "fail": 1, "regressed": 1}.get(report.status, 2)
     run = PageRun(label or report.model, report, None)
     return render_html([run], summary_line(report), code)
 
@@ -602,7 +642,7 @@ class PageRun:
 
 def write_html(path: str | Path, runs: Sequence, summary: str, code: int, problem: str | None = None) -> None:
     """Atomically (parity.outputs.atomic): a half-written page is never left behind."""
-    write_text_atomic(path, render_html(runs, summary, code, problem), "--html")
+    write_output(path, render_html(runs, summary, code, problem), "--html")
 
 
 STYLE = """
@@ -632,13 +672,13 @@ dl.context { display: grid; grid-template-columns: 110px 1fr; gap: 4px 16px; mar
 dl.context dt { color: var(--muted); } dl.context dd { margin: 0; word-break: break-all; }
 .badge { display: inline-block; padding: 1px 8px; border-radius: 10px; color: #fff; font-size: 12px;
   font-weight: 700; font-family: system-ui, "DejaVu Sans", sans-serif; vertical-align: 1px; }
-.badge.pass, .badge.real { background: var(--pass); } .badge.fail { background: var(--fail); }
+.badge.pass, .badge.real { background: var(--pass); } .badge.fail, .badge.regressed { background: var(--fail); }
 .badge.unverifiable, .badge.synthetic { background: var(--unverifiable); }
 .synthetic-banner { background: #fff1e5; border: 2px solid var(--unverifiable); border-left-width: 10px;
   padding: 10px 14px; margin: 10px 0; border-radius: 6px; font-size: 16px; }
 .synthetic-banner strong { color: var(--unverifiable); font-size: 18px; }
 .summary { font-size: 16px; padding: 10px 14px; border-radius: 6px; margin: 14px 0; }
-.summary.pass { background: #dafbe1; } .summary.fail { background: #ffebe9; }
+.summary.pass { background: #dafbe1; } .summary.fail, .summary.regressed { background: #ffebe9; }
 .summary.unverifiable { background: #fff1e5; }
 .error { background: #ffebe9; border-left: 6px solid var(--fail); padding: 10px 14px; border-radius: 4px; }
 .not-checked { background: #fff8c5; border-left: 6px solid #bf8700; padding: 8px 14px; border-radius: 4px;
@@ -665,7 +705,8 @@ table.layers th { text-align: right; font-size: 13px; color: var(--muted); borde
 table.layers td { text-align: right; padding: 3px 8px; border-bottom: 1px solid #eaeef2; white-space: nowrap; }
 table.layers td.verdict { white-space: normal; } .table-wrap { overflow-x: auto; }
 table.layers td.verdict, table.layers th:last-child { text-align: left; }
-tr.fail td.verdict { color: var(--fail); font-weight: 700; } tr.pass td.verdict { color: var(--pass); }
+tr.fail td.verdict, tr.regressed td.verdict { color: var(--fail); font-weight: 700; }
+tr.pass td.verdict { color: var(--pass); }
 tr.unverifiable td.verdict { color: var(--unverifiable); font-weight: 700; }
 nav ol { background: #fff; border: 1px solid var(--line); border-radius: 8px; padding: 10px 10px 10px 40px; }
 nav a { color: var(--ink); text-decoration: none; } nav a:hover { text-decoration: underline; }

@@ -11,7 +11,7 @@ from collections.abc import Iterable
 from pathlib import Path
 
 from parity.engine.results import LayerResult, Report
-from parity.outputs.atomic import write_text_atomic
+from parity.outputs.atomic import write_output
 from parity.outputs.text import layer_line
 
 
@@ -124,4 +124,4 @@ def write_junit(path: str | Path, runs: Iterable, regressions: dict[int, str] | 
     tree = ET.ElementTree(build_junit(runs, regressions, other_weights, baseline_error))
     ET.indent(tree)
     text = ET.tostring(tree.getroot(), encoding="unicode")
-    write_text_atomic(path, "<?xml version='1.0' encoding='utf-8'?>\n" + text + "\n", "--junit")
+    write_output(path, "<?xml version='1.0' encoding='utf-8'?>\n" + text + "\n", "--junit")

@@ -39,8 +39,9 @@ def table_header(result: LayerResult | None, low_precision: bool = False) -> str
 
 
 def header_lines(report: Report) -> list[str]:
+    title = report.model if not report.name or report.name == report.model else f"{report.name} ({report.model})"
     lines = [
-        f"parity: {report.model} — mapping '{report.mapping}'",
+        f"parity: {title} — mapping '{report.mapping}'",
         f"  checkpoint  {report.checkpoint} ({report.weights} weights)",
         f"  target      {report.target}",
         *([f"  routes      {routes_line(report.routes)}"] if report.routes else []),
@@ -68,7 +69,10 @@ def layer_line(result: LayerResult) -> str:
     noise, ratio = ((result.reference_error, result.ratio_to_reference_error) if low
                     else (result.noise_floor, result.ratio_to_noise))
     ratio = "-" if ratio is None else f"{ratio:.1f}"
-    verdict = "ok" if result.passed else "UNVERIFIABLE" if result.unverifiable is not None else "MISMATCH"
+    verdict = ("UNVERIFIABLE" if result.unverifiable is not None else "MISMATCH" if not result.passed
+               else "REGRESSED" if result.regressed else "ok")
+    if result.regressed:
+        verdict += f" (baseline: {result.baseline['message']})"
     if result.diagnosis:
         verdict += f" — {result.diagnosis['id']}"
     cell = f"{result.layer:>5}" if result.expert is None else f"{result.layer:>5}  {result.expert:>6}"
@@ -152,14 +156,20 @@ def summary_line(report: Report) -> str:
     unit = "expert(s)" if report.layers[0].expert is not None else "layer(s)"
     failed = [r for r in report.layers if not r.passed and r.unverifiable is None]
     unverifiable = report.unverifiable
+    regressed = report.regressed
     if failed:
         line = (f"FAIL: {len(failed)} of {len(report.layers)} {unit} deviate from transformers: {units_label(failed)}"
                 f"{diagnosis_ids(failed)}")
         if unverifiable:
             line += f"; {len(unverifiable)} could not be verified: {units_label(unverifiable)}"
+        if regressed:
+            line += f"; {len(regressed)} regressed against the baseline: {units_label(regressed)}"
     elif unverifiable:
         line = (f"ERROR: {len(unverifiable)} of {len(report.layers)} {unit} could not be verified "
                 f"({unverifiable[0].unverifiable}): {units_label(unverifiable)}")
+    elif regressed:
+        line = (f"FAIL: {len(regressed)} of {len(report.layers)} {unit} regressed against the baseline: "
+                f"{units_label(regressed)} ({regressed[0].baseline['message']}); all are within tolerance.")
     else:
         line = f"PASS: {len(report.layers)} {unit} match transformers within tolerance."
     if report.low_precision:
@@ -205,6 +215,10 @@ def suite_summary(runs, code: int, regressed: int | None, shard) -> str:
             f"{unverifiable} could not be verified, {against}{errors} could not run.")
     if not results and not errors:
         line += " Nothing was compared, so this is not a pass."
+    failing = [run.label for run in runs if run.error is not None or (run.report is not None and not run.report.passed)]
+    if failing:
+        shown = ", ".join(failing[:8]) + (f" and {len(failing) - 8} more" if len(failing) > 8 else "")
+        line += f" Failing: {shown}."
     synthetic = [run.label for run in runs if run.report is not None and run.report.synthetic]
     if synthetic:
         line += f" SYNTHETIC weights (no real checkpoint weight read) in: {', '.join(synthetic)}."

@@ -463,7 +463,8 @@ def mapping_text(extends: str, target_class: str, args: dict[str, Any] | None, t
     """A mapping file that extends another and gives its own [target] and [tensors] (``--save-mapping``,
     and the mapping printed when routes cannot be read off names).  ``comments``: per tensor key."""
     comments = comments or {}
-    lines = [f"# {line}" if line else "#" for line in header.splitlines()]
+    # control characters (an ESC or DEL in a path) shown escaped: TOML refuses them even in a comment
+    lines = [f"# {printable(line)}" if line else "#" for line in header.splitlines()]
     lines += [f"extends = {toml_value(extends)}", "", "[target]", f"class = {toml_value(target_class)}"]
     if args is not None:
         lines.append(f"args = {toml_value(args)}")
@@ -472,6 +473,15 @@ def mapping_text(extends: str, target_class: str, args: dict[str, Any] | None, t
         comment = f"   # {comments[key]}" if comments.get(key) else ""
         lines.append(f"{toml_value(key)} = {toml_value(spec)}{comment}")
     return "\n".join(lines) + "\n"
+
+
+def printable(text: str) -> str:
+    """``text`` with every character that is not printable (control characters, lone surrogates of a
+    non-UTF-8 file name) written as its Python escape."""
+    return "".join(c if c.isprintable() else repr(c)[1:-1] for c in text)
+
+
+SAVED_MAPPING_MARK = "# Written by `parity "  # the first line of every mapping --save-mapping writes
 
 
 def toml_text(tables: dict[str, Any]) -> str:

@@ -160,6 +160,8 @@ def parse_project(table: dict, file: Path) -> Project:
         if value is not None and (not isinstance(value, kind) or isinstance(value, bool)):
             raise ProjectConfigError(f"{file}: '{prefix}{key}' has the wrong type ({type(value).__name__})")
         if isinstance(value, str) and key in ("baseline", "junit", "html"):
+            if not value.strip():  # an empty path names nothing: taken as absent, the file would silently go missing
+                raise ProjectConfigError(f"{file}: '{prefix}{key}' is empty; give a file name or leave the key out")
             value = str(file.parent / value)
         if value is not None and key in BASELINE_MINIMUM:
             try:
