@@ -27,6 +27,10 @@ def pytest_configure(config):
     REQUIRE_REAL["on"] = bool(config.getoption("parity_require_real", default=False))
 
 
+def pytest_unconfigure(config):
+    REQUIRE_REAL["on"] = False  # an in-process pytest run (pytester) must not leave its option to the outer one
+
+
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_makereport(item, call):
     """pytest's short summary shows 'ExceptionClass: message' cut at the terminal's width; for parity's own

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import math
 import os
+import sys
 import warnings
 from collections.abc import Iterable
 from pathlib import Path
@@ -92,13 +93,8 @@ def required_real(require_real: bool | None) -> bool:
     """Whether synthetic weights fail the test (else they skip it, or, with ``require_real=False``, are checked)."""
     if require_real is not None:
         return require_real
-    from_plugin = False
-    try:
-        from parity.pytest_plugin import REQUIRE_REAL
-
-        from_plugin = REQUIRE_REAL["on"]
-    except ImportError:  # pytest is not installed: only the variable counts
-        pass
+    plugin = sys.modules.get("parity.pytest_plugin")  # loaded by pytest when it runs; never imported from here
+    from_plugin = bool(plugin is not None and plugin.REQUIRE_REAL["on"])
     return from_plugin or os.environ.get(REQUIRE_REAL_VARIABLE, "").strip().lower() in ("1", "true", "yes", "on")
 
 

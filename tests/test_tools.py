@@ -102,8 +102,8 @@ def test_assert_parity_can_require_real_weights(tmp_path, monkeypatch):
     from huggingface_hub import constants
 
     monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "empty" / "hub"))
-    with pytest.raises(AssertionError, match="synthetic weights"):
-        assert_parity("gpt2", layers=[0], require_real_weights=True)
+    with pytest.raises(AssertionError, match="real weights are required"):
+        assert_parity("gpt2", layers=[0], require_real=True)
 
 
 def test_pytest_fixture_in_a_users_suite(tiny, tmp_path):

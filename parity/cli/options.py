@@ -64,6 +64,13 @@ DEVICE = value_type(device_value)
 DTYPE = value_type(dtype_value)
 
 
+def selection_expression(text: str) -> str:
+    """``-k``'s expression, as given.  An empty one is kept as a blank one: ``-k ''`` must be refused as
+    ``-k ' '`` is (parity.spec.project.select_checks: an empty selection is a usage error, exit 2), not read
+    as no ``-k`` at all, which would run every check."""
+    return text or " "
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="parity", description=DESCRIPTION,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -171,7 +178,7 @@ def build_check_parser() -> argparse.ArgumentParser:
     parser.add_argument("--config", metavar="FILE",
                         help="project file to read instead of the nearest parity.toml or pyproject.toml")
     parser.add_argument("--shard", metavar="K/N", help="run only this job's share: K of N (e.g. 2/4 in a CI matrix)")
-    parser.add_argument("-k", metavar="EXPR", dest="select",
+    parser.add_argument("-k", metavar="EXPR", dest="select", type=selection_expression,
                         help="run only the checks whose name matches: a substring (case-insensitive), or words "
                              "combined with and / or / not and parentheses, as pytest -k")
     add_output_options(parser)

@@ -22,6 +22,7 @@ config a module was given.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from types import MappingProxyType
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:  # the caller passes the table in: this module imports nothing of parity (a leaf)
@@ -37,19 +38,33 @@ class Supplied:
     why: str
 
 
+# PretrainedConfig's own methods that change it: through the view they would change the checkpoint's config
+_WRITERS = frozenset({"update", "update_from_string", "register_for_auto_class"})
+
+
 class ConfigView:
-    """The config's own fields, plus ``answers`` (name -> (value, why)) for the names it lacks."""
+    """The config's own fields, plus ``answers`` (name -> (value, why)) for the names it lacks.
+
+    Read-only for real: no instance ``__dict__`` (``__slots__``), the answers behind a ``MappingProxyType``,
+    ``__setattr__`` / ``__delattr__`` refused, and neither dunder names (``view.__dict__`` would be the config's
+    own, writable dict) nor the config's writer methods are handed through to the config."""
 
     __slots__ = ("_parity_config", "_parity_answers", "_parity_supplied", "_parity_table")
 
     def __init__(self, config: Any, answers: dict[str, tuple[Any, str]], table: str = "aliases.toml [config_fields]"):
         object.__setattr__(self, "_parity_config", config)
-        object.__setattr__(self, "_parity_answers", answers)
+        object.__setattr__(self, "_parity_answers", MappingProxyType(dict(answers)))
         object.__setattr__(self, "_parity_supplied", {})
         object.__setattr__(self, "_parity_table", table)
 
     def __getattr__(self, name: str) -> Any:  # only for names the view itself does not have
         config = object.__getattribute__(self, "_parity_config")
+        if name.startswith("__") and name.endswith("__"):  # __dict__, __setstate__, ...: the view's own, or none
+            raise AttributeError(f"parity's read-only view of {type(config).__name__} has no attribute '{name}'",
+                                 name=name, obj=self)
+        if name in _WRITERS and hasattr(config, name):
+            raise AttributeError(f"parity's view of the checkpoint's {type(config).__name__} is read-only: "
+                                 f"'{name}' would change it", name=name, obj=self)
         try:
             return getattr(config, name)
         except AttributeError:
@@ -69,6 +84,14 @@ class ConfigView:
     def __delattr__(self, name: str) -> None:
         raise AttributeError(f"parity's view of the checkpoint's {self.config_name} is read-only: cannot delete "
                              f"'{name}'")
+
+    def __copy__(self) -> ConfigView:
+        """Nothing in the view can change, so a copy is the view itself (a module that keeps its config and is
+        deep-copied keeps one view, and what it supplied stays reported)."""
+        return self
+
+    def __deepcopy__(self, memo: dict) -> ConfigView:
+        return self
 
     def __repr__(self) -> str:
         return f"<parity's read-only view of {self.config_name}>"

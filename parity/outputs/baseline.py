@@ -162,7 +162,7 @@ def _check_entry(key: str, entry: object) -> None:
         raise NotABaseline(f"entry '{shown(key, 200)}' has no 'max_abs_diff'")
     if not number(entry["max_abs_diff"]) or (entry["max_abs_diff"] or 0) < 0:
         raise NotABaseline(f"entry '{shown(key, 200)}': 'max_abs_diff' is {short(entry['max_abs_diff'])}, not a "
-                           "finite number >= 0 or null")
+                           "finite number or null (nor negative)")
     if not isinstance(entry.get("passed", True), bool):
         raise NotABaseline(f"entry '{shown(key, 200)}': 'passed' is {short(entry['passed'])}, not true or false")
     if not isinstance(entry.get("target", ""), (str, type(None))):
@@ -274,7 +274,7 @@ def _regression(old: dict, layer: LayerResult, factor: float, slack: float) -> s
     if layer.max_abs_diff <= factor * before + slack:
         return None
     grown = layer.max_abs_diff / before if before else float("inf")
-    return f"max|Δ| grew {before:.2e} -> {layer.max_abs_diff:.2e} ({grown:.1f}x; allowed {factor:g}x + {slack:g})"
+    return f"max|Δ| grew {before:.2e} -> {layer.max_abs_diff:.2e} ({grown:.3g}x; allowed {factor:g}x + {slack:g})"
 
 
 def compare(reports: Iterable[Report], entries: dict[str, dict], factor: float = DEFAULT_FACTOR,

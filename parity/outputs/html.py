@@ -48,8 +48,11 @@ _SUPERSCRIPT = str.maketrans("-0123456789", "⁻⁰¹²³⁴⁵⁶⁷⁸⁹")
 
 
 def esc(value: object) -> str:
-    """Text for the page: HTML-escaped (paths and notes are user input), control characters replaced."""
-    return html.escape(_NOT_XML.sub("\ufffd", str(value)), quote=True)
+    """Text for the page: HTML-escaped (paths and notes are user input), control characters replaced, and a
+    lone surrogate (a file name that is not UTF-8, as Python holds it) written as its escape, \\udcff: the
+    page is UTF-8, which cannot hold one."""
+    text = str(value).encode("utf-8", "backslashreplace").decode("utf-8")
+    return html.escape(_NOT_XML.sub("\ufffd", text), quote=True)
 
 
 def sci(value: float | None, digits: int = 2) -> str:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import struct
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -134,13 +135,37 @@ def describe_defect(path: Path) -> str | None:
     return None
 
 
-def read_safetensors(path: Path, names: list[str]) -> dict:
-    """These tensors of one local safetensors file; the file is closed (unmapped) on return."""
+def _open(path: Path):
+    """``safe_open`` on a local file.  safetensors takes a path as UTF-8 text only, and a Linux path need not be
+    UTF-8 (a folder named in another encoding: Python holds its bytes as lone surrogates): such a file is opened
+    by us and handed over as its descriptor's path (/proc/self/fd/N), so the file's name never matters."""
     from safetensors import safe_open
 
+    if _utf8(str(path)) or not _FD_DIR.is_dir():
+        return safe_open(str(path), framework="pt")
+    fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+    try:  # safe_open opens (and maps) the file itself: ours is closed once it has
+        return safe_open(f"{_FD_DIR}/{fd}", framework="pt")
+    finally:
+        os.close(fd)
+
+
+_FD_DIR = Path("/proc/self/fd")
+
+
+def _utf8(text: str) -> bool:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
+def read_safetensors(path: Path, names: list[str]) -> dict:
+    """These tensors of one local safetensors file; the file is closed (unmapped) on return."""
     require_regular_file(path)
     try:
-        handle = safe_open(str(path), framework="pt")
+        handle = _open(path)
     except Exception as exc:
         raise unreadable(path, exc) from None
     out = {}
@@ -227,14 +252,12 @@ def weight_map_from_files(files: list[Path]) -> dict[str, str]:
     checkpoint (transformers would load model.safetensors alone): refuse rather than let
     the later file, often a stale copy, silently win.
     """
-    from safetensors import safe_open
-
     weight_map: dict[str, str] = {}
     clashes: dict[tuple[str, str], list[str]] = {}
     for path in files:
         require_regular_file(path)
         try:
-            with safe_open(str(path), framework="pt") as handle:
+            with _open(path) as handle:
                 names = list(handle.keys())
         except Exception as exc:
             raise unreadable(path, exc) from None
@@ -265,5 +288,9 @@ def require_regular_file(path: Path) -> None:
 
 def unreadable(path: Path, exc: Exception) -> CheckpointError:
     """The error for a safetensors file that does not open: what exactly is wrong, when we can tell."""
-    reason = describe_defect(path) or str(exc)
-    return CheckpointError(f"{path}: not a readable safetensors file: {reason}; re-download or re-save it")
+    reason = describe_defect(path)
+    if reason is None and not _utf8(str(path)):  # the name, not the file: do not send the user to re-download it
+        return CheckpointError(f"{shown(path)}: safetensors cannot open this file, whose path is not valid UTF-8 "
+                               f"({' '.join(str(exc).split())}); rename the folder or file to a UTF-8 name")
+    return CheckpointError(f"{shown(path)}: not a readable safetensors file: {reason or str(exc)}; re-download or "
+                           "re-save it")

@@ -20,7 +20,7 @@ from typing import Any
 
 from parity.errors import MappingError
 from parity.spec.datafiles import NOT_MAPPINGS, builtin_mapping_dir
-from parity.spec.files import read_text
+from parity.spec.files import not_regular, read_text, shown
 
 TRANSFORMS = ("none", "transpose")
 
@@ -334,22 +334,35 @@ def _parse_experts(path: Path, table: Any) -> Experts:
     return Experts(table["count"], routes["gate"], routes["up"], routes["down"], tuple(stacked))
 
 
-def load_mapping(path: str | Path, _chain: tuple[Path, ...] = ()) -> Mapping:
+def load_mapping(path: str | Path) -> Mapping:
     """Read and validate a mapping file.  ``extends = "gpt2"`` (a built-in mapping's name, or a mapping
     file, relative to this one) starts from that mapping's tables; this file's own override them
-    (``merge_tables``).  Errors name this file and, where the key is written in it, the line."""
-    path = Path(path)
+    (``merge_tables``).  Errors name this file and, where the key is written in it, the line.  Each file of
+    an ``extends`` chain is read and resolved once per load, so a chain costs time linear in its depth."""
+    return _load(Path(path), (), {})[0]
+
+
+# One load's resolved files, by resolved path: (the Mapping, its merged tables, or None when it extends nothing,
+# and its text).  Kept for one load only: a file edited between two loads is read afresh.
+_Resolved = dict[Path, tuple[Mapping, dict | None, str]]
+
+
+def _load(path: Path, chain: tuple[Path, ...], resolved: _Resolved) -> tuple[Mapping, dict | None, str]:
+    key = path.resolve()
+    if key in resolved:
+        return resolved[key]
     text = _read_mapping(path)
     try:
-        merged = _extended_text(text, path, _chain)
-        mapping = parse_mapping(text if merged is None else merged, path)
+        tables = _mapping_tables(text, path, chain, resolved)
+        mapping = parse_mapping(text if tables is None else toml_text(tables), path)
     except MappingError as exc:
         line = line_of(text, exc.key) if getattr(exc, "key", None) else None
         if line is None:
             raise
         raise MappingError(str(exc).replace(f"{path}: ", f"{path}:{line}: ", 1)) from None
     mapping.text = text  # line numbers of later errors point into the file the user wrote
-    return mapping
+    resolved[key] = (mapping, tables, text)
+    return resolved[key]
 
 
 def _read_mapping(path: Path) -> str:
@@ -363,13 +376,8 @@ def _read_mapping(path: Path) -> str:
     return text
 
 
-def _extended_text(text: str, path: Path, chain: tuple[Path, ...]) -> str | None:
-    """The TOML text of ``extends``'s tables merged with this file's; None when the file extends nothing."""
-    tables = _mapping_tables(text, path, chain)
-    return None if tables is None else toml_text(tables)
-
-
-def _mapping_tables(text: str, path: Path, chain: tuple[Path, ...]) -> dict | None:
+def _mapping_tables(text: str, path: Path, chain: tuple[Path, ...], resolved: _Resolved) -> dict | None:
+    """The tables of ``extends``'s mapping merged with this file's; None when the file extends nothing."""
     try:
         data = tomllib.loads(text)
     except tomllib.TOMLDecodeError:
@@ -383,11 +391,10 @@ def _mapping_tables(text: str, path: Path, chain: tuple[Path, ...]) -> dict | No
     here = (*chain, path.resolve())
     if base_path.resolve() in here:
         raise _fail(path, "extends", f"'{base}' extends, directly or not, this very file: a circle")
-    load_mapping(base_path, here)  # the base is valid on its own: its errors name its own file
+    # the base is valid on its own (its errors name its own file), and resolved once: its tables are reused
+    _, base_tables, base_text = _load(base_path, here, resolved)
     if base_path.resolve().parent == builtin_mapping_dir().resolve():  # reports name this file, not the built-in
         data.setdefault("name", path.stem)
-    base_text = _read_mapping(base_path)
-    base_tables = _mapping_tables(base_text, base_path, here)
     return merge_tables(tomllib.loads(base_text) if base_tables is None else base_tables, data)
 
 
@@ -403,8 +410,11 @@ def extends_path(base: str, path: Path) -> Path:
                                      "a mapping file is written as a path ending in .toml")
     found = Path(base).expanduser()
     found = found if found.is_absolute() else path.parent / found
-    if not found.is_file():
-        raise _fail(path, "extends", f"mapping file {found} not found")
+    why = not_regular(found)
+    if why == "does not exist":
+        raise _fail(path, "extends", f"mapping file {shown(found)} not found")
+    if why is not None:  # a FIFO, a device, a folder: say what it is, not "not found"
+        raise _fail(path, "extends", f"mapping file {shown(found)} {why}; a mapping file must be a regular file")
     return found
 
 
@@ -584,7 +594,7 @@ def mapping_for_model_type(model_type: str | None, has=None) -> Mapping:
     if candidates:
         fitting = [m for m in candidates if has is not None and fits(m, has)]
         return (fitting or candidates)[0]
-    served = sorted(t for m in mappings.values() for t in m.model_types)
+    served = sorted({t for m in mappings.values() for t in m.model_types})  # each once: gpt2, gpt2-gguf, ... share one
     raise MappingError(
         f"no mapping serves model_type {model_type!r} (config.json); known model types: {', '.join(served)}. "
         "Write a mapping file for it and pass it with --mapping FILE.toml (README: 'Adding a model family')."

@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from parity.errors import ProjectConfigError, ShardError, UsageError
-from parity.spec.files import read_text
+from parity.spec.files import read_text, short
 from parity.spec.values import BASELINE_MINIMUM, atol_value, baseline_number, device_value, dtype_value, seed_value
 
 PROJECT_FILES = ("parity.toml", "pyproject.toml")
@@ -245,12 +245,21 @@ def select_checks(checks: list[CheckSpec], expression: str) -> list[CheckSpec]:
     return chosen
 
 
+MAX_SELECTION_DEPTH = 100  # levels of `not` and parentheses in `-k`; pytest's own -k has no use for more
+
+
 def _parse_selection(expression: str):
     """A small recursive-descent parser: or < and < not < (group) | word."""
     tokens = re.findall(r"\(|\)|[^\s()]+", expression)
     if not tokens:
         raise UsageError("-k needs an expression: a part of a check's name, or words with and / or / not")
-    position = [0]
+    position, depth = [0], [0]
+
+    def deeper() -> None:  # each `not` and `(` nests one level: 5000 of them would end Python's stack
+        depth[0] += 1
+        if depth[0] > MAX_SELECTION_DEPTH:
+            raise UsageError(f"-k {short(expression)}: the expression nests too deeply (more than "
+                             f"{MAX_SELECTION_DEPTH} levels of 'not' or parentheses)")
 
     def peek() -> str | None:
         return tokens[position[0]] if position[0] < len(tokens) else None
@@ -264,26 +273,30 @@ def _parse_selection(expression: str):
         while peek() == "or":
             take()
             parts.append(both())
-        return lambda label: any(p(label) for p in parts)
+        return parts[0] if len(parts) == 1 else lambda label: any(p(label) for p in parts)
 
     def both():
         parts = [negated()]
         while peek() == "and":
             take()
             parts.append(negated())
-        return lambda label: all(p(label) for p in parts)
+        return parts[0] if len(parts) == 1 else lambda label: all(p(label) for p in parts)
 
     def negated():
         if peek() == "not":
             take()
+            deeper()
             inner = negated()
+            depth[0] -= 1
             return lambda label: not inner(label)
         token = take() if peek() is not None else None
         if token == "(":
+            deeper()
             inner = either()
             if peek() != ")":
                 raise UsageError(f"-k {expression!r}: a '(' is not closed")
             take()
+            depth[0] -= 1
             return inner
         if token in (None, ")", "and", "or"):
             raise UsageError(f"-k {expression!r}: expected a word where {token or 'the end'!r} stands")
