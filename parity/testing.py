@@ -21,6 +21,7 @@ from parity.engine.results import Report
 from parity.errors import ParityAssertionError, ParityError, SyntheticWeightsError
 from parity.outputs.render import render
 from parity.outputs.text import diagnosis_ids, not_checked_summary, summary_line, unit_label, units_label
+from parity.spec.policy import synthetic_action
 
 REQUIRE_REAL_VARIABLE = "PARITY_REQUIRE_REAL"
 
@@ -64,14 +65,14 @@ def assert_parity(model: str, *, target: str | Any | None = None, layers: str | 
     __tracebackhide__ = True  # pytest shows the test's line and the message, not parity's frames
     from parity.api import check
 
-    refuse = required_real(require_real)
+    action = synthetic_action("pytest", True if required_real(require_real) else require_real)
     try:
         report = check(model, layers=layers, target=target, checkpoint=checkpoint, mapping=mapping,
                        revision=revision, seed=seed, atol=atol, allow_pickle=allow_pickle, experts=experts,
-                       logits=logits, device=device, dtype=dtype, require_real=require_real is not False)
+                       logits=logits, device=device, dtype=dtype, require_real=action != "check")
     except SyntheticWeightsError as exc:
         why = getattr(exc, "reason", str(exc))
-        if refuse:
+        if action == "refuse":
             raise ParityAssertionError(f"parity: {short_model(model)}: real weights are required, but {why}; pass "
                                        "checkpoint=PATH or make the checkpoint reachable (network, HF_HOME)", None
                                        ) from None
@@ -90,7 +91,7 @@ def assert_parity(model: str, *, target: str | Any | None = None, layers: str | 
 
 
 def required_real(require_real: bool | None) -> bool:
-    """Whether synthetic weights fail the test (else they skip it, or, with ``require_real=False``, are checked)."""
+    """Whether synthetic weights fail the test: asked for here, or by the plugin's option or the variable."""
     if require_real is not None:
         return require_real
     plugin = sys.modules.get("parity.pytest_plugin")  # loaded by pytest when it runs; never imported from here

@@ -15,7 +15,15 @@ from parity.errors import ParityError
 
 
 def main(argv: list[str] | None = None) -> int:
-    argv = sys.argv[1:] if argv is None else argv
+    restore = [_lenient(stream) for stream in (sys.stdout, sys.stderr)]
+    try:
+        return _main(sys.argv[1:] if argv is None else argv)
+    finally:
+        for undo in restore:
+            undo()
+
+
+def _main(argv: list[str]) -> int:
     try:
         args, run = _parse(argv)
     except SystemExit:  # --help, --version, a usage error: their text must reach a full disk's error too
@@ -33,6 +41,30 @@ def main(argv: list[str] | None = None) -> int:
         if previous is not None and not _SIGNALLED:  # after a real Ctrl-C, later ones stay ignored until exit
             signal.signal(signal.SIGINT, previous)
     return _flush_stdout(code)
+
+
+def _lenient(stream):
+    """Let ``stream`` write what its encoding cannot hold as an escape (errors="backslashreplace") instead of
+    failing the run: a file or folder name that is not UTF-8 reaches Python as lone surrogates (``ck\\udcff``),
+    which a strict UTF-8 stdout (PYTHONIOENCODING=utf-8:strict, pytest's capture) refuses, and an ASCII one
+    refuses the table's own characters.  Changed in place, so every holder of the stream (the progress line,
+    _Guarded) gets it; returns the function that puts the old setting back."""
+    errors = getattr(stream, "errors", None)
+    reconfigure = getattr(stream, "reconfigure", None)
+    if reconfigure is None or errors in (None, "backslashreplace"):
+        return lambda: None
+    try:
+        reconfigure(errors="backslashreplace")
+    except (OSError, ValueError, TypeError, AttributeError):  # closed, detached, or not a TextIOWrapper after all
+        return lambda: None
+
+    def undo() -> None:
+        try:
+            reconfigure(errors=errors)
+        except (OSError, ValueError, TypeError, AttributeError):
+            pass
+
+    return undo
 
 
 def _parse(argv: list[str]):

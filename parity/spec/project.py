@@ -17,6 +17,7 @@ from typing import Any
 
 from parity.errors import ProjectConfigError, ShardError, UsageError
 from parity.spec.files import read_text, short
+from parity.spec.policy import synthetic_action
 from parity.spec.values import BASELINE_MINIMUM, atol_value, baseline_number, device_value, dtype_value, seed_value
 
 PROJECT_FILES = ("parity.toml", "pyproject.toml")
@@ -212,7 +213,8 @@ def _parse_check(entry: dict, where: str, base: Path) -> CheckSpec:
         except ValueError as exc:
             raise fail(f"'{key}' {exc}") from None
     logits, allow_pickle = entry.get("logits", False), entry.get("allow_pickle", False)
-    require_real = entry.get("require_real", True)  # a project file is CI: random weights prove nothing there
+    # a project file is CI: random weights prove nothing there (parity.spec.policy)
+    require_real = entry.get("require_real", synthetic_action("parity check") == "refuse")
     if not all(isinstance(flag, bool) for flag in (logits, allow_pickle, require_real)):
         raise fail("'logits', 'allow_pickle' and 'require_real' must be true or false")
     experts = entry.get("experts")
