@@ -21,6 +21,7 @@ from torch import nn
 from parity import __version__
 from parity.engine.compare import LOW_PRECISION_FACTOR, Runs, judge, shape_failure
 from parity.engine.diagnose import diagnose, separability
+from parity.engine.guard import guarded
 from parity.engine.inputs import make_inputs, preactivation
 from parity.engine.layer import LayerOnDisk, LayerReader, weights_fingerprint
 from parity.engine.memory import young_objects_only
@@ -44,6 +45,7 @@ from parity.engine.upcast import compute_in
 from parity.errors import CheckpointError, LayerRangeError, ShapeMismatchError
 from parity.spec.families import configured_activation
 from parity.spec.mapping import ConfigValue, Mapping, check_reference_routes, is_builtin
+from parity.spec.mistakes import MistakeId, diagnosis
 from parity.spec.selection import Selection, parse_selection
 from parity.spec.values import check_atol, check_compute
 
@@ -129,15 +131,20 @@ class Session:
             return module.to(self.device) if self.low_precision and dtype == self.compute_dtype else module
         return build
 
-    def build_target(self, tensors: dict[str, torch.Tensor] | LayerOnDisk) -> tuple[nn.Module, str]:
+    def build_target(self, tensors: dict[str, torch.Tensor] | LayerOnDisk,
+                     changes: list[str] | None = None) -> tuple[nn.Module, str]:
         """The target, built on the run's device and cast to a low-precision compute dtype before it is filled
-        (float32 runs leave the module's own dtype alone), then filled with the checkpoint's tensors."""
+        (float32 runs leave the module's own dtype alone), then filled with the checkpoint's tensors.
+        ``changes``: what the target's code changed in torch's global state (restored; engine.guard)."""
+        changes = [] if changes is None else changes
         where = f" on {self.device} in {self.dtype_name}" if self.device.type != "cpu" or self.low_precision else ""
         on_device = torch.device(self.device) if self.device.type != "cpu" else contextlib.nullcontext()
-        with skip_init(), user_code(f"target {self.target_name()} could not be built{where}"), on_device:
+        with guarded(changes), skip_init(), user_code(f"target {self.target_name()} could not be built{where}"), \
+                on_device:
             module, name, args, built_notes = build_target(self.mapping, self.config, self.target_spec)
             place(module, self.device, self.compute_dtype if self.low_precision else None)
-        with user_code(f"target {name} could not be filled with the checkpoint's tensors", exceptions=False):
+        with guarded(changes), user_code(f"target {name} could not be filled with the checkpoint's tensors",
+                                         exceptions=False):
             shapes = tensors.meta if isinstance(tensors, LayerOnDisk) else tensors  # routes are chosen by shape
             routes = self.routes.choose(module, shapes, self.hidden_size, args)
             notes = [*built_notes, *self.routes.notes, *fill_target(module, routes, tensors, self.config)]
@@ -166,13 +173,14 @@ class Session:
         if large:
             tensors = LayerOnDisk(self.reader, layer, expert, tensors)
             del routed
+        changes: list[str] = []  # what the target's code did to torch's global state (restored after each call)
         try:
-            target, target_name = self.build_target(tensors)
+            target, target_name = self.build_target(tensors, changes)
         except ShapeMismatchError as exc:
             return shape_failure(layer, expert, exc, self.checkpoint.weights), self.target_name()
         del tensors
         notes: list[str] = []
-        runs = run_target_twice(truth, target, target_name, x, notes)
+        runs = run_target_twice(truth, target, target_name, x, notes, changes)
         runs.dtype = self.dtype_name
         self.target_notes.extend(n for n in dict.fromkeys(notes) if n not in self.target_notes)
         del target
@@ -181,6 +189,10 @@ class Session:
             routed = self.reference_tensors(layer, self.read_layer(layer, expert, dtype=None))
         result = judge(layer, expert, runs, routed, truth.z, self.atol, self.checkpoint.weights)
         result.fingerprint = fingerprint
+        if changes:  # the module reached outside itself: whatever it computed, it is not a module to trust
+            result.passed = False
+            result.diagnosis = diagnosis(MistakeId.GLOBAL_STATE_MODIFIED, None, None, "; ".join(changes[:6]))
+            return result, target_name
         if self.low_precision and result.unverifiable is None:
             result.separability = separability(self.replay_builder(layer), routed, self.config, x, runs.reference64,
                                                result.tolerance, result.reference_error, self.dtype_name)
@@ -276,12 +288,16 @@ def run_reference(reference: nn.Module, x: torch.Tensor, low: Callable[[], nn.Mo
 
 
 def run_target_twice(truth: Truth, target: nn.Module, target_name: str, x: torch.Tensor,
-                     notes: list[str] | None = None) -> Runs:
+                     notes: list[str] | None = None, changes: list[str] | None = None) -> Runs:
     """The target twice (determinism), each run on its own copy of the inputs: a module that writes into
-    its input must not change what the other run sees."""
+    its input must not change what the other run sees; what it changes in torch's global state is put back
+    after each run and appended to ``changes``."""
+    changes = [] if changes is None else changes
     with torch.no_grad():
-        got, changed = run_target(target, target_name, x, truth.out32.shape, notes)
-        again, changed_again = run_target(target, target_name, x, truth.out32.shape, notes)
+        with guarded(changes):
+            got, changed = run_target(target, target_name, x, truth.out32.shape, notes)
+        with guarded(changes):
+            again, changed_again = run_target(target, target_name, x, truth.out32.shape, notes)
     return Runs(truth.out64, truth.out32, got, again, changed or changed_again, truth.low)
 
 

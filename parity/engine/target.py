@@ -461,4 +461,4 @@ def run_target(module: nn.Module, name: str, x: torch.Tensor, expected: torch.Si
     if tuple(out.shape) != tuple(expected):
         raise TargetError(f"target {name}: forward on an input of shape {list(x.shape)} returned shape "
                           f"{list(out.shape)}; the reference returns {list(expected)}")
-    return out, input_change(before, fed)
+    return out.detach(), input_change(before, fed)  # a module that turned grad mode on must not leak a graph

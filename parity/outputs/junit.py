@@ -12,7 +12,7 @@ from pathlib import Path
 
 from parity.engine.results import LayerResult, Report
 from parity.outputs.atomic import write_output
-from parity.outputs.text import layer_line
+from parity.outputs.text import layer_line, not_checked_summary, separability_lines
 
 
 def case_name(layer: LayerResult) -> str:
@@ -90,8 +90,13 @@ def add_properties(suite: ET.Element, report: Report) -> None:
     props = ET.SubElement(suite, "properties")
     for name, value in (("checkpoint", report.checkpoint), ("weights", report.weights), ("target", report.target),
                         ("reference", report.reference), ("reference_activation", report.reference_activation),
+                        ("dtype", report.dtype), ("device", report.device),
                         *((f"version.{k}", v) for k, v in report.versions.items())):
         ET.SubElement(props, "property", name=name, value=str(value))
+    caveat = not_checked_summary(report).strip()
+    if caveat:  # a pass that cannot tell some mistakes apart says so on the CI page too
+        ET.SubElement(props, "property", name="not_checked", value=caveat)
+        ET.SubElement(suite, "system-out").text = "\n".join(separability_lines(report)).strip() or caveat
 
 
 def add_outcome(case: ET.Element, layer: LayerResult, baseline: dict[str, dict[int, str]]) -> str | None:

@@ -215,6 +215,10 @@ def suite_summary(runs, code: int, regressed: int | None, shard) -> str:
             f"{unverifiable} could not be verified, {against}{errors} could not run.")
     if not results and not errors:
         line += " Nothing was compared, so this is not a pass."
+    caveats = [f"{run.label}:{not_checked_summary(run.report)}" for run in runs
+               if run.report is not None and not_checked_summary(run.report)]
+    if caveats:  # a low-precision pass that cannot tell some mistakes apart: the -q line says it too
+        line += " " + " ".join(caveats)
     failing = [run.label for run in runs if run.error is not None or (run.report is not None and not run.report.passed)]
     if failing:
         shown = ", ".join(failing[:8]) + (f" and {len(failing) - 8} more" if len(failing) > 8 else "")

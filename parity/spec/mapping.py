@@ -414,7 +414,7 @@ def extends_path(base: str, path: Path) -> Path:
     if why == "does not exist":
         raise _fail(path, "extends", f"mapping file {shown(found)} not found")
     if why is not None:  # a FIFO, a device, a folder: say what it is, not "not found"
-        raise _fail(path, "extends", f"mapping file {shown(found)} {why}; a mapping file must be a regular file")
+        raise _fail(path, "extends", f"mapping file {shown(found)} {why}")
     return found
 
 

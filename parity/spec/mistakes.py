@@ -14,6 +14,7 @@ class MistakeId(StrEnum):
     """Every diagnosis id (stable: JSON consumers match on them)."""
 
     INPUT_MUTATED = "input_mutated"
+    GLOBAL_STATE_MODIFIED = "global_state_modified"
     NONFINITE_OUTPUT = "nonfinite_output"
     DROPOUT_ACTIVE = "dropout_active"
     GELU_EXACT_INSTEAD_OF_TANH = "gelu_exact_instead_of_tanh"
@@ -42,6 +43,10 @@ MISTAKES = {m.id: m for m in [
             "do not modify the input (x.zero_(), x.clamp_(), F.silu(x, inplace=True), x += ...): "
             "in a model the caller's tensor (the residual stream) would be corrupted; "
             "compute on a copy or use the out-of-place op"),
+    Mistake(MistakeId.GLOBAL_STATE_MODIFIED,
+            "the module changed torch's global state, which the reference (and every other model) depends on",
+            "do not replace functions of torch / torch.nn.functional / transformers.activations and do not call "
+            "torch.set_default_dtype or set_grad_enabled in a module; parity restored them, the layer fails"),
     Mistake(MistakeId.NONFINITE_OUTPUT, "the module's output holds NaN or Inf where transformers' output is finite",
             "look for a division by zero, log/sqrt of a negative, an overflow in a low-precision dtype, or an "
             "uninitialised parameter (torch.empty) the mapping does not fill"),
