@@ -63,3 +63,66 @@ def test_the_cli_names_it(tiny, capsys):
 
 def patched_factory(config):
     return llama_swiglu(PatchesSilu)(config)
+
+
+# -- a correct module is never accused; only a projection's bias is zero-filled --------------------
+
+class Conv1DUnderParityNames(torch.nn.Module):
+    """GPT-2's own storage (transformers' Conv1D, weight [in, out]) under parity's parameter names."""
+
+    def __init__(self, config):
+        super().__init__()
+        from transformers.pytorch_utils import Conv1D
+
+        self._layer1 = Conv1D(4 * config.n_embd, config.n_embd)
+        self._layer2 = Conv1D(config.n_embd, 4 * config.n_embd)
+
+    def forward(self, x):
+        return self._layer2(F.gelu(self._layer1(x), approximate="tanh"))
+
+
+class ExtraGainBias(SwiGLU):
+    """An extra parameter named like a bias that is no projection's bias: (1 + gain_bias) * output."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.gain_bias = torch.nn.Parameter(torch.full((args[0],), 0.5))
+
+    def forward(self, x):
+        return super().forward(x) * (1 + self.gain_bias)
+
+
+def test_conv1d_under_parity_names_passes(tiny):
+    report = parity.check(str(tiny["gpt2"]), target=Conv1DUnderParityNames)
+    assert report.passed, [(r.layer, r.diagnosis) for r in report.layers]
+    assert report.routes["tensors"]["_layer1.weight"] == "c_fc.weight"  # stored as Conv1D keeps it: no transpose
+
+
+def test_a_non_projection_bias_is_never_zero_filled(tiny, capsys):
+    from .support import run_main
+
+    code, _, err = run_main(capsys, tiny["llama"], "--layer", "0", "--target", "tests.test_oracle:gain_bias_factory")
+    assert code == 2 and "gain_bias" in err
+
+
+def gain_bias_factory(config):
+    return ExtraGainBias(config.hidden_size, dropout=0.0, hidden_dim=config.intermediate_size, bias=False)
+
+
+class BiasedHFNames(torch.nn.Module):
+    """transformers' names, nn.Linear with bias=True, on a bias-free Gemma checkpoint."""
+
+    def __init__(self, config):
+        super().__init__()
+        d, f = config.hidden_size, config.intermediate_size
+        self.gate_proj, self.up_proj, self.down_proj = (torch.nn.Linear(d, f), torch.nn.Linear(d, f),
+                                                        torch.nn.Linear(f, d))
+
+    def forward(self, x):
+        return self.down_proj(F.gelu(self.gate_proj(x), approximate="tanh") * self.up_proj(x))
+
+
+def test_a_linear_bias_on_a_bias_free_checkpoint_is_zeroed_and_said(tiny):
+    report = parity.check(str(tiny["gemma3_text"]), layers=[0], target=BiasedHFNames)  # gemma routes no bias
+    assert report.passed
+    assert any("'gate_proj.bias' gets no checkpoint tensor: set to zero" in n for n in report.notes), report.notes

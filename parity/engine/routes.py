@@ -21,7 +21,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from parity.engine.target import check_target_routes, target_label
+from parity.engine.target import check_target_routes, is_projection_bias, target_label
 from parity.errors import MappingError
 from parity.spec.aliases import Aliases, load_aliases
 from parity.spec.mapping import Mapping, TensorRoute, is_builtin, mapping_text, route_spelling
@@ -50,6 +50,8 @@ class TargetRoutes:
                 routes, self.notes = infer_routes(module, self.mapping, tensors, hidden_size, self.label, args)
                 self.used = dataclasses.replace(self.mapping, tensors=routes, text="")
                 self.inferred = True
+            elif self.infer:  # the built-in names fit a user's module: its owners' classes say each weight's layout
+                self.used = reoriented(module, self.mapping, tensors, hidden_size)
             else:
                 self.used = self.mapping
         return self.used
@@ -60,6 +62,35 @@ class TargetRoutes:
             return None
         return {"inferred": self.inferred, "extends": mapping_reference(self.mapping), "args": self.args,
                 "tensors": {route.target: route_spelling(route) for route in self.used.tensors}}
+
+
+def owner_layout(module: nn.Module, name: str, aliases: Aliases) -> str | None:
+    """'out_in' | 'in_out' as the class of the module owning parameter ``name`` stores its weight (nn.Linear,
+    transformers' Conv1D; by MRO), else None."""
+    owner = module.get_submodule(name.rpartition(".")[0])
+    return aliases.layout_of([cls.__name__ for cls in type(owner).__mro__])
+
+
+def reoriented(module: nn.Module, family: Mapping, tensors: dict[str, torch.Tensor], hidden_size: int) -> Mapping:
+    """A built-in mapping's routes for a user's module whose parameters carry the mapping's names: each weight's
+    transform follows the class of the module that owns it.  The built-in routes are written for parity's own
+    modules (nn.Linear); a module that keeps transformers' Conv1D under those names stores the weight as the
+    checkpoint does, and transposing it would accuse a correct module of missing_transpose."""
+    aliases = load_aliases()
+    routes = []
+    for route in family.tensors:
+        roles = aliases.roles_of(route.target)
+        kind = route.target.rpartition(".")[2]
+        if kind != "weight" or len(roles) != 1 or route.source not in tensors:
+            routes.append(route)
+            continue
+        (role, _), = roles
+        param = module.get_parameter(route.target)
+        transform = orientation(route, stored_shape(route, tensors), tuple(param.shape), aliases.roles[role].side,
+                                hidden_size, owner_layout(module, route.target, aliases))
+        keep = transform in (None, route.transform)
+        routes.append(route if keep else dataclasses.replace(route, transform=transform))
+    return family if routes == list(family.tensors) else dataclasses.replace(family, tensors=routes, text="")
 
 
 def mapping_reference(mapping: Mapping) -> str:
@@ -75,7 +106,7 @@ def mapping_fits(module: nn.Module, mapping: Mapping) -> bool:
     except MappingError:
         return False
     routed = {route.target for route in mapping.tensors}
-    return all(name in routed or name.endswith("bias") for name in params)
+    return all(name in routed or is_projection_bias(name, params, routed) for name in params)
 
 
 def family_roles(family: Mapping, aliases: Aliases) -> dict[Role, TensorRoute]:
@@ -165,13 +196,12 @@ def infer_routes(module: nn.Module, family: Mapping, tensors: dict[str, torch.Te
         if kind == "bias":
             routes.append(TensorRoute(name, base.source, "none", base.chunk, base.optional))
             continue
-        owner = module.get_submodule(name.rpartition(".")[0])
-        layout = aliases.layout_of([cls.__name__ for cls in type(owner).__mro__])
         transform = orientation(base, stored_shape(base, tensors), params[name], aliases.roles[role].side,
-                                hidden_size, layout)
+                                hidden_size, owner_layout(module, name, aliases))
         if transform is None:
             transform = base.transform
-            notes.append(f"target parameter '{name}' is square and its owner {type(owner).__name__} is neither "
+            owner = type(module.get_submodule(name.rpartition(".")[0])).__name__
+            notes.append(f"target parameter '{name}' is square and its owner {owner} is neither "
                          "nn.Linear nor Conv1D: its layout was taken as nn.Linear's [out, in]")
         routes.append(TensorRoute(name, base.source, transform, base.chunk, base.optional))
     return routes, notes
@@ -200,13 +230,14 @@ def orientation(base: TensorRoute, stored: tuple[int, ...], target: tuple[int, .
                 owner_layout: str | None) -> str | None:
     """The transform ("none" | "transpose") from the stored tensor to the target's weight.  A square stored
     tensor is in the family's layout (its built-in route transposes into nn.Linear iff it is stored [in, out]);
-    a square target weight in its owner's (None when the owner's class does not say)."""
+    a target weight in its owner's class's layout (nn.Linear, Conv1D) first, else as its shape says (None: a
+    square weight whose owner's class does not say)."""
     square = len(stored) == 2 and stored[0] == stored[1]
     stored_layout = ("in_out" if base.transform == "transpose" else "out_in") if square else layout(stored, side, d)
-    if len(target) == 2 and target[0] == target[1]:
-        if owner_layout is None:
-            return None
+    if owner_layout is not None and len(target) == 2:  # the owner's class says, square or not
         target_layout = owner_layout
+    elif len(target) == 2 and target[0] == target[1]:
+        return None
     else:
         target_layout = layout(target, side, d)
     if stored_layout is None or target_layout is None:

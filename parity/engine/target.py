@@ -209,22 +209,29 @@ _NAMED = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONL
 
 
 def constructor_args(factory: Any, mapping: Mapping, config: Any) -> tuple[dict, dict]:
-    """The constructor's arguments, as a mapping spells them and evaluated: the mapping's [target].args when
-    the constructor takes them (or its signature cannot be read); else the checkpoint's transformers config
-    for a parameter named `config` (aliases.toml [constructor]); else none, when every parameter has a
-    default; else the mapping's args, and the constructor's error says what to change."""
+    """The constructor's arguments, as a mapping spells them and evaluated: the checkpoint's transformers config
+    for a parameter named `config` (aliases.toml [constructor]) whenever the signature has one, whatever else it
+    accepts; else the mapping's [target].args when the constructor takes them (or its signature cannot be
+    read); else the config for a factory's one required parameter (``lambda c: MLP(c.n_embd)``); else none,
+    when every parameter has a default; else the mapping's args, and the constructor's error says what to
+    change."""
     raw = mapping.target_args
     try:
         signature = inspect.signature(factory)
     except (TypeError, ValueError):
         signature = None
-    if signature is not None and not (raw and _binds(signature, raw)):
+    if signature is not None:
         names = load_aliases().config_names
-        taker = next((p.name for p in signature.parameters.values() if p.name in names and p.kind in _NAMED), None)
+        named = [p for p in signature.parameters.values() if p.kind in _NAMED]
+        taker = next((p.name for p in named if p.name in names), None)
         if taker is not None and _binds(signature, {taker: config}):
             return {taker: "config"}, {taker: config}
-        if _binds(signature, {}):
-            return {}, {}
+        if not (raw and _binds(signature, raw)):
+            required = [p.name for p in named if p.default is inspect.Parameter.empty]
+            if len(required) == 1 and _binds(signature, {required[0]: config}) and not inspect.isclass(factory):
+                return {required[0]: "config"}, {required[0]: config}
+            if _binds(signature, {}):
+                return {}, {}
     value = ConfigValue(config, mapping.path)
     return raw, {key: value(spec, f"target.args.{key}") for key, spec in raw.items()}
 
@@ -256,7 +263,7 @@ def fill_target(module: nn.Module, mapping: Mapping, tensors: dict[str, torch.Te
     """Copy routed checkpoint tensors (names relative to the layer) into the target's parameters.
 
     Biases are the one thing a module may legitimately lack or leave unloaded: a bias route
-    to a module built without that bias is skipped and an unrouted bias is zeroed, both noted,
+    to a module built without that bias is skipped and an unrouted projection bias is zeroed, both noted,
     so the comparison itself shows whether that matters (diagnosis ``bias_dropped``).  Any other
     route to a name the target lacks is a mapping error (it would route nothing), and so is any
     other unrouted parameter (it would hold arbitrary values).
@@ -287,17 +294,25 @@ def fill_target(module: nn.Module, mapping: Mapping, tensors: dict[str, torch.Te
             param.copy_(value)
         routed.add(route.target)
     unrouted = [name for name in params if name not in routed]
-    for name in [n for n in unrouted if n.endswith("bias")]:
+    for name in [n for n in unrouted if is_projection_bias(n, params, routed)]:
         with torch.no_grad():
             params[name].zero_()
         notes.append(f"target parameter '{name}' gets no checkpoint tensor: set to zero")
-    unrouted = [n for n in unrouted if not n.endswith("bias")]
+    unrouted = [n for n in unrouted if not is_projection_bias(n, params, routed)]
     if unrouted:
         raise MappingError(
             f"{mapping.where('tensors')}: the target's parameters {', '.join(unrouted)} get no checkpoint tensor; "
             "route each in [tensors] (they would keep arbitrary initial values)"
         )
     return notes
+
+
+def is_projection_bias(name: str, params: dict[str, Any], routed: set[str]) -> bool:
+    """A projection's bias: the ``bias`` of a submodule whose ``weight`` the routes fill (an nn.Linear built with
+    bias=True on a bias-free checkpoint).  The only parameter parity may set to zero unasked: anything else
+    without a tensor (a ``gain_bias`` of a (1 + g) scale, a bias of an unrouted module) is a route error."""
+    owner, _, leaf = name.rpartition(".")
+    return leaf == "bias" and bool(owner) and f"{owner}.weight" in routed and f"{owner}.weight" in params
 
 
 def check_target_routes(module: nn.Module, mapping: Mapping, params: dict[str, nn.Parameter]) -> list[TensorRoute]:
