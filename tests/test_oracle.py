@@ -126,3 +126,31 @@ def test_a_linear_bias_on_a_bias_free_checkpoint_is_zeroed_and_said(tiny):
     report = parity.check(str(tiny["gemma3_text"]), layers=[0], target=BiasedHFNames)  # gemma routes no bias
     assert report.passed
     assert any("'gate_proj.bias' gets no checkpoint tensor: set to zero" in n for n in report.notes), report.notes
+
+
+# -- a tolerance that is not parity's own says what it can no longer tell apart --------------------
+
+def relu_ffn(config):
+    from parity.ffn import FeedForward
+
+    return FeedForward(config.n_embd, dropout=0.0, activation="relu")
+
+
+def test_a_loose_atol_lists_what_it_cannot_tell_apart(tiny, capsys):
+    from .support import run_main
+
+    code, out, _ = run_main(capsys, tiny["gpt2"], "--layer", "0", "--atol", "2", "--target",
+                            "tests.test_oracle:relu_ffn", "--json", "-")
+    import json
+
+    report = json.loads(out)
+    assert code == 0 and report["atol"] == 2
+    missed = {row["id"] for row in report["layers"][0]["separability"] if not row["checked"]}
+    assert {"silu_instead_of_gelu", "gelu_exact_instead_of_tanh"} <= missed
+    code, out, _ = run_main(capsys, tiny["gpt2"], "--layer", "0", "--atol", "2", "-q")
+    assert "Not checked with --atol 2:" in out and "drop --atol to check them" in out
+
+
+def test_parity_s_own_tolerance_states_nothing(tiny):
+    report = parity.check(str(tiny["gpt2"]), layers=[0])
+    assert report.layers[0].separability is None and report.atol is None

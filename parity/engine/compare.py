@@ -50,6 +50,14 @@ class Runs:
     dtype: str = "float32"  # the target's compute dtype
 
 
+def own_tolerance(runs: Runs) -> float:
+    """The tolerance parity itself derives for these runs (what ``--atol`` replaces)."""
+    scale = float(runs.reference64.abs().max())
+    if runs.low is None:
+        return tolerance_for(float((runs.reference32 - runs.reference64).abs().max()), scale, None)
+    return tolerance_for(float((runs.low - runs.reference64).abs().max()), scale, None, LOW_PRECISION_FACTOR)
+
+
 def tolerance_for(noise: float, scale: float, atol: float | None, factor: float = NOISE_FACTOR) -> float:
     return atol if atol is not None else max(factor * noise, RELATIVE_FLOOR * scale)
 

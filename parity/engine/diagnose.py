@@ -208,14 +208,17 @@ def diagnose(build: Builder, tensors: dict[str, torch.Tensor], config, x: torch.
 
 
 def separability(build: Builder, tensors: dict[str, torch.Tensor], config, x: torch.Tensor,
-                 reference64: torch.Tensor, tolerance: float, reference_error: float, dtype: str) -> list[dict]:
-    """Which known mistakes a check at a low precision can still tell from a correct module on this layer.
+                 reference64: torch.Tensor, tolerance: float, reference_error: float | None, dtype: str,
+                 atol: float | None = None, own_tolerance: float | None = None) -> list[dict]:
+    """Which known mistakes this check can still tell from a correct module on this layer, at its dtype and
+    tolerance (a low-precision run, or any run with ``atol``: a tolerance that is not parity's own).
 
     Each mistake is replayed in float32 (its own error, ~1e-6, is far below any low-precision
     tolerance) and its distance d from the float64 truth measured.  A module making the mistake
     is off by at least d minus its own rounding error, which a correct module's is held to stay
     under the tolerance T; so the mistake is certain to fail only when d > SEPARATION x T.
-    Below that it may pass, and is reported as not checked at this dtype.
+    Below that it may pass, and is reported as not checked, with its cause: the tolerance (when parity's own,
+    ``own_tolerance``, would tell it) or the dtype.
     """
     rows = []
     with torch.no_grad():
@@ -223,10 +226,24 @@ def separability(build: Builder, tensors: dict[str, torch.Tensor], config, x: to
             distance = float((replay(build, hypothesis, tensors, x, on_call=True) - reference64).abs().max())
             checked = distance > SEPARATION * tolerance
             what = "GELU variant" if hypothesis.id in GELU_VARIANTS else f"{hypothesis.id} ({hypothesis.detail})"
-            message = None if checked else (
-                f"{what} not checked at {dtype}: run with --dtype float32 to check it (on this layer the mistake "
-                f"changes the output by max|Δ| {distance:.2e}; {dtype}'s own error here is {reference_error:.2e}, "
-                f"the tolerance {tolerance:.2e}: only beyond {SEPARATION * tolerance:.2e} is it sure to fail)")
+            message = None if checked else not_checked_message(what, distance, tolerance, reference_error, dtype,
+                                                               atol, own_tolerance)
             rows.append({"id": str(hypothesis.id), "detail": hypothesis.detail, "distance": distance,
                          "checked": checked, "message": message})
     return rows
+
+
+def not_checked_message(what: str, distance: float, tolerance: float, reference_error: float | None, dtype: str,
+                        atol: float | None, own_tolerance: float | None) -> str:
+    """Why a mistake is not checked, naming the real cause: the --atol given, or the dtype."""
+    sure = f"only beyond {SEPARATION * tolerance:.2e} is it sure to fail"
+    if atol is not None and (own_tolerance is None or distance > SEPARATION * own_tolerance):
+        return (f"{what} not checked with --atol {atol:g}: drop --atol to check it (on this layer the mistake "
+                f"changes the output by max|Δ| {distance:.2e}, within the tolerance {tolerance:.2e} allows: {sure}; "
+                f"parity's own tolerance here is {own_tolerance:.2e})" if own_tolerance is not None else
+                f"{what} not checked with --atol {atol:g}: drop --atol to check it (the mistake changes the output "
+                f"by max|Δ| {distance:.2e}: {sure})")
+    error = f"{dtype}'s own error here is {reference_error:.2e}, " if reference_error is not None else ""
+    also = " and without --atol" if atol is not None else ""
+    return (f"{what} not checked at {dtype}: run with --dtype float32{also} to check it (on this layer the mistake "
+            f"changes the output by max|Δ| {distance:.2e}; {error}the tolerance {tolerance:.2e}: {sure})")

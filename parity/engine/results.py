@@ -76,6 +76,7 @@ class Report:
     # how the target was filled: {inferred, extends, args, tensors} as a mapping file writes them (--save-mapping)
     routes: dict | None = None
     name: str | None = None  # the check's name in a project file ([[checks]] name): its baseline key and heading
+    atol: float | None = None  # --atol: a tolerance that is not parity's own (separability is then stated)
 
     @property
     def low_precision(self) -> bool:

@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 from parity import __version__
-from parity.engine.compare import LOW_PRECISION_FACTOR, Runs, judge, shape_failure
+from parity.engine.compare import LOW_PRECISION_FACTOR, Runs, judge, own_tolerance, shape_failure
 from parity.engine.diagnose import diagnose, separability
 from parity.engine.guard import guarded
 from parity.engine.inputs import make_inputs, preactivation
@@ -193,9 +193,11 @@ class Session:
             result.passed = False
             result.diagnosis = diagnosis(MistakeId.GLOBAL_STATE_MODIFIED, None, None, "; ".join(changes[:6]))
             return result, target_name
-        if self.low_precision and result.unverifiable is None:
+        if (self.low_precision or self.atol is not None) and result.unverifiable is None:
+            own = own_tolerance(runs) if self.atol is not None else None
             result.separability = separability(self.replay_builder(layer), routed, self.config, x, runs.reference64,
-                                               result.tolerance, result.reference_error, self.dtype_name)
+                                               result.tolerance, result.reference_error, self.dtype_name, self.atol,
+                                               own)
         if result.diagnosis is None and not result.passed and result.unverifiable is None and self.diagnose:
             result.diagnosis = self.explain(layer, routed, x, runs.target, runs.reference64, result.tolerance)
         return result, target_name
@@ -224,6 +226,7 @@ class Session:
             notes=list(self.resolved.notes) + self.compute_notes(),
             device=str(self.device),
             dtype=self.dtype_name,
+            atol=self.atol,
         )
 
     def compute_notes(self) -> list[str]:

@@ -30,7 +30,7 @@ from pathlib import Path
 from parity import __version__
 from parity.engine.results import LayerResult, Report, layer_status
 from parity.outputs.atomic import write_output
-from parity.outputs.text import summary_line, unit_label
+from parity.outputs.text import condition, summary_line, unit_label
 
 SVG = 'xmlns="http://www.w3.org/2000/svg"'
 COLOURS = {"pass": "#1a7f37", "fail": "#cf222e", "regressed": "#cf222e", "unverifiable": "#b35c00",
@@ -561,8 +561,8 @@ def not_checked_block(report: Report) -> str:
     if not found:
         return ""
     items = "".join(f"<li><code>{esc(k)}</code>: {esc(v)}</li>" for k, v in found.items())
-    return (f'<div class="not-checked"><strong>not checked at {esc(getattr(report, "dtype", ""))}</strong>: these '
-            f"mistakes are below this dtype's own error, so this run cannot see them<ul>{items}</ul></div>")
+    return (f'<div class="not-checked"><strong>not checked {esc(condition(report))}</strong>: these mistakes fit '
+            f"within this run's tolerance, so this run cannot see them<ul>{items}</ul></div>")
 
 
 CAPTION = ('<p class="caption">One mark per layer: the largest absolute difference between the module\'s output '

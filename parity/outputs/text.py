@@ -114,7 +114,7 @@ def separability_lines(report: Report) -> list[str]:
     """A low-precision run: which known mistakes its layers can still tell from a correct module, and
     which not (with the numbers of the layer where the mistake came closest to passing)."""
     rows = [row for result in report.layers for row in result.separability or []]
-    if not report.low_precision or not rows:
+    if not rows:
         return []
     missed: dict[tuple[str, str], list[tuple[LayerResult, dict]]] = {}  # (id, detail) -> where it is not checked
     for result in report.layers:
@@ -127,9 +127,9 @@ def separability_lines(report: Report) -> list[str]:
         where = units_label(list({id(r): r for r, _ in found}.values()))
         if len(found) > 1:
             where += f"; the figures are {units_label([least])}'s, where it is least visible"
-        lines.append(f"not checked at {report.dtype} ({where}): {row['message']}")
+        lines.append(f"not checked {condition(report)} ({where}): {row['message']}")
     told = sorted({row["id"] for row in rows if row["checked"]} - {mistake for mistake, _ in missed})
-    lines.append(f"told apart at {report.dtype} on every layer: {', '.join(told + list(NEEDS_NO_REPLAY))}")
+    lines.append(f"told apart {condition(report)} on every layer: {', '.join(told + list(NEEDS_NO_REPLAY))}")
     return [*lines, ""]
 
 
@@ -173,17 +173,31 @@ def summary_line(report: Report) -> str:
     else:
         line = f"PASS: {len(report.layers)} {unit} match transformers within tolerance."
     if report.low_precision:
-        line = line.rstrip(".") + f" (at {report.dtype} on {report.device})." + not_checked_summary(report)
+        line = line.rstrip(".") + f" (at {report.dtype} on {report.device})."
+    line += not_checked_summary(report)
     return f"{line} {SYNTHETIC_WARNING}" if report.synthetic else line
 
 
+def condition(report: Report) -> str:
+    """'at bfloat16', 'with --atol 2', 'at bfloat16 with --atol 0.1': what the separability rows were judged at."""
+    parts = [f"at {report.dtype}"] if report.low_precision else []
+    if report.atol is not None:
+        parts.append(f"with --atol {report.atol:g}")
+    return " ".join(parts) or "at float32"
+
+
 def not_checked_summary(report: Report) -> str:
-    """' Not checked at bfloat16: GELU variant, ...; run with --dtype float32 to check them.' or ''."""
-    names = list(dict.fromkeys("GELU variant" if row["id"] in GELU_VARIANTS else row["id"]
-                               for result in report.layers for row in result.not_checked))
+    """' Not checked at bfloat16: GELU variant, ...; run with --dtype float32 to check them.' or ''; the advice names
+    the real cause: the dtype, or the --atol that a mistake fits under (by the rows' own messages)."""
+    rows = [row for result in report.layers for row in result.not_checked]
+    names = list(dict.fromkeys("GELU variant" if row["id"] in GELU_VARIANTS else row["id"] for row in rows))
     if not names:
         return ""
-    return (f" Not checked at {report.dtype}: {', '.join(names)}; run with --dtype float32 to check "
+    by_tolerance = any("drop --atol" in (row.get("message") or "") for row in rows)
+    by_dtype = any("--dtype float32" in (row.get("message") or "") for row in rows)
+    advice = ("run with --dtype float32 and without --atol" if by_dtype and report.atol is not None
+              else "drop --atol" if by_tolerance else "run with --dtype float32")
+    return (f" Not checked {condition(report)}: {', '.join(names)}; {advice} to check "
             f"{'it' if len(names) == 1 else 'them'}.")
 
 
