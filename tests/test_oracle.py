@@ -154,3 +154,34 @@ def test_a_loose_atol_lists_what_it_cannot_tell_apart(tiny, capsys):
 def test_parity_s_own_tolerance_states_nothing(tiny):
     report = parity.check(str(tiny["gpt2"]), layers=[0])
     assert report.layers[0].separability is None and report.atol is None
+
+
+# -- the reference is filled under transformers' own names, and every view says how -----------------
+
+SWAPPING_REFERENCE = """extends = "llama"
+
+[reference.tensors]
+"gate_proj.weight" = "up_proj.weight"
+"up_proj.weight" = "gate_proj.weight"
+"""
+
+
+def test_a_mapping_that_bends_the_reference_is_refused(tiny, tmp_path, capsys):
+    from .support import run_main
+
+    mapping = tmp_path / "bent.toml"
+    mapping.write_text(SWAPPING_REFERENCE)
+    code, _, err = run_main(capsys, tiny["llama"], "--layer", "0", "--mapping", mapping, "--target",
+                            "tests.mutants:SwappedSwiGLU")
+    assert code == 2 and "bends the reference itself" in err and "gate_proj.weight" in err
+
+
+def test_a_converted_format_s_reference_routes_are_allowed_and_shown(tiny, capsys):
+    from .support import run_main
+    import json
+
+    code, out, _ = run_main(capsys, tiny["llama"], "--layer", "0", "--json", "-")
+    report = json.loads(out)
+    assert code == 0 and report["reference_routes"]["gate_proj.weight"] == "gate_proj.weight"
+    code, out, _ = run_main(capsys, tiny["llama"], "--layer", "0")
+    assert "filled      under transformers' own names" in out

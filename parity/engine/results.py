@@ -77,6 +77,9 @@ class Report:
     routes: dict | None = None
     name: str | None = None  # the check's name in a project file ([[checks]] name): its baseline key and heading
     atol: float | None = None  # --atol: a tolerance that is not parity's own (separability is then stated)
+    # how transformers' MLP (the oracle) was filled: its parameter (HF name) -> checkpoint tensor, as spelled in a
+    # mapping file; identity routes for a checkpoint under transformers' own names
+    reference_routes: dict | None = None
 
     @property
     def low_precision(self) -> bool:

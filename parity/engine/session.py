@@ -46,6 +46,7 @@ from parity.errors import CheckpointError, LayerRangeError, ShapeMismatchError
 from parity.spec.families import configured_activation
 from parity.spec.mapping import ConfigValue, Mapping, check_reference_routes, is_builtin
 from parity.spec.mistakes import MistakeId, diagnosis
+from parity.spec.reference_routes import check_reference_roles, reference_routes
 from parity.spec.selection import Selection, parse_selection
 from parity.spec.values import check_atol, check_compute
 
@@ -83,7 +84,9 @@ class Session:
         self.num_experts = None if experts is None else self.config_int(experts.count, "experts.count")
         self.reader = LayerReader(self.mapping, self.checkpoint, self.reference, self.num_experts)
         if experts is None:  # a [reference.tensors] name the MLP lacks would silently route nothing
-            check_reference_routes(self.mapping, self.reference.tensor_shapes(self.mapping.reference_path(0)))
+            names = self.reference.tensor_shapes(self.mapping.reference_path(0))
+            check_reference_routes(self.mapping, names)
+            check_reference_roles(self.mapping, names)  # nor may a user's mapping bend the oracle
 
     def config_int(self, spec: Any, key: str) -> int:
         """A mapping size (num_layers, hidden_size, experts.count) read from the config: a config.json may hold
@@ -227,6 +230,7 @@ class Session:
             device=str(self.device),
             dtype=self.dtype_name,
             atol=self.atol,
+            reference_routes=reference_routes(self.reader.reference_routes(0)),
         )
 
     def compute_notes(self) -> list[str]:

@@ -30,7 +30,8 @@ from pathlib import Path
 from parity import __version__
 from parity.engine.results import LayerResult, Report, layer_status
 from parity.outputs.atomic import write_output
-from parity.outputs.text import condition, summary_line, unit_label
+from parity.outputs.text import condition, reference_filled, summary_line, unit_label
+from parity.spec.mapping import route_arrows
 
 SVG = 'xmlns="http://www.w3.org/2000/svg"'
 COLOURS = {"pass": "#1a7f37", "fail": "#cf222e", "regressed": "#cf222e", "unverifiable": "#b35c00",
@@ -458,6 +459,10 @@ def context_block(report: Report) -> str:
             ("target", f"<code>{esc(report.target)}</code>"),
             ("reference", f"<code>{esc(report.reference)}</code> (activation <code>"
                           f"{esc(report.reference_activation)}</code>)"),
+            *([("reference filled", esc(reference_filled(report.reference_routes)))]
+              if getattr(report, "reference_routes", None) else []),
+            *([("target filled", f"<code>{esc(route_arrows(report.routes['tensors']))}</code>")]
+              if getattr(report, "routes", None) else []),
             ("versions", ", ".join(f"{esc(k)} {esc(v)}" for k, v in report.versions.items())),
             ("seed", esc(report.seed))]
     for name in ("device", "dtype"):
@@ -671,7 +676,7 @@ h2 { font-size: 21px; margin: 16px 0 8px; word-break: break-all; }
 h3 { font-size: 17px; margin: 22px 0 6px; } h4 { font-size: 14px; font-weight: 600; margin: 14px 0 4px;
   color: var(--muted); }
 .muted { color: var(--muted); font-weight: normal; font-size: 14px; }
-dl.context { display: grid; grid-template-columns: 110px 1fr; gap: 4px 16px; margin: 8px 0 12px; }
+dl.context { display: grid; grid-template-columns: 130px 1fr; gap: 4px 16px; margin: 8px 0 12px; }
 dl.context dt { color: var(--muted); } dl.context dd { margin: 0; word-break: break-all; }
 .badge { display: inline-block; padding: 1px 8px; border-radius: 10px; color: #fff; font-size: 12px;
   font-weight: 700; font-family: system-ui, "DejaVu Sans", sans-serif; vertical-align: 1px; }

@@ -47,6 +47,7 @@ def header_lines(report: Report) -> list[str]:
         *([f"  routes      {routes_line(report.routes)}"] if report.routes else []),
         f"  reference   transformers {report.versions.get('transformers', '?')} {report.reference} "
         f"(activation: {report.reference_activation})",
+        *([f"  filled      {reference_filled(report.reference_routes)}"] if report.reference_routes else []),
     ]
     if report.low_precision or report.device != "cpu":
         lines.append(f"  compute     {report.dtype} on {report.device} (truth: float64 on cpu)")
@@ -54,6 +55,13 @@ def header_lines(report: Report) -> list[str]:
         lines.append(f"  !! {report.weights_note}")
     lines.extend(f"  note: {note}" for note in report.notes)
     return lines
+
+
+def reference_filled(routes: dict) -> str:
+    """How the reference was filled: 'under transformers' own names', or its routes (a converted format)."""
+    if all(spec == target for target, spec in routes.items()):
+        return "under transformers' own names"
+    return route_arrows(routes)
 
 
 def routes_line(routes: dict) -> str:
