@@ -3,12 +3,16 @@ reference of every later layer runs on the real torch."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 import torch.nn.functional as F
 
 import parity
 from parity.ffn import SwiGLU
+
+from .support import run_main
 
 REAL_SILU = F.silu
 
@@ -55,8 +59,6 @@ def test_the_next_check_is_unaffected(tiny):
 
 
 def test_the_cli_names_it(tiny, capsys):
-    from .support import run_main
-
     (code, out, _) = run_main(capsys, tiny["llama"], "--layer", "1", "--target", "tests.test_oracle:patched_factory")
     assert code == 1 and "global_state_modified" in out and F.silu is REAL_SILU
 
@@ -99,8 +101,6 @@ def test_conv1d_under_parity_names_passes(tiny):
 
 
 def test_a_non_projection_bias_is_never_zero_filled(tiny, capsys):
-    from .support import run_main
-
     code, _, err = run_main(capsys, tiny["llama"], "--layer", "0", "--target", "tests.test_oracle:gain_bias_factory")
     assert code == 2 and "gain_bias" in err
 
@@ -137,12 +137,8 @@ def relu_ffn(config):
 
 
 def test_a_loose_atol_lists_what_it_cannot_tell_apart(tiny, capsys):
-    from .support import run_main
-
     code, out, _ = run_main(capsys, tiny["gpt2"], "--layer", "0", "--atol", "2", "--target",
                             "tests.test_oracle:relu_ffn", "--json", "-")
-    import json
-
     report = json.loads(out)
     assert code == 0 and report["atol"] == 2
     missed = {row["id"] for row in report["layers"][0]["separability"] if not row["checked"]}
@@ -167,8 +163,6 @@ SWAPPING_REFERENCE = """extends = "llama"
 
 
 def test_a_mapping_that_bends_the_reference_is_refused(tiny, tmp_path, capsys):
-    from .support import run_main
-
     mapping = tmp_path / "bent.toml"
     mapping.write_text(SWAPPING_REFERENCE)
     code, _, err = run_main(capsys, tiny["llama"], "--layer", "0", "--mapping", mapping, "--target",
@@ -177,9 +171,6 @@ def test_a_mapping_that_bends_the_reference_is_refused(tiny, tmp_path, capsys):
 
 
 def test_a_converted_format_s_reference_routes_are_allowed_and_shown(tiny, capsys):
-    from .support import run_main
-    import json
-
     code, out, _ = run_main(capsys, tiny["llama"], "--layer", "0", "--json", "-")
     report = json.loads(out)
     assert code == 0 and report["reference_routes"]["gate_proj.weight"] == "gate_proj.weight"
