@@ -176,3 +176,25 @@ def test_a_converted_format_s_reference_routes_are_allowed_and_shown(tiny, capsy
     assert code == 0 and report["reference_routes"]["gate_proj.weight"] == "gate_proj.weight"
     code, out, _ = run_main(capsys, tiny["llama"], "--layer", "0")
     assert "filled      under transformers' own names" in out
+
+
+# -- TorchScript modules are targets ---------------------------------------------------------------
+
+class HFNamed(torch.nn.Module):
+    def __init__(self, config):
+        super().__init__()
+        d, f = config.hidden_size, config.intermediate_size
+        self.gate_proj = torch.nn.Linear(d, f, bias=False)
+        self.up_proj = torch.nn.Linear(d, f, bias=False)
+        self.down_proj = torch.nn.Linear(f, d, bias=False)
+
+    def forward(self, x):
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+@pytest.mark.parametrize("build", [
+    lambda c: torch.jit.script(SwiGLU(c.hidden_size, dropout=0.0, hidden_dim=c.intermediate_size, bias=False)),
+    lambda c: torch.jit.script(HFNamed(c))], ids=["parity-names", "inferred-routes"])
+def test_a_torchscript_target_is_checked(tiny, build):
+    report = parity.check(str(tiny["llama"]), layers=[0, 1], target=build)
+    assert report.passed, [r.diagnosis for r in report.layers]

@@ -67,8 +67,13 @@ class TargetRoutes:
 def owner_layout(module: nn.Module, name: str, aliases: Aliases) -> str | None:
     """'out_in' | 'in_out' as the class of the module owning parameter ``name`` stores its weight (nn.Linear,
     transformers' Conv1D; by MRO), else None."""
-    owner = module.get_submodule(name.rpartition(".")[0])
+    owner = owner_of(module, name)
     return aliases.layout_of([cls.__name__ for cls in type(owner).__mro__])
+
+
+def owner_of(module: nn.Module, name: str) -> nn.Module:
+    """The submodule holding parameter ``name`` (by named_modules: a TorchScript module has no get_submodule)."""
+    return dict(module.named_modules())[name.rpartition(".")[0]]
 
 
 def reoriented(module: nn.Module, family: Mapping, tensors: dict[str, torch.Tensor], hidden_size: int) -> Mapping:
@@ -85,7 +90,7 @@ def reoriented(module: nn.Module, family: Mapping, tensors: dict[str, torch.Tens
             routes.append(route)
             continue
         (role, _), = roles
-        param = module.get_parameter(route.target)
+        param = dict(module.named_parameters())[route.target]
         transform = orientation(route, stored_shape(route, tensors), tuple(param.shape), aliases.roles[role].side,
                                 hidden_size, owner_layout(module, route.target, aliases))
         keep = transform in (None, route.transform)
@@ -200,7 +205,7 @@ def infer_routes(module: nn.Module, family: Mapping, tensors: dict[str, torch.Te
                                 hidden_size, owner_layout(module, name, aliases))
         if transform is None:
             transform = base.transform
-            owner = type(module.get_submodule(name.rpartition(".")[0])).__name__
+            owner = type(owner_of(module, name)).__name__
             notes.append(f"target parameter '{name}' is square and its owner {owner} is neither "
                          "nn.Linear nor Conv1D: its layout was taken as nn.Linear's [out, in]")
         routes.append(TensorRoute(name, base.source, transform, base.chunk, base.optional))
