@@ -48,6 +48,34 @@ with torch.no_grad():
 assert seen, "hook did not fire"
 print(next(model.parameters()).dtype)
 """
+# The compute floor of checking a layer, in one process: read the layer's three FFN tensors from the
+# safetensors shards, then transformers' MLP once in float64 and three times in float32 on inputs of
+# parity's shape (the reference's float32 noise run, and the target's two determinism runs).
+FLOOR = """
+import json, sys, torch
+from pathlib import Path
+from safetensors import safe_open
+from transformers import AutoConfig
+from transformers.models.llama.modeling_llama import LlamaMLP
+folder, layers = Path(sys.argv[1]), int(sys.argv[2])
+config = AutoConfig.from_pretrained(folder)
+index = json.loads((folder / "model.safetensors.index.json").read_text())["weight_map"]
+mlp32 = LlamaMLP(config).eval()
+mlp64 = LlamaMLP(config).double().eval()
+x = torch.randn(3, 16, config.hidden_size)
+with torch.no_grad():
+    for layer in range(layers):
+        names = [f"model.layers.{layer}.mlp.{p}_proj.weight" for p in ("gate", "up", "down")]
+        tensors = {}
+        for name in names:
+            with safe_open(folder / index[name], "pt") as handle:
+                tensors[name.split(".mlp.")[1]] = handle.get_tensor(name)
+        mlp64.load_state_dict({k: v.double() for k, v in tensors.items()})
+        mlp32.load_state_dict({k: v.float() for k, v in tensors.items()})
+        mlp64(x.double())
+        for _ in range(3):
+            mlp32(x)
+"""
 IMPORTS = {"gpt2": "import torch, transformers.models.gpt2.modeling_gpt2",
            "llama": "import torch, transformers.models.llama.modeling_llama"}
 MLP_PATH = {"gpt2": "transformer.h.{layer}.mlp", "llama": "model.layers.{layer}.mlp"}
@@ -201,7 +229,8 @@ def main() -> int:
     parser.add_argument("--root", type=Path, default=Path(tempfile.gettempdir()) / "parity-bench",
                         help="where the synthetic checkpoints are cached")
     parser.add_argument("--out", type=Path, help="write the results as JSON")
-    parser.add_argument("--skip", action="append", default=[], choices=["compare", "sweep", "startup", "bf16", "405b"])
+    parser.add_argument("--skip", action="append", default=[],
+                        choices=["compare", "sweep", "startup", "bf16", "405b", "floor"])
     args = parser.parse_args()
     runs = 1 if args.quick else args.runs
 
@@ -231,6 +260,14 @@ def main() -> int:
             commands = {f"{n}": parity_cmd(str(subsets[n]), "--layers", "all", "--json", f"{tmp}/sweep{n}.json")
                         for n in SWEEP}
             results["sweep"] = run_all(commands, runs)
+        if "floor" not in args.skip:
+            print("(f) per-layer cost: parity's sweep against the compute floor, interleaved", file=sys.stderr)
+            few, all_ = SWEEP[0], SWEEP[-1]
+            commands = {}
+            for n in (few, all_):
+                commands[f"parity/{n}"] = parity_cmd(str(subsets[n]), "--layers", "all", "--quiet")
+                commands[f"floor/{n}"] = [sys.executable, "-c", FLOOR, str(subsets[n]), str(n)]
+            results["floor"] = run_all(commands, max(runs, 3))
         if "bf16" not in args.skip:
             print("(d) one layer of the 1B shape computed in bfloat16 vs float32", file=sys.stderr)
             commands = {dtype: parity_cmd(str(llama), "--layer", "11", "--dtype", dtype,
@@ -316,11 +353,34 @@ def print_table(results: dict) -> None:
               f"peak RSS x{results['bf16_vs_float32']['peak_rss']:.2f}")
     if "405b" in results:
         print_big_layer(results)
+    if "floor" in results:
+        print_floor(results)
     if "startup" in results:
         print("\n(c) start-up")
         for name, r in results["startup"].items():
             print(f"{name:<18}{r['wall_s']:8.3f}s{mib(r['peak_rss']):>14}")
 
+
+
+def print_floor(results: dict) -> None:
+    """Marginal seconds per layer ((22-layer run - 4-layer run) / 18) of parity and of the floor, paired run by
+    run (each pair ran one after the other), and their ratio: the goal is at most 1.1."""
+    f, few, all_ = results["floor"], SWEEP[0], SWEEP[-1]
+    span = all_ - few
+
+    def per_layer(route: str) -> list[float]:
+        return [(b - a) / span for a, b in zip(f[f"{route}/{few}"]["wall_runs"], f[f"{route}/{all_}"]["wall_runs"],
+                                               strict=True)]
+
+    mine, floor = per_layer("parity"), per_layer("floor")
+    ratios = [m / b for m, b in zip(mine, floor, strict=True) if b > 0]
+    summary = {"parity_s_per_layer": statistics.median(mine), "floor_s_per_layer": statistics.median(floor),
+               "ratio": statistics.median(ratios) if ratios else None, "ratios": ratios}
+    results["floor_summary"] = summary
+    print("\n(f) per extra layer of the 1B shape: parity --layers all vs the compute floor (read the three tensors, "
+          "one float64 and three float32 MLP runs)")
+    print(f"parity {summary['parity_s_per_layer']:.3f} s, floor {summary['floor_s_per_layer']:.3f} s per layer: "
+          f"x{summary['ratio']:.2f} the floor (runs: {', '.join(f'{r:.2f}' for r in ratios)}; goal <= 1.1)")
 
 
 def print_big_layer(results: dict) -> None:

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -73,8 +74,12 @@ def same_values(a: torch.Tensor, b: torch.Tensor) -> bool:
     return a.shape == b.shape and bool(torch.allclose(a, b, rtol=0.0, atol=0.0, equal_nan=True))
 
 
-def unverifiable_reason(weights: dict[str, torch.Tensor], runs: Runs, tolerance: float) -> str | None:
-    """Why comparing against this layer's reference could not tell a right module from a wrong one."""
+def unverifiable_reason(weights: dict[str, torch.Tensor], runs: Runs, tolerance: float,
+                        facts: dict[str, Any] | None = None) -> str | None:
+    """Why comparing against this layer's reference could not tell a right module from a wrong one.  ``facts``
+    (engine.layer.TensorFacts by weight name, from the read's one pass) answer "all zero?" and "identical?"
+    without another pass over the weights."""
+    facts = facts or {}
     for name, output in (("float32", runs.reference32), ("float64", runs.reference64), (runs.dtype, runs.low)):
         if output is not None and not bool(torch.isfinite(output).all()):
             largest = max((float(w.abs().max()) for w in weights.values() if w.numel()), default=0.0)
@@ -88,12 +93,14 @@ def unverifiable_reason(weights: dict[str, torch.Tensor], runs: Runs, tolerance:
         return f"the tolerance is not finite ({tolerance})"
     matrices = {name: w for name, w in weights.items() if w.dim() >= 2 and w.numel()}
     for name, w in matrices.items():
-        if not bool(w.any()):
+        zero = facts[name].all_zero if facts.get(name) is not None else not bool(w.any())
+        if zero:
             return f"weight '{name}' is all zeros: the layer computes a constant, so any module built like it passes"
     names = sorted(matrices)
     for i, a in enumerate(names):
         for b in names[i + 1:]:
-            if matrices[a].shape == matrices[b].shape and torch.equal(matrices[a], matrices[b]):
+            differ = facts.get(a) is not None and facts.get(b) is not None and facts[a].crc != facts[b].crc
+            if matrices[a].shape == matrices[b].shape and not differ and torch.equal(matrices[a], matrices[b]):
                 return f"weights '{a}' and '{b}' are identical: exchanging them (e.g. gate and up) cannot be seen"
     scale = float(runs.reference64.abs().max())
     if tolerance >= scale:
@@ -131,7 +138,7 @@ def input_change(before: torch.Tensor, after: torch.Tensor) -> str | None:
 
 
 def judge(layer: int, expert: int | None, runs: Runs, weights: dict[str, torch.Tensor], z: torch.Tensor | None,
-          atol: float | None, weights_kind: str) -> LayerResult:
+          atol: float | None, weights_kind: str, facts: dict[str, Any] | None = None) -> LayerResult:
     """The formula at the top of this module, and the findings that need no replay named."""
     noise = float((runs.reference32 - runs.reference64).abs().max())
     scale = float(runs.reference64.abs().max())
@@ -152,7 +159,7 @@ def judge(layer: int, expert: int | None, runs: Runs, weights: dict[str, torch.T
         deterministic=same_values(runs.target, runs.again), expert=expert, weights=weights_kind,
         reference_error=own, ratio_to_reference_error=ratio(max_abs, own),
     )
-    result.unverifiable = unverifiable_reason(weights, runs, tolerance)
+    result.unverifiable = unverifiable_reason(weights, runs, tolerance, facts)
     if runs.input_change is not None:  # a definite bug, whatever the reference can judge
         result.diagnosis = diagnosis(MistakeId.INPUT_MUTATED, None, max_abs, runs.input_change)
     elif result.unverifiable is not None:

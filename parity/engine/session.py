@@ -163,7 +163,10 @@ class Session:
         ``engine.sliced``); then the target is built and run.  For a sliced layer the stored tensors are not
         kept beside the float32 target: it is filled by reading them again one at a time."""
         tensors = self.read_layer(layer, expert, dtype=None)
-        fingerprint = weights_fingerprint(tensors)
+        fingerprint = weights_fingerprint(tensors, self.reader.facts)
+        # what the read's one pass found, under the reference's names (a chunk of a fused tensor has no facts)
+        facts = {r.target: self.reader.facts.get(r.source) for r in self.reader.reference_routes(layer)
+                 if r.chunk is None}
         # The reference first: a checkpoint that disagrees with its own config is bad input (exit 2);
         # only then is a tensor that does not fit the target the module's mistake (a failed layer).
         routed = self.reference_tensors(layer, tensors)  # views of ``tensors``: no copy
@@ -190,7 +193,7 @@ class Session:
         gc.collect()
         if large:
             routed = self.reference_tensors(layer, self.read_layer(layer, expert, dtype=None))
-        result = judge(layer, expert, runs, routed, truth.z, self.atol, self.checkpoint.weights)
+        result = judge(layer, expert, runs, routed, truth.z, self.atol, self.checkpoint.weights, facts)
         result.fingerprint = fingerprint
         if changes:  # the module reached outside itself: whatever it computed, it is not a module to trust
             result.passed = False

@@ -238,6 +238,8 @@ class BaselineJudge:
             if note not in result.notes:
                 result.notes.append(note)
         stored = old.get("fingerprint")
+        if stored is not None and layer.fingerprint is not None and scheme(stored) != scheme(layer.fingerprint):
+            stored = None  # written by an older parity with another hash: compared, said as unfingerprinted
         if stored is not None and layer.fingerprint is not None and stored != layer.fingerprint:
             message = (f"baseline entry made from other weights (fingerprint {stored}, now {layer.fingerprint}): "
                        "not compared")
@@ -261,6 +263,11 @@ def compare_baseline(reports: Iterable[Report], entries: dict[str, dict], factor
         for layer in report.layers:
             judge.layer(report, layer)
     return judge.comparison
+
+
+def scheme(fingerprint: str) -> str:
+    """'crc32:' for today's fingerprints, '' for the older blake2b ones."""
+    return fingerprint.partition(":")[0] if ":" in fingerprint else ""
 
 
 def _regression(old: dict, layer: LayerResult, factor: float, slack: float) -> str | None:
