@@ -19,6 +19,7 @@ from parity.engine.suite import open_session
 from parity.engine.target import cwd_importable
 from parity.errors import LayerRangeError
 from parity.outputs.render import render, render_html  # importing it makes str(report) the text table
+from parity.spec.project import CheckSpec
 from parity.spec.selection import parse_selection
 
 __all__ = ["check", "load_ffn", "render", "render_html"]
@@ -29,26 +30,47 @@ def check(model: str, *, layers: str | int | Iterable[int] | None = None, target
           atol: float | None = None, on_layer: Callable[[Report, LayerResult], None] | None = None,
           logits: bool = False, allow_pickle: bool = False, experts: str | int | Iterable[int] | None = None,
           require_real: bool = False, device: str | Any = "cpu", dtype: str | Any = "float32") -> Report:
-    """Check the selected layers (default: all), one at a time; returns the report the CLI prints
-    (``print(report)`` shows its table).
+    """Check the selected layers, one at a time, against transformers' own MLP.
 
-    ``target``: a class, a factory (``lambda config: MLP(...)``), an ``nn.Module`` instance (each layer
-    is loaded into a deep copy of it; the instance itself is never modified) or a "module:Name" string,
-    imported with the working directory importable as the `parity` command does.  Without a mapping,
-    a target whose parameters have other names than the built-in mapping's gets routes read off its
-    parameter names (``report.routes``).
-    ``logits=True`` also substitutes the target into the full model and compares its logits;
-    ``allow_pickle`` opts in to pickle-based files (torch.load(weights_only=True)); ``experts``
-    selects the experts of an MoE model (default: all), each checked on its own; ``require_real``
-    refuses the synthetic stand-in (SyntheticWeightsError) instead of checking random weights; ``device``
-    (cpu, cuda, cuda:N, mps) and ``dtype`` (float32, bfloat16, float16) say where and in what the target
-    computes: a low precision is held to the reference's own error in that dtype."""
+    The options build the same CheckSpec as ``parity MODEL`` and a project file's ``[[checks]]`` entry; every
+    rule about what passes lives in the engine, so the API and the CLI cannot disagree.
+
+    Args:
+        model: a mapping name (``"gpt2"``), a hub id, a local folder or file (``.safetensors``, ``.gguf``).
+        layers: ``None`` (all; first, middle and last of a large synthetic stand-in), an int, ``"0,3"``, ``"2-7"``.
+        target: a class, a factory (``lambda config: MLP(...)``), an ``nn.Module`` instance (each layer is loaded
+            into a deep copy; the instance is never modified) or ``"module:Name"``; default: the mapping's.
+            Without a mapping, routes are read off the target's parameter names (``report.routes``).
+        checkpoint, mapping, revision: weights instead of the mapping's default, a mapping file, a hub revision.
+        seed, atol: the inputs' seed; an absolute tolerance instead of the noise-floor-derived one (the report
+            then lists the mistakes it can no longer tell apart).
+        on_layer: called with (report, layer result) as each layer finishes.
+        logits: also substitute the target into the full model and compare its final logits.
+        allow_pickle: open pickle-based files, with ``torch.load(weights_only=True)``.
+        experts: MoE models: which experts of each layer (default all).
+        require_real: refuse the synthetic stand-in (SyntheticWeightsError) instead of checking random weights.
+        device, dtype: where and in what the target computes (``"cuda:0"`` or ``torch.device``; ``"bfloat16"`` or
+            ``torch.bfloat16``): a low precision is held to the reference's own error in that dtype.
+
+    Returns:
+        The Report (``print(report)`` shows the CLI's table; ``report.passed``, ``report.to_json()``).
+
+    Raises:
+        ParityError: bad input (exit code 2's), e.g. SyntheticWeightsError, TargetError, MappingError.
+
+    Example::
+
+        report = parity.check("gpt2", target="mymodel:MLP", layers=[0, 11])
+        assert report.passed, report
+    """
     device, dtype = compute_names(device, dtype)
+    spec = CheckSpec(model=model, checkpoint=checkpoint, layers=layers, target=target, mapping=mapping,
+                     revision=revision, seed=seed, atol=atol, logits=logits, allow_pickle=allow_pickle,
+                     experts=experts, require_real=require_real, device=device, dtype=dtype)
     with cwd_importable():
-        session = open_session(model, checkpoint, mapping, revision, target, seed, atol, allow_pickle,
-                               require_real, device, dtype)
-        report = run_session(session, layers, on_layer, experts)
-        if logits:
+        session = open_session(spec)
+        report = run_session(session, spec.layers, on_layer, spec.experts)
+        if spec.logits:
             report.logits = logits_impact(session, sorted({r.layer for r in report.layers}))
     return report
 
@@ -67,11 +89,28 @@ def compute_names(device: Any, dtype: Any) -> tuple[str, str]:
 def load_ffn(model: str, *, layer: int = 0, target: str | Any | None = None, checkpoint: str | None = None,
              mapping: str | None = None, revision: str | None = None, allow_pickle: bool = False,
              expert: int | None = None) -> nn.Module:
-    """The target module (default: the mapping's, e.g. FeedForward for gpt2) holding ``layer``'s weights
-    (of ``expert``, for MoE models), in eval mode.  ``target`` as for ``check`` (an instance: a filled deep
-    copy is returned)."""
+    """The target module (default: the mapping's, e.g. ``FeedForward`` for gpt2) holding one layer's weights.
+
+    Args:
+        model: as for ``check``.
+        layer: the layer whose FFN tensors fill the module.
+        target, checkpoint, mapping, revision, allow_pickle: as for ``check`` (an instance target: a filled deep
+            copy is returned, the instance is not modified).
+        expert: MoE models: which expert of the layer (required for them).
+
+    Returns:
+        The filled module, in eval mode.
+
+    Raises:
+        ParityError: bad input; LayerRangeError for a layer (or expert) outside the model.
+
+    Example::
+
+        ffn = parity.load_ffn("gpt2", layer=3)  # a parity.ffn.FeedForward with GPT-2's layer-3 weights
+    """
     with cwd_importable():
-        session = open_session(model, checkpoint, mapping, revision, target, allow_pickle=allow_pickle)
+        session = open_session(model, checkpoint=checkpoint, mapping=mapping, revision=revision, target=target,
+                               allow_pickle=allow_pickle)
         (layer,) = parse_selection(int(layer), session.num_layers)
         if session.num_experts is not None and expert is None:
             raise LayerRangeError(f"'{model}' is a mixture of experts ({session.num_experts} per layer): "

@@ -44,7 +44,7 @@ def _run_project(args: argparse.Namespace) -> int:
     from parity.spec.project import load_project, parse_shard, select_checks
 
     project = load_project(args.config)
-    if args.select:
+    if args.select is not None:
         project.checks = select_checks(project.checks, args.select)
     shard = parse_shard(args.shard) if args.shard else None  # validated before any model is resolved
     for folder in (str(project.path.parent.resolve()), os.getcwd()):

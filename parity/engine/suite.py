@@ -43,8 +43,7 @@ class CheckRun:
 def plan_layers(spec: CheckSpec) -> tuple[list[int], list[str], object]:
     """The layers `parity MODEL` would check for this spec, notes about the choice, and the session."""
 
-    session = open_session(spec.model, spec.checkpoint, spec.mapping, spec.revision, spec.target, spec.seed, spec.atol,
-                           spec.allow_pickle, spec.require_real, spec.device, spec.dtype)
+    session = open_session(spec)
     layers = spec.layers
     notes: list[str] = []
     if layers is None and session.checkpoint.weights == "synthetic":
@@ -122,23 +121,33 @@ def exit_code(runs: list[CheckRun], regressions: int = 0) -> int:
     return 0
 
 
-def open_session(model: str, checkpoint: str | None = None, mapping: str | None = None, revision: str | None = None,
-                 target: str | Any | None = None, seed: int = 0, atol: float | None = None,
-                 allow_pickle: bool = False, require_real: bool = False, device: str = "cpu",
-                 dtype: str = "float32") -> Session:
-    """Resolve MODEL (mapping, checkpoint, config) and open a session on it; ``require_real`` refuses
-    the synthetic stand-in before anything is computed.  ``device`` and ``dtype``: where and in what the
-    target computes (checked before anything is resolved: a missing GPU is said at once)."""
-    torch_device(check_compute(device, dtype)[0])
-    resolved = resolve(model, checkpoint, mapping, revision, allow_pickle)
-    if require_real and resolved.checkpoint.weights != "real":
+def open_session(check: CheckSpec | str, /, **options: Any) -> Session:
+    """Resolve a check (mapping, checkpoint, config) and open a session on it: the one place every front door
+    (CLI, project files, ``parity.check``, ``assert_parity``) turns its options into a session.
+
+    Args:
+        check: a CheckSpec, or MODEL with the CheckSpec's fields as keyword options (``checkpoint``, ``mapping``,
+            ``revision``, ``target``, ``seed``, ``atol``, ``allow_pickle``, ``require_real``, ``device``, ``dtype``).
+
+    Returns:
+        The Session (``run_session`` checks its layers).
+
+    Raises:
+        SyntheticWeightsError: ``require_real`` and only the synthetic stand-in is available (before anything is
+            computed).  ParityError: bad input of any other kind; a missing GPU is said before anything is resolved.
+    """
+    spec = check if isinstance(check, CheckSpec) else CheckSpec(model=check, **options)
+    torch_device(check_compute(spec.device, spec.dtype)[0])
+    resolved = resolve(spec.model, spec.checkpoint, spec.mapping, spec.revision, spec.allow_pickle)
+    if spec.require_real and resolved.checkpoint.weights != "real":
         why = (resolved.checkpoint.weights_note or "").removeprefix("SYNTHETIC weights: ").split(";")[0]
         error = SyntheticWeightsError(
-            f"{model}: real weights are required, but {why or 'only synthetic weights are available'}. Make it "
+            f"{spec.model}: real weights are required, but {why or 'only synthetic weights are available'}. Make it "
             "reachable (network, or an HF cache that holds it: HF_HOME) or pass --checkpoint PATH (checkpoint = "
             "\"...\" in a project file); to check the synthetic stand-in instead, drop --require-real "
             "(require_real = false in a project file)."
         )
         error.reason = why or "only synthetic weights are available"  # the cause alone, for front doors' own words
         raise error
-    return Session(resolved, target=target, seed=seed, atol=atol, device=device, dtype=dtype)
+    return Session(resolved, target=spec.target, seed=spec.seed, atol=spec.atol, device=spec.device,
+                   dtype=spec.dtype)

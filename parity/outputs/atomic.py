@@ -61,7 +61,7 @@ def in_place(path: Path) -> bool:
 def _write_in_place(path: Path, text: str, what: str) -> None:
     if path.is_dir():
         raise ParityError(f"{what} {shown(path)}: is a folder; give a file name inside it")
-    data = text.encode("utf-8")
+    data = text.encode("utf-8", errors="backslashreplace")  # a non-UTF-8 file name in a report: escaped
     if os.path.abspath(path) in ("/dev/stdout", "/dev/fd/1", "/proc/self/fd/1"):
         with contextlib.suppress(Exception):  # what parity printed before must come first
             sys.stdout.flush()
@@ -95,7 +95,7 @@ def _write_atomic(path: Path, text: str, what: str, create_folder: bool) -> None
     except OSError as exc:
         raise _unwritable(what, path, _blocked(path) or exc.strerror or str(exc)) from None
     try:
-        with os.fdopen(fd, "w", encoding="utf-8", newline="\n") as handle:
+        with os.fdopen(fd, "w", encoding="utf-8", errors="backslashreplace", newline="\n") as handle:
             handle.write(text)
             handle.flush()
             os.fsync(handle.fileno())
