@@ -1,6 +1,11 @@
-"""What many test modules share: how to run the `parity` command as a real process.
+"""What many test modules share: how to run the `parity` command, in this process or as a real one.
 
-Through ``sys.executable -m parity``, never ``PATH``: the suite must pass when run as
+Almost every CLI test runs ``parity.cli.main`` in this process (``run_main``, ``run_json``): the same code
+without the interpreter start and the torch/transformers import.  A real process (``run_parity``) only where
+the process is the point: signals, stdout that is a pipe or a full disk, light imports, interpreter exit; those
+tests are marked ``slow``.
+
+A real process goes through ``sys.executable -m parity``, never ``PATH``: the suite must pass when run as
 ``venv/bin/python -m pytest`` without the venv's ``bin`` on ``PATH``.  A child that a signal test
 interrupts gets SIGINT back at its default (``preexec_fn=default_sigint``): a background job or
 ``nohup`` starts the test process with SIGINT ignored, and a child would inherit that.
@@ -8,6 +13,9 @@ interrupts gets SIGINT back at its default (``preexec_fn=default_sigint``): a ba
 
 from __future__ import annotations
 
+import contextlib
+import io
+import json
 import os
 import signal
 import subprocess
@@ -33,11 +41,72 @@ def run_parity(*args, env: dict | None = None, cwd: Path | str = ROOT, offline: 
                           timeout=timeout, **options)
 
 
-def run_main(capsys, *args) -> tuple[int, str, str]:
-    """`parity ARGS...` in this process (``parity.cli.main``): (exit code, stdout, stderr).  Almost every CLI
-    test runs this way; a real process only where the process is the point (signals, devices, stdout)."""
+def _main(args) -> int:
+    """``parity.cli.main(ARGS)``, leaving this process's import state as it found it.
+
+    The command puts the working directory on ``sys.path`` (a target class is imported from the project
+    checked, as in a shell).  In a real process that ends with the process; here it would stay for every
+    later test, and so would the modules imported from there: a later test's module of the same name in
+    another folder would get this one.  Both are undone when the command returns (or raises)."""
     from parity import cli
 
-    code = cli.main([str(a) for a in args])
+    path, modules = list(sys.path), set(sys.modules)
+    try:
+        return cli.main([str(a) for a in args])
+    finally:
+        added = [os.path.join(p, "") for p in sys.path if p not in path and p]
+        sys.path[:] = path
+        for name in set(sys.modules) - modules:
+            file = getattr(sys.modules.get(name), "__file__", None) or ""
+            if added and file.startswith(tuple(added)):
+                del sys.modules[name]
+
+
+def run_main(capsys, *args) -> tuple[int, str, str]:
+    """`parity ARGS...` in this process (``parity.cli.main``): (exit code, stdout, stderr).  Almost every CLI
+    test runs this way; a real process only where the process is the point (signals, devices, stdout).
+    A usage error (argparse) raises SystemExit, as ``parity.cli.main`` does: catch it with pytest.raises and
+    read capsys."""
+    capsys.readouterr()  # only this command's output
+    code = _main(args)
     out, err = capsys.readouterr()
     return code, out, err
+
+
+def run_json(capsys, *args) -> tuple[int, dict | None, str]:
+    """`parity ARGS... --json -` in this process: (exit code, the JSON report or None if none, stderr)."""
+    code, out, err = run_main(capsys, *args, "--json", "-")
+    return code, json.loads(out) if out.strip() else None, err
+
+
+def run_captured(*args) -> tuple[int, str, str]:
+    """`parity ARGS...` in this process, without capsys (a module- or session-scoped fixture, which capsys
+    cannot serve): (exit code, stdout, stderr)."""
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        code = _main(args)
+    return code, out.getvalue(), err.getvalue()
+
+
+def use_hf_home(monkeypatch, home: Path) -> Path:
+    """Point HF_HOME (and HF_HUB_CACHE under it) at ``home`` for this test, in the environment and in
+    huggingface_hub's constants, which it reads at import: what a real process started with that environment
+    would see.  Every constant under the old HF_HOME moves with it (hub cache, token, xet and assets paths)."""
+    from huggingface_hub import constants
+
+    old = os.path.join(constants.HF_HOME, "")
+    monkeypatch.setenv("HF_HOME", str(home))
+    monkeypatch.setenv("HF_HUB_CACHE", str(home / "hub"))
+    for name, value in vars(constants).copy().items():
+        if name.isupper() and isinstance(value, str) and value.startswith(old):
+            monkeypatch.setattr(constants, name, os.path.join(str(home), value[len(old):]))
+    monkeypatch.setattr(constants, "HF_HOME", str(home))
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(home / "hub"))
+    return home
+
+
+def offline_home(monkeypatch, tmp_path: Path) -> Path:
+    """An empty Hugging Face home and a private synthetic-weights cache (PARITY_CACHE) for this test: nothing
+    cached, no network (HF_HUB_OFFLINE=1, the suite's default)."""
+    monkeypatch.setenv("PARITY_CACHE", str(tmp_path / "cache"))
+    return use_hf_home(monkeypatch, tmp_path / "empty_hf_home")

@@ -198,3 +198,16 @@ class HFNamed(torch.nn.Module):
 def test_a_torchscript_target_is_checked(tiny, build):
     report = parity.check(str(tiny["llama"]), layers=[0, 1], target=build)
     assert report.passed, [r.diagnosis for r in report.layers]
+
+
+# -- a typed report: a library user reads attributes --------------------------------------------------
+
+def test_a_diagnosis_is_a_record_with_attributes(tiny):
+    from parity.engine.results import Diagnosis
+    from parity.spec.mistakes import PRODUCED_BY, MistakeId
+
+    report = parity.check(str(tiny["llama"]), layers=[1], target="tests.mutants:SwappedSwiGLU")
+    found = report.layers[0].diagnosis
+    assert isinstance(found, Diagnosis) and found.id == "gate_up_swapped" and found.candidates[0].distance >= 0
+    assert json.loads(report.to_json())["layers"][0]["diagnosis"]["id"] == "gate_up_swapped"
+    assert set(PRODUCED_BY) == set(MistakeId)  # every id says which replay or finding produces it

@@ -24,6 +24,7 @@ measures, per layer, how far each mistake moves the output against that dtype's 
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -32,7 +33,7 @@ from torch import nn
 
 from parity.engine.reference import activation_name, replace_activation
 from parity.spec.families import configured_activation
-from parity.spec.mistakes import MistakeId, diagnosis
+from parity.spec.mistakes import Candidate, Diagnosis, MistakeId, Separability, diagnosis
 
 TANH_GELUS = {"gelu_new", "gelu_pytorch_tanh", "gelu_python_tanh", "gelu_fast", "gelu_accurate"}
 EXACT_GELUS = {"gelu", "gelu_python"}
@@ -184,32 +185,32 @@ def _low_precision_signature(build, tensors, x, got, reference64, reference_dist
 
 
 def diagnose(build: Builder, tensors: dict[str, torch.Tensor], config, x: torch.Tensor, got: torch.Tensor,
-             reference64: torch.Tensor, tolerance: float, dtype: torch.dtype = torch.float32) -> dict:
+             reference64: torch.Tensor, tolerance: float, dtype: torch.dtype = torch.float32) -> Diagnosis:
     """Explain a failing layer.  ``build(tensors, dtype)`` returns a fresh reference MLP computing in ``dtype``
     (on the run's device for a low precision); each mistake is replayed in the dtype the target ran in and
     matched within ``tolerance``, the one the layer was judged with.  ``candidates`` lists every replay."""
     reference_distance = float((got - reference64).abs().max())
     probe = build(tensors)
-    candidates: list[dict] = []
+    candidates: list[Candidate] = []
     best: tuple[float, Hypothesis] | None = None
     with torch.no_grad():
         for hypothesis in hypotheses(probe, tensors, config):
             distance = float((got - replay(build, hypothesis, tensors, x, dtype)).abs().max())
-            candidates.append({"id": str(hypothesis.id), "detail": hypothesis.detail, "distance": distance})
+            candidates.append(Candidate(str(hypothesis.id), hypothesis.detail, distance))
             if best is None or distance < best[0]:
                 best = (distance, hypothesis)
         if best is not None and best[0] <= tolerance:
             return diagnosis(best[1].id, best[0], reference_distance, best[1].detail, candidates)
         found = _low_precision_signature(build, tensors, x, got, reference64, reference_distance, _coarser(dtype))
     if found is not None:
-        return {**found, "candidates": candidates}
+        return dataclasses.replace(found, candidates=candidates)
     closest = f"closest known mistake: {best[1].id}, {best[1].detail}, at {best[0]:.2e}" if best else ""
     return diagnosis(MistakeId.UNEXPLAINED, best[0] if best else None, reference_distance, closest, candidates)
 
 
 def separability(build: Builder, tensors: dict[str, torch.Tensor], config, x: torch.Tensor,
                  reference64: torch.Tensor, tolerance: float, reference_error: float | None, dtype: str,
-                 atol: float | None = None, own_tolerance: float | None = None) -> list[dict]:
+                 atol: float | None = None, own_tolerance: float | None = None) -> list[Separability]:
     """Which known mistakes this check can still tell from a correct module on this layer, at its dtype and
     tolerance (a low-precision run, or any run with ``atol``: a tolerance that is not parity's own).
 
@@ -228,8 +229,7 @@ def separability(build: Builder, tensors: dict[str, torch.Tensor], config, x: to
             what = "GELU variant" if hypothesis.id in GELU_VARIANTS else f"{hypothesis.id} ({hypothesis.detail})"
             message = None if checked else not_checked_message(what, distance, tolerance, reference_error, dtype,
                                                                atol, own_tolerance)
-            rows.append({"id": str(hypothesis.id), "detail": hypothesis.detail, "distance": distance,
-                         "checked": checked, "message": message})
+            rows.append(Separability(str(hypothesis.id), hypothesis.detail, distance, checked, message))
     return rows
 
 

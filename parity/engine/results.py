@@ -10,7 +10,13 @@ import math
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
+
+from parity.spec.mistakes import Candidate, Diagnosis, Separability
+
+__all__ = ["Candidate", "Diagnosis", "LayerResult", "Report", "Separability", "WeightsKind"]
+
+WeightsKind = Literal["real", "synthetic"]  # a checkpoint's own weights, or the synthetic stand-in
 
 SCHEMA_VERSION = 1
 # The JSON Schema of what --json writes (reports, `parity check` suites, `parity inspect`); shipped in the package.
@@ -32,18 +38,29 @@ class LayerResult:
     ratio_to_noise: float | None
     preactivation_range: list[float] | None  # [min, max] of the activation's input reached
     deterministic: bool = True
-    diagnosis: dict | None = None  # {id, message, fix, distance, reference_distance, candidates}
+    diagnosis: Diagnosis | None = None  # the known mistake that explains a failing layer, with its evidence
     expert: int | None = None  # MoE: which expert of the layer; null for dense models
-    weights: str = "real"  # where this layer's weights came from: "real" | "synthetic"
+    weights: WeightsKind = "real"  # where this layer's weights came from
     fingerprint: str | None = None  # hash of the layer's stored FFN tensors (names, dtypes, shapes, bytes)
     unverifiable: str | None = None  # why this comparison could not tell right from wrong (then passed is false)
     # low-precision runs only (--dtype bfloat16 / float16); null in float32 runs:
     reference_error: float | None = None  # max |reference in the compute dtype on the device - reference float64|
     ratio_to_reference_error: float | None = None  # max_abs_diff / reference_error
-    separability: list[dict] | None = None  # [{id, detail, distance, checked, message}]: mistakes told apart or not
+    separability: list[Separability] | None = None  # low precision or --atol: which mistakes are told apart
     # against a stored baseline (--baseline): {key, status: ok|regressed|other_weights|not_compared, max_abs_diff,
     # passed, target, message}; null when the run had no baseline
     baseline: dict | None = None
+
+    def __post_init__(self):
+        """A diagnosis or separability rows given as plain dicts (a report read back from JSON) become records."""
+        if isinstance(self.diagnosis, dict):
+            found = dict(self.diagnosis)
+            found["candidates"] = [c if isinstance(c, Candidate) else Candidate(**c)
+                                   for c in found.get("candidates") or []]
+            self.diagnosis = Diagnosis(**found)
+        if self.separability is not None:
+            self.separability = [row if isinstance(row, Separability) else Separability(**row)
+                                 for row in self.separability]
 
     @property
     def regressed(self) -> bool:
@@ -51,16 +68,16 @@ class LayerResult:
         return self.baseline is not None and self.baseline.get("status") == "regressed"
 
     @property
-    def not_checked(self) -> list[dict]:
+    def not_checked(self) -> list[Separability]:
         """The known mistakes this layer's check cannot tell from a correct module at its dtype."""
-        return [s for s in self.separability or [] if not s["checked"]]
+        return [s for s in self.separability or [] if not s.checked]
 
 
 @dataclass
 class Report:
     model: str
     checkpoint: str
-    weights: str  # "real" | "synthetic"
+    weights: WeightsKind
     mapping: str
     target: str
     reference: str  # transformers class of the reference MLP

@@ -28,7 +28,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 
 from parity import __version__
-from parity.engine.results import LayerResult, Report, layer_status
+from parity.engine.results import Diagnosis, LayerResult, Report, layer_status
 from parity.outputs.atomic import write_output
 from parity.outputs.text import condition, reference_filled, summary_line, unit_label
 from parity.spec.mapping import route_arrows
@@ -272,7 +272,7 @@ def layer_point(result: LayerResult, x: float, axis: LogAxis) -> str:
     if result.regressed:
         verdict += f" against the baseline ({result.baseline.get('message')})"
     if result.diagnosis:
-        verdict += f" — {result.diagnosis.get('id')}"
+        verdict += f" — {result.diagnosis.id}"
     if result.unverifiable:
         verdict += f" ({result.unverifiable})"
     tip = (f"layer {unit_label(result)}: max|Δ| {sci(value)}, tolerance {sci(result.tolerance)}, "
@@ -296,17 +296,16 @@ def axis_title_y(label: str, middle: float, x: float = 18) -> str:
 
 # -- diagnosis evidence: distances of the replayed mistakes --------------------------------------------
 
-def evidence_rows(diagnosis: dict) -> list[tuple[str, float | None, str]]:
+def evidence_rows(diagnosis: Diagnosis) -> list[tuple[str, float | None, str]]:
     """(label, distance, kind) per bar: each replayed hypothesis, then transformers itself."""
-    candidates = diagnosis.get("candidates")
     rows = []
-    if candidates:
-        for item in sorted(candidates, key=lambda c: _sort_key(c.get("distance"))):
-            detail = f" ({item['detail']})" if item.get("detail") else ""
-            rows.append((f"{item.get('id')}{detail}", item.get("distance"), "candidate"))
-    elif diagnosis.get("distance") is not None:
-        rows.append((f"{diagnosis.get('id')} (its replay)", diagnosis["distance"], "candidate"))
-    rows.append(("transformers (the correct module)", diagnosis.get("reference_distance"), "reference"))
+    if diagnosis.candidates:
+        for item in sorted(diagnosis.candidates, key=lambda c: _sort_key(c.distance)):
+            detail = f" ({item.detail})" if item.detail else ""
+            rows.append((f"{item.id}{detail}", item.distance, "candidate"))
+    elif diagnosis.distance is not None:
+        rows.append((f"{diagnosis.id} (its replay)", diagnosis.distance, "candidate"))
+    rows.append(("transformers (the correct module)", diagnosis.reference_distance, "reference"))
     return rows
 
 
@@ -495,7 +494,7 @@ def layer_table(report: Report) -> str:
         if r.regressed:
             verdict += f": {r.baseline.get('message')}"
         if r.diagnosis:
-            verdict += f" — {r.diagnosis.get('id')}"
+            verdict += f" — {r.diagnosis.id}"
         if r.unverifiable:
             verdict += f": {r.unverifiable}"
         z = "-" if r.preactivation_range is None else "[{:.1f}, {:.1f}]".format(*r.preactivation_range)
@@ -516,11 +515,11 @@ def diagnosis_blocks(report: Report) -> str:
     parts, seen = [], set()
     for result in report.layers:
         d = result.diagnosis
-        if not d or d.get("id") in seen:
+        if not d or d.id in seen:
             continue
-        seen.add(d.get("id"))
-        units = [unit_label(r) for r in report.layers if r.diagnosis and r.diagnosis.get("id") == d.get("id")]
-        parts.append(f'<div class="diagnosis"><h3>diagnosis <code>{esc(d.get("id"))}</code> '
+        seen.add(d.id)
+        units = [unit_label(r) for r in report.layers if r.diagnosis and r.diagnosis.id == d.id]
+        parts.append(f'<div class="diagnosis"><h3>diagnosis <code>{esc(d.id)}</code> '
                      f'<span class="muted">(layers {esc(", ".join(units))})</span></h3>'
                      f'<p>{esc(d.get("message", ""))}</p>'
                      f'<p class="fix"><strong>fix:</strong> {esc(d.get("fix", ""))}</p>')
@@ -560,9 +559,8 @@ def not_checked_block(report: Report) -> str:
     a pass of them."""
     found: dict[str, str] = {}
     for result in report.layers:
-        for item in getattr(result, "separability", None) or []:
-            if isinstance(item, dict) and not item.get("checked", True):
-                found.setdefault(str(item.get("id")), str(item.get("message") or item.get("detail") or ""))
+        for item in result.not_checked:
+            found.setdefault(item.id, item.message or item.detail)
     if not found:
         return ""
     items = "".join(f"<li><code>{esc(k)}</code>: {esc(v)}</li>" for k, v in found.items())

@@ -39,10 +39,10 @@ def failure_message(layer: LayerResult) -> str:
         parts.append("output is non-deterministic (dropout or train mode?)")
     diagnosis = layer.diagnosis
     if diagnosis:
-        text = f"diagnosis {diagnosis.get('id')}: {diagnosis.get('message')}"
-        if diagnosis.get("distance") is not None and diagnosis.get("reference_distance") is not None:
-            text += (f" (distance {diagnosis['distance']:.2e}; "
-                     f"to the correct reference {diagnosis['reference_distance']:.2e})")
+        text = f"diagnosis {diagnosis.id}: {diagnosis.message}"
+        if diagnosis.distance is not None and diagnosis.reference_distance is not None:
+            text += (f" (distance {diagnosis.distance:.2e}; "
+                     f"to the correct reference {diagnosis.reference_distance:.2e})")
         parts.append(text)
     return "; ".join(parts)
 

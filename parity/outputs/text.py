@@ -82,7 +82,7 @@ def layer_line(result: LayerResult) -> str:
     if result.regressed:
         verdict += f" (baseline: {result.baseline['message']})"
     if result.diagnosis:
-        verdict += f" — {result.diagnosis['id']}"
+        verdict += f" — {result.diagnosis.id}"
     cell = f"{result.layer:>5}" if result.expert is None else f"{result.layer:>5}  {result.expert:>6}"
     return (f"{cell}  {_sci(result.max_abs_diff):>9}  {_sci(result.max_rel_diff):>9}  "
             f"{_sci(result.mean_abs_diff):>9}  {_sci(noise):>9}  {_sci(result.tolerance):>9}  "
@@ -105,15 +105,15 @@ def diagnosis_lines(report: Report) -> list[str]:
                   "  a pass here would prove nothing; check weights that can tell a right module from a wrong one", ""]
     for result in report.layers:
         d = result.diagnosis
-        if not d or d["id"] in seen:
+        if not d or d.id in seen:
             continue
-        seen.add(d["id"])
-        layers = [unit_label(r) for r in report.layers if r.diagnosis and r.diagnosis["id"] == d["id"]]
-        lines.append(f"diagnosis {d['id']} (layers {', '.join(map(str, layers))}): {d['message']}")
-        if d.get("distance") is not None and d.get("reference_distance") is not None:
-            lines.append(f"  evidence: the module is {d['distance']:.2e} from this mistake's replay "
-                         f"and {d['reference_distance']:.2e} from transformers")
-        lines.append(f"  fix: {d['fix']}")
+        seen.add(d.id)
+        layers = [unit_label(r) for r in report.layers if r.diagnosis and r.diagnosis.id == d.id]
+        lines.append(f"diagnosis {d.id} (layers {', '.join(map(str, layers))}): {d.message}")
+        if d.distance is not None and d.reference_distance is not None:
+            lines.append(f"  evidence: the module is {d.distance:.2e} from this mistake's replay "
+                         f"and {d.reference_distance:.2e} from transformers")
+        lines.append(f"  fix: {d.fix}")
         lines.append("")
     return lines + separability_lines(report)
 
@@ -127,16 +127,16 @@ def separability_lines(report: Report) -> list[str]:
     missed: dict[tuple[str, str], list[tuple[LayerResult, dict]]] = {}  # (id, detail) -> where it is not checked
     for result in report.layers:
         for row in result.not_checked:
-            key = (row["id"], "" if row["id"] in GELU_VARIANTS else row["detail"])
+            key = (row.id, "" if row.id in GELU_VARIANTS else row.detail)
             missed.setdefault(key, []).append((result, row))
     lines = []
     for found in missed.values():  # the numbers of the layer where the mistake is least visible
-        least, row = min(found, key=lambda pair: pair[1]["distance"] / max(pair[0].tolerance or 0.0, 1e-300))
+        least, row = min(found, key=lambda pair: pair[1].distance / max(pair[0].tolerance or 0.0, 1e-300))
         where = units_label(list({id(r): r for r, _ in found}.values()))
         if len(found) > 1:
             where += f"; the figures are {units_label([least])}'s, where it is least visible"
-        lines.append(f"not checked {condition(report)} ({where}): {row['message']}")
-    told = sorted({row["id"] for row in rows if row["checked"]} - {mistake for mistake, _ in missed})
+        lines.append(f"not checked {condition(report)} ({where}): {row.message}")
+    told = sorted({row.id for row in rows if row.checked} - {mistake for mistake, _ in missed})
     lines.append(f"told apart {condition(report)} on every layer: {', '.join(told + list(NEEDS_NO_REPLAY))}")
     return [*lines, ""]
 
@@ -150,7 +150,7 @@ def units_label(results: list[LayerResult]) -> str:
 
 def diagnosis_ids(results: list[LayerResult]) -> str:
     """' — gate_up_swapped, bias_dropped' (the distinct diagnosis ids of these layers) or ''."""
-    ids = list(dict.fromkeys(str(r.diagnosis["id"]) for r in results if r.diagnosis))
+    ids = list(dict.fromkeys(str(r.diagnosis.id) for r in results if r.diagnosis))
     return f" — {', '.join(ids)}" if ids else ""
 
 
@@ -198,11 +198,11 @@ def not_checked_summary(report: Report) -> str:
     """' Not checked at bfloat16: GELU variant, ...; run with --dtype float32 to check them.' or ''; the advice names
     the real cause: the dtype, or the --atol that a mistake fits under (by the rows' own messages)."""
     rows = [row for result in report.layers for row in result.not_checked]
-    names = list(dict.fromkeys("GELU variant" if row["id"] in GELU_VARIANTS else row["id"] for row in rows))
+    names = list(dict.fromkeys("GELU variant" if row.id in GELU_VARIANTS else row.id for row in rows))
     if not names:
         return ""
-    by_tolerance = any("drop --atol" in (row.get("message") or "") for row in rows)
-    by_dtype = any("--dtype float32" in (row.get("message") or "") for row in rows)
+    by_tolerance = any("drop --atol" in (row.message or "") for row in rows)
+    by_dtype = any("--dtype float32" in (row.message or "") for row in rows)
     advice = ("run with --dtype float32 and without --atol" if by_dtype and report.atol is not None
               else "drop --atol" if by_tolerance else "run with --dtype float32")
     return (f" Not checked {condition(report)}: {', '.join(names)}; {advice} to check "

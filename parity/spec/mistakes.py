@@ -6,8 +6,10 @@ One entry per mistake.  ``diagnose.py`` holds how each is replayed; this module 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass, field, fields
 from enum import StrEnum
+from typing import Any
 
 
 class MistakeId(StrEnum):
@@ -85,11 +87,83 @@ MISTAKES = {m.id: m for m in [
 ]}
 
 
+class _Readable(Mapping):
+    """Reading a record by key too (``d["id"]``, ``d.get("fix")``, ``set(d)``): what reports held before they were
+    typed, so code written against the dicts keeps working."""
+
+    def __getitem__(self, key: str) -> Any:
+        if key not in self._names():
+            raise KeyError(key)
+        return getattr(self, key)
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._names())
+
+    def __len__(self) -> int:
+        return len(self._names())
+
+    def _names(self) -> tuple[str, ...]:
+        return tuple(f.name for f in fields(self))
+
+
+@dataclass
+class Candidate(_Readable):
+    """One mistake replayed for a failing layer, and how far the module's output is from that replay."""
+
+    id: str
+    detail: str
+    distance: float
+
+
+@dataclass
+class Diagnosis(_Readable):
+    """The known mistake that explains a failing layer (``LayerResult.diagnosis``), with the evidence."""
+
+    id: str  # a MistakeId value
+    message: str
+    fix: str = ""
+    distance: float | None = None  # the module's distance from the mistake's replay (None: a finding, no replay)
+    reference_distance: float | None = None  # the module's distance from transformers
+    candidates: list[Candidate] = field(default_factory=list)  # every replay tried; [] for findings
+
+
+@dataclass
+class Separability(_Readable):
+    """Whether a run at its dtype and tolerance can tell one known mistake from a correct module on a layer."""
+
+    id: str
+    detail: str
+    distance: float  # how far the mistake moves the output
+    checked: bool  # the mistake is sure to fail at this dtype and tolerance
+    message: str | None  # when not checked: why, and what to run instead
+
+
 def diagnosis(mistake_id: MistakeId | str, distance: float | None, reference_distance: float | None,
-              detail: str = "", candidates: list[dict] | None = None) -> dict:
+              detail: str = "", candidates: list[Candidate] | None = None) -> Diagnosis:
     """A diagnosis as reports carry it, with the distances of the hypotheses replayed for it
     (``candidates``; none for findings that need no replay)."""
     mistake = MISTAKES[mistake_id]
     message = mistake.message + (f" ({detail})" if detail else "")
-    return {"id": str(mistake.id), "message": message, "fix": mistake.fix,
-            "distance": distance, "reference_distance": reference_distance, "candidates": candidates or []}
+    return Diagnosis(str(mistake.id), message, mistake.fix, distance, reference_distance, list(candidates or []))
+
+
+# Where each id comes from: a replay (diagnose.py replays it on transformers' MLP) or a finding (measured
+# directly: the runs, the shapes, the state).  tests/test_architecture.py checks every id has an entry.
+PRODUCED_BY: dict[MistakeId, str] = {
+    MistakeId.INPUT_MUTATED: "finding: compare.judge, the target's copy of the input changed",
+    MistakeId.GLOBAL_STATE_MODIFIED: "finding: session.run_layer, engine.guard saw torch's state change",
+    MistakeId.NONFINITE_OUTPUT: "finding: compare.judge, NaN/Inf in the target's output",
+    MistakeId.DROPOUT_ACTIVE: "finding: compare.judge, two identical runs differ",
+    MistakeId.GELU_EXACT_INSTEAD_OF_TANH: "replay: diagnose.hypotheses, the activation swapped",
+    MistakeId.GELU_TANH_INSTEAD_OF_EXACT: "replay: diagnose.hypotheses, the activation swapped",
+    MistakeId.QUICK_GELU: "replay: diagnose.hypotheses, the activation swapped",
+    MistakeId.SILU_INSTEAD_OF_GELU: "replay: diagnose.hypotheses, the activation swapped",
+    MistakeId.GELU_INSTEAD_OF_SILU: "replay: diagnose.hypotheses, the activation swapped",
+    MistakeId.GATE_UP_SWAPPED: "replay: diagnose.hypotheses, gate and up weights exchanged",
+    MistakeId.MISSING_TRANSPOSE: "replay: diagnose.hypotheses (square weights); finding: target.shape_message",
+    MistakeId.BIAS_DROPPED: "replay: diagnose.hypotheses, biases zeroed",
+    MistakeId.LOW_PRECISION_COMPUTE: "replay: diagnose._low_precision_signature, the reference in half precision",
+    MistakeId.INTERMEDIATE_SIZE_MISMATCH: "finding: target.shape_message, d_ff differs from the checkpoint's",
+    MistakeId.SHAPE_MISMATCH: "finding: target.shape_message, another shape disagreement",
+    MistakeId.UNEXPLAINED: "finding: diagnose.diagnose, no replay within the tolerance",
+}
