@@ -12,11 +12,11 @@ from typing import Any
 
 from torch import nn
 
+from parity.engine.build import cwd_importable
 from parity.engine.logits import logits_impact
 from parity.engine.results import LayerResult, Report
 from parity.engine.session import run_session
 from parity.engine.suite import open_session
-from parity.engine.target import cwd_importable
 from parity.errors import LayerRangeError
 from parity.outputs.render import render, render_html  # importing it makes str(report) the text table
 from parity.spec.project import CheckSpec

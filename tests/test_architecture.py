@@ -35,7 +35,7 @@ MODULES = {module_name(p): p for p in sorted(PACKAGE.rglob("*.py"))}
 
 
 def layer_of(name: str) -> str | None:
-    if name == "parity.ffn":
+    if name in ("parity.ffn", "parity.examples"):  # the seed's modules and the documented example mutants
         return None
     if name in ("parity", "parity.errors"):
         return "base"

@@ -1,7 +1,6 @@
 """A target constructor that reads config fields transformers' config lacks: parity's read-only config view
 (parity/engine/config_view.py, aliases.toml [config_fields]) answers them, and says so in the report."""
 
-import json
 import textwrap
 from pathlib import Path
 
@@ -9,13 +8,13 @@ import pytest
 import torch
 from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig
 
-from parity import cli
+from parity.engine.build import checkpoint_ffn_bias, checkpoint_ffn_width
 from parity.engine.config_view import config_view
-from parity.engine.target import checkpoint_ffn_bias, checkpoint_ffn_width
 from parity.errors import MappingError
 from parity.spec.aliases import aliases_path, load_aliases
 from parity.spec.mapping import builtin_mappings
 from tests.conftest import TINY
+from tests.support import run_json
 
 NANOGPT_MLP = '''
 import torch.nn as nn
@@ -62,18 +61,12 @@ def write_module(folder: Path, name: str, gelu: str) -> str:
     return name
 
 
-def run(capsys, *args) -> tuple[int, dict, str]:
-    code = cli.main([str(a) for a in args] + ["--json", "-"])
-    out, err = capsys.readouterr()
-    return code, json.loads(out) if out.strip() else {}, err
-
-
 # -- end to end: nanoGPT's MLP, verbatim, with --target alone -------------------------------------------------
 
 def test_verbatim_nanogpt_mlp_builds_and_its_exact_gelu_is_diagnosed(gpt2_checkpoint, tmp_path, monkeypatch, capsys):
     monkeypatch.chdir(tmp_path)  # `mod:MLP` is imported from the working directory, as in a shell
     module = write_module(tmp_path, "nanogpt_exact_cv", "")
-    code, report, err = run(capsys, "gpt2", "--checkpoint", gpt2_checkpoint, "--target", f"{module}:MLP")
+    code, report, err = run_json(capsys, "gpt2", "--checkpoint", gpt2_checkpoint, "--target", f"{module}:MLP")
     assert code == 1, err  # built and run: no construction error, the layers deviate
     assert "cannot construct" not in err
     assert report["routes"]["inferred"] is True
@@ -88,13 +81,13 @@ def test_verbatim_nanogpt_mlp_builds_and_its_exact_gelu_is_diagnosed(gpt2_checkp
 def test_verbatim_nanogpt_mlp_with_the_tanh_gelu_passes(gpt2_checkpoint, tmp_path, monkeypatch, capsys):
     monkeypatch.chdir(tmp_path)
     module = write_module(tmp_path, "nanogpt_tanh_cv", 'approximate="tanh"')
-    code, report, err = run(capsys, "gpt2", "--checkpoint", gpt2_checkpoint, "--target", f"{module}:MLP",
+    code, report, err = run_json(capsys, "gpt2", "--checkpoint", gpt2_checkpoint, "--target", f"{module}:MLP",
                             "--save-mapping", tmp_path / "saved.toml")
     assert code == 0, err
     assert report["passed"] is True and len(report["layers"]) == 2
     assert any(note.startswith(BIAS_NOTE) for note in report["notes"])
     # the saved mapping names the transformers config as the argument; the view answers bias/dropout again
-    code, again, err = run(capsys, "gpt2", "--checkpoint", gpt2_checkpoint, "--mapping", tmp_path / "saved.toml")
+    code, again, err = run_json(capsys, "gpt2", "--checkpoint", gpt2_checkpoint, "--mapping", tmp_path / "saved.toml")
     assert code == 0, err
     assert any(note.startswith(BIAS_NOTE) for note in again["notes"])
 
@@ -102,7 +95,8 @@ def test_verbatim_nanogpt_mlp_with_the_tanh_gelu_passes(gpt2_checkpoint, tmp_pat
 def test_a_field_neither_config_nor_table_has_is_a_clear_error(gpt2_checkpoint, tmp_path, monkeypatch, capsys):
     monkeypatch.chdir(tmp_path)
     module = write_module(tmp_path, "nanogpt_unknown_cv", "")
-    code, _, err = run(capsys, "gpt2", "--checkpoint", gpt2_checkpoint, "--target", f"{module}:ReadsAnUnknownField")
+    code, _, err = run_json(capsys, "gpt2", "--checkpoint", gpt2_checkpoint, "--target",
+                            f"{module}:ReadsAnUnknownField")
     assert code == 2
     assert "config.frobnicate_width" in err and "GPT2Config" in err
     assert "factory" in err and "[target].args" in err

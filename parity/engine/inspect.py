@@ -150,7 +150,7 @@ def target_routes(session, prefix: str, rows: list[dict[str, Any]]) -> dict[str,
     fail the layer, or routes that cannot be shown)."""
     import torch
 
-    from parity.engine.target import fill_target
+    from parity.engine.fill import fill_target
     from parity.errors import ParityError, ShapeMismatchError, TargetError
 
     built: dict[str, Any] = {"args": None, "routes": None, "notes": [], "error": None, "error_details": None,
@@ -189,7 +189,8 @@ def _build_on_meta(session):
     device; a constructor that cannot run there is built on the CPU and moved to it."""
     import torch
 
-    from parity.engine.target import build_target, skip_init, user_code
+    from parity.engine.build import build_target
+    from parity.engine.run import skip_init, user_code
     from parity.errors import TargetError
 
     with skip_init(), user_code(f"target {session.target_name()} could not be built"):

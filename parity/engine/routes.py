@@ -21,7 +21,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from parity.engine.target import check_target_routes, is_projection_bias, target_label
+from parity.engine.build import target_label
+from parity.engine.fill import check_target_routes, is_projection_bias
 from parity.errors import MappingError
 from parity.spec.aliases import Aliases, load_aliases
 from parity.spec.mapping import Mapping, TensorRoute, is_builtin, mapping_text, route_spelling

@@ -1,7 +1,7 @@
 """A check session: everything resolved once, then one layer at a time.
 
 One layer's check, in order: read its tensors as stored (``layer.py``), build transformers'
-MLP and the target from them (``reference.py``, ``target.py``), make the inputs
+MLP and the target from them (``reference.py``, ``build.py``, ``fill.py``), make the inputs
 (``inputs.py``), run both, judge (``compare.py``), and replay known mistakes when it failed
 (``diagnose.py``).  This module only puts those steps in order.
 """
@@ -19,8 +19,10 @@ import torch
 from torch import nn
 
 from parity import __version__
+from parity.engine.build import build_target, target_label
 from parity.engine.compare import LOW_PRECISION_FACTOR, Runs, judge, own_tolerance, shape_failure
 from parity.engine.diagnose import diagnose, separability
+from parity.engine.fill import fill_target, route_tensor
 from parity.engine.guard import guarded
 from parity.engine.inputs import make_inputs, preactivation
 from parity.engine.layer import LayerOnDisk, LayerReader, weights_fingerprint
@@ -28,19 +30,8 @@ from parity.engine.memory import young_objects_only
 from parity.engine.reference import ReferenceModel, activation_name
 from parity.engine.results import LayerResult, Report
 from parity.engine.routes import TargetRoutes
+from parity.engine.run import place, run_module, run_target, skip_init, torch_device, user_code
 from parity.engine.sliced import SlicedMLP
-from parity.engine.target import (
-    build_target,
-    fill_target,
-    place,
-    route_tensor,
-    run_module,
-    run_target,
-    skip_init,
-    target_label,
-    torch_device,
-    user_code,
-)
 from parity.engine.upcast import compute_in
 from parity.errors import CheckpointError, LayerRangeError, ShapeMismatchError
 from parity.spec.families import configured_activation

@@ -17,8 +17,8 @@ from typing import Any
 from parity.engine.logits import logits_impact
 from parity.engine.resolve import resolve
 from parity.engine.results import LayerResult, Report
+from parity.engine.run import torch_device
 from parity.engine.session import Session, run_session
-from parity.engine.target import torch_device
 from parity.errors import ParityError, SyntheticWeightsError
 from parity.spec.project import CheckSpec, shard_units
 from parity.spec.selection import parse_selection

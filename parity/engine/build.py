@@ -1,0 +1,229 @@
+"""Building the module under test: importing the user's class or factory and calling its constructor with
+the mapping's [target].args, or the checkpoint's config (through a read-only view of it when the constructor
+reads a field the config lacks).  Construction runs the user's code: what it raises becomes a TargetError
+naming it, with the constructor's signature and what was passed.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import importlib
+import inspect
+import os
+import sys
+from collections.abc import Iterator
+from typing import Any
+
+from torch import nn
+
+from parity.errors import TargetError
+from parity.spec.aliases import load_aliases
+from parity.spec.families import config_dff
+from parity.spec.mapping import ConfigValue, Mapping
+
+
+def import_object(spec: str, what: str = "--target") -> Any:
+    """'package.module:Name' -> the object (a class or a factory callable)."""
+    if not spec.strip():
+        raise TargetError(f"{what} is empty; give the module to check as 'package.module:ClassOrFunction'")
+    module_name, _, attr = spec.partition(":")
+    if not module_name or not attr:
+        raise TargetError(f"{what} {spec!r}: expected 'package.module:ClassOrFunction'")
+    try:
+        module = importlib.import_module(module_name)
+    except Exception as exc:
+        raise TargetError(f"{what} {spec!r}: cannot import module '{module_name}': {type(exc).__name__}: {exc}. "
+                          "Is it installed or on PYTHONPATH?") from None
+    obj = module
+    for part in attr.split("."):
+        if part.startswith("__") or not hasattr(obj, part):
+            raise TargetError(f"{what} {spec!r}: module '{module_name}' has no attribute '{attr}'")
+        obj = getattr(obj, part)
+    check_constructible(obj, spec, what)
+    return obj
+
+def check_constructible(obj: Any, spec: str, what: str) -> None:
+    """A target is imported code, as trusted as a conftest.py; still, parity calls only what can build a
+    module: an nn.Module subclass, or a function written in Python (a factory).  ``os:system``,
+    ``builtins:exec`` or ``subprocess:Popen`` are refused before anything is called."""
+    if inspect.isclass(obj):
+        if issubclass(obj, nn.Module):
+            return
+        raise TargetError(f"{what} {spec!r}: is the class {obj.__module__}.{obj.__qualname__}, not a torch.nn.Module "
+                          "subclass; name the module class (or a function that builds it)")
+    function = obj.__func__ if inspect.ismethod(obj) else obj
+    if inspect.isfunction(function):
+        return
+    kind = "a built-in function" if inspect.isbuiltin(obj) else f"a {type(obj).__name__}"
+    raise TargetError(f"{what} {spec!r}: is {kind}, not an nn.Module class or a Python function that builds one; "
+                      "parity does not call it")
+
+def target_label(spec: Any) -> str:
+    """How reports name a target: 'pkg.module:Name' (for an instance, its class)."""
+    if isinstance(spec, str):
+        return spec
+    if isinstance(spec, nn.Module):
+        spec = type(spec)
+    name = getattr(spec, "__qualname__", None) or getattr(spec, "__name__", None) or type(spec).__name__
+    return f"{getattr(spec, '__module__', None) or '?'}:{name}"
+
+@contextlib.contextmanager
+def cwd_importable() -> Iterator[None]:
+    """The working directory importable (first on sys.path, as the `parity` command has it) while a check
+    resolves its target: 'mymodel:MLP' means the same in a shell, in Python and under pytest."""
+    cwd = os.getcwd()
+    added = cwd not in sys.path
+    if added:
+        sys.path.insert(0, cwd)
+        importlib.invalidate_caches()
+    try:
+        yield
+    finally:
+        if added and cwd in sys.path:
+            sys.path.remove(cwd)
+
+def build_target(mapping: Mapping, config: Any,
+                 target: str | Any | None = None) -> tuple[nn.Module, str, dict | None, list[str]]:
+    """Construct the target: the mapping's [target].class, or ``target``: 'pkg.module:Name', a class, a factory,
+    or an nn.Module instance (deep-copied: the caller's instance is never modified).  Returns the module, its
+    name, its constructor arguments as a mapping file spells them (None for an instance) and notes.
+
+    A constructor given the checkpoint's transformers config that reads a field the config lacks (nanoGPT's
+    ``config.bias``) is called once more with a read-only view of the config that answers it from aliases.toml
+    [config_fields] (``parity.engine.config_view``); each field the view supplied is one of the notes."""
+    spec = target if target is not None else mapping.target_class
+    name = target_label(spec)
+    if isinstance(spec, nn.Module):
+        return copy.deepcopy(spec), name, None, []
+    what = "--target" if target is not None else f"{mapping.path}: target.class"
+    factory = import_object(spec, what) if isinstance(spec, str) else spec
+    if not callable(factory):
+        raise TargetError(f"target {name}: a {type(spec).__name__} is not a class, a factory or an nn.Module")
+    raw, kwargs = constructor_args(factory, mapping, config)
+    notes: list[str] = []
+    try:
+        module = factory(**kwargs)
+    except AttributeError as exc:
+        if not any(value is config for value in kwargs.values()):
+            raise construction_error(factory, name, kwargs, config, exc) from None
+        module, notes = build_with_view(factory, name, kwargs, mapping, config)
+    except Exception as exc:
+        raise construction_error(factory, name, kwargs, config, exc) from None
+    if not isinstance(module, nn.Module):
+        raise TargetError(f"target {name} returned {type(module).__name__}, not a torch.nn.Module")
+    return module, name, raw, notes
+
+def build_with_view(factory: Any, name: str, kwargs: dict, mapping: Mapping, config: Any) -> tuple[Any, list[str]]:
+    """The constructor called with parity's read-only view in place of the transformers config (config_view.py);
+    the built module and one note per field the view supplied."""
+    from parity.engine.config_view import config_view
+
+    facts = {"ffn_bias": checkpoint_ffn_bias(mapping, config), "ffn_width": checkpoint_ffn_width(config)}
+    view = config_view(config, load_aliases().config_fields, facts)
+    viewed = {key: view if value is config else value for key, value in kwargs.items()}
+    try:
+        module = factory(**viewed)
+    except Exception as exc:
+        raise construction_error(factory, name, viewed, config, exc) from None
+    return module, view.notes()
+
+def checkpoint_ffn_width(config: Any) -> tuple[int, str] | None:
+    """d_ff as transformers builds the MLP from this config: its intermediate_size (n_inner), or 4 x the hidden
+    size where a GPT config leaves n_inner unset; None where the config states neither."""
+    width = config_dff(config)
+    if isinstance(width, int) and not isinstance(width, bool):
+        field = "intermediate_size" if getattr(config, "intermediate_size", None) else "n_inner"
+        return width, f"{type(config).__name__}.{field}"
+    hidden = getattr(config, "hidden_size", None)
+    if hasattr(config, "n_inner") and isinstance(hidden, int):
+        return 4 * hidden, f"{type(config).__name__}.n_inner is unset: transformers builds 4 x hidden size"
+    return None
+
+def checkpoint_ffn_bias(mapping: Mapping, config: Any) -> tuple[bool, str]:
+    """Whether the checkpoint's FFN has bias tensors, and why parity says so: the mapping's own [target].args.bias
+    when it has one (LLaMA's reads config.mlp_bias), else its bias routes (GPT-2 routes c_fc.bias and c_proj.bias;
+    a check reads them, so the checkpoint has them), optional ones following config.mlp_bias."""
+    if "bias" in mapping.target_args:
+        value = ConfigValue(config, mapping.path)(mapping.target_args["bias"], "target.args.bias")
+        if isinstance(value, bool):
+            return value, (f"the checkpoint has {'' if value else 'no '}FFN biases: mapping '{mapping.name}' "
+                           "target.args.bias")
+    required = [r.source for r in mapping.tensors if r.target.endswith("bias") and not r.optional]
+    if required:
+        return True, f"the checkpoint has FFN biases: {', '.join(required)}"
+    optional = [r.source for r in mapping.tensors if r.target.endswith("bias")]
+    flag = getattr(config, "mlp_bias", None)
+    if optional and isinstance(flag, bool):
+        return flag, f"the checkpoint has {'' if flag else 'no '}FFN biases: {type(config).__name__}.mlp_bias"
+    return False, f"the checkpoint has no FFN biases: mapping '{mapping.name}' routes none"
+
+def construction_error(factory: Any, name: str, kwargs: dict, config: Any, exc: Exception) -> TargetError:
+    """What failed, the constructor's signature and how to give it what it needs (a mapping's args or a factory);
+    for a config field neither the config nor aliases.toml [config_fields] has, that field's name."""
+    short = name.split(":")[-1]
+    try:
+        parameters = inspect.signature(factory).parameters
+        signature = f"{short}{inspect.signature(factory)}"
+    except (TypeError, ValueError):
+        parameters, signature = {}, name
+    call = ", ".join(f"{p}=..." for p, v in parameters.items() if v.default is v.empty and v.kind in _NAMED)
+    shown = {k: (type(config).__name__ if k == "config" or v is config or _is_view(v) else v)
+             for k, v in kwargs.items()}
+    field = getattr(exc, "name", None) if isinstance(exc, AttributeError) else None
+    if field and any(v is config or _is_view(v) for v in kwargs.values()) and not hasattr(config, field):
+        return TargetError(
+            f"cannot construct target {name} with {shown}: it reads config.{field}, which the checkpoint's "
+            f"{type(config).__name__} does not have and aliases.toml [config_fields] does not supply. Supply "
+            f"'{field}' through a factory: --target mymodel:make_ffn with def make_ffn(config): return "
+            f"{short}(YourConfig({field}=..., ...)), the values read from the checkpoint's transformers config; or, "
+            f"for a constructor that takes plain values, [target].args in a mapping file (--mapping). Its signature "
+            f"is {signature}."
+        )
+    return TargetError(
+        f"cannot construct target {name} with {shown}: {type(exc).__name__}: {exc}. "
+        f"Its signature is {signature}; set [target].args in a mapping file (--mapping) to match it, "
+        f"or pass a factory as --target: def make_ffn(config): return {short}({call}), with the values "
+        "read from the checkpoint's transformers config."
+    )
+
+def _is_view(value: Any) -> bool:
+    from parity.engine.config_view import ConfigView
+
+    return isinstance(value, ConfigView)
+
+_NAMED = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
+
+def constructor_args(factory: Any, mapping: Mapping, config: Any) -> tuple[dict, dict]:
+    """The constructor's arguments, as a mapping spells them and evaluated: the checkpoint's transformers config
+    for a parameter named `config` (aliases.toml [constructor]) whenever the signature has one, whatever else it
+    accepts; else the mapping's [target].args when the constructor takes them (or its signature cannot be
+    read); else the config for a factory's one required parameter (``lambda c: MLP(c.n_embd)``); else none,
+    when every parameter has a default; else the mapping's args, and the constructor's error says what to
+    change."""
+    raw = mapping.target_args
+    try:
+        signature = inspect.signature(factory)
+    except (TypeError, ValueError):
+        signature = None
+    if signature is not None:
+        names = load_aliases().config_names
+        named = [p for p in signature.parameters.values() if p.kind in _NAMED]
+        taker = next((p.name for p in named if p.name in names), None)
+        if taker is not None and _binds(signature, {taker: config}):
+            return {taker: "config"}, {taker: config}
+        if not (raw and _binds(signature, raw)):
+            required = [p.name for p in named if p.default is inspect.Parameter.empty]
+            if len(required) == 1 and _binds(signature, {required[0]: config}) and not inspect.isclass(factory):
+                return {required[0]: "config"}, {required[0]: config}
+            if _binds(signature, {}):
+                return {}, {}
+    value = ConfigValue(config, mapping.path)
+    return raw, {key: value(spec, f"target.args.{key}") for key, spec in raw.items()}
+
+def _binds(signature: inspect.Signature, kwargs: dict) -> bool:
+    try:
+        signature.bind(**kwargs)
+    except TypeError:
+        return False
+    return True
