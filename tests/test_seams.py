@@ -18,10 +18,11 @@ from transformers import GPT2Config
 from parity.engine.config_view import config_view
 from parity.errors import MappingError
 from parity.outputs.baseline import _regression
-from parity.spec import mapping as mapping_module
+from parity.spec import mapping_parser as mapping_module
 from parity.spec.aliases import load_aliases
-from parity.spec.mapping import builtin_mappings, load_mapping, mapping_for_model_type
+from parity.spec.mapping_parser import load_mapping
 from parity.spec.project import MAX_SELECTION_DEPTH, select_checks
+from parity.spec.registry import builtin_mappings, mapping_for_model_type
 
 from .support import run_main, run_parity
 

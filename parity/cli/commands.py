@@ -284,7 +284,7 @@ def save_mapping(path: str, report, *, given: str | None = None, force: bool = F
     Replaces only a file that --save-mapping wrote (or any with ``force``), and never the mapping the run was
     given: the saved file extends that mapping, and would then extend itself."""
     from parity.outputs.atomic import write_output
-    from parity.spec.mapping import mapping_text
+    from parity.spec.toml_text import mapping_text
 
     refuse_to_replace(path, given, force)
     if report is None or not report.routes:
@@ -305,7 +305,7 @@ def refuse_to_replace(path: str, given: str | None, force: bool) -> None:
     from pathlib import Path
 
     from parity.spec.files import shown
-    from parity.spec.mapping import SAVED_MAPPING_MARK
+    from parity.spec.toml_text import SAVED_MAPPING_MARK
 
     target = Path(path)
     if given is not None and target.exists() and Path(given).exists() and os.path.samefile(target, given):
@@ -352,7 +352,8 @@ def json_document(runs, single: bool, shard, args, comparison, problem: str | No
 
 
 def list_mappings() -> int:
-    from parity.spec.mapping import builtin_mapping_dir, builtin_mappings
+    from parity.spec.datafiles import builtin_mapping_dir
+    from parity.spec.registry import builtin_mappings
 
     mappings = builtin_mappings()
     width = max(map(len, mappings), default=4)

@@ -43,6 +43,7 @@ def import_object(spec: str, what: str = "--target") -> Any:
     check_constructible(obj, spec, what)
     return obj
 
+
 def check_constructible(obj: Any, spec: str, what: str) -> None:
     """A target is imported code, as trusted as a conftest.py; still, parity calls only what can build a
     module: an nn.Module subclass, or a function written in Python (a factory).  ``os:system``,
@@ -59,6 +60,7 @@ def check_constructible(obj: Any, spec: str, what: str) -> None:
     raise TargetError(f"{what} {spec!r}: is {kind}, not an nn.Module class or a Python function that builds one; "
                       "parity does not call it")
 
+
 def target_label(spec: Any) -> str:
     """How reports name a target: 'pkg.module:Name' (for an instance, its class)."""
     if isinstance(spec, str):
@@ -68,7 +70,10 @@ def target_label(spec: Any) -> str:
     name = getattr(spec, "__qualname__", None) or getattr(spec, "__name__", None) or type(spec).__name__
     return f"{getattr(spec, '__module__', None) or '?'}:{name}"
 
+
 @contextlib.contextmanager
+
+
 def cwd_importable() -> Iterator[None]:
     """The working directory importable (first on sys.path, as the `parity` command has it) while a check
     resolves its target: 'mymodel:MLP' means the same in a shell, in Python and under pytest."""
@@ -82,6 +87,7 @@ def cwd_importable() -> Iterator[None]:
     finally:
         if added and cwd in sys.path:
             sys.path.remove(cwd)
+
 
 def build_target(mapping: Mapping, config: Any,
                  target: str | Any | None = None) -> tuple[nn.Module, str, dict | None, list[str]]:
@@ -114,6 +120,7 @@ def build_target(mapping: Mapping, config: Any,
         raise TargetError(f"target {name} returned {type(module).__name__}, not a torch.nn.Module")
     return module, name, raw, notes
 
+
 def build_with_view(factory: Any, name: str, kwargs: dict, mapping: Mapping, config: Any) -> tuple[Any, list[str]]:
     """The constructor called with parity's read-only view in place of the transformers config (config_view.py);
     the built module and one note per field the view supplied."""
@@ -128,6 +135,7 @@ def build_with_view(factory: Any, name: str, kwargs: dict, mapping: Mapping, con
         raise construction_error(factory, name, viewed, config, exc) from None
     return module, view.notes()
 
+
 def checkpoint_ffn_width(config: Any) -> tuple[int, str] | None:
     """d_ff as transformers builds the MLP from this config: its intermediate_size (n_inner), or 4 x the hidden
     size where a GPT config leaves n_inner unset; None where the config states neither."""
@@ -139,6 +147,7 @@ def checkpoint_ffn_width(config: Any) -> tuple[int, str] | None:
     if hasattr(config, "n_inner") and isinstance(hidden, int):
         return 4 * hidden, f"{type(config).__name__}.n_inner is unset: transformers builds 4 x hidden size"
     return None
+
 
 def checkpoint_ffn_bias(mapping: Mapping, config: Any) -> tuple[bool, str]:
     """Whether the checkpoint's FFN has bias tensors, and why parity says so: the mapping's own [target].args.bias
@@ -157,6 +166,7 @@ def checkpoint_ffn_bias(mapping: Mapping, config: Any) -> tuple[bool, str]:
     if optional and isinstance(flag, bool):
         return flag, f"the checkpoint has {'' if flag else 'no '}FFN biases: {type(config).__name__}.mlp_bias"
     return False, f"the checkpoint has no FFN biases: mapping '{mapping.name}' routes none"
+
 
 def construction_error(factory: Any, name: str, kwargs: dict, config: Any, exc: Exception) -> TargetError:
     """What failed, the constructor's signature and how to give it what it needs (a mapping's args or a factory);
@@ -187,12 +197,14 @@ def construction_error(factory: Any, name: str, kwargs: dict, config: Any, exc: 
         "read from the checkpoint's transformers config."
     )
 
+
 def _is_view(value: Any) -> bool:
     from parity.engine.config_view import ConfigView
 
     return isinstance(value, ConfigView)
 
 _NAMED = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
+
 
 def constructor_args(factory: Any, mapping: Mapping, config: Any) -> tuple[dict, dict]:
     """The constructor's arguments, as a mapping spells them and evaluated: the checkpoint's transformers config
@@ -220,6 +232,7 @@ def constructor_args(factory: Any, mapping: Mapping, config: Any) -> tuple[dict,
                 return {}, {}
     value = ConfigValue(config, mapping.path)
     return raw, {key: value(spec, f"target.args.{key}") for key, spec in raw.items()}
+
 
 def _binds(signature: inspect.Signature, kwargs: dict) -> bool:
     try:

@@ -30,6 +30,7 @@ def route_tensor(route: TensorRoute, stored: torch.Tensor) -> torch.Tensor:
         tensor = tensor.t()
     return tensor
 
+
 def fill_target(module: nn.Module, mapping: Mapping, tensors: dict[str, torch.Tensor], config: Any = None) -> list[str]:
     """Copy routed checkpoint tensors (names relative to the layer) into the target's parameters.
 
@@ -77,12 +78,14 @@ def fill_target(module: nn.Module, mapping: Mapping, tensors: dict[str, torch.Te
         )
     return notes
 
+
 def is_projection_bias(name: str, params: dict[str, Any], routed: set[str]) -> bool:
     """A projection's bias: the ``bias`` of a submodule whose ``weight`` the routes fill (an nn.Linear built with
     bias=True on a bias-free checkpoint).  The only parameter parity may set to zero unasked: anything else
     without a tensor (a ``gain_bias`` of a (1 + g) scale, a bias of an unrouted module) is a route error."""
     owner, _, leaf = name.rpartition(".")
     return leaf == "bias" and bool(owner) and f"{owner}.weight" in routed and f"{owner}.weight" in params
+
 
 def check_target_routes(module: nn.Module, mapping: Mapping, params: dict[str, nn.Parameter]) -> list[TensorRoute]:
     """Every key of [tensors] must name a parameter of the target; returns the routes to skip.
@@ -108,6 +111,7 @@ def check_target_routes(module: nn.Module, mapping: Mapping, params: dict[str, n
               "on the right (a --target with other names than the mapping's needs its own --mapping FILE.toml)."
         )
     return skipped
+
 
 def shape_message(route: TensorRoute, found: tuple[int, ...], expected: tuple[int, ...],
                   config: Any) -> tuple[str, str]:

@@ -35,7 +35,9 @@ from parity.sources.config_check import (
 )
 from parity.sources.registry import open_local
 from parity.spec.files import shown
-from parity.spec.mapping import ConfigValue, Mapping, builtin_mappings, fits, load_mapping, mapping_for_model_type
+from parity.spec.mapping import ConfigValue, Mapping
+from parity.spec.mapping_parser import load_mapping
+from parity.spec.registry import builtin_mappings, fits, mapping_for_model_type
 
 
 @dataclass

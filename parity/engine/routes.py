@@ -25,7 +25,8 @@ from parity.engine.build import target_label
 from parity.engine.fill import check_target_routes, is_projection_bias
 from parity.errors import MappingError
 from parity.spec.aliases import Aliases, load_aliases
-from parity.spec.mapping import Mapping, TensorRoute, is_builtin, mapping_text, route_spelling
+from parity.spec.mapping import Mapping, TensorRoute, is_builtin, route_spelling
+from parity.spec.toml_text import mapping_text
 
 Role = tuple[str, str]  # (role name, "weight" | "bias")
 

@@ -15,6 +15,8 @@ from parity.errors import ParityError, TargetError
 
 
 @contextlib.contextmanager
+
+
 def skip_init() -> Iterator[None]:
     """Constructing a 7B-size target should not spend seconds on random init it will overwrite."""
     names = ("uniform_", "normal_", "kaiming_uniform_", "kaiming_normal_", "xavier_uniform_", "xavier_normal_",
@@ -28,13 +30,16 @@ def skip_init() -> Iterator[None]:
         for name, fn in saved.items():
             setattr(nn.init, name, fn)
 
+
 def module_dtype(module: nn.Module, fallback: torch.dtype) -> torch.dtype:
     param = next(module.parameters(), None)
     return param.dtype if param is not None and param.is_floating_point() else fallback
 
+
 def module_device(module: nn.Module, fallback: torch.device) -> torch.device:
     param = next(module.parameters(), None)
     return param.device if param is not None else fallback
+
 
 def run_module(module: nn.Module, x: torch.Tensor, notes: list[str] | None = None) -> torch.Tensor:
     """Run a target on its own device in its own parameter dtype (a bf16 target computes in bf16)
@@ -51,6 +56,7 @@ def run_module(module: nn.Module, x: torch.Tensor, notes: list[str] | None = Non
     if not isinstance(out, torch.Tensor):
         raise TypeError(f"forward returned {type(out).__name__}, not a torch.Tensor")
     return out.cpu().double()
+
 
 def torch_device(name: str) -> torch.device:
     """A --device value (already valid by ``spec.values.device_value``) that this machine and this torch
@@ -75,6 +81,7 @@ def torch_device(name: str) -> torch.device:
         return torch.device("mps")
     return torch.device("cpu")
 
+
 def place(module: nn.Module, device: torch.device, dtype: torch.dtype | None) -> nn.Module:
     """The target moved to ``device`` and, when ``dtype`` is given, cast to that compute dtype (floating
     parameters and buffers, as ``module.to`` does).  None keeps the module's own dtype: a float32 check
@@ -85,7 +92,10 @@ def place(module: nn.Module, device: torch.device, dtype: torch.dtype | None) ->
         module.to(dtype)
     return module
 
+
 @contextlib.contextmanager
+
+
 def user_code(what: str, exceptions: bool = True) -> Iterator[None]:
     """The module under test is the user's code: what it raises (even SystemExit) is a target error
     naming it, never a parity crash or an exit code of its choosing.  Ctrl-C stays Ctrl-C.
@@ -98,6 +108,7 @@ def user_code(what: str, exceptions: bool = True) -> Iterator[None]:
         if isinstance(exc, Exception) and not exceptions:
             raise
         raise TargetError(f"{what}: {type(exc).__name__}: {exc}") from exc
+
 
 def run_target(module: nn.Module, name: str, x: torch.Tensor, expected: torch.Size,
                notes: list[str] | None = None) -> tuple[torch.Tensor, str | None]:

@@ -38,6 +38,7 @@ from parity.spec.families import configured_activation
 from parity.spec.mapping import ConfigValue, Mapping, check_reference_routes, is_builtin
 from parity.spec.mistakes import MistakeId, diagnosis
 from parity.spec.reference_routes import check_reference_roles, reference_routes
+from parity.spec.registry import builtin_mappings
 from parity.spec.selection import Selection, parse_selection
 from parity.spec.values import check_atol, check_compute
 
@@ -77,7 +78,7 @@ class Session:
         if experts is None:  # a [reference.tensors] name the MLP lacks would silently route nothing
             names = self.reference.tensor_shapes(self.mapping.reference_path(0))
             check_reference_routes(self.mapping, names)
-            check_reference_roles(self.mapping, names)  # nor may a user's mapping bend the oracle
+            check_reference_roles(self.mapping, names, builtin_mappings().values())  # nor may a mapping bend it
 
     def config_int(self, spec: Any, key: str) -> int:
         """A mapping size (num_layers, hidden_size, experts.count) read from the config: a config.json may hold

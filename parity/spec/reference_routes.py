@@ -14,22 +14,25 @@ from collections.abc import Iterable
 
 from parity.errors import MappingError
 from parity.spec.aliases import load_aliases
-from parity.spec.mapping import Mapping, TensorRoute, builtin_mappings, is_builtin, route_spelling
+from parity.spec.mapping import Mapping, TensorRoute, route_spelling
 
 
-def builtin_reference_routes(mapping: Mapping) -> list[TensorRoute]:
+def builtin_reference_routes(mapping: Mapping, builtins: Iterable[Mapping]) -> list[TensorRoute]:
     """The [reference.tensors] routes of the built-in mappings serving the same model types (format mappings)."""
     types = set(mapping.model_types)
-    return [route for m in builtin_mappings().values() if types & set(m.model_types) for route in m.reference_tensors]
+    return [route for m in builtins if types & set(m.model_types) for route in m.reference_tensors]
 
 
-def check_reference_roles(mapping: Mapping, reference_names: Iterable[str]) -> None:
+def check_reference_roles(mapping: Mapping, reference_names: Iterable[str], builtins: Iterable[Mapping]) -> None:
     """Refuse a user mapping's [reference.tensors] route that fills one role of transformers' MLP with a
-    checkpoint tensor of another role (by the alias table), or that moves one of the MLP's own names elsewhere."""
-    if is_builtin(mapping) or not mapping.reference_tensors:
+    checkpoint tensor of another role (by the alias table), or that moves one of the MLP's own names elsewhere.
+    ``builtins``: parity's own mappings (the format mappings, the only ones that may route the reference freely);
+    ``mapping`` being one of them is not checked."""
+    builtins = list(builtins)
+    if any(mapping is m for m in builtins) or not mapping.reference_tensors:
         return
     have, aliases = set(reference_names), load_aliases()
-    allowed = builtin_reference_routes(mapping)
+    allowed = builtin_reference_routes(mapping, builtins)
     for route in mapping.reference_tensors:
         if route.source == route.target or route in allowed:
             continue
