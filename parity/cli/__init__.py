@@ -5,6 +5,7 @@ nothing verified, 130 interrupted."""
 from __future__ import annotations
 
 import argparse
+import logging
 import os
 import signal
 import sys
@@ -32,6 +33,7 @@ def _main(argv: list[str]) -> int:
     if os.getcwd() not in sys.path:
         # a target class (--target or a mapping's target.class) from the project checked
         sys.path.insert(0, os.getcwd())
+    _log_to_stderr()
     previous = _interrupt_once()
     stdout, sys.stdout = sys.stdout, _Guarded(sys.stdout)
     try:
@@ -100,6 +102,21 @@ def _run(run, args: argparse.Namespace) -> int:
 
 
 _SIGNALLED = False
+
+
+class _StderrLines(logging.Handler):
+    """parity's log records (``logging.getLogger("parity")``: a fallback taken, a file re-downloaded) as lines on
+    whatever sys.stderr is when they come: the sources layer never prints."""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        print(self.format(record), file=sys.stderr)
+
+
+def _log_to_stderr() -> None:
+    logger = logging.getLogger("parity")
+    if not any(isinstance(handler, _StderrLines) for handler in logger.handlers):
+        logger.addHandler(_StderrLines())
+    logger.setLevel(logging.INFO)
 
 
 def _interrupt_once():
