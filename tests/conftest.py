@@ -10,6 +10,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from .support import use_hf_home
+
 os.environ["HF_HUB_OFFLINE"] = "1"  # tests never touch the network
 
 TINY = {
@@ -98,12 +100,7 @@ def hf_cache(tmp_path, tiny, monkeypatch):
             blob = repo_dir / "blobs" / f"{file.name}.blob"
             shutil.copy(file, blob)
             (snapshot / file.name).symlink_to(os.path.relpath(blob, snapshot))
-    monkeypatch.setenv("HF_HOME", str(home))
-    monkeypatch.setenv("HF_HUB_CACHE", str(home / "hub"))
-    from huggingface_hub import constants  # read at import: patch it for this in-process run
-
-    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(home / "hub"))
-    return home
+    return use_hf_home(monkeypatch, home)  # the environment, and huggingface_hub's constants read at import
 
 
 @pytest.fixture(autouse=True)

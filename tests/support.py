@@ -67,7 +67,6 @@ def run_main(capsys, *args) -> tuple[int, str, str]:
     test runs this way; a real process only where the process is the point (signals, devices, stdout).
     A usage error (argparse) raises SystemExit, as ``parity.cli.main`` does: catch it with pytest.raises and
     read capsys."""
-    capsys.readouterr()  # only this command's output
     code = _main(args)
     out, err = capsys.readouterr()
     return code, out, err

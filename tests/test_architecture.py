@@ -142,6 +142,7 @@ def test_import_chain_is_short():
     assert level(deepest) <= MAX_LEVELS, f"{deepest} sits {level(deepest)} import levels deep"
 
 
+@pytest.mark.slow  # a fresh interpreter: what importing the light layers loads
 def test_light_layers_load_no_torch():
     """spec, outputs and the CLI's modules: `parity --version` / `parity list` stay instant."""
     light = [n for n in MODULES if layer_of(n) in ("spec", "outputs")] + ["parity.cli", "parity.cli.options",

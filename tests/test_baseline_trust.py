@@ -2,8 +2,8 @@
 cloned into), entries tied to the weights they were made from, a baseline that matches
 nothing is an error, validated factor and slack, and outputs written atomically.
 
-The end-to-end cases run the real `parity` executable in a project folder, as CI does;
-the rest go through parity.cli.main in this process (the same code, without the import cost).
+Every case goes through parity.cli.main in this process (the same code as the `parity` executable,
+without the import cost); the end-to-end cases run it in a project folder (the working directory), as CI does.
 """
 
 from __future__ import annotations
@@ -11,7 +11,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import subprocess
 import xml.etree.ElementTree as ET
 from pathlib import Path
 
@@ -24,20 +23,15 @@ from parity.outputs import atomic
 from parity.outputs.baseline import BASELINE_VERSION, load_baseline, load_for_update
 
 from .conftest import build_model, save
-from .support import PARITY
+from .support import run_main, run_parity
 
 LAYERS = 5  # gpt2 layers 0-1 + llama layers 0-2 in the project below
 
 
-def parity(cwd: Path, *args) -> subprocess.CompletedProcess:
-    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
-    return subprocess.run([*PARITY, *map(str, args)], capture_output=True, text=True, env=env, cwd=cwd, timeout=600)
-
-
-def run_main(capsys, *args) -> tuple[int, str, str]:
-    code = cli.main([str(a) for a in args])
-    out, err = capsys.readouterr()
-    return code, out, err
+def in_folder(monkeypatch, capsys, cwd: Path, *args) -> tuple[int, str, str]:
+    """`parity ARGS...` run from ``cwd`` (a project folder, as CI runs it): (exit code, stdout, stderr)."""
+    monkeypatch.chdir(cwd)
+    return run_main(capsys, *args)
 
 
 @pytest.fixture()
@@ -66,9 +60,9 @@ def edit_baseline(folder: Path, edit) -> None:
 
 # -- keys follow the repository ------------------------------------------------------------------
 
-def test_copied_repository_matches_its_baseline_and_a_regression_fails(repo, tmp_path):
-    made = parity(repo, "check", "--update-baseline")
-    assert made.returncode == 0, made.stderr
+def test_copied_repository_matches_its_baseline_and_a_regression_fails(repo, tmp_path, monkeypatch, capsys):
+    code, _, err = in_folder(monkeypatch, capsys, repo, "check", "--update-baseline")
+    assert code == 0, err
     text = (repo / "parity-baseline.json").read_text()
     assert str(tmp_path) not in text and str(tmp_path.resolve()) not in text  # no absolute path in any key
     data = json.loads(text)
@@ -82,15 +76,15 @@ def test_copied_repository_matches_its_baseline_and_a_regression_fails(repo, tmp
 
     clone = tmp_path / "ci-runner" / "work" / "clone"  # what every CI runner does: the same tree elsewhere
     shutil.copytree(repo, clone)
-    same = parity(clone, "check", "--json", "report.json")
-    assert same.returncode == 0, same.stdout + same.stderr
-    assert f"{LAYERS} layer(s) compared" in same.stdout
+    code, out, err = in_folder(monkeypatch, capsys, clone, "check", "--json", "report.json")
+    assert code == 0, out + err
+    assert f"{LAYERS} layer(s) compared" in out
     assert json.loads((clone / "report.json").read_text())["baseline"]["not_compared"] == []
 
     edit_baseline(clone, lambda entry: entry.update(max_abs_diff=entry["max_abs_diff"] * 0.1))
-    worse = parity(clone, "check", "--baseline-slack", "0", "--json", "report.json")
-    assert worse.returncode == 1, worse.stdout + worse.stderr
-    assert "baseline: models/gpt2 | models/gpt2 | parity.ffn:FeedForward | layer 0000: max|Δ| grew" in worse.stdout
+    code, out, err = in_folder(monkeypatch, capsys, clone, "check", "--baseline-slack", "0", "--json", "report.json")
+    assert code == 1, out + err
+    assert "baseline: models/gpt2 | models/gpt2 | parity.ffn:FeedForward | layer 0000: max|Δ| grew" in out
     regressions = json.loads((clone / "report.json").read_text())["baseline"]["regressions"]
     assert len(regressions) == LAYERS and all("(10x;" in r["message"] for r in regressions)  # ratios as %.3g
 
@@ -112,14 +106,14 @@ def test_single_check_keys_are_relative_to_the_working_directory(tiny, tmp_path,
 
 # -- the baseline must describe these weights ------------------------------------------------------
 
-def test_baseline_made_from_other_weights_is_reported_not_compared(repo):
-    assert parity(repo, "check", "--update-baseline").returncode == 0
+def test_baseline_made_from_other_weights_is_reported_not_compared(repo, monkeypatch, capsys):
+    assert in_folder(monkeypatch, capsys, repo, "check", "--update-baseline")[0] == 0
     shutil.rmtree(repo / "models" / "gpt2")
     save(build_model("gpt2", seed=99), repo / "models" / "gpt2")  # same path, same shapes, other values
-    run = parity(repo, "check", "--json", "report.json", "--junit", "junit.xml")
-    assert run.returncode == 2, run.stdout + run.stderr
-    assert "baseline entry made from other weights (fingerprint " in run.stdout
-    assert "does not describe these weights" in run.stderr and "regenerate it with --update-baseline" in run.stderr
+    code, out, err = in_folder(monkeypatch, capsys, repo, "check", "--json", "report.json", "--junit", "junit.xml")
+    assert code == 2, out + err
+    assert "baseline entry made from other weights (fingerprint " in out
+    assert "does not describe these weights" in err and "regenerate it with --update-baseline" in err
     data = json.loads((repo / "report.json").read_text())
     assert data["passed"] is False and data["baseline"]["error"]
     assert sorted(r["layer"] for r in data["baseline"]["other_weights"]) == [0, 1]  # gpt2's layers; llama compared
@@ -148,13 +142,15 @@ def test_old_format_baseline_is_compared_with_a_note_then_upgraded(repo, monkeyp
 
 # -- matching nothing, matching part -------------------------------------------------------------
 
-def test_baseline_matching_none_of_the_layers_is_exit_2(tiny, tmp_path):
+def test_baseline_matching_none_of_the_layers_is_exit_2(tiny, tmp_path, monkeypatch, capsys):
     baseline = tmp_path / "b.json"
-    made = parity(tmp_path, tiny["gpt2"], "--layer", "0", "--baseline", baseline, "--update-baseline")
-    assert made.returncode == 0, made.stderr
-    run = parity(tmp_path, tiny["llama"], "--layer", "0", "--baseline", baseline)  # a baseline of another model
-    assert run.returncode == 2, run.stdout + run.stderr
-    last = run.stderr.strip().splitlines()[-1]
+    code, _, err = in_folder(monkeypatch, capsys, tmp_path, tiny["gpt2"], "--layer", "0", "--baseline", baseline,
+                             "--update-baseline")
+    assert code == 0, err
+    code, out, err = in_folder(monkeypatch, capsys, tmp_path, tiny["llama"], "--layer", "0", "--baseline",
+                               baseline)  # a baseline of another model
+    assert code == 2, out + err
+    last = err.strip().splitlines()[-1]
     assert last.startswith(f"parity: error: baseline {baseline} matches none of this run's 1 layer(s)")
     assert "| layer 0000'" in last and "the file holds 1 entry: 'gpt2 |" in last
     assert "regenerate it with --update-baseline" in last
@@ -184,8 +180,9 @@ def test_bad_factor_or_slack_on_the_command_line_is_a_usage_error(tmp_path, opti
     assert info.value.code == 2 and f"argument {option}: " in err, err
 
 
+@pytest.mark.slow  # the real executable: argument parsing ends the process before any import of torch
 def test_bad_factor_in_the_executable_is_exit_2_before_any_work(tiny, tmp_path):
-    run = parity(tmp_path, tiny["gpt2"], "--baseline", tmp_path / "b.json", "--baseline-factor", "nan")
+    run = run_parity(tiny["gpt2"], "--baseline", tmp_path / "b.json", "--baseline-factor", "nan", cwd=tmp_path)
     assert run.returncode == 2 and "argument --baseline-factor: must be a finite number, not nan" in run.stderr
 
 
@@ -312,7 +309,7 @@ def test_junit_under_a_regular_file_is_exit_2_naming_the_file(tiny, tmp_path, ca
 def test_compare_rules_for_fingerprints_hub_keys_and_unreadable_numbers(tmp_path):
     from parity.outputs.baseline import compare_baseline, entry_key, problem_message, write_baseline
 
-    from .test_ci import layer_result, report_with
+    from .builders import layer_result, report_with
 
     report = report_with(layer_result(0, fingerprint="aaaa"), layer_result(1, fingerprint="bbbb"),
                          layer_result(2, fingerprint="cccc"), model="owner/name")

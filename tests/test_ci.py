@@ -11,32 +11,15 @@ from types import SimpleNamespace
 import pytest
 
 from parity import cli
-from parity.engine.results import SCHEMA_VERSION, LayerResult, Report
+from parity.engine.results import SCHEMA_VERSION
 from parity.errors import BaselineError, ProjectConfigError, ShardError
 from parity.outputs.baseline import compare, entry_key, load_baseline
 from parity.outputs.junit import build_junit
-from parity.spec.mapping import builtin_mapping_dir
+from parity.spec.datafiles import builtin_mapping_dir
 from parity.spec.project import load_project, parse_shard, shard_units
 
-ROOT = Path(__file__).resolve().parent.parent
-
-
-def layer_result(layer=0, passed=True, max_abs=1e-9, **extra):
-    return LayerResult(layer=layer, passed=passed, max_abs_diff=max_abs, max_rel_diff=0.0, mean_abs_diff=0.0,
-                       max_at=[0, 0, 0], noise_floor=1e-9, tolerance=1e-6, ratio_to_noise=1.0,
-                       preactivation_range=[-8.0, 8.0], **extra)
-
-
-def report_with(*layers, model="m"):
-    return Report(model=model, checkpoint="ckpt", weights="real", mapping="llama", target="pkg:FFN", reference="R",
-                  reference_activation="silu", versions={"torch": "x"}, seed=0, layers=list(layers))
-
-
-def run_main(capsys, *args):
-    code = cli.main([str(a) for a in args])
-    out, err = capsys.readouterr()
-    return code, out, err
-
+from .builders import layer_result, report_with
+from .support import ROOT, run_main
 
 # -- JUnit ---------------------------------------------------------------------------------------
 
@@ -94,18 +77,6 @@ def test_quiet_prints_only_the_summary_and_silences_downloads(tiny, capsys):
         assert are_progress_bars_disabled()
     finally:
         enable_progress_bars()
-
-
-def test_readme_documents_every_json_field(tiny):
-    """The README's schema table lists exactly the fields a report has (new fields must be documented)."""
-    import parity
-
-    data = parity.check(str(tiny["gpt2"]), layers=[0]).to_dict()
-    readme = (ROOT / "README.md").read_text()
-    section = readme.split("<!-- json-fields -->")[1]
-    documented = {line.split("`")[1] for line in section.splitlines() if line.startswith("| `")}
-    assert set(data) | set(data["layers"][0]) <= documented
-    assert data["schema_version"] == SCHEMA_VERSION
 
 
 # -- project file ---------------------------------------------------------------------------------
@@ -266,6 +237,7 @@ def test_bad_baseline_file_is_exit_2(tiny, tmp_path, capsys):
 
 # -- light commands -------------------------------------------------------------------------------------
 
+@pytest.mark.slow  # a fresh interpreter: what `parity check --help` imports
 def test_subcommand_help_is_light():
     code = ("import sys, contextlib, io, parity.cli as c\n"
             "for argv in (['check', '--help'], ['inspect', '--help'], ['--help']):\n"

@@ -12,7 +12,7 @@ from parity.engine.build import checkpoint_ffn_bias, checkpoint_ffn_width
 from parity.engine.config_view import config_view
 from parity.errors import MappingError
 from parity.spec.aliases import aliases_path, load_aliases
-from parity.spec.mapping import builtin_mappings
+from parity.spec.registry import builtin_mappings
 from tests.conftest import TINY
 from tests.support import run_json
 

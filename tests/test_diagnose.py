@@ -3,14 +3,13 @@ applies to; correct modules pass with no diagnosis.  Checkpoints are tiny real-f
 (distinct random weights and biases), inputs reach |z| ~ 8: see parity/diagnose.py for why
 each hypothesis is separable from the others."""
 
-from pathlib import Path
 
 import pytest
 
 import parity
-from parity.spec.mapping import builtin_mapping_dir
 
 from . import mutants as m
+from .builders import mapping_variant
 from .conftest import build_model, save
 
 
@@ -23,17 +22,6 @@ def extra(tmp_path_factory):
         "llama_square": save(build_model("llama", seed=23, intermediate_size=32), root / "llama_square"),
         "llama_bias": save(build_model("llama", seed=24, mlp_bias=True), root / "llama_bias"),
     }
-
-
-def mapping_variant(tmp_path: Path, family: str, old: str, new: str, target: str | None = None) -> str:
-    text = (builtin_mapping_dir() / f"{family}.toml").read_text()
-    assert old in text
-    text = text.replace(old, new)
-    if target:
-        text = text.replace(text.split('class = "')[1].split('"')[0], target, 1)
-    path = tmp_path / f"{family}-variant.toml"
-    path.write_text(text)
-    return str(path)
 
 
 ZOO = [  # (checkpoint, target, expected id)

@@ -3,7 +3,7 @@ reference's own error in that dtype; which mistakes a low precision can still te
 
 Everything device-independent runs on the CPU in bfloat16 and float16; CUDA and MPS runs are skipped
 with the reason where the hardware is absent.  The truths are float64; every bound below has a wide
-margin over what was measured (README, "Low precision and devices")."""
+margin over what was measured (docs/precision.md)."""
 
 import json
 
@@ -23,18 +23,13 @@ from parity.testing import assert_parity
 
 from . import mutants as m
 from .conftest import build_model, save
+from .support import run_main
 
 LOW = ["bfloat16", "float16"]
 GATED = ["llama", "mistral", "qwen2", "gemma", "gemma2", "gemma3_text"]
 FAMILIES = ["gpt2", "openai-gpt", *GATED]
 NO_CUDA = "no CUDA device on this machine (torch.cuda.is_available() is False)"
 NO_MPS = "no Apple MPS device on this machine (torch.backends.mps.is_available() is False)"
-
-
-def run_main(capsys, *args):
-    code = cli.main([str(a) for a in args])
-    out, err = capsys.readouterr()
-    return code, out, err
 
 
 # -- independent correct modules: other op orders and roundings than transformers' -----------------
@@ -135,7 +130,7 @@ def test_correct_modules_pass_at_low_precision(tiny, family, dtype):
             # the reference's own error is that of a half-precision format, far above float32's
             assert layer.reference_error > 100 * layer.noise_floor
             assert layer.tolerance == pytest.approx(LOW_PRECISION_FACTOR * layer.reference_error)
-            # measured: at most 2.4 over 904 layers (README); the factor leaves room above it
+            # measured: at most 2.4 over 904 layers (docs/precision.md); the factor leaves room above it
             assert layer.ratio_to_reference_error <= 0.8 * LOW_PRECISION_FACTOR
             assert layer.diagnosis is None and layer.separability
 
@@ -178,7 +173,7 @@ def test_swapped_gate_up_fails_and_is_named(tiny, family, dtype):
 
 @pytest.mark.parametrize("dtype", LOW)
 def test_swapped_experts_and_fused_gate_up_at_low_precision(tmp_path, dtype):
-    from .test_moe import MIXTRAL, tiny_model
+    from .builders import MIXTRAL, tiny_model
 
     folder = tmp_path / "mixtral"
     tiny_model("mixtral", 41, **MIXTRAL).save_pretrained(folder)
@@ -198,7 +193,7 @@ def test_other_mistakes_are_diagnosed_as_in_float32(tiny, tmp_path, dtype):
         report = parity.check(str(folder), target=target, dtype=dtype, layers=[0])
         assert [r.diagnosis["id"] for r in report.layers] == [expected], (target, report.layers[0].diagnosis)
     square = save(build_model("llama", seed=23, intermediate_size=32), tmp_path / "square")
-    from .test_diagnose import mapping_variant
+    from .builders import mapping_variant
 
     mapping = mapping_variant(tmp_path, "llama", '"_down.weight" = "down_proj.weight"',
                               '"_down.weight" = { from = "down_proj.weight", transform = "transpose" }')

@@ -25,7 +25,7 @@ from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from parity.errors import ParityError
-from parity.spec.mapping import builtin_mapping_dir
+from parity.spec.datafiles import builtin_mapping_dir
 
 from .hostile_files import (
     ARRAY,
@@ -284,7 +284,7 @@ def test_gguf_field(gguf_base, work, target, key, value, number):
 # -- Meta params.json -------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def meta_base(work):
-    from .test_pickle import write_meta
+    from .builders import write_meta
 
     return write_meta(work / "meta-base", n_layers=2)
 

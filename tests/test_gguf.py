@@ -1,9 +1,6 @@
 """GGUF files: config from metadata, only the layer's FFN tensors dequantized, every family."""
 
 import json
-import os
-import subprocess
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -12,13 +9,14 @@ import torch
 import parity
 from parity.errors import CheckpointError, MissingTensorError
 from parity.ffn import FeedForward, GeGLU, SwiGLU
-from parity.sources.gguf import open_gguf, read_header
+from parity.sources.gguf import open_gguf
+from parity.sources.gguf_header import read_header
 
 from .conftest import build_model
 from .gguf_files import Q, gguf_from_hf, gguf_gpt2, write_gguf
 from .mutants import SwappedGeGLU, SwappedSwiGLU, gemma_with_silu, gpt2_exact_gelu
+from .support import run_main
 
-ROOT = Path(__file__).resolve().parent.parent
 TYPES = [Q.F32, Q.F16, Q.BF16, Q.Q8_0, Q.Q4_K, Q.Q5_0, Q.Q6_K]
 
 
@@ -185,17 +183,14 @@ def test_header_skips_the_vocabulary_and_keeps_offsets(tmp_path):
     assert torch.equal(dequantize(path, header.tensors["blk.0.ffn_up.weight"]), torch.from_numpy(values))
 
 
-def test_cli_on_a_gguf_file(llama_mixed):
-    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
-    out = subprocess.run(["parity", str(llama_mixed), "--layer", "1", "--json", "-"], capture_output=True, text=True,
-                         env=env, cwd=ROOT, timeout=300)
-    assert out.returncode == 0, out.stderr
-    data = json.loads(out.stdout)
+def test_cli_on_a_gguf_file(llama_mixed, capsys):
+    code, out, err = run_main(capsys, llama_mixed, "--layer", "1", "--json", "-")
+    assert code == 0, err
+    data = json.loads(out)
     assert data["mapping"] == "llama-gguf" and data["passed"] and data["layers"][0]["layer"] == 1
-    assert "Q4_K" in out.stderr  # the notes in the table header
-    bad = subprocess.run(["parity", str(llama_mixed), "--target", "tests.mutants:SwappedSwiGLU"], capture_output=True,
-                         text=True, env=env, cwd=ROOT, timeout=300)
-    assert bad.returncode == 1 and "MISMATCH" in bad.stdout
+    assert "Q4_K" in err  # the notes in the table header
+    code, out, _ = run_main(capsys, llama_mixed, "--target", "tests.mutants:SwappedSwiGLU")
+    assert code == 1 and "MISMATCH" in out
 
 
 def test_inspect_describes_gguf_tensors_from_the_file_index(llama_mixed):

@@ -21,8 +21,9 @@ from safetensors.torch import load_file, save_file
 
 import parity
 from parity.errors import CheckpointError, MappingError, ProjectConfigError, TargetError
+from parity.spec.datafiles import builtin_mapping_dir
 from parity.spec.files import read_text
-from parity.spec.mapping import builtin_mapping_dir, load_mapping
+from parity.spec.mapping_parser import load_mapping
 
 from .support import PARITY, ROOT, default_sigint
 
@@ -75,6 +76,7 @@ def test_unreadable_folder_says_permission_denied(tiny, tmp_path, monkeypatch):
 
 
 # -- the command line: one line on stderr, whatever happens to stdout or how often Ctrl-C comes -----
+@pytest.mark.slow  # a real process whose stdout is /dev/full
 def test_stdout_on_a_full_disk_is_an_error_not_a_traceback():
     with open("/dev/full", "w") as full:
         out = subprocess.run([*PARITY, "list"], stdout=full, stderr=subprocess.PIPE, text=True, env=ENV, timeout=120)
@@ -94,6 +96,7 @@ SLOW_TARGET = """
 """
 
 
+@pytest.mark.slow  # real SIGINTs into a real process
 def test_ctrl_c_delivered_twice_exits_130_without_a_traceback(tiny, tmp_path):
     (tmp_path / "slow_target.py").write_text(textwrap.dedent(SLOW_TARGET))
     process = subprocess.Popen([sys.executable, "-m", "parity", str(tiny["llama"]), "--layer", "0", "--target",
@@ -211,6 +214,7 @@ print(json.dumps({"codes": codes, "peak_kb": resource.getrusage(resource.RUSAGE_
 """
 
 
+@pytest.mark.slow  # a fresh process: its peak RSS is what is measured
 def test_claimed_sizes_allocate_nothing(tiny, tmp_path):
     from .conftest import build_model
     from .gguf_files import Q, gguf_from_hf

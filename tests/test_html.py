@@ -1,9 +1,9 @@
 """--html: one self-contained page, read back as XML (it is well-formed XHTML with inline SVG),
-written by the real `parity` executable, and rendered by a real browser (headless Chromium)."""
+written by the `parity` command (parity.cli.main, in this process), and rendered by a real browser
+(headless Chromium)."""
 
 import collections
 import math
-import os
 import re
 import struct
 import subprocess
@@ -19,7 +19,7 @@ from parity.errors import ParityError, ProjectConfigError
 from parity.outputs import html as page
 from parity.spec.project import parse_project
 
-from .support import PARITY, ROOT
+from .support import run_captured, run_main
 
 CHROMIUM = Path("/usr/bin/chromium")
 
@@ -236,23 +236,20 @@ def test_project_file_html_key(tmp_path):
         parse_project({"html": 3, "checks": [{"model": "gpt2"}]}, tmp_path / "parity.toml")
 
 
-# -- the real executable -------------------------------------------------------------------------------
-
-def run(*args, cwd=ROOT):
-    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
-    return subprocess.run([*PARITY, *map(str, args)], capture_output=True, text=True, env=env, cwd=cwd, timeout=600)
-
+# -- the command ---------------------------------------------------------------------------------------
 
 @pytest.fixture(scope="module")
 def failing_page(tiny, tmp_path_factory):
+    """(exit code, stdout, stderr) of a failing run with --html, and the page (module-scoped: Chromium reads it)."""
     path = tmp_path_factory.mktemp("html") / "fail.html"
-    out = run(tiny["gpt2"], "--target", "tests.mutants:gpt2_exact_gelu", "--logits", "--html", path, "--quiet")
-    return out, path
+    run = run_captured(tiny["gpt2"], "--target", "tests.mutants:gpt2_exact_gelu", "--logits", "--html", path,
+                       "--quiet")
+    return run, path
 
 
 def test_cli_failing_run(failing_page):
-    out, path = failing_page
-    assert out.returncode == 1, out.stderr
+    (code, _, err), path = failing_page
+    assert code == 1, err
     root = parse(path.read_text(encoding="utf-8"))
     (chart,) = having(root, "svg", "layer-chart")
     assert points(chart) == {"0": {"fail"}, "1": {"fail"}, "2": {"fail"}}  # the tiny gpt2 has 3 layers
@@ -261,22 +258,23 @@ def test_cli_failing_run(failing_page):
     assert having(root, "div", "logits") and "gelu_exact_instead_of_tanh" in "".join(root.itertext())
 
 
-def test_cli_passing_run(tiny, tmp_path):
+def test_cli_passing_run(tiny, tmp_path, capsys):
     path = tmp_path / "pass.html"
-    out = run(tiny["llama"], "--layers", "0,2", "--html", path, "--quiet")
-    assert out.returncode == 0, out.stderr
+    code, _, err = run_main(capsys, tiny["llama"], "--layers", "0,2", "--html", path, "--quiet")
+    assert code == 0, err
     root = parse(path.read_text(encoding="utf-8"))
     (chart,) = having(root, "svg", "layer-chart")
     assert points(chart) == {"0": {"pass"}, "2": {"pass"}}
     assert not having(root, "div", "diagnosis") and "PASS" in "".join(root.find(".//header").itertext())
 
 
-def test_parity_check_writes_the_project_files_html(tiny, tmp_path):
+def test_parity_check_writes_the_project_files_html(tiny, tmp_path, monkeypatch, capsys):
     (tmp_path / "parity.toml").write_text(
         f'html = "out/report.html"\n[[checks]]\nmodel = "{tiny["llama"]}"\nlayers = [1]\n'
         f'[[checks]]\nmodel = "{tiny["gpt2"]}"\nlayers = "0-1"\ntarget = "tests.mutants:gpt2_exact_gelu"\n')
-    out = run("check", "--quiet", cwd=tmp_path)
-    assert out.returncode == 1, out.stderr
+    monkeypatch.chdir(tmp_path)
+    code, _, err = run_main(capsys, "check", "--quiet")
+    assert code == 1, err
     root = parse((tmp_path / "out" / "report.html").read_text(encoding="utf-8"))
     assert [points(c) for c in having(root, "svg", "layer-chart")] == [{"1": {"pass"}}, {"0": {"fail"}, "1": {"fail"}}]
 
@@ -338,6 +336,7 @@ class ChartElements(HTMLParser):
             self.found[(tag, cls)] += 1
 
 
+@pytest.mark.slow  # a real browser
 @pytest.mark.skipif(not CHROMIUM.exists(), reason="headless Chromium is not installed (/usr/bin/chromium; "
                                                   "Debian: apt-get install chromium)")
 def test_headless_chromium_renders_the_charts(failing_page, tmp_path):

@@ -26,7 +26,7 @@ from parity.cli import main
 from parity.errors import UsageError
 from parity.sources import hub as hub_source
 from tests.hub_server import FakeHub
-from tests.support import default_sigint
+from tests.support import default_sigint, run_json
 
 REPO = "tiny-org/sharded"
 LAYER = "2"
@@ -137,13 +137,11 @@ def local_fingerprint(llama_sharded) -> str:
 
 def run_cli(capsys, *args: str) -> tuple[int, dict | None, str]:
     """parity MODEL ... --json - in this process -> (exit code, the JSON report or None, stderr)."""
-    capsys.readouterr()
-    code = main([*args, "--json", "-"])
-    out = capsys.readouterr()
-    report = json.loads(out.out) if out.out.strip() else None
+    capsys.readouterr()  # only this run's output
+    code, report, err = run_json(capsys, *args)
     if code != 0 and report is None:
-        report = {"stderr": out.err}  # what a failed assertion shows
-    return code, report, out.err
+        report = {"stderr": err}  # what a failed assertion shows
+    return code, report, err
 
 
 def assert_right_result(code: int, report: dict | None, fingerprint: str) -> None:
@@ -210,6 +208,7 @@ def test_a_new_commit_is_read_from_that_commit(hub, local_fingerprint, tmp_path,
     assert_right_result(code, report, local_fingerprint)  # the first commit, asked for by --revision
 
 
+@pytest.mark.slow  # a fresh process: huggingface_hub reads HF_ENDPOINT at import
 def test_the_cli_run_with_only_the_environment_pointing_at_the_server(hub, local_fingerprint):
     """A fresh process: huggingface_hub reads HF_ENDPOINT at import, parity probes that host (not huggingface.co)."""
     env = {k: v for k, v in os.environ.items() if k not in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE")} | hub.env
@@ -281,7 +280,11 @@ FAILS = {  # fault on the layer's first shard -> what the one-line message must 
 }
 
 
-@pytest.mark.parametrize(("fault", "says"), FAILS.values(), ids=FAILS.keys())
+SLOW_FAILS = {"a server that stalls past the timeout, every try"}  # every try waits out the timeout: seconds
+
+
+@pytest.mark.parametrize(("fault", "says"), [
+    pytest.param(*value, id=key, marks=[pytest.mark.slow] * (key in SLOW_FAILS)) for key, value in FAILS.items()])
 def test_a_fault_that_persists_is_exit_2_with_a_clear_message(hub, local_fingerprint, fault, says, capsys):
     shard = layer_shards(hub.folder)[0]
     hub.add_fault(file=shard, **fault)
@@ -386,6 +389,7 @@ def test_ctrl_c_while_an_entry_is_written_leaves_nothing(hub, local_fingerprint,
     assert set(cache_entries(hub)) == set(layer_names())
 
 
+@pytest.mark.slow  # a real SIGINT into a real process, while the hub stalls
 def test_ctrl_c_while_a_range_is_read_leaves_nothing_a_later_run_trusts(hub, local_fingerprint, capsys):
     shard = layer_shards(hub.folder)[-1]
     stalled = hub.add_fault("stall_body", file=shard, where="cdn", skip=2, seconds=60)  # the tensor, not the header

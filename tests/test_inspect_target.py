@@ -12,6 +12,8 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from parity import cli
 
+from .support import run_main
+
 META_FFN = '''
 import torch.nn as nn
 import torch.nn.functional as F
@@ -66,12 +68,6 @@ def in_tmp(tmp_path, monkeypatch) -> Path:
     return tmp_path
 
 
-def run(capsys, *args) -> tuple[int, str, str]:
-    code = cli.main([str(a) for a in args])
-    out, err = capsys.readouterr()
-    return code, out, err
-
-
 def test_inspect_shows_the_routes_read_off_the_targets_names(llama_checkpoint, in_tmp, capsys, monkeypatch):
     from parity.sources.checkpoint import Checkpoint
 
@@ -81,10 +77,10 @@ def test_inspect_shows_the_routes_read_off_the_targets_names(llama_checkpoint, i
     with monkeypatch.context() as patched:
         patched.setattr(Checkpoint, "read", no_running)
         patched.setattr("torch.nn.Module.__call__", no_running)
-        code, out, err = run(capsys, "inspect", llama_checkpoint, "--target", "meta_ffn_it:FeedForward", "--json")
+        code, out, err = run_main(capsys, "inspect", llama_checkpoint, "--target", "meta_ffn_it:FeedForward", "--json")
         assert code == 0, err
         info = json.loads(out)
-        code, text, err = run(capsys, "inspect", llama_checkpoint, "--target", "meta_ffn_it:FeedForward")
+        code, text, err = run_main(capsys, "inspect", llama_checkpoint, "--target", "meta_ffn_it:FeedForward")
         assert code == 0, err
     assert info["target_routes"]["inferred"] is True and info["target_routes"]["tensors"] == META_ROUTES
     assert info["target_error"] is None and info["target_problem"] is None
@@ -94,20 +90,20 @@ def test_inspect_shows_the_routes_read_off_the_targets_names(llama_checkpoint, i
     assert "note: target config: `dim` not in LlamaConfig, supplied 32" in text  # the view's answers, shown
     assert "note: target config: `hidden_dim` not in LlamaConfig, supplied 88" in text
     # the routes a check then uses are the ones inspect showed
-    code, out, err = run(capsys, llama_checkpoint, "--target", "meta_ffn_it:FeedForward", "--json", "-")
+    code, out, err = run_main(capsys, llama_checkpoint, "--target", "meta_ffn_it:FeedForward", "--json", "-")
     assert code == 0, err
     assert json.loads(out)["routes"]["tensors"] == info["target_routes"]["tensors"]
 
 
 def test_inspect_without_target_shows_the_mappings_routes(llama_checkpoint, capsys):
-    code, out, err = run(capsys, "inspect", llama_checkpoint)
+    code, out, err = run_main(capsys, "inspect", llama_checkpoint)
     assert code == 0, err
     assert "routes       _gate.weight ← gate_proj.weight, _up.weight ← up_proj.weight" in out
     assert "(mapping llama)" in out
 
 
 def test_inspect_says_when_the_target_cannot_be_built(llama_checkpoint, in_tmp, capsys):
-    code, out, err = run(capsys, "inspect", llama_checkpoint, "--target", "meta_ffn_it:Unbuildable")
+    code, out, err = run_main(capsys, "inspect", llama_checkpoint, "--target", "meta_ffn_it:Unbuildable")
     assert code == 2  # a check would stop too
     assert "!! target meta_ffn_it:Unbuildable cannot be built" in out and "config.frobnicate_width" in out
     assert "parity: error: target meta_ffn_it:Unbuildable cannot be built" in err and "Traceback" not in err
@@ -115,7 +111,7 @@ def test_inspect_says_when_the_target_cannot_be_built(llama_checkpoint, in_tmp, 
 
 
 def test_inspect_says_when_the_names_do_not_tell(llama_checkpoint, in_tmp, capsys):
-    code, out, err = run(capsys, "inspect", llama_checkpoint, "--target", "meta_ffn_it:Ambiguous")
+    code, out, err = run_main(capsys, "inspect", llama_checkpoint, "--target", "meta_ffn_it:Ambiguous")
     assert code == 2
     assert "cannot be filled: cannot tell which checkpoint tensor goes into which parameter" in out
     assert "a mapping to edit" in out and '"left.weight" = "?"' in out  # the same details a check prints
@@ -136,9 +132,9 @@ def llama_bin(llama_checkpoint, tmp_path_factory) -> Path:
 
 
 def test_inspect_of_pickle_weights_needs_allow_pickle(llama_bin, capsys):
-    code, out, err = run(capsys, "inspect", llama_bin)
+    code, out, err = run_main(capsys, "inspect", llama_bin)
     assert code == 2 and "--allow-pickle" in err and "Traceback" not in err
-    code, out, err = run(capsys, "inspect", llama_bin, "--allow-pickle")
+    code, out, err = run_main(capsys, "inspect", llama_bin, "--allow-pickle")
     assert code == 0, err
     assert "model.layers.0.mlp.gate_proj.weight  [88, 32]" in out and "pytorch_model.bin" in out
 

@@ -1,9 +1,6 @@
 """Mixture-of-experts: each expert's SwiGLU against transformers' MixtralExperts; Phi-3's fused gate_up."""
 
 import json
-import os
-import subprocess
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -13,23 +10,10 @@ import parity
 from parity.errors import LayerRangeError
 from parity.ffn import SwiGLU
 
+from .builders import MIXTRAL, tiny_model
 from .gguf_files import Q, write_gguf
 from .mutants import SwappedSwiGLU
-
-ROOT = Path(__file__).resolve().parent.parent
-MIXTRAL = dict(hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=2,
-               vocab_size=64, num_local_experts=4, num_experts_per_tok=2)
-
-
-def tiny_model(model_type: str, seed: int, **kwargs):
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(AutoConfig.for_model(model_type, **kwargs))
-    with torch.no_grad():
-        for param in model.parameters():
-            param.normal_(0.0, 0.05)
-    return model.eval()
+from .support import run_main
 
 
 @pytest.fixture(scope="session")
@@ -120,13 +104,11 @@ def test_a_target_reading_the_wrong_expert_fails(mixtral_hub, tmp_path):
     assert not parity.check(str(mixtral_hub), mapping=str(tmp_path / "m.toml"), layers=[0], experts=[1]).passed
 
 
-def test_cli_table_and_json_show_the_expert(mixtral_hub):
-    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
-    out = subprocess.run(["parity", str(mixtral_hub), "--layer", "1", "--experts", "1-2", "--json", "-"],
-                         capture_output=True, text=True, env=env, cwd=ROOT, timeout=300)
-    assert out.returncode == 0, out.stderr
-    assert "expert" in out.stderr.splitlines()[out.stderr.splitlines().index("") + 1]  # the table header
-    data = json.loads(out.stdout)
+def test_cli_table_and_json_show_the_expert(mixtral_hub, capsys):
+    code, out, err = run_main(capsys, mixtral_hub, "--layer", "1", "--experts", "1-2", "--json", "-")
+    assert code == 0, err
+    assert "expert" in err.splitlines()[err.splitlines().index("") + 1]  # the table header
+    data = json.loads(out)
     assert [(r["layer"], r["expert"]) for r in data["layers"]] == [(1, 1), (1, 2)]
 
 

@@ -23,14 +23,13 @@ import torch.nn.functional as F
 from torch import nn
 
 import parity
-from parity import cli
 from parity.errors import MappingError
 from parity.spec.aliases import load_aliases
-from parity.spec.mapping import load_mapping
+from parity.spec.mapping_parser import load_mapping
 
 from .conftest import build_model, save
+from .support import ROOT, run_json, run_main, run_parity
 
-ROOT = Path(__file__).resolve().parent.parent
 HERE = "tests.test_own_module"
 
 
@@ -152,21 +151,10 @@ class Ambiguous(nn.Module):  # two names no table knows, of one shape: which is 
         return self.down_proj(F.silu(self.left(x)) * self.right(x))
 
 
-def run(capsys, *args) -> tuple[int, str, str]:
-    code = cli.main([str(a) for a in args])
-    out, err = capsys.readouterr()
-    return code, out, err
-
-
-def json_run(capsys, *args) -> tuple[int, dict, str]:
-    code, out, err = run(capsys, *args, "--json", "-")
-    return code, json.loads(out), err
-
-
 # -- routes read off names: --target alone ------------------------------------------------------------
 
 def test_nanogpt_mlp_through_a_factory_with_target_alone(tiny, capsys):
-    code, report, err = json_run(capsys, tiny["gpt2"], "--target", f"{HERE}:nano_mlp")
+    code, report, err = run_json(capsys, tiny["gpt2"], "--target", f"{HERE}:nano_mlp")
     assert code == 0, err
     routes = report["routes"]
     assert routes["inferred"] is True and routes["extends"] == "gpt2"
@@ -178,12 +166,12 @@ def test_nanogpt_mlp_through_a_factory_with_target_alone(tiny, capsys):
 
 
 def test_inferred_routes_still_show_the_modules_mistake(tiny, capsys):
-    code, report, _ = json_run(capsys, tiny["gpt2"], "--layer", "0", "--target", f"{HERE}:nano_mlp_exact_gelu")
+    code, report, _ = run_json(capsys, tiny["gpt2"], "--layer", "0", "--target", f"{HERE}:nano_mlp_exact_gelu")
     assert code == 1 and report["layers"][0]["diagnosis"]["id"] == "gelu_exact_instead_of_tanh"
 
 
 def test_meta_feed_forward_with_target_alone(tiny, capsys):
-    code, report, err = json_run(capsys, tiny["llama"], "--target", f"{HERE}:meta_feed_forward")
+    code, report, err = run_json(capsys, tiny["llama"], "--target", f"{HERE}:meta_feed_forward")
     assert code == 0, err
     assert report["routes"]["tensors"] == {"w1.weight": "gate_proj.weight", "w2.weight": "down_proj.weight",
                                            "w3.weight": "up_proj.weight"}
@@ -191,33 +179,33 @@ def test_meta_feed_forward_with_target_alone(tiny, capsys):
 
 def test_meta_gate_up_confusion_is_diagnosed_not_hidden(tiny, capsys):
     """Assignment is by name: parity does not try w1/w3 both ways until the module passes."""
-    code, report, _ = json_run(capsys, tiny["llama"], "--layer", "0", "--target", f"{HERE}:meta_swapped")
+    code, report, _ = run_json(capsys, tiny["llama"], "--layer", "0", "--target", f"{HERE}:meta_swapped")
     assert code == 1 and report["layers"][0]["diagnosis"]["id"] == "gate_up_swapped"
 
 
 def test_transformers_names_with_the_repositorys_constructor(tiny, capsys):
-    code, report, err = json_run(capsys, tiny["llama"], "--layer", "1", "--target", f"{HERE}:HFNamedSwiGLU")
+    code, report, err = run_json(capsys, tiny["llama"], "--layer", "1", "--target", f"{HERE}:HFNamedSwiGLU")
     assert code == 0, err
     assert report["routes"]["tensors"]["gate_proj.weight"] == "gate_proj.weight"
     assert report["routes"]["args"]["emb_size"] == "config.hidden_size"  # the built-in mapping's args fit it
 
 
 def test_transformers_own_mlp_class_built_from_the_config(tiny, capsys):
-    code, report, err = json_run(capsys, tiny["llama"], "--layer", "0", "--target",
+    code, report, err = run_json(capsys, tiny["llama"], "--layer", "0", "--target",
                                  "transformers.models.llama.modeling_llama:LlamaMLP")
     assert code == 0, err
     assert report["routes"]["args"] == {"config": "config"} and report["routes"]["inferred"] is True
 
 
 def test_a_constructor_parity_cannot_call_gets_a_factory_to_write(tiny, capsys):
-    code, _, err = run(capsys, tiny["llama"], "--layer", "0", "--target", f"{HERE}:FeedForward")
+    code, _, err = run_main(capsys, tiny["llama"], "--layer", "0", "--target", f"{HERE}:FeedForward")
     assert code == 2
     assert ("def make_ffn(config): return FeedForward(dim=..., hidden_dim=..., multiple_of=..., "
             "ffn_dim_multiplier=...)") in err
 
 
 def test_bare_parameters_under_a_submodule_prefix(tiny, capsys):
-    code, report, err = json_run(capsys, tiny["gpt2"], "--layer", "2", "--target", f"{HERE}:Block")
+    code, report, err = run_json(capsys, tiny["gpt2"], "--layer", "2", "--target", f"{HERE}:Block")
     assert code == 0, err
     assert report["routes"]["tensors"]["mlp.w1"] == {"from": "c_fc.weight", "transform": "transpose"}
     assert report["routes"]["tensors"]["mlp.b2"] == "c_proj.bias"
@@ -231,20 +219,20 @@ def gpt2_square(tmp_path_factory):
 
 @pytest.mark.parametrize("target, transform", [("Conv1DMLP", "none"), ("LinearSquareMLP", "transpose")])
 def test_orientation_of_square_weights(gpt2_square, capsys, target, transform):
-    code, report, err = json_run(capsys, gpt2_square, "--layer", "0", "--target", f"{HERE}:{target}")
+    code, report, err = run_json(capsys, gpt2_square, "--layer", "0", "--target", f"{HERE}:{target}")
     assert code == 0, err
     first = next(iter(report["routes"]["tensors"].values()))
     assert (first.get("transform", "none") if isinstance(first, dict) else "none") == transform
 
 
 def test_conv1d_target_on_gpt2_needs_no_transpose(tiny, capsys):
-    code, report, err = json_run(capsys, tiny["gpt2"], "--layer", "0", "--target", f"{HERE}:Conv1DMLP")
+    code, report, err = run_json(capsys, tiny["gpt2"], "--layer", "0", "--target", f"{HERE}:Conv1DMLP")
     assert code == 0, err
     assert report["routes"]["tensors"]["c_fc.weight"] == "c_fc.weight"
 
 
 def test_ambiguous_names_exit_2_with_a_mapping_to_edit(tiny, tmp_path, capsys):
-    code, _, err = run(capsys, tiny["llama"], "--layer", "0", "--target", f"{HERE}:Ambiguous")
+    code, _, err = run_main(capsys, tiny["llama"], "--layer", "0", "--target", f"{HERE}:Ambiguous")
     assert code == 2
     assert "'left.weight' is no name in aliases.toml" in err and "never tries assignments" in err
     assert "left.weight       [88, 32]" in err and "gate_proj.weight  [88, 32]        gate weight" in err
@@ -257,25 +245,25 @@ def test_ambiguous_names_exit_2_with_a_mapping_to_edit(tiny, tmp_path, capsys):
     edited = mapping.replace('"left.weight" = "?"', '"left.weight" = "gate_proj.weight"', 1)
     edited = edited.replace('"right.weight" = "?"', '"right.weight" = "up_proj.weight"', 1)
     (tmp_path / "mine.toml").write_text(edited)
-    code, report, err = json_run(capsys, tiny["llama"], "--layer", "0", "--mapping", tmp_path / "mine.toml")
+    code, report, err = run_json(capsys, tiny["llama"], "--layer", "0", "--mapping", tmp_path / "mine.toml")
     assert code == 0, err
     assert report["routes"]["inferred"] is False and report["target"] == f"{HERE}:Ambiguous"
 
 
 def test_mapping_routes_that_do_not_fit_a_user_target_are_not_forced(tiny, capsys):
     """--target with parity's own parameter names keeps the built-in routes (nothing inferred)."""
-    code, report, _ = json_run(capsys, tiny["llama"], "--layer", "0", "--target", "tests.mutants:SwappedSwiGLU")
+    code, report, _ = run_json(capsys, tiny["llama"], "--layer", "0", "--target", "tests.mutants:SwappedSwiGLU")
     assert code == 1 and report["routes"]["inferred"] is False
 
 
 def test_saved_mapping_reproduces_the_run(tiny, tmp_path, capsys):
     saved = tmp_path / "saved.toml"
-    code, first, _ = json_run(capsys, tiny["gpt2"], "--layers", "0,2", "--target", f"{HERE}:nano_mlp",
+    code, first, _ = run_json(capsys, tiny["gpt2"], "--layers", "0,2", "--target", f"{HERE}:nano_mlp",
                               "--save-mapping", saved)
     assert code == 0 and saved.is_file()
     text = saved.read_text()
     assert 'extends = "gpt2"' in text and f'class = "{HERE}:nano_mlp"' in text
-    code, again, _ = json_run(capsys, tiny["gpt2"], "--layers", "0,2", "--mapping", saved)
+    code, again, _ = run_json(capsys, tiny["gpt2"], "--layers", "0,2", "--mapping", saved)
     assert code == 0
     assert again["routes"]["tensors"] == first["routes"]["tensors"] and again["target"] == first["target"]
     assert [r["max_abs_diff"] for r in again["layers"]] == [r["max_abs_diff"] for r in first["layers"]]
@@ -309,7 +297,7 @@ args = {{ dim = "config.hidden_size", hidden_dim = 128, multiple_of = 8, ffn_dim
     loaded = load_mapping(mapping)
     assert loaded.layer_key == "model.layers.{layer}.mlp" and loaded.reference_module == "model.layers.{layer}.mlp"
     assert [r.target for r in loaded.tensors] == ["w1.weight", "w2.weight", "w3.weight"]  # replaced, not merged
-    code, report, err = json_run(capsys, tiny["llama"], "--layer", "0", "--mapping", mapping)
+    code, report, err = run_json(capsys, tiny["llama"], "--layer", "0", "--mapping", mapping)
     assert code == 0, err
 
 
@@ -380,6 +368,7 @@ def test_report_prints_as_the_table_and_renders_for_notebooks(tiny):
 
 # -- pytest -------------------------------------------------------------------------------------------
 
+@pytest.mark.slow  # a user's own pytest run, in its own process, with the plugin loaded as its users load it
 def test_pytest_failure_first_line_and_layer_parametrization(tiny, tmp_path):
     (tmp_path / "test_user.py").write_text(f'''
 import pytest
@@ -424,20 +413,20 @@ target = "{HERE}:meta_feed_forward"
 ''')
     (tmp_path / "src" / "deep").mkdir(parents=True)
     monkeypatch.chdir(tmp_path / "src" / "deep")
-    code, out, err = run(capsys, "check", "-k", "nano and not llama", "--json", "-")
+    code, out, err = run_main(capsys, "check", "-k", "nano and not llama", "--json", "-")
     assert code == 0, err
     document = json.loads(out)
     assert [c["name"] for c in document["checks"]] == ["gpt2 nano"] and document["schema_version"] == 1
-    code, out, err = run(capsys, "check", "-k", "(meta or nano) and not gpt2", "-q")
+    code, out, err = run_main(capsys, "check", "-k", "(meta or nano) and not gpt2", "-q")
     assert code == 0 and "1 check(s)" in out, err
-    code, _, err = run(capsys, "check", "-k", "mistral")
+    code, _, err = run_main(capsys, "check", "-k", "mistral")
     assert code == 2 and "selects none of the 2 check(s)" in err
 
 
 def test_inspect_json_takes_file_or_dash_with_schema_version(tiny, tmp_path, capsys):
-    code, out, _ = run(capsys, "inspect", tiny["gpt2"], "--json", "-")
+    code, out, _ = run_main(capsys, "inspect", tiny["gpt2"], "--json", "-")
     assert code == 0 and json.loads(out)["schema_version"] == 1
-    code, out, _ = run(capsys, "inspect", tiny["gpt2"], "--json", tmp_path / "i.json")
+    code, out, _ = run_main(capsys, "inspect", tiny["gpt2"], "--json", tmp_path / "i.json")
     assert code == 0 and "parity inspect:" in out
     assert json.loads((tmp_path / "i.json").read_text())["kind"] == "inspection"
 
@@ -487,12 +476,12 @@ def test_reports_validate_against_the_shipped_json_schema(tiny, tmp_path, capsys
 
     schema = json.loads(SCHEMA_FILE.read_text())
     assert SCHEMA_FILE.parent.parent == Path(parity.__file__).parent  # inside the package: it ships in the wheel
-    _, single, _ = json_run(capsys, tiny["gpt2"], "--layer", "0", "--target", f"{HERE}:nano_mlp_exact_gelu")
+    _, single, _ = run_json(capsys, tiny["gpt2"], "--layer", "0", "--target", f"{HERE}:nano_mlp_exact_gelu")
     (tmp_path / "parity.toml").write_text(f'[[checks]]\nmodel = {str(tiny["llama"])!r}\nlayers = [1]\n'
                                           'require_real = false\n[[checks]]\nmodel = "no/such-model"\n')
-    run(capsys, "check", "--config", tmp_path / "parity.toml", "--json", tmp_path / "suite.json")
+    run_main(capsys, "check", "--config", tmp_path / "parity.toml", "--json", tmp_path / "suite.json")
     suite = json.loads((tmp_path / "suite.json").read_text())
-    _, inspection, _ = json_run(capsys, "inspect", tiny["llama"])
+    _, inspection, _ = run_json(capsys, "inspect", tiny["llama"])
     for document in (single, suite, inspection):
         assert validate(document, schema) == []
     broken = json.loads(json.dumps(single))
@@ -503,15 +492,15 @@ def test_reports_validate_against_the_shipped_json_schema(tiny, tmp_path, capsys
 
 def test_a_missing_local_looking_path_is_neither_folder_nor_repository(capsys, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
-    code, _, err = run(capsys, "ckpt/does-not-exist", "--layer", "0")
+    code, _, err = run_main(capsys, "ckpt/does-not-exist", "--layer", "0")
     assert code == 2 and "no such folder" in err and "no such hub repository" in err
     assert str(tmp_path / "ckpt" / "does-not-exist") in err
 
 
+@pytest.mark.slow  # a fresh process: what transformers and huggingface_hub draw on its stderr
 def test_no_foreign_progress_bars_in_a_log_with_logits(tiny):
-    env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}", "HF_HUB_OFFLINE": "1"}
-    out = subprocess.run([sys.executable, "-m", "parity", str(tiny["gpt2"]), "--layer", "0", "--logits"],
-                         capture_output=True, text=True, env=env, timeout=600)
+    out = run_parity(tiny["gpt2"], "--layer", "0", "--logits",
+                     env={"PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"})
     assert out.returncode == 0, out.stderr
     assert "logits impact" in out.stdout
     assert "Loading weights" not in out.stderr and "\r" not in out.stderr
@@ -538,7 +527,7 @@ def test_a_tuple_output_is_compared_on_its_first_element_and_said(tiny):
 
 
 def test_the_summary_line_names_the_layers_and_the_diagnosis(tiny, capsys):
-    code, out, err = run(capsys, tiny["llama"], "--layers", "0-1", "--target", f"{HERE}:meta_swapped", "--quiet")
+    code, out, err = run_main(capsys, tiny["llama"], "--layers", "0-1", "--target", f"{HERE}:meta_swapped", "--quiet")
     assert code == 1
     assert (out + err).strip().splitlines()[-1] == ("FAIL: 2 of 2 layer(s) deviate from transformers: layers 0, 1 — "
                                             "gate_up_swapped")
@@ -546,7 +535,7 @@ def test_the_summary_line_names_the_layers_and_the_diagnosis(tiny, capsys):
 
 def test_a_classic_ffn_on_a_gated_checkpoint_is_told_so(tiny, capsys):
     """nanoGPT's two-matrix MLP pointed at LLaMA: the first thing said is that the kinds differ, not '?' routes."""
-    code, out, err = run(capsys, tiny["llama"], "--layer", "0", "--target", f"{HERE}:nano_mlp")
+    code, out, err = run_main(capsys, tiny["llama"], "--layer", "0", "--target", f"{HERE}:nano_mlp")
     assert code == 2
     last = err.strip().splitlines()[-1]
     assert "from their names: the target's parameter names make it a classic FFN (fc_in, fc_out), but this " \

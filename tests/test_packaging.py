@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
+pytestmark = pytest.mark.slow  # builds a wheel with pip, installs it, runs a fresh interpreter on it
 
 
 @pytest.fixture(scope="module")

@@ -1,9 +1,7 @@
 """Pickle-based files: refused by default, opened with allow_pickle via torch.load(weights_only=True)."""
 
 import json
-import os
 import shutil
-import subprocess
 from pathlib import Path
 
 import pytest
@@ -13,30 +11,10 @@ import parity
 from parity.errors import CheckpointError, PickleRefusedError
 from parity.ffn import SwiGLU, llama_intermediate_size
 
+from .builders import write_meta
 from .conftest import build_model
 from .mutants import SwappedSwiGLU, gpt2_exact_gelu
-
-ROOT = Path(__file__).resolve().parent.parent
-
-
-def write_meta(folder: Path, dim=64, n_layers=2, multiple_of=32, multiplier=None, seed=0, d_ff=None) -> Path:
-    """Meta's release layout: consolidated.00.pth (bf16, Meta names) + params.json."""
-    folder.mkdir(parents=True, exist_ok=True)
-    d_ff = d_ff or llama_intermediate_size(dim, multiple_of, multiplier)
-    generator = torch.Generator().manual_seed(seed)
-    state = {"tok_embeddings.weight": torch.randn(100, dim, generator=generator).bfloat16(),
-             "norm.weight": torch.ones(dim).bfloat16()}
-    for layer in range(n_layers):
-        for name, shape in (("w1", (d_ff, dim)), ("w3", (d_ff, dim)), ("w2", (dim, d_ff))):
-            state[f"layers.{layer}.feed_forward.{name}.weight"] = (
-                torch.randn(*shape, generator=generator) * 0.05).bfloat16()
-    torch.save(state, folder / "consolidated.00.pth")
-    params = {"dim": dim, "n_layers": n_layers, "n_heads": 4, "multiple_of": multiple_of, "norm_eps": 1e-5,
-              "vocab_size": -1}
-    if multiplier is not None:
-        params["ffn_dim_multiplier"] = multiplier
-    (folder / "params.json").write_text(json.dumps(params))
-    return folder
+from .support import run_main
 
 
 @pytest.fixture(scope="session")
@@ -142,11 +120,9 @@ def test_hf_sharded_bin_with_index(tmp_path):
     assert report.passed and len(report.layers) == 3
 
 
-def test_cli_flag(meta):
-    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
-    refused = subprocess.run(["parity", str(meta)], capture_output=True, text=True, env=env, cwd=ROOT, timeout=300)
-    assert refused.returncode == 2 and "--allow-pickle" in refused.stderr and "Traceback" not in refused.stderr
-    allowed = subprocess.run(["parity", str(meta), "--allow-pickle"], capture_output=True, text=True, env=env, cwd=ROOT,
-                             timeout=300)
-    assert allowed.returncode == 0, allowed.stderr
-    assert "llama-meta" in allowed.stdout and "PASS" in allowed.stdout
+def test_cli_flag(meta, capsys):
+    code, _, err = run_main(capsys, meta)
+    assert code == 2 and "--allow-pickle" in err and "Traceback" not in err
+    code, out, err = run_main(capsys, meta, "--allow-pickle")
+    assert code == 0, err
+    assert "llama-meta" in out and "PASS" in out

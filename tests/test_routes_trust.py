@@ -14,10 +14,12 @@ from safetensors.torch import load_file, save_file
 import parity
 import parity.cli
 from parity.errors import CheckpointError, MappingError, ParityError
-from parity.spec.mapping import builtin_mapping_dir, check_reference_routes, load_mapping
+from parity.spec.datafiles import builtin_mapping_dir
+from parity.spec.mapping import check_reference_routes
+from parity.spec.mapping_parser import load_mapping
 
 from . import mutants as m
-from .test_cli import run
+from .support import run_main, run_parity
 
 GPT2 = (builtin_mapping_dir() / "gpt2.toml").read_text()
 
@@ -35,8 +37,8 @@ def line_with(path: Path, text: str) -> int:
 
 def cli(capsys, *args) -> tuple[int, str]:
     """parity.cli.main in this process (the `parity` command's code) -> (exit code, last stderr line)."""
-    code = parity.cli.main([str(a) for a in args])
-    err = capsys.readouterr().err.strip()
+    code, _, err = run_main(capsys, *args)
+    err = err.strip()
     assert "Traceback" not in err
     return code, err.splitlines()[-1] if err else ""
 
@@ -177,8 +179,9 @@ def test_empty_option_value_is_a_usage_error(args, option, capsys):
     assert f"argument {option}: the value is empty ('')" in err and "not a mapping name" not in err
 
 
+@pytest.mark.slow  # the real executable: its argument parsing and exit, before anything heavy is imported
 def test_empty_checkpoint_exit_2_from_the_executable():
-    out = run("llama", "--checkpoint", "")
+    out = run_parity("llama", "--checkpoint", "")
     assert out.returncode == 2 and "argument --checkpoint: the value is empty" in out.stderr
     assert "HF_HUB_OFFLINE" not in out.stderr and "Traceback" not in out.stderr
 

@@ -106,6 +106,7 @@ def test_assert_parity_can_require_real_weights(tmp_path, monkeypatch):
         assert_parity("gpt2", layers=[0], require_real=True)
 
 
+@pytest.mark.slow  # a user's own pytest run, in its own process, with the plugin loaded as its users load it
 def test_pytest_fixture_in_a_users_suite(tiny, tmp_path):
     (tmp_path / "test_user.py").write_text(f'''
 from tests.mutants import SwappedSwiGLU

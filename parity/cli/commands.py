@@ -13,6 +13,7 @@ from parity.cli.reports import (
     EXIT_PASS,
     key_roots,
     one_line,
+    save_template,
     summary,
     update_baseline,
     with_error_outputs,
@@ -197,4 +198,7 @@ def run_check(args: argparse.Namespace) -> int:
         if getattr(exc, "details", None) is None:
             raise
         print(exc.details, file=sys.stderr)  # the target's parameters, the checkpoint's tensors, a mapping to edit
+        template = getattr(exc, "template", None)
+        if template and args.save_mapping:  # the mapping to edit, as a file: exit 2 all the same
+            save_template(args.save_mapping, template, given=args.mapping, force=args.force)
         raise MappingError(exc.headline) from None

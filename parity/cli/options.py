@@ -113,7 +113,7 @@ def build_parser() -> argparse.ArgumentParser:
                         help="run the target on cpu (default), cuda, cuda:N or mps")
     parser.add_argument("--dtype", type=DTYPE, default="float32", metavar="DTYPE",
                         help="the target's compute dtype: float32 (default), bfloat16 or float16; a low precision "
-                             "is held to the reference's own error in that dtype (README: Low precision and devices)")
+                             "is held to the reference's own error in that dtype (docs/precision.md)")
     add_output_options(parser)
     return parser
 

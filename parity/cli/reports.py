@@ -158,6 +158,19 @@ def save_mapping(path: str, report, *, given: str | None = None, force: bool = F
     write_output(path, text, "--save-mapping", create_folder=False)
 
 
+def save_template(path: str, template: str, *, given: str | None = None, force: bool = False) -> None:
+    """--save-mapping when the routes could not be inferred: the mapping to edit (its "?" still to fill in), written
+    so the user edits a file; the run still exits 2."""
+    from parity.outputs.atomic import write_output
+    from parity.spec.toml_text import SAVED_MAPPING_MARK
+
+    refuse_to_replace(path, given, force)
+    header = (f"{SAVED_MAPPING_MARK.removeprefix('# ')}--save-mapping`: a mapping to complete. Replace each \"?\" with "
+              "what its comment proposes, then run with --mapping this file.\n")
+    write_output(path, f"# {header}{template}", "--save-mapping", create_folder=False)
+    print(f"parity: wrote the mapping to complete to {path}", file=sys.stderr)
+
+
 def refuse_to_replace(path: str, given: str | None, force: bool) -> None:
     from pathlib import Path
 

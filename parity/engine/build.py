@@ -110,7 +110,7 @@ def build_target(mapping: Mapping, config: Any,
     notes: list[str] = []
     try:
         module = factory(**kwargs)
-    except AttributeError as exc:
+    except (AttributeError, TypeError, KeyError) as exc:  # a field the config lacks; a dict config (cfg["emb_dim"])
         if not any(value is config for value in kwargs.values()):
             raise construction_error(factory, name, kwargs, config, exc) from None
         module, notes = build_with_view(factory, name, kwargs, mapping, config)
@@ -158,10 +158,10 @@ def checkpoint_ffn_bias(mapping: Mapping, config: Any) -> tuple[bool, str]:
         if isinstance(value, bool):
             return value, (f"the checkpoint has {'' if value else 'no '}FFN biases: mapping '{mapping.name}' "
                            "target.args.bias")
-    required = [r.source for r in mapping.tensors if r.target.endswith("bias") and not r.optional]
+    required = [r.source for r in mapping.tensors if r.target.endswith("bias") and not r.optional and r.reads]
     if required:
         return True, f"the checkpoint has FFN biases: {', '.join(required)}"
-    optional = [r.source for r in mapping.tensors if r.target.endswith("bias")]
+    optional = [r.source for r in mapping.tensors if r.target.endswith("bias") and r.reads]
     flag = getattr(config, "mlp_bias", None)
     if optional and isinstance(flag, bool):
         return flag, f"the checkpoint has {'' if flag else 'no '}FFN biases: {type(config).__name__}.mlp_bias"

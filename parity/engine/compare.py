@@ -13,7 +13,7 @@ inputs, against the float64 truth,
 tolerance = atol, or max(LOW_PRECISION_FACTOR x reference error, RELATIVE_FLOOR x max |reference64|),
 reference error = max |reference_low - reference64|,
 and the layer's ``ratio_to_reference_error`` = max |target - reference64| / reference error
-(README, "Low precision and devices": why the factor is LOW_PRECISION_FACTOR).
+(docs/precision.md: why the factor is LOW_PRECISION_FACTOR).
 
 A layer the reference cannot judge (its float32 output overflows, the tolerance is as large
 as the output itself, a weight matrix is all zeros, two weights are identical, the output

@@ -49,16 +49,27 @@ class ConfigView:
     ``__setattr__`` / ``__delattr__`` refused, and neither dunder names (``view.__dict__`` would be the config's
     own, writable dict) nor the config's writer methods are handed through to the config."""
 
-    __slots__ = ("_parity_config", "_parity_answers", "_parity_supplied", "_parity_table")
+    __slots__ = ("_parity_config", "_parity_answers", "_parity_supplied", "_parity_table", "_parity_overrides")
 
-    def __init__(self, config: Any, answers: dict[str, tuple[Any, str]], table: str = "aliases.toml [config_fields]"):
+    def __init__(self, config: Any, answers: dict[str, tuple[Any, str]], table: str = "aliases.toml [config_fields]",
+                 overrides: dict[str, tuple[Any, str]] | None = None):
         object.__setattr__(self, "_parity_config", config)
         object.__setattr__(self, "_parity_answers", MappingProxyType(dict(answers)))
+        object.__setattr__(self, "_parity_overrides", MappingProxyType(dict(overrides or {})))
         object.__setattr__(self, "_parity_supplied", {})
         object.__setattr__(self, "_parity_table", table)
 
     def __getattr__(self, name: str) -> Any:  # only for names the view itself does not have
+        return self._parity_lookup(name)
+
+    def _parity_lookup(self, name: str) -> Any:
+        """The config's own field, else the table's answer, else AttributeError naming both."""
         config = object.__getattribute__(self, "_parity_config")
+        overrides = object.__getattribute__(self, "_parity_overrides")
+        if name in overrides:  # what the module must be built with whatever the config says (its dtype)
+            value, why = overrides[name]
+            object.__getattribute__(self, "_parity_supplied")[name] = Supplied(name, value, why)
+            return value
         if name.startswith("__") and name.endswith("__"):  # __dict__, __setstate__, ...: the view's own, or none
             raise AttributeError(f"parity's read-only view of {type(config).__name__} has no attribute '{name}'",
                                  name=name, obj=self)
@@ -77,6 +88,42 @@ class ConfigView:
         value, why = answers[name]
         object.__getattribute__(self, "_parity_supplied")[name] = Supplied(name, value, why)
         return value
+
+    # -- a dict config too: cfg["emb_dim"], cfg.get("drop_rate", 0.0), "qkv_bias" in cfg, iteration ---------------
+    def __getitem__(self, key: str) -> Any:
+        if not isinstance(key, str):
+            raise KeyError(key)
+        try:
+            return self._parity_lookup(key)
+        except AttributeError as exc:
+            raise KeyError(str(exc)) from None
+
+    def get(self, key: str, default: Any = None) -> Any:
+        try:
+            return self[key]
+        except KeyError:
+            return default
+
+    def __contains__(self, key: object) -> bool:
+        return isinstance(key, str) and self.get(key, _ABSENT) is not _ABSENT
+
+    def keys(self) -> list[str]:
+        config = object.__getattribute__(self, "_parity_config")
+        own = list(config.to_dict()) if hasattr(config, "to_dict") else list(vars(config))
+        extra = [*object.__getattribute__(self, "_parity_answers"), *object.__getattribute__(self, "_parity_overrides")]
+        return list(dict.fromkeys([*own, *extra]))
+
+    def __iter__(self):
+        return iter(self.keys())
+
+    def __len__(self) -> int:
+        return len(self.keys())
+
+    def items(self) -> list[tuple[str, Any]]:
+        return [(key, self.get(key)) for key in self.keys()]
+
+    def values(self) -> list[Any]:
+        return [self.get(key) for key in self.keys()]
 
     def __setattr__(self, name: str, value: Any) -> None:
         raise AttributeError(f"parity's view of the checkpoint's {self.config_name} is read-only: cannot set '{name}'")
@@ -111,6 +158,12 @@ class ConfigView:
                 for s in self.supplied]
 
 
+_ABSENT = object()
+# What a module is built in, whatever the checkpoint's config says: parity builds the target in float32 (a --dtype
+# run casts it after), and code that calls .to(cfg["dtype"]) or nn.Linear(..., dtype=cfg["dtype"]) gets a torch.dtype.
+COMPUTE_DTYPE_NAMES = ("dtype", "torch_dtype")
+
+
 def config_view(config: Any, fields: ConfigFields, facts: dict[str, tuple[Any, str] | None]) -> ConfigView:
     """The view of ``config`` answering the names of ``fields`` (aliases.toml [config_fields]) the config lacks;
     ``facts``: fact name -> (value, why parity says so) or None when unknown (``parity.engine.build``:
@@ -122,4 +175,7 @@ def config_view(config: Any, fields: ConfigFields, facts: dict[str, tuple[Any, s
             answers[name] = (value, f"{type(config).__name__}.{own}; alias in aliases.toml [config_fields]")
     answers.update({name: facts[fact] for name, fact in fields.facts.items() if facts.get(fact) is not None})
     answers.update(fields.values)
-    return ConfigView(config, answers)
+    import torch  # only here: the view itself is plain Python
+
+    why = "parity builds the module in float32; a --dtype run casts it after"
+    return ConfigView(config, answers, overrides={name: (torch.float32, why) for name in COMPUTE_DTYPE_NAMES})

@@ -50,6 +50,13 @@ def fill_target(module: nn.Module, mapping: Mapping, tensors: dict[str, torch.Te
                              f"checkpoint tensor '{route.source}' is not used")
             continue
         param = params[route.target]
+        if route.zeros:  # declared in the mapping: the checkpoint has no tensor for it
+            with torch.no_grad():
+                param.zero_()
+            notes.append(f"target parameter '{route.target}' set to zero, as the routes declare "
+                         "({ zeros = true }): the checkpoint has no tensor for it")
+            routed.add(route.target)
+            continue
         if route.source not in tensors:  # an optional route whose tensor the checkpoint lacks
             raise MissingTensorError(
                 f"the target {type(module).__name__} has parameter '{route.target}', but the checkpoint has no "

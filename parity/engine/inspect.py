@@ -105,7 +105,8 @@ def inspect_model(model: str, checkpoint: str | None = None, mapping: str | None
     act = activation_module(probe)
     prefix = session.reader.layer_prefix(layer)
     routes = [*session.reader.reference_routes(layer), *fam.tensors]
-    names = list(dict.fromkeys(prefix + r.source for r in routes if not r.optional or ckpt.has(prefix + r.source)))
+    names = list(dict.fromkeys(prefix + r.source for r in routes
+                               if r.reads and (not r.optional or ckpt.has(prefix + r.source))))
     tensors = tensor_info(ckpt, session, layer, names)
     built = target_routes(session, prefix, tensors)
     args = ConfigValue(config, fam.path)

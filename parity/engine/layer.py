@@ -91,7 +91,7 @@ class LayerReader:
         prefix = self.layer_prefix(layer, expert)
         routes = [*self.reference_routes(layer), *self.mapping.tensors]
         wanted = list(dict.fromkeys(r.source for r in routes
-                                    if not r.optional or self.checkpoint.has(prefix + r.source)))
+                                    if r.reads and (not r.optional or self.checkpoint.has(prefix + r.source))))
         raw = self._read(prefix, wanted, expert)
         tensors, self.facts = {}, {}
         for name in wanted:

@@ -24,7 +24,7 @@ from torch import nn
 from parity.engine.build import target_label
 from parity.engine.fill import check_target_routes, is_projection_bias
 from parity.errors import MappingError
-from parity.spec.aliases import Aliases, load_aliases
+from parity.spec.aliases import Aliases, Group, load_aliases
 from parity.spec.mapping import Mapping, TensorRoute, is_builtin, route_spelling
 from parity.spec.toml_text import mapping_text
 
@@ -131,9 +131,41 @@ def family_roles(family: Mapping, aliases: Aliases) -> dict[Role, TensorRoute]:
     return canon
 
 
-def assign_roles(params: dict[str, tuple[int, ...]], canon: dict[Role, TensorRoute],
-                 aliases: Aliases) -> tuple[dict[str, Role], list[str]]:
-    """Each parameter's role, read off its name among the roles the checkpoint has; and what stands in the way."""
+def member_of(name: str) -> str:
+    """The group member a parameter belongs to: its submodule ("fc1" for "fc1.weight"), or itself when bare."""
+    owner, _, leaf = name.rpartition(".")
+    return owner if owner and leaf in ("weight", "bias") else name
+
+
+def group_roles(params: dict[str, tuple[int, ...]], canon: dict[Role, TensorRoute], aliases: Aliases,
+                stored: dict[Role, tuple[int, ...]]) -> tuple[Group, dict[str, Role]] | None:
+    """The first convention group (aliases.toml [[groups]]) whose members are exactly the module's projections,
+    whose roles the checkpoint has, and whose every weight's shape fits its role's stored tensor (as stored or
+    transposed); with each parameter's role.  None when no group applies."""
+    members = {member_of(name) for name in params}
+    for group in aliases.groups:
+        weights = {m for m in group.members if group.role_of(m)[1] == "weight"}
+        if not weights <= members or not members <= set(group.members):
+            continue
+        assigned: dict[str, Role] = {}
+        for name in params:
+            member = member_of(name)
+            role, kind = group.role_of(member)
+            assigned[name] = (role, name.rpartition(".")[2] if member != name else kind)
+        fits = all(role in stored and params[name] in (stored[role], stored[role][::-1])
+                   for name, role in assigned.items() if role[1] == "weight")
+        if fits:
+            return group, assigned
+    return None
+
+
+def assign_roles(params: dict[str, tuple[int, ...]], canon: dict[Role, TensorRoute], aliases: Aliases,
+                 stored: dict[Role, tuple[int, ...]] | None = None) -> tuple[dict[str, Role], list[str]]:
+    """Each parameter's role: by a convention group when one applies, else read off its name among the roles the
+    checkpoint has; and what stands in the way."""
+    found = group_roles(params, canon, aliases, stored or {})
+    if found is not None:
+        return found[1], []
     available = {role for role, _ in canon}
     assigned: dict[str, Role] = {}
     problems: list[str] = []
@@ -184,27 +216,36 @@ def infer_routes(module: nn.Module, family: Mapping, tensors: dict[str, torch.Te
     aliases = load_aliases()
     canon = family_roles(family, aliases)
     params = {name: tuple(p.shape) for name, p in module.named_parameters()}
-    assigned, problems = assign_roles(params, canon, aliases)
+    stored = {role: stored_shape(route, tensors) for role, route in canon.items() if route.source in tensors}
+    assigned, problems = assign_roles(params, canon, aliases, stored)
+    group = group_roles(params, canon, aliases, stored)
+    bare = {name: group[0].layout for name in params if group is not None and member_of(name) == name}
     if problems:
         headline = (f"cannot tell which checkpoint tensor goes into which parameter of {label} from their names: "
                     f"{'; '.join(problems)}. parity reads roles off parameter names ({aliases.path}) and never "
                     "tries assignments until one passes (that would hide a gate/up swap in your own loading "
                     "code): write the routes in a mapping file (one to edit is printed with this error) and "
                     "pass it with --mapping FILE.toml")
-        details = unroutable(label, family, params, assigned, canon, tensors, args)
+        layouts = {name: owner_layout(module, name, aliases) for name in params}
+        details, template = unroutable(label, family, params, assigned, canon, tensors, args, layouts)
         error = MappingError(f"{headline}\n{details}")
         error.headline, error.details = headline, details  # the CLI prints the details, then the one-line error
+        error.template = template  # --save-mapping writes it, so the user edits a file instead of a terminal
         raise error
     routes, notes = [], []
     for name, (role, kind) in assigned.items():
         base = canon.get((role, kind))
-        if base is None:
-            continue  # a bias the checkpoint has no tensor for: fill_target zeroes it and says so
+        if base is not None and base.optional and base.source not in tensors:
+            base = None  # an optional bias (LLaMA's mlp_bias) this checkpoint does not have
+        if base is None:  # a bias the checkpoint has no tensor for
+            if kind == "bias" and member_of(name) == name:  # a bare one (TransformerLens' b_in): declared zero
+                routes.append(TensorRoute(name, "", zeros=True))
+            continue  # a submodule's: fill_target zeroes it as a projection's bias and says so
         if kind == "bias":
             routes.append(TensorRoute(name, base.source, "none", base.chunk, base.optional))
             continue
         transform = orientation(base, stored_shape(base, tensors), params[name], aliases.roles[role].side,
-                                hidden_size, owner_layout(module, name, aliases))
+                                hidden_size, bare.get(name) or owner_layout(module, name, aliases))
         if transform is None:
             transform = base.transform
             owner = type(owner_of(module, name)).__name__
@@ -212,6 +253,27 @@ def infer_routes(module: nn.Module, family: Mapping, tensors: dict[str, torch.Te
                          "nn.Linear nor Conv1D: its layout was taken as nn.Linear's [out, in]")
         routes.append(TensorRoute(name, base.source, transform, base.chunk, base.optional))
     return routes, notes
+
+
+def proposals(shape: tuple[int, ...], shapes: dict[str, tuple[int, ...]], stored_layouts: dict[str, str],
+              layout: str | None) -> list[str]:
+    """How each checkpoint tensor could fill a parameter of ``shape``, spelled as a [tensors] line's value: as
+    stored, or transposed where the parameter's owner stores the other layout (its class says: nn.Linear [out, in],
+    Conv1D [in, out]; a bare parameter: by shape alone)."""
+    found = []
+    for source, stored in shapes.items():
+        if len(shape) != len(stored):
+            continue
+        if len(shape) == 2 and layout is not None:
+            flip = layout != stored_layouts.get(source, "out_in")
+            options = [("transpose" if flip else "none", stored[::-1] if flip else stored)]
+        else:
+            options = [("none", stored)] + ([("transpose", stored[::-1])] if len(shape) == 2 else [])
+        for transform, after in options:
+            if after == shape:
+                found.append(f'"{source}"' if transform == "none" else
+                             f'{{ from = "{source}", transform = "transpose" }} ({source}, transposed)')
+    return list(dict.fromkeys(found))
 
 
 def stored_shape(route: TensorRoute, tensors: dict[str, torch.Tensor]) -> tuple[int, ...]:
@@ -253,10 +315,16 @@ def orientation(base: TensorRoute, stored: tuple[int, ...], target: tuple[int, .
 
 
 def unroutable(label: str, family: Mapping, params: dict[str, tuple[int, ...]], assigned: dict[str, Role],
-               canon: dict[Role, TensorRoute], tensors: dict[str, torch.Tensor], args: dict | None) -> str:
-    """Both sides with shapes and roles, and a mapping file to edit."""
+               canon: dict[Role, TensorRoute], tensors: dict[str, torch.Tensor], args: dict | None,
+               layouts: dict[str, str | None] | None = None) -> tuple[str, str]:
+    """Both sides with shapes and roles, and (returned beside them) a mapping file to edit whose comments propose,
+    for each "?", the tensor that fits after the storage orientation (a Conv1D checkpoint stores [in, out]; an
+    nn.Linear parameter is [out, in]), spelled as the line should read."""
+    layouts = layouts or {}
     sources = {route.source: role for role, route in canon.items() if route.source in tensors}
     shapes = {name: tuple(tensors[name].shape) for name in sources}
+    stored_layouts = {route.source: "in_out" if route.transform == "transpose" else "out_in"
+                      for route in canon.values()}
     width = max(map(len, [*params, *sources]), default=0)
     lines = [f"target {label}, its parameters and the roles their names say:"]
     lines += [f"    {name:<{width}}  {list(shape)!s:<14}  {' '.join(assigned.get(name, ('?',)))}"
@@ -270,15 +338,21 @@ def unroutable(label: str, family: Mapping, params: dict[str, tuple[int, ...]], 
         if base is not None and sum(r == role for r in assigned.values()) == 1:
             tensors_table[name] = route_spelling(dataclasses.replace(base, target=name))
             comments[name] = f"{list(shape)}: read as {role[0]} {role[1]}"
+            continue
+        tensors_table[name] = "?"
+        fits = proposals(shape, shapes, stored_layouts, layouts.get(name))
+        if len(fits) == 1:
+            comments[name] = f"{list(shape)}: {fits[0]}"
+        elif fits:
+            comments[name] = f"{list(shape)}: UNCERTAIN, {len(fits)} tensors fit: " + "; or ".join(fits)
+        elif name.rpartition(".")[2].lower().startswith(("b", "bias")) and len(shape) == 1:
+            comments[name] = f"{list(shape)}: no checkpoint tensor has this shape; write {{ zeros = true }} if it is " \
+                             "a bias this checkpoint does not have"
         else:
-            same = [s for s, sh in shapes.items() if sh == shape]
-            flipped = [s for s, sh in shapes.items() if sh == shape[::-1]]
-            tensors_table[name] = "?"
-            comments[name] = (f"{list(shape)}: same shape as {' or '.join(same)}" if same else
-                              f"{list(shape)}: transposed shape of {' or '.join(flipped)}" if flipped else
-                              f"{list(shape)}: no checkpoint tensor has this shape")
+            comments[name] = f"{list(shape)}: no checkpoint tensor has this shape"
     lines += ["a mapping to edit: replace each \"?\" with the checkpoint tensor for that parameter (written "
               "{ from = \"...\", transform = \"transpose\" } where your weight is the stored one transposed), "
               "save it as FILE.toml and run `parity MODEL --mapping FILE.toml`:", ""]
-    lines.append(mapping_text(mapping_reference(family), label, args, tensors_table, comments).rstrip("\n"))
-    return "\n".join(lines)
+    template = mapping_text(mapping_reference(family), label, args, tensors_table, comments)
+    lines.append(template.rstrip("\n"))
+    return "\n".join(lines), template

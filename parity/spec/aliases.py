@@ -18,7 +18,7 @@ from parity.spec.datafiles import ALIASES_FILE, builtin_mapping_dir
 KINDS = ("gated", "classic")
 SIDES = ("in", "out")
 _ROLE_KEYS = {"kind", "side", "names", "fuses"}
-_OTHER_TABLES = {"biases", "layout", "constructor", "config_fields"}
+_OTHER_TABLES = {"biases", "layout", "constructor", "config_fields", "groups"}
 FACTS = ("ffn_bias", "ffn_width")  # what parity knows about a checkpoint's FFN that [config_fields.facts] may name
 
 
@@ -33,6 +33,19 @@ class Role:
     names: frozenset[str]
     biases: frozenset[str] = frozenset()
     fuses: tuple[str, ...] = ()  # gate_up: the roles it holds, in order along dim 0
+
+
+@dataclass(frozen=True)
+class Group:
+    """[[groups]]: names that together identify one project's layout.  ``members``: submodule or bare parameter
+    name -> role ("gate", or "up.bias" for a bare bias); ``layout``: how its bare weights are stored."""
+
+    members: dict[str, str]
+    layout: str = "out_in"
+
+    def role_of(self, member: str) -> tuple[str, str]:
+        role, _, kind = self.members[member].partition(".")
+        return role, kind or "weight"
 
 
 @dataclass(frozen=True)
@@ -53,6 +66,7 @@ class Aliases:
     in_out: tuple[str, ...]  # owner class names whose weight is [in, out] (transformers' Conv1D)
     config_names: tuple[str, ...]  # constructor parameters that take the transformers config
     config_fields: ConfigFields = field(default_factory=lambda: ConfigFields({}, {}, {}))
+    groups: tuple[Group, ...] = ()
 
     def roles_of(self, name: str) -> set[tuple[str, str]]:
         """Every (role, "weight" | "bias") the parameter ``name`` may be, by its last component(s)."""
@@ -99,7 +113,31 @@ def load_aliases(path: Path | None = None) -> Aliases:
     layout = _string_lists(path, data.get("layout", {}), "layout")
     constructor = _string_lists(path, data.get("constructor", {}), "constructor")
     return Aliases(path, roles, tuple(layout.get("out_in", [])), tuple(layout.get("in_out", [])),
-                   tuple(constructor.get("config", [])), _config_fields(path, data.get("config_fields", {})))
+                   tuple(constructor.get("config", [])), _config_fields(path, data.get("config_fields", {})),
+                   _groups(path, data.get("groups", []), roles))
+
+
+def _groups(path: Path, table: object, roles: dict[str, Role]) -> tuple[Group, ...]:
+    """[[groups]]: each with members = { name = "role" | "role.bias" } of known roles, one kind, and a layout."""
+    if not isinstance(table, list):
+        raise MappingError(f"{path}: key 'groups': expected [[groups]] tables")
+    groups = []
+    for index, entry in enumerate(table):
+        where = f"{path}: [[groups]] #{index + 1}"
+        members, layout = (entry.get("members"), entry.get("layout", "out_in")) if isinstance(entry, dict) else (0, 0)
+        if (not isinstance(members, dict) or not members or set(entry) - {"members", "layout"}
+                or layout not in ("out_in", "in_out")):
+            raise MappingError(f"{where}: expected members = {{ name = \"role\" }} and layout \"out_in\" | \"in_out\"")
+        group = Group({str(k): v for k, v in members.items()}, layout)
+        for member, value in members.items():
+            role, kind = group.role_of(member) if isinstance(value, str) else ("", "")
+            if role not in roles or kind not in ("weight", "bias"):
+                raise MappingError(f"{where}: member '{member}' = {value!r}: expected one of {sorted(roles)}, "
+                                   "optionally with .bias")
+        if len({roles[group.role_of(m)[0]].kind for m in members}) != 1:
+            raise MappingError(f"{where}: its members mix gated and classic roles")
+        groups.append(group)
+    return tuple(groups)
 
 
 def _config_fields(path: Path, table: object) -> ConfigFields:

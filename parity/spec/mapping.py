@@ -32,6 +32,12 @@ class TensorRoute:
     transform: str = "none"
     chunk: tuple[int, int] | None = None  # (index, count) along dim 0, for fused tensors
     optional: bool = False  # skipped when the target has no such parameter (e.g. biases off)
+    zeros: bool = False  # `param = { zeros = true }`: no checkpoint tensor; parity fills zeros and says so
+
+    @property
+    def reads(self) -> bool:
+        """Whether this route reads a checkpoint tensor (a declared-zeros route reads none)."""
+        return not self.zeros
 
 
 @dataclass
@@ -88,7 +94,10 @@ class Experts:
 
 
 def route_spelling(route: TensorRoute) -> str | dict[str, Any]:
-    """A route as a mapping file writes it: "name", or {from = ..., transform = ..., chunk = ..., optional = ...}."""
+    """A route as a mapping file writes it: "name", {from = ..., transform = ..., chunk = ..., optional = ...}, or
+    {zeros = true}."""
+    if route.zeros:
+        return {"zeros": True}
     spec: dict[str, Any] = {"from": route.source}
     if route.transform != "none":
         spec["transform"] = route.transform
@@ -106,6 +115,8 @@ def route_arrows(tensors: dict[str, Any]) -> str:
     for target, spec in tensors.items():
         if isinstance(spec, str):
             parts.append(f"{target} ← {spec}")
+        elif spec.get("zeros"):
+            parts.append(f"{target} ← zeros")
         elif not spec.get("optional"):
             chunk = f"[chunk {spec['chunk'][0]}/{spec['chunk'][1]}]" if spec.get("chunk") else ""
             parts.append(f"{target} ← {spec['from']}{chunk}{'.T' if spec.get('transform') == 'transpose' else ''}")

@@ -63,6 +63,11 @@ def _parse_route(path: Path, target: str, spec: Any, table: str = "tensors") -> 
         return TensorRoute(target, spec)
     if not isinstance(spec, dict):
         raise _fail(path, where, "expected a tensor name or a table {from = ..., transform = ...}")
+    if "zeros" in spec:  # a parameter the checkpoint has no tensor for, declared: filled with zeros, said in the report
+        if spec != {"zeros": True} or table != "tensors":
+            raise _fail(path, where, "expected exactly { zeros = true } (only in [tensors]: a parameter of your module "
+                                     "that the checkpoint has no tensor for)")
+        return TensorRoute(target, "", zeros=True)
     _check_keys(path, spec, _TENSOR_KEYS, where + ".")
     source = _require(path, spec, "from", str, where + ".")
     transform = spec.get("transform", "none")

@@ -90,7 +90,7 @@ def find_project_file(folder: Path) -> tuple[Path, dict]:
     raise ProjectConfigError(
         f"{folder}: no parity.toml and no [tool.parity] table in pyproject.toml, here or in any parent folder. "
         "Add one listing the checks, e.g. [[tool.parity.checks]] with model = \"gpt2\" and layers = [0, 11] "
-        "(README: 'Many checks at once'), or run `parity MODEL` for a single check."
+        "(docs/ci.md: 'Many checks at once'), or run `parity MODEL` for a single check."
     )
 
 
@@ -107,7 +107,7 @@ def load_project(path: str | Path | None = None, cwd: Path | None = None) -> Pro
         if table is None:
             raise ProjectConfigError(
                 f"{file}: has no [tool.parity] table; add one listing the checks ([[tool.parity.checks]] with "
-                "model = \"gpt2\", ...; README: 'Many checks at once'), or give --config a parity.toml")
+                "model = \"gpt2\", ...; docs/ci.md: 'Many checks at once'), or give --config a parity.toml")
     return parse_project(table, file)
 
 

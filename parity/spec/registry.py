@@ -32,7 +32,7 @@ def _builtin_mappings() -> dict[str, Mapping]:
 
 def fits(mapping: Mapping, has) -> bool:
     """Whether a checkpoint (its ``has(name)``) holds layer 0's tensors under this mapping's names."""
-    sources = [r.source for r in mapping.tensors if not r.optional]
+    sources = [r.source for r in mapping.tensors if not r.optional and r.reads]
     return any(all(has(f"{prefix}{mapping.layer_prefix(0)}.{s}") for s in sources) for prefix in mapping.key_prefixes)
 
 
@@ -52,5 +52,5 @@ def mapping_for_model_type(model_type: str | None, has=None) -> Mapping:
     served = sorted({t for m in mappings.values() for t in m.model_types})  # each once: gpt2, gpt2-gguf, ... share one
     raise MappingError(
         f"no mapping serves model_type {model_type!r} (config.json); known model types: {', '.join(served)}. "
-        "Write a mapping file for it and pass it with --mapping FILE.toml (README: 'Adding a model family')."
+        "Write a mapping file for it and pass it with --mapping FILE.toml (docs/own-module.md)."
     )

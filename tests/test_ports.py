@@ -1,0 +1,206 @@
+"""Real ports with --target alone: FFN classes written in the style of published from-scratch and framework code
+(dict configs, their own parameter names, nn.Sequential, [in, out] bare weights), written for this project.
+Each correct one passes with --target alone; each broken variant is named; a module parity cannot route gets a
+template whose hints, followed literally, lead to a pass."""
+
+from __future__ import annotations
+
+import re
+import sys
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import parity
+
+from .support import run_main
+
+HERE = __name__
+
+
+# -- dict configs (cfg["emb_dim"], cfg["hidden_dim"], cfg["dtype"]) -----------------------------------------------
+
+class OwnGELU(nn.Module):
+    def forward(self, x):
+        return 0.5 * x * (1 + torch.tanh(torch.sqrt(torch.tensor(2.0 / torch.pi)) * (x + 0.044715 * x.pow(3))))
+
+
+class DictGPTFeedForward(nn.Module):
+    """A GPT-2 FFN of book code: a cfg dict, nn.Sequential(Linear, its own GELU, Linear) named `layers`."""
+
+    def __init__(self, cfg):
+        super().__init__()
+        self.layers = nn.Sequential(nn.Linear(cfg["emb_dim"], 4 * cfg["emb_dim"]), OwnGELU(),
+                                    nn.Linear(4 * cfg["emb_dim"], cfg["emb_dim"]))
+
+    def forward(self, x):
+        return self.layers(x)
+
+
+class DictGatedFeedForward(nn.Module):
+    """A LLaMA/Qwen FFN of book code: fc1 (gate), fc2 (up), fc3 (down), built in cfg["dtype"]."""
+
+    def __init__(self, cfg):
+        super().__init__()
+        self.fc1 = nn.Linear(cfg["emb_dim"], cfg["hidden_dim"], dtype=cfg["dtype"], bias=False)
+        self.fc2 = nn.Linear(cfg["emb_dim"], cfg["hidden_dim"], dtype=cfg["dtype"], bias=False)
+        self.fc3 = nn.Linear(cfg["hidden_dim"], cfg["emb_dim"], dtype=cfg["dtype"], bias=False)
+
+    def act(self, x):
+        return F.silu(x)
+
+    def forward(self, x):
+        return self.fc3(self.act(self.fc1(x)) * self.fc2(x))
+
+
+class DictGeGLU(DictGatedFeedForward):
+    def act(self, x):
+        return F.gelu(x, approximate="tanh")
+
+
+class SwappedDictGated(DictGatedFeedForward):
+    def forward(self, x):
+        return self.fc3(self.act(self.fc2(x)) * self.fc1(x))
+
+
+class ExactGeluDictGPT(DictGPTFeedForward):
+    def __init__(self, cfg):
+        super().__init__(cfg)
+        self.layers[1] = nn.GELU()
+
+
+# -- a framework's config object, its own names -------------------------------------------------------------------
+
+class FrameworkMLP(nn.Module):
+    """In the style of a fine-tuning framework: config.n_embd, config.intermediate_size, config.bias; fc_1/fc_2/proj."""
+
+    def __init__(self, config):
+        super().__init__()
+        self.fc_1 = nn.Linear(config.n_embd, config.intermediate_size, bias=config.bias)
+        self.fc_2 = nn.Linear(config.n_embd, config.intermediate_size, bias=config.bias)
+        self.proj = nn.Linear(config.intermediate_size, config.n_embd, bias=config.bias)
+
+    def forward(self, x):
+        return self.proj(F.silu(self.fc_1(x)) * self.fc_2(x))
+
+
+# -- interpretability style: bare [in, out] parameters, zero biases -----------------------------------------------
+
+class InOutMLP(nn.Module):
+    def __init__(self, cfg):
+        super().__init__()
+        d, m = cfg["d_model"], cfg["d_mlp"]
+        self.W_in, self.b_in = nn.Parameter(torch.empty(d, m)), nn.Parameter(torch.zeros(m))
+        self.W_out, self.b_out = nn.Parameter(torch.empty(m, d)), nn.Parameter(torch.zeros(d))
+
+    def forward(self, x):
+        return F.gelu(x @ self.W_in + self.b_in, approximate="tanh") @ self.W_out + self.b_out
+
+
+class InOutGatedMLP(nn.Module):
+    def __init__(self, cfg):
+        super().__init__()
+        d, m = cfg["d_model"], cfg["d_mlp"]
+        self.W_gate, self.W_in = nn.Parameter(torch.empty(d, m)), nn.Parameter(torch.empty(d, m))
+        self.W_out = nn.Parameter(torch.empty(m, d))
+        self.b_in, self.b_out = nn.Parameter(torch.zeros(m)), nn.Parameter(torch.zeros(d))
+
+    def forward(self, x):
+        return (F.silu(x @ self.W_gate) * (x @ self.W_in + self.b_in)) @ self.W_out + self.b_out
+
+
+CORRECT = [("gpt2", "DictGPTFeedForward"), ("llama", "DictGatedFeedForward"), ("qwen2", "DictGatedFeedForward"),
+           ("gemma3_text", "DictGeGLU"), ("qwen2", "FrameworkMLP"), ("llama", "FrameworkMLP"),
+           ("gpt2", "InOutMLP"), ("llama", "InOutGatedMLP")]
+BROKEN = [("llama", "SwappedDictGated", "gate_up_swapped"), ("gpt2", "ExactGeluDictGPT", "gelu_exact_instead_of_tanh")]
+
+
+@pytest.mark.parametrize(("family", "cls"), CORRECT, ids=[f"{f}-{c}" for f, c in CORRECT])
+def test_a_correct_port_passes_with_target_alone(tiny, family, cls, capsys):
+    code, out, err = run_main(capsys, tiny[family], "--layers", "0,1", "--target", f"{HERE}:{cls}")
+    assert code == 0, out + err
+    assert "diagnosis" not in out
+
+
+@pytest.mark.parametrize(("family", "cls", "mistake"), BROKEN, ids=[c for _, c, _ in BROKEN])
+def test_a_broken_port_is_named(tiny, family, cls, mistake, capsys):
+    code, out, _ = run_main(capsys, tiny[family], "--layer", "1", "--target", f"{HERE}:{cls}")
+    assert code == 1 and f"MISMATCH — {mistake}" in out
+
+
+def test_a_dict_config_gets_float32_and_the_notes_say_so(tiny):
+    report = parity.check(str(tiny["llama"]), layers=[0], target=DictGatedFeedForward)
+    assert report.passed
+    assert any("`dtype`" in note and "float32" in note for note in report.notes), report.notes
+    assert any("`emb_dim`" in note for note in report.notes)
+
+
+def test_bare_biases_without_tensors_are_declared_zero(tiny):
+    report = parity.check(str(tiny["llama"]), layers=[0], target=InOutGatedMLP)
+    assert report.passed
+    assert report.routes["tensors"]["b_in"] == {"zeros": True}
+    assert any("'b_in' set to zero, as the routes declare" in note for note in report.notes)
+
+
+# -- a module parity cannot route: a template whose hints lead to a pass -------------------------------------------
+
+class Unnamed(nn.Module):
+    """Names in no table; nn.Linear weights on a Conv1D ([in, out]) GPT-2 checkpoint."""
+
+    def __init__(self, config):
+        super().__init__()
+        self.alpha = nn.Linear(config.n_embd, 4 * config.n_embd)
+        self.omega = nn.Linear(4 * config.n_embd, config.n_embd)
+
+    def forward(self, x):
+        return self.omega(F.gelu(self.alpha(x), approximate="tanh"))
+
+
+def test_the_template_proposes_the_transposed_tensor_and_following_it_passes(tiny, tmp_path, capsys):
+    code, _, err = run_main(capsys, tiny["gpt2"], "--layer", "0", "--target", f"{HERE}:Unnamed")
+    assert code == 2
+    lines = {m[1]: m[2] for m in re.finditer(r'^"?([\w.]+)"? = "\?"\s+# \[[\d, ]+\]: (.*)$', err, re.M)}
+    assert lines["alpha.weight"] == '{ from = "c_fc.weight", transform = "transpose" } (c_fc.weight, transposed)'
+    assert lines["omega.weight"].startswith('{ from = "c_proj.weight", transform = "transpose" }')
+    template = err[err.index("extends = "):err.index("parity: error:")]
+    followed = []
+    for line in template.splitlines():  # each "?" replaced by what its comment says
+        m = re.match(r'^("?[\w.]+"?) = "\?"\s+# \[[\d, ]+\]: '
+                     r'(\{ from = "[^"]+"(?:, transform = "transpose")? \}|"[^"]+")', line)
+        followed.append(f"{m[1]} = {m[2]}" if m else line)
+    mapping = tmp_path / "followed.toml"
+    mapping.write_text("\n".join(followed) + "\n")
+    code, out, err = run_main(capsys, tiny["gpt2"], "--layers", "0,1", "--target", f"{HERE}:Unnamed", "--mapping",
+                              mapping)
+    assert code == 0, out + err
+
+
+def test_zeros_in_a_mapping_file(tiny, tmp_path, capsys):
+    mapping = tmp_path / "m.toml"
+    mapping.write_text(f'extends = "llama"\n[target]\nclass = "{HERE}:InOutGatedMLP"\nargs = {{ cfg = "config" }}\n'
+                       '[tensors]\nW_gate = { from = "gate_proj.weight", transform = "transpose" }\n'
+                       'W_in = { from = "up_proj.weight", transform = "transpose" }\n'
+                       'W_out = { from = "down_proj.weight", transform = "transpose" }\n'
+                       'b_in = { zeros = true }\nb_out = { zeros = true }\n')
+    code, out, err = run_main(capsys, tiny["llama"], "--layer", "0", "--mapping", mapping)
+    assert code == 0, out + err
+    bad = tmp_path / "bad.toml"
+    bad.write_text(mapping.read_text().replace("b_out = { zeros = true }", "b_out = { zeros = false }"))
+    code, _, err = run_main(capsys, tiny["llama"], "--layer", "0", "--mapping", bad)
+    assert code == 2 and "expected exactly { zeros = true }" in err
+
+
+assert sys.modules[__name__]  # the classes above are importable as tests.test_ports:Name
+
+
+def test_save_mapping_writes_the_template_when_routes_are_refused(tiny, tmp_path, capsys):
+    target = tmp_path / "todo.toml"
+    code, _, err = run_main(capsys, tiny["gpt2"], "--layer", "0", "--target", f"{HERE}:Unnamed", "--save-mapping",
+                            target)
+    assert code == 2 and f"wrote the mapping to complete to {target}" in err
+    text = target.read_text()
+    assert text.startswith("# Written by `parity --save-mapping`") and '"alpha.weight" = "?"' in text
+    code, _, err = run_main(capsys, tiny["gpt2"], "--layer", "0", "--mapping", target)
+    assert code == 2 and "placeholder" in err  # the saved template still says what is left to fill in
