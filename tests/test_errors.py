@@ -317,7 +317,7 @@ CASES = [
     Case("config-invalid-json", ["{folder}/config.json", "not valid JSON"], breaks=invalid_config_json),
     Case("config-not-an-object", ["{folder}/config.json", "JSON object"],
          breaks=lambda f: (f / "config.json").write_text("[1, 2]")),
-    Case("config-unserved-model-type", ["'frobnicator'", "llama", "gpt2", "Adding a model family", "--mapping"],
+    Case("config-unserved-model-type", ["'frobnicator'", "llama", "gpt2", "docs/own-module.md", "--mapping"],
          breaks=config_edit(lambda c: c.__setitem__("model_type", "frobnicator"))),
     Case("config-bad-value", ["config.json", "'hidden_size' = 'big'", "expected an integer"],
          breaks=config_edit(lambda c: c.__setitem__("hidden_size", "big"))),

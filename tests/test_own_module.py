@@ -239,7 +239,8 @@ def test_ambiguous_names_exit_2_with_a_mapping_to_edit(tiny, tmp_path, capsys):
     assert err.rstrip().splitlines()[-1].startswith("parity: error: cannot tell which checkpoint tensor")
     mapping = err[err.index('extends = "llama"'):err.index("parity: error:")]
     assert f'class = "{HERE}:Ambiguous"' in mapping
-    assert '"left.weight" = "?"   # [88, 32]: same shape as gate_proj.weight or up_proj.weight' in mapping
+    assert ('"left.weight" = "?"   # [88, 32]: UNCERTAIN, 2 tensors fit: "gate_proj.weight"; or "up_proj.weight"'
+            in mapping)  # two fit: the names must decide, never a trial of both
     assert '"down_proj.weight" = "down_proj.weight"' in mapping
     # the printed mapping is ready to edit: fill in the two "?" and it runs
     edited = mapping.replace('"left.weight" = "?"', '"left.weight" = "gate_proj.weight"', 1)
