@@ -102,11 +102,9 @@ def cell(text: str) -> str:
 # -- the diagnosis catalogue -------------------------------------------------------------------------------------
 
 def catalogue() -> tuple[dict, dict]:
-    """MISTAKES and PRODUCED_BY, wherever the catalogue lives (parity/spec/ is to be renamed parity/definitions/)."""
-    try:
-        from parity.spec.mistakes import MISTAKES, PRODUCED_BY
-    except ImportError:
-        from parity.definitions.mistakes import MISTAKES, PRODUCED_BY
+    """MISTAKES and PRODUCED_BY: the catalogue of parity/definitions/mistakes.py."""
+    from parity.definitions.mistakes import MISTAKES, PRODUCED_BY
+
     return MISTAKES, PRODUCED_BY
 
 

@@ -12,6 +12,8 @@ from typing import Any
 
 from torch import nn
 
+from parity.definitions.project import CheckSpec
+from parity.definitions.selection import parse_selection
 from parity.engine.build import cwd_importable
 from parity.engine.logits import logits_impact
 from parity.engine.results import LayerResult, Report
@@ -19,8 +21,6 @@ from parity.engine.session import run_session
 from parity.engine.suite import open_session
 from parity.errors import LayerRangeError
 from parity.outputs.render import render, render_html  # importing it makes str(report) the text table
-from parity.spec.project import CheckSpec
-from parity.spec.selection import parse_selection
 
 __all__ = ["check", "load_ffn", "render", "render_html"]
 

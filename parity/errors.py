@@ -80,7 +80,7 @@ class SyntheticWeightsError(CheckpointError):
 class ShapeMismatchError(ParityError, ValueError):
     """A checkpoint tensor does not fit the target parameter (``mistake_id`` names the likely cause)."""
 
-    mistake_id = "shape_mismatch"  # a parity.spec.mistakes.MistakeId value (errors.py imports nothing)
+    mistake_id = "shape_mismatch"  # a parity.definitions.mistakes.MistakeId value (errors.py imports nothing)
 
 
 class TargetError(ParityError):

@@ -17,11 +17,11 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
+from parity.definitions.policy import synthetic_action
 from parity.engine.results import Report
 from parity.errors import ParityAssertionError, ParityError, SyntheticWeightsError
 from parity.outputs.render import render
 from parity.outputs.text import diagnosis_ids, not_checked_summary, summary_line, unit_label, units_label
-from parity.spec.policy import synthetic_action
 
 REQUIRE_REAL_VARIABLE = "PARITY_REQUIRE_REAL"
 

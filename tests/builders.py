@@ -9,9 +9,9 @@ from pathlib import Path
 
 import torch
 
+from parity.definitions.datafiles import builtin_mapping_dir
 from parity.engine.results import LayerResult, Report
 from parity.ffn import llama_intermediate_size
-from parity.spec.datafiles import builtin_mapping_dir
 
 MIXTRAL = dict(hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=2,
                vocab_size=64, num_local_experts=4, num_experts_per_tok=2)

@@ -3,9 +3,12 @@ functions) follows the layers below, has no circles, and the light layers load n
 
     front doors   parity.cli, parity.api, parity.testing, parity.pytest_plugin, parity.__main__
     outputs       parity.outputs.*   (text, JSON, JUnit, baselines, progress)
-    engine        parity.engine.*    (reference, target, inputs, compare, diagnose, session, suite)
+    engine        parity.engine.*    (reference, build/fill/run, inputs, compare, diagnose, session, suite)
     sources       parity.sources.*   (checkpoint formats, hub, caches, synthetic weights)
-    spec          parity.spec.*      (mappings, project files, selections, values; no torch)
+    definitions   parity.definitions.*  (mappings, aliases, project files, selections, values, the mistake
+                                      catalogue; no torch)
+
+docs/architecture.md describes the layers and their modules for a reader.
     base          parity.errors, and the package root (its __version__)
 
 A module may import its own layer and the layers below it, never one above.  parity.ffn is
@@ -20,7 +23,7 @@ from pathlib import Path
 import pytest
 
 PACKAGE = Path(__file__).resolve().parent.parent / "parity"
-LAYERS = ["front", "outputs", "engine", "sources", "spec", "base"]
+LAYERS = ["front", "outputs", "engine", "sources", "definitions", "base"]
 FRONT = {"parity.cli", "parity.api", "parity.testing", "parity.pytest_plugin", "parity.__main__"}
 MAX_LEVELS = 9  # today's chain is shorter; the flat tree stood at 10
 MAX_FUNCTION_LINES = 60
@@ -41,7 +44,7 @@ def layer_of(name: str) -> str | None:
         return "base"
     if any(name == f or name.startswith(f + ".") for f in FRONT):
         return "front"
-    for layer in ("outputs", "engine", "sources", "spec"):
+    for layer in ("outputs", "engine", "sources", "definitions"):
         if name == f"parity.{layer}" or name.startswith(f"parity.{layer}."):
             return layer
     raise AssertionError(f"{name}: in no layer; add it to a subpackage or to this test's table")
@@ -145,7 +148,7 @@ def test_import_chain_is_short():
 @pytest.mark.slow  # a fresh interpreter: what importing the light layers loads
 def test_light_layers_load_no_torch():
     """spec, outputs and the CLI's modules: `parity --version` / `parity list` stay instant."""
-    light = [n for n in MODULES if layer_of(n) in ("spec", "outputs")] + ["parity.cli", "parity.cli.options",
+    light = [n for n in MODULES if layer_of(n) in ("definitions", "outputs")] + ["parity.cli", "parity.cli.options",
                                                                          "parity.cli.commands", "parity.pytest_plugin"]
     code = ("import importlib, sys\n"
             f"for name in {light!r}:\n    importlib.import_module(name)\n"
@@ -167,7 +170,7 @@ def test_no_function_is_longer_than_a_screen():
 
 
 def test_every_diagnosis_id_has_a_catalogue_entry():
-    from parity.spec.mistakes import MISTAKES, MistakeId
+    from parity.definitions.mistakes import MISTAKES, MistakeId
 
     assert set(MISTAKES) == set(MistakeId)
 

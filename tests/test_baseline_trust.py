@@ -198,7 +198,7 @@ def test_bad_factor_or_slack_in_the_project_file_is_exit_2(tmp_path, monkeypatch
 
 
 def test_limits_themselves_are_accepted(tmp_path):
-    from parity.spec.project import load_project
+    from parity.definitions.project import load_project
 
     (tmp_path / "parity.toml").write_text('baseline_factor = 1\nbaseline_slack = 0\n[[checks]]\nmodel = "gpt2"\n')
     project = load_project(cwd=tmp_path)

@@ -101,7 +101,7 @@ def test_wrong_intermediate_size_fails_with_a_hint(tiny):
 
 
 def test_missing_transpose_fails_with_a_hint(tiny, tmp_path):
-    text = (parity.spec.mapping.builtin_mapping_dir() / "gpt2.toml").read_text()
+    text = (parity.definitions.mapping.builtin_mapping_dir() / "gpt2.toml").read_text()
     text = text.replace('{ from = "c_fc.weight", transform = "transpose" }', '"c_fc.weight"')
     (tmp_path / "m.toml").write_text(text)
     report = parity.check(str(tiny["gpt2"]), mapping=str(tmp_path / "m.toml"), layers=[0])

@@ -11,12 +11,12 @@ from types import SimpleNamespace
 import pytest
 
 from parity import cli
+from parity.definitions.datafiles import builtin_mapping_dir
+from parity.definitions.project import load_project, parse_shard, shard_units
 from parity.engine.results import SCHEMA_VERSION
 from parity.errors import BaselineError, ProjectConfigError, ShardError
 from parity.outputs.baseline import compare, entry_key, load_baseline
 from parity.outputs.junit import build_junit
-from parity.spec.datafiles import builtin_mapping_dir
-from parity.spec.project import load_project, parse_shard, shard_units
 
 from .builders import layer_result, report_with
 from .support import ROOT, run_main

@@ -14,11 +14,11 @@ from torch import nn
 
 import parity
 from parity import cli
+from parity.definitions.project import parse_project
+from parity.definitions.values import device_value, dtype_value
 from parity.engine.compare import LOW_PRECISION_FACTOR, NOISE_FACTOR, RELATIVE_FLOOR
 from parity.errors import ParityAssertionError, ProjectConfigError, UsageError
 from parity.outputs.text import summary_line
-from parity.spec.project import parse_project
-from parity.spec.values import device_value, dtype_value
 from parity.testing import assert_parity
 
 from . import mutants as m

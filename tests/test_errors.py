@@ -27,7 +27,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from parity.spec.datafiles import builtin_mapping_dir
+from parity.definitions.datafiles import builtin_mapping_dir
 
 from .hostile_files import ARRAY, STRING, UINT32, nested_arrays
 from .hostile_files import Value as HValue
@@ -628,8 +628,8 @@ def test_reference_names_both_shapes_when_config_and_weights_disagree(tiny):
 
 
 def test_mapping_error_names_the_line(tmp_path):
+    from parity.definitions.mapping_parser import load_mapping
     from parity.errors import MappingError
-    from parity.spec.mapping_parser import load_mapping
 
     text = (builtin_mapping_dir() / "gpt2.toml").read_text()
     path = tmp_path / "m.toml"

@@ -16,12 +16,12 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from parity.definitions.datafiles import builtin_mapping_dir
+from parity.definitions.mapping_parser import parse_mapping
 from parity.engine.resolve import resolve
 from parity.engine.session import Session
 from parity.errors import ParityError
 from parity.sources.registry import open_local
-from parity.spec.datafiles import builtin_mapping_dir
-from parity.spec.mapping_parser import parse_mapping
 
 FAST = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 ST = "model.safetensors"

@@ -24,8 +24,8 @@ import pytest
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
+from parity.definitions.datafiles import builtin_mapping_dir
 from parity.errors import ParityError
-from parity.spec.datafiles import builtin_mapping_dir
 
 from .hostile_files import (
     ARRAY,
@@ -346,8 +346,8 @@ PROJECT_PATHS = ["checks", "baseline", "baseline_factor", "baseline_slack", "jun
 @EXAMPLES
 @given(key=st.sampled_from(PROJECT_PATHS), value=extremes.filter(lambda v: v is not None))
 def test_project_file_field(tiny, work, key, value):
-    from parity.spec.project import load_project
-    from parity.spec.selection import parse_selection
+    from parity.definitions.project import load_project
+    from parity.definitions.selection import parse_selection
 
     check = {"model": str(tiny["llama"]), "layers": [0]}
     top = {"checks": [check]}

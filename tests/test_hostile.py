@@ -20,10 +20,10 @@ import torch
 from safetensors.torch import load_file, save_file
 
 import parity
+from parity.definitions.datafiles import builtin_mapping_dir
+from parity.definitions.files import read_text
+from parity.definitions.mapping_parser import load_mapping
 from parity.errors import CheckpointError, MappingError, ProjectConfigError, TargetError
-from parity.spec.datafiles import builtin_mapping_dir
-from parity.spec.files import read_text
-from parity.spec.mapping_parser import load_mapping
 
 from .support import PARITY, ROOT, default_sigint
 
@@ -51,7 +51,7 @@ def test_special_files_are_refused_by_name_without_reading(tmp_path):
 
 def test_unreadable_config_json_is_not_called_invalid_json(tiny, tmp_path, monkeypatch):
     folder = shutil.copytree(tiny["llama"], tmp_path / "ckpt")
-    import parity.spec.files as files
+    import parity.definitions.files as files
 
     real_open = files.os.open
 
@@ -241,7 +241,7 @@ def test_claimed_sizes_allocate_nothing(tiny, tmp_path):
 
 # -- project files --------------------------------------------------------------------------------
 def test_project_file_tool_key_and_missing_table(tmp_path):
-    from parity.spec.project import load_project
+    from parity.definitions.project import load_project
 
     (tmp_path / "pyproject.toml").write_text('tool = "x"\n')
     with pytest.raises(ProjectConfigError, match="'tool' = 'x' must be a table"):

@@ -14,10 +14,10 @@ from pathlib import Path
 
 import pytest
 
+from parity.definitions.project import parse_project
 from parity.engine.results import LayerResult, Report
 from parity.errors import ParityError, ProjectConfigError
 from parity.outputs import html as page
-from parity.spec.project import parse_project
 
 from .support import run_captured, run_main
 

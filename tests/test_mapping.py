@@ -4,10 +4,10 @@ from pathlib import Path
 
 import pytest
 
+from parity.definitions.datafiles import builtin_mapping_dir
+from parity.definitions.mapping_parser import load_mapping
+from parity.definitions.registry import builtin_mappings, mapping_for_model_type
 from parity.errors import MappingError
-from parity.spec.datafiles import builtin_mapping_dir
-from parity.spec.mapping_parser import load_mapping
-from parity.spec.registry import builtin_mappings, mapping_for_model_type
 
 GPT2 = (builtin_mapping_dir() / "gpt2.toml").read_text()
 

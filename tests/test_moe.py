@@ -95,7 +95,7 @@ def test_expert_reference_is_transformers_own_expert(mixtral, mixtral_hub):
 
 
 def test_a_target_reading_the_wrong_expert_fails(mixtral_hub, tmp_path):
-    text = (parity.spec.mapping.builtin_mapping_dir() / "mixtral.toml").read_text()
+    text = (parity.definitions.mapping.builtin_mapping_dir() / "mixtral.toml").read_text()
     text = text.replace('layer_key = "model.layers.{layer}.block_sparse_moe.experts.{expert}"',
                         'layer_key = "model.layers.{layer}.block_sparse_moe.experts.{expert}"\nkey_prefixes = [""]')
     text = text.replace('[tensors]\n"_gate.weight" = "w1.weight"\n"_up.weight" = "w3.weight"',

@@ -203,8 +203,8 @@ def test_a_torchscript_target_is_checked(tiny, build):
 # -- a typed report: a library user reads attributes --------------------------------------------------
 
 def test_a_diagnosis_is_a_record_with_attributes(tiny):
+    from parity.definitions.mistakes import PRODUCED_BY, MistakeId
     from parity.engine.results import Diagnosis
-    from parity.spec.mistakes import PRODUCED_BY, MistakeId
 
     report = parity.check(str(tiny["llama"]), layers=[1], target="tests.mutants:SwappedSwiGLU")
     found = report.layers[0].diagnosis

@@ -23,9 +23,9 @@ import torch.nn.functional as F
 from torch import nn
 
 import parity
+from parity.definitions.aliases import load_aliases
+from parity.definitions.mapping_parser import load_mapping
 from parity.errors import MappingError
-from parity.spec.aliases import load_aliases
-from parity.spec.mapping_parser import load_mapping
 
 from .conftest import build_model, save
 from .support import ROOT, run_json, run_main, run_parity

@@ -35,7 +35,8 @@ def test_installed_wheel_lists_builtin_mappings(wheel, tmp_path):
     target = tmp_path / "site"
     subprocess.run([sys.executable, "-m", "pip", "install", "--no-deps", "-q", "--target", str(target), str(wheel)],
                    check=True, capture_output=True, timeout=300)
-    code = ("import json, parity.spec.registry as m, parity.spec.aliases as a, parity.engine.results as r; "
+    code = ("import json, parity.definitions.registry as m, parity.definitions.aliases as a; "
+            "import parity.engine.results as r; "
             "print(m.builtin_mapping_dir()); print(json.dumps(sorted(m.builtin_mappings()))); "
             "print(a.load_aliases().path); print(r.SCHEMA_FILE.is_file())")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=tmp_path,

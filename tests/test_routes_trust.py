@@ -13,10 +13,10 @@ from safetensors.torch import load_file, save_file
 
 import parity
 import parity.cli
+from parity.definitions.datafiles import builtin_mapping_dir
+from parity.definitions.mapping import check_reference_routes
+from parity.definitions.mapping_parser import load_mapping
 from parity.errors import CheckpointError, MappingError, ParityError
-from parity.spec.datafiles import builtin_mapping_dir
-from parity.spec.mapping import check_reference_routes
-from parity.spec.mapping_parser import load_mapping
 
 from . import mutants as m
 from .support import run_main, run_parity

@@ -10,9 +10,9 @@ from pathlib import Path
 import pytest
 
 from parity import cli
+from parity.definitions.families import dff_rule
 from parity.engine.inspect import inspect_model, render_inspection
 from parity.outputs.progress import Progress, bar_wanted
-from parity.spec.families import dff_rule
 from parity.testing import ParityAssertionError, assert_parity
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -49,7 +49,7 @@ def run_project(args: argparse.Namespace) -> int:
 
 
 def _run_project(args: argparse.Namespace) -> int:
-    from parity.spec.project import load_project, parse_shard, select_checks
+    from parity.definitions.project import load_project, parse_shard, select_checks
 
     project = load_project(args.config)
     if args.select is not None:
@@ -172,8 +172,8 @@ def baseline_problem(path, comparison, entries) -> str | None:
 
 
 def list_mappings() -> int:
-    from parity.spec.datafiles import builtin_mapping_dir
-    from parity.spec.registry import builtin_mappings
+    from parity.definitions.datafiles import builtin_mapping_dir
+    from parity.definitions.registry import builtin_mappings
 
     mappings = builtin_mappings()
     width = max(map(len, mappings), default=4)
@@ -185,7 +185,7 @@ def list_mappings() -> int:
 
 
 def run_check(args: argparse.Namespace) -> int:
-    from parity.spec.project import CheckSpec
+    from parity.definitions.project import CheckSpec
 
     layers = args.layer if args.layer is not None else args.layers
     spec = CheckSpec(model=args.model, checkpoint=args.checkpoint, layers=layers, target=args.target,

@@ -1,5 +1,5 @@
 """The command line's options: one parser per command, and argparse types that apply the
-project's one rule for each value (``parity.spec.values``).  Imports no torch."""
+project's one rule for each value (``parity.definitions.values``).  Imports no torch."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import argparse
 import functools
 
 from parity import __version__
-from parity.spec.values import atol_value, baseline_number, device_value, dtype_value, nonempty, seed_value
+from parity.definitions.values import atol_value, baseline_number, device_value, dtype_value, nonempty, seed_value
 
 DESCRIPTION = """\
 Check that a feed-forward module computes what transformers computes on the same
@@ -31,7 +31,7 @@ baseline), 2 bad input or unusable checkpoint."""
 
 
 def value_type(rule, convert=str, hint: str = ""):
-    """argparse type from a parity.spec.values rule: the same check as project files and the API."""
+    """argparse type from a parity.definitions.values rule: the same check as project files and the API."""
     def parse(text: str):
         try:
             value = convert(text)
@@ -66,7 +66,7 @@ DTYPE = value_type(dtype_value)
 
 def selection_expression(text: str) -> str:
     """``-k``'s expression, as given.  An empty one is kept as a blank one: ``-k ''`` must be refused as
-    ``-k ' '`` is (parity.spec.project.select_checks: an empty selection is a usage error, exit 2), not read
+    ``-k ' '`` is (parity.definitions.project.select_checks: an empty selection is a usage error, exit 2), not read
     as no ``-k`` at all, which would run every check."""
     return text or " "
 

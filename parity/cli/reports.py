@@ -140,8 +140,8 @@ def save_mapping(path: str, report, *, given: str | None = None, force: bool = F
     """--save-mapping: the routes this run used, as a mapping file that repeats the run with --mapping FILE.
     Replaces only a file that --save-mapping wrote (or any with ``force``), and never the mapping the run was
     given: the saved file extends that mapping, and would then extend itself."""
+    from parity.definitions.toml_text import mapping_text
     from parity.outputs.atomic import write_output
-    from parity.spec.toml_text import mapping_text
 
     refuse_to_replace(path, given, force)
     if report is None or not report.routes:
@@ -161,8 +161,8 @@ def save_mapping(path: str, report, *, given: str | None = None, force: bool = F
 def save_template(path: str, template: str, *, given: str | None = None, force: bool = False) -> None:
     """--save-mapping when the routes could not be inferred: the mapping to edit (its "?" still to fill in), written
     so the user edits a file; the run still exits 2."""
+    from parity.definitions.toml_text import SAVED_MAPPING_MARK
     from parity.outputs.atomic import write_output
-    from parity.spec.toml_text import SAVED_MAPPING_MARK
 
     refuse_to_replace(path, given, force)
     header = (f"{SAVED_MAPPING_MARK.removeprefix('# ')}--save-mapping`: a mapping to complete. Replace each \"?\" with "
@@ -174,8 +174,8 @@ def save_template(path: str, template: str, *, given: str | None = None, force: 
 def refuse_to_replace(path: str, given: str | None, force: bool) -> None:
     from pathlib import Path
 
-    from parity.spec.files import shown
-    from parity.spec.toml_text import SAVED_MAPPING_MARK
+    from parity.definitions.files import shown
+    from parity.definitions.toml_text import SAVED_MAPPING_MARK
 
     target = Path(path)
     if given is not None and target.exists() and Path(given).exists() and os.path.samefile(target, given):

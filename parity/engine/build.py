@@ -17,10 +17,10 @@ from typing import Any
 
 from torch import nn
 
+from parity.definitions.aliases import load_aliases
+from parity.definitions.families import config_dff
+from parity.definitions.mapping import ConfigValue, Mapping
 from parity.errors import TargetError
-from parity.spec.aliases import load_aliases
-from parity.spec.families import config_dff
-from parity.spec.mapping import ConfigValue, Mapping
 
 
 def import_object(spec: str, what: str = "--target") -> Any:

@@ -29,9 +29,9 @@ from typing import Any
 
 import torch
 
+from parity.definitions.mistakes import MistakeId, diagnosis
 from parity.engine.results import LayerResult
 from parity.errors import ShapeMismatchError
-from parity.spec.mistakes import MistakeId, diagnosis
 
 NOISE_FACTOR = 16.0  # tolerance = NOISE_FACTOR x noise floor ...
 RELATIVE_FLOOR = 2.0 ** -20  # ... but never below this x max |reference| (fp32 rounding of the output)

@@ -26,7 +26,7 @@ from types import MappingProxyType
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:  # the caller passes the table in: this module imports nothing of parity (a leaf)
-    from parity.spec.aliases import ConfigFields
+    from parity.definitions.aliases import ConfigFields
 
 
 @dataclass(frozen=True)

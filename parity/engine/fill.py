@@ -10,10 +10,10 @@ from typing import Any
 import torch
 from torch import nn
 
+from parity.definitions.families import config_dff
+from parity.definitions.mapping import Mapping, TensorRoute, unknown_route_names
+from parity.definitions.mistakes import MistakeId
 from parity.errors import MappingError, MissingTensorError, ShapeMismatchError
-from parity.spec.families import config_dff
-from parity.spec.mapping import Mapping, TensorRoute, unknown_route_names
-from parity.spec.mistakes import MistakeId
 
 
 def route_tensor(route: TensorRoute, stored: torch.Tensor) -> torch.Tensor:

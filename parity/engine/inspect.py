@@ -11,10 +11,10 @@ from __future__ import annotations
 import json
 from typing import Any
 
+from parity.definitions.families import dff_rule
+from parity.definitions.mapping import route_arrows
 from parity.engine.resolve import activation_override_notes
 from parity.engine.results import SCHEMA_VERSION
-from parity.spec.families import dff_rule
-from parity.spec.mapping import route_arrows
 
 
 def tensor_info(checkpoint, session, layer: int, names: list[str]) -> list[dict[str, Any]]:
@@ -85,12 +85,12 @@ def inspect_model(model: str, checkpoint: str | None = None, mapping: str | None
                   target: str | None = None, layer: int = 0, allow_pickle: bool = False) -> dict[str, Any]:
     """What a check of ``layer`` would compare.  ``allow_pickle``: as for a check, pickle-based weights
     (pytorch_model*.bin, consolidated.*.pth) are opened, with torch.load(weights_only=True), only when asked."""
+    from parity.definitions.families import ACTIVATION_ATTRS, config_dff, configured_activation
+    from parity.definitions.mapping import ConfigValue
+    from parity.definitions.selection import parse_selection
     from parity.engine.reference import activation_module, activation_name
     from parity.engine.resolve import resolve
     from parity.engine.session import Session
-    from parity.spec.families import ACTIVATION_ATTRS, config_dff, configured_activation
-    from parity.spec.mapping import ConfigValue
-    from parity.spec.selection import parse_selection
 
     session = Session(resolve(model, checkpoint, mapping, revision, allow_pickle=allow_pickle), target=target)
     (layer,) = parse_selection(int(layer), session.num_layers)

@@ -18,10 +18,10 @@ from dataclasses import dataclass
 
 import torch
 
+from parity.definitions.mapping import Mapping, TensorRoute, route_key
 from parity.engine.reference import ReferenceModel
 from parity.errors import CheckpointError, MappingError, MissingTensorError, ShapeMismatchError, WeightDefectError
 from parity.sources.checkpoint import Checkpoint
-from parity.spec.mapping import Mapping, TensorRoute, route_key
 
 FP8 = {getattr(torch, name) for name in ("float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz",
                                           "float8_e8m0fnu") if hasattr(torch, name)}

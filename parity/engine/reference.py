@@ -13,12 +13,12 @@ from typing import Any
 import torch
 from torch import nn
 
+from parity.definitions.families import config_dff, with_dff
 from parity.engine import sliced
 from parity.engine.sliced import SlicedMLP, SlicePlan, plan_slices
 from parity.engine.upcast import upcast_on_call, works_on_call
 from parity.errors import CheckpointError, MappingError, ShapeMismatchError
 from parity.sources.skeleton import ModelSkeleton
-from parity.spec.families import config_dff, with_dff
 
 _ACTIVATION_CHILD_NAMES = ("act", "act_fn", "activation_fn", "activation")
 

@@ -15,6 +15,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from parity.definitions.files import shown
+from parity.definitions.mapping import ConfigValue, Mapping
+from parity.definitions.mapping_parser import load_mapping
+from parity.definitions.registry import builtin_mappings, fits, mapping_for_model_type
 from parity.errors import (
     CheckpointError,
     EmptyValueError,
@@ -34,10 +38,6 @@ from parity.sources.config_check import (
     short,
 )
 from parity.sources.registry import open_local
-from parity.spec.files import shown
-from parity.spec.mapping import ConfigValue, Mapping
-from parity.spec.mapping_parser import load_mapping
-from parity.spec.registry import builtin_mappings, fits, mapping_for_model_type
 
 
 @dataclass
@@ -241,7 +241,7 @@ def load_config(ckpt: Checkpoint) -> Any:
 
 def activation_override_notes(raw: dict, config: Any) -> list[str]:
     """Where transformers runs another activation than config.json names (Gemma 1's 'gelu')."""
-    from parity.spec.families import ACTIVATION_ATTRS
+    from parity.definitions.families import ACTIVATION_ATTRS
 
     notes = []
     for attr in ACTIVATION_ATTRS:

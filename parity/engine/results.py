@@ -12,7 +12,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-from parity.spec.mistakes import Candidate, Diagnosis, Separability
+from parity.definitions.mistakes import Candidate, Diagnosis, Separability
 
 __all__ = ["Candidate", "Diagnosis", "LayerResult", "Report", "Separability", "WeightsKind"]
 

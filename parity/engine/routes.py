@@ -21,12 +21,12 @@ from typing import Any
 import torch
 from torch import nn
 
+from parity.definitions.aliases import Aliases, Group, load_aliases
+from parity.definitions.mapping import Mapping, TensorRoute, is_builtin, route_spelling
+from parity.definitions.toml_text import mapping_text
 from parity.engine.build import target_label
 from parity.engine.fill import check_target_routes, is_projection_bias
 from parity.errors import MappingError
-from parity.spec.aliases import Aliases, Group, load_aliases
-from parity.spec.mapping import Mapping, TensorRoute, is_builtin, route_spelling
-from parity.spec.toml_text import mapping_text
 
 Role = tuple[str, str]  # (role name, "weight" | "bias")
 

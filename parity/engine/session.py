@@ -19,6 +19,13 @@ import torch
 from torch import nn
 
 from parity import __version__
+from parity.definitions.families import configured_activation
+from parity.definitions.mapping import ConfigValue, Mapping, check_reference_routes, is_builtin
+from parity.definitions.mistakes import MistakeId, diagnosis
+from parity.definitions.reference_routes import check_reference_roles, reference_routes
+from parity.definitions.registry import builtin_mappings
+from parity.definitions.selection import Selection, parse_selection
+from parity.definitions.values import check_atol, check_compute
 from parity.engine.build import build_target, target_label
 from parity.engine.compare import LOW_PRECISION_FACTOR, Runs, judge, own_tolerance, shape_failure
 from parity.engine.diagnose import diagnose, separability
@@ -34,13 +41,6 @@ from parity.engine.run import place, run_module, run_target, skip_init, torch_de
 from parity.engine.sliced import SlicedMLP
 from parity.engine.upcast import compute_in
 from parity.errors import CheckpointError, LayerRangeError, ShapeMismatchError
-from parity.spec.families import configured_activation
-from parity.spec.mapping import ConfigValue, Mapping, check_reference_routes, is_builtin
-from parity.spec.mistakes import MistakeId, diagnosis
-from parity.spec.reference_routes import check_reference_roles, reference_routes
-from parity.spec.registry import builtin_mappings
-from parity.spec.selection import Selection, parse_selection
-from parity.spec.values import check_atol, check_compute
 
 if TYPE_CHECKING:  # the session is given what resolve found; it never resolves anything itself
     from parity.engine.resolve import Resolved

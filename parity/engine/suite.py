@@ -14,15 +14,15 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from parity.definitions.project import CheckSpec, shard_units
+from parity.definitions.selection import parse_selection
+from parity.definitions.values import check_compute
 from parity.engine.logits import logits_impact
 from parity.engine.resolve import resolve
 from parity.engine.results import LayerResult, Report
 from parity.engine.run import torch_device
 from parity.engine.session import Session, run_session
 from parity.errors import ParityError, SyntheticWeightsError
-from parity.spec.project import CheckSpec, shard_units
-from parity.spec.selection import parse_selection
-from parity.spec.values import check_compute
 
 
 @dataclass

@@ -24,8 +24,8 @@ import sys
 import tempfile
 from pathlib import Path
 
+from parity.definitions.files import shown
 from parity.errors import ParityError, UsageError
-from parity.spec.files import shown
 
 # Paths whose entries are descriptors or devices of the running process, whatever os.stat says of them:
 # /dev/stdout redirected to a regular file stats as that file, but replacing it would detach the shell's

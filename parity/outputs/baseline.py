@@ -19,10 +19,10 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from parity.definitions.files import not_regular, short, shown
 from parity.engine.results import LayerResult, Report
 from parity.errors import BaselineError
 from parity.outputs.atomic import write_output
-from parity.spec.files import not_regular, short, shown
 
 BASELINE_VERSION = 2  # 2: portable keys, fingerprint and weights per entry; 1: neither
 DEFAULT_FACTOR = 2.0

@@ -28,10 +28,10 @@ from datetime import UTC, datetime
 from pathlib import Path
 
 from parity import __version__
+from parity.definitions.mapping import route_arrows
 from parity.engine.results import Diagnosis, LayerResult, Report, layer_status
 from parity.outputs.atomic import write_output
 from parity.outputs.text import condition, reference_filled, summary_line, unit_label
-from parity.spec.mapping import route_arrows
 
 SVG = 'xmlns="http://www.w3.org/2000/svg"'
 COLOURS = {"pass": "#1a7f37", "fail": "#cf222e", "regressed": "#cf222e", "unverifiable": "#b35c00",

@@ -8,9 +8,9 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+from parity.definitions.mapping import route_arrows
+from parity.definitions.mistakes import MistakeId
 from parity.engine.results import LayerResult, Report
-from parity.spec.mapping import route_arrows
-from parity.spec.mistakes import MistakeId
 
 GELU_VARIANTS = (MistakeId.GELU_EXACT_INSTEAD_OF_TANH, MistakeId.GELU_TANH_INSTEAD_OF_EXACT)
 # found from the runs and the shapes, not by a replay: as visible at a low precision as in float32

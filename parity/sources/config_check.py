@@ -12,9 +12,9 @@ from __future__ import annotations
 import math
 from typing import Any
 
+from parity.definitions.families import ACTIVATION_ATTRS
+from parity.definitions.files import short, shown
 from parity.errors import CheckpointError
-from parity.spec.families import ACTIVATION_ATTRS
-from parity.spec.files import short, shown
 
 MAX_WIDTH = 2**24  # hidden size, d_ff, heads, head_dim: no model comes near 16M
 MAX_LENGTH = 2**31  # vocabulary, context length

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from parity.definitions.files import shown
 from parity.errors import CheckpointError
 from parity.sources.checkpoint import Checkpoint
 from parity.sources.config_check import MAX_EXPERTS, MAX_LENGTH, MAX_WIDTH, float_problem, int_problem
@@ -27,7 +28,6 @@ from parity.sources.gguf_header import (
     read_header,
     tensor_info,
 )
-from parity.spec.files import shown
 
 # HF-style config keys, shared by the LLaMA-like families
 _HF_KEYS = {

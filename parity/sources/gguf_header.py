@@ -15,8 +15,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from parity.definitions.files import not_regular, short, shown
 from parity.errors import CheckpointError
-from parity.spec.files import not_regular, short, shown
 
 MAGIC = b"GGUF"
 

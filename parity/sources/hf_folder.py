@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from parity.definitions.files import shown
 from parity.errors import CheckpointError
 from parity.sources.checkpoint import Checkpoint
 from parity.sources.safetensors_files import (
@@ -17,7 +18,6 @@ from parity.sources.safetensors_files import (
     weight_map_from_files,
     weight_map_from_index,
 )
-from parity.spec.files import shown
 
 
 def claims(path: Path) -> bool:

@@ -12,11 +12,11 @@ from __future__ import annotations
 import pickle
 from pathlib import Path
 
+from parity.definitions.files import not_regular, shown
 from parity.errors import CheckpointError
 from parity.sources.checkpoint import PICKLE_PATTERNS, Checkpoint, refuse_pickle
 from parity.sources.config_check import MAX_LENGTH, MAX_WIDTH, float_problem, int_problem, short
 from parity.sources.safetensors_files import CONFIG, INDEX, check_shards, read_json, weight_map_from_index
-from parity.spec.files import not_regular, shown
 
 BIN_INDEX = "pytorch_model.bin.index.json"
 META_PARAMS = "params.json"
@@ -105,7 +105,7 @@ def open_pickle(path: Path) -> Checkpoint:
 
 def open_meta(folder: Path) -> Checkpoint:
     """Meta's release format: params.json + consolidated.00.pth -> an equivalent LlamaConfig."""
-    from parity.spec.families import llama_intermediate_size
+    from parity.definitions.families import llama_intermediate_size
 
     shards = sorted(folder.glob("consolidated*.pth"))
     if not shards:

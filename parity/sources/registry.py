@@ -11,10 +11,10 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+from parity.definitions.files import not_regular, shown
 from parity.errors import CheckpointError, UnknownModelError
 from parity.sources import gguf, hf_folder, pickled
 from parity.sources.checkpoint import Checkpoint
-from parity.spec.files import not_regular, shown
 
 
 @dataclass(frozen=True)

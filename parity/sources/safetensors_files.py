@@ -17,8 +17,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+from parity.definitions.files import not_regular, read_text, short, shown
 from parity.errors import CheckpointError
-from parity.spec.files import not_regular, read_text, short, shown
 
 CONFIG = "config.json"
 SINGLE = "model.safetensors"

@@ -20,12 +20,12 @@ import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
+from parity.definitions.mapping import ConfigValue, Mapping
 from parity.errors import CheckpointError
 from parity.sources.cache import parity_cache
 from parity.sources.checkpoint import Checkpoint
 from parity.sources.config_check import check_activation, check_config_values, int_problem, short
 from parity.sources.safetensors_files import CONFIG, INDEX, describe_defect, local_reader
-from parity.spec.mapping import ConfigValue, Mapping
 
 FORMAT_VERSION = 1  # bump when the generated values or layout change
 MAX_LAYERS = 1024  # a stand-in's layer count (the largest models have under 200)

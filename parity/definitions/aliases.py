@@ -12,8 +12,8 @@ import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from parity.definitions.datafiles import ALIASES_FILE, builtin_mapping_dir
 from parity.errors import MappingError
-from parity.spec.datafiles import ALIASES_FILE, builtin_mapping_dir
 
 KINDS = ("gated", "classic")
 SIDES = ("in", "out")

@@ -9,11 +9,11 @@ import tomllib
 from pathlib import Path
 from typing import Any
 
+from parity.definitions.datafiles import NOT_MAPPINGS, builtin_mapping_dir
+from parity.definitions.files import not_regular, read_text, shown
+from parity.definitions.mapping import TRANSFORMS, Experts, Mapping, TensorRoute, _attribute_path, line_of
+from parity.definitions.toml_text import toml_text
 from parity.errors import MappingError
-from parity.spec.datafiles import NOT_MAPPINGS, builtin_mapping_dir
-from parity.spec.files import not_regular, read_text, shown
-from parity.spec.mapping import TRANSFORMS, Experts, Mapping, TensorRoute, _attribute_path, line_of
-from parity.spec.toml_text import toml_text
 
 _TOP_KEYS = {"name", "description", "model_types", "default_checkpoint", "num_layers", "hidden_size",
              "notes", "checkpoint", "reference", "target", "tensors", "synthetic", "experts"}

@@ -12,9 +12,9 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
+from parity.definitions.aliases import load_aliases
+from parity.definitions.mapping import Mapping, TensorRoute, route_spelling
 from parity.errors import MappingError
-from parity.spec.aliases import load_aliases
-from parity.spec.mapping import Mapping, TensorRoute, route_spelling
 
 
 def builtin_reference_routes(mapping: Mapping, builtins: Iterable[Mapping]) -> list[TensorRoute]:

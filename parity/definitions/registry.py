@@ -6,10 +6,10 @@ from __future__ import annotations
 
 import functools
 
+from parity.definitions.datafiles import NOT_MAPPINGS, builtin_mapping_dir
+from parity.definitions.mapping import Mapping
+from parity.definitions.mapping_parser import load_mapping
 from parity.errors import MappingError
-from parity.spec.datafiles import NOT_MAPPINGS, builtin_mapping_dir
-from parity.spec.mapping import Mapping
-from parity.spec.mapping_parser import load_mapping
 
 
 def builtin_mappings() -> dict[str, Mapping]:

@@ -15,8 +15,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from parity.definitions.datafiles import builtin_mapping_dir
 from parity.errors import MappingError
-from parity.spec.datafiles import builtin_mapping_dir
 
 TRANSFORMS = ("none", "transpose")
 

@@ -15,10 +15,17 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from parity.definitions.files import read_text, short
+from parity.definitions.policy import synthetic_action
+from parity.definitions.values import (
+    BASELINE_MINIMUM,
+    atol_value,
+    baseline_number,
+    device_value,
+    dtype_value,
+    seed_value,
+)
 from parity.errors import ProjectConfigError, ShardError, UsageError
-from parity.spec.files import read_text, short
-from parity.spec.policy import synthetic_action
-from parity.spec.values import BASELINE_MINIMUM, atol_value, baseline_number, device_value, dtype_value, seed_value
 
 PROJECT_FILES = ("parity.toml", "pyproject.toml")
 

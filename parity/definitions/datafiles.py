@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-ALIASES_FILE = "aliases.toml"  # parameter names by role (parity.spec.aliases); not a mapping
+ALIASES_FILE = "aliases.toml"  # parameter names by role (parity.definitions.aliases); not a mapping
 NOT_MAPPINGS = (ALIASES_FILE,)  # data files in the mappings folder that are not mappings
 
 
