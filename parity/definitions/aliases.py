@@ -152,11 +152,11 @@ def _config_fields(path: Path, table: object) -> ConfigFields:
         raise MappingError(f"{path}: key 'config_fields.facts.{sorted(unknown)[0]}': no such fact; facts: {FACTS}")
     values: dict[str, tuple[bool | int | float | str, str]] = {}
     raw = table.get("values", {})
-    for name, spec in (raw.items() if isinstance(raw, dict) else [("", None)]):
-        if (not isinstance(spec, dict) or set(spec) != {"value", "why"} or not isinstance(spec["why"], str)
-                or not isinstance(spec["value"], (bool, int, float, str))):
+    for name, entry in (raw.items() if isinstance(raw, dict) else [("", None)]):
+        if (not isinstance(entry, dict) or set(entry) != {"value", "why"} or not isinstance(entry["why"], str)
+                or not isinstance(entry["value"], (bool, int, float, str))):
             raise MappingError(f"{path}: key 'config_fields.values.{name}': expected {{ value = ..., why = \"...\" }}")
-        values[name] = (spec["value"], spec["why"])
+        values[name] = (entry["value"], entry["why"])
     answers: dict[str, str] = {}
     for kind, names in [*((f"aliases.{k}", v) for k, v in aliases.items()),
                         *((f"facts.{k}", v) for k, v in facts.items()), *((f"values.{k}", [k]) for k in values)]:

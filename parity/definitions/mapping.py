@@ -98,28 +98,29 @@ def route_spelling(route: TensorRoute) -> str | dict[str, Any]:
     {zeros = true}."""
     if route.zeros:
         return {"zeros": True}
-    spec: dict[str, Any] = {"from": route.source}
+    spelled: dict[str, Any] = {"from": route.source}
     if route.transform != "none":
-        spec["transform"] = route.transform
+        spelled["transform"] = route.transform
     if route.chunk is not None:
-        spec["chunk"] = list(route.chunk)
+        spelled["chunk"] = list(route.chunk)
     if route.optional:
-        spec["optional"] = True
-    return route.source if len(spec) == 1 else spec
+        spelled["optional"] = True
+    return route.source if len(spelled) == 1 else spelled
 
 
 def route_arrows(tensors: dict[str, Any]) -> str:
     """Routes as spelled (``route_spelling``) in one line: 'param ← tensor' ('.T': transposed).  Optional routes
     (biases a checkpoint may lack) are left out: the JSON has them."""
     parts = []
-    for target, spec in tensors.items():
-        if isinstance(spec, str):
-            parts.append(f"{target} ← {spec}")
-        elif spec.get("zeros"):
+    for target, spelled in tensors.items():
+        if isinstance(spelled, str):
+            parts.append(f"{target} ← {spelled}")
+        elif spelled.get("zeros"):
             parts.append(f"{target} ← zeros")
-        elif not spec.get("optional"):
-            chunk = f"[chunk {spec['chunk'][0]}/{spec['chunk'][1]}]" if spec.get("chunk") else ""
-            parts.append(f"{target} ← {spec['from']}{chunk}{'.T' if spec.get('transform') == 'transpose' else ''}")
+        elif not spelled.get("optional"):
+            chunk = f"[chunk {spelled['chunk'][0]}/{spelled['chunk'][1]}]" if spelled.get("chunk") else ""
+            flip = ".T" if spelled.get("transform") == "transpose" else ""
+            parts.append(f"{target} ← {spelled['from']}{chunk}{flip}")
     return ", ".join(parts)
 
 

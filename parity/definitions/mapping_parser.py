@@ -52,34 +52,34 @@ def _require(path: Path, table: dict, key: str, kind: type, where: str = "") -> 
     return value
 
 
-def _parse_route(path: Path, target: str, spec: Any, table: str = "tensors") -> TensorRoute:
+def _parse_route(path: Path, target: str, spelled: Any, table: str = "tensors") -> TensorRoute:
     where = f"{table}.\"{target}\""
-    source = spec.get("from") if isinstance(spec, dict) else spec
+    source = spelled.get("from") if isinstance(spelled, dict) else spelled
     if isinstance(source, str) and source.strip() in ("?", ""):
         raise _fail(path, where, f"is still the placeholder {source!r}: write the checkpoint tensor (relative to the "
                                  "layer, e.g. \"up_proj.weight\") that fills this parameter; the comments beside the "
                                  "printed mapping list each tensor's shape and role")
-    if isinstance(spec, str):
-        return TensorRoute(target, spec)
-    if not isinstance(spec, dict):
+    if isinstance(spelled, str):
+        return TensorRoute(target, spelled)
+    if not isinstance(spelled, dict):
         raise _fail(path, where, "expected a tensor name or a table {from = ..., transform = ...}")
-    if "zeros" in spec:  # a parameter the checkpoint has no tensor for, declared: filled with zeros, said in the report
-        if spec != {"zeros": True} or table != "tensors":
+    if "zeros" in spelled:  # a parameter the checkpoint has no tensor for, declared: zeros, said in the report
+        if spelled != {"zeros": True} or table != "tensors":
             raise _fail(path, where, "expected exactly { zeros = true } (only in [tensors]: a parameter of your module "
                                      "that the checkpoint has no tensor for)")
         return TensorRoute(target, "", zeros=True)
-    _check_keys(path, spec, _TENSOR_KEYS, where + ".")
-    source = _require(path, spec, "from", str, where + ".")
-    transform = spec.get("transform", "none")
+    _check_keys(path, spelled, _TENSOR_KEYS, where + ".")
+    source = _require(path, spelled, "from", str, where + ".")
+    transform = spelled.get("transform", "none")
     if transform not in TRANSFORMS:
         raise _fail(path, where + ".transform", f"unknown transform {transform!r}; expected one of {list(TRANSFORMS)}")
-    chunk = spec.get("chunk")
+    chunk = spelled.get("chunk")
     if chunk is not None:
         if (not isinstance(chunk, list) or len(chunk) != 2 or not all(isinstance(c, int) for c in chunk)
                 or not 0 <= chunk[0] < chunk[1]):
             raise _fail(path, where + ".chunk", "expected [index, count] with 0 <= index < count")
         chunk = (chunk[0], chunk[1])
-    optional = spec.get("optional", False)
+    optional = spelled.get("optional", False)
     if not isinstance(optional, bool):
         raise _fail(path, where + ".optional", "expected true or false")
     return TensorRoute(target, source, transform, chunk, optional)
@@ -90,12 +90,12 @@ def _check_template(path: Path, key: str, template: str, placeholders: tuple[str
     index, reach into, or pad (to a gigabyte) the number instead of naming a layer."""
     allowed = " and ".join("{" + name + "}" for name in placeholders)
     try:
-        fields = [(f, spec, conv) for _, f, spec, conv in string.Formatter().parse(template) if f is not None]
+        fields = [(f, fmt, conv) for _, f, fmt, conv in string.Formatter().parse(template) if f is not None]
     except ValueError as exc:
         raise _fail(path, key, f"not a valid template ({exc}); the placeholders are {allowed}") from None
-    for name, spec, conversion in fields:
-        if name not in placeholders or spec or conversion:
-            written = "{" + name + (f"!{conversion}" if conversion else "") + (f":{spec}" if spec else "") + "}"
+    for name, fmt, conversion in fields:
+        if name not in placeholders or fmt or conversion:
+            written = "{" + name + (f"!{conversion}" if conversion else "") + (f":{fmt}" if fmt else "") + "}"
             raise _fail(path, key, f"placeholder {written!r} is not allowed; write plain {allowed} "
                                    "(no index, attribute, conversion or format spec)")
 
@@ -160,7 +160,7 @@ def _parse_reference(path: Path, reference: dict) -> tuple[str, list[TensorRoute
     tensors = reference.get("tensors", {})
     if not isinstance(tensors, dict):
         raise _fail(path, "reference.tensors", "expected a table: reference parameter = checkpoint tensor")
-    return module, [_parse_route(path, t, spec, "reference.tensors") for t, spec in tensors.items()]
+    return module, [_parse_route(path, t, spelled, "reference.tensors") for t, spelled in tensors.items()]
 
 
 def _parse_target(path: Path, target: dict) -> tuple[str, dict]:

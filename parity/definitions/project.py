@@ -220,7 +220,7 @@ def _parse_check(entry: dict, where: str, base: Path) -> CheckSpec:
         except ValueError as exc:
             raise fail(f"'{key}' {exc}") from None
     logits, allow_pickle = entry.get("logits", False), entry.get("allow_pickle", False)
-    require_real = entry.get("require_real", synthetic_action("parity check") == "refuse")  # CI: spec/policy.py
+    require_real = entry.get("require_real", synthetic_action("parity check") == "refuse")  # CI: definitions/policy.py
     if not all(isinstance(flag, bool) for flag in (logits, allow_pickle, require_real)):
         raise fail("'logits', 'allow_pickle' and 'require_real' must be true or false")
     experts = entry.get("experts")

@@ -20,9 +20,9 @@ def mapping_text(extends: str, target_class: str, args: dict[str, Any] | None, t
     if args is not None:
         lines.append(f"args = {toml_value(args)}")
     lines += ["", "[tensors]   # target parameter = checkpoint tensor (names relative to the layer)"]
-    for key, spec in tensors.items():
+    for key, spelled in tensors.items():
         comment = f"   # {comments[key]}" if comments.get(key) else ""
-        lines.append(f"{toml_value(key)} = {toml_value(spec)}{comment}")
+        lines.append(f"{toml_value(key)} = {toml_value(spelled)}{comment}")
     return "\n".join(lines) + "\n"
 
 

@@ -23,52 +23,52 @@ from parity.definitions.mapping import ConfigValue, Mapping
 from parity.errors import TargetError
 
 
-def import_object(spec: str, what: str = "--target") -> Any:
+def import_object(import_path: str, what: str = "--target") -> Any:
     """'package.module:Name' -> the object (a class or a factory callable)."""
-    if not spec.strip():
+    if not import_path.strip():
         raise TargetError(f"{what} is empty; give the module to check as 'package.module:ClassOrFunction'")
-    module_name, _, attr = spec.partition(":")
+    module_name, _, attr = import_path.partition(":")
     if not module_name or not attr:
-        raise TargetError(f"{what} {spec!r}: expected 'package.module:ClassOrFunction'")
+        raise TargetError(f"{what} {import_path!r}: expected 'package.module:ClassOrFunction'")
     try:
         module = importlib.import_module(module_name)
     except Exception as exc:
-        raise TargetError(f"{what} {spec!r}: cannot import module '{module_name}': {type(exc).__name__}: {exc}. "
+        raise TargetError(f"{what} {import_path!r}: cannot import module '{module_name}': {type(exc).__name__}: {exc}. "
                           "Is it installed or on PYTHONPATH?") from None
     obj = module
     for part in attr.split("."):
         if part.startswith("__") or not hasattr(obj, part):
-            raise TargetError(f"{what} {spec!r}: module '{module_name}' has no attribute '{attr}'")
+            raise TargetError(f"{what} {import_path!r}: module '{module_name}' has no attribute '{attr}'")
         obj = getattr(obj, part)
-    check_constructible(obj, spec, what)
+    check_constructible(obj, import_path, what)
     return obj
 
 
-def check_constructible(obj: Any, spec: str, what: str) -> None:
+def check_constructible(obj: Any, import_path: str, what: str) -> None:
     """A target is imported code, as trusted as a conftest.py; still, parity calls only what can build a
     module: an nn.Module subclass, or a function written in Python (a factory).  ``os:system``,
     ``builtins:exec`` or ``subprocess:Popen`` are refused before anything is called."""
     if inspect.isclass(obj):
         if issubclass(obj, nn.Module):
             return
-        raise TargetError(f"{what} {spec!r}: is the class {obj.__module__}.{obj.__qualname__}, not a torch.nn.Module "
-                          "subclass; name the module class (or a function that builds it)")
+        raise TargetError(f"{what} {import_path!r}: is the class {obj.__module__}.{obj.__qualname__}, not a "
+                          "torch.nn.Module subclass; name the module class (or a function that builds it)")
     function = obj.__func__ if inspect.ismethod(obj) else obj
     if inspect.isfunction(function):
         return
     kind = "a built-in function" if inspect.isbuiltin(obj) else f"a {type(obj).__name__}"
-    raise TargetError(f"{what} {spec!r}: is {kind}, not an nn.Module class or a Python function that builds one; "
-                      "parity does not call it")
+    raise TargetError(f"{what} {import_path!r}: is {kind}, not an nn.Module class or a Python function that builds "
+                      "one; parity does not call it")
 
 
-def target_label(spec: Any) -> str:
+def target_label(target: Any) -> str:
     """How reports name a target: 'pkg.module:Name' (for an instance, its class)."""
-    if isinstance(spec, str):
-        return spec
-    if isinstance(spec, nn.Module):
-        spec = type(spec)
-    name = getattr(spec, "__qualname__", None) or getattr(spec, "__name__", None) or type(spec).__name__
-    return f"{getattr(spec, '__module__', None) or '?'}:{name}"
+    if isinstance(target, str):
+        return target
+    if isinstance(target, nn.Module):
+        target = type(target)
+    name = getattr(target, "__qualname__", None) or getattr(target, "__name__", None) or type(target).__name__
+    return f"{getattr(target, '__module__', None) or '?'}:{name}"
 
 
 @contextlib.contextmanager
@@ -98,14 +98,14 @@ def build_target(mapping: Mapping, config: Any,
     A constructor given the checkpoint's transformers config that reads a field the config lacks (nanoGPT's
     ``config.bias``) is called once more with a read-only view of the config that answers it from aliases.toml
     [config_fields] (``parity.engine.config_view``); each field the view supplied is one of the notes."""
-    spec = target if target is not None else mapping.target_class
-    name = target_label(spec)
-    if isinstance(spec, nn.Module):
-        return copy.deepcopy(spec), name, None, []
+    chosen = target if target is not None else mapping.target_class
+    name = target_label(chosen)
+    if isinstance(chosen, nn.Module):
+        return copy.deepcopy(chosen), name, None, []
     what = "--target" if target is not None else f"{mapping.path}: target.class"
-    factory = import_object(spec, what) if isinstance(spec, str) else spec
+    factory = import_object(chosen, what) if isinstance(chosen, str) else chosen
     if not callable(factory):
-        raise TargetError(f"target {name}: a {type(spec).__name__} is not a class, a factory or an nn.Module")
+        raise TargetError(f"target {name}: a {type(chosen).__name__} is not a class, a factory or an nn.Module")
     raw, kwargs = constructor_args(factory, mapping, config)
     notes: list[str] = []
     try:
@@ -231,7 +231,7 @@ def constructor_args(factory: Any, mapping: Mapping, config: Any) -> tuple[dict,
             if _binds(signature, {}):
                 return {}, {}
     value = ConfigValue(config, mapping.path)
-    return raw, {key: value(spec, f"target.args.{key}") for key, spec in raw.items()}
+    return raw, {key: value(written, f"target.args.{key}") for key, written in raw.items()}
 
 
 def _binds(signature: inspect.Signature, kwargs: dict) -> bool:

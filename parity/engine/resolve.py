@@ -49,22 +49,22 @@ class Resolved:
     notes: list[str] = field(default_factory=list)
 
 
-def open_checkpoint(spec: str, revision: str | None = None, allow_pickle: bool = False) -> Checkpoint:
+def open_checkpoint(location: str, revision: str | None = None, allow_pickle: bool = False) -> Checkpoint:
     """MODEL or --checkpoint: an existing path (or one that looks like a path), else a hub id."""
-    path = Path(spec).expanduser()
-    looks_local = spec.startswith((".", "/", "~")) or spec.endswith((".safetensors", ".bin", ".pth", ".gguf"))
+    path = Path(location).expanduser()
+    looks_local = location.startswith((".", "/", "~")) or location.endswith((".safetensors", ".bin", ".pth", ".gguf"))
     if looks_local or path_exists(path):
         return open_local(path, allow_pickle=allow_pickle)
     from parity.sources.hub import looks_like_hub_id, open_hub
 
-    if not looks_like_hub_id(spec):
-        raise UnknownModelError(f"'{shown(spec)}' is neither a mapping name, an existing path nor a hub id "
+    if not looks_like_hub_id(location):
+        raise UnknownModelError(f"'{shown(location)}' is neither a mapping name, an existing path nor a hub id "
                                 "(owner/name)")
     try:
-        return open_hub(spec, revision)
+        return open_hub(location, revision)
     except (UnknownModelError, OfflineError) as exc:  # 'ckpt/model' is a relative path as much as a hub id
         found = "no such hub repository" if isinstance(exc, UnknownModelError) else "no such hub repository cached"
-        raise type(exc)(f"'{spec}': no such folder ({path.resolve()}), and {found}: {exc}") from None
+        raise type(exc)(f"'{location}': no such folder ({path.resolve()}), and {found}: {exc}") from None
 
 
 def path_exists(path: Path) -> bool:
@@ -102,13 +102,13 @@ def resolve(model: str, checkpoint: str | None = None, mapping: str | Path | Non
     if checkpoint is None and named is not None:
         ckpt = _default_checkpoint(named, revision)
     else:
-        spec = checkpoint or model
+        location = checkpoint or model
         if named is None and checkpoint is None and "/" not in model and not path_exists(Path(model).expanduser()):
             raise UnknownModelError(
                 f"'{shown(model)}' is not a mapping name ({', '.join(sorted(mappings))}), a local path, "
                 "or a hub id (owner/name). Run `parity list` to see the mappings."
             )
-        ckpt = open_checkpoint(spec, revision, allow_pickle)
+        ckpt = open_checkpoint(location, revision, allow_pickle)
     check_raw_config(ckpt)
     model_type = ckpt.raw_config.get("model_type")
     if chosen is None:
@@ -190,19 +190,19 @@ def check_sizes(mapping: Mapping, ckpt: Checkpoint, config: Any) -> None:
                            "transformers' MLP takes config.hidden_size; leave the key out or fix it")
 
 
-def _mapping_int(mapping: Mapping, config: Any, spec: Any, key: str, maximum: int) -> int:
-    value = ConfigValue(config, mapping.path)(spec, key)
+def _mapping_int(mapping: Mapping, config: Any, size: Any, key: str, maximum: int) -> int:
+    value = ConfigValue(config, mapping.path)(size, key)
     why = int_problem(value, 1, maximum)
     if why is not None:
-        raise _size_error(mapping, spec, key, value, why)
+        raise _size_error(mapping, size, key, value, why)
     return value
 
 
-def _size_error(mapping: Mapping, spec: Any, key: str, value: Any, why: str) -> Exception:
+def _size_error(mapping: Mapping, size: Any, key: str, value: Any, why: str) -> Exception:
     """A size the mapping states as a literal is the mapping's error; one read from the config, the checkpoint's."""
-    if not isinstance(spec, (str, dict)):
+    if not isinstance(size, (str, dict)):
         return MappingError(f"{mapping.where(key)}: key '{key}' = {short(value)}: {why}; fix the mapping")
-    source = spec if isinstance(spec, str) else spec.get("config")
+    source = size if isinstance(size, str) else size.get("config")
     return CheckpointError(f"{mapping.path.name} reads '{key}' from {source} = {short(value)}: {why}; the checkpoint's "
                            "config does not describe its weights (fix the config, or use the one that came with them)")
 

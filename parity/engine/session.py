@@ -80,13 +80,13 @@ class Session:
             check_reference_routes(self.mapping, names)
             check_reference_roles(self.mapping, names, builtin_mappings().values())  # nor may a mapping bend it
 
-    def config_int(self, spec: Any, key: str) -> int:
+    def config_int(self, size: Any, key: str) -> int:
         """A mapping size (num_layers, hidden_size, experts.count) read from the config: a config.json may hold
         anything."""
-        value = ConfigValue(self.config, self.mapping.path)(spec, key)
+        value = ConfigValue(self.config, self.mapping.path)(size, key)
         if (isinstance(value, bool)
                 or not isinstance(value, int) and not (isinstance(value, float) and value.is_integer())):
-            raise CheckpointError(f"{self.checkpoint.location}: {spec} (mapping key '{key}') is {value!r}, "
+            raise CheckpointError(f"{self.checkpoint.location}: {size} (mapping key '{key}') is {value!r}, "
                                   "not an integer; fix config.json")
         return int(value)
 
@@ -255,14 +255,14 @@ class Session:
                             "--layers all checks every one")
         return chosen
 
-    def expert_indices(self, spec: str | int | Iterable[int] | None) -> list[int | None]:
+    def expert_indices(self, selection: str | int | Iterable[int] | None) -> list[int | None]:
         """[None] for a dense model; the selected experts (default: all) for MoE."""
         if self.num_experts is None:
-            if spec is not None and spec != "all":
-                raise LayerRangeError(f"--experts {spec!r}: mapping '{self.mapping.name}' describes a dense model "
+            if selection is not None and selection != "all":
+                raise LayerRangeError(f"--experts {selection!r}: mapping '{self.mapping.name}' describes a dense model "
                                       "(no experts)")
             return [None]
-        return parse_selection(spec, self.num_experts, "expert")
+        return parse_selection(selection, self.num_experts, "expert")
 
     def target_name(self) -> str:
         return target_label(self.target_spec if self.target_spec is not None else self.mapping.target_class)

@@ -59,7 +59,7 @@ def header_lines(report: Report) -> list[str]:
 
 def reference_filled(routes: dict) -> str:
     """How the reference was filled: 'under transformers' own names', or its routes (a converted format)."""
-    if all(spec == target for target, spec in routes.items()):
+    if all(spelled == target for target, spelled in routes.items()):
         return "under transformers' own names"
     return route_arrows(routes)
 
