@@ -204,3 +204,22 @@ def test_save_mapping_writes_the_template_when_routes_are_refused(tiny, tmp_path
     assert text.startswith("# Written by `parity --save-mapping`") and '"alpha.weight" = "?"' in text
     code, _, err = run_main(capsys, tiny["gpt2"], "--layer", "0", "--mapping", target)
     assert code == 2 and "placeholder" in err  # the saved template still says what is left to fill in
+
+
+class ReadsConfigInForward(nn.Module):
+    """Keeps its config and reads a field at call time that the checkpoint's config does not have."""
+
+    def __init__(self, config):
+        super().__init__()
+        self.config = config
+        self.c_fc = nn.Linear(config.n_embd, 4 * config.n_embd)
+        self.c_proj = nn.Linear(4 * config.n_embd, config.n_embd)
+
+    def forward(self, x):
+        return self.c_proj(F.gelu(self.c_fc(x), approximate=self.config.gelu_approximate))
+
+
+def test_a_config_field_read_in_forward_gets_the_same_fix(tiny, capsys):
+    code, _, err = run_main(capsys, tiny["gpt2"], "--layer", "0", "--target", f"{HERE}:ReadsConfigInForward")
+    assert code == 2
+    assert "reads config.gelu_approximate in forward" in err and "def make_ffn(config)" in err

@@ -110,14 +110,34 @@ def user_code(what: str, exceptions: bool = True) -> Iterator[None]:
         raise TargetError(f"{what}: {type(exc).__name__}: {exc}") from exc
 
 
+def config_field_read(error: BaseException | None) -> str | None:
+    """The field name when ``error`` is an AttributeError raised by reading a config (a transformers config, or
+    parity's view of one) at call time; else None."""
+    if not isinstance(error, AttributeError) or not getattr(error, "name", None):
+        return None
+    owner = getattr(error, "obj", None)
+    is_config = type(owner).__name__ == "ConfigView" or hasattr(owner, "model_type") and hasattr(owner, "to_dict")
+    return error.name if is_config else None
+
+
 def run_target(module: nn.Module, name: str, x: torch.Tensor, expected: torch.Size,
                notes: list[str] | None = None) -> tuple[torch.Tensor, str | None]:
     """``run_module`` on the target's own copy of ``x``; returns the output and what the target did to
     that copy (None: nothing).  Its failures are the user's to fix, not a parity crash."""
     fed = x.to(device=module_device(module, x.device), dtype=module_dtype(module, x.dtype), copy=True)
     before = fed.clone()
-    with user_code(f"target {name} failed on an input of shape {list(x.shape)}"):
-        out = run_module(module, fed, notes)
+    try:
+        with user_code(f"target {name} failed on an input of shape {list(x.shape)}"):
+            out = run_module(module, fed, notes)
+    except TargetError as exc:
+        field = config_field_read(exc.__cause__)
+        if field is None:
+            raise
+        raise TargetError(
+            f"target {name} reads config.{field} in forward, which the checkpoint's {type(exc.__cause__.obj).__name__} "
+            f"does not have and aliases.toml [config_fields] does not supply. Supply '{field}' through a factory: "
+            f"--target mymodel:make_ffn with def make_ffn(config): return {name.split(':')[-1]}(YourConfig("
+            f"{field}=..., ...)), the values read from the checkpoint's transformers config") from None
     if tuple(out.shape) != tuple(expected):
         raise TargetError(f"target {name}: forward on an input of shape {list(x.shape)} returned shape "
                           f"{list(out.shape)}; the reference returns {list(expected)}")
