@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import re
 import sys
+from dataclasses import dataclass
 
 import pytest
 import torch
@@ -223,3 +224,51 @@ def test_a_config_field_read_in_forward_gets_the_same_fix(tiny, capsys):
     code, _, err = run_main(capsys, tiny["gpt2"], "--layer", "0", "--target", f"{HERE}:ReadsConfigInForward")
     assert code == 2
     assert "reads config.gelu_approximate in forward" in err and "def make_ffn(config)" in err
+
+
+# -- a project's own config class: built from the checkpoint's config ---------------------------------------------
+
+@dataclass
+class PortConfig:
+    """A framework-style config class with its own field names and defaults."""
+
+    emb_dim: int
+    hidden_dim: int
+    n_heads: int = 1
+    add_bias: bool = True
+    drop_rate: float = 0.1
+
+
+class ConfigClassMLP(nn.Module):
+    def __init__(self, cfg: PortConfig):
+        super().__init__()
+        self.fc1 = nn.Linear(cfg.emb_dim, cfg.hidden_dim, bias=cfg.add_bias)
+        self.fc2 = nn.Linear(cfg.emb_dim, cfg.hidden_dim, bias=cfg.add_bias)
+        self.fc3 = nn.Linear(cfg.hidden_dim, cfg.emb_dim, bias=cfg.add_bias)
+        self.drop = nn.Dropout(cfg.drop_rate)
+
+    def forward(self, x):
+        return self.drop(self.fc3(F.silu(self.fc1(x)) * self.fc2(x)))
+
+
+@dataclass
+class NeedsVocab:
+    emb_dim: int
+    secret_sauce: int
+
+
+class NeedsVocabMLP(ConfigClassMLP):
+    def __init__(self, cfg: NeedsVocab):
+        super().__init__(PortConfig(cfg.emb_dim, 4 * cfg.emb_dim))
+
+
+def test_a_project_config_class_is_built_from_the_checkpoint_config(tiny):
+    report = parity.check(str(tiny["llama"]), layers=[0, 1], target=ConfigClassMLP)
+    assert report.passed, [r.diagnosis for r in report.layers]
+    built = next(n for n in report.notes if n.startswith("target config: built"))
+    assert "PortConfig(emb_dim=32, hidden_dim=88" in built and "drop_rate=0.0" in built
+
+
+def test_a_config_class_field_nobody_answers_is_named(tiny, capsys):
+    code, _, err = run_main(capsys, tiny["llama"], "--layer", "0", "--target", f"{HERE}:NeedsVocabMLP")
+    assert code == 2 and "secret_sauce" in err and "NeedsVocab" in err

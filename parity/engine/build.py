@@ -12,6 +12,7 @@ import importlib
 import inspect
 import os
 import sys
+import typing
 from collections.abc import Iterator
 from typing import Any
 
@@ -108,6 +109,10 @@ def build_target(mapping: Mapping, config: Any,
         raise TargetError(f"target {name}: a {type(chosen).__name__} is not a class, a factory or an nn.Module")
     raw, kwargs = constructor_args(factory, mapping, config)
     notes: list[str] = []
+    for key, value in list(kwargs.items()):  # a config parameter annotated with the project's own config class
+        own = config_class(factory, key) if value is config else None
+        if own is not None:
+            kwargs[key], notes = project_config(own, config_view_of(mapping, config))
     try:
         module = factory(**kwargs)
     except (AttributeError, TypeError, KeyError) as exc:  # a field the config lacks; a dict config (cfg["emb_dim"])
@@ -121,13 +126,69 @@ def build_target(mapping: Mapping, config: Any,
     return module, name, raw, notes
 
 
-def build_with_view(factory: Any, name: str, kwargs: dict, mapping: Mapping, config: Any) -> tuple[Any, list[str]]:
-    """The constructor called with parity's read-only view in place of the transformers config (config_view.py);
-    the built module and one note per field the view supplied."""
+def config_view_of(mapping: Mapping, config: Any):
+    """parity's read-only view of the checkpoint's config (config_view.py), answering from aliases.toml."""
     from parity.engine.config_view import config_view
 
     facts = {"ffn_bias": checkpoint_ffn_bias(mapping, config), "ffn_width": checkpoint_ffn_width(config)}
-    view = config_view(config, load_aliases().config_fields, facts)
+    return config_view(config, load_aliases().config_fields, facts)
+
+
+def config_class(factory: Any, parameter: str) -> type | None:
+    """The class ``factory``'s config parameter is annotated with, when it is the project's own (a dataclass, an
+    attrs or pydantic model, a plain class); None for a transformers config, a dict, Any, or no annotation."""
+    function = factory.__init__ if inspect.isclass(factory) else factory
+    try:
+        hint = typing.get_type_hints(function).get(parameter)
+    except Exception:  # noqa: BLE001 - an annotation that does not resolve says nothing
+        return None
+    if not inspect.isclass(hint) or hint in (object, dict) or issubclass(hint, (dict, str, int, float)):
+        return None
+    if any(base.__name__ == "PretrainedConfig" for base in hint.__mro__):
+        return None
+    return hint
+
+
+def project_config(cls: type, view: Any) -> tuple[Any, list[str]]:
+    """An instance of the project's own config class built from the checkpoint's config through the view: each
+    constructor parameter it can answer (the config's own fields, aliases.toml [config_fields]) is passed, the
+    others keep their defaults.  A required one nobody answers is a TargetError naming it."""
+    try:
+        parameters = inspect.signature(cls).parameters
+    except (TypeError, ValueError):
+        return view, []
+    values, missing = {}, []
+    for key, parameter in parameters.items():
+        if parameter.kind not in _NAMED:
+            continue
+        value = view.get(key, _UNANSWERED)
+        if value is not _UNANSWERED:
+            values[key] = value
+        elif parameter.default is parameter.empty:
+            missing.append(key)
+    label = f"{cls.__module__}.{cls.__qualname__}"
+    if missing:
+        raise TargetError(f"cannot build the target's config {label} from the checkpoint's {view.config_name}: its "
+                          f"parameters {', '.join(missing)} have no default and neither the config nor aliases.toml "
+                          f"[config_fields] answers them. Write a factory: def make_ffn(config): return "
+                          f"YourFFN({cls.__qualname__}({', '.join(f'{m}=...' for m in missing)}, ...))")
+    try:
+        built = cls(**values)
+    except Exception as exc:  # noqa: BLE001 - the project's own validation: said in its terms
+        raise TargetError(f"cannot build the target's config {label} from the checkpoint's {view.config_name} with "
+                          f"{values}: {type(exc).__name__}: {exc}") from None
+    shown = ", ".join(f"{k}={v!r}" for k, v in values.items())
+    return built, [f"target config: built {label}({shown}) from the checkpoint's {view.config_name}",
+                   *view.notes()]
+
+
+_UNANSWERED = object()
+
+
+def build_with_view(factory: Any, name: str, kwargs: dict, mapping: Mapping, config: Any) -> tuple[Any, list[str]]:
+    """The constructor called with parity's read-only view in place of the transformers config (config_view.py);
+    the built module and one note per field the view supplied."""
+    view = config_view_of(mapping, config)
     viewed = {key: view if value is config else value for key, value in kwargs.items()}
     try:
         module = factory(**viewed)
