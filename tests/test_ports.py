@@ -272,3 +272,23 @@ def test_a_project_config_class_is_built_from_the_checkpoint_config(tiny):
 def test_a_config_class_field_nobody_answers_is_named(tiny, capsys):
     code, _, err = run_main(capsys, tiny["llama"], "--layer", "0", "--target", f"{HERE}:NeedsVocabMLP")
     assert code == 2 and "secret_sauce" in err and "NeedsVocab" in err
+
+
+class ClassicNamesThreeMatrices(nn.Module):
+    """Three matrices that fit a gated checkpoint, named as a classic FFN's would be (w_in, w_out, fc)."""
+
+    def __init__(self, config):
+        super().__init__()
+        d, f = config.hidden_size, config.intermediate_size
+        self.fc = nn.Linear(d, f, bias=False)
+        self.w_in = nn.Linear(d, f, bias=False)
+        self.w_out = nn.Linear(f, d, bias=False)
+
+    def forward(self, x):
+        return self.w_out(F.silu(self.fc(x)) * self.w_in(x))
+
+
+def test_a_module_whose_shapes_fit_is_not_told_it_is_the_wrong_kind(tiny, capsys):
+    code, _, err = run_main(capsys, tiny["llama"], "--layer", "0", "--target", f"{HERE}:ClassicNamesThreeMatrices")
+    assert code == 2  # the names cannot say which is gate and which is up: a template, never a guess
+    assert "cannot compute them" not in err and '"fc.weight" = "?"' in err

@@ -193,20 +193,30 @@ def assign_roles(params: dict[str, tuple[int, ...]], canon: dict[Role, TensorRou
     needed = sorted({role for role, kind in canon if kind == "weight" and role != "gate_up"} - covered)
     problems += [f"no parameter reads as the {role} projection (checkpoint tensor "
                  f"'{canon[(role, 'weight')].source}')" for role in needed]
-    return assigned, [*kind_mismatch(params, canon, aliases), *problems]
+    return assigned, [*kind_mismatch(params, canon, aliases, stored), *problems]
 
 
-def kind_mismatch(params: dict[str, tuple[int, ...]], canon: dict[Role, TensorRoute], aliases: Aliases) -> list[str]:
+def kind_mismatch(params: dict[str, tuple[int, ...]], canon: dict[Role, TensorRoute], aliases: Aliases,
+                  stored: dict[Role, tuple[int, ...]] | None = None) -> list[str]:
     """A classic two-matrix FFN pointed at a gated checkpoint (or the reverse) cannot compute its layers: said first,
-    before the roles it lacks."""
+    before the roles it lacks.  Judged by the shapes, not the names: a module whose weight matrices fit the
+    checkpoint's (as stored or transposed, one each) can compute it whatever its names say."""
     theirs = {aliases.roles[role].kind for name in params for role, _ in aliases.roles_of(name)}
     ours = {aliases.roles[role].kind for role, _ in canon}
-    if not theirs or theirs & ours:
+    if not theirs or theirs & ours or shapes_fit(params, stored or {}):
         return []
     shown = {"gated": "a gated FFN (gate, up, down: SwiGLU/GeGLU)", "classic": "a classic FFN (fc_in, fc_out)"}
     return [f"the target's parameter names make it {' or '.join(shown[k] for k in sorted(theirs))}, but this "
             f"checkpoint's layers are {' or '.join(shown[k] for k in sorted(ours))}: it cannot compute them (check "
             "the model family, or the module)"]
+
+
+def shapes_fit(params: dict[str, tuple[int, ...]], stored: dict[Role, tuple[int, ...]]) -> bool:
+    """Whether the module's 2-D weights match the checkpoint's weight tensors one to one (as stored or transposed)."""
+    mine = sorted(tuple(sorted(shape)) for shape in params.values() if len(shape) == 2)
+    theirs = sorted(tuple(sorted(shape)) for (role, kind), shape in stored.items()
+                    if kind == "weight" and role != "gate_up" and len(shape) == 2)
+    return bool(mine) and mine == theirs
 
 
 def infer_routes(module: nn.Module, family: Mapping, tensors: dict[str, torch.Tensor], hidden_size: int,
