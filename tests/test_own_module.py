@@ -200,8 +200,11 @@ def test_transformers_own_mlp_class_built_from_the_config(tiny, capsys):
 def test_a_constructor_parity_cannot_call_gets_a_factory_to_write(tiny, capsys):
     code, _, err = run_main(capsys, tiny["llama"], "--layer", "0", "--target", f"{HERE}:FeedForward")
     assert code == 2
-    assert ("def make_ffn(config): return FeedForward(dim=..., hidden_dim=..., multiple_of=..., "
-            "ffn_dim_multiplier=...)") in err
+    assert "with the mapping's [target].args" in err and "(written for the mapping's own class, not yours)" in err
+    # the factory to write, in the constructor's own parameter names, answered from the config where it can be
+    assert ("def make_ffn(config): return FeedForward(dim=config.hidden_size, "
+            "hidden_dim=config.intermediate_size (") in err
+    assert "multiple_of=..., ffn_dim_multiplier=...)" in err
 
 
 def test_bare_parameters_under_a_submodule_prefix(tiny, capsys):

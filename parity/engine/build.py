@@ -251,12 +251,44 @@ def construction_error(factory: Any, name: str, kwargs: dict, config: Any, exc: 
             f"for a constructor that takes plain values, [target].args in a mapping file (--mapping). Its signature "
             f"is {signature}."
         )
+    written = factory_call(parameters, config)
+    if written is not None:
+        call = written
+    given = (f"with {shown}" if any(v is config or _is_view(v) for v in kwargs.values()) or not kwargs
+             else f"with the mapping's [target].args {shown} (written for the mapping's own class, not yours)")
     return TargetError(
-        f"cannot construct target {name} with {shown}: {type(exc).__name__}: {exc}. "
+        f"cannot construct target {name} {given}: {type(exc).__name__}: {exc}. "
         f"Its signature is {signature}; set [target].args in a mapping file (--mapping) to match it, "
         f"or pass a factory as --target: def make_ffn(config): return {short}({call}), with the values "
         "read from the checkpoint's transformers config."
     )
+
+
+def factory_call(parameters: Any, config: Any) -> str | None:
+    """The call a factory would make, in the constructor's own parameter names, each answered from the checkpoint's
+    config where the config or aliases.toml [config_fields] can ('dim=config.hidden_size'); '...' where not.  None
+    when the signature has no required parameter."""
+    from parity.definitions.aliases import load_aliases
+
+    fields = load_aliases().config_fields
+    parts = []
+    for key, parameter in parameters.items():
+        if parameter.kind not in _NAMED or parameter.default is not parameter.empty:
+            continue
+        if hasattr(config, key) and not callable(getattr(config, key)):
+            parts.append(f"{key}=config.{key}")
+        elif key in fields.aliases and hasattr(config, fields.aliases[key]):
+            parts.append(f"{key}=config.{fields.aliases[key]}")
+        elif key in fields.facts and fields.facts[key] == "ffn_width" and checkpoint_ffn_width(config) is not None:
+            width = checkpoint_ffn_width(config)[0]
+            own = "config.intermediate_size" if getattr(config, "intermediate_size", None) == width else str(width)
+            parts.append(f"{key}={own} (the checkpoint's d_ff, {width}: a constructor that reduces its argument, "
+                         f"as Meta's takes 4d and keeps 2/3 of it, needs what gives {width})")
+        elif key in fields.values:
+            parts.append(f"{key}={fields.values[key][0]!r}")
+        else:
+            parts.append(f"{key}=...")
+    return ", ".join(parts) if parts else None
 
 
 def _is_view(value: Any) -> bool:
