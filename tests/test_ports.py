@@ -292,3 +292,23 @@ def test_a_module_whose_shapes_fit_is_not_told_it_is_the_wrong_kind(tiny, capsys
     code, _, err = run_main(capsys, tiny["llama"], "--layer", "0", "--target", f"{HERE}:ClassicNamesThreeMatrices")
     assert code == 2  # the names cannot say which is gate and which is up: a template, never a guess
     assert "cannot compute them" not in err and '"fc.weight" = "?"' in err
+
+
+class ReducesHiddenDim(nn.Module):
+    """Reads cfg["hidden_dim"] as Meta's ModelArgs means it (4d, reduced by 2/3 inside), not as d_ff."""
+
+    def __init__(self, cfg):
+        super().__init__()
+        hidden = 64 * ((int(2 * cfg["hidden_dim"] / 3) + 63) // 64)
+        self.w1 = nn.Linear(cfg["dim"], hidden, bias=False)
+        self.w2 = nn.Linear(hidden, cfg["dim"], bias=False)
+        self.w3 = nn.Linear(cfg["dim"], hidden, bias=False)
+
+    def forward(self, x):
+        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+
+
+def test_a_module_built_to_the_wrong_size_from_supplied_values_is_exit_2_not_a_diagnosis(tiny, capsys):
+    code, out, err = run_main(capsys, tiny["llama"], "--layer", "0", "--target", f"{HERE}:ReducesHiddenDim")
+    assert code == 2 and "MISMATCH" not in out
+    assert "built with config values parity supplied" in err and "hidden_dim" in err and "make_ffn" in err

@@ -40,7 +40,7 @@ from parity.engine.routes import TargetRoutes
 from parity.engine.run import place, run_module, run_target, skip_init, torch_device, user_code
 from parity.engine.sliced import SlicedMLP
 from parity.engine.upcast import compute_in
-from parity.errors import CheckpointError, LayerRangeError, ShapeMismatchError
+from parity.errors import CheckpointError, LayerRangeError, ShapeMismatchError, TargetError
 
 if TYPE_CHECKING:  # the session is given what resolve found; it never resolves anything itself
     from parity.engine.resolve import Resolved
@@ -142,7 +142,18 @@ class Session:
                                          exceptions=False):
             shapes = tensors.meta if isinstance(tensors, LayerOnDisk) else tensors  # routes are chosen by shape
             routes = self.routes.choose(module, shapes, self.hidden_size, args)
-            notes = [*built_notes, *self.routes.notes, *fill_target(module, routes, tensors, self.config)]
+            try:
+                notes = [*built_notes, *self.routes.notes, *fill_target(module, routes, tensors, self.config)]
+            except ShapeMismatchError as exc:
+                supplied = [n.removeprefix("target config: ") for n in built_notes if n.startswith("target config:")]
+                if not supplied:
+                    raise
+                # built from values parity chose, not the user: a wrong size is parity's guess, not their mistake
+                raise TargetError(f"target {name} was built with config values parity supplied ({'; '.join(supplied)})"
+                                  f" and its shapes do not fit the checkpoint ({exc}). One of those values likely "
+                                  "means something else to your constructor (a hidden_dim it reduces by 2/3, say): "
+                                  "write a factory that passes what it expects: --target mymodel:make_ffn with "
+                                  "def make_ffn(config): return YourFFN(...)") from None
         for note in notes:
             if note not in self.target_notes:
                 self.target_notes.append(note)
