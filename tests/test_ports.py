@@ -312,3 +312,24 @@ def test_a_module_built_to_the_wrong_size_from_supplied_values_is_exit_2_not_a_d
     code, out, err = run_main(capsys, tiny["llama"], "--layer", "0", "--target", f"{HERE}:ReducesHiddenDim")
     assert code == 2 and "MISMATCH" not in out
     assert "built with config values parity supplied" in err and "hidden_dim" in err and "make_ffn" in err
+
+
+class ModuleBuilderFFN(nn.Module):
+    """A library FFN built from the modules passed in (torchtune's style): keyword-only projections, an activation."""
+
+    def __init__(self, *, gate_proj: nn.Module, down_proj: nn.Module, up_proj: nn.Module, activation=None):
+        super().__init__()
+        self.w1, self.w2, self.w3 = gate_proj, down_proj, up_proj
+        self.activation = activation or nn.SiLU()
+
+    def forward(self, x):
+        return self.w2(self.activation(self.w1(x)) * self.w3(x))
+
+
+def test_a_builder_taking_modules_gets_them_built(tiny, tmp_path, capsys):
+    report = parity.check(str(tiny["llama"]), layers=[0, 1], target=ModuleBuilderFFN)
+    assert report.passed, [r.diagnosis for r in report.layers]
+    saved = tmp_path / "m.toml"
+    assert run_main(capsys, tiny["llama"], "--layer", "0", "--target", f"{HERE}:ModuleBuilderFFN", "--save-mapping",
+                    saved)[0] == 0
+    assert run_main(capsys, tiny["llama"], "--layer", "1", "--mapping", saved)[0] == 0  # the saved mapping repeats it

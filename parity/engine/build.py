@@ -321,10 +321,34 @@ def constructor_args(factory: Any, mapping: Mapping, config: Any) -> tuple[dict,
             required = [p.name for p in named if p.default is inspect.Parameter.empty]
             if len(required) == 1 and _binds(signature, {required[0]: config}) and not inspect.isclass(factory):
                 return {required[0]: "config"}, {required[0]: config}
+            projections = projection_modules(required, mapping, config)
+            if projections is not None and _binds(signature, projections):
+                return {}, projections  # a mapping without args repeats this: the modules are built again
             if _binds(signature, {}):
                 return {}, {}
     value = ConfigValue(config, mapping.path)
     return raw, {key: value(written, f"target.args.{key}") for key, written in raw.items()}
+
+
+def projection_modules(required: list[str], mapping: Mapping, config: Any) -> dict[str, nn.Module] | None:
+    """For a builder that takes its projections as modules (``FeedForward(gate_proj=..., up_proj=...,
+    down_proj=...)``, torchtune's style): an nn.Linear per required parameter whose name plays a projection role
+    (aliases.toml), sized from the checkpoint's config (d, d_ff) and with biases as its FFN has them; None when a
+    required parameter is no projection name, or the sizes are unknown."""
+    aliases = load_aliases()
+    width, hidden = checkpoint_ffn_width(config), getattr(config, "hidden_size", None)
+    if not required or width is None or not isinstance(hidden, int):
+        return None
+    bias = checkpoint_ffn_bias(mapping, config)[0]
+    built = {}
+    for key in required:
+        roles = {aliases.roles[role] for role, kind in aliases.roles_of(key) if kind == "weight"}
+        sides = {role.side for role in roles if not role.fuses}
+        if len(sides) != 1:
+            return None
+        built[key] = (nn.Linear(hidden, width[0], bias=bias) if sides == {"in"}
+                      else nn.Linear(width[0], hidden, bias=bias))
+    return built
 
 
 def _binds(signature: inspect.Signature, kwargs: dict) -> bool:
