@@ -26,6 +26,11 @@ class EmptyValueError(UsageError):
     """An empty MODEL, checkpoint, mapping or revision: it names nothing."""
 
 
+class DestinationError(UsageError):
+    """An output path that would overwrite one of the run's inputs or another output, or that cannot be written:
+    found before anything is computed, and then no report is written anywhere."""
+
+
 class LayerRangeError(ParityError, ValueError):
     """The requested layer (or expert) selection is outside the model or selects nothing."""
 

@@ -231,10 +231,11 @@ def test_gelu_variant_is_not_checked_at_bfloat16(tiny):
             row = next(r for r in layer.separability if r["id"] == "gelu_exact_instead_of_tanh")
             # measured from this layer: the mistake moves the output far less than bfloat16's own error
             assert not row["checked"] and row["distance"] < 0.2 * layer.reference_error
-            assert "GELU variant not checked at bfloat16: run with --dtype float32 to check it" in row["message"]
+            assert ("gelu_exact_instead_of_tanh (reference runs gelu_pytorch_tanh) not checked at bfloat16: run with "
+                    "--dtype float32 to check it" in row["message"].replace("gelu_new", "gelu_pytorch_tanh"))
             assert f"{row['distance']:.2e}" in row["message"] and f"{layer.reference_error:.2e}" in row["message"]
             assert layer.diagnosis is None or layer.diagnosis["id"] != "gelu_exact_instead_of_tanh"
-        assert report.passed and "Not checked at bfloat16: GELU variant" in summary_line(report)
+        assert report.passed and "Not checked at bfloat16: gelu_exact_instead_of_tanh" in summary_line(report)
         # float32 sees it
         assert parity.check(str(tiny[family]), target=target, layers=[0]).layers[0].diagnosis["id"] == \
             "gelu_exact_instead_of_tanh"
@@ -243,8 +244,9 @@ def test_gelu_variant_is_not_checked_at_bfloat16(tiny):
 def test_gelu_variant_not_checked_through_the_cli(tiny, capsys, tmp_path):
     code, out, _ = run_main(capsys, tiny["gpt2"], "--dtype", "bfloat16", "--target", "tests.mutants:gpt2_exact_gelu",
                             "--json", tmp_path / "r.json")
-    assert "GELU variant not checked at bfloat16: run with --dtype float32 to check it" in out
-    assert "Not checked at bfloat16: GELU variant" in out.splitlines()[-1]
+    assert "gelu_exact_instead_of_tanh (reference runs gelu_new) not checked at bfloat16: run with --dtype float32 " \
+           "to check it" in out
+    assert "Not checked at bfloat16: gelu_exact_instead_of_tanh" in out.splitlines()[-1]
     assert "ref err" in out and "×ref" in out and "compute     bfloat16 on cpu" in out
     data = json.loads((tmp_path / "r.json").read_text())
     assert data["dtype"] == "bfloat16" and data["device"] == "cpu"
@@ -257,9 +259,10 @@ def test_gelu_variant_not_checked_through_the_cli(tiny, capsys, tmp_path):
     layers = data["layers"]
     least = min(layers, key=lambda r: next(s["distance"] for s in r["separability"]
                                            if s["id"] == "gelu_exact_instead_of_tanh") / r["tolerance"])
-    gelu = next(line for line in out.splitlines() if line.startswith("not checked at bfloat16 (") and "GELU" in line)
-    assert gelu.startswith(f"not checked at bfloat16 (layers {', '.join(str(r['layer']) for r in layers)}; the "
-                           f"figures are layer {least['layer']}'s, where it is least visible)")
+    gelu = next(line for line in out.splitlines()
+                if line.startswith("layers ") and "gelu_exact_instead_of_tanh" in line)
+    assert gelu.startswith(f"layers {', '.join(str(r['layer']) for r in layers)}; the figures are layer "
+                           f"{least['layer']}'s, where it is least visible: gelu_exact_instead_of_tanh")
 
 
 def test_swapped_through_the_cli_and_assert_parity(tiny, capsys):

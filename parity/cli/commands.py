@@ -62,6 +62,7 @@ def _run_project(args: argparse.Namespace) -> int:
         if getattr(args, key) is None:
             setattr(args, key, getattr(project, key))
     args.key_root = project.path.parent  # baseline keys name local paths relative to the project
+    args.project_file = str(project.path)
     return run_specs(project.checks, args, single=False, shard=shard)
 
 
@@ -72,10 +73,11 @@ def run_specs(specs, args: argparse.Namespace, single: bool, shard=None) -> int:
 
     if args.update_baseline and not args.baseline:
         raise UsageError("--update-baseline needs --baseline FILE (or 'baseline' in the project file)")
+    check_run_destinations(specs, args)
     entries = load_baseline(args.baseline) if args.baseline and not args.update_baseline else None
     if args.update_baseline:
         load_for_update(args.baseline)  # refuse a file that is not a baseline before computing anything
-    out = sys.stderr if args.json == "-" else sys.stdout  # stdout is the JSON's
+    out = sys.stderr if json_on_stdout(args.json) else sys.stdout  # stdout is the JSON's
     judge = baseline_judge(entries, args) if entries is not None else None
     runs = run_with_progress(specs, args, single, shard, out, judge)
     reports = [run.report for run in runs if run.report is not None]
@@ -102,6 +104,29 @@ def run_specs(specs, args: argparse.Namespace, single: bool, shard=None) -> int:
     return code
 
 
+def json_on_stdout(path: str | None) -> bool:
+    """--json - (or a path that is this process's stdout): the text report then goes to stderr, so stdout is
+    exactly the JSON document a pipe's reader parses."""
+    return path in ("-", "/dev/stdout", "/dev/fd/1", "/proc/self/fd/1")
+
+
+def check_run_destinations(specs, args: argparse.Namespace) -> None:
+    """Before anything is computed: no output onto one of the run's inputs or onto another output, and every
+    output's folder writable (parity.outputs.destinations)."""
+    from parity.outputs.destinations import check_destinations
+
+    outputs = {"--json": args.json, "--junit": args.junit, "--html": getattr(args, "html", None),
+               "--save-mapping": getattr(args, "save_mapping", None)}
+    inputs = [(what, value) for spec in specs
+              for what, value in (("checkpoint", spec.checkpoint), ("model", spec.model), ("mapping", spec.mapping))]
+    inputs.append(("project file", getattr(args, "project_file", None)))
+    if args.baseline and args.update_baseline:
+        outputs["--baseline"] = args.baseline  # written by this run: no other output may take its path
+    elif args.baseline:
+        inputs.append(("baseline", args.baseline))
+    check_destinations(outputs, inputs)
+
+
 def run_with_progress(specs, args: argparse.Namespace, single: bool, shard, out, judge=None) -> list:
     """Plan and execute the checks, streaming each table (unless --quiet) under a progress bar; ``judge``
     (a BaselineJudge) marks each layer against the baseline before its row is printed."""
@@ -109,7 +134,7 @@ def run_with_progress(specs, args: argparse.Namespace, single: bool, shard, out,
     from parity.outputs.progress import Progress, bar_wanted, silence_downloads
     from parity.outputs.text import TextWriter
 
-    json_stdout = args.json == "-"
+    json_stdout = json_on_stdout(args.json)
     if args.quiet or json_stdout:  # download bars would interleave with the table / JSON consumers' stderr
         silence_downloads()
     if not bar_wanted(False, False):  # stderr is no terminal (a CI log): no library's bars either

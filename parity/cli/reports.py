@@ -13,7 +13,7 @@ import os
 import sys
 from dataclasses import dataclass, field
 
-from parity.errors import ParityError, UsageError
+from parity.errors import DestinationError, ParityError, UsageError
 
 EXIT_PASS, EXIT_MISMATCH, EXIT_BAD_INPUT = 0, 1, 2  # every layer matches | some deviates | bad input
 
@@ -41,6 +41,8 @@ def with_error_outputs(args: argparse.Namespace, label: str, single: bool, run) 
     error: a CI upload step must find a file, and never the previous run's green one."""
     try:
         return run()
+    except (DestinationError, OutputsNotWritten):  # the outputs themselves are the problem: none is rewritten
+        raise
     except ParityError as exc:
         failed = FailedRun(label, " ".join(str(getattr(exc, "headline", None) or exc).split()))
         for write in (_error_junit, _error_html, _error_json):
@@ -115,25 +117,40 @@ def update_baseline(args: argparse.Namespace, reports, out) -> None:
 
 def write_outputs(args: argparse.Namespace, runs, single: bool, shard, comparison, problem: str | None,
                   code: int) -> None:
-    """--junit, --html and --json, each written atomically (parity.outputs.atomic): a CI step never reads half a
-    file."""
+    """--junit, --html, --save-mapping and --json, each written into the path named (parity.outputs.atomic).
+    Every one is attempted: one that cannot be written (a full disk) leaves the others holding the run's real
+    results, and the run ends in one OutputsNotWritten naming each that failed (exit 2)."""
     regressions = comparison.regressions if comparison is not None else []
+    failed: list[str] = []
+
+    def attempt(write) -> None:
+        try:
+            write()
+        except ParityError as exc:
+            failed.append(str(exc))
+
     if args.junit:
         from parity.outputs.junit import write_junit
 
-        write_junit(args.junit, runs, {id(r.layer): r.message for r in regressions},
-                    {id(r.layer): r.message for r in (comparison.other_weights if comparison is not None else [])},
-                    problem)
+        attempt(lambda: write_junit(
+            args.junit, runs, {id(r.layer): r.message for r in regressions},
+            {id(r.layer): r.message for r in (comparison.other_weights if comparison is not None else [])}, problem))
     if getattr(args, "html", None):
         from parity.outputs.html import write_html
 
         line = summary(runs, args, single, shard, code, regressions, comparison is not None)
-        write_html(args.html, runs, line, code, problem)
+        attempt(lambda: write_html(args.html, runs, line, code, problem))
     if single and getattr(args, "save_mapping", None):
-        save_mapping(args.save_mapping, runs[0].report, given=args.mapping, force=args.force)
+        attempt(lambda: save_mapping(args.save_mapping, runs[0].report, given=args.mapping, force=args.force))
     if args.json:
-        _write_json(args.json, json.dumps(json_document(runs, single, shard, args, comparison, problem, code),
-                                          indent=2))
+        document = json.dumps(json_document(runs, single, shard, args, comparison, problem, code), indent=2)
+        attempt(lambda: _write_json(args.json, document))
+    if failed:
+        raise OutputsNotWritten("; ".join(failed))
+
+
+class OutputsNotWritten(ParityError):
+    """Some report could not be written after the run: the others hold its real results (not an error page)."""
 
 
 def save_mapping(path: str, report, *, given: str | None = None, force: bool = False) -> None:

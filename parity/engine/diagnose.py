@@ -226,7 +226,7 @@ def separability(build: Builder, tensors: dict[str, torch.Tensor], config, x: to
         for hypothesis in hypotheses(build(tensors, on_call=True), tensors, config):
             distance = float((replay(build, hypothesis, tensors, x, on_call=True) - reference64).abs().max())
             checked = distance > SEPARATION * tolerance
-            what = "GELU variant" if hypothesis.id in GELU_VARIANTS else f"{hypothesis.id} ({hypothesis.detail})"
+            what = f"{hypothesis.id} ({hypothesis.detail})" if hypothesis.detail else str(hypothesis.id)
             message = None if checked else not_checked_message(what, distance, tolerance, reference_error, dtype,
                                                                atol, own_tolerance)
             rows.append(Separability(str(hypothesis.id), hypothesis.detail, distance, checked, message))

@@ -20,7 +20,8 @@ from typing import Any
 import torch
 
 # Namespaces whose attributes transformers' activations and MLPs reach at call time (modules and classes).
-WATCHED = ("torch", "torch.nn.functional", "torch.Tensor", "torch.nn.Linear", "transformers.activations")
+WATCHED = ("torch", "torch.nn.functional", "torch.Tensor", "torch.nn.Linear", "transformers.activations",
+           "torch._C._nn", "torch._C._VariableFunctions", "torch._C.TensorBase")  # the kernels F.* and torch.* call
 # Process-wide switches a reference computation depends on: (name, read, write).
 SWITCHES: tuple[tuple[str, Callable[[], Any], Callable[[Any], None]], ...] = (
     ("torch.get_default_dtype()", torch.get_default_dtype, torch.set_default_dtype),
@@ -68,6 +69,9 @@ class Snapshot:
         """A module's public names (its private ones and lazily imported submodules come and go on their own);
         a class's every method, dunders included (``torch.Tensor.__mul__``)."""
         self.owners[name] = owner
+        if not hasattr(owner, "__dict__"):  # a C object with attributes only (torch._C._VariableFunctions)
+            self.attributes[name] = {k: getattr(owner, k, None) for k in dir(owner) if not k.startswith("_")}
+            return
         items = vars(owner).items()
         self.attributes[name] = dict(items) if isinstance(owner, type) else {
             k: v for k, v in items if not k.startswith("_")}
@@ -78,7 +82,7 @@ class Snapshot:
         changed = []
         for name, before in self.attributes.items():
             owner = self.owners[name]
-            now = vars(owner)
+            now = vars(owner) if hasattr(owner, "__dict__") else {k: getattr(owner, k, None) for k in before}
             for key, value in before.items():
                 if key not in now or now[key] is not value:
                     changed.append(f"{name}.{key} {'removed' if key not in now else 'replaced'}")

@@ -135,7 +135,7 @@ def separability_lines(report: Report) -> list[str]:
         where = units_label(list({id(r): r for r, _ in found}.values()))
         if len(found) > 1:
             where += f"; the figures are {units_label([least])}'s, where it is least visible"
-        lines.append(f"not checked {condition(report)} ({where}): {row.message}")
+        lines.append(f"{where}: {row.message}")  # the message names the mistake and the condition
     told = sorted({row.id for row in rows if row.checked} - {mistake for mistake, _ in missed})
     lines.append(f"told apart {condition(report)} on every layer: {', '.join(told + list(NEEDS_NO_REPLAY))}")
     return [*lines, ""]
@@ -195,10 +195,11 @@ def condition(report: Report) -> str:
 
 
 def not_checked_summary(report: Report) -> str:
-    """' Not checked at bfloat16: GELU variant, ...; run with --dtype float32 to check them.' or ''; the advice names
+    """' Not checked at bfloat16: gelu_exact_instead_of_tanh, ...; run with --dtype float32 to check them.' or ''; the
+    advice names
     the real cause: the dtype, or the --atol that a mistake fits under (by the rows' own messages)."""
     rows = [row for result in report.layers for row in result.not_checked]
-    names = list(dict.fromkeys("GELU variant" if row.id in GELU_VARIANTS else row.id for row in rows))
+    names = list(dict.fromkeys(row.id for row in rows))  # the ids, as the JSON has them
     if not names:
         return ""
     by_tolerance = any("drop --atol" in (row.message or "") for row in rows)
