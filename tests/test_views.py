@@ -219,9 +219,12 @@ def test_baseline_follows_the_check_name_when_the_target_moves(tiny, tmp_path, m
     project(tmp_path, tiny, [{"name": "ffn", "model": str(tiny["gpt2"]), "layers": [0], "target": "mymod:MLP"}])
     assert run_main(capsys, "check", "--update-baseline")[0] == 0
     project(tmp_path, tiny, [{"name": "ffn", "model": str(tiny["gpt2"]), "layers": [0], "target": "mymod_ffn:MLP"}])
-    code, out, err = run_main(capsys, "check")
+    code, out, err = run_main(capsys, "check", "--json", "r.json", "--html", "r.html")
     assert code == 0, err
     assert (out + err).count("target was mymod:MLP, now mymod_ffn:MLP") == 1
+    notes = json.loads((tmp_path / "r.json").read_text())["baseline"]["notes"]
+    assert notes == ["target was mymod:MLP, now mymod_ffn:MLP"]
+    assert "target was mymod:MLP, now mymod_ffn:MLP" in (tmp_path / "r.html").read_text()
     assert "1 layer(s) compared" in out
 
 

@@ -139,6 +139,8 @@ def write_outputs(args: argparse.Namespace, runs, single: bool, shard, compariso
         from parity.outputs.html import write_html
 
         line = summary(runs, args, single, shard, code, regressions, comparison is not None)
+        if comparison is not None and comparison.notes:  # "target was mymod:MLP, now mymod.ffn:MLP": on the page too
+            line += " Baseline: " + "; ".join(comparison.notes) + "."
         attempt(lambda: write_html(args.html, runs, line, code, problem))
     if single and getattr(args, "save_mapping", None):
         attempt(lambda: save_mapping(args.save_mapping, runs[0].report, given=args.mapping, force=args.force))
@@ -223,7 +225,7 @@ def json_document(runs, single: bool, shard, args, comparison, problem: str | No
         baseline = {"file": str(args.baseline), "compared": comparison.compared,
                     "regressions": listed(comparison.regressions), "other_weights": listed(comparison.other_weights),
                     "not_compared": comparison.not_compared, "unfingerprinted": comparison.unfingerprinted,
-                    "error": problem}
+                    "notes": comparison.notes, "error": problem}
     if single:
         data = runs[0].report.to_dict()
         if baseline is not None:
