@@ -324,7 +324,7 @@ CASES = [
     Case("no-config", ["no config.json"], breaks=lambda f: (f / "config.json").unlink()),
     Case("shard-outside-folder", ["model.safetensors.index.json", "../elsewhere.safetensors", "outside"],
          source="llama_sharded", breaks=shard_outside),
-    Case("json-report-unwritable", ["--json {root}/no/such/dir/r.json", "cannot write"],
+    Case("json-report-unwritable", ["--json {root}/no/such/dir/r.json", "does not exist", "checked before computing"],
          args=["--layer", "0", "--json", "{root}/no/such/dir/r.json"]),
     # -- hostile inputs (issue 9): one representative of each class ------------------------------
     # sizes a file claims, checked against what the file holds before anything is allocated or iterated

@@ -333,3 +333,27 @@ def test_a_builder_taking_modules_gets_them_built(tiny, tmp_path, capsys):
     assert run_main(capsys, tiny["llama"], "--layer", "0", "--target", f"{HERE}:ModuleBuilderFFN", "--save-mapping",
                     saved)[0] == 0
     assert run_main(capsys, tiny["llama"], "--layer", "1", "--mapping", saved)[0] == 0  # the saved mapping repeats it
+
+
+class ConstructorBug(nn.Module):
+    def __init__(self, config):
+        super().__init__()
+        raise RuntimeError("my own constructor bug")
+
+
+class ForwardBug(nn.Module):
+    def __init__(self, config):
+        super().__init__()
+        self.c_fc = nn.Linear(config.n_embd, 4 * config.n_embd)
+        self.c_proj = nn.Linear(4 * config.n_embd, config.n_embd)
+
+    def forward(self, x):
+        return self.c_proj(self.c_fc(x).t())  # a shape bug of its own
+
+
+def test_a_failure_in_the_users_code_points_at_their_line_not_at_the_arguments(tiny, capsys):
+    code, _, err = run_main(capsys, tiny["gpt2"], "--layer", "0", "--target", f"{HERE}:ConstructorBug")
+    assert code == 2 and "failed in its constructor" in err and "my own constructor bug" in err
+    assert "test_ports.py:" in err and "in __init__" in err and "[target].args" not in err
+    code, _, err = run_main(capsys, tiny["gpt2"], "--layer", "0", "--target", f"{HERE}:ForwardBug")
+    assert code == 2 and "test_ports.py:" in err and "in forward" in err

@@ -21,6 +21,7 @@ from torch import nn
 from parity.definitions.aliases import load_aliases
 from parity.definitions.families import config_dff
 from parity.definitions.mapping import ConfigValue, Mapping
+from parity.engine.run import user_frame
 from parity.errors import TargetError
 
 
@@ -254,7 +255,11 @@ def construction_error(factory: Any, name: str, kwargs: dict, config: Any, exc: 
     written = factory_call(parameters, config)
     if written is not None:
         call = written
-    given = (f"with {shown}" if any(v is config or _is_view(v) for v in kwargs.values()) or not kwargs
+    got_config = any(v is config or _is_view(v) for v in kwargs.values())
+    if got_config and not isinstance(exc, TypeError):  # it was given what it asks for: the failure is its own code
+        return TargetError(f"target {name} failed in its constructor, given the checkpoint's {type(config).__name__}: "
+                           f"{type(exc).__name__}: {exc}{user_frame(exc)}")
+    given = (f"with {shown}" if got_config or not kwargs
              else f"with the mapping's [target].args {shown} (written for the mapping's own class, not yours)")
     return TargetError(
         f"cannot construct target {name} {given}: {type(exc).__name__}: {exc}. "

@@ -5,6 +5,8 @@ its forward on its own copy of the inputs, and the user's exceptions turned into
 from __future__ import annotations
 
 import contextlib
+import os
+import traceback
 from collections.abc import Iterator
 
 import torch
@@ -107,7 +109,22 @@ def user_code(what: str, exceptions: bool = True) -> Iterator[None]:
     except BaseException as exc:  # noqa: BLE001 - SystemExit(0) from a target must not end parity with 0
         if isinstance(exc, Exception) and not exceptions:
             raise
-        raise TargetError(f"{what}: {type(exc).__name__}: {exc}") from exc
+        raise TargetError(f"{what}: {type(exc).__name__}: {exc}{user_frame(exc)}") from exc
+
+
+PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # parity/
+
+
+def user_frame(error: BaseException) -> str:
+    """' (at mymodel.py:42, in forward)': the innermost frame of the traceback in the user's own code (not parity,
+    torch or another installed library), so a TargetError points at the line to fix; '' when there is none."""
+    found = None
+    for frame in traceback.extract_tb(error.__traceback__):
+        name = os.path.abspath(frame.filename)
+        if name.startswith(PACKAGE_DIR) or "site-packages" in name or "dist-packages" in name or name.startswith("<"):
+            continue
+        found = frame
+    return f" (at {found.filename}:{found.lineno}, in {found.name})" if found is not None else ""
 
 
 def config_field_read(error: BaseException | None) -> str | None:
