@@ -297,8 +297,8 @@ def test_junit_under_a_regular_file_is_exit_2_naming_the_file(tiny, tmp_path, ca
     blocker = tmp_path / "reports"
     blocker.write_text("a file, not a folder")
     code, _, err = run_main(capsys, tiny["gpt2"], "--layer", "0", "--junit", blocker / "junit.xml")
-    assert code == 2 and (f"--junit {blocker / 'junit.xml'}: cannot write the file "
-                          f"({blocker} is a file, not a folder)") in err, err
+    assert code == 2 and (f"--junit {blocker / 'junit.xml'}: {blocker} is a file, not a folder; choose a path in a "
+                          "folder you can write to (checked before computing anything)") in err, err
     assert "Traceback" not in err and blocker.read_text() == "a file, not a folder"
     with pytest.raises(ParityError, match="--json"):
         atomic.write_output(blocker / "r.json", "{}", "--json")

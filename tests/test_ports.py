@@ -357,3 +357,22 @@ def test_a_failure_in_the_users_code_points_at_their_line_not_at_the_arguments(t
     assert "test_ports.py:" in err and "in __init__" in err and "[target].args" not in err
     code, _, err = run_main(capsys, tiny["gpt2"], "--layer", "0", "--target", f"{HERE}:ForwardBug")
     assert code == 2 and "test_ports.py:" in err and "in forward" in err
+
+
+class GroupPlusGain(DictGatedFeedForward):
+    """fc1/fc2/fc3 plus a parameter of its own: refused with that parameter named first, not with the names'
+    other readings (fc1 as a classic first layer)."""
+
+    def __init__(self, cfg):
+        super().__init__(cfg)
+        self.gain_bias = nn.Parameter(torch.zeros(cfg["emb_dim"]))
+
+    def forward(self, x):
+        return super().forward(x) * (1 + self.gain_bias)
+
+
+def test_a_group_plus_an_extra_parameter_names_the_extra_one(tiny, capsys):
+    code, _, err = run_main(capsys, tiny["llama"], "--layer", "0", "--target", f"{HERE}:GroupPlusGain")
+    last = err.strip().splitlines()[-1]
+    assert code == 2 and "'gain_bias' belongs to no projection" in last and "reads as fc_in" not in last
+    assert '"fc1.weight" = "gate_proj.weight"' in err  # the template keeps what the group says

@@ -21,7 +21,7 @@ from torch import nn
 from parity.definitions.aliases import load_aliases
 from parity.definitions.families import config_dff
 from parity.definitions.mapping import ConfigValue, Mapping
-from parity.engine.run import user_frame
+from parity.engine.frames import user_frame
 from parity.errors import TargetError
 
 

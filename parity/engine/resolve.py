@@ -97,6 +97,10 @@ def resolve(model: str, checkpoint: str | None = None, mapping: str | Path | Non
     chosen = load_mapping(mapping) if mapping is not None else None
     notes: list[str] = []
     named = mappings.get(model) if not path_exists(Path(model).expanduser()) else None
+    if named is None and model in mappings and checkpoint is None:  # a folder here bears a mapping's name
+        notes.append(f"'{model}' is a local path here ({Path(model).resolve()}), checked as such instead of mapping "
+                     f"'{model}''s default {mappings[model].default_checkpoint}; for that one, run from another "
+                     f"folder or pass --checkpoint {mappings[model].default_checkpoint}")
     if named is not None and chosen is None:
         chosen = named
     if checkpoint is None and named is not None:

@@ -159,6 +159,29 @@ def group_roles(params: dict[str, tuple[int, ...]], canon: dict[Role, TensorRout
     return None
 
 
+def near_group(params: dict[str, tuple[int, ...]], aliases: Aliases) -> tuple[dict[str, Role], list[str]] | None:
+    """A module whose projections are a convention group's plus parameters of its own (a ``gain_bias``): the group's
+    roles, and the one problem that stands in the way, said first, instead of the per-name reading of names the
+    group gives other roles."""
+    members = {member_of(name) for name in params}
+    for group in aliases.groups:
+        weights = {m for m in group.members if group.role_of(m)[1] == "weight"}
+        extra = sorted(members - set(group.members))
+        if not weights <= members or not extra:
+            continue
+        assigned = {}
+        for name in params:
+            if member_of(name) in group.members:
+                role, kind = group.role_of(member_of(name))
+                assigned[name] = (role, name.rpartition(".")[2] if member_of(name) != name else kind)
+        others = [n for n in params if member_of(n) in extra]
+        verb = "belongs" if len(others) == 1 else "belong"
+        return assigned, [f"{', '.join(repr(n) for n in others)} {verb} to no projection (the other parameters "
+                          f"follow the {'/'.join(sorted(weights))} layout): route each in a mapping, or write "
+                          "{ zeros = true } for one the checkpoint has no tensor for"]
+    return None
+
+
 def assign_roles(params: dict[str, tuple[int, ...]], canon: dict[Role, TensorRoute], aliases: Aliases,
                  stored: dict[Role, tuple[int, ...]] | None = None) -> tuple[dict[str, Role], list[str]]:
     """Each parameter's role: by a convention group when one applies, else read off its name among the roles the
@@ -166,6 +189,9 @@ def assign_roles(params: dict[str, tuple[int, ...]], canon: dict[Role, TensorRou
     found = group_roles(params, canon, aliases, stored or {})
     if found is not None:
         return found[1], []
+    near = near_group(params, aliases)
+    if near is not None:
+        return near
     available = {role for role, _ in canon}
     assigned: dict[str, Role] = {}
     problems: list[str] = []

@@ -5,14 +5,13 @@ its forward on its own copy of the inputs, and the user's exceptions turned into
 from __future__ import annotations
 
 import contextlib
-import os
-import traceback
 from collections.abc import Iterator
 
 import torch
 from torch import nn
 
 from parity.engine.compare import input_change
+from parity.engine.frames import user_frame
 from parity.errors import ParityError, TargetError
 
 
@@ -112,19 +111,7 @@ def user_code(what: str, exceptions: bool = True) -> Iterator[None]:
         raise TargetError(f"{what}: {type(exc).__name__}: {exc}{user_frame(exc)}") from exc
 
 
-PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # parity/
 
-
-def user_frame(error: BaseException) -> str:
-    """' (at mymodel.py:42, in forward)': the innermost frame of the traceback in the user's own code (not parity,
-    torch or another installed library), so a TargetError points at the line to fix; '' when there is none."""
-    found = None
-    for frame in traceback.extract_tb(error.__traceback__):
-        name = os.path.abspath(frame.filename)
-        if name.startswith(PACKAGE_DIR) or "site-packages" in name or "dist-packages" in name or name.startswith("<"):
-            continue
-        found = frame
-    return f" (at {found.filename}:{found.lineno}, in {found.name})" if found is not None else ""
 
 
 def config_field_read(error: BaseException | None) -> str | None:
