@@ -114,6 +114,7 @@ def test_a_project_file_error_still_writes_the_named_reports(tmp_path, monkeypat
 
 def test_an_error_json_on_stdout_is_valid_against_the_schema(tiny, capsys):
     import jsonschema  # a test dependency: a missing install fails here, never skips
+
     from parity.engine.results import SCHEMA_FILE
 
     code, out, _ = run_main(capsys, tiny["gpt2"], "--layer", "0", "--target", "no_such_module:MLP", "--json", "-")
