@@ -281,7 +281,7 @@ def _regression(old: dict, layer: LayerResult, factor: float, slack: float) -> s
     if layer.max_abs_diff <= factor * before + slack:
         return None
     grown = layer.max_abs_diff / before if before else float("inf")
-    return f"max|Δ| grew {before:.2e} -> {layer.max_abs_diff:.2e} ({grown:.3g}x; allowed {factor:g}x + {slack:g})"
+    return f"max|Δ| grew {before:.2e} -> {layer.max_abs_diff:.2e} ({grown:.4g}x; allowed {factor:g}x + {slack:g})"
 
 
 def compare(reports: Iterable[Report], entries: dict[str, dict], factor: float = DEFAULT_FACTOR,
