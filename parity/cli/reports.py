@@ -24,8 +24,6 @@ def one_line(text: str) -> str:
 
 
 @dataclass
-
-
 class FailedRun:
     """A run that ended in a ParityError before it had a report: what --junit, --json and --html then hold."""
 

@@ -22,8 +22,6 @@ TRANSFORMS = ("none", "transpose")
 
 
 @dataclass(frozen=True)
-
-
 class TensorRoute:
     """Fill one target parameter from one checkpoint tensor (name relative to the layer)."""
 
@@ -41,8 +39,6 @@ class TensorRoute:
 
 
 @dataclass
-
-
 class Mapping:
     name: str
     path: Path
@@ -77,8 +73,6 @@ class Mapping:
 
 
 @dataclass(frozen=True)
-
-
 class Experts:
     """[experts]: how many experts a layer has and where one expert's gate/up/down projections are.
 

@@ -18,8 +18,6 @@ def builtin_mappings() -> dict[str, Mapping]:
 
 
 @functools.lru_cache(maxsize=1)
-
-
 def _builtin_mappings() -> dict[str, Mapping]:
     found = {}
     for path in sorted(builtin_mapping_dir().glob("*.toml")):

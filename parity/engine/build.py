@@ -74,8 +74,6 @@ def target_label(target: Any) -> str:
 
 
 @contextlib.contextmanager
-
-
 def cwd_importable() -> Iterator[None]:
     """The working directory importable (first on sys.path, as the `parity` command has it) while a check
     resolves its target: 'mymodel:MLP' means the same in a shell, in Python and under pytest."""

@@ -16,8 +16,6 @@ from parity.errors import ParityError, TargetError
 
 
 @contextlib.contextmanager
-
-
 def skip_init() -> Iterator[None]:
     """Constructing a 7B-size target should not spend seconds on random init it will overwrite."""
     names = ("uniform_", "normal_", "kaiming_uniform_", "kaiming_normal_", "xavier_uniform_", "xavier_normal_",
@@ -95,8 +93,6 @@ def place(module: nn.Module, device: torch.device, dtype: torch.dtype | None) ->
 
 
 @contextlib.contextmanager
-
-
 def user_code(what: str, exceptions: bool = True) -> Iterator[None]:
     """The module under test is the user's code: what it raises (even SystemExit) is a target error
     naming it, never a parity crash or an exit code of its choosing.  Ctrl-C stays Ctrl-C.

@@ -47,8 +47,6 @@ _GPT2_KEYS = {
 
 
 @dataclass(frozen=True)
-
-
 class Architecture:
     model_type: str  # transformers model_type of the equivalent HF checkpoint
     activation_key: str  # the config attribute that names the activation

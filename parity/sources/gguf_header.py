@@ -34,8 +34,6 @@ _STRING, _ARRAY = 8, 9
 
 
 @dataclass(frozen=True)
-
-
 class TensorInfo:
     name: str
     dims: tuple[int, ...]  # GGUF order: dims[0] is the row length (the fastest-varying axis)
@@ -55,8 +53,6 @@ class TensorInfo:
 
 
 @dataclass(frozen=True)
-
-
 class ArrayInfo:
     """A long array in the metadata, of which only the length is kept (e.g. the token list)."""
 
@@ -65,8 +61,6 @@ class ArrayInfo:
 
 
 @dataclass
-
-
 class GGUFHeader:
     path: Path
     version: int

@@ -53,8 +53,6 @@ def looks_like_hub_id(text: str) -> bool:
 
 
 @lru_cache(maxsize=1)
-
-
 def hub_reachable() -> bool:
     """Can a TCP connection to HF_ENDPOINT's host (huggingface.co by default) be opened?"""
     from huggingface_hub import constants
