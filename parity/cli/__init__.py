@@ -12,7 +12,8 @@ import sys
 
 from parity.cli.commands import list_mappings, run_check, run_inspect, run_project
 from parity.cli.options import build_check_parser, build_inspect_parser, build_parser
-from parity.cli.reports import EXIT_BAD_INPUT, one_line
+from parity.cli.reports import EXIT_BAD_INPUT
+from parity.definitions.files import one_line
 from parity.errors import ParityError
 
 

@@ -12,13 +12,13 @@ from parity.cli.reports import (
     EXIT_BAD_INPUT,
     EXIT_PASS,
     key_roots,
-    one_line,
     save_template,
     summary,
     update_baseline,
     with_error_outputs,
     write_outputs,
 )
+from parity.definitions.files import one_line
 from parity.errors import MappingError, UsageError
 
 

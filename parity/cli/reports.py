@@ -13,14 +13,10 @@ import os
 import sys
 from dataclasses import dataclass, field
 
+from parity.definitions.files import one_line
 from parity.errors import DestinationError, ParityError, UsageError
 
 EXIT_PASS, EXIT_MISMATCH, EXIT_BAD_INPUT = 0, 1, 2  # every layer matches | some deviates | bad input
-
-
-def one_line(text: str) -> str:
-    """A message as exactly one line: a newline (or another control character) in a path is shown escaped."""
-    return "".join(c if c.isprintable() else repr(c)[1:-1] for c in text)
 
 
 @dataclass

@@ -38,6 +38,12 @@ def shown(path: str | os.PathLike, limit: int = 4096) -> str:
     return repr(text)[1:-1]
 
 
+def one_line(text: str) -> str:
+    """A message (or a line of a written file's header) as exactly one printable line: a newline, an ESC or a DEL
+    in a path, a lone surrogate of a non-UTF-8 name, each shown as its Python escape."""
+    return "".join(c if c.isprintable() else repr(c)[1:-1] for c in text)
+
+
 def short(value: object, limit: int = 60) -> str:
     """A value as a message shows it: its repr, cut to ``limit`` characters."""
     text = repr(value)

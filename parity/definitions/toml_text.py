@@ -8,6 +8,8 @@ import json
 import re
 from typing import Any
 
+from parity.definitions.files import one_line
+
 
 def mapping_text(extends: str, target_class: str, args: dict[str, Any] | None, tensors: dict[str, Any],
                  comments: dict[str, str] | None = None, header: str = "") -> str:
@@ -15,7 +17,7 @@ def mapping_text(extends: str, target_class: str, args: dict[str, Any] | None, t
     and the mapping printed when routes cannot be read off names).  ``comments``: per tensor key."""
     comments = comments or {}
     # control characters (an ESC or DEL in a path) shown escaped: TOML refuses them even in a comment
-    lines = [f"# {printable(line)}" if line else "#" for line in header.splitlines()]
+    lines = [f"# {one_line(line)}" if line else "#" for line in header.splitlines()]
     lines += [f"extends = {toml_value(extends)}", "", "[target]", f"class = {toml_value(target_class)}"]
     if args is not None:
         lines.append(f"args = {toml_value(args)}")
@@ -25,11 +27,6 @@ def mapping_text(extends: str, target_class: str, args: dict[str, Any] | None, t
         lines.append(f"{toml_value(key)} = {toml_value(spelled)}{comment}")
     return "\n".join(lines) + "\n"
 
-
-def printable(text: str) -> str:
-    """``text`` with every character that is not printable (control characters, lone surrogates of a
-    non-UTF-8 file name) written as its Python escape."""
-    return "".join(c if c.isprintable() else repr(c)[1:-1] for c in text)
 
 SAVED_MAPPING_MARK = "# Written by `parity "  # the first line of every mapping --save-mapping writes
 
