@@ -139,9 +139,11 @@ def test_save_mapping_never_overwrites_the_mapping_it_was_given(tiny, tmp_path, 
     mapping = tmp_path / "m.toml"
     assert run_main(capsys, tiny["gpt2"], "--layer", "0", "--save-mapping", mapping)[0] == 0
     before = mapping.read_text()
-    for extra in ([], ["--force"]):
+    linked = tmp_path / "hard-link.toml"
+    linked.hardlink_to(mapping)  # another name of the same file
+    for extra, destination in (([], mapping), (["--force"], mapping), ([], linked)):
         code, _, err = run_main(capsys, tiny["gpt2"], "--layer", "0", "--mapping", mapping, "--save-mapping",
-                                mapping, *extra)
+                                destination, *extra)
         assert code == 2 and "is the run's mapping" in err and "would destroy it" in err
         assert mapping.read_text() == before
     assert run_main(capsys, tiny["gpt2"], "--layer", "0", "--mapping", mapping)[0] == 0

@@ -107,7 +107,9 @@ def run_specs(specs, args: argparse.Namespace, single: bool, shard=None) -> int:
 def json_on_stdout(path: str | None) -> bool:
     """--json - (or a path that is this process's stdout): the text report then goes to stderr, so stdout is
     exactly the JSON document a pipe's reader parses."""
-    return path in ("-", "/dev/stdout", "/dev/fd/1", "/proc/self/fd/1")
+    from parity.outputs.atomic import STDOUT_PATHS
+
+    return path == "-" or path in STDOUT_PATHS
 
 
 def check_run_destinations(specs, args: argparse.Namespace) -> None:
@@ -225,5 +227,5 @@ def run_check(args: argparse.Namespace) -> int:
         print(exc.details, file=sys.stderr)  # the target's parameters, the checkpoint's tensors, a mapping to edit
         template = getattr(exc, "template", None)
         if template and args.save_mapping:  # the mapping to edit, as a file: exit 2 all the same
-            save_template(args.save_mapping, template, given=args.mapping, force=args.force)
+            save_template(args.save_mapping, template, force=args.force)
         raise MappingError(exc.headline) from None

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 from dataclasses import dataclass, field
 
@@ -137,7 +136,7 @@ def write_outputs(args: argparse.Namespace, runs, single: bool, shard, compariso
             line += " Baseline: " + "; ".join(comparison.notes) + "."
         attempt(lambda: write_html(args.html, runs, line, code, problem))
     if single and getattr(args, "save_mapping", None):
-        attempt(lambda: save_mapping(args.save_mapping, runs[0].report, given=args.mapping, force=args.force))
+        attempt(lambda: save_mapping(args.save_mapping, runs[0].report, force=args.force))
     if args.json:
         document = json.dumps(json_document(runs, single, shard, args, comparison, problem, code), indent=2)
         attempt(lambda: _write_json(args.json, document))
@@ -149,14 +148,14 @@ class OutputsNotWritten(ParityError):
     """Some report could not be written after the run: the others hold its real results (not an error page)."""
 
 
-def save_mapping(path: str, report, *, given: str | None = None, force: bool = False) -> None:
+def save_mapping(path: str, report, *, force: bool = False) -> None:
     """--save-mapping: the routes this run used, as a mapping file that repeats the run with --mapping FILE.
-    Replaces only a file that --save-mapping wrote (or any with ``force``), and never the mapping the run was
-    given: the saved file extends that mapping, and would then extend itself."""
+    Replaces only a file that --save-mapping wrote (or any with ``force``); never the mapping the run was given
+    (the saved file extends it, and would then extend itself): parity.outputs.destinations refuses that first."""
     from parity.definitions.toml_text import mapping_text
     from parity.outputs.atomic import write_output
 
-    refuse_to_replace(path, given, force)
+    refuse_to_replace(path, force)
     if report is None or not report.routes:
         raise UsageError(f"--save-mapping {path}: no layer was built, so no routes were used; nothing written")
     routes = report.routes
@@ -171,30 +170,26 @@ def save_mapping(path: str, report, *, given: str | None = None, force: bool = F
     write_output(path, text, "--save-mapping", create_folder=False)
 
 
-def save_template(path: str, template: str, *, given: str | None = None, force: bool = False) -> None:
+def save_template(path: str, template: str, *, force: bool = False) -> None:
     """--save-mapping when the routes could not be inferred: the mapping to edit (its "?" still to fill in), written
     so the user edits a file; the run still exits 2."""
     from parity.definitions.toml_text import SAVED_MAPPING_MARK
     from parity.outputs.atomic import write_output
 
-    refuse_to_replace(path, given, force)
+    refuse_to_replace(path, force)
     header = (f"{SAVED_MAPPING_MARK.removeprefix('# ')}--save-mapping`: a mapping to complete. Replace each \"?\" with "
               "what its comment proposes, then run with --mapping this file.\n")
     write_output(path, f"# {header}{template}", "--save-mapping", create_folder=False)
     print(f"parity: wrote the mapping to complete to {path}", file=sys.stderr)
 
 
-def refuse_to_replace(path: str, given: str | None, force: bool) -> None:
+def refuse_to_replace(path: str, force: bool) -> None:
     from pathlib import Path
 
     from parity.definitions.files import shown
     from parity.definitions.toml_text import SAVED_MAPPING_MARK
 
-    target = Path(path)
-    if given is not None and target.exists() and Path(given).exists() and os.path.samefile(target, given):
-        raise UsageError(f"--save-mapping {shown(path)}: is the mapping this run was given (--mapping); the saved "
-                         "mapping extends it, so writing it there would lose its content and make it extend itself. "
-                         "Save to another file")
+    target = Path(path)  # never the run's --mapping file: parity.outputs.destinations refused that before the run
     if force or not target.is_file():
         return
     try:

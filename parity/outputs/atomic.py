@@ -31,6 +31,7 @@ from parity.errors import ParityError, UsageError
 # /dev/stdout redirected to a regular file stats as that file, but replacing it would detach the shell's
 # redirection (the table printed to stdout would go to a deleted inode).
 PROCESS_PATHS = ("/dev/", "/proc/")
+STDOUT_PATHS = ("/dev/stdout", "/dev/fd/1", "/proc/self/fd/1")  # this process's stdout, by name
 
 
 def write_output(path: str | os.PathLike, text: str, what: str, *, create_folder: bool = True) -> None:
@@ -62,7 +63,7 @@ def _write_in_place(path: Path, text: str, what: str) -> None:
     if path.is_dir():
         raise ParityError(f"{what} {shown(path)}: is a folder; give a file name inside it")
     data = text.encode("utf-8", errors="backslashreplace")  # a non-UTF-8 file name in a report: escaped
-    if os.path.abspath(path) in ("/dev/stdout", "/dev/fd/1", "/proc/self/fd/1"):
+    if os.path.abspath(path) in STDOUT_PATHS:
         with contextlib.suppress(Exception):  # what parity printed before must come first
             sys.stdout.flush()
     try:

@@ -40,8 +40,9 @@ def check_destinations(outputs: dict[str, str | None], inputs: Iterable[tuple[st
         for option, path in files.items():
             target = os.path.realpath(path)
             inside = source_path.is_dir() and (target + os.sep).startswith(real.rstrip(os.sep) + os.sep)
-            if target == real or inside:
-                where = "is" if target == real else "is inside"
+            same = target == real or (path.exists() and os.path.samefile(path, source_path))  # a hard link too
+            if same or inside:
+                where = "is" if same else "is inside"
                 raise DestinationError(f"{option} {shown(path)} {where} the run's {what} ({shown(source)}): writing "
                                        "the report there would destroy it; write reports elsewhere")
     for option, path in files.items():
@@ -63,8 +64,6 @@ def unwritable(path: Path, *, create_folder: bool) -> str | None:
             folder = folder.parent
     if not folder.is_dir():
         return f"{shown(folder)} is a file, not a folder"
-    if not os.access(folder, os.W_OK | os.X_OK):
+    if not os.access(folder, os.W_OK | os.X_OK):  # a regular file is replaced by a rename: the folder decides
         return f"the folder {shown(folder)} cannot be written"
-    if path.exists() and not os.access(path, os.W_OK) and not os.access(folder, os.W_OK):
-        return "the file cannot be written"
     return None
