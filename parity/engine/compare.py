@@ -51,16 +51,24 @@ class Runs:
     dtype: str = "float32"  # the target's compute dtype
 
 
-def own_tolerance(runs: Runs) -> float:
-    """The tolerance parity itself derives for these runs (what ``--atol`` replaces)."""
+def measures(runs: Runs) -> tuple[float, float, float | None]:
+    """(noise floor, output scale, the reference's own low-precision error or None) of these runs."""
+    noise = float((runs.reference32 - runs.reference64).abs().max())
     scale = float(runs.reference64.abs().max())
-    if runs.low is None:
-        return tolerance_for(float((runs.reference32 - runs.reference64).abs().max()), scale, None)
-    return tolerance_for(float((runs.low - runs.reference64).abs().max()), scale, None, LOW_PRECISION_FACTOR)
+    own = None if runs.low is None else float((runs.low - runs.reference64).abs().max())  # NaN: overflowed
+    return noise, scale, own
 
 
-def tolerance_for(noise: float, scale: float, atol: float | None, factor: float = NOISE_FACTOR) -> float:
-    return atol if atol is not None else max(factor * noise, RELATIVE_FLOOR * scale)
+def parity_tolerance(noise: float, scale: float, own: float | None) -> float:
+    """The tolerance parity derives (what ``--atol`` replaces): from the noise floor, or in a low-precision run
+    from the reference's own error in that dtype."""
+    error, factor = (noise, NOISE_FACTOR) if own is None else (own, LOW_PRECISION_FACTOR)
+    return max(factor * error, RELATIVE_FLOOR * scale)
+
+
+def own_tolerance(runs: Runs) -> float:
+    """parity's own tolerance for these runs (the separability statement of an --atol run compares with it)."""
+    return parity_tolerance(*measures(runs))
 
 
 def ratio(value: float | None, reference: float | None) -> float | None:
@@ -140,11 +148,8 @@ def input_change(before: torch.Tensor, after: torch.Tensor) -> str | None:
 def judge(layer: int, expert: int | None, runs: Runs, weights: dict[str, torch.Tensor], z: torch.Tensor | None,
           atol: float | None, weights_kind: str, facts: dict[str, Any] | None = None) -> LayerResult:
     """The formula at the top of this module, and the findings that need no replay named."""
-    noise = float((runs.reference32 - runs.reference64).abs().max())
-    scale = float(runs.reference64.abs().max())
-    own = None if runs.low is None else float((runs.low - runs.reference64).abs().max())  # NaN: overflowed
-    tolerance = (tolerance_for(noise, scale, atol) if own is None
-                 else tolerance_for(own, scale, atol, LOW_PRECISION_FACTOR))
+    noise, scale, own = measures(runs)
+    tolerance = atol if atol is not None else parity_tolerance(noise, scale, own)
     diff = (runs.target - runs.reference64).abs()
     finite = bool(torch.isfinite(runs.target).all())
     max_abs = float(diff.max()) if finite else None
