@@ -274,6 +274,7 @@ def factory_call(parameters: Any, config: Any) -> str | None:
     from parity.definitions.aliases import load_aliases
 
     fields = load_aliases().config_fields
+    ffn_width = checkpoint_ffn_width(config)
     parts = []
     for key, parameter in parameters.items():
         if parameter.kind not in _NAMED or parameter.default is not parameter.empty:
@@ -282,8 +283,8 @@ def factory_call(parameters: Any, config: Any) -> str | None:
             parts.append(f"{key}=config.{key}")
         elif key in fields.aliases and hasattr(config, fields.aliases[key]):
             parts.append(f"{key}=config.{fields.aliases[key]}")
-        elif key in fields.facts and fields.facts[key] == "ffn_width" and checkpoint_ffn_width(config) is not None:
-            width = checkpoint_ffn_width(config)[0]
+        elif key in fields.facts and fields.facts[key] == "ffn_width" and ffn_width is not None:
+            width = ffn_width[0]
             own = "config.intermediate_size" if getattr(config, "intermediate_size", None) == width else str(width)
             parts.append(f"{key}={own} (the checkpoint's d_ff, {width}: a constructor that reduces its argument, "
                          f"as Meta's takes 4d and keeps 2/3 of it, needs what gives {width})")

@@ -137,6 +137,18 @@ def member_of(name: str) -> str:
     return owner if owner and leaf in ("weight", "bias") else name
 
 
+def group_assignment(group: Group, params: dict[str, tuple[int, ...]]) -> dict[str, Role]:
+    """The role the group gives each of the module's parameters that belongs to one of its members: a submodule
+    member's .weight/.bias, or a bare member parameter as the group spells it ("up.bias")."""
+    assigned: dict[str, Role] = {}
+    for name in params:
+        member = member_of(name)
+        if member in group.members:
+            role, kind = group.role_of(member)
+            assigned[name] = (role, name.rpartition(".")[2] if member != name else kind)
+    return assigned
+
+
 def group_roles(params: dict[str, tuple[int, ...]], canon: dict[Role, TensorRoute], aliases: Aliases,
                 stored: dict[Role, tuple[int, ...]]) -> tuple[Group, dict[str, Role]] | None:
     """The first convention group (aliases.toml [[groups]]) whose members are exactly the module's projections,
@@ -147,11 +159,7 @@ def group_roles(params: dict[str, tuple[int, ...]], canon: dict[Role, TensorRout
         weights = {m for m in group.members if group.role_of(m)[1] == "weight"}
         if not weights <= members or not members <= set(group.members):
             continue
-        assigned: dict[str, Role] = {}
-        for name in params:
-            member = member_of(name)
-            role, kind = group.role_of(member)
-            assigned[name] = (role, name.rpartition(".")[2] if member != name else kind)
+        assigned = group_assignment(group, params)
         fits = all(role in stored and params[name] in (stored[role], stored[role][::-1])
                    for name, role in assigned.items() if role[1] == "weight")
         if fits:
@@ -169,11 +177,7 @@ def near_group(params: dict[str, tuple[int, ...]], aliases: Aliases) -> tuple[di
         extra = sorted(members - set(group.members))
         if not weights <= members or not extra:
             continue
-        assigned = {}
-        for name in params:
-            if member_of(name) in group.members:
-                role, kind = group.role_of(member_of(name))
-                assigned[name] = (role, name.rpartition(".")[2] if member_of(name) != name else kind)
+        assigned = group_assignment(group, params)
         others = [n for n in params if member_of(n) in extra]
         verb = "belongs" if len(others) == 1 else "belong"
         return assigned, [f"{', '.join(repr(n) for n in others)} {verb} to no projection (the other parameters "
@@ -184,11 +188,8 @@ def near_group(params: dict[str, tuple[int, ...]], aliases: Aliases) -> tuple[di
 
 def assign_roles(params: dict[str, tuple[int, ...]], canon: dict[Role, TensorRoute], aliases: Aliases,
                  stored: dict[Role, tuple[int, ...]] | None = None) -> tuple[dict[str, Role], list[str]]:
-    """Each parameter's role: by a convention group when one applies, else read off its name among the roles the
-    checkpoint has; and what stands in the way."""
-    found = group_roles(params, canon, aliases, stored or {})
-    if found is not None:
-        return found[1], []
+    """Each parameter's role read off its name among the roles the checkpoint has (after ``group_roles`` found no
+    convention group), and what stands in the way."""
     near = near_group(params, aliases)
     if near is not None:
         return near
@@ -253,8 +254,8 @@ def infer_routes(module: nn.Module, family: Mapping, tensors: dict[str, torch.Te
     canon = family_roles(family, aliases)
     params = {name: tuple(p.shape) for name, p in module.named_parameters()}
     stored = {role: stored_shape(route, tensors) for role, route in canon.items() if route.source in tensors}
-    assigned, problems = assign_roles(params, canon, aliases, stored)
-    group = group_roles(params, canon, aliases, stored)
+    group = group_roles(params, canon, aliases, stored)  # a convention group first, else the names one by one
+    assigned, problems = (group[1], []) if group is not None else assign_roles(params, canon, aliases, stored)
     bare = {name: group[0].layout for name in params if group is not None and member_of(name) == name}
     if problems:
         headline = (f"cannot tell which checkpoint tensor goes into which parameter of {label} from their names: "
