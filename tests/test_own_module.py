@@ -197,14 +197,20 @@ def test_transformers_own_mlp_class_built_from_the_config(tiny, capsys):
     assert report["routes"]["args"] == {"config": "config"} and report["routes"]["inferred"] is True
 
 
-def test_a_constructor_parity_cannot_call_gets_a_factory_to_write(tiny, capsys):
+def test_a_plain_values_constructor_built_to_the_wrong_size_gets_a_factory_that_passes(tiny, tmp_path, capsys,
+                                                                                        monkeypatch):
+    """Meta's FeedForward(dim, hidden_dim, multiple_of, ffn_dim_multiplier): bound by name it keeps 2/3 of the
+    checkpoint's d_ff; parity compares the built shapes first, names the argument and prints a factory, which,
+    written to a file exactly as printed, passes."""
     code, _, err = run_main(capsys, tiny["llama"], "--layer", "0", "--target", f"{HERE}:FeedForward")
     assert code == 2
-    assert "with the mapping's [target].args" in err and "(written for the mapping's own class, not yours)" in err
-    # the factory to write, in the constructor's own parameter names, answered from the config where it can be
-    assert ("def make_ffn(config): return FeedForward(dim=config.hidden_size, "
-            "hidden_dim=config.intermediate_size (") in err
-    assert "multiple_of=..., ffn_dim_multiplier=...)" in err
+    assert "by parameter name" in err and "hidden_dim=88 most likely means something else" in err
+    factory = err[err.index("def make_ffn(config):"):].strip()
+    assert "..." not in factory and "dim=config.hidden_size" in factory, factory
+    (tmp_path / "written_factory.py").write_text(f"from {HERE} import FeedForward\n\n\n{factory}\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    code, _, err = run_main(capsys, tiny["llama"], "--layer", "0", "--target", "written_factory:make_ffn")
+    assert code == 0, err
 
 
 def test_bare_parameters_under_a_submodule_prefix(tiny, capsys):

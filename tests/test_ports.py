@@ -112,10 +112,50 @@ class InOutGatedMLP(nn.Module):
         return (F.silu(x @ self.W_gate) * (x @ self.W_in + self.b_in)) @ self.W_out + self.b_out
 
 
+# -- plain values: llama2.c's FeedForward(dim, hidden_dim, multiple_of, dropout), timm's Mlp(in_features, ...) ------
+
+class PlainValuesFeedForward(nn.Module):
+    def __init__(self, dim: int, hidden_dim: int, multiple_of: int, dropout: float):
+        super().__init__()
+        if hidden_dim is None:
+            hidden_dim = multiple_of * ((int(2 * 4 * dim / 3) + multiple_of - 1) // multiple_of)
+        self.w1 = nn.Linear(dim, hidden_dim, bias=False)
+        self.w2 = nn.Linear(hidden_dim, dim, bias=False)
+        self.w3 = nn.Linear(dim, hidden_dim, bias=False)
+        self.dropout = nn.Dropout(dropout)
+
+    def forward(self, x):
+        return self.dropout(self.w2(F.silu(self.w1(x)) * self.w3(x)))
+
+
+class PlainValuesMlp(nn.Module):
+    """Defaults for another model's size: bound by name they are the checkpoint's, never the defaults."""
+
+    def __init__(self, in_features=768, hidden_features=3072, bias=True, drop=0.1):
+        super().__init__()
+        self.fc1 = nn.Linear(in_features, hidden_features, bias=bias)
+        self.fc2 = nn.Linear(hidden_features, in_features, bias=bias)
+        self.drop = nn.Dropout(drop)
+
+    def forward(self, x):
+        return self.drop(self.fc2(self.drop(F.gelu(self.fc1(x), approximate="tanh"))))
+
+
+class DropoutOnPlainValues(PlainValuesFeedForward):
+    def __init__(self, dim: int, hidden_dim: int, multiple_of: int, dropout: float):
+        super().__init__(dim, hidden_dim, multiple_of, dropout)
+        self.dropout = nn.Dropout(0.3)
+
+    def train(self, mode=True):  # a port that forces training mode keeps dropout on
+        return super().train(True)
+
+
 CORRECT = [("gpt2", "DictGPTFeedForward"), ("llama", "DictGatedFeedForward"), ("qwen2", "DictGatedFeedForward"),
            ("gemma3_text", "DictGeGLU"), ("qwen2", "FrameworkMLP"), ("llama", "FrameworkMLP"),
-           ("gpt2", "InOutMLP"), ("llama", "InOutGatedMLP")]
-BROKEN = [("llama", "SwappedDictGated", "gate_up_swapped"), ("gpt2", "ExactGeluDictGPT", "gelu_exact_instead_of_tanh")]
+           ("gpt2", "InOutMLP"), ("llama", "InOutGatedMLP"), ("llama", "PlainValuesFeedForward"),
+           ("qwen2", "PlainValuesFeedForward"), ("gpt2", "PlainValuesMlp")]
+BROKEN = [("llama", "SwappedDictGated", "gate_up_swapped"), ("gpt2", "ExactGeluDictGPT", "gelu_exact_instead_of_tanh"),
+          ("llama", "DropoutOnPlainValues", "dropout_active")]
 
 
 @pytest.mark.parametrize(("family", "cls"), CORRECT, ids=[f"{f}-{c}" for f, c in CORRECT])
@@ -376,3 +416,29 @@ def test_a_group_plus_an_extra_parameter_names_the_extra_one(tiny, capsys):
     last = err.strip().splitlines()[-1]
     assert code == 2 and "'gain_bias' belongs to no projection" in last and "reads as fc_in" not in last
     assert '"fc1.weight" = "gate_proj.weight"' in err  # the template keeps what the group says
+
+
+def test_plain_values_are_bound_by_name_and_each_is_a_note(tiny):
+    report = parity.check(str(tiny["gpt2"]), layers=[0], target=PlainValuesMlp)
+    assert report.passed
+    notes = "\n".join(report.notes)
+    assert "in_features=32 (GPT2Config.hidden_size)" in notes and "drop=0.0" in notes and "bias=True" in notes
+
+
+def test_a_meta_checkpoint_and_metas_feed_forward_get_metas_own_call(tmp_path, capsys, monkeypatch):
+    """Meta's FeedForward keeps 2/3 of its hidden_dim; its own TransformerBlock passes 4 * dim with params.json's
+    multiple_of, and that is the factory printed for a Meta checkpoint."""
+    from .builders import write_meta
+    from .test_own_module import FeedForward  # noqa: F401 - Meta's model.py FeedForward
+
+    folder = write_meta(tmp_path / "meta", dim=64, multiple_of=32)
+    code, _, err = run_main(capsys, str(folder), "--allow-pickle", "--layer", "0",
+                            "--target", "tests.test_own_module:FeedForward")
+    assert code == 2
+    factory = err[err.index("def make_ffn(config):"):].strip()
+    assert "hidden_dim=4 * config.hidden_size, multiple_of=config.multiple_of" in factory, factory
+    (tmp_path / "meta_factory.py").write_text(f"from tests.test_own_module import FeedForward\n\n\n{factory}\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    code, out, err = run_main(capsys, str(folder), "--allow-pickle", "--layer", "0",
+                              "--target", "meta_factory:make_ffn")
+    assert code == 0, out + err

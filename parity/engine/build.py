@@ -20,7 +20,7 @@ from torch import nn
 
 from parity.definitions.aliases import load_aliases
 from parity.definitions.families import config_dff
-from parity.definitions.mapping import ConfigValue, Mapping
+from parity.definitions.mapping import NONE, ConfigValue, Mapping
 from parity.engine.frames import user_frame
 from parity.errors import TargetError
 
@@ -106,8 +106,8 @@ def build_target(mapping: Mapping, config: Any,
     factory = import_object(chosen, what) if isinstance(chosen, str) else chosen
     if not callable(factory):
         raise TargetError(f"target {name}: a {type(chosen).__name__} is not a class, a factory or an nn.Module")
-    raw, kwargs = constructor_args(factory, mapping, config)
-    notes: list[str] = []
+    raw, kwargs, notes = constructor_args(factory, mapping, config)
+    by_name = bool(notes)  # only arguments bound by parameter name come with notes
     for key, value in list(kwargs.items()):  # a config parameter annotated with the project's own config class
         own = config_class(factory, key) if value is config else None
         if own is not None:
@@ -122,6 +122,8 @@ def build_target(mapping: Mapping, config: Any,
         raise construction_error(factory, name, kwargs, config, exc) from None
     if not isinstance(module, nn.Module):
         raise TargetError(f"target {name} returned {type(module).__name__}, not a torch.nn.Module")
+    if by_name:
+        check_built_size(module, factory, name, kwargs, raw, config)
     return module, name, raw, notes
 
 
@@ -271,28 +273,146 @@ def factory_call(parameters: Any, config: Any) -> str | None:
     """The call a factory would make, in the constructor's own parameter names, each answered from the checkpoint's
     config where the config or aliases.toml [config_fields] can ('dim=config.hidden_size'); '...' where not.  None
     when the signature has no required parameter."""
-    from parity.definitions.aliases import load_aliases
-
-    fields = load_aliases().config_fields
-    ffn_width = checkpoint_ffn_width(config)
     parts = []
     for key, parameter in parameters.items():
         if parameter.kind not in _NAMED or parameter.default is not parameter.empty:
             continue
-        if hasattr(config, key) and not callable(getattr(config, key)):
-            parts.append(f"{key}=config.{key}")
-        elif key in fields.aliases and hasattr(config, fields.aliases[key]):
-            parts.append(f"{key}=config.{fields.aliases[key]}")
-        elif key in fields.facts and fields.facts[key] == "ffn_width" and ffn_width is not None:
-            width = ffn_width[0]
-            own = "config.intermediate_size" if getattr(config, "intermediate_size", None) == width else str(width)
-            parts.append(f"{key}={own} (the checkpoint's d_ff, {width}: a constructor that reduces its argument, "
-                         f"as Meta's takes 4d and keeps 2/3 of it, needs what gives {width})")
-        elif key in fields.values:
-            parts.append(f"{key}={fields.values[key][0]!r}")
-        else:
-            parts.append(f"{key}=...")
+        answer = spelled(key, config)
+        if answer is None and _admits_none(parameter):
+            answer = "None", NONE
+        parts.append(f"{key}={answer[0] if answer else '...'}")
     return ", ".join(parts) if parts else None
+
+
+def spelled(key: str, config: Any) -> tuple[str, Any] | None:
+    """How a constructor parameter named ``key`` is answered from the checkpoint's config, spelled for a factory
+    (Python) and for a mapping's [target].args (TOML): the config's own field ('config.dim'), an alias of one
+    ('config.hidden_size'), the checkpoint's d_ff or FFN bias, or a switch's one right value (aliases.toml
+    [config_fields]); None when nothing answers it."""
+    fields = load_aliases().config_fields
+    if hasattr(config, key) and not callable(getattr(config, key)):
+        value = getattr(config, key)
+        return (f"config.{key}", f"config.{key}") if value is not None else ("None", NONE)
+    if key in fields.aliases and getattr(config, fields.aliases[key], None) is not None:
+        return f"config.{fields.aliases[key]}", f"config.{fields.aliases[key]}"
+    fact = fields.facts.get(key)
+    if fact == "ffn_width" and checkpoint_ffn_width(config) is not None:
+        width = checkpoint_ffn_width(config)[0]
+        if getattr(config, "intermediate_size", None) == width:
+            return "config.intermediate_size", "config.intermediate_size"
+        return str(width), width
+    if fact == "ffn_bias":
+        return None  # a fact of the mapping as well as the config: bind_by_name answers it
+    if key in fields.values:
+        return repr(fields.values[key][0]), fields.values[key][0]
+    return None
+
+
+def _admits_none(parameter: inspect.Parameter) -> bool:
+    """An annotation such as Optional[float] (Meta's ffn_dim_multiplier): None is a value it was written for."""
+    hint = parameter.annotation
+    if isinstance(hint, str):
+        return hint.startswith("Optional[") or hint.replace(" ", "").endswith("|None")
+    return type(None) in typing.get_args(hint)
+
+
+def bind_by_name(named: list[inspect.Parameter], mapping: Mapping,
+                 config: Any) -> tuple[dict, dict, list[str]] | None:
+    """A constructor that takes plain values (Meta's ``FeedForward(dim, hidden_dim, multiple_of,
+    ffn_dim_multiplier)``, llama2.c's, ``Mlp(in_features, hidden_features)``): each parameter bound by its name
+    through the same table as a config's fields (``spelled``), a required ``Optional[...]`` one nobody answers to
+    None.  Returns the arguments as a mapping spells them, their values and one note per argument; None when a
+    required parameter is unanswered, or nothing is answered at all (its defaults are then all there is)."""
+    view = config_view_of(mapping, config)
+    facts = load_aliases().config_fields.facts
+    raw, values, notes = {}, {}, []
+    for parameter in named:
+        key = parameter.name
+        answer = spelled(key, config)
+        if facts.get(key) == "ffn_bias":
+            bias, why = checkpoint_ffn_bias(mapping, config)
+            answer, reason = (repr(bias), bias), why
+        elif answer is not None and answer[0].startswith("config."):
+            reason = f"{view.config_name}.{answer[0].removeprefix('config.')}"
+        elif answer is not None:
+            fields = load_aliases().config_fields
+            reason = fields.values[key][1] if key in fields.values else "the checkpoint's d_ff"
+        elif parameter.default is parameter.empty and _admits_none(parameter):
+            answer, reason = ("None", NONE), f"nothing in the checkpoint's {view.config_name} states it"
+        if answer is None:
+            if parameter.default is parameter.empty:
+                return None
+            continue
+        raw[key] = answer[1]
+        values[key] = ConfigValue(config, mapping.path)(answer[1], f"target.args.{key}")
+        notes.append(f"target constructor: {key}={values[key]!r} ({reason})")
+    return (raw, values, notes) if values else None
+
+
+def check_built_size(module: nn.Module, factory: Any, name: str, kwargs: dict, raw: dict, config: Any) -> None:
+    """A module built from values parity bound by name must have the checkpoint's sizes before anything is judged:
+    a width argument the constructor reduces (Meta's hidden_dim, of which it keeps 2/3) builds a smaller module,
+    and that is parity's guess gone wrong, not the user's mistake.  Exit 2 naming the argument, with the factory
+    that builds the right size, in the user's own parameter names (the width found by building the module on the
+    meta device, which allocates nothing)."""
+    hidden, width = getattr(config, "hidden_size", None), checkpoint_ffn_width(config)
+    if not isinstance(hidden, int) or width is None:
+        return
+    d_ff = width[0]
+    shapes = {n: tuple(p.shape) for n, p in module.named_parameters() if p.dim() == 2}
+    if not shapes or all(set(shape) <= {hidden, d_ff, 2 * d_ff} for shape in shapes.values()):
+        return
+    facts = load_aliases().config_fields.facts
+    key = next((k for k in kwargs if facts.get(k) == "ffn_width"), None)
+    solved = solve_width(factory, kwargs, key, hidden, d_ff) if key else None
+    short = name.split(":")[-1]
+    built = ", ".join(f"{n} {list(shape)}" for n, shape in shapes.items())
+    given = ", ".join(f"{k}={v!r}" for k, v in kwargs.items())
+    text = (f"target {name}, built as {short}({given}) from the checkpoint's {type(config).__name__} by parameter "
+            f"name, has {built}; the checkpoint's FFN is d={hidden}, d_ff={d_ff}.")
+    if solved is None:
+        raise TargetError(f"{text} Its constructor computes its sizes in its own way: write a factory that passes "
+                          f"what it expects: --target mymodel:make_ffn with def make_ffn(config): return "
+                          f"{short}(...)")
+    call = ", ".join(f"{k}={solved if k == key else _python(raw.get(k), kwargs[k])}" for k in kwargs)
+    raise TargetError(f"{text} {key}={kwargs[key]!r} most likely means something else to it (Meta's FeedForward "
+                      f"takes 4 x dim and keeps 2/3 of it); {key}={solved} builds d_ff={d_ff}. Write a factory and "
+                      f"pass it as --target mymodel:make_ffn: def make_ffn(config): return {short}({call})")
+
+
+def solve_width(factory: Any, kwargs: dict, key: str, hidden: int, d_ff: int) -> str | None:
+    """The value of the width argument ``key`` that makes the constructor build ``d_ff`` (its other arguments kept):
+    Meta's convention first (hidden_dim = 4 x dim, facebookresearch/llama model.py's TransformerBlock), else the
+    smallest value that builds it, by bisection on the width the constructor builds (a size only: the verdict is
+    still judged after).  None when no value does."""
+    import torch
+
+    def built(value: int) -> int | None:
+        try:
+            with torch.device("meta"):
+                module = factory(**{**kwargs, key: value})
+        except Exception:  # noqa: BLE001 - a value the constructor refuses builds nothing
+            return None
+        dims = {dim for p in module.parameters() if p.dim() == 2 for dim in p.shape} - {hidden}
+        return dims.pop() if len(dims) == 1 else None
+
+    if built(4 * hidden) == d_ff:
+        return "4 * config.hidden_size"
+    low, high = 1, 8 * d_ff
+    while low < high:
+        middle = (low + high) // 2
+        width = built(middle)
+        if width is None:
+            return None
+        low, high = (middle + 1, high) if width < d_ff else (low, middle)
+    return str(low) if built(low) == d_ff else None
+
+
+def _python(spelling: Any, value: Any) -> str:
+    """A mapping's spelling of an argument as Python: 'config.hidden_size' stays, { none = true } is None."""
+    if spelling == NONE:
+        return "None"
+    return spelling if isinstance(spelling, str) and spelling.startswith("config.") else repr(value)
 
 
 def _is_view(value: Any) -> bool:
@@ -303,7 +423,7 @@ def _is_view(value: Any) -> bool:
 _NAMED = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
 
 
-def constructor_args(factory: Any, mapping: Mapping, config: Any) -> tuple[dict, dict]:
+def constructor_args(factory: Any, mapping: Mapping, config: Any) -> tuple[dict, dict, list[str]]:
     """The constructor's arguments, as a mapping spells them and evaluated: the checkpoint's transformers config
     for a parameter named `config` (aliases.toml [constructor]) whenever the signature has one, whatever else it
     accepts; else the mapping's [target].args when the constructor takes them (or its signature cannot be
@@ -320,18 +440,21 @@ def constructor_args(factory: Any, mapping: Mapping, config: Any) -> tuple[dict,
         named = [p for p in signature.parameters.values() if p.kind in _NAMED]
         taker = next((p.name for p in named if p.name in names), None)
         if taker is not None and _binds(signature, {taker: config}):
-            return {taker: "config"}, {taker: config}
+            return {taker: "config"}, {taker: config}, []
         if not (raw and _binds(signature, raw)):
             required = [p.name for p in named if p.default is inspect.Parameter.empty]
             if len(required) == 1 and _binds(signature, {required[0]: config}) and not inspect.isclass(factory):
-                return {required[0]: "config"}, {required[0]: config}
+                return {required[0]: "config"}, {required[0]: config}, []
             projections = projection_modules(required, mapping, config)
             if projections is not None and _binds(signature, projections):
-                return {}, projections  # a mapping without args repeats this: the modules are built again
+                return {}, projections, []  # a mapping without args repeats this: the modules are built again
+            by_name = bind_by_name(named, mapping, config)
+            if by_name is not None and _binds(signature, by_name[1]):
+                return by_name
             if _binds(signature, {}):
-                return {}, {}
+                return {}, {}, []
     value = ConfigValue(config, mapping.path)
-    return raw, {key: value(written, f"target.args.{key}") for key, written in raw.items()}
+    return raw, {key: value(written, f"target.args.{key}") for key, written in raw.items()}, []
 
 
 def projection_modules(required: list[str], mapping: Mapping, config: Any) -> dict[str, nn.Module] | None:

@@ -141,6 +141,8 @@ def open_meta(folder: Path) -> Checkpoint:
         "num_attention_heads": meta["n_heads"], "num_key_value_heads": meta["n_kv_heads"] or meta["n_heads"],
         "rms_norm_eps": float(meta["norm_eps"]), "vocab_size": vocab if vocab > 0 else 32000,
         "rope_theta": float(meta["rope_theta"]), "hidden_act": "silu",
+        # kept as stated: a Meta-style FeedForward(dim, hidden_dim, multiple_of, ffn_dim_multiplier) reads them
+        "multiple_of": multiple_of, "ffn_dim_multiplier": multiplier,
     }
     notes = [
         f"Meta checkpoint: params.json read as a LlamaConfig, d_ff = llama_intermediate_size({dim}, "
