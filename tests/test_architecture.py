@@ -4,6 +4,8 @@ functions) follows the layers below, has no circles, and the light layers load n
     front doors   parity.cli, parity.api, parity.testing, parity.pytest_plugin, parity.__main__
     outputs       parity.outputs.*   (text, JSON, JUnit, baselines, progress)
     engine        parity.engine.*    (reference, build/fill/run, inputs, compare, diagnose, session, suite)
+    targets       parity.targets.*   (frameworks other than PyTorch: MLX, Flax NNX, NumPy, ONNX behind a torch
+                                      module)
     sources       parity.sources.*   (checkpoint formats, hub, caches, synthetic weights)
     definitions   parity.definitions.*  (mappings, aliases, project files, selections, values, the mistake
                                       catalogue; no torch)
@@ -23,9 +25,9 @@ from pathlib import Path
 import pytest
 
 PACKAGE = Path(__file__).resolve().parent.parent / "parity"
-LAYERS = ["front", "outputs", "engine", "sources", "definitions", "base"]
+LAYERS = ["front", "outputs", "engine", "targets", "sources", "definitions", "base"]
 FRONT = {"parity.cli", "parity.api", "parity.testing", "parity.pytest_plugin", "parity.__main__"}
-MAX_LEVELS = 9  # today's chain is shorter; the flat tree stood at 10
+MAX_LEVELS = 11  # the targets layer (frameworks behind a torch module) and compare on top of a session add two
 MAX_FUNCTION_LINES = 60
 
 
@@ -44,7 +46,7 @@ def layer_of(name: str) -> str | None:
         return "base"
     if any(name == f or name.startswith(f + ".") for f in FRONT):
         return "front"
-    for layer in ("outputs", "engine", "sources", "definitions"):
+    for layer in ("outputs", "engine", "targets", "sources", "definitions"):
         if name == f"parity.{layer}" or name.startswith(f"parity.{layer}."):
             return layer
     raise AssertionError(f"{name}: in no layer; add it to a subpackage or to this test's table")

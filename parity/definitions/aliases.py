@@ -18,7 +18,7 @@ from parity.errors import MappingError
 KINDS = ("gated", "classic")
 SIDES = ("in", "out")
 _ROLE_KEYS = {"kind", "side", "names", "fuses"}
-_OTHER_TABLES = {"biases", "layout", "constructor", "config_fields", "groups"}
+_OTHER_TABLES = {"biases", "layout", "constructor", "config_fields", "groups", "leaves"}
 FACTS = ("ffn_bias", "ffn_width")  # what parity knows about a checkpoint's FFN that [config_fields.facts] may name
 
 
@@ -67,13 +67,20 @@ class Aliases:
     config_names: tuple[str, ...]  # constructor parameters that take the transformers config
     config_fields: ConfigFields = field(default_factory=lambda: ConfigFields({}, {}, {}))
     groups: tuple[Group, ...] = ()
+    # a projection's own parameter names, by framework: leaf -> "weight" | "bias" ([leaves])
+    leaves: dict[str, str] = field(default_factory=lambda: {"weight": "weight", "bias": "bias"})
+
+    def leaf_kind(self, leaf: str) -> str | None:
+        """'weight' | 'bias' for a projection's own parameter name (torch's weight, Flax's kernel, picoGPT's w)."""
+        return self.leaves.get(leaf.lower())
 
     def roles_of(self, name: str) -> set[tuple[str, str]]:
         """Every (role, "weight" | "bias") the parameter ``name`` may be, by its last component(s)."""
         parts = name.lower().split(".")
         leaf, found = parts[-1], set()
-        if leaf in ("weight", "bias") and len(parts) > 1:
-            found |= {(r.name, leaf) for r in self.roles.values() if parts[-2] in r.names}
+        kind = self.leaf_kind(leaf)
+        if kind is not None and len(parts) > 1:
+            found |= {(r.name, kind) for r in self.roles.values() if parts[-2] in r.names}
         found |= {(r.name, "weight") for r in self.roles.values() if leaf in r.names}
         found |= {(r.name, "bias") for r in self.roles.values() if leaf in r.biases}
         return found
@@ -114,7 +121,18 @@ def load_aliases(path: Path | None = None) -> Aliases:
     constructor = _string_lists(path, data.get("constructor", {}), "constructor")
     return Aliases(path, roles, tuple(layout.get("out_in", [])), tuple(layout.get("in_out", [])),
                    tuple(constructor.get("config", [])), _config_fields(path, data.get("config_fields", {})),
-                   _groups(path, data.get("groups", []), roles))
+                   _groups(path, data.get("groups", []), roles), _leaves(path, data.get("leaves", {})))
+
+
+def _leaves(path: Path, table: object) -> dict[str, str]:
+    """[leaves]: weight = [...], bias = [...]: each name one kind."""
+    lists = _string_lists(path, table, "leaves")
+    if set(lists) - {"weight", "bias"}:
+        raise MappingError(f"{path}: key 'leaves': expected the lists weight and bias")
+    kinds = {name.lower(): kind for kind, names in lists.items() for name in names}
+    if len(kinds) != sum(len(v) for v in lists.values()):
+        raise MappingError(f"{path}: key 'leaves': a name is listed twice")
+    return kinds or {"weight": "weight", "bias": "bias"}
 
 
 def _groups(path: Path, table: object, roles: dict[str, Role]) -> tuple[Group, ...]:

@@ -23,6 +23,7 @@ from parity.definitions.families import config_dff
 from parity.definitions.mapping import NONE, ConfigValue, Mapping
 from parity.engine.frames import user_frame
 from parity.errors import TargetError
+from parity.targets import FRAMEWORKS, CheckpointFacts, Framework, foreign, framework_importing, framework_of
 
 
 def import_object(import_path: str, what: str = "--target") -> Any:
@@ -35,6 +36,11 @@ def import_object(import_path: str, what: str = "--target") -> Any:
     try:
         module = importlib.import_module(module_name)
     except Exception as exc:
+        missing = framework_importing(exc.name) if isinstance(exc, ModuleNotFoundError) else None
+        if missing is not None and missing.extra:
+            raise TargetError(f"{what} {import_path!r}: module '{module_name}' imports {exc.name}, which is not "
+                              f"installed here: it is a {missing.name} target; install {missing.name} with "
+                              f"pip install 'parity[{missing.extra}]'") from None
         raise TargetError(f"{what} {import_path!r}: cannot import module '{module_name}': {type(exc).__name__}: {exc}. "
                           "Is it installed or on PYTHONPATH?") from None
     obj = module
@@ -51,7 +57,7 @@ def check_constructible(obj: Any, import_path: str, what: str) -> None:
     module: an nn.Module subclass, or a function written in Python (a factory).  ``os:system``,
     ``builtins:exec`` or ``subprocess:Popen`` are refused before anything is called."""
     if inspect.isclass(obj):
-        if issubclass(obj, nn.Module):
+        if issubclass(obj, nn.Module) or framework_of(obj) is not None:
             return
         raise TargetError(f"{what} {import_path!r}: is the class {obj.__module__}.{obj.__qualname__}, not a "
                           "torch.nn.Module subclass; name the module class (or a function that builds it)")
@@ -102,11 +108,24 @@ def build_target(mapping: Mapping, config: Any,
     name = target_label(chosen)
     if isinstance(chosen, nn.Module):
         return copy.deepcopy(chosen), name, None, []
+    framework = framework_of(chosen)
+    if framework is not None and (framework.owns(chosen) and not inspect.isclass(chosen)):
+        framework.require()  # an instance, a function or a file: nothing to construct
+        native = framework.open(chosen) if framework.fills is False or inspect.isfunction(chosen) \
+            else framework.copy(chosen)
+        return foreign_target(framework, native, mapping, config), name, None, framework_notes(framework)
     what = "--target" if target is not None else f"{mapping.path}: target.class"
     factory = import_object(chosen, what) if isinstance(chosen, str) else chosen
     if not callable(factory):
         raise TargetError(f"target {name}: a {type(chosen).__name__} is not a class, a factory or an nn.Module")
-    raw, kwargs, notes = constructor_args(factory, mapping, config)
+    framework = framework_of(factory)
+    if framework is not None and inspect.isfunction(factory):  # a NumPy function named by import path
+        framework.require()
+        return (foreign_target(framework, framework.open(factory), mapping, config), name, None,
+                framework_notes(framework))
+    if framework is not None:
+        framework.require()
+    raw, kwargs, notes = constructor_args(factory, mapping, config, framework)
     by_name = bool(notes)  # only arguments bound by parameter name come with notes
     for key, value in list(kwargs.items()):  # a config parameter annotated with the project's own config class
         own = config_class(factory, key) if value is config else None
@@ -120,11 +139,35 @@ def build_target(mapping: Mapping, config: Any,
         module, notes = build_with_view(factory, name, kwargs, mapping, config)
     except Exception as exc:
         raise construction_error(factory, name, kwargs, config, exc) from None
+    built = framework or framework_of(module)  # a class of a framework, or a factory returning its module
+    if built is not None and not isinstance(module, nn.Module):
+        built.require()
+        module = foreign_target(built, module, mapping, config)
+        notes = [*notes, *framework_notes(built)]
     if not isinstance(module, nn.Module):
-        raise TargetError(f"target {name} returned {type(module).__name__}, not a torch.nn.Module")
+        raise TargetError(f"target {name} returned {type(module).__name__}, not a torch.nn.Module (nor a module "
+                          f"of {', '.join(f.name for f in FRAMEWORKS)})")
     if by_name:
-        check_built_size(module, factory, name, kwargs, raw, config)
+        check_built_size(module, factory if built is None else None, name, kwargs, raw, config)
     return module, name, raw, notes
+
+
+def foreign_target(framework: Framework, native: Any, mapping: Mapping, config: Any) -> nn.Module:
+    """A framework's module, function or graph behind a torch module (parity.targets.proxy), sized, where it
+    lists no parameters of its own (a NumPy function), from the checkpoint's d, d_ff and biases."""
+    hidden, width = getattr(config, "hidden_size", None), checkpoint_ffn_width(config)
+    facts = (CheckpointFacts(hidden, width[0], checkpoint_ffn_bias(mapping, config)[0])
+             if isinstance(hidden, int) and width is not None else None)
+    return foreign(framework, native, facts)
+
+
+def framework_notes(framework: Framework) -> list[str]:
+    """What the report says about a target of another framework than PyTorch."""
+    notes = [f"target framework: {framework.label()}"]
+    if framework.immutable_arrays:
+        notes.append(f"{framework.name} arrays are immutable: the target cannot change its input, so input "
+                     "mutation is not checked")
+    return notes
 
 
 def config_view_of(mapping: Mapping, config: Any):
@@ -235,8 +278,8 @@ def construction_error(factory: Any, name: str, kwargs: dict, config: Any, exc: 
     for a config field neither the config nor aliases.toml [config_fields] has, that field's name."""
     short = name.split(":")[-1]
     try:
-        parameters = inspect.signature(factory).parameters
-        signature = f"{short}{inspect.signature(factory)}"
+        parameters = constructor_signature(factory).parameters
+        signature = f"{short}{constructor_signature(factory)}"
     except (TypeError, ValueError):
         parameters, signature = {}, name
     call = ", ".join(f"{p}=..." for p, v in parameters.items() if v.default is v.empty and v.kind in _NAMED)
@@ -364,7 +407,7 @@ def check_built_size(module: nn.Module, factory: Any, name: str, kwargs: dict, r
         return
     facts = load_aliases().config_fields.facts
     key = next((k for k in kwargs if facts.get(k) == "ffn_width"), None)
-    solved = solve_width(factory, kwargs, key, hidden, d_ff) if key else None
+    solved = solve_width(factory, kwargs, key, hidden, d_ff) if key and factory is not None else None
     short = name.split(":")[-1]
     built = ", ".join(f"{n} {list(shape)}" for n, shape in shapes.items())
     given = ", ".join(f"{k}={v!r}" for k, v in kwargs.items())
@@ -423,38 +466,63 @@ def _is_view(value: Any) -> bool:
 _NAMED = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
 
 
-def constructor_args(factory: Any, mapping: Mapping, config: Any) -> tuple[dict, dict, list[str]]:
+def constructor_args(factory: Any, mapping: Mapping, config: Any,
+                     framework: Framework | None = None) -> tuple[dict, dict, list[str]]:
     """The constructor's arguments, as a mapping spells them and evaluated: the checkpoint's transformers config
     for a parameter named `config` (aliases.toml [constructor]) whenever the signature has one, whatever else it
     accepts; else the mapping's [target].args when the constructor takes them (or its signature cannot be
     read); else the config for a factory's one required parameter (``lambda c: MLP(c.n_embd)``); else none,
     when every parameter has a default; else the mapping's args, and the constructor's error says what to
-    change."""
-    raw = mapping.target_args
+    change.  ``framework``: the target's, when not PyTorch; its constructors' own arguments (Flax NNX's rngs)
+    are added to what is chosen."""
     try:
-        signature = inspect.signature(factory)
+        signature = constructor_signature(factory)
     except (TypeError, ValueError):
         signature = None
+    extras = framework.constructor_extras(dict(signature.parameters)) if framework and signature else {}
+    chosen = _constructor_args(factory, signature, extras, mapping, config)
+    return chosen[0], {**extras, **chosen[1]}, chosen[2]
+
+
+def _constructor_args(factory: Any, signature: inspect.Signature | None, extras: dict, mapping: Mapping,
+                      config: Any) -> tuple[dict, dict, list[str]]:
+    """constructor_args' choice, with ``extras`` bound beside each candidate."""
+    raw = mapping.target_args
+
+    def binds(kwargs: dict) -> bool:
+        return _binds(signature, {**extras, **kwargs})
+
     if signature is not None:
         names = load_aliases().config_names
-        named = [p for p in signature.parameters.values() if p.kind in _NAMED]
+        named = [p for p in signature.parameters.values() if p.kind in _NAMED and p.name not in extras]
         taker = next((p.name for p in named if p.name in names), None)
-        if taker is not None and _binds(signature, {taker: config}):
+        if taker is not None and binds({taker: config}):
             return {taker: "config"}, {taker: config}, []
-        if not (raw and _binds(signature, raw)):
+        if not (raw and binds(raw)):
             required = [p.name for p in named if p.default is inspect.Parameter.empty]
-            if len(required) == 1 and _binds(signature, {required[0]: config}) and not inspect.isclass(factory):
+            if len(required) == 1 and binds({required[0]: config}) and not inspect.isclass(factory):
                 return {required[0]: "config"}, {required[0]: config}, []
             projections = projection_modules(required, mapping, config)
-            if projections is not None and _binds(signature, projections):
+            if projections is not None and binds(projections):
                 return {}, projections, []  # a mapping without args repeats this: the modules are built again
             by_name = bind_by_name(named, mapping, config)
-            if by_name is not None and _binds(signature, by_name[1]):
+            if by_name is not None and binds(by_name[1]):
                 return by_name
-            if _binds(signature, {}):
+            if binds({}):
                 return {}, {}, []
     value = ConfigValue(config, mapping.path)
     return raw, {key: value(written, f"target.args.{key}") for key, written in raw.items()}, []
+
+
+def constructor_signature(factory: Any) -> inspect.Signature:
+    """The parameters a class's constructor takes: its ``__init__``'s where a metaclass hides them behind
+    ``(*args, **kwargs)`` (Flax NNX's modules), else ``inspect.signature``'s."""
+    signature = inspect.signature(factory)
+    kinds = {p.kind for p in signature.parameters.values()}
+    if inspect.isclass(factory) and kinds == {inspect.Parameter.VAR_POSITIONAL, inspect.Parameter.VAR_KEYWORD}:
+        own = inspect.signature(factory.__init__)
+        return own.replace(parameters=list(own.parameters.values())[1:])  # without self
+    return signature
 
 
 def projection_modules(required: list[str], mapping: Mapping, config: Any) -> dict[str, nn.Module] | None:

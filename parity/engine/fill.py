@@ -10,6 +10,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from parity.definitions.aliases import load_aliases
 from parity.definitions.families import config_dff
 from parity.definitions.mapping import Mapping, TensorRoute, unknown_route_names
 from parity.definitions.mistakes import MistakeId
@@ -90,8 +91,11 @@ def is_projection_bias(name: str, params: dict[str, Any], routed: set[str]) -> b
     """A projection's bias: the ``bias`` of a submodule whose ``weight`` the routes fill (an nn.Linear built with
     bias=True on a bias-free checkpoint).  The only parameter parity may set to zero unasked: anything else
     without a tensor (a ``gain_bias`` of a (1 + g) scale, a bias of an unrouted module) is a route error."""
+    aliases = load_aliases()
     owner, _, leaf = name.rpartition(".")
-    return leaf == "bias" and bool(owner) and f"{owner}.weight" in routed and f"{owner}.weight" in params
+    weights = [f"{owner}.{w}" for w, kind in aliases.leaves.items() if kind == "weight"]
+    return (aliases.leaf_kind(leaf) == "bias" and bool(owner)
+            and any(w in routed and w in params for w in weights))
 
 
 def check_target_routes(module: nn.Module, mapping: Mapping, params: dict[str, nn.Parameter]) -> list[TensorRoute]:

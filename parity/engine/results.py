@@ -97,6 +97,7 @@ class Report:
     # how transformers' MLP (the oracle) was filled: its parameter (HF name) -> checkpoint tensor, as spelled in a
     # mapping file; identity routes for a checkpoint under transformers' own names
     reference_routes: dict | None = None
+    framework: str = "torch"  # what the target is written in: torch, mlx, flax.nnx, numpy, onnx (parity.targets)
 
     @property
     def low_precision(self) -> bool:

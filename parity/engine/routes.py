@@ -70,7 +70,8 @@ def owner_layout(module: nn.Module, name: str, aliases: Aliases) -> str | None:
     """'out_in' | 'in_out' as the class of the module owning parameter ``name`` stores its weight (nn.Linear,
     transformers' Conv1D; by MRO), else None."""
     owner = owner_of(module, name)
-    return aliases.layout_of([cls.__name__ for cls in type(owner).__mro__])
+    declared = getattr(owner, "parity_layout", None)  # a foreign framework's layer says it (parity.targets)
+    return declared or aliases.layout_of([cls.__name__ for cls in type(owner).__mro__])
 
 
 def owner_of(module: nn.Module, name: str) -> nn.Module:
@@ -134,7 +135,7 @@ def family_roles(family: Mapping, aliases: Aliases) -> dict[Role, TensorRoute]:
 def member_of(name: str) -> str:
     """The group member a parameter belongs to: its submodule ("fc1" for "fc1.weight"), or itself when bare."""
     owner, _, leaf = name.rpartition(".")
-    return owner if owner and leaf in ("weight", "bias") else name
+    return owner if owner and load_aliases().leaf_kind(leaf) else name
 
 
 def group_assignment(group: Group, params: dict[str, tuple[int, ...]]) -> dict[str, Role]:

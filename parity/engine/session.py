@@ -69,6 +69,7 @@ class Session:
         self.atol = None if atol is None else check_atol(atol, "atol")
         self.diagnose = diagnose
         self.target_notes: list[str] = []  # what loading the target had to work around, once each
+        self.framework = None  # the target's framework when not PyTorch (parity.targets), once built
         self.reference = ReferenceModel(self.config)
         self.num_layers = self.config_int(self.mapping.num_layers, "num_layers")
         self.hidden_size = self.config_int(self.mapping.hidden_size, "hidden_size")
@@ -138,6 +139,15 @@ class Session:
                 on_device:
             module, name, args, built_notes = build_target(self.mapping, self.config, self.target_spec)
             place(module, self.device, self.compute_dtype if self.low_precision else None)
+        framework = getattr(module, "parity_framework", None)
+        if framework is not None:
+            self.framework = framework
+        if framework is not None and not framework.fills:  # its weights are inside it: checked, not filled
+            module.parity_native.compute = self.dtype_name
+            stored = {} if isinstance(tensors, LayerOnDisk) else tensors
+            notes = [*built_notes, *framework.verify(module.parity_native, stored)]
+            self.target_notes.extend(n for n in notes if n not in self.target_notes)
+            return module.eval(), name
         with guarded(changes), user_code(f"target {name} could not be filled with the checkpoint's tensors",
                                          exceptions=False):
             shapes = tensors.meta if isinstance(tensors, LayerOnDisk) else tensors  # routes are chosen by shape
@@ -239,6 +249,12 @@ class Session:
             reference_routes=reference_routes(self.reader.reference_routes(0)),
         )
 
+    def describe_framework(self, report: Report) -> None:
+        """The report names the target's framework and its version once the target is built (parity.targets)."""
+        if self.framework is not None:
+            report.framework = self.framework.name
+            report.versions[self.framework.distribution] = self.framework.version()
+
     def compute_notes(self) -> list[str]:
         if not self.low_precision and self.device.type == "cpu":
             return []
@@ -326,6 +342,7 @@ def run_session(session: Session, layers: Selection = None,
             for expert in selected_experts:
                 result, report.target = session.run_layer(layer, expert)
                 report.routes = session.routes.describe()
+                session.describe_framework(report)
                 report.notes.extend(n for n in session.target_notes if n not in report.notes)
                 report.layers.append(result)
                 if on_layer is not None:

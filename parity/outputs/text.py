@@ -38,12 +38,24 @@ def table_header(result: LayerResult | None, low_precision: bool = False) -> str
     return header.replace(*LOW_COLUMNS) if low_precision else header
 
 
+def framework_label(report: Report) -> str:
+    """' (mlx 0.32.4)' for a target of another framework than PyTorch, else ''."""
+    if report.framework == "torch":
+        return ""
+    from parity.targets import distribution_of
+
+    package = distribution_of(report.framework)
+    version = report.versions.get(package, "?")
+    return f" ({report.framework} {version})" if package == report.framework else \
+        f" ({report.framework}, {package} {version})"
+
+
 def header_lines(report: Report) -> list[str]:
     title = report.model if not report.name or report.name == report.model else f"{report.name} ({report.model})"
     lines = [
         f"parity: {title} — mapping '{report.mapping}'",
         f"  checkpoint  {report.checkpoint} ({report.weights} weights)",
-        f"  target      {report.target}",
+        f"  target      {report.target}{framework_label(report)}",
         *([f"  routes      {routes_line(report.routes)}"] if report.routes else []),
         f"  reference   transformers {report.versions.get('transformers', '?')} {report.reference} "
         f"(activation: {report.reference_activation})",

@@ -1,0 +1,139 @@
+"""What a framework other than PyTorch provides to be checked like a PyTorch module.
+
+Nothing in parity's judgement is PyTorch-specific: the truth is transformers' MLP in float64, the verdict
+compares output arrays, the diagnoses replay mistakes on transformers' MLP.  Only building, listing, filling
+and running the target are the framework's, and those are the methods here.  ``parity.targets.proxy`` puts a
+framework's module behind a torch ``nn.Module`` whose parameters mirror the framework's by name, shape and
+dtype, so routes, fill, the two runs, the verdict and every view are the ones a PyTorch target gets.
+
+A framework module imports its framework only inside these methods: a PyTorch check imports none of them.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.metadata
+import inspect
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from parity.errors import TargetError
+
+
+@dataclass(frozen=True)
+class ForeignParameter:
+    """One parameter of a framework's module: its dotted name in the framework's own spelling (``fc.kernel``,
+    ``layers.0.weight``), shape and dtype (as torch names it), the class of the layer holding it, and how that
+    layer stores its weight (``out_in`` as nn.Linear and mlx.nn.Linear, ``in_out`` as flax.nnx.Linear's kernel
+    and NumPy's ``x @ w``; None where the layer does not say)."""
+
+    name: str
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    owner: str = ""
+    layout: str | None = None
+
+
+@dataclass(frozen=True)
+class CheckpointFacts:
+    """What a target with no parameters of its own to list (a NumPy function) is sized from: the checkpoint's
+    d, d_ff and whether its FFN has biases."""
+
+    hidden: int
+    width: int
+    bias: bool
+
+
+class Framework:
+    """One framework a target may be written in.  Subclasses set the class attributes and override what their
+    framework does differently; ``parity.targets.FRAMEWORKS`` registers them."""
+
+    name = ""  # as reports name it: "mlx", "flax.nnx", "numpy", "onnx"
+    modules: tuple[str, ...] = ()  # the framework's own module prefixes: a class deriving from one is its module
+    imports: tuple[str, ...] = ()  # what must import for a target of it to run
+    distribution = ""  # the package whose version the report gives
+    extra: str | None = None  # parity's pip extra that installs it: pip install 'parity[mlx]'
+    immutable_arrays = False  # the target cannot change its input: input mutation is not checked, and said so
+    dtypes: tuple[str, ...] = ("float32", "bfloat16", "float16")  # what --dtype it computes in
+    fills = True  # False: its weights are inside it (an ONNX graph): parity checks them instead of filling
+
+    # -- which objects are its own ---------------------------------------------------------------------------
+    def owns(self, obj: Any) -> bool:
+        """A class (or an instance of one) deriving from the framework's module base, found by module name:
+        nothing is imported to ask."""
+        cls = obj if inspect.isclass(obj) else type(obj)
+        return any(getattr(c, "__module__", "").startswith(self.modules) for c in getattr(cls, "__mro__", ()))
+
+    def require(self) -> None:
+        """Import the framework, or a TargetError naming the extra that installs it (exit 2)."""
+        for module in self.imports:
+            try:
+                importlib.import_module(module)
+            except ImportError as exc:
+                install = f"pip install 'parity[{self.extra}]'" if self.extra else f"pip install {self.distribution}"
+                raise TargetError(f"the target is a {self.name} module, but {module} cannot be imported here "
+                                  f"({exc}); install it with {install}") from None
+
+    def label(self) -> str:
+        """'mlx 0.32.4'; 'onnx (onnxruntime 1.32.0)' where the package is not the framework's name."""
+        if self.distribution == self.name:
+            return f"{self.name} {self.version()}"
+        return f"{self.name} ({self.distribution} {self.version()})"
+
+    def version(self) -> str:
+        try:
+            return importlib.metadata.version(self.distribution)
+        except importlib.metadata.PackageNotFoundError:
+            return "?"
+
+    # -- building --------------------------------------------------------------------------------------------
+    def constructor_extras(self, parameters: dict[str, inspect.Parameter]) -> dict[str, Any]:
+        """Arguments the framework's constructors take that no config answers (Flax NNX's ``rngs``)."""
+        return {}
+
+    def open(self, obj: Any) -> Any:
+        """The target for what --target named, where nothing is constructed (a NumPy function, an ONNX file)."""
+        raise NotImplementedError
+
+    def copy(self, native: Any) -> Any:
+        """An instance given to ``parity.check`` is never modified: parity fills and runs a copy of it."""
+        import copy
+
+        return copy.deepcopy(native)
+
+    # -- what the engine asks of every target ----------------------------------------------------------------
+    def parameters(self, native: Any, facts: CheckpointFacts | None) -> list[ForeignParameter]:
+        raise NotImplementedError
+
+    def load(self, native: Any, values: dict[str, torch.Tensor]) -> None:
+        """Set each parameter (by its dotted name) to ``values[name]``, exactly, in the value's dtype."""
+        raise NotImplementedError
+
+    def call(self, native: Any, x: torch.Tensor) -> torch.Tensor:
+        """Run on ``x`` (parity's inputs, in the target's dtype) and hand the output back as a CPU tensor."""
+        raise NotImplementedError
+
+    def set_training(self, native: Any, mode: bool) -> None:
+        """parity runs a target in eval mode (dropout off), as it does a PyTorch module."""
+
+    def verify(self, native: Any, tensors: dict[str, torch.Tensor]) -> list[str]:
+        """For a framework that does not fill (``fills = False``): notes saying which of its own weights are the
+        checkpoint layer's tensors."""
+        return []
+
+
+def torch_dtype(name: str) -> torch.dtype:
+    """'float32', 'bfloat16', ... (a framework's dtype name) -> the torch dtype; TargetError for another."""
+    found = getattr(torch, str(name), None)
+    if not isinstance(found, torch.dtype):
+        raise TargetError(f"a target parameter has dtype {name}, which parity cannot compare")
+    return found
+
+
+def to_numpy(tensor: torch.Tensor) -> Any:
+    """A CPU tensor as a NumPy array in its own precision; bfloat16, which NumPy lacks, as float32 (every
+    bfloat16 value is exactly a float32 one): the framework casts it back to its own bfloat16."""
+    tensor = tensor.detach().cpu()
+    return (tensor.float() if tensor.dtype == torch.bfloat16 else tensor).numpy()

@@ -1,0 +1,53 @@
+"""NumPy FFN functions written for this project in the style of NumPy ports (picoGPT's parameter dicts,
+x @ w), correct and broken, for tests/test_frameworks.py."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+
+def gelu(x):
+    return 0.5 * x * (1 + np.tanh(np.sqrt(2 / np.pi) * (x + 0.044715 * x**3)))
+
+
+def linear(x, w, b):
+    return x @ w + b
+
+
+def ffn(x, c_fc, c_proj):
+    return linear(gelu(linear(x, **c_fc)), **c_proj)
+
+
+def silu(x):
+    return x / (1 + np.exp(-x))
+
+
+def swiglu(x, gate_proj, up_proj, down_proj):
+    return (silu(x @ gate_proj) * (x @ up_proj)) @ down_proj
+
+
+def geglu(x, w1, w2, w3):
+    return (gelu(x @ w1) * (x @ w3)) @ w2
+
+
+_erf = np.vectorize(math.erf)
+
+
+def ffn_exact_gelu(x, c_fc, c_proj):
+    h = linear(x, **c_fc)
+    return linear(0.5 * h * (1 + _erf(h / math.sqrt(2))), **c_proj)
+
+
+def swiglu_swapped(x, gate_proj, up_proj, down_proj):
+    return (silu(x @ up_proj) * (x @ gate_proj)) @ down_proj
+
+
+def swiglu_writes_its_weight(x, gate_proj, up_proj, down_proj):
+    gate_proj *= 1.0
+    return swiglu(x, gate_proj, up_proj, down_proj)
+
+
+def ffn_of_params(x, params):
+    return x @ params
