@@ -182,7 +182,7 @@ def test_bare_biases_without_tensors_are_declared_zero(tiny):
     report = parity.check(str(tiny["llama"]), layers=[0], target=InOutGatedMLP)
     assert report.passed
     assert report.routes["tensors"]["b_in"] == {"zeros": True}
-    assert any("'b_in' set to zero, as the routes declare" in note for note in report.notes)
+    assert any("'b_in' set to zero: the checkpoint has no tensor for it" in note for note in report.notes)
 
 
 # -- a module parity cannot route: a template whose hints lead to a pass -------------------------------------------
@@ -442,3 +442,106 @@ def test_a_meta_checkpoint_and_metas_feed_forward_get_metas_own_call(tmp_path, c
     code, out, err = run_main(capsys, str(folder), "--allow-pickle", "--layer", "0",
                               "--target", "meta_factory:make_ffn")
     assert code == 0, out + err
+
+
+# -- more framework conventions: litgpt's gelu_approximate, torchtune's optional up_proj, gemma_pytorch's quant,
+# -- TransformerLens' Union[Dict, Config] with required fields -----------------------------------------------
+
+@dataclass
+class ApproximateConfig:
+    """In the style of litgpt's Config: its own default for the GELU form, which the checkpoint must decide."""
+
+    n_embd: int = 4096
+    intermediate_size: int = 11008
+    bias: bool = False
+    gelu_approximate: str = "none"
+
+
+class ApproximateGemmaMLP(nn.Module):
+    def __init__(self, config: ApproximateConfig):
+        super().__init__()
+        self.fc_1 = nn.Linear(config.n_embd, config.intermediate_size, bias=config.bias)
+        self.fc_2 = nn.Linear(config.n_embd, config.intermediate_size, bias=config.bias)
+        self.proj = nn.Linear(config.intermediate_size, config.n_embd, bias=config.bias)
+        self.approximate = config.gelu_approximate
+
+    def forward(self, x):
+        return self.proj(F.gelu(self.fc_1(x), approximate=self.approximate) * self.fc_2(x))
+
+
+class ModulesWithOptionalUp(nn.Module):
+    """In the style of torchtune's FeedForward(*, gate_proj, down_proj, up_proj=None, activation=nn.SiLU())."""
+
+    def __init__(self, *, gate_proj: nn.Module, down_proj: nn.Module, up_proj: nn.Module | None = None,
+                 activation: nn.Module | None = None):
+        super().__init__()
+        self.w1, self.w2, self.w3, self.activation = gate_proj, down_proj, up_proj, activation or nn.SiLU()
+
+    def forward(self, x):
+        h = self.activation(self.w1(x))
+        return self.w2(h * self.w3(x) if self.w3 is not None else h)
+
+
+class QuantFlagMLP(nn.Module):
+    """In the style of gemma_pytorch's GemmaMLP(hidden_size, intermediate_size, quant)."""
+
+    def __init__(self, hidden_size: int, intermediate_size: int, quant: bool):
+        super().__init__()
+        assert not quant, "an int8 module: its weights are not the checkpoint's"
+        self.gate_proj = nn.Linear(hidden_size, intermediate_size)
+        self.up_proj = nn.Linear(hidden_size, intermediate_size)
+        self.down_proj = nn.Linear(intermediate_size, hidden_size)
+
+    def forward(self, x):
+        return self.down_proj(F.gelu(self.gate_proj(x), approximate="tanh") * self.up_proj(x))
+
+
+@dataclass
+class LensConfig:
+    """In the style of TransformerLens' HookedTransformerConfig: required fields a transformers config names
+    otherwise or lacks (n_ctx, d_head, act_fn)."""
+
+    n_layers: int
+    d_model: int
+    n_ctx: int
+    d_head: int
+    act_fn: str | None = None
+    d_mlp: int | None = None
+
+    @classmethod
+    def unwrap(cls, cfg):
+        return cls(**cfg) if isinstance(cfg, dict) else cfg
+
+
+class LensMLP(nn.Module):
+    def __init__(self, cfg: dict | LensConfig):  # TransformerLens writes Union[Dict, HookedTransformerConfig]
+        super().__init__()
+        self.cfg = LensConfig.unwrap(cfg)
+        d, m = self.cfg.d_model, self.cfg.d_mlp
+        self.W_in, self.b_in = nn.Parameter(torch.empty(d, m)), nn.Parameter(torch.zeros(m))
+        self.W_out, self.b_out = nn.Parameter(torch.empty(m, d)), nn.Parameter(torch.zeros(d))
+        self.act = {"gelu_new": lambda z: F.gelu(z, approximate="tanh"), "gelu": F.gelu}[self.cfg.act_fn]
+
+    def forward(self, x):
+        return self.act(x @ self.W_in + self.b_in) @ self.W_out + self.b_out
+
+
+@pytest.mark.parametrize(("family", "cls"), [("gemma3_text", "ApproximateGemmaMLP"), ("llama", "ModulesWithOptionalUp"),
+                                             ("gemma", "QuantFlagMLP"), ("gpt2", "LensMLP")])
+def test_a_framework_convention_passes_with_target_alone(tiny, family, cls, capsys):
+    """The config class's own default (gelu_approximate = "none") is the checkpoint's to decide; an optional
+    projection module is built when its kind is the checkpoint's; quant is false; a Union's own class is built."""
+    code, out, err = run_main(capsys, tiny[family], "--layers", "0,1", "--target", f"{HERE}:{cls}")
+    assert code == 0, out + err
+
+
+def test_an_unanswered_plain_parameter_gets_a_placeholder_that_is_not_python(tiny, capsys):
+    code, _, err = run_main(capsys, tiny["llama"], "--layer", "0", "--target", f"{HERE}:NeedsAMode")
+    assert code == 2 and "mode=<mode>" in err and "mode=..." not in err, err
+
+
+class NeedsAMode(nn.Module):
+    def __init__(self, dim: int, hidden_dim: int, mode: str):
+        super().__init__()
+        self.w1, self.w2, self.w3 = (nn.Linear(dim, hidden_dim, bias=False), nn.Linear(hidden_dim, dim, bias=False),
+                                     nn.Linear(dim, hidden_dim, bias=False))

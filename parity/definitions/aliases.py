@@ -19,7 +19,8 @@ KINDS = ("gated", "classic")
 SIDES = ("in", "out")
 _ROLE_KEYS = {"kind", "side", "names", "fuses"}
 _OTHER_TABLES = {"biases", "layout", "constructor", "config_fields", "groups", "leaves"}
-FACTS = ("ffn_bias", "ffn_width")  # what parity knows about a checkpoint's FFN that [config_fields.facts] may name
+# what parity knows about a checkpoint's FFN that [config_fields.facts] may name
+FACTS = ("ffn_bias", "ffn_width", "ffn_activation", "gelu_approximate", "head_dim")
 
 
 @dataclass(frozen=True)

@@ -9,6 +9,9 @@ from __future__ import annotations
 
 from typing import Any
 
+# transformers' names of the tanh form of GELU (its ACT2FN); "gelu" is the exact, erf form.
+TANH_GELUS = frozenset({"gelu_new", "gelu_pytorch_tanh", "gelu_python_tanh", "gelu_fast", "gelu_accurate"})
+
 # Where configs name their activation, most specific first (Gemma 2/3 use hidden_activation).
 ACTIVATION_ATTRS = ("hidden_activation", "hidden_act", "activation_function", "afn")
 

@@ -19,7 +19,7 @@ from typing import Any
 from torch import nn
 
 from parity.definitions.aliases import load_aliases
-from parity.definitions.families import config_dff
+from parity.definitions.families import TANH_GELUS, config_dff, configured_activation
 from parity.definitions.mapping import NONE, ConfigValue, Mapping
 from parity.engine.frames import user_frame
 from parity.errors import TargetError
@@ -135,10 +135,10 @@ def build_target(mapping: Mapping, config: Any,
         module = factory(**kwargs)
     except (AttributeError, TypeError, KeyError) as exc:  # a field the config lacks; a dict config (cfg["emb_dim"])
         if not any(value is config for value in kwargs.values()):
-            raise construction_error(factory, name, kwargs, config, exc) from None
+            raise construction_error(factory, name, kwargs, mapping, config, exc, by_name=by_name) from None
         module, notes = build_with_view(factory, name, kwargs, mapping, config)
     except Exception as exc:
-        raise construction_error(factory, name, kwargs, config, exc) from None
+        raise construction_error(factory, name, kwargs, mapping, config, exc, by_name=by_name) from None
     built = framework or framework_of(module)  # a class of a framework, or a factory returning its module
     if built is not None and not isinstance(module, nn.Module):
         built.require()
@@ -174,8 +174,25 @@ def config_view_of(mapping: Mapping, config: Any):
     """parity's read-only view of the checkpoint's config (config_view.py), answering from aliases.toml."""
     from parity.engine.config_view import config_view
 
-    facts = {"ffn_bias": checkpoint_ffn_bias(mapping, config), "ffn_width": checkpoint_ffn_width(config)}
-    return config_view(config, load_aliases().config_fields, facts)
+    return config_view(config, load_aliases().config_fields, checkpoint_facts(mapping, config))
+
+
+def checkpoint_facts(mapping: Mapping, config: Any) -> dict[str, tuple[Any, str] | None]:
+    """What parity knows about the checkpoint's FFN, each with why (aliases.toml [config_fields.facts] names
+    the fields modules read them under): its biases, d_ff, activation (transformers' name, as TransformerLens'
+    act_fn spells it too), whether a GELU is the tanh form (litgpt's gelu_approximate) and the attention head
+    size (a config class may require it: TransformerLens' d_head)."""
+    activation = configured_activation(config)
+    source = f"the checkpoint's {type(config).__name__} says {activation!r}"
+    heads, hidden = getattr(config, "num_attention_heads", None), getattr(config, "hidden_size", None)
+    head_dim = getattr(config, "head_dim", None)
+    if head_dim is None and isinstance(hidden, int) and isinstance(heads, int) and heads > 0:
+        head_dim = hidden // heads
+    return {"ffn_bias": checkpoint_ffn_bias(mapping, config), "ffn_width": checkpoint_ffn_width(config),
+            "ffn_activation": (activation, source) if activation else None,
+            "gelu_approximate": (("tanh" if activation in TANH_GELUS else "none"), source) if activation else None,
+            "head_dim": (head_dim, f"{type(config).__name__}: head_dim, or hidden size / attention heads")
+            if isinstance(head_dim, int) else None}
 
 
 def config_class(factory: Any, parameter: str) -> type | None:
@@ -186,11 +203,18 @@ def config_class(factory: Any, parameter: str) -> type | None:
         hint = typing.get_type_hints(function).get(parameter)
     except Exception:  # noqa: BLE001 - an annotation that does not resolve says nothing
         return None
-    if not inspect.isclass(hint) or hint in (object, dict) or issubclass(hint, (dict, str, int, float)):
-        return None
-    if any(base.__name__ == "PretrainedConfig" for base in hint.__mro__):
-        return None
-    return hint
+    # Union[Dict, HookedTransformerConfig] (TransformerLens): the one member that is a project's own class
+    members = [m for m in typing.get_args(hint) if _own_class(m)] if typing.get_origin(hint) is not None else []
+    if len(members) == 1:
+        return members[0]
+    return hint if _own_class(hint) else None
+
+
+def _own_class(hint: Any) -> bool:
+    """A class a project wrote for its config: not a builtin container or scalar, not a transformers config."""
+    if not inspect.isclass(hint) or hint in (object, dict, type(None)) or issubclass(hint, (dict, str, int, float)):
+        return False
+    return not any(base.__name__ == "PretrainedConfig" for base in hint.__mro__)
 
 
 def project_config(cls: type, view: Any) -> tuple[Any, list[str]]:
@@ -215,7 +239,7 @@ def project_config(cls: type, view: Any) -> tuple[Any, list[str]]:
         raise TargetError(f"cannot build the target's config {label} from the checkpoint's {view.config_name}: its "
                           f"parameters {', '.join(missing)} have no default and neither the config nor aliases.toml "
                           f"[config_fields] answers them. Write a factory: def make_ffn(config): return "
-                          f"YourFFN({cls.__qualname__}({', '.join(f'{m}=...' for m in missing)}, ...))")
+                          f"YourFFN({cls.__qualname__}({', '.join(f'{m}=<{m}>' for m in missing)}, ...))")
     try:
         built = cls(**values)
     except Exception as exc:  # noqa: BLE001 - the project's own validation: said in its terms
@@ -237,7 +261,7 @@ def build_with_view(factory: Any, name: str, kwargs: dict, mapping: Mapping, con
     try:
         module = factory(**viewed)
     except Exception as exc:
-        raise construction_error(factory, name, viewed, config, exc) from None
+        raise construction_error(factory, name, viewed, mapping, config, exc) from None
     return module, view.notes()
 
 
@@ -273,16 +297,18 @@ def checkpoint_ffn_bias(mapping: Mapping, config: Any) -> tuple[bool, str]:
     return False, f"the checkpoint has no FFN biases: mapping '{mapping.name}' routes none"
 
 
-def construction_error(factory: Any, name: str, kwargs: dict, config: Any, exc: Exception) -> TargetError:
+def construction_error(factory: Any, name: str, kwargs: dict, mapping: Mapping, config: Any, exc: Exception, *,
+                       by_name: bool = False) -> TargetError:
     """What failed, the constructor's signature and how to give it what it needs (a mapping's args or a factory);
-    for a config field neither the config nor aliases.toml [config_fields] has, that field's name."""
+    for a config field neither the config nor aliases.toml [config_fields] has, that field's name.  ``by_name``:
+    ``kwargs`` were bound by the constructor's own parameter names (bind_by_name), not a mapping's."""
     short = name.split(":")[-1]
     try:
         parameters = constructor_signature(factory).parameters
         signature = f"{short}{constructor_signature(factory)}"
     except (TypeError, ValueError):
         parameters, signature = {}, name
-    call = ", ".join(f"{p}=..." for p, v in parameters.items() if v.default is v.empty and v.kind in _NAMED)
+    call = ", ".join(f"{p}=<{p}>" for p, v in parameters.items() if v.default is v.empty and v.kind in _NAMED)
     shown = {k: (type(config).__name__ if k == "config" or v is config or _is_view(v) else v)
              for k, v in kwargs.items()}
     field = getattr(exc, "name", None) if isinstance(exc, AttributeError) else None
@@ -291,18 +317,21 @@ def construction_error(factory: Any, name: str, kwargs: dict, config: Any, exc: 
             f"cannot construct target {name} with {shown}: it reads config.{field}, which the checkpoint's "
             f"{type(config).__name__} does not have and aliases.toml [config_fields] does not supply. Supply "
             f"'{field}' through a factory: --target mymodel:make_ffn with def make_ffn(config): return "
-            f"{short}(YourConfig({field}=..., ...)), the values read from the checkpoint's transformers config; or, "
-            f"for a constructor that takes plain values, [target].args in a mapping file (--mapping). Its signature "
-            f"is {signature}."
+            f"{short}(YourConfig({field}=<{field}>, ...)), the values read from the checkpoint's transformers "
+            f"config; or, for a constructor that takes plain values, [target].args in a mapping file (--mapping). "
+            f"Its signature is {signature}."
         )
-    written = factory_call(parameters, config)
+    written = factory_call(parameters, mapping, config)
     if written is not None:
         call = written
     got_config = any(v is config or _is_view(v) for v in kwargs.values())
-    if got_config and not isinstance(exc, TypeError):  # it was given what it asks for: the failure is its own code
-        return TargetError(f"target {name} failed in its constructor, given the checkpoint's {type(config).__name__}: "
+    if (got_config or by_name) and not isinstance(exc, TypeError):  # given what it asks for: its own code failed
+        given = (f"the checkpoint's {type(config).__name__}" if got_config
+                 else f"{shown} (bound by its parameter names from the checkpoint's {type(config).__name__})")
+        return TargetError(f"target {name} failed in its constructor, given {given}: "
                            f"{type(exc).__name__}: {exc}{user_frame(exc)}")
-    given = (f"with {shown}" if got_config or not kwargs
+    given = (f"with {shown}" if got_config or not kwargs else
+             f"with {shown} (bound by its parameter names)" if by_name
              else f"with the mapping's [target].args {shown} (written for the mapping's own class, not yours)")
     return TargetError(
         f"cannot construct target {name} {given}: {type(exc).__name__}: {exc}. "
@@ -312,42 +341,47 @@ def construction_error(factory: Any, name: str, kwargs: dict, config: Any, exc: 
     )
 
 
-def factory_call(parameters: Any, config: Any) -> str | None:
+def factory_call(parameters: Any, mapping: Mapping, config: Any) -> str | None:
     """The call a factory would make, in the constructor's own parameter names, each answered from the checkpoint's
-    config where the config or aliases.toml [config_fields] can ('dim=config.hidden_size'); '...' where not.  None
-    when the signature has no required parameter."""
+    config where the config or aliases.toml [config_fields] can ('dim=config.hidden_size'); a placeholder that is
+    not Python where not ('quant=<quant>': copied as it is, it fails instead of passing Ellipsis).  None when the
+    signature has no required parameter."""
     parts = []
     for key, parameter in parameters.items():
         if parameter.kind not in _NAMED or parameter.default is not parameter.empty:
             continue
-        answer = spelled(key, config)
+        answer = spelled(key, mapping, config)
         if answer is None and _admits_none(parameter):
             answer = "None", NONE
-        parts.append(f"{key}={answer[0] if answer else '...'}")
+        parts.append(f"{key}={answer[0] if answer else f'<{key}>'}")
     return ", ".join(parts) if parts else None
 
 
-def spelled(key: str, config: Any) -> tuple[str, Any] | None:
+def spelled(key: str, mapping: Mapping, config: Any) -> tuple[str, Any, str] | None:
     """How a constructor parameter named ``key`` is answered from the checkpoint's config, spelled for a factory
-    (Python) and for a mapping's [target].args (TOML): the config's own field ('config.dim'), an alias of one
-    ('config.hidden_size'), the checkpoint's d_ff or FFN bias, or a switch's one right value (aliases.toml
-    [config_fields]); None when nothing answers it."""
+    (Python) and for a mapping's [target].args (TOML), and why: the config's own field ('config.dim'), an alias
+    of one ('config.hidden_size'), a fact about the checkpoint's FFN (d_ff, biases, activation) or a switch's one
+    right value (aliases.toml [config_fields]); None when nothing answers it."""
     fields = load_aliases().config_fields
+    owner = type(config).__name__
     if hasattr(config, key) and not callable(getattr(config, key)):
         value = getattr(config, key)
-        return (f"config.{key}", f"config.{key}") if value is not None else ("None", NONE)
+        return (f"config.{key}", f"config.{key}", f"{owner}.{key}") if value is not None else \
+            ("None", NONE, f"{owner}.{key} is None")
     if key in fields.aliases and getattr(config, fields.aliases[key], None) is not None:
-        return f"config.{fields.aliases[key]}", f"config.{fields.aliases[key]}"
+        own = fields.aliases[key]
+        return f"config.{own}", f"config.{own}", f"{owner}.{own}"
     fact = fields.facts.get(key)
-    if fact == "ffn_width" and checkpoint_ffn_width(config) is not None:
-        width = checkpoint_ffn_width(config)[0]
-        if getattr(config, "intermediate_size", None) == width:
-            return "config.intermediate_size", "config.intermediate_size"
-        return str(width), width
-    if fact == "ffn_bias":
-        return None  # a fact of the mapping as well as the config: bind_by_name answers it
+    known = checkpoint_facts(mapping, config).get(fact) if fact else None
+    if fact == "ffn_width" and known is not None:
+        if getattr(config, "intermediate_size", None) == known[0]:
+            return "config.intermediate_size", "config.intermediate_size", f"{owner}.intermediate_size"
+        return str(known[0]), known[0], "the checkpoint's d_ff"
+    if known is not None:
+        return repr(known[0]), known[0], known[1]
     if key in fields.values:
-        return repr(fields.values[key][0]), fields.values[key][0]
+        value, why = fields.values[key]
+        return repr(value), value, why
     return None
 
 
@@ -366,29 +400,19 @@ def bind_by_name(named: list[inspect.Parameter], mapping: Mapping,
     through the same table as a config's fields (``spelled``), a required ``Optional[...]`` one nobody answers to
     None.  Returns the arguments as a mapping spells them, their values and one note per argument; None when a
     required parameter is unanswered, or nothing is answered at all (its defaults are then all there is)."""
-    view = config_view_of(mapping, config)
-    facts = load_aliases().config_fields.facts
     raw, values, notes = {}, {}, []
     for parameter in named:
         key = parameter.name
-        answer = spelled(key, config)
-        if facts.get(key) == "ffn_bias":
-            bias, why = checkpoint_ffn_bias(mapping, config)
-            answer, reason = (repr(bias), bias), why
-        elif answer is not None and answer[0].startswith("config."):
-            reason = f"{view.config_name}.{answer[0].removeprefix('config.')}"
-        elif answer is not None:
-            fields = load_aliases().config_fields
-            reason = fields.values[key][1] if key in fields.values else "the checkpoint's d_ff"
-        elif parameter.default is parameter.empty and _admits_none(parameter):
-            answer, reason = ("None", NONE), f"nothing in the checkpoint's {view.config_name} states it"
+        answer = spelled(key, mapping, config)
+        if answer is None and parameter.default is parameter.empty and _admits_none(parameter):
+            answer = ("None", NONE, f"nothing in the checkpoint's {type(config).__name__} states it")
         if answer is None:
             if parameter.default is parameter.empty:
                 return None
             continue
         raw[key] = answer[1]
         values[key] = ConfigValue(config, mapping.path)(answer[1], f"target.args.{key}")
-        notes.append(f"target constructor: {key}={values[key]!r} ({reason})")
+        notes.append(f"target constructor: {key}={values[key]!r} ({answer[2]})")
     return (raw, values, notes) if values else None
 
 
@@ -502,7 +526,8 @@ def _constructor_args(factory: Any, signature: inspect.Signature | None, extras:
             required = [p.name for p in named if p.default is inspect.Parameter.empty]
             if len(required) == 1 and binds({required[0]: config}) and not inspect.isclass(factory):
                 return {required[0]: "config"}, {required[0]: config}, []
-            projections = projection_modules(required, mapping, config)
+            projections = projection_modules(required, mapping, config,
+                                             [p.name for p in named if p.default is None])
             if projections is not None and binds(projections):
                 return {}, projections, []  # a mapping without args repeats this: the modules are built again
             by_name = bind_by_name(named, mapping, config)
@@ -525,22 +550,27 @@ def constructor_signature(factory: Any) -> inspect.Signature:
     return signature
 
 
-def projection_modules(required: list[str], mapping: Mapping, config: Any) -> dict[str, nn.Module] | None:
-    """For a builder that takes its projections as modules (``FeedForward(gate_proj=..., up_proj=...,
-    down_proj=...)``, torchtune's style): an nn.Linear per required parameter whose name plays a projection role
-    (aliases.toml), sized from the checkpoint's config (d, d_ff) and with biases as its FFN has them; None when a
+def projection_modules(required: list[str], mapping: Mapping, config: Any,
+                       optional: list[str] = ()) -> dict[str, nn.Module] | None:
+    """For a builder that takes its projections as modules (``FeedForward(gate_proj=..., down_proj=...,
+    up_proj=None)``, torchtune's style): an nn.Linear per required parameter whose name plays a projection role
+    (aliases.toml), and per ``optional`` one (a default of None) of the same kind (torchtune's up_proj beside a
+    gate_proj), sized from the checkpoint's config (d, d_ff) and with biases as its FFN has them; None when a
     required parameter is no projection name, or the sizes are unknown."""
     aliases = load_aliases()
     width, hidden = checkpoint_ffn_width(config), getattr(config, "hidden_size", None)
     if not required or width is None or not isinstance(hidden, int):
         return None
     bias = checkpoint_ffn_bias(mapping, config)[0]
-    built = {}
-    for key in required:
+    built, kinds = {}, set()
+    for key in [*required, *optional]:
         roles = {aliases.roles[role] for role, kind in aliases.roles_of(key) if kind == "weight"}
         sides = {role.side for role in roles if not role.fuses}
+        if key in optional and (len(sides) != 1 or {role.kind for role in roles} - kinds):
+            continue
         if len(sides) != 1:
             return None
+        kinds |= {role.kind for role in roles}
         built[key] = (nn.Linear(hidden, width[0], bias=bias) if sides == {"in"}
                       else nn.Linear(width[0], hidden, bias=bias))
     return built

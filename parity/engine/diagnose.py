@@ -31,11 +31,10 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from parity.definitions.families import configured_activation
+from parity.definitions.families import TANH_GELUS, configured_activation
 from parity.definitions.mistakes import Candidate, Diagnosis, MistakeId, Separability, diagnosis
 from parity.engine.reference import activation_name, replace_activation
 
-TANH_GELUS = {"gelu_new", "gelu_pytorch_tanh", "gelu_python_tanh", "gelu_fast", "gelu_accurate"}
 EXACT_GELUS = {"gelu", "gelu_python"}
 SILUS = {"silu", "swish"}
 

@@ -54,8 +54,8 @@ def fill_target(module: nn.Module, mapping: Mapping, tensors: dict[str, torch.Te
         if route.zeros:  # declared in the mapping: the checkpoint has no tensor for it
             with torch.no_grad():
                 param.zero_()
-            notes.append(f"target parameter '{route.target}' set to zero, as the routes declare "
-                         "({ zeros = true }): the checkpoint has no tensor for it")
+            notes.append(f"target parameter '{route.target}' set to zero: the checkpoint has no tensor for it "
+                         "(a route { zeros = true }, written or inferred)")
             routed.add(route.target)
             continue
         if route.source not in tensors:  # an optional route whose tensor the checkpoint lacks

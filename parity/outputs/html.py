@@ -28,6 +28,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 
 from parity import __version__
+from parity.definitions.families import TANH_GELUS
 from parity.definitions.mapping import route_arrows
 from parity.engine.results import Diagnosis, LayerResult, Report, layer_status
 from parity.outputs.atomic import write_output
@@ -39,7 +40,6 @@ COLOURS = {"pass": "#1a7f37", "fail": "#cf222e", "regressed": "#cf222e", "unveri
            "noise": "#6e7781", "zone": "#ffe4e1", "grid": "#d8dee4", "ink": "#1f2328", "muted": "#59636e",
            "match": "#1a7f37", "reference_error": "#8250df", "other": "#8c959f", "reference": "#cf222e",
            "curve": "#8250df"}
-TANH_GELUS = {"gelu_new", "gelu_pytorch_tanh", "gelu_python_tanh", "gelu_fast", "gelu_accurate"}
 VERDICTS = {0: ("PASS", "pass"), 1: ("FAIL", "fail"), 2: ("ERROR", "unverifiable")}
 # a layer's (and a check's) status in words: the same word in the table, the tooltip and the badge
 STATUS_WORDS = {"pass": "ok", "fail": "MISMATCH", "regressed": "REGRESSED", "unverifiable": "UNVERIFIABLE"}
