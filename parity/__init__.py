@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 __version__ = "0.1.0"
-__all__ = ["check", "load_ffn", "render", "render_html", "__version__"]
+__all__ = ["check", "compare", "load_ffn", "render", "render_html", "__version__"]
 
 
 def __getattr__(name: str):
     # Lazy: `parity --help` / `parity list` must not import torch or transformers.
-    if name in ("check", "load_ffn", "render", "render_html"):
+    if name in ("check", "compare", "load_ffn", "render", "render_html"):
         from parity import api
 
         return getattr(api, name)

@@ -22,7 +22,7 @@ from parity.engine.suite import open_session
 from parity.errors import LayerRangeError
 from parity.outputs.render import render, render_html  # importing it makes str(report) the text table
 
-__all__ = ["check", "load_ffn", "render", "render_html"]
+__all__ = ["check", "compare", "load_ffn", "render", "render_html"]
 
 
 def check(model: str, *, layers: str | int | Iterable[int] | None = None, target: str | Any | None = None,
@@ -73,6 +73,43 @@ def check(model: str, *, layers: str | int | Iterable[int] | None = None, target
         if spec.logits:
             report.logits = logits_impact(session, sorted({r.layer for r in report.layers}))
     return report
+
+
+def compare(a: str, b: str, *, layers: str | int | Iterable[int] | None = None, revision: str | None = None,
+            revision_b: str | None = None, allow_pickle: bool = False, seed: int = 0,
+            on_layer: Callable[[Report, LayerResult], None] | None = None) -> Report:
+    """Judge checkpoint B (a re-save, a cast, a GGUF export, a quantization of A) against checkpoint A, layer by
+    layer, as functions: transformers' MLP built from A's config holding A's layer is the truth, the same class
+    holding B's layer (read through B's own format and names) the candidate.  B passes where it deviates no more
+    than its storage can honestly explain (float32 noise, its dtype's rounding, its quantization's step);
+    a failing layer names the conversion mistake it reproduces (``gate_up_exchanged``, ``layer_shifted``, ...).
+
+    Args:
+        a, b: any source a check reads: a local folder, a ``.gguf`` file, a hub id, a Meta ``.pth`` folder
+            (with ``allow_pickle``); A is the reference, B the candidate.
+        layers: as for ``check`` (default all layers both hold).
+        revision, revision_b: hub revisions of A and of B.
+        allow_pickle: open pickle-based files of either side (``torch.load(weights_only=True)``).
+        seed: the inputs' seed.
+        on_layer: called with (report, layer result) as each layer finishes.
+
+    Returns:
+        The Report (the same type ``check`` returns; ``target`` names B, ``report.comparison`` holds both sides
+        and the inventory outside the FFN, each layer's ``conversion`` what the conversion may change).
+
+    Raises:
+        ParityError: bad input (exit code 2's).
+
+    Example::
+
+        report = parity.compare("llama-hf/", "llama-Q8_0.gguf")
+        assert report.passed, report.to_json()
+    """
+    from parity.engine.checkpoint_compare import Comparison, run_comparison
+    from parity.outputs import compare_text  # noqa: F401  (importing it makes str(report) the compare table)
+
+    comparison = Comparison(a, b, revision=revision, revision_b=revision_b, allow_pickle=allow_pickle, seed=seed)
+    return run_comparison(comparison, layers, on_layer)
 
 
 def compute_names(device: Any, dtype: Any) -> tuple[str, str]:

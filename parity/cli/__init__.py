@@ -10,8 +10,8 @@ import os
 import signal
 import sys
 
-from parity.cli.commands import list_mappings, run_check, run_inspect, run_project
-from parity.cli.options import build_check_parser, build_inspect_parser, build_parser
+from parity.cli.commands import list_mappings, run_check, run_compare, run_inspect, run_project
+from parity.cli.options import build_check_parser, build_compare_parser, build_inspect_parser, build_parser
 from parity.cli.reports import EXIT_BAD_INPUT
 from parity.definitions.files import one_line
 from parity.errors import ParityError
@@ -74,9 +74,10 @@ def _lenient(stream):
 def _parse(argv: list[str]):
     if argv[:1] == ["list"]:
         return argparse.Namespace(debug="--debug" in argv), lambda _args: list_mappings()
-    if argv[:1] in (["check"], ["inspect"]):
+    if argv[:1] in (["check"], ["inspect"], ["compare"]):
         build, run = {"check": (build_check_parser, run_project),
-                      "inspect": (build_inspect_parser, run_inspect)}[argv[0]]
+                      "inspect": (build_inspect_parser, run_inspect),
+                      "compare": (build_compare_parser, run_compare)}[argv[0]]
         return build().parse_args(argv[1:]), run
     return build_parser().parse_args(argv), run_check
 

@@ -229,3 +229,73 @@ def run_check(args: argparse.Namespace) -> int:
         if template and args.save_mapping:  # the mapping to edit, as a file: exit 2 all the same
             save_template(args.save_mapping, template, force=args.force)
         raise MappingError(exc.headline) from None
+
+
+class _CompareRun:
+    """The one run of `parity compare`, shaped as the JUnit and HTML writers take runs (label, report, error)."""
+
+    def __init__(self, label: str):
+        self.label, self.report, self.error, self.seconds, self.spec = label, None, None, [], None
+
+
+def run_compare(args: argparse.Namespace) -> int:
+    label = f"compare {args.a} {args.b}"
+    args.model = label  # what the error JSON names
+    return with_error_outputs(args, label, True, lambda: _run_compare(args, label))
+
+
+def _run_compare(args: argparse.Namespace, label: str) -> int:
+    """`parity compare A B`: stream a row per layer, then the diagnoses, the inventory and the summary; write
+    --json/--junit/--html; exit 0 (every layer matches), 1 (some layer differs), 2 (nothing verified)."""
+    import time
+
+    from parity.cli.reports import EXIT_MISMATCH
+    from parity.engine.checkpoint_compare import Comparison, run_comparison
+    from parity.outputs.compare_text import diagnosis_lines, header_lines, inventory_lines, layer_line, summary_line
+    from parity.outputs.destinations import check_destinations
+
+    check_destinations({"--json": args.json, "--junit": args.junit, "--html": args.html},
+                       [("A", args.a), ("B", args.b)])
+    out = sys.stderr if json_on_stdout(args.json) else sys.stdout
+    say = (lambda text: None) if args.quiet else (lambda text: print(text, file=out))
+    run, clock = _CompareRun(label), [time.perf_counter()]
+
+    def on_layer(report, result) -> None:
+        if not report.layers[:-1]:
+            for line in header_lines(report):
+                say(line)
+        say(layer_line(result))
+        now = time.perf_counter()
+        run.seconds.append(now - clock[0])
+        clock[0] = now
+
+    comparison = Comparison(args.a, args.b, revision=args.revision, revision_b=args.revision_b,
+                            allow_pickle=args.allow_pickle, seed=args.seed)
+    report = run_comparison(comparison, args.layers, on_layer)
+    run.report = report
+    say("")
+    for line in [*diagnosis_lines(report), *inventory_lines(report)]:
+        say(line)
+    line = summary_line(report)
+    print(line, file=out)
+    code = (EXIT_BAD_INPUT if not report.layers or report.unverifiable else
+            EXIT_PASS if report.passed else EXIT_MISMATCH)
+    _compare_outputs(args, run, line, code)
+    return code
+
+
+def _compare_outputs(args: argparse.Namespace, run: _CompareRun, line: str, code: int) -> None:
+    import json
+
+    from parity.cli.reports import _write_json
+
+    if args.junit:
+        from parity.outputs.junit import write_junit
+
+        write_junit(args.junit, [run])
+    if args.html:
+        from parity.outputs.html import write_html
+
+        write_html(args.html, [run], line, code)
+    if args.json:
+        _write_json(args.json, json.dumps(run.report.to_dict(), indent=2))

@@ -24,6 +24,8 @@ commands:
                            --help`); a folder literally
                            named "check" must be given as ./check
   parity inspect MODEL     show what would be checked, computing nothing
+  parity compare A B       judge checkpoint B (a re-save, cast, GGUF export or quantization)
+                           against checkpoint A, layer by layer (`parity compare --help`)
   parity list              the built-in mappings
 
 exit codes: 0 every checked layer matches, 1 some layer deviates (or grew beyond the
@@ -207,3 +209,39 @@ def build_inspect_parser() -> argparse.ArgumentParser:
     return parser
 
 
+
+
+COMPARE_DESCRIPTION = """Judge checkpoint B against checkpoint A, one FFN layer at a time, as functions: transformers'
+MLP built from A's config, filled with A's layer (the truth) and with B's layer (read through B's
+own format: GGUF dequantized and renamed, Conv1D transposed), run on the same seeded inputs in
+float64.  B passes where it deviates no more than its storage can honestly explain: float32 noise
+for the same dtype, the rounding of B's dtype for a cast, the block step of B's GGUF type for a
+quantization (each measured, docs/compare.md).  A failing layer names the conversion mistake
+(gate_up_exchanged, tensor_transposed, layer_shifted, tensor_scaled, zero_filled, cast_overflow, ...).
+
+A and B: a local folder, a .gguf file, a hub id, or (with --allow-pickle) a Meta consolidated.00.pth folder.
+
+exit codes: 0 every compared layer of B matches A's, 1 some layer differs, 2 bad input or
+nothing compared."""
+
+
+def build_compare_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="parity compare", description=COMPARE_DESCRIPTION,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("a", metavar="A", type=MODEL_VALUE, help="the reference checkpoint (the truth)")
+    parser.add_argument("b", metavar="B", type=MODEL_VALUE, help="the candidate checkpoint, made from A")
+    parser.add_argument("--layers", metavar="SPEC", help="all | 0,3,5 | 2-7 (default: every layer both hold)")
+    parser.add_argument("--revision", metavar="REV", type=REVISION_VALUE, help="hub revision of A")
+    parser.add_argument("--revision-b", metavar="REV", type=REVISION_VALUE, help="hub revision of B")
+    parser.add_argument("--allow-pickle", action="store_true",
+                        help="open pickle-based weights of either side with torch.load(weights_only=True); only for "
+                             "files you trust")
+    parser.add_argument("--seed", type=SEED, default=0, help="seed of the generated inputs (default 0)")
+    out = parser.add_argument_group("CI outputs")
+    out.add_argument("--json", metavar="FILE|-", type=OUTPUT_FILE,
+                     help="write the JSON report to FILE, or to stdout with '-' (on exit 2 it holds the error)")
+    out.add_argument("--junit", metavar="FILE", type=OUTPUT_FILE, help="write JUnit XML: one test case per layer")
+    out.add_argument("--html", metavar="FILE", type=OUTPUT_FILE, help="write one self-contained HTML page")
+    out.add_argument("--quiet", "-q", action="store_true", help="print only the summary line and errors")
+    out.add_argument("--debug", action="store_true", help="show tracebacks for errors")
+    return parser

@@ -31,6 +31,19 @@ class MistakeId(StrEnum):
     INTERMEDIATE_SIZE_MISMATCH = "intermediate_size_mismatch"
     SHAPE_MISMATCH = "shape_mismatch"
     UNEXPLAINED = "unexplained"
+    # conversion mistakes: a checkpoint B judged against the checkpoint A it was made from (`parity compare A B`)
+    GATE_UP_EXCHANGED = "gate_up_exchanged"
+    TENSOR_TRANSPOSED = "tensor_transposed"
+    LAYER_SHIFTED = "layer_shifted"
+    TENSOR_SCALED = "tensor_scaled"
+    SIGN_FLIPPED = "sign_flipped"
+    TENSOR_TRUNCATED = "tensor_truncated"
+    ZERO_FILLED = "zero_filled"
+    CONSTANT_TENSOR = "constant_tensor"
+    CAST_OVERFLOW = "cast_overflow"
+    BYTES_REINTERPRETED = "bytes_reinterpreted"
+    QUANTIZATION_EXCEEDS_STEP = "quantization_exceeds_step"
+    CONVERSION_UNEXPLAINED = "conversion_unexplained"
 
 
 @dataclass(frozen=True)
@@ -84,6 +97,35 @@ MISTAKES = {m.id: m for m in [
             "compare the module's parameter shapes with the checkpoint's (parity inspect)"),
     Mistake(MistakeId.UNEXPLAINED, "no known mistake explains this deviation",
             "compare the module's forward with transformers' MLP line by line"),
+    Mistake(MistakeId.GATE_UP_EXCHANGED, "checkpoint B holds A's gate projection as up and A's up as gate",
+            "fix the converter's name map: HF gate_proj = Meta w1 = GGUF ffn_gate, up_proj = w3 = ffn_up"),
+    Mistake(MistakeId.TENSOR_TRANSPOSED, "a tensor of checkpoint B is the transpose of A's",
+            "transpose it back in the converter (Conv1D [in, out] vs nn.Linear [out, in]; GGUF stores [out, in])"),
+    Mistake(MistakeId.LAYER_SHIFTED, "checkpoint B's layer holds another layer of A (a shifted or repeated layer)",
+            "fix the converter's layer index (an off-by-one, or a shard written from the wrong layer)"),
+    Mistake(MistakeId.TENSOR_SCALED, "a tensor of checkpoint B is A's multiplied by a constant",
+            "remove the extra scale in the converter (a norm folded in twice, a scale applied on the wrong side)"),
+    Mistake(MistakeId.SIGN_FLIPPED, "a tensor of checkpoint B is A's with its sign flipped",
+            "remove the negation in the converter"),
+    Mistake(MistakeId.TENSOR_TRUNCATED, "a tensor of checkpoint B holds only part of A's values (the rest cut off "
+            "or zero)", "write the whole tensor (a short write, a wrong shape or a slice in the converter)"),
+    Mistake(MistakeId.ZERO_FILLED, "a tensor of checkpoint B is all zeros where A's is not",
+            "the converter wrote an empty or uninitialised tensor: export it from A's weights"),
+    Mistake(MistakeId.CONSTANT_TENSOR, "a tensor of checkpoint B holds one value everywhere where A's varies",
+            "the converter wrote a placeholder or a fill value: export it from A's weights"),
+    Mistake(MistakeId.CAST_OVERFLOW, "casting to checkpoint B's dtype overflowed: B holds Inf where A's values are "
+            "finite", "keep these tensors in bfloat16 or float32 (float16 ends at 65504), or scale them first"),
+    Mistake(MistakeId.BYTES_REINTERPRETED, "checkpoint B's tensor holds A's bytes read as another dtype "
+            "(bfloat16 bits read as float16, or the reverse)",
+            "convert the values (tensor.to(dtype)), do not reinterpret the buffer (view / frombuffer with the "
+            "wrong dtype)"),
+    Mistake(MistakeId.QUANTIZATION_EXCEEDS_STEP, "checkpoint B's quantized values are farther from A's than their "
+            "block's own quantization step allows",
+            "re-quantize from A's original weights (not from an already rounded or edited copy); check the "
+            "quantizer's block layout"),
+    Mistake(MistakeId.CONVERSION_UNEXPLAINED, "checkpoint B's layer computes another function than A's, and no "
+            "known conversion mistake explains it",
+            "compare the layer's tensors one by one (the report lists which differ beyond the conversion's bound)"),
 ]}
 
 
@@ -166,4 +208,16 @@ PRODUCED_BY: dict[MistakeId, str] = {
     MistakeId.INTERMEDIATE_SIZE_MISMATCH: "finding: target.shape_message, d_ff differs from the checkpoint's",
     MistakeId.SHAPE_MISMATCH: "finding: target.shape_message, another shape disagreement",
     MistakeId.UNEXPLAINED: "finding: diagnose.diagnose, no replay within the tolerance",
+    MistakeId.GATE_UP_EXCHANGED: "replay (compare): A's layer with gate and up exchanged",
+    MistakeId.TENSOR_TRANSPOSED: "replay (compare): A's tensor transposed; finding: B's shape is A's reversed",
+    MistakeId.LAYER_SHIFTED: "replay (compare): A's neighbouring layers, each in turn",
+    MistakeId.TENSOR_SCALED: "replay (compare): A's tensor times the least-squares factor fitted to B's",
+    MistakeId.SIGN_FLIPPED: "replay (compare): A's tensor negated",
+    MistakeId.TENSOR_TRUNCATED: "replay (compare): A's tensor with B's zero tail; finding: B's shape is smaller",
+    MistakeId.ZERO_FILLED: "replay (compare): A's tensor zeroed",
+    MistakeId.CONSTANT_TENSOR: "replay (compare): A's tensor replaced by B's constant",
+    MistakeId.CAST_OVERFLOW: "finding (compare): Inf in B where A is finite",
+    MistakeId.BYTES_REINTERPRETED: "finding (compare): B's 16-bit patterns equal A's in the other 16-bit dtype",
+    MistakeId.QUANTIZATION_EXCEEDS_STEP: "finding (compare): B's values against A's, per block's step from the file",
+    MistakeId.CONVERSION_UNEXPLAINED: "finding (compare): no conversion replay within the tolerance",
 }

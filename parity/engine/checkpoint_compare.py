@@ -1,0 +1,441 @@
+"""``parity compare A B``: checkpoint B (converted, re-saved, cast, quantized) judged against checkpoint A, one
+layer at a time, as functions.
+
+Both checkpoints are opened as a check opens one (``resolve``: format, mapping, config) and each layer's FFN
+tensors are read under transformers' own names through that checkpoint's mapping (``Session.read_layer`` and
+its reference routes: GGUF dequantized and renamed, Conv1D transposed, fused halves split).  The oracle is
+transformers' MLP built from A's config: filled with A's layer it is the truth, the same class filled with B's
+layer the candidate.  Both run on parity's seeded inputs in float64; the float32 noise floor is A's MLP in
+float32 against float64, as in a check.
+
+The tolerance is what B's storage can honestly change (``conversion.py``): A's tensors converted the way B
+stores them (nothing for the same dtype; rounded to B's dtype; re-quantized to B's GGUF type), run through
+the same MLP, deviate from the truth by the *conversion deviation*; B passes when
+``max|B - A| <= max(16 x noise floor, CONVERSION_FACTOR x conversion deviation)``, every quantized value of B
+lies within its block's step of A's, and nothing overflowed.  A failing layer is explained by replaying
+known conversion mistakes on A's tensors (converted as B stores them) and naming the one B reproduces.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import gc
+import math
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from parity import __version__
+from parity.definitions.families import configured_activation
+from parity.definitions.mistakes import Candidate, Diagnosis, MistakeId, diagnosis
+from parity.definitions.selection import Selection, parse_selection
+from parity.engine import conversion
+from parity.engine.compare import Runs, judge, parity_tolerance
+from parity.engine.fill import route_tensor
+from parity.engine.inputs import make_inputs
+from parity.engine.inventory import inventory
+from parity.engine.reference import activation_name
+from parity.engine.resolve import require_values, resolve
+from parity.engine.results import LayerResult, Report
+from parity.engine.session import Session, run_reference
+from parity.engine.upcast import compute_in
+from parity.errors import LayerRangeError, UsageError, WeightDefectError
+
+QUANT_FACTOR = 2.0  # a quantized B passes within this x the deviation re-quantizing A's tensors causes
+CAST_FACTOR = 4.0  # a cast B within this x the deviation rounding A's tensors to B's dtype causes
+NEIGHBOURS = 2  # a shifted layer is searched this many layers either side
+DIFFERS = 1e-6  # a tensor differs when max|B - A|/max|A| exceeds 2 x its conversion's own + this
+
+
+@dataclass
+class SideLayer:
+    """One checkpoint's FFN tensors of one layer, under the reference's names, as stored (GGUF: dequantized)."""
+
+    routed: dict[str, torch.Tensor]
+    storage: dict[str, conversion.Storage]
+
+
+@dataclass
+class CompareLayer(LayerResult):
+    """A layer of B judged against A's: a check's verdict and metrics, plus what the conversion changed."""
+
+    # {kind, tolerance_rule, conversion_deviation, ratio_to_conversion, identical, tensors: [...]}
+    conversion: dict | None = None
+
+
+@dataclass
+class CompareReport(Report):
+    """The report of ``parity compare A B``: a check's Report (``target`` names B), plus ``comparison``."""
+
+    # {reference, candidate, mappings, inventory, outside_ffn}: see parity/schema/report.schema.json
+    comparison: dict = field(default_factory=dict)
+
+    def __str__(self) -> str:
+        """The comparison's text table (``parity.outputs.compare_text`` registers it when imported)."""
+        from parity.engine import results
+
+        renderer = results._RENDERERS.get("compare")
+        return renderer(self) if renderer is not None else super().__str__()
+
+
+def read_side(session: Session, layer: int, truth: bool) -> SideLayer:
+    """The layer's FFN tensors of one checkpoint, routed to the reference's names.  The truth (A) must be
+    finite (a NaN there is bad input, exit 2); B's Inf is a finding (cast_overflow), so B is read raw."""
+    routes = session.reader.reference_routes(layer)
+    prefix = session.reader.layer_prefix(layer)
+    try:
+        stored = session.read_layer(layer, dtype=None)
+    except WeightDefectError:
+        if truth:
+            raise
+        raw = session.checkpoint.read(list(dict.fromkeys(prefix + r.source for r in routes)))
+        stored = {key[len(prefix):]: value for key, value in raw.items()}
+    routed = {r.target: route_tensor(r, stored[r.source]) for r in routes}
+    storage = {r.target: conversion.storage_of(session.checkpoint, prefix + r.source, stored[r.source], r)
+               for r in routes}
+    return SideLayer(routed, storage)
+
+
+class Comparison:
+    """Both checkpoints resolved once; ``compare_layer`` then judges one layer at a time."""
+
+    def __init__(self, a: str, b: str, *, revision: str | None = None, revision_b: str | None = None,
+                 allow_pickle: bool = False, seed: int = 0):
+        require_values(model=a, revision=revision)
+        require_values(model=b, revision=revision_b)
+        self.a = Session(resolve(a, revision=revision, allow_pickle=allow_pickle), seed=seed)
+        self.b = Session(resolve(b, revision=revision_b, allow_pickle=allow_pickle), seed=seed)
+        self.labels = (a, b)
+        self.seed = seed
+        for side, name in ((self.a, a), (self.b, b)):
+            if side.num_experts is not None:
+                raise UsageError(f"{name}: a mixture of experts; `parity compare` judges dense FFN layers so far "
+                                 "(check each side with `parity MODEL --experts`)")
+        self.require_same_ffn()
+        self.notes = self.config_notes()
+
+    def require_same_ffn(self) -> None:
+        """B must hold A's model: an MLP of the same parameters and shapes in transformers (a Mistral exported to
+        GGUF reads back as LLaMA's MLP, which has Mistral's parameters: that is one model)."""
+        shapes = [dict(side.reference.tensor_shapes(side.mapping.reference_path(0))) for side in (self.a, self.b)]
+        if shapes[0] != shapes[1]:
+            spelled = [", ".join(f"{n} {list(s)}" for n, s in sorted(side.items())) for side in shapes]
+            raise UsageError(f"{self.labels[1]} is no conversion of {self.labels[0]}: A's FFN has {spelled[0]}; B's "
+                             f"has {spelled[1]}; `parity compare` judges two stores of one model's layers")
+
+    def config_notes(self) -> list[str]:
+        """Where B's config describes another FFN than A's (the judgement uses A's config for both)."""
+        notes = []
+        act_a, act_b = configured_activation(self.a.config), configured_activation(self.b.config)
+        if act_a != act_b:
+            notes.append(f"B's config names activation {act_b!r}, A's {act_a!r}: both sides run A's MLP class "
+                         f"({act_a}); a model loading B runs {act_b}")
+        if self.a.num_layers != self.b.num_layers:
+            notes.append(f"A has {self.a.num_layers} layers, B {self.b.num_layers}: only layers both hold are compared")
+        return notes
+
+    @property
+    def num_layers(self) -> int:
+        return min(self.a.num_layers, self.b.num_layers)
+
+    def layers(self, selection: Selection) -> list[int]:
+        try:
+            return parse_selection(selection, self.num_layers)
+        except LayerRangeError as exc:
+            raise LayerRangeError(f"{exc} (A has {self.a.num_layers} layers, B {self.b.num_layers})") from None
+
+    # -- running the oracle ---------------------------------------------------------------------------
+    def run64(self, layer: int, tensors: dict[str, torch.Tensor], x: torch.Tensor) -> torch.Tensor:
+        """transformers' MLP (A's config) holding ``tensors``, on ``x`` in float64."""
+        module = self.a.reference_from(layer, tensors)
+        with torch.no_grad():
+            return compute_in(module, torch.float64)(x.double())
+
+    def compare_layer(self, layer: int) -> CompareLayer:
+        a = read_side(self.a, layer, truth=True)
+        b = read_side(self.b, layer, truth=False)
+        rows = tensor_rows(a, b)
+        shaped = shape_finding(a, b)
+        if shaped is not None:
+            return unloadable(layer, shaped, rows, self.a.checkpoint.weights)
+        reference = self.a.reference_from(layer, a.routed)
+        x = make_inputs(reference, self.a.hidden_size, self.seed, layer)
+        truth = run_reference(reference, x)
+        del reference
+        out_b = self.run64(layer, b.routed, x)
+        converted = {n: conversion.convert_like(a.routed[n], b.storage[n])[0] for n in a.routed}
+        changed = any(row["conversion"] != "as stored" for row in rows)
+        conv_dev = float((self.run64(layer, converted, x) - truth.out64).abs().max()) if changed else 0.0
+        if not math.isfinite(conv_dev):  # A's values overflow B's dtype too: that is B's finding, not a bound
+            conv_dev = 0.0
+        noise = float((truth.out32 - truth.out64).abs().max())
+        scale = float(truth.out64.abs().max())
+        quantized = any(s.quantized for s in b.storage.values())
+        factor = QUANT_FACTOR if quantized else CAST_FACTOR
+        tolerance = max(parity_tolerance(noise, scale, None), factor * conv_dev)
+        runs = Runs(truth.out64, truth.out32, out_b, out_b)
+        result = judge(layer, None, runs, a.routed, truth.z, tolerance, self.a.checkpoint.weights)
+        result = CompareLayer(**{f.name: getattr(result, f.name) for f in dataclasses.fields(LayerResult)})
+        result.conversion = conversion_record(rows, b, conv_dev, result.max_abs_diff, factor, changed)
+        self.verdict(result, layer, a, b, x, truth.out64, rows)
+        gc.collect()
+        return result
+
+    def verdict(self, result: CompareLayer, layer: int, a: SideLayer, b: SideLayer, x: torch.Tensor,
+                out64: torch.Tensor, rows: list[dict]) -> None:
+        """Findings first (overflow, values beyond their step), then replays of conversion mistakes."""
+        overflowed = [(row["name"], row["overflow"]) for row in rows if row.get("overflow")]
+        beyond = [row for row in rows if (row.get("steps") or {}).get("values_beyond_step")]
+        if result.unverifiable is not None:
+            return
+        if overflowed:
+            result.passed = False
+            result.diagnosis = diagnosis(MistakeId.CAST_OVERFLOW, None, result.max_abs_diff,
+                                         "; ".join(f"{n}: {why}" for n, why in overflowed))
+            return
+        if result.passed and not beyond:
+            return
+        result.passed = False
+        result.diagnosis = self.explain(layer, a, b, x, out64, result.tolerance, result.max_abs_diff or math.inf,
+                                        rows, beyond)
+
+    def explain(self, layer: int, a: SideLayer, b: SideLayer, x: torch.Tensor, out64: torch.Tensor,
+                tolerance: float, reference_distance: float, rows: list[dict], beyond: list[dict]) -> Diagnosis:
+        """Replay each conversion mistake on A's tensors, converted the way B stores them, and name the one B's
+        output reproduces within the layer's tolerance; else a finding about the steps, else unexplained."""
+        out_b = self.run64(layer, b.routed, x)
+        differing = [row["name"] for row in rows if row["differs"]]
+        candidates: list[Candidate] = []
+        best = self.replay_all(layer, hypotheses(a.routed, b.routed, b.storage, differing), a, b, x, out_b,
+                               candidates)
+        if best is None or best[0] > tolerance:
+            shifted = self.replay_all(layer, self.neighbour_hypotheses(layer, a, b), a, b, x, out_b, candidates)
+            if shifted is not None and (best is None or shifted[0] < best[0]):
+                best = shifted
+        if best is not None and best[0] <= tolerance:
+            return diagnosis(best[1], best[0], reference_distance, best[2], candidates)
+        if beyond:
+            detail = "; ".join(f"{row['name']} ({row['storage']}, step from the {row['step_source']}): "
+                               f"{row['steps']['values_beyond_step']} values beyond one step, worst "
+                               f"{row['steps']['max_steps']:.2f} steps at {row['steps']['at']}" for row in beyond)
+            return diagnosis(MistakeId.QUANTIZATION_EXCEEDS_STEP, None, reference_distance, detail, candidates)
+        closest = f"closest: {best[1]}, {best[2]}, at {best[0]:.2e}; " if best else ""
+        detail = f"{closest}tensors beyond the conversion's bound: {', '.join(differing) or 'none'}"
+        return diagnosis(MistakeId.CONVERSION_UNEXPLAINED, best[0] if best else None, reference_distance, detail,
+                         candidates)
+
+    def replay_all(self, layer: int, found: list[Hypothesis], a: SideLayer, b: SideLayer, x: torch.Tensor,
+                   out_b: torch.Tensor, candidates: list[Candidate]) -> tuple[float, MistakeId, str] | None:
+        best = None
+        for hypothesis in found:
+            tensors = hypothesis.tensors(a.routed)
+            if any(tensors[n].shape != b.routed[n].shape for n in tensors):
+                continue
+            converted = {n: conversion.convert_like(t, b.storage[n])[0] for n, t in tensors.items()}
+            distance = float((out_b - self.run64(layer, converted, x)).abs().nan_to_num(math.inf).max())
+            candidates.append(Candidate(str(hypothesis.id), hypothesis.detail, distance))
+            if best is None or distance < best[0]:
+                best = (distance, hypothesis.id, hypothesis.detail)
+        return best
+
+    def neighbour_hypotheses(self, layer: int, a: SideLayer, b: SideLayer) -> list[Hypothesis]:
+        """B's layer holding A's layer j (all its tensors, or those closer to layer j's than to this one's), for
+        the layers within NEIGHBOURS; each neighbour is read, compared by values and dropped in turn."""
+        found = []
+        for other in range(max(0, layer - NEIGHBOURS), min(self.a.num_layers, layer + NEIGHBOURS + 1)):
+            if other == layer:
+                continue
+            theirs = read_side(self.a, other, truth=True).routed
+            closer = [n for n in a.routed if theirs[n].shape == b.routed[n].shape
+                      and conversion.relative_distance(b.routed[n], theirs[n])
+                      < conversion.relative_distance(b.routed[n], a.routed[n])]
+            if closer:
+                taken = {n: theirs[n] for n in closer}
+                found.append(Hypothesis(MistakeId.LAYER_SHIFTED, f"B's layer {layer} holds A's layer {other} "
+                                        f"({', '.join(closer)})", lambda t, taken=taken: {**t, **taken}))
+        return found
+
+    # -- the report -----------------------------------------------------------------------------------
+    def report(self) -> CompareReport:
+        import transformers
+
+        probe = self.a.reference.meta_module(self.a.mapping.reference_path(0))
+        a, b = self.a.checkpoint, self.b.checkpoint
+        # a check's GGUF note says target and reference share the dequantized weights; here only B's are dequantized
+        notes = [*(n.split("; target and reference")[0] for n in self.a.resolved.notes),
+                 *(f"B: {n.split('; target and reference')[0]}" for n in self.b.resolved.notes), *self.notes]
+        weights = "synthetic" if "synthetic" in (a.weights, b.weights) else "real"
+        return CompareReport(
+            model=self.labels[0], checkpoint=a.location, weights=weights, mapping=self.a.mapping.name,
+            target=b.location, reference=f"{type(probe).__module__}.{type(probe).__name__}",
+            reference_activation=activation_name(probe, configured_activation(self.a.config)),
+            versions={"parity": __version__, "transformers": transformers.__version__, "torch": torch.__version__},
+            seed=self.seed, weights_note=a.weights_note or b.weights_note, notes=notes,
+            comparison={"reference": {"model": self.labels[0], "checkpoint": a.location,
+                                      "mapping": self.a.mapping.name, "weights": a.weights},
+                        "candidate": {"model": self.labels[1], "checkpoint": b.location,
+                                      "mapping": self.b.mapping.name, "weights": b.weights},
+                        "inventory": None,
+                        "outside_ffn": "tensors outside the FFN layers are inventoried (present, shape, dtype) "
+                                       "from headers; their values are not judged"})
+
+
+@dataclass
+class Hypothesis:
+    """One conversion mistake, as A's layer tensors (reference names) changed the way the mistake changes them."""
+
+    id: MistakeId
+    detail: str
+    tensors: Callable[[dict[str, torch.Tensor]], dict[str, torch.Tensor]]
+
+
+def _swap(t: dict, a: str, b: str) -> dict:
+    out = dict(t)
+    for suffix in ("weight", "bias"):
+        if f"{a}.{suffix}" in t and f"{b}.{suffix}" in t:
+            out[f"{a}.{suffix}"], out[f"{b}.{suffix}"] = t[f"{b}.{suffix}"], t[f"{a}.{suffix}"]
+    return out
+
+
+def hypotheses(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor], storage: dict[str, conversion.Storage],
+               differing: list[str]) -> list[Hypothesis]:
+    """The conversion mistakes that could turn A's tensors into B's: one set per tensor that differs beyond
+    what its conversion allows, plus gate and up exchanged."""
+    found = []
+    if "gate_proj.weight" in a and "up_proj.weight" in a and {"gate_proj.weight", "up_proj.weight"} & set(differing):
+        found.append(Hypothesis(MistakeId.GATE_UP_EXCHANGED, "B's gate_proj is A's up_proj and the reverse",
+                                lambda t: _swap(t, "gate_proj", "up_proj")))
+    for name in differing:
+        found.extend(tensor_hypotheses(name, a[name], b[name], storage[name]))
+    return found
+
+
+def _replace(name: str, value: torch.Tensor) -> Callable[[dict], dict]:
+    return lambda t: {**t, name: value}
+
+
+def tensor_hypotheses(name: str, a: torch.Tensor, b: torch.Tensor, storage: conversion.Storage) -> list[Hypothesis]:
+    """What one tensor may have suffered: transposed (square), scaled or negated (the least-squares factor of B
+    on A), zero-filled, constant, cut short (a zero tail), its bytes read as the other 16-bit dtype."""
+    found = []
+    af, bf = a.float(), b.float()
+    if a.dim() == 2 and a.shape[0] == a.shape[1]:
+        found.append(Hypothesis(MistakeId.TENSOR_TRANSPOSED, f"{name} transposed", _replace(name, af.t())))
+    denominator = float((af * af).sum())
+    factor = float((af * bf).sum()) / denominator if denominator else math.nan
+    if math.isfinite(factor) and abs(factor - 1) > 1e-3 and factor != 0:
+        mistake = MistakeId.SIGN_FLIPPED if abs(factor + 1) < 1e-2 else MistakeId.TENSOR_SCALED
+        found.append(Hypothesis(mistake, f"{name} x {factor:.4g}",
+                                _replace(name, -af if mistake == MistakeId.SIGN_FLIPPED else af * factor)))
+    if bf.numel() and not bool(bf.any()):
+        found.append(Hypothesis(MistakeId.ZERO_FILLED, f"{name} all zeros", _replace(name, torch.zeros_like(af))))
+    elif bf.numel() and float(bf.min()) == float(bf.max()):
+        found.append(Hypothesis(MistakeId.CONSTANT_TENSOR, f"{name} = {float(bf.min()):.4g} everywhere",
+                                _replace(name, torch.full_like(af, float(bf.min())))))
+    end = conversion.zero_tail(af, bf)
+    if end is not None:
+        cut = af.clone().reshape(-1)
+        cut[end:] = 0
+        found.append(Hypothesis(MistakeId.TENSOR_TRUNCATED, f"{name}: the first {end} of {af.numel()} values are "
+                                "A's, the rest zero", _replace(name, cut.reshape(af.shape))))
+    why = conversion.reinterpreted(a, b, storage.dtype)
+    if why is not None:
+        other = torch.bfloat16 if storage.dtype == "float16" else torch.float16
+        bits = a.to(other).view(torch.int16).view(getattr(torch, storage.dtype)).float()
+        found.append(Hypothesis(MistakeId.BYTES_REINTERPRETED, f"{name}: {why}", _replace(name, bits)))
+    return found
+
+
+def tensor_rows(a: SideLayer, b: SideLayer) -> list[dict]:
+    """Per tensor: how each side stores it, whether B's is bit-identical to A's, how far it is (relative) against
+    how far its conversion alone moves it, and for a quantized B how many values lie beyond their step."""
+    rows = []
+    for name, ta in a.routed.items():
+        tb, store = b.routed[name], b.storage[name]
+        row: dict[str, Any] = {"name": name, "a_dtype": a.storage[name].dtype, "storage": store.dtype,
+                               "a_shape": list(ta.shape), "b_shape": list(tb.shape), "identical": False,
+                               "relative_distance": None, "conversion": None, "conversion_distance": None,
+                               "differs": True, "steps": None, "step_source": store.step_source, "overflow": None}
+        rows.append(row)
+        if ta.shape != tb.shape:
+            continue
+        row["identical"] = ta.dtype == tb.dtype and bool(torch.equal(ta, tb))
+        row["overflow"] = conversion.overflow(ta, tb, store.dtype)
+        converted, how = conversion.convert_like(ta, store)
+        row["conversion"] = how
+        row["conversion_distance"] = conversion.relative_distance(converted, ta)
+        row["relative_distance"] = conversion.relative_distance(tb, ta)
+        row["differs"] = not row["identical"] and not (
+            row["relative_distance"] <= 2 * row["conversion_distance"] + DIFFERS)
+        if store.quantized and store.steps is not None and store.steps.shape == ta.shape:
+            row["steps"] = conversion.step_excess(ta, tb, store.steps)
+    return rows
+
+
+def shape_finding(a: SideLayer, b: SideLayer) -> Diagnosis | None:
+    """A tensor of B whose shape is not A's: transposed (A's shape reversed), truncated (smaller along a
+    dimension, holding A's leading values), or another shape (shape_mismatch)."""
+    for name, ta in a.routed.items():
+        tb = b.routed[name]
+        if ta.shape == tb.shape:
+            continue
+        shapes = f"{name}: A {list(ta.shape)}, B {list(tb.shape)}"
+        if ta.dim() == 2 and tuple(tb.shape) == tuple(reversed(ta.shape)):
+            distance = conversion.relative_distance(tb.t(), ta)
+            return diagnosis(MistakeId.TENSOR_TRANSPOSED, None, None,
+                             f"{shapes}; B transposed back is {distance:.2e} (relative) from A",
+                             [Candidate(str(MistakeId.TENSOR_TRANSPOSED), f"{name}.T", distance)])
+        if tb.dim() == ta.dim() and all(sb <= sa for sb, sa in zip(tb.shape, ta.shape, strict=True)):
+            lead = ta[tuple(slice(0, s) for s in tb.shape)]
+            distance = conversion.relative_distance(tb, lead)
+            return diagnosis(MistakeId.TENSOR_TRUNCATED, None, None,
+                             f"{shapes}; B is {distance:.2e} (relative) from A's leading block of that shape",
+                             [Candidate(str(MistakeId.TENSOR_TRUNCATED), f"{name} = A's leading block", distance)])
+        return diagnosis(MistakeId.SHAPE_MISMATCH, None, None, shapes)
+    return None
+
+
+def unloadable(layer: int, found: Diagnosis, rows: list[dict], weights: str) -> CompareLayer:
+    """A layer of B that A's MLP cannot hold: failed, with the shape finding."""
+    result = CompareLayer(layer=layer, passed=False, max_abs_diff=None, max_rel_diff=None, mean_abs_diff=None,
+                          max_at=None, noise_floor=None, tolerance=None, ratio_to_noise=None, preactivation_range=None,
+                          weights=weights, diagnosis=found)
+    result.conversion = {"kind": "shape differs", "tolerance_rule": None, "conversion_deviation": None,
+                         "ratio_to_conversion": None, "identical": False, "tensors": plain_rows(rows)}
+    return result
+
+
+def conversion_record(rows: list[dict], b: SideLayer, conv_dev: float, max_abs: float | None, factor: float,
+                      changed: bool) -> dict:
+    """What the layer's conversion is and what it may change (the JSON's ``layers[].conversion``)."""
+    kinds = sorted({f"{row['a_dtype']} -> {row['storage']}" for row in rows if row["a_dtype"] != row["storage"]})
+    quantized = any(s.quantized for s in b.storage.values())
+    kind = ("quantized " if quantized else "cast ") + ", ".join(kinds) if kinds else "same dtype"
+    rule = ("16 x noise floor (same dtype: only float32 noise may differ)" if not changed else
+            f"max(16 x noise floor, {factor:g} x the deviation of A's tensors "
+            f"{'re-quantized' if quantized else 'rounded'} as B stores them)")
+    identical = all(row["identical"] for row in rows)
+    return {"kind": kind, "tolerance_rule": rule, "conversion_deviation": conv_dev,
+            "ratio_to_conversion": (max_abs / conv_dev if conv_dev else None) if max_abs is not None else None,
+            "identical": identical, "tensors": plain_rows(rows)}
+
+
+def plain_rows(rows: list[dict]) -> list[dict]:
+    """The rows as JSON holds them (the overflow text is the diagnosis's)."""
+    return [{k: v for k, v in row.items() if k != "overflow"} for row in rows]
+
+
+def run_comparison(comparison: Comparison, layers: Selection = None,
+                   on_layer: Callable[[Report, LayerResult], None] | None = None) -> CompareReport:
+    """Compare the selected layers (default all), one at a time, then inventory what lies outside the FFN."""
+    report = comparison.report()
+    chosen = comparison.layers(layers)
+    for layer in chosen:
+        result = comparison.compare_layer(layer)
+        report.layers.append(result)
+        if on_layer is not None:
+            on_layer(report, result)
+    report.comparison["inventory"] = inventory(comparison.a, comparison.b, chosen)
+    return report

@@ -1,0 +1,112 @@
+"""``parity compare A B`` as text: the header (which checkpoint is the truth, which the candidate), one row per
+layer with the conversion's own deviation beside B's, the diagnoses' evidence, the inventory outside the FFN
+and the summary line.  A check's table (``text.py``) has no column for the conversion; this one does."""
+
+from __future__ import annotations
+
+from parity.engine.results import LayerResult, Report, register_renderers
+from parity.outputs.text import units_label
+
+HEADER = (f"{'layer':>5}  {'max|Δ|':>9}  {'rel':>9}  {'noise':>9}  {'conv Δ':>9}  {'tol':>9}  {'×noise':>8}  "
+          f"{'×conv':>6}  {'stored as':<22}  verdict")
+
+
+def _sci(value: float | None) -> str:
+    return "-" if value is None else f"{value:.2e}"
+
+
+def header_lines(report: Report) -> list[str]:
+    comparison = getattr(report, "comparison", {}) or {}
+    a, b = comparison.get("reference", {}), comparison.get("candidate", {})
+    return [
+        f"parity compare: {a.get('model', report.model)} (A, the truth) against {b.get('model', report.target)} (B)",
+        f"  A           {report.checkpoint} (mapping '{a.get('mapping', report.mapping)}', {a.get('weights')} weights)",
+        f"  B           {report.target} (mapping '{b.get('mapping')}', {b.get('weights')} weights)",
+        f"  oracle      transformers {report.versions.get('transformers', '?')} {report.reference} "
+        f"(activation: {report.reference_activation}), built from A's config, filled with A's layer, then with B's",
+        *(f"  note: {note}" for note in report.notes),
+        "",
+        HEADER,
+    ]
+
+
+def layer_line(result: LayerResult) -> str:
+    conv = getattr(result, "conversion", None) or {}
+    ratio = ("-" if result.ratio_to_noise is None else f"{result.ratio_to_noise:.1f}" if result.ratio_to_noise < 1e5
+             else f"{result.ratio_to_noise:.2e}")
+    to_conv = conv.get("ratio_to_conversion")
+    verdict = ("UNVERIFIABLE" if result.unverifiable is not None else "MISMATCH" if not result.passed
+               else "ok (bit-identical)" if conv.get("identical") else "ok")
+    if result.diagnosis:
+        verdict += f" — {result.diagnosis.id}"
+    stored = str(conv.get("kind", "-")).removeprefix("quantized ").removeprefix("cast ")
+    return (f"{result.layer:>5}  {_sci(result.max_abs_diff):>9}  {_sci(result.max_rel_diff):>9}  "
+            f"{_sci(result.noise_floor):>9}  {_sci(conv.get('conversion_deviation')):>9}  "
+            f"{_sci(result.tolerance):>9}  {ratio:>8}  {'-' if to_conv is None else f'{to_conv:.2f}':>6}  "
+            f"{stored[:22]:<22}  {verdict}")
+
+
+def diagnosis_lines(report: Report) -> list[str]:
+    lines, seen = [], set()
+    for result in report.unverifiable:
+        lines.append(f"unverifiable (layer {result.layer}): {result.unverifiable}")
+    for result in report.layers:
+        d = result.diagnosis
+        if not d or (d.id, d.message) in seen:
+            continue
+        seen.add((d.id, d.message))
+        lines.append(f"diagnosis {d.id} (layer {result.layer}): {d.message}")
+        if d.distance is not None and d.reference_distance is not None:
+            lines.append(f"  evidence: B's layer is {d.distance:.2e} from A's replayed with this mistake and "
+                         f"{d.reference_distance:.2e} from A's (tolerance {_sci(result.tolerance)})")
+        others = sorted((c for c in d.candidates if c.id != d.id), key=lambda c: c.distance)[:3]
+        if others:
+            lines.append("  next closest: " + "; ".join(f"{c.id} ({c.detail}) {c.distance:.2e}" for c in others))
+        lines.append(f"  fix: {d.fix}")
+    return [*lines, ""] if lines else []
+
+
+def inventory_lines(report: Report) -> list[str]:
+    comparison = getattr(report, "comparison", {}) or {}
+    found = comparison.get("inventory")
+    if not found:
+        return []
+    parts = [f"{found['in_both']} in both"]
+    if found["missing_in_b_count"]:
+        parts.append(f"{found['missing_in_b_count']} missing in B ({', '.join(found['missing_in_b'][:4])}"
+                     f"{', ...' if found['missing_in_b_count'] > 4 else ''})")
+    if found["only_in_b_count"]:
+        parts.append(f"{found['only_in_b_count']} only in B")
+    if found["shape_differs"]:
+        parts.append(f"{len(found['shape_differs'])} of another shape ({found['shape_differs'][0]['name']} ...)")
+    if found["dtype_changes"]:
+        parts.append("dtype " + ", ".join(f"{k} ({n})" for k, n in found["dtype_changes"].items()))
+    if not found["headers_read"] and found["in_both"]:
+        parts.append("shapes and dtypes not read (no local headers)")
+    return [f"outside the FFN ({found['tensors_a']} tensors in A, {found['tensors_b']} in B): {'; '.join(parts)}. "
+            "Values outside the FFN are not judged.", ""]
+
+
+def summary_line(report: Report) -> str:
+    if not report.layers:
+        return "ERROR: no layer was compared: nothing was compared, so this is not a pass."
+    failed = [r for r in report.layers if not r.passed and r.unverifiable is None]
+    if failed:
+        ids = list(dict.fromkeys(str(r.diagnosis.id) for r in failed if r.diagnosis))
+        return (f"FAIL: {len(failed)} of {len(report.layers)} layer(s) of B compute another function than A's: "
+                f"{units_label(failed)}{' — ' + ', '.join(ids) if ids else ''}")
+    if report.unverifiable:
+        return (f"ERROR: {len(report.unverifiable)} of {len(report.layers)} layer(s) could not be verified: "
+                f"{units_label(report.unverifiable)}")
+    identical = all((getattr(r, "conversion", None) or {}).get("identical") for r in report.layers)
+    how = "bit-identical to A's" if identical else "compute what A's compute within what the conversion allows"
+    return f"PASS: {len(report.layers)} layer(s) of B {how}."
+
+
+def render_compare(report: Report) -> str:
+    lines = [*header_lines(report), *(layer_line(r) for r in report.layers), "", *diagnosis_lines(report),
+             *inventory_lines(report), summary_line(report)]
+    return "\n".join(lines)
+
+
+register_renderers(compare=render_compare)  # str(CompareReport) (engine.checkpoint_compare) is this table
