@@ -43,6 +43,17 @@ def test_a_broken_mlx_port_is_named(tiny, family, cls, mistake, capsys):
     assert code == 1 and report["layers"][0]["diagnosis"]["id"] == mistake, report["layers"][0]["diagnosis"]
 
 
+def test_every_view_names_the_framework(tiny, tmp_path, capsys):
+    _needs("mlx.core")
+    junit, html = tmp_path / "r.xml", tmp_path / "r.html"
+    code, out, err = run_main(capsys, tiny["llama"], "--layer", "0", "--target", "tests.mlx_ports:MLP",
+                              "--junit", str(junit), "--html", str(html))
+    assert code == 0, err
+    assert "target      tests.mlx_ports:MLP (mlx " in out
+    assert '<property name="framework" value="mlx"' in junit.read_text()
+    assert "tests.mlx_ports:MLP</code> (mlx " in html.read_text()
+
+
 def test_an_mlx_instance_is_checked_and_not_modified(tiny):
     _needs("mlx.core")
     import mlx.core as mx

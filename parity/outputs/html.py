@@ -32,7 +32,7 @@ from parity.definitions.families import TANH_GELUS
 from parity.definitions.mapping import route_arrows
 from parity.engine.results import Diagnosis, LayerResult, Report, layer_status
 from parity.outputs.atomic import write_output
-from parity.outputs.text import condition, reference_filled, summary_line, unit_label
+from parity.outputs.text import condition, framework_label, reference_filled, summary_line, unit_label
 
 SVG = 'xmlns="http://www.w3.org/2000/svg"'
 COLOURS = {"pass": "#1a7f37", "fail": "#cf222e", "regressed": "#cf222e", "unverifiable": "#b35c00",
@@ -455,7 +455,7 @@ def context_block(report: Report) -> str:
                if report.synthetic else '<span class="badge real">real</span> read from the checkpoint')
     rows = [("model", esc(report.model) + f' <span class="muted">(mapping {esc(report.mapping)})</span>'),
             ("checkpoint", f"<code>{esc(report.checkpoint)}</code>"), ("weights", weights),
-            ("target", f"<code>{esc(report.target)}</code>"),
+            ("target", f"<code>{esc(report.target)}</code>{esc(framework_label(report))}"),
             ("reference", f"<code>{esc(report.reference)}</code> (activation <code>"
                           f"{esc(report.reference_activation)}</code>)"),
             *([("reference filled", esc(reference_filled(report.reference_routes)))]

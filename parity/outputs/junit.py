@@ -91,6 +91,7 @@ def add_properties(suite: ET.Element, report: Report) -> None:
     for name, value in (("checkpoint", report.checkpoint), ("weights", report.weights), ("target", report.target),
                         ("reference", report.reference), ("reference_activation", report.reference_activation),
                         ("dtype", report.dtype), ("device", report.device),
+                        ("framework", getattr(report, "framework", "torch")),
                         *((f"version.{k}", v) for k, v in report.versions.items())):
         ET.SubElement(props, "property", name=name, value=str(value))
     caveat = not_checked_summary(report).strip()
