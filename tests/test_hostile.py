@@ -206,11 +206,18 @@ def test_interrupted_synthetic_shard_write_leaves_no_file(small_synthetic, tmp_p
 
 
 # -- memory: bounded by what is real, not by what a header claims -----------------------------------
+# The child's own peak: VmHWM belongs to its address space, which exec makes new.  ru_maxrss would not do on Linux:
+# it survives fork + exec, so a child of a large pytest process (one that imported JAX, MLX and the ONNX exporter)
+# would report the parent's peak as its own.
 MEMORY_PROBE = """
 import json, resource, sys
+from pathlib import Path
 import parity.cli
 codes = [parity.cli.main(argv) for argv in json.loads(sys.argv[1])]
-print(json.dumps({"codes": codes, "peak_kb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss}))
+status = Path("/proc/self/status")
+lines = [l for l in status.read_text().splitlines() if l.startswith("VmHWM:")] if status.exists() else []
+peak = int(lines[0].split()[1]) if lines else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+print(json.dumps({"codes": codes, "peak_kb": peak}))
 """
 
 

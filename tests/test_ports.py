@@ -169,6 +169,8 @@ def test_a_correct_port_passes_with_target_alone(tiny, family, cls, capsys):
 def test_a_broken_port_is_named(tiny, family, cls, mistake, capsys):
     code, out, _ = run_main(capsys, tiny[family], "--layer", "1", "--target", f"{HERE}:{cls}")
     assert code == 1 and f"MISMATCH — {mistake}" in out
+    if mistake == "dropout_active":  # no replay: the evidence is the two runs
+        assert "evidence: two runs on the same input differ by" in out and "replay" not in out
 
 
 def test_a_dict_config_gets_float32_and_the_notes_say_so(tiny):

@@ -122,7 +122,10 @@ def diagnosis_lines(report: Report) -> list[str]:
         seen.add(d.id)
         layers = [unit_label(r) for r in report.layers if r.diagnosis and r.diagnosis.id == d.id]
         lines.append(f"diagnosis {d.id} (layers {', '.join(map(str, layers))}): {d.message}")
-        if d.distance is not None and d.reference_distance is not None:
+        if d.distance is not None and d.reference_distance is not None and d.id == MistakeId.DROPOUT_ACTIVE:
+            lines.append(f"  evidence: two runs on the same input differ by {d.distance:.2e}; the first is "
+                         f"{d.reference_distance:.2e} from transformers")  # no replay: its distance is the runs'
+        elif d.distance is not None and d.reference_distance is not None:
             lines.append(f"  evidence: the module is {d.distance:.2e} from this mistake's replay "
                          f"and {d.reference_distance:.2e} from transformers")
         lines.append(f"  fix: {d.fix}")
