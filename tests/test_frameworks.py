@@ -23,23 +23,32 @@ def _needs(module: str) -> None:
     pytest.importorskip(module, reason=f"{module} is not installed here (pip install 'parity[...]' extras)")
 
 
-# -- MLX -------------------------------------------------------------------------------------------------------
+# -- MLX and Flax NNX: module classes ---------------------------------------------------------------------------
 
+# (the framework's module, the ports' module, the report's framework name, its version key, a dropout left on)
+MODULE_FRAMEWORKS = [("mlx.core", "tests.mlx_ports", "mlx", "mlx", ("llama", "DropoutOnMLP")),
+                     ("flax.nnx", "tests.nnx_ports", "flax.nnx", "flax", ("gpt2", "DropoutOnGPT2MLP"))]
+
+
+@pytest.mark.parametrize("framework", MODULE_FRAMEWORKS, ids=lambda f: f[2])
 @pytest.mark.parametrize(("family", "cls"), CORRECT, ids=[f"{f}-{c}" for f, c in CORRECT])
-def test_a_correct_mlx_port_passes_and_the_json_names_mlx(tiny, family, cls, capsys):
-    _needs("mlx.core")
-    code, report, err = run_json(capsys, tiny[family], "--layers", "0,1", "--target", f"tests.mlx_ports:{cls}")
+def test_a_correct_port_passes_and_the_json_names_its_framework(tiny, framework, family, cls, capsys):
+    needed, ports, name, version, _ = framework
+    _needs(needed)
+    code, report, err = run_json(capsys, tiny[family], "--layers", "0,1", "--target", f"{ports}:{cls}")
     assert code == 0, err
-    assert report["framework"] == "mlx" and report["versions"]["mlx"]
+    assert report["framework"] == name and report["versions"][version]
     assert all(layer["passed"] and layer["diagnosis"] is None for layer in report["layers"])
     assert any("input mutation is not checked" in note for note in report["notes"])
 
 
-@pytest.mark.parametrize(("family", "cls", "mistake"),
-                         [*BROKEN, ("llama", "DropoutOnMLP", "dropout_active")], ids=lambda v: str(v))
-def test_a_broken_mlx_port_is_named(tiny, family, cls, mistake, capsys):
-    _needs("mlx.core")
-    code, report, _ = run_json(capsys, tiny[family], "--layer", "1", "--target", f"tests.mlx_ports:{cls}")
+@pytest.mark.parametrize("framework", MODULE_FRAMEWORKS, ids=lambda f: f[2])
+@pytest.mark.parametrize("broken", [*BROKEN, "dropout"], ids=lambda v: v if isinstance(v, str) else v[1])
+def test_a_broken_port_is_named(tiny, framework, broken, capsys):
+    needed, ports, *_, dropout = framework
+    _needs(needed)
+    family, cls, mistake = (*dropout, "dropout_active") if broken == "dropout" else broken
+    code, report, _ = run_json(capsys, tiny[family], "--layer", "1", "--target", f"{ports}:{cls}")
     assert code == 1 and report["layers"][0]["diagnosis"]["id"] == mistake, report["layers"][0]["diagnosis"]
 
 
@@ -78,23 +87,6 @@ def test_an_mlx_port_in_bfloat16_computes_in_mlx_bfloat16(tiny, capsys):
 
 
 # -- Flax NNX --------------------------------------------------------------------------------------------------
-
-@pytest.mark.parametrize(("family", "cls"), CORRECT, ids=[f"{f}-{c}" for f, c in CORRECT])
-def test_a_correct_nnx_port_passes_and_the_json_names_nnx(tiny, family, cls, capsys):
-    _needs("flax.nnx")
-    code, report, err = run_json(capsys, tiny[family], "--layers", "0,1", "--target", f"tests.nnx_ports:{cls}")
-    assert code == 0, err
-    assert report["framework"] == "flax.nnx" and report["versions"]["flax"]
-    assert all(layer["passed"] for layer in report["layers"])
-
-
-@pytest.mark.parametrize(("family", "cls", "mistake"),
-                         [*BROKEN, ("gpt2", "DropoutOnGPT2MLP", "dropout_active")], ids=lambda v: str(v))
-def test_a_broken_nnx_port_is_named(tiny, family, cls, mistake, capsys):
-    _needs("flax.nnx")
-    code, report, _ = run_json(capsys, tiny[family], "--layer", "1", "--target", f"tests.nnx_ports:{cls}")
-    assert code == 1 and report["layers"][0]["diagnosis"]["id"] == mistake, report["layers"][0]["diagnosis"]
-
 
 def test_nnx_kernels_are_filled_transposed_and_a_kernel_filled_as_stored_is_named(tiny, tmp_path, capsys):
     """nnx.Linear stores kernel [in, out]: from LLaMA's [out, in] the inferred routes transpose; a mapping that
