@@ -207,7 +207,7 @@ def test_an_onnx_export_of_the_layer_passes_and_its_initializers_are_identified(
     code, report, err = run_json(capsys, tiny["gpt2"], "--layer", "0", "--target", str(exports["gpt2-0"]))
     assert code == 0, err
     assert report["framework"] == "onnx" and report["versions"]["onnxruntime"]
-    identified = [n for n in report["notes"] if n.startswith("ONNX initializer") and "is the checkpoint's" in n]
+    identified = [n for n in report["notes"] if n.startswith("layer 0: ONNX initializer") and "checkpoint's" in n]
     assert len(identified) == 4, report["notes"]  # c_fc and c_proj, weight and bias
     code, report, err = run_json(capsys, tiny["llama"], "--layer", "0", "--target", str(exports["llama-0"]))
     assert code == 0, err
@@ -217,7 +217,9 @@ def test_an_onnx_export_of_another_layer_fails_and_says_which_initializers_are_n
                                                                                               capsys):
     code, report, _ = run_json(capsys, tiny["gpt2"], "--layer", "0", "--target", str(exports["gpt2-1"]))
     assert code == 1
-    assert sum("is none of this layer's checkpoint tensors" in n for n in report["notes"]) == 4
+    assert sum("layer 0: ONNX initializer" in n and "is none of this layer's" in n for n in report["notes"]) == 4
+    found = report["layers"][0]["diagnosis"]
+    assert found["id"] == "other_layers_weights" and "layer 1's checkpoint tensors" in found["message"], found
 
 
 def test_an_onnx_export_with_gate_and_up_swapped_is_named(tiny, exports, capsys):

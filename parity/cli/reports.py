@@ -156,6 +156,9 @@ def save_mapping(path: str, report, *, force: bool = False) -> None:
     from parity.outputs.atomic import write_output
 
     refuse_to_replace(path, force)
+    if report is not None and report.framework == "onnx":
+        raise UsageError(f"--save-mapping {path}: an ONNX graph holds its own weights and is not filled, so there are "
+                         "no routes to write; nothing written")
     if report is None or not report.routes:
         raise UsageError(f"--save-mapping {path}: no layer was built, so no routes were used; nothing written")
     routes = report.routes

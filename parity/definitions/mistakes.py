@@ -17,6 +17,7 @@ class MistakeId(StrEnum):
 
     INPUT_MUTATED = "input_mutated"
     GLOBAL_STATE_MODIFIED = "global_state_modified"
+    OTHER_LAYERS_WEIGHTS = "other_layers_weights"
     NONFINITE_OUTPUT = "nonfinite_output"
     DROPOUT_ACTIVE = "dropout_active"
     GELU_EXACT_INSTEAD_OF_TANH = "gelu_exact_instead_of_tanh"
@@ -58,6 +59,8 @@ MISTAKES = {m.id: m for m in [
             "do not modify the input (x.zero_(), x.clamp_(), F.silu(x, inplace=True), x += ...): "
             "in a model the caller's tensor (the residual stream) would be corrupted; "
             "compute on a copy or use the out-of-place op"),
+    Mistake(MistakeId.OTHER_LAYERS_WEIGHTS, "the target holds another layer's weights (an export of one layer "
+            "checked as another)", "check the layer the graph was exported from (--layer N), or export this one"),
     Mistake(MistakeId.GLOBAL_STATE_MODIFIED,
             "the module changed torch's global state, which the reference (and every other model) depends on",
             "do not replace functions of torch / torch.nn.functional / transformers.activations and do not call "
@@ -194,6 +197,8 @@ def diagnosis(mistake_id: MistakeId | str, distance: float | None, reference_dis
 PRODUCED_BY: dict[MistakeId, str] = {
     MistakeId.INPUT_MUTATED: "finding: compare.judge, the target's copy of the input changed",
     MistakeId.GLOBAL_STATE_MODIFIED: "finding: session.run_layer, engine.guard saw torch's state change",
+    MistakeId.OTHER_LAYERS_WEIGHTS: "finding: session.run_layer, an ONNX graph's initializers are another layer's "
+                                    "checkpoint tensors",
     MistakeId.NONFINITE_OUTPUT: "finding: compare.judge, NaN/Inf in the target's output",
     MistakeId.DROPOUT_ACTIVE: "finding: compare.judge, two identical runs differ",
     MistakeId.GELU_EXACT_INSTEAD_OF_TANH: "replay: diagnose.hypotheses, the activation swapped",

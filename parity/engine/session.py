@@ -128,7 +128,7 @@ class Session:
         return build
 
     def build_target(self, tensors: dict[str, torch.Tensor] | LayerOnDisk,
-                     changes: list[str] | None = None) -> tuple[nn.Module, str]:
+                     changes: list[str] | None = None, layer: int | None = None) -> tuple[nn.Module, str]:
         """The target, built on the run's device and cast to a low-precision compute dtype before it is filled
         (float32 runs leave the module's own dtype alone), then filled with the checkpoint's tensors.
         ``changes``: what the target's code changed in torch's global state (restored; engine.guard)."""
@@ -145,7 +145,8 @@ class Session:
         if framework is not None and not framework.fills:  # its weights are inside it: checked, not filled
             module.parity_native.compute = self.dtype_name
             stored = {} if isinstance(tensors, LayerOnDisk) else tensors
-            notes = [*built_notes, *framework.verify(module.parity_native, stored)]
+            notes = [*built_notes, *(f"layer {layer}: {note}" if layer is not None else note
+                                     for note in framework.verify(module.parity_native, stored))]
             self.target_notes.extend(n for n in notes if n not in self.target_notes)
             return module.eval(), name
         with guarded(changes), user_code(f"target {name} could not be filled with the checkpoint's tensors",
@@ -194,7 +195,7 @@ class Session:
             del routed
         changes: list[str] = []  # what the target's code did to torch's global state (restored after each call)
         try:
-            target, target_name = self.build_target(tensors, changes)
+            target, target_name = self.build_target(tensors, changes, layer)
         except ShapeMismatchError as exc:
             return shape_failure(layer, expert, exc, self.checkpoint.weights), self.target_name()
         del tensors
@@ -202,6 +203,7 @@ class Session:
         runs = run_target_twice(truth, target, target_name, x, notes, changes)
         runs.dtype = self.dtype_name
         self.target_notes.extend(n for n in dict.fromkeys(notes) if n not in self.target_notes)
+        held = getattr(target, "parity_native", None) if self.framework and not self.framework.fills else None
         del target
         gc.collect()
         if large:
@@ -217,9 +219,21 @@ class Session:
             result.separability = separability(self.replay_builder(layer), routed, self.config, x, runs.reference64,
                                                result.tolerance, result.reference_error, self.dtype_name, self.atol,
                                                own)
+        if result.diagnosis is None and not result.passed and held is not None and expert is None:
+            other = self.layer_held(held, layer)
+            if other is not None:
+                result.diagnosis = diagnosis(MistakeId.OTHER_LAYERS_WEIGHTS, None, None,
+                                             f"its weights are layer {other}'s checkpoint tensors, not layer {layer}'s")
         if result.diagnosis is None and not result.passed and result.unverifiable is None and self.diagnose:
             result.diagnosis = self.explain(layer, routed, x, runs.target, runs.reference64, result.tolerance)
         return result, target_name
+
+    def layer_held(self, native: Any, layer: int, reach: int = 64) -> int | None:
+        """The layer whose checkpoint tensors a target that holds its own weights (an ONNX graph) holds, searched
+        nearest first within ``reach`` layers of the one checked; None when none is."""
+        nearest = sorted((j for j in range(self.num_layers) if j != layer and abs(j - layer) <= reach),
+                         key=lambda j: abs(j - layer))
+        return next((j for j in nearest if self.framework.holds(native, self.read_layer(j, None, dtype=None))), None)
 
     def explain(self, layer: int, routed: dict[str, torch.Tensor], x: torch.Tensor, got: torch.Tensor,
                 out64: torch.Tensor, tolerance: float) -> dict:

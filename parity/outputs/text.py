@@ -275,6 +275,7 @@ class TextWriter:
     def __init__(self, say: Callable[[str], None]):
         self.say = say
         self.started: list[int] = []  # id() of the reports whose header was written
+        self.noted: dict[int, int] = {}  # id() of a report -> how many of its notes its header wrote
 
     def layer(self, report: Report, result: LayerResult) -> None:
         self._start(report, result)
@@ -283,6 +284,11 @@ class TextWriter:
     def finish(self, report: Report, summary: bool = True) -> None:
         self._start(report, report.layers[0] if report.layers else None)
         self.say("")
+        later = report.notes[self.noted.get(id(report), len(report.notes)):]
+        for note in later:  # found by a later layer than the header's (an ONNX graph of another layer, say)
+            self.say(f"note: {note}")
+        if later:
+            self.say("")
         for line in [*diagnosis_lines(report), *logits_lines(report)]:
             self.say(line)
         if summary:
@@ -294,6 +300,7 @@ class TextWriter:
         if self.started:
             self.say("")
         self.started.append(id(report))
+        self.noted[id(report)] = len(report.notes)
         for line in [*header_lines(report), "", table_header(first, report.low_precision)]:
             self.say(line)
 

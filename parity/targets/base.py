@@ -123,6 +123,11 @@ class Framework:
         checkpoint layer's tensors."""
         return []
 
+    def holds(self, native: Any, tensors: dict[str, torch.Tensor]) -> bool:
+        """For a framework that does not fill: whether its own weights are exactly ``tensors`` (another layer's,
+        when a check fails)."""
+        return False
+
 
 def torch_dtype(name: str) -> torch.dtype:
     """'float32', 'bfloat16', ... (a framework's dtype name) -> the torch dtype; TargetError for another."""

@@ -15,7 +15,7 @@ provider; its bfloat16 MatMul does not.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -37,6 +37,17 @@ class Graph:
     input_shape: list[int | None]  # None: a dynamic dimension
     dtype: str
     compute: str = "float32"  # the run's --dtype (set by the session)
+    _initializers: list | None = None
+
+    def initializers(self) -> list[tuple[str, Any]]:
+        """(name, array) of every initializer, read from the file once."""
+        if self._initializers is None:
+            import onnx
+            from onnx import numpy_helper
+
+            model = onnx.load(str(self.path))
+            self._initializers = [(i.name, numpy_helper.to_array(i)) for i in model.graph.initializer]
+        return self._initializers
 
 
 class ONNXGraph(Framework):
@@ -109,40 +120,49 @@ class ONNXGraph(Framework):
         out = np.concatenate([o.reshape(-1, o.shape[-1]) for o in outputs])[:len(tokens)]
         return torch.from_numpy(out.astype(np.float64 if out.dtype == np.float64 else np.float32)).reshape(x.shape)
 
-    def verify(self, native: Graph, tensors: dict[str, torch.Tensor]) -> list[str]:
-        """Each initializer of at least a vector's size, identified with a checkpoint tensor of the layer by
-        shape and value (as stored or transposed, at the graph's precision); the rest said."""
+    def identify(self, native: Graph, tensors: dict[str, torch.Tensor]) -> Identified:
+        """Each floating initializer of at least the smallest tensor's size (not a shape, an axis or a constant of
+        the activation), identified with one of ``tensors`` by shape and value, as stored or transposed, at the
+        graph's precision."""
         import numpy as np
-        import onnx
-        from onnx import numpy_helper
 
-        model = onnx.load(str(native.path))
         stored = {name: to_numpy(t).astype(np.float64) for name, t in tensors.items() if t.dim() in (1, 2)}
         smallest = min((t.size for t in stored.values()), default=2)
-        notes, used = [], set()
-        for init in model.graph.initializer:
-            array = numpy_helper.to_array(init)
+        found = Identified()
+        for init_name, array in native.initializers():
             if array.dtype.kind != "f" or array.ndim not in (1, 2) or array.size < smallest:
-                continue  # a shape, an axis, a constant of the activation (0.044715): not a weight
+                continue
             value = array.astype(np.float64)
-            found = None
-            for name, tensor in stored.items():
-                for how, candidate in (("as stored", tensor), ("transposed", tensor.T)):
-                    if candidate.shape == value.shape and np.array_equal(
-                            candidate.astype(array.dtype).astype(np.float64), value):
-                        found = (name, how)
-                        break
-                if found:
-                    break
-            if found:
-                used.add(found[0])
-                notes.append(f"ONNX initializer '{init.name}' {list(array.shape)} is the checkpoint's "
-                             f"'{found[0]}' ({found[1]})")
+            match = next(((name, how) for name, tensor in stored.items()
+                          for how, candidate in (("as stored", tensor), ("transposed", tensor.T))
+                          if candidate.shape == value.shape
+                          and np.array_equal(candidate.astype(array.dtype).astype(np.float64), value)), None)
+            if match:
+                found.matched[init_name] = (list(array.shape), *match)
             else:
-                notes.append(f"ONNX initializer '{init.name}' {list(array.shape)} is none of this layer's checkpoint "
-                             "tensors, as stored or transposed: the export may hold another layer's or altered "
-                             "weights")
-        missing = sorted(set(stored) - used)
-        if missing:
-            notes.append(f"ONNX graph: no initializer holds the checkpoint's {', '.join(missing)}")
+                found.unmatched[init_name] = list(array.shape)
+        found.missing = sorted(set(stored) - {name for _, name, _ in found.matched.values()})
+        return found
+
+    def verify(self, native: Graph, tensors: dict[str, torch.Tensor]) -> list[str]:
+        found = self.identify(native, tensors)
+        notes = [f"ONNX initializer '{init}' {shape} is the checkpoint's '{name}' ({how})"
+                 for init, (shape, name, how) in found.matched.items()]
+        notes += [f"ONNX initializer '{init}' {shape} is none of this layer's checkpoint tensors, as stored or "
+                  "transposed: the export may hold another layer's or altered weights"
+                  for init, shape in found.unmatched.items()]
+        if found.missing:
+            notes.append(f"ONNX graph: no initializer holds the checkpoint's {', '.join(found.missing)}")
         return notes
+
+    def holds(self, native: Graph, tensors: dict[str, torch.Tensor]) -> bool:
+        """Whether every weight of the graph is one of ``tensors`` and every one of them is in the graph."""
+        found = self.identify(native, tensors)
+        return bool(found.matched) and not found.unmatched and not found.missing
+
+
+@dataclass
+class Identified:
+    matched: dict[str, tuple[list[int], str, str]] = field(default_factory=dict)  # initializer -> shape, tensor, how
+    unmatched: dict[str, list[int]] = field(default_factory=dict)  # initializer -> shape
+    missing: list[str] = field(default_factory=list)  # checkpoint tensors no initializer holds
