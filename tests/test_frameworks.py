@@ -252,3 +252,27 @@ def test_a_pytorch_check_imports_no_other_framework(tiny):
     out = subprocess.run([sys.executable, "-c", code, str(tiny["llama"])], capture_output=True, text=True,
                          cwd=ROOT, timeout=300)
     assert out.stdout.split() == ["True", "[]"], out.stderr[-2000:]
+
+
+def test_a_numpy_mapping_saved_on_a_checkpoint_with_biases_repeats_the_run(tiny, tmp_path, capsys):
+    saved = tmp_path / "numpy.toml"
+    code, _, err = run_main(capsys, tiny["gpt2"], "--layer", "0", "--target", "tests.numpy_ports:ffn_first_named_inp",
+                            "--save-mapping", str(saved))
+    assert code == 0, err
+    assert '"c_fc.w" = ' in saved.read_text() and "module instance" not in saved.read_text()
+    code, _, err = run_main(capsys, tiny["gpt2"], "--layer", "0", "--mapping", str(saved))
+    assert code == 0, err
+
+
+def test_outputs_that_are_no_hidden_states_are_told_so_not_diagnosed_as_half_precision(tiny, capsys):
+    code, _, err = run_main(capsys, tiny["gpt2"], "--layer", "0", "--target", "tests.numpy_ports:ffn_returns_integers")
+    assert code == 2 and "returned an array of int64" in err, err
+    code, report, _ = run_json(capsys, tiny["gpt2"], "--layer", "0", "--target", "tests.numpy_ports:ffn_returns_zeros")
+    assert code == 1 and report["layers"][0]["diagnosis"]["id"] != "low_precision_compute"
+
+
+def test_a_target_module_with_a_syntax_error_is_named_with_its_line(tiny, tmp_path, capsys, monkeypatch):
+    (tmp_path / "broken_syntax.py").write_text("def ffn(x, w1, w2, w3)\n    return x\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    code, _, err = run_main(capsys, tiny["llama"], "--layer", "0", "--target", "broken_syntax:ffn")
+    assert code == 2 and "has a syntax error" in err and "line 1" in err and "PYTHONPATH" not in err, err

@@ -166,7 +166,7 @@ def save_mapping(path: str, report, *, force: bool = False) -> None:
     header = (f"Written by `parity {report.model} --save-mapping`: target {report.target}, routes {how}.\n"
               f"The same run: parity {report.model} --mapping {path}")
     if routes["args"] is None:
-        header += "\nThe run checked an nn.Module instance: set [target].args to build its class as it was built."
+        header += "\nThe run checked a module instance: set [target].args to build its class as it was built."
     if "<" in report.target:
         header += f"\n{report.target} cannot be imported by name: put the factory in a module (module:function)."
     text = mapping_text(routes["extends"], report.target, routes["args"], routes["tensors"], header=header)

@@ -20,7 +20,7 @@ SIDES = ("in", "out")
 _ROLE_KEYS = {"kind", "side", "names", "fuses"}
 _OTHER_TABLES = {"biases", "layout", "constructor", "config_fields", "groups", "leaves"}
 # what parity knows about a checkpoint's FFN that [config_fields.facts] may name
-FACTS = ("ffn_bias", "ffn_width", "ffn_activation", "gelu_approximate", "head_dim")
+FACTS = ("ffn_bias", "ffn_width", "ffn_activation", "gelu_approximate", "head_dim", "rope_theta")
 
 
 @dataclass(frozen=True)

@@ -14,13 +14,14 @@ import os
 import sys
 import typing
 from collections.abc import Iterator
+from dataclasses import dataclass
 from typing import Any
 
 from torch import nn
 
 from parity.definitions.aliases import load_aliases
 from parity.definitions.families import TANH_GELUS, config_dff, configured_activation
-from parity.definitions.mapping import NONE, ConfigValue, Mapping
+from parity.definitions.mapping import NONE, ConfigValue, Mapping, TensorRoute
 from parity.engine.frames import user_frame
 from parity.errors import TargetError
 from parity.targets import FRAMEWORKS, CheckpointFacts, Framework, foreign, framework_importing, framework_of
@@ -36,6 +37,9 @@ def import_object(import_path: str, what: str = "--target") -> Any:
     try:
         module = importlib.import_module(module_name)
     except Exception as exc:
+        if isinstance(exc, SyntaxError):
+            raise TargetError(f"{what} {import_path!r}: module '{module_name}' has a syntax error: {exc.msg} "
+                              f"({exc.filename}, line {exc.lineno})") from None
         missing = framework_importing(exc.name) if isinstance(exc, ModuleNotFoundError) else None
         if missing is not None and missing.extra:
             raise TargetError(f"{what} {import_path!r}: module '{module_name}' imports {exc.name}, which is not "
@@ -59,8 +63,10 @@ def check_constructible(obj: Any, import_path: str, what: str) -> None:
     if inspect.isclass(obj):
         if issubclass(obj, nn.Module) or framework_of(obj) is not None:
             return
-        raise TargetError(f"{what} {import_path!r}: is the class {obj.__module__}.{obj.__qualname__}, not a "
-                          "torch.nn.Module subclass; name the module class (or a function that builds it)")
+        raise TargetError(f"{what} {import_path!r}: is the class {obj.__module__}.{obj.__qualname__}, which derives "
+                          "from none of torch.nn.Module, mlx.nn.Module or flax.nnx.Module; name the module class, a "
+                          "function that builds it, a NumPy function def ffn(x, <one parameter per projection>) or "
+                          "an .onnx file")
     function = obj.__func__ if inspect.ismethod(obj) else obj
     if inspect.isfunction(function):
         return
@@ -111,9 +117,10 @@ def build_target(mapping: Mapping, config: Any,
     framework = framework_of(chosen)
     if framework is not None and (framework.owns(chosen) and not inspect.isclass(chosen)):
         framework.require()  # an instance, a function or a file: nothing to construct
-        native = framework.open(chosen) if framework.fills is False or inspect.isfunction(chosen) \
-            else framework.copy(chosen)
-        return foreign_target(framework, native, mapping, config), name, None, framework_notes(framework)
+        opened = framework.fills is False or inspect.isfunction(chosen)  # a graph or a function: nothing built
+        native = framework.open(chosen) if opened else framework.copy(chosen)
+        return (foreign_target(framework, native, mapping, config), name, {} if opened else None,
+                framework_notes(framework))
     what = "--target" if target is not None else f"{mapping.path}: target.class"
     factory = import_object(chosen, what) if isinstance(chosen, str) else chosen
     if not callable(factory):
@@ -121,24 +128,29 @@ def build_target(mapping: Mapping, config: Any,
     framework = framework_of(factory)
     if framework is not None and inspect.isfunction(factory):  # a NumPy function named by import path
         framework.require()
-        return (foreign_target(framework, framework.open(factory), mapping, config), name, None,
+        return (foreign_target(framework, framework.open(factory), mapping, config), name, {},
                 framework_notes(framework))
     if framework is not None:
         framework.require()
     raw, kwargs, notes = constructor_args(factory, mapping, config, framework)
     by_name = bool(notes)  # only arguments bound by parameter name come with notes
+    built_config = None  # the project's own config class, built from the checkpoint's config
     for key, value in list(kwargs.items()):  # a config parameter annotated with the project's own config class
         own = config_class(factory, key) if value is config else None
         if own is not None:
-            kwargs[key], notes = project_config(own, config_view_of(mapping, config))
+            call = TargetCall(name.split(":")[-1], key, {k: v for k, v in kwargs.items() if k != key}, framework)
+            kwargs[key], notes = project_config(own, config_view_of(mapping, config), mapping, config, call)
+            built_config = f"its {own.__qualname__} built from the checkpoint's {type(config).__name__}"
     try:
         module = factory(**kwargs)
     except (AttributeError, TypeError, KeyError) as exc:  # a field the config lacks; a dict config (cfg["emb_dim"])
         if not any(value is config for value in kwargs.values()):
-            raise construction_error(factory, name, kwargs, mapping, config, exc, by_name=by_name) from None
+            raise construction_error(factory, name, kwargs, mapping, config, exc, by_name=by_name,
+                                     framework=framework, built_config=built_config) from None
         module, notes = build_with_view(factory, name, kwargs, mapping, config)
     except Exception as exc:
-        raise construction_error(factory, name, kwargs, mapping, config, exc, by_name=by_name) from None
+        raise construction_error(factory, name, kwargs, mapping, config, exc, by_name=by_name,
+                                     framework=framework, built_config=built_config) from None
     built = framework or framework_of(module)  # a class of a framework, or a factory returning its module
     if built is not None and not isinstance(module, nn.Module):
         built.require()
@@ -188,11 +200,15 @@ def checkpoint_facts(mapping: Mapping, config: Any) -> dict[str, tuple[Any, str]
     head_dim = getattr(config, "head_dim", None)
     if head_dim is None and isinstance(hidden, int) and isinstance(heads, int) and heads > 0:
         head_dim = hidden // heads
+    rope = getattr(config, "rope_parameters", None)
+    rope_theta = rope.get("rope_theta") if isinstance(rope, dict) else getattr(config, "rope_theta", None)
     return {"ffn_bias": checkpoint_ffn_bias(mapping, config), "ffn_width": checkpoint_ffn_width(config),
             "ffn_activation": (activation, source) if activation else None,
             "gelu_approximate": (("tanh" if activation in TANH_GELUS else "none"), source) if activation else None,
             "head_dim": (head_dim, f"{type(config).__name__}: head_dim, or hidden size / attention heads")
-            if isinstance(head_dim, int) else None}
+            if isinstance(head_dim, int) else None,
+            "rope_theta": (rope_theta, f"{type(config).__name__}.rope_parameters['rope_theta']")
+            if isinstance(rope_theta, (int, float)) else None}
 
 
 def config_class(factory: Any, parameter: str) -> type | None:
@@ -217,10 +233,28 @@ def _own_class(hint: Any) -> bool:
     return not any(base.__name__ == "PretrainedConfig" for base in hint.__mro__)
 
 
-def project_config(cls: type, view: Any) -> tuple[Any, list[str]]:
+@dataclass(frozen=True)
+class TargetCall:
+    """How the target is called with its config class, for a factory parity prints: the target's name, the
+    parameter taking the config, its other arguments and its framework (whose own arguments it spells)."""
+
+    target: str
+    parameter: str
+    others: dict
+    framework: Framework | None
+
+    def spelled(self, config_call: str) -> str:
+        spelling = self.framework.extra_spelling if self.framework else {}
+        others = [f"{k}={spelling.get(k, repr(v))}" for k, v in self.others.items()]
+        return f"{self.target}({', '.join([f'{self.parameter}={config_call}', *others])})"
+
+
+def project_config(cls: type, view: Any, mapping: Mapping, config: Any, call: TargetCall) -> tuple[Any, list[str]]:
     """An instance of the project's own config class built from the checkpoint's config through the view: each
     constructor parameter it can answer (the config's own fields, aliases.toml [config_fields]) is passed, the
-    others keep their defaults.  A required one nobody answers is a TargetError naming it."""
+    others keep their defaults.  A required one nobody answers is a TargetError naming it, with the factory to
+    write: every answered field spelled from the config, the others as <name> (not Python: copied unfilled,
+    it fails)."""
     try:
         parameters = inspect.signature(cls).parameters
     except (TypeError, ValueError):
@@ -236,10 +270,13 @@ def project_config(cls: type, view: Any) -> tuple[Any, list[str]]:
             missing.append(key)
     label = f"{cls.__module__}.{cls.__qualname__}"
     if missing:
+        fields = [f"{k}={(spelled(k, mapping, config) or (repr(v),))[0]}" for k, v in values.items()]
+        fields += [f"{m}=<{m}>" for m in missing]
+        factory = call.spelled(f"{cls.__qualname__}({', '.join(fields)})")
         raise TargetError(f"cannot build the target's config {label} from the checkpoint's {view.config_name}: its "
                           f"parameters {', '.join(missing)} have no default and neither the config nor aliases.toml "
-                          f"[config_fields] answers them. Write a factory: def make_ffn(config): return "
-                          f"YourFFN({cls.__qualname__}({', '.join(f'{m}=<{m}>' for m in missing)}, ...))")
+                          f"[config_fields] answers them. Write a factory and pass it as --target mymodel:make_ffn: "
+                          f"def make_ffn(config): return {factory}")
     try:
         built = cls(**values)
     except Exception as exc:  # noqa: BLE001 - the project's own validation: said in its terms
@@ -287,10 +324,15 @@ def checkpoint_ffn_bias(mapping: Mapping, config: Any) -> tuple[bool, str]:
         if isinstance(value, bool):
             return value, (f"the checkpoint has {'' if value else 'no '}FFN biases: mapping '{mapping.name}' "
                            "target.args.bias")
-    required = [r.source for r in mapping.tensors if r.target.endswith("bias") and not r.optional and r.reads]
+    leaves = load_aliases()
+
+    def is_bias(route: TensorRoute) -> bool:  # "c_fc.bias", and a NumPy target's "c_fc.b"
+        return leaves.leaf_kind(route.target.rpartition(".")[2]) == "bias" and route.reads
+
+    required = [r.source for r in mapping.tensors if is_bias(r) and not r.optional]
     if required:
         return True, f"the checkpoint has FFN biases: {', '.join(required)}"
-    optional = [r.source for r in mapping.tensors if r.target.endswith("bias") and r.reads]
+    optional = [r.source for r in mapping.tensors if is_bias(r)]
     flag = getattr(config, "mlp_bias", None)
     if optional and isinstance(flag, bool):
         return flag, f"the checkpoint has {'' if flag else 'no '}FFN biases: {type(config).__name__}.mlp_bias"
@@ -298,7 +340,8 @@ def checkpoint_ffn_bias(mapping: Mapping, config: Any) -> tuple[bool, str]:
 
 
 def construction_error(factory: Any, name: str, kwargs: dict, mapping: Mapping, config: Any, exc: Exception, *,
-                       by_name: bool = False) -> TargetError:
+                       by_name: bool = False, framework: Framework | None = None,
+                       built_config: str | None = None) -> TargetError:
     """What failed, the constructor's signature and how to give it what it needs (a mapping's args or a factory);
     for a config field neither the config nor aliases.toml [config_fields] has, that field's name.  ``by_name``:
     ``kwargs`` were bound by the constructor's own parameter names (bind_by_name), not a mapping's."""
@@ -309,8 +352,9 @@ def construction_error(factory: Any, name: str, kwargs: dict, mapping: Mapping, 
     except (TypeError, ValueError):
         parameters, signature = {}, name
     call = ", ".join(f"{p}=<{p}>" for p, v in parameters.items() if v.default is v.empty and v.kind in _NAMED)
-    shown = {k: (type(config).__name__ if k == "config" or v is config or _is_view(v) else v)
-             for k, v in kwargs.items()}
+    own = framework.extra_spelling if framework else {}
+    shown = {k: (type(config).__name__ if k == "config" or v is config or _is_view(v) else
+                 _Spelled(own[k]) if k in own else v) for k, v in kwargs.items()}
     field = getattr(exc, "name", None) if isinstance(exc, AttributeError) else None
     if field and any(v is config or _is_view(v) for v in kwargs.values()) and not hasattr(config, field):
         return TargetError(
@@ -321,12 +365,12 @@ def construction_error(factory: Any, name: str, kwargs: dict, mapping: Mapping, 
             f"config; or, for a constructor that takes plain values, [target].args in a mapping file (--mapping). "
             f"Its signature is {signature}."
         )
-    written = factory_call(parameters, mapping, config)
+    written = factory_call(parameters, mapping, config, own)
     if written is not None:
         call = written
     got_config = any(v is config or _is_view(v) for v in kwargs.values())
-    if (got_config or by_name) and not isinstance(exc, TypeError):  # given what it asks for: its own code failed
-        given = (f"the checkpoint's {type(config).__name__}" if got_config
+    if (got_config or by_name or built_config) and not isinstance(exc, TypeError):  # its own code failed
+        given = (f"the checkpoint's {type(config).__name__}" if got_config else built_config if built_config
                  else f"{shown} (bound by its parameter names from the checkpoint's {type(config).__name__})")
         return TargetError(f"target {name} failed in its constructor, given {given}: "
                            f"{type(exc).__name__}: {exc}{user_frame(exc)}")
@@ -341,7 +385,14 @@ def construction_error(factory: Any, name: str, kwargs: dict, mapping: Mapping, 
     )
 
 
-def factory_call(parameters: Any, mapping: Mapping, config: Any) -> str | None:
+class _Spelled(str):
+    """A value shown as the Python that makes it (``nnx.Rngs(0)``), not as its repr."""
+
+    def __repr__(self) -> str:
+        return str(self)
+
+
+def factory_call(parameters: Any, mapping: Mapping, config: Any, own: dict[str, str] | None = None) -> str | None:
     """The call a factory would make, in the constructor's own parameter names, each answered from the checkpoint's
     config where the config or aliases.toml [config_fields] can ('dim=config.hidden_size'); a placeholder that is
     not Python where not ('quant=<quant>': copied as it is, it fails instead of passing Ellipsis).  None when the
@@ -350,7 +401,7 @@ def factory_call(parameters: Any, mapping: Mapping, config: Any) -> str | None:
     for key, parameter in parameters.items():
         if parameter.kind not in _NAMED or parameter.default is not parameter.empty:
             continue
-        answer = spelled(key, mapping, config)
+        answer = (own[key],) if own and key in own else spelled(key, mapping, config)
         if answer is None and _admits_none(parameter):
             answer = "None", NONE
         parts.append(f"{key}={answer[0] if answer else f'<{key}>'}")

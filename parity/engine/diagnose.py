@@ -164,8 +164,9 @@ def _coarser(dtype: torch.dtype) -> tuple[torch.dtype, ...]:
 def _low_precision_signature(build, tensors, x, got, reference64, reference_distance, formats) -> dict | None:
     """Half precision, recognised by its signature: outputs that are exactly values of the format, or an
     error pattern that lines up with the error of the reference replayed in that format."""
+    integral = torch.equal(got, got.round())  # zeros, integers, booleans: representable in any format, not a sign
     for dtype in formats:
-        if _exactly_representable(got, dtype) and not _exactly_representable(reference64, dtype):
+        if not integral and _exactly_representable(got, dtype) and not _exactly_representable(reference64, dtype):
             return _low_precision(build, tensors, x, got, reference64, reference_distance, dtype)
     error = got - reference64
     for dtype in formats:

@@ -267,7 +267,7 @@ class Session:
         """The report names the target's framework and its version once the target is built (parity.targets)."""
         if self.framework is not None:
             report.framework = self.framework.name
-            report.versions[self.framework.distribution] = self.framework.version()
+            report.versions.update(self.framework.versions())
 
     def compute_notes(self) -> list[str]:
         if not self.low_precision and self.device.type == "cpu":

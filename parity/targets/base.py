@@ -58,6 +58,18 @@ class Framework:
     immutable_arrays = False  # the target cannot change its input: input mutation is not checked, and said so
     dtypes: tuple[str, ...] = ("float32", "bfloat16", "float16")  # what --dtype it computes in
     fills = True  # False: its weights are inside it (an ONNX graph): parity checks them instead of filling
+    extra_spelling: dict[str, str] = {}  # constructor_extras as a factory parity prints writes them
+    computes_with: tuple[str, ...] = ()  # the packages that compute for it, whose versions the report gives too
+
+    def versions(self) -> dict[str, str]:
+        """The framework's package version, and those of the packages it computes with (Flax NNX: jax, jaxlib)."""
+        found = {self.distribution: self.version()}
+        for package in self.computes_with:
+            try:
+                found[package] = importlib.metadata.version(package)
+            except importlib.metadata.PackageNotFoundError:
+                continue
+        return found
 
     # -- which objects are its own ---------------------------------------------------------------------------
     def owns(self, obj: Any) -> bool:

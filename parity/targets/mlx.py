@@ -54,6 +54,8 @@ class MLX(Framework):
         if not isinstance(out, mx.array):
             raise TypeError(f"__call__ returned {type(out).__name__}, not an mlx.core.array")
         mx.eval(out)
+        if not mx.issubdtype(out.dtype, mx.floating):
+            raise TypeError(f"__call__ returned an array of {out.dtype}; an FFN returns floating-point hidden states")
         wide = out if out.dtype in (mx.float32, mx.float64) else out.astype(mx.float32)
         return torch.from_numpy(np.array(wide))
 

@@ -30,6 +30,8 @@ class FlaxNNX(Framework):
     distribution = "flax"
     extra = "jax"
     immutable_arrays = True
+    extra_spelling = {"rngs": "nnx.Rngs(0)"}
+    computes_with = ("jax", "jaxlib")
 
     def constructor_extras(self, parameters: dict[str, inspect.Parameter]) -> dict[str, Any]:
         from flax import nnx
@@ -71,6 +73,8 @@ class FlaxNNX(Framework):
             out = out[0]
         if not isinstance(out, jax.Array):
             raise TypeError(f"__call__ returned {type(out).__name__}, not a jax.Array")
+        if not jnp.issubdtype(out.dtype, jnp.floating):
+            raise TypeError(f"__call__ returned an array of {out.dtype}; an FFN returns floating-point hidden states")
         wide = out if out.dtype in (jnp.float32, jnp.float64) else out.astype(jnp.float32)
         return torch.from_numpy(np.array(wide))
 

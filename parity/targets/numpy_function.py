@@ -5,14 +5,13 @@ The signature parity documents (docs/frameworks.md)::
     def ffn(x, c_fc, c_proj): ...          # GPT-2 (picoGPT's style): c_fc = {"w": [d, d_ff], "b": [d_ff]}
     def ffn(x, w1, w2, w3): ...            # LLaMA, no biases: w1 = gate [d, d_ff], w3 = up, w2 = down [d_ff, d]
 
-The first parameter is the input (``x``, ``inputs``, ``hidden_states`` or ``h``), [batch, seq, d]; every other
-parameter is one projection, named as a module's parameter would be (``aliases.toml``: c_fc, gate_proj, w1,
-fc1, ...), so the same inference routes the checkpoint into it.  A projection is an array when the checkpoint's
-FFN has no biases, else a dict ``{"w": weight, "b": bias}`` (the NumPy convention of picoGPT and of code that
-keeps TensorFlow checkpoints' parameters).  Weights are given [in, out], for ``x @ w``.  Arrays are read-only
-(a function that writes into a weight fails, naming its line); the input is the function's own copy, so an
-in-place change to it is seen, as for a PyTorch module.  NumPy has no bfloat16: ``--dtype float16`` runs,
-``bfloat16`` is refused.
+The first parameter is the input, [batch, seq, d] (``INPUT_NAMES``); every other parameter is one projection,
+named as a module's parameter would be (``aliases.toml``: c_fc, gate_proj, w1, fc1, ...), so the same inference
+routes the checkpoint into it.  A projection is an array when the checkpoint's FFN has no biases, else a dict
+``{"w": weight, "b": bias}`` (the NumPy convention of picoGPT and of code that keeps TensorFlow checkpoints'
+parameters).  Weights are given [in, out], for ``x @ w``.  Arrays are read-only (a function that writes into a
+weight fails, naming its line); the input is the function's own copy, so an in-place change to it is seen, as
+for a PyTorch module.  NumPy has no bfloat16: ``--dtype float16`` runs, ``bfloat16`` is refused.
 """
 
 from __future__ import annotations
@@ -26,7 +25,7 @@ import torch
 from parity.errors import TargetError
 from parity.targets.base import CheckpointFacts, ForeignParameter, Framework, to_numpy
 
-INPUT_NAMES = ("x", "inputs", "hidden_states", "h")
+INPUT_NAMES = ("x", "inp", "input", "inputs", "hidden_states", "hidden", "h")
 
 
 class NumPyFunction(Framework):
@@ -84,7 +83,9 @@ class NumPyFunction(Framework):
             out = out[0]
         if not isinstance(out, np.ndarray):
             raise TypeError(f"returned {type(out).__name__}, not a numpy.ndarray")
-        return torch.from_numpy(np.array(out, dtype=out.dtype if out.dtype.kind == "f" else np.float64))
+        if out.dtype.kind != "f":
+            raise TypeError(f"returned an array of {out.dtype}; an FFN returns floating-point hidden states")
+        return torch.from_numpy(np.array(out))
 
 
 @dataclass

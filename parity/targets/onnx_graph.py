@@ -95,6 +95,9 @@ class ONNXGraph(Framework):
         import numpy as np
 
         where = shown(native.path)
+        if native.dtype not in ("float32", "float16", "bfloat16"):
+            raise TargetError(f"--target {where}: the graph's input '{native.input_name}' is {native.dtype}; parity "
+                              "checks an FFN computing in float32, float16 or bfloat16: export it in float32")
         if native.dtype != native.compute:
             raise UsageError(f"--target {where}: the graph computes in {native.dtype} (its input "
                              f"'{native.input_name}' is {native.dtype}); run it with --dtype {native.dtype}")
@@ -117,6 +120,14 @@ class ONNXGraph(Framework):
             padded[:len(tokens)] = tokens
             feed = [chunk.reshape(shape) for chunk in np.split(padded, len(padded) // count)]
         outputs = [native.session.run(None, {native.input_name: chunk})[0] for chunk in feed]
+        pairs = zip(outputs, feed, strict=True)
+        if any(np.ndim(o) < 1 or o.shape[-1] != d or o.size != chunk.size for o, chunk in pairs):
+            shapes = sorted({str(list(np.shape(o))) for o in outputs})
+            raise TargetError(f"--target {where}: the graph's first output has shape {', '.join(shapes)} for an "
+                              f"input of shape {list(feed[0].shape)}; an FFN returns one of its input's shape")
+        if np.asarray(outputs[0]).dtype.kind != "f":
+            raise TargetError(f"--target {where}: the graph's first output is {outputs[0].dtype}; an FFN returns "
+                              "floating-point hidden states")
         out = np.concatenate([o.reshape(-1, o.shape[-1]) for o in outputs])[:len(tokens)]
         return torch.from_numpy(out.astype(np.float64 if out.dtype == np.float64 else np.float32)).reshape(x.shape)
 
