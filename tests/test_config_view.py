@@ -10,7 +10,7 @@ from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig
 
 from parity.definitions.aliases import aliases_path, load_aliases
 from parity.definitions.registry import builtin_mappings
-from parity.engine.build import checkpoint_ffn_bias, checkpoint_ffn_width
+from parity.engine.arguments import checkpoint_ffn_bias, checkpoint_ffn_width
 from parity.engine.config_view import config_view
 from parity.errors import MappingError
 from tests.conftest import TINY

@@ -1,0 +1,323 @@
+"""What a target's constructor is called with: the checkpoint's config (or parity's read-only view of it, or an
+instance of the project's own config class built from it), the mapping's [target].args, the values its
+parameters' names ask for (``bind_by_name``), or projection modules; and the facts about the checkpoint's FFN
+that answer them (d_ff, biases, activation).  ``parity.engine.build`` calls the constructor with what this chooses.
+"""
+
+from __future__ import annotations
+
+import inspect
+import typing
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from torch import nn
+
+from parity.definitions.aliases import load_aliases
+from parity.definitions.families import TANH_GELUS, config_dff, configured_activation
+from parity.definitions.mapping import NONE, ConfigValue, Mapping, TensorRoute
+from parity.errors import TargetError
+
+if TYPE_CHECKING:  # annotations only: the frameworks' registry is build.py's to import
+    from parity.targets import Framework
+
+
+def config_view_of(mapping: Mapping, config: Any):
+    """parity's read-only view of the checkpoint's config (config_view.py), answering from aliases.toml."""
+    from parity.engine.config_view import config_view
+
+    return config_view(config, load_aliases().config_fields, checkpoint_facts(mapping, config))
+
+
+def checkpoint_facts(mapping: Mapping, config: Any) -> dict[str, tuple[Any, str] | None]:
+    """What parity knows about the checkpoint's FFN, each with why (aliases.toml [config_fields.facts] names
+    the fields modules read them under): its biases, d_ff, activation (transformers' name, as TransformerLens'
+    act_fn spells it too), whether a GELU is the tanh form (litgpt's gelu_approximate) and the attention head
+    size (a config class may require it: TransformerLens' d_head)."""
+    activation = configured_activation(config)
+    source = f"the checkpoint's {type(config).__name__} says {activation!r}"
+    heads, hidden = getattr(config, "num_attention_heads", None), getattr(config, "hidden_size", None)
+    head_dim = getattr(config, "head_dim", None)
+    if head_dim is None and isinstance(hidden, int) and isinstance(heads, int) and heads > 0:
+        head_dim = hidden // heads
+    rope = getattr(config, "rope_parameters", None)
+    rope_theta = rope.get("rope_theta") if isinstance(rope, dict) else getattr(config, "rope_theta", None)
+    return {"ffn_bias": checkpoint_ffn_bias(mapping, config), "ffn_width": checkpoint_ffn_width(config),
+            "ffn_activation": (activation, source) if activation else None,
+            "gelu_approximate": (("tanh" if activation in TANH_GELUS else "none"), source) if activation else None,
+            "head_dim": (head_dim, f"{type(config).__name__}: head_dim, or hidden size / attention heads")
+            if isinstance(head_dim, int) else None,
+            "rope_theta": (rope_theta, f"{type(config).__name__}.rope_parameters['rope_theta']")
+            if isinstance(rope_theta, (int, float)) else None}
+
+
+def config_class(factory: Any, parameter: str) -> type | None:
+    """The class ``factory``'s config parameter is annotated with, when it is the project's own (a dataclass, an
+    attrs or pydantic model, a plain class); None for a transformers config, a dict, Any, or no annotation."""
+    function = factory.__init__ if inspect.isclass(factory) else factory
+    try:
+        hint = typing.get_type_hints(function).get(parameter)
+    except Exception:  # noqa: BLE001 - an annotation that does not resolve says nothing
+        return None
+    # Union[Dict, HookedTransformerConfig] (TransformerLens): the one member that is a project's own class
+    members = [m for m in typing.get_args(hint) if _own_class(m)] if typing.get_origin(hint) is not None else []
+    if len(members) == 1:
+        return members[0]
+    return hint if _own_class(hint) else None
+
+
+def _own_class(hint: Any) -> bool:
+    """A class a project wrote for its config: not a builtin container or scalar, not a transformers config."""
+    if not inspect.isclass(hint) or hint in (object, dict, type(None)) or issubclass(hint, (dict, str, int, float)):
+        return False
+    return not any(base.__name__ == "PretrainedConfig" for base in hint.__mro__)
+
+
+@dataclass(frozen=True)
+class TargetCall:
+    """How the target is called with its config class, for a factory parity prints: the target's name, the
+    parameter taking the config, its other arguments and its framework (whose own arguments it spells)."""
+
+    target: str
+    parameter: str
+    others: dict
+    framework: Framework | None
+
+    def spelled(self, config_call: str) -> str:
+        spelling = self.framework.extra_spelling if self.framework else {}
+        others = [f"{k}={spelling.get(k, repr(v))}" for k, v in self.others.items()]
+        return f"{self.target}({', '.join([f'{self.parameter}={config_call}', *others])})"
+
+
+def project_config(cls: type, view: Any, mapping: Mapping, config: Any, call: TargetCall) -> tuple[Any, list[str]]:
+    """An instance of the project's own config class built from the checkpoint's config through the view: each
+    constructor parameter it can answer (the config's own fields, aliases.toml [config_fields]) is passed, the
+    others keep their defaults.  A required one nobody answers is a TargetError naming it, with the factory to
+    write: every answered field spelled from the config, the others as <name> (not Python: copied unfilled,
+    it fails)."""
+    try:
+        parameters = inspect.signature(cls).parameters
+    except (TypeError, ValueError):
+        return view, []
+    values, missing = {}, []
+    for key, parameter in parameters.items():
+        if parameter.kind not in NAMED:
+            continue
+        value = view.get(key, _UNANSWERED)
+        if value is not _UNANSWERED:
+            values[key] = value
+        elif parameter.default is parameter.empty:
+            missing.append(key)
+    label = f"{cls.__module__}.{cls.__qualname__}"
+    if missing:
+        fields = [f"{k}={(spelled(k, mapping, config) or (repr(v),))[0]}" for k, v in values.items()]
+        fields += [f"{m}=<{m}>" for m in missing]
+        factory = call.spelled(f"{cls.__qualname__}({', '.join(fields)})")
+        raise TargetError(f"cannot build the target's config {label} from the checkpoint's {view.config_name}: its "
+                          f"parameters {', '.join(missing)} have no default and neither the config nor aliases.toml "
+                          f"[config_fields] answers them. Write a factory and pass it as --target mymodel:make_ffn: "
+                          f"def make_ffn(config): return {factory}")
+    try:
+        built = cls(**values)
+    except Exception as exc:  # noqa: BLE001 - the project's own validation: said in its terms
+        raise TargetError(f"cannot build the target's config {label} from the checkpoint's {view.config_name} with "
+                          f"{values}: {type(exc).__name__}: {exc}") from None
+    shown = ", ".join(f"{k}={v!r}" for k, v in values.items())
+    return built, [f"target config: built {label}({shown}) from the checkpoint's {view.config_name}",
+                   *view.notes()]
+
+
+_UNANSWERED = object()
+
+
+def checkpoint_ffn_width(config: Any) -> tuple[int, str] | None:
+    """d_ff as transformers builds the MLP from this config: its intermediate_size (n_inner), or 4 x the hidden
+    size where a GPT config leaves n_inner unset; None where the config states neither."""
+    width = config_dff(config)
+    if isinstance(width, int) and not isinstance(width, bool):
+        field = "intermediate_size" if getattr(config, "intermediate_size", None) else "n_inner"
+        return width, f"{type(config).__name__}.{field}"
+    hidden = getattr(config, "hidden_size", None)
+    if hasattr(config, "n_inner") and isinstance(hidden, int):
+        return 4 * hidden, f"{type(config).__name__}.n_inner is unset: transformers builds 4 x hidden size"
+    return None
+
+
+def checkpoint_ffn_bias(mapping: Mapping, config: Any) -> tuple[bool, str]:
+    """Whether the checkpoint's FFN has bias tensors, and why parity says so: the mapping's own [target].args.bias
+    when it has one (LLaMA's reads config.mlp_bias), else its bias routes (GPT-2 routes c_fc.bias and c_proj.bias;
+    a check reads them, so the checkpoint has them), optional ones following config.mlp_bias."""
+    if "bias" in mapping.target_args:
+        value = ConfigValue(config, mapping.path)(mapping.target_args["bias"], "target.args.bias")
+        if isinstance(value, bool):
+            return value, (f"the checkpoint has {'' if value else 'no '}FFN biases: mapping '{mapping.name}' "
+                           "target.args.bias")
+    leaves = load_aliases()
+
+    def is_bias(route: TensorRoute) -> bool:  # "c_fc.bias", and a NumPy target's "c_fc.b"
+        return leaves.leaf_kind(route.target.rpartition(".")[2]) == "bias" and route.reads
+
+    required = [r.source for r in mapping.tensors if is_bias(r) and not r.optional]
+    if required:
+        return True, f"the checkpoint has FFN biases: {', '.join(required)}"
+    optional = [r.source for r in mapping.tensors if is_bias(r)]
+    flag = getattr(config, "mlp_bias", None)
+    if optional and isinstance(flag, bool):
+        return flag, f"the checkpoint has {'' if flag else 'no '}FFN biases: {type(config).__name__}.mlp_bias"
+    return False, f"the checkpoint has no FFN biases: mapping '{mapping.name}' routes none"
+
+
+def spelled(key: str, mapping: Mapping, config: Any) -> tuple[str, Any, str] | None:
+    """How a constructor parameter named ``key`` is answered from the checkpoint's config, spelled for a factory
+    (Python) and for a mapping's [target].args (TOML), and why: the config's own field ('config.dim'), an alias
+    of one ('config.hidden_size'), a fact about the checkpoint's FFN (d_ff, biases, activation) or a switch's one
+    right value (aliases.toml [config_fields]); None when nothing answers it."""
+    fields = load_aliases().config_fields
+    owner = type(config).__name__
+    if hasattr(config, key) and not callable(getattr(config, key)):
+        value = getattr(config, key)
+        return (f"config.{key}", f"config.{key}", f"{owner}.{key}") if value is not None else \
+            ("None", NONE, f"{owner}.{key} is None")
+    if key in fields.aliases and getattr(config, fields.aliases[key], None) is not None:
+        own = fields.aliases[key]
+        return f"config.{own}", f"config.{own}", f"{owner}.{own}"
+    fact = fields.facts.get(key)
+    known = checkpoint_facts(mapping, config).get(fact) if fact else None
+    if fact == "ffn_width" and known is not None:
+        if getattr(config, "intermediate_size", None) == known[0]:
+            return "config.intermediate_size", "config.intermediate_size", f"{owner}.intermediate_size"
+        return str(known[0]), known[0], "the checkpoint's d_ff"
+    if known is not None:
+        return repr(known[0]), known[0], known[1]
+    if key in fields.values:
+        value, why = fields.values[key]
+        return repr(value), value, why
+    return None
+
+
+def admits_none(parameter: inspect.Parameter) -> bool:
+    """An annotation such as Optional[float] (Meta's ffn_dim_multiplier): None is a value it was written for."""
+    hint = parameter.annotation
+    if isinstance(hint, str):
+        return hint.startswith("Optional[") or hint.replace(" ", "").endswith("|None")
+    return type(None) in typing.get_args(hint)
+
+
+def bind_by_name(named: list[inspect.Parameter], mapping: Mapping,
+                 config: Any) -> tuple[dict, dict, list[str]] | None:
+    """A constructor that takes plain values (Meta's ``FeedForward(dim, hidden_dim, multiple_of,
+    ffn_dim_multiplier)``, llama2.c's, ``Mlp(in_features, hidden_features)``): each parameter bound by its name
+    through the same table as a config's fields (``spelled``), a required ``Optional[...]`` one nobody answers to
+    None.  Returns the arguments as a mapping spells them, their values and one note per argument; None when a
+    required parameter is unanswered, or nothing is answered at all (its defaults are then all there is)."""
+    raw, values, notes = {}, {}, []
+    for parameter in named:
+        key = parameter.name
+        answer = spelled(key, mapping, config)
+        if answer is None and parameter.default is parameter.empty and admits_none(parameter):
+            answer = ("None", NONE, f"nothing in the checkpoint's {type(config).__name__} states it")
+        if answer is None:
+            if parameter.default is parameter.empty:
+                return None
+            continue
+        raw[key] = answer[1]
+        values[key] = ConfigValue(config, mapping.path)(answer[1], f"target.args.{key}")
+        notes.append(f"target constructor: {key}={values[key]!r} ({answer[2]})")
+    return (raw, values, notes) if values else None
+
+
+NAMED = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
+
+
+def constructor_args(factory: Any, mapping: Mapping, config: Any,
+                     framework: Framework | None = None) -> tuple[dict, dict, list[str]]:
+    """The constructor's arguments, as a mapping spells them and evaluated: the checkpoint's transformers config
+    for a parameter named `config` (aliases.toml [constructor]) whenever the signature has one, whatever else it
+    accepts; else the mapping's [target].args when the constructor takes them (or its signature cannot be
+    read); else the config for a factory's one required parameter (``lambda c: MLP(c.n_embd)``); else none,
+    when every parameter has a default; else the mapping's args, and the constructor's error says what to
+    change.  ``framework``: the target's, when not PyTorch; its constructors' own arguments (Flax NNX's rngs)
+    are added to what is chosen."""
+    try:
+        signature = constructor_signature(factory)
+    except (TypeError, ValueError):
+        signature = None
+    extras = framework.constructor_extras(dict(signature.parameters)) if framework and signature else {}
+    chosen = _constructor_args(factory, signature, extras, mapping, config)
+    return chosen[0], {**extras, **chosen[1]}, chosen[2]
+
+
+def _constructor_args(factory: Any, signature: inspect.Signature | None, extras: dict, mapping: Mapping,
+                      config: Any) -> tuple[dict, dict, list[str]]:
+    """constructor_args' choice, with ``extras`` bound beside each candidate."""
+    raw = mapping.target_args
+
+    def binds(kwargs: dict) -> bool:
+        return _binds(signature, {**extras, **kwargs})
+
+    if signature is not None:
+        names = load_aliases().config_names
+        named = [p for p in signature.parameters.values() if p.kind in NAMED and p.name not in extras]
+        taker = next((p.name for p in named if p.name in names), None)
+        if taker is not None and binds({taker: config}):
+            return {taker: "config"}, {taker: config}, []
+        if not (raw and binds(raw)):
+            required = [p.name for p in named if p.default is inspect.Parameter.empty]
+            if len(required) == 1 and binds({required[0]: config}) and not inspect.isclass(factory):
+                return {required[0]: "config"}, {required[0]: config}, []
+            projections = projection_modules(required, mapping, config,
+                                             [p.name for p in named if p.default is None])
+            if projections is not None and binds(projections):
+                return {}, projections, []  # a mapping without args repeats this: the modules are built again
+            by_name = bind_by_name(named, mapping, config)
+            if by_name is not None and binds(by_name[1]):
+                return by_name
+            if binds({}):
+                return {}, {}, []
+    value = ConfigValue(config, mapping.path)
+    return raw, {key: value(written, f"target.args.{key}") for key, written in raw.items()}, []
+
+
+def constructor_signature(factory: Any) -> inspect.Signature:
+    """The parameters a class's constructor takes: its ``__init__``'s where a metaclass hides them behind
+    ``(*args, **kwargs)`` (Flax NNX's modules), else ``inspect.signature``'s."""
+    signature = inspect.signature(factory)
+    kinds = {p.kind for p in signature.parameters.values()}
+    if inspect.isclass(factory) and kinds == {inspect.Parameter.VAR_POSITIONAL, inspect.Parameter.VAR_KEYWORD}:
+        own = inspect.signature(factory.__init__)
+        return own.replace(parameters=list(own.parameters.values())[1:])  # without self
+    return signature
+
+
+def projection_modules(required: list[str], mapping: Mapping, config: Any,
+                       optional: list[str] = ()) -> dict[str, nn.Module] | None:
+    """For a builder that takes its projections as modules (``FeedForward(gate_proj=..., down_proj=...,
+    up_proj=None)``, torchtune's style): an nn.Linear per required parameter whose name plays a projection role
+    (aliases.toml), and per ``optional`` one (a default of None) of the same kind (torchtune's up_proj beside a
+    gate_proj), sized from the checkpoint's config (d, d_ff) and with biases as its FFN has them; None when a
+    required parameter is no projection name, or the sizes are unknown."""
+    aliases = load_aliases()
+    width, hidden = checkpoint_ffn_width(config), getattr(config, "hidden_size", None)
+    if not required or width is None or not isinstance(hidden, int):
+        return None
+    bias = checkpoint_ffn_bias(mapping, config)[0]
+    built, kinds = {}, set()
+    for key in [*required, *optional]:
+        roles = {aliases.roles[role] for role, kind in aliases.roles_of(key) if kind == "weight"}
+        sides = {role.side for role in roles if not role.fuses}
+        if key in optional and (len(sides) != 1 or {role.kind for role in roles} - kinds):
+            continue
+        if len(sides) != 1:
+            return None
+        kinds |= {role.kind for role in roles}
+        built[key] = (nn.Linear(hidden, width[0], bias=bias) if sides == {"in"}
+                      else nn.Linear(width[0], hidden, bias=bias))
+    return built
+
+
+def _binds(signature: inspect.Signature, kwargs: dict) -> bool:
+    try:
+        signature.bind(**kwargs)
+    except TypeError:
+        return False
+    return True
