@@ -4,7 +4,7 @@
 Not a test: timings on a shared machine are noisy, so every figure is the median of
 several interleaved runs and the goals are stated as ratios of runs made together.
 
-    PYTHONPATH=$PWD python scripts/bench.py [--quick] [--runs N] [--out bench.json]
+    PYTHONPATH=$PWD python scripts/bench.py [--quick] [--runs N] [--out bench.json] [--skip ROW ...]
 
 Checkpoints are synthetic (random bfloat16 / float32 values) with real shapes and the
 on-disk layout save_pretrained writes; they are built once and cached under --root.
@@ -168,6 +168,26 @@ def build_big_layer(folder: Path, raw_config: dict) -> Path:
     return folder
 
 
+def cast_checkpoint(full: Path, folder: Path, dtype: str) -> Path:
+    """``full`` (per-layer shards) re-saved with every tensor cast to ``dtype``, shard by shard, same layout and
+    index: a faithful conversion for `parity compare` to judge (bfloat16 -> float16: within its rounding)."""
+    if (folder / "config.json").is_file():
+        return folder
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    folder.mkdir(parents=True, exist_ok=True)
+    index = json.loads((full / "model.safetensors.index.json").read_text())
+    for file_name in sorted(set(index["weight_map"].values())):
+        tensors = {n: t.to(getattr(torch, dtype)) for n, t in load_file(full / file_name).items()}
+        save_file(tensors, str(folder / file_name), metadata={"format": "pt"})
+    (folder / "model.safetensors.index.json").write_text(json.dumps(index, indent=1))
+    config = json.loads((full / "config.json").read_text())
+    config["torch_dtype"] = config["dtype"] = dtype
+    (folder / "config.json").write_text(json.dumps(config, indent=1))  # last: a folder without it is rebuilt
+    return folder
+
+
 def layer_subset(full: Path, folder: Path, layers: int) -> Path:
     """The first ``layers`` layers of ``full``: own config and index, shard files symlinked."""
     if (folder / "config.json").is_file():
@@ -230,7 +250,7 @@ def main() -> int:
                         help="where the synthetic checkpoints are cached")
     parser.add_argument("--out", type=Path, help="write the results as JSON")
     parser.add_argument("--skip", action="append", default=[],
-                        choices=["compare", "sweep", "startup", "bf16", "405b", "floor"])
+                        choices=["compare", "sweep", "startup", "bf16", "405b", "floor", "checkpoints"])
     args = parser.parse_args()
     runs = 1 if args.quick else args.runs
 
@@ -280,6 +300,8 @@ def main() -> int:
             commands = {dtype: parity_cmd(str(big), "--layer", "0", "--dtype", dtype,
                                           "--json", f"{tmp}/405b-{dtype}.json") for dtype in ("float32", "bfloat16")}
             results["405b"] = run_all(commands, 1)
+        if "checkpoints" not in args.skip:
+            results["checkpoints"] = checkpoint_rows(args.root, llama, subsets, runs)
         if "startup" not in args.skip:
             print("(c) start-up", file=sys.stderr)
             commands = {"parity --version": parity_cmd("--version"), "parity list": parity_cmd("list"),
@@ -355,11 +377,59 @@ def print_table(results: dict) -> None:
         print_big_layer(results)
     if "floor" in results:
         print_floor(results)
+    if "checkpoints" in results:
+        print_checkpoints(results)
     if "startup" in results:
         print("\n(c) start-up")
         for name, r in results["startup"].items():
             print(f"{name:<18}{r['wall_s']:8.3f}s{mib(r['peak_rss']):>14}")
 
+
+
+def checkpoint_rows(root: Path, llama: Path, subsets: dict[int, Path], runs: int) -> dict:
+    """(g) `parity compare A B` of two 1B-shape checkpoints (A bfloat16, B A cast to float16, same shapes and
+    layout) against `parity A` alone, on 4 and on 22 layers, interleaved."""
+    print("(g) parity compare A B (B: A cast to float16) vs a check of A, 4 and 22 layers of the 1B shape",
+          file=sys.stderr)
+    cast = cast_checkpoint(llama, root / "llama-1b-f16", "float16")
+    few, all_ = SWEEP[0], SWEEP[-1]
+    casts = {few: layer_subset(cast, root / f"llama-1b-f16-{few}L", few), all_: cast}
+    commands = {}
+    for n in (few, all_):
+        commands[f"check/{n}"] = parity_cmd(str(subsets[n]), "--layers", "all", "--quiet")
+        commands[f"compare/{n}"] = parity_cmd("compare", str(subsets[n]), str(casts[n]), "--quiet")
+    return run_all(commands, runs)
+
+
+def print_checkpoints(results: dict) -> None:
+    """Compare against check: wall and peak RSS, paired run by run (each pair ran one after the other), the
+    marginal seconds per layer ((22-layer run - 4-layer run) / 18), and the compare's RSS over the sweep."""
+    c, few, all_ = results["checkpoints"], SWEEP[0], SWEEP[-1]
+
+    def paired(key: str, n: int) -> float:
+        return statistics.median(a / b for a, b in zip(c[f"compare/{n}"][key], c[f"check/{n}"][key], strict=True))
+
+    def per_layer(route: str) -> float:
+        return statistics.median((b - a) / (all_ - few) for a, b in zip(c[f"{route}/{few}"]["wall_runs"],
+                                                                      c[f"{route}/{all_}"]["wall_runs"], strict=True))
+
+    summary = {f"wall_ratio_{n}": paired("wall_runs", n) for n in (few, all_)}
+    summary.update({f"rss_ratio_{n}": paired("rss_runs", n) for n in (few, all_)})
+    summary.update(check_s_per_layer=per_layer("check"), compare_s_per_layer=per_layer("compare"))
+    summary["per_layer_ratio"] = summary["compare_s_per_layer"] / summary["check_s_per_layer"]
+    summary["compare_rss_growth"] = c[f"compare/{all_}"]["peak_rss"] / c[f"compare/{few}"]["peak_rss"]
+    results["checkpoints_summary"] = summary
+    print("\n(g) parity compare A B (1B shape, B = A cast bfloat16 -> float16) vs parity A, --layers all")
+    print(f"{'layers':>7}  {'route':<9}{'wall':>9}{'peak RSS':>14}")
+    for n in (few, all_):
+        for route in ("check", "compare"):
+            r = c[f"{route}/{n}"]
+            print(f"{n:>7}  {route:<9}{r['wall_s']:8.2f}s{r['peak_rss'] / 2**20:10.0f} MiB")
+        print(f"{n:>7}  compare/check: wall x{summary[f'wall_ratio_{n}']:.2f}, "
+              f"peak RSS x{summary[f'rss_ratio_{n}']:.2f} (paired medians; goal <= 2)")
+    print(f"per extra layer: compare {summary['compare_s_per_layer']:.2f} s, check {summary['check_s_per_layer']:.2f} s"
+          f" (x{summary['per_layer_ratio']:.2f}); compare's peak RSS {all_} vs {few} layers "
+          f"x{summary['compare_rss_growth']:.3f}")
 
 
 def print_floor(results: dict) -> None:

@@ -119,8 +119,7 @@ def check_run_destinations(specs, args: argparse.Namespace) -> None:
 
     outputs = {"--json": args.json, "--junit": args.junit, "--html": getattr(args, "html", None),
                "--save-mapping": getattr(args, "save_mapping", None)}
-    inputs = [(what, value) for spec in specs
-              for what, value in (("checkpoint", spec.checkpoint), ("model", spec.model), ("mapping", spec.mapping))]
+    inputs = [(what, value) for spec in specs for what, value in spec.inputs()]
     inputs.append(("project file", getattr(args, "project_file", None)))
     if args.baseline and args.update_baseline:
         outputs["--baseline"] = args.baseline  # written by this run: no other output may take its path
@@ -133,17 +132,19 @@ def run_with_progress(specs, args: argparse.Namespace, single: bool, shard, out,
     """Plan and execute the checks, streaming each table (unless --quiet) under a progress bar; ``judge``
     (a BaselineJudge) marks each layer against the baseline before its row is printed."""
     from parity.engine.suite import execute, plan
+    from parity.outputs.compare_text import SuiteWriter
     from parity.outputs.progress import Progress, bar_wanted, silence_downloads
-    from parity.outputs.text import TextWriter
 
     json_stdout = json_on_stdout(args.json)
     if args.quiet or json_stdout:  # download bars would interleave with the table / JSON consumers' stderr
         silence_downloads()
     if not bar_wanted(False, False):  # stderr is no terminal (a CI log): no library's bars either
         silence_foreign_bars()
-    runs = plan(specs, shard, raise_errors=single)
+    from parity.engine.checkpoint_compare import open_comparison
+
+    runs = plan(specs, shard, raise_errors=single, open_compare=open_comparison)
     progress = Progress(sum(len(run.layers) for run in runs), bar_wanted(args.quiet, json_stdout))
-    writer = TextWriter(lambda text: None if args.quiet else progress.say(text, out))
+    writer = SuiteWriter(lambda text: None if args.quiet else progress.say(text, out))  # checks' and compares
 
     def on_layer(run, report, result) -> None:
         if judge is not None:
@@ -231,71 +232,13 @@ def run_check(args: argparse.Namespace) -> int:
         raise MappingError(exc.headline) from None
 
 
-class _CompareRun:
-    """The one run of `parity compare`, shaped as the JUnit and HTML writers take runs (label, report, error)."""
-
-    def __init__(self, label: str):
-        self.label, self.report, self.error, self.seconds, self.spec = label, None, None, [], None
-
-
 def run_compare(args: argparse.Namespace) -> int:
-    label = f"compare {args.a} {args.b}"
-    args.model = label  # what the error JSON names
-    return with_error_outputs(args, label, True, lambda: _run_compare(args, label))
+    """`parity compare A B`: one compare, run as `parity check` runs a project's (``run_specs``): a row per layer,
+    the diagnoses, the inventory, the baseline's findings and the summary; exit 0 (every layer of B matches A's),
+    1 (some layer differs or regressed against --baseline), 2 (bad input, or nothing verified)."""
+    from parity.definitions.project import CompareSpec
 
-
-def _run_compare(args: argparse.Namespace, label: str) -> int:
-    """`parity compare A B`: stream a row per layer, then the diagnoses, the inventory and the summary; write
-    --json/--junit/--html; exit 0 (every layer matches), 1 (some layer differs), 2 (nothing verified)."""
-    import time
-
-    from parity.cli.reports import EXIT_MISMATCH
-    from parity.engine.checkpoint_compare import Comparison, run_comparison
-    from parity.outputs.compare_text import diagnosis_lines, header_lines, inventory_lines, layer_line, summary_line
-    from parity.outputs.destinations import check_destinations
-
-    check_destinations({"--json": args.json, "--junit": args.junit, "--html": args.html},
-                       [("A", args.a), ("B", args.b)])
-    out = sys.stderr if json_on_stdout(args.json) else sys.stdout
-    say = (lambda text: None) if args.quiet else (lambda text: print(text, file=out))
-    run, clock = _CompareRun(label), [time.perf_counter()]
-
-    def on_layer(report, result) -> None:
-        if not report.layers[:-1]:
-            for line in header_lines(report):
-                say(line)
-        say(layer_line(result))
-        now = time.perf_counter()
-        run.seconds.append(now - clock[0])
-        clock[0] = now
-
-    comparison = Comparison(args.a, args.b, revision=args.revision, revision_b=args.revision_b,
-                            allow_pickle=args.allow_pickle, seed=args.seed)
-    report = run_comparison(comparison, args.layers, on_layer)
-    run.report = report
-    say("")
-    for line in [*diagnosis_lines(report), *inventory_lines(report)]:
-        say(line)
-    line = summary_line(report)
-    print(line, file=out)
-    code = (EXIT_BAD_INPUT if not report.layers or report.unverifiable else
-            EXIT_PASS if report.passed else EXIT_MISMATCH)
-    _compare_outputs(args, run, line, code)
-    return code
-
-
-def _compare_outputs(args: argparse.Namespace, run: _CompareRun, line: str, code: int) -> None:
-    import json
-
-    from parity.cli.reports import _write_json
-
-    if args.junit:
-        from parity.outputs.junit import write_junit
-
-        write_junit(args.junit, [run])
-    if args.html:
-        from parity.outputs.html import write_html
-
-        write_html(args.html, [run], line, code)
-    if args.json:
-        _write_json(args.json, json.dumps(run.report.to_dict(), indent=2))
+    spec = CompareSpec(a=args.a, b=args.b, layers=args.layers, revision=args.revision, revision_b=args.revision_b,
+                       seed=args.seed, allow_pickle=args.allow_pickle)
+    args.model = spec.label  # what the error JSON names
+    return with_error_outputs(args, spec.label, True, lambda: run_specs([spec], args, single=True))

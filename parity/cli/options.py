@@ -133,6 +133,11 @@ summary at the end.  -k EXPR runs the checks whose name matches (as pytest -k).
   # checkpoint, mapping, revision, seed, atol (alias tolerance), logits, experts, allow_pickle, name,
   # device, dtype: optional
 
+  [[tool.parity.compares]]                # `parity compare A B`, run after the checks
+  name = "q8 export"                      # optional: label and baseline key
+  a = "models/llama-hf"                   # the truth
+  b = "models/llama-Q8_0.gguf"            # made from A; layers, revision, revision_b, seed, ...: optional
+
 --shard K/N runs the K-th of N shares of the (check, layer) units, dealt round-robin in
 file and layer order, so N CI jobs together run each unit exactly once.
 
@@ -221,8 +226,12 @@ quantization (each measured, docs/compare.md).  A failing layer names the conver
 
 A and B: a local folder, a .gguf file, a hub id, or (with --allow-pickle) a Meta consolidated.00.pth folder.
 
-exit codes: 0 every compared layer of B matches A's, 1 some layer differs, 2 bad input or
-nothing compared."""
+--baseline FILE compares each layer's max|Δ| with a stored run (the file and rules of a check's
+baselines; keyed `compare A | B | layer N`, or `compare NAME | layer N` in a project file's
+[[compares]]); --update-baseline writes it.
+
+exit codes: 0 every compared layer of B matches A's, 1 some layer differs (or regressed against
+the baseline), 2 bad input or nothing compared."""
 
 
 def build_compare_parser() -> argparse.ArgumentParser:
@@ -237,11 +246,5 @@ def build_compare_parser() -> argparse.ArgumentParser:
                         help="open pickle-based weights of either side with torch.load(weights_only=True); only for "
                              "files you trust")
     parser.add_argument("--seed", type=SEED, default=0, help="seed of the generated inputs (default 0)")
-    out = parser.add_argument_group("CI outputs")
-    out.add_argument("--json", metavar="FILE|-", type=OUTPUT_FILE,
-                     help="write the JSON report to FILE, or to stdout with '-' (on exit 2 it holds the error)")
-    out.add_argument("--junit", metavar="FILE", type=OUTPUT_FILE, help="write JUnit XML: one test case per layer")
-    out.add_argument("--html", metavar="FILE", type=OUTPUT_FILE, help="write one self-contained HTML page")
-    out.add_argument("--quiet", "-q", action="store_true", help="print only the summary line and errors")
-    out.add_argument("--debug", action="store_true", help="show tracebacks for errors")
+    add_output_options(parser)  # --json, --junit, --html, --quiet, --baseline (keyed `compare A | B | layer N`), ...
     return parser

@@ -82,11 +82,14 @@ def _write_json(path: str, text: str) -> None:
 
 
 def summary(runs, args: argparse.Namespace, single: bool, shard, code: int, regressions: list, compared: bool) -> str:
+    from parity.outputs import compare_text
+    from parity.outputs.baseline import compared_sides
     from parity.outputs.text import suite_summary, summary_line
 
     if not single:
         return suite_summary(runs, code, len(regressions) if compared else None, shard)
-    return summary_line(runs[0].report)  # a regression is the report's own verdict (LayerResult.baseline)
+    report = runs[0].report  # a regression is the report's own verdict (LayerResult.baseline)
+    return compare_text.summary_line(report) if compared_sides(report) is not None else summary_line(report)
 
 
 def key_roots(args: argparse.Namespace) -> tuple:
@@ -226,7 +229,8 @@ def json_document(runs, single: bool, shard, args, comparison, problem: str | No
     return {
         "schema_version": SCHEMA_VERSION, "kind": "suite", "passed": code == 0,
         "shard": list(shard) if shard else None,
-        "checks": [{"name": run.label, "where": run.spec.where, "error": run.error,
+        "checks": [{"name": run.label, "kind": getattr(run.spec, "kind", "check"), "where": run.spec.where,
+                    "error": run.error,
                     "report": run.report.to_dict() if run.report is not None else None} for run in runs],
         "baseline": baseline,
     }

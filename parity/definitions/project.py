@@ -11,6 +11,7 @@ from __future__ import annotations
 import errno
 import re
 import tomllib
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -29,9 +30,12 @@ from parity.errors import ProjectConfigError, ShardError, UsageError
 
 PROJECT_FILES = ("parity.toml", "pyproject.toml")
 
-_TOP_KEYS = {"checks", "baseline", "baseline_factor", "baseline_slack", "junit", "html", "defaults"}
+_TOP_KEYS = {"checks", "compares", "baseline", "baseline_factor", "baseline_slack", "junit", "html", "defaults"}
 _CHECK_KEYS = {"name", "model", "checkpoint", "layers", "layer", "target", "mapping", "revision", "seed", "atol",
                "tolerance", "logits", "experts", "allow_pickle", "require_real", "device", "dtype"}
+# [[compares]]: `parity compare A B` run by `parity check`; [defaults] keys of this set apply to compares too
+_COMPARE_KEYS = {"name", "a", "b", "revision", "revision_b", "layers", "layer", "seed", "allow_pickle",
+                 "require_real"}
 
 
 @dataclass
@@ -66,11 +70,39 @@ class CheckSpec:
             parts.append(f"[{self.target}]")
         return " ".join(parts)
 
+    def inputs(self) -> list[tuple[str, str | None]]:
+        """What the check reads (no output may be written over one of them)."""
+        return [("checkpoint", self.checkpoint), ("model", self.model), ("mapping", self.mapping)]
+
+
+@dataclass
+class CompareSpec:
+    """One comparison: what `parity compare A B ...` would run (a project file's ``[[compares]]`` entry)."""
+
+    a: str  # the reference checkpoint (the truth)
+    b: str  # the candidate, made from A
+    layers: Any = None  # None | "all" | "0,3" | "2-7" | int | list[int]
+    revision: str | None = None  # hub revision of A
+    revision_b: str | None = None  # hub revision of B
+    seed: int = 0
+    name: str | None = None  # the label in reports and the baseline's key (`compare NAME | layer N`)
+    allow_pickle: bool = False
+    require_real: bool = False  # a synthetic stand-in on either side is an error (exit 2); project files: true
+    where: str = ""  # "parity.toml: compares[0]" for error messages
+    kind = "compare"  # a class constant: what a suite's JSON calls the entry
+
+    @property
+    def label(self) -> str:
+        return self.name or f"compare {self.a} {self.b}"
+
+    def inputs(self) -> list[tuple[str, str | None]]:
+        return [("A", self.a), ("B", self.b)]
+
 
 @dataclass
 class Project:
     path: Path
-    checks: list[CheckSpec]
+    checks: list[CheckSpec | CompareSpec]  # the [[checks]], then the [[compares]]
     baseline: str | None = None
     baseline_factor: float | None = None
     baseline_slack: float | None = None
@@ -155,12 +187,22 @@ def parse_project(table: dict, file: Path) -> Project:
     defaults = table.get("defaults", {})
     if not isinstance(defaults, dict):
         raise ProjectConfigError(f"{file}: '{prefix}defaults' must be a table of check keys shared by every check")
-    checks = table.get("checks")
-    if not isinstance(checks, list) or not checks or not all(isinstance(c, dict) for c in checks):
+    checks, compares = table.get("checks"), table.get("compares")
+    if compares is not None and (not isinstance(compares, list) or not compares
+                                 or not all(isinstance(c, dict) for c in compares)):
         raise ProjectConfigError(
-            f"{file}: '{prefix}checks' must be a non-empty array of tables ([[{prefix}checks]] with at least 'model')")
-    specs = [_parse_check({**defaults, **entry}, f"{file.name}: {prefix}checks[{i}]", file.parent)
-             for i, entry in enumerate(checks)]
+            f"{file}: '{prefix}compares' must be a non-empty array of tables ([[{prefix}compares]] with 'a' and 'b')")
+    if (checks is not None or compares is None) and (
+            not isinstance(checks, list) or not checks or not all(isinstance(c, dict) for c in checks)):
+        raise ProjectConfigError(
+            f"{file}: '{prefix}checks' must be a non-empty array of tables ([[{prefix}checks]] with at least 'model'), "
+            f"unless the file lists [[{prefix}compares]]")
+    specs: list[CheckSpec | CompareSpec] = [
+        _parse_check({**defaults, **entry}, f"{file.name}: {prefix}checks[{i}]", file.parent)
+        for i, entry in enumerate(checks or [])]
+    shared = {key: value for key, value in defaults.items() if key in _COMPARE_KEYS}
+    specs += [_parse_compare({**shared, **entry}, f"{file.name}: {prefix}compares[{i}]", file.parent)
+              for i, entry in enumerate(compares or [])]
     project = Project(file, specs)
     for key, kind in (("baseline", str), ("junit", str), ("html", str), ("baseline_factor", (int, float)),
                       ("baseline_slack", (int, float))):
@@ -195,17 +237,7 @@ def _parse_check(entry: dict, where: str, base: Path) -> CheckSpec:
             raise fail(f"'{key}' must be a string")
         if key in entry and not entry[key].strip():  # "" joined to the project folder would name the folder
             raise fail(f"'{key}' is empty: give a value or leave the key out")
-    if "layer" in entry and "layers" in entry:
-        raise fail("give 'layer' or 'layers', not both")
-    layers = entry.get("layers", entry.get("layer"))
-    if layers is not None and not (
-            (isinstance(layers, int) and not isinstance(layers, bool)) or isinstance(layers, str)
-            or (isinstance(layers, list) and all(isinstance(v, int) and not isinstance(v, bool) for v in layers))):
-        raise fail("'layers' must be \"all\", \"0,3,5\", \"2-7\", an integer or a list of integers")
-    try:
-        seed = seed_value(entry.get("seed", 0))
-    except ValueError as exc:
-        raise fail(f"'seed' {exc}") from None
+    layers, seed = _layers_and_seed(entry, fail)
     if "atol" in entry and "tolerance" in entry:
         raise fail("give 'atol' or 'tolerance' (the same thing), not both")
     atol = entry.get("atol", entry.get("tolerance"))
@@ -240,6 +272,55 @@ def _parse_check(entry: dict, where: str, base: Path) -> CheckSpec:
                      revision=entry.get("revision"), seed=seed, atol=None if atol is None else float(atol),
                      name=entry.get("name"), logits=logits, allow_pickle=allow_pickle, experts=experts,
                      require_real=require_real, where=where, **compute)
+
+
+def _layers_and_seed(entry: dict, fail: Callable[[str], ProjectConfigError]) -> tuple[Any, int]:
+    """An entry's 'layers' (or 'layer') and 'seed', validated as `--layers` and `--seed` are."""
+    if "layer" in entry and "layers" in entry:
+        raise fail("give 'layer' or 'layers', not both")
+    layers = entry.get("layers", entry.get("layer"))
+    if layers is not None and not (
+            (isinstance(layers, int) and not isinstance(layers, bool)) or isinstance(layers, str)
+            or (isinstance(layers, list) and all(isinstance(v, int) and not isinstance(v, bool) for v in layers))):
+        raise fail("'layers' must be \"all\", \"0,3,5\", \"2-7\", an integer or a list of integers")
+    try:
+        return layers, seed_value(entry.get("seed", 0))
+    except ValueError as exc:
+        raise fail(f"'seed' {exc}") from None
+
+
+def _local(value: str, base: Path) -> str:
+    """A source as given, or the path relative to the project file's folder when one exists there (the rule of
+    `parity MODEL`: an existing path wins over a name)."""
+    return str(base / value) if not Path(value).is_absolute() and _exists(base / value) else value
+
+
+def _parse_compare(entry: dict, where: str, base: Path) -> CompareSpec:
+    def fail(what: str) -> ProjectConfigError:
+        sides = " and ".join(repr(entry[k]) for k in ("a", "b") if isinstance(entry.get(k), str))
+        return ProjectConfigError(f"{where}{f' ({sides})' if sides else ''}: {what}")
+
+    for key in entry:
+        if key == "baseline":
+            raise fail("'baseline' is the project's, not a compare's: set baseline = \"FILE\" at the top of the "
+                       "table; checks and compares share that file (each keyed by its name)")
+        if key not in _COMPARE_KEYS:
+            raise fail(f"unknown key '{key}'; expected one of {sorted(_COMPARE_KEYS)}")
+    for key in ("a", "b"):
+        if not isinstance(entry.get(key), str) or not entry[key].strip():
+            what = "the reference checkpoint (the truth)" if key == "a" else "the candidate, made from A"
+            raise fail(f"'{key}' is required: {what}; a local folder, .gguf file or hub id")
+    for key in ("revision", "revision_b", "name"):
+        if key in entry and (not isinstance(entry[key], str) or not entry[key].strip()):
+            raise fail(f"'{key}' must be a non-empty string (or leave the key out)")
+    layers, seed = _layers_and_seed(entry, fail)
+    allow_pickle = entry.get("allow_pickle", False)
+    require_real = entry.get("require_real", synthetic_action("parity check") == "refuse")
+    if not all(isinstance(flag, bool) for flag in (allow_pickle, require_real)):
+        raise fail("'allow_pickle' and 'require_real' must be true or false")
+    return CompareSpec(a=_local(entry["a"], base), b=_local(entry["b"], base), layers=layers,
+                       revision=entry.get("revision"), revision_b=entry.get("revision_b"), seed=seed,
+                       name=entry.get("name"), allow_pickle=allow_pickle, require_real=require_real, where=where)
 
 
 def select_checks(checks: list[CheckSpec], expression: str) -> list[CheckSpec]:

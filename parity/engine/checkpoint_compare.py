@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 import gc
+import hashlib
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -30,18 +31,21 @@ import torch
 from parity import __version__
 from parity.definitions.families import configured_activation
 from parity.definitions.mistakes import Candidate, Diagnosis, MistakeId, diagnosis
+from parity.definitions.project import CompareSpec
 from parity.definitions.selection import Selection, parse_selection
 from parity.engine import conversion
 from parity.engine.compare import Runs, judge, parity_tolerance
 from parity.engine.fill import route_tensor
 from parity.engine.inputs import make_inputs
 from parity.engine.inventory import inventory
+from parity.engine.layer import FINGERPRINT_SCHEME, weights_fingerprint
+from parity.engine.memory import young_objects_only
 from parity.engine.reference import activation_name
 from parity.engine.resolve import require_values, resolve
 from parity.engine.results import LayerResult, Report
 from parity.engine.session import Session, run_reference
 from parity.engine.upcast import compute_in
-from parity.errors import LayerRangeError, UsageError, WeightDefectError
+from parity.errors import LayerRangeError, SyntheticWeightsError, UsageError, WeightDefectError
 
 QUANT_FACTOR = 2.0  # a quantized B passes within this x the deviation re-quantizing A's tensors causes
 CAST_FACTOR = 4.0  # a cast B within this x the deviation rounding A's tensors to B's dtype causes
@@ -55,6 +59,9 @@ class SideLayer:
 
     routed: dict[str, torch.Tensor]
     storage: dict[str, conversion.Storage]
+    fingerprint: str | None = None  # of the stored tensors (weights_fingerprint), for a baseline's entry
+    finite: bool = False  # read through the checked path: no NaN/Inf anywhere (no overflow to look for)
+    facts: dict = field(default_factory=dict)  # what the read's one pass found, under the reference's names
 
 
 @dataclass
@@ -87,15 +94,26 @@ def read_side(session: Session, layer: int, truth: bool) -> SideLayer:
     prefix = session.reader.layer_prefix(layer)
     try:
         stored = session.read_layer(layer, dtype=None)
+        facts = session.reader.facts
     except WeightDefectError:
         if truth:
             raise
         raw = session.checkpoint.read(list(dict.fromkeys(prefix + r.source for r in routes)))
-        stored = {key[len(prefix):]: value for key, value in raw.items()}
+        stored, facts = {key[len(prefix):]: value for key, value in raw.items()}, None
     routed = {r.target: route_tensor(r, stored[r.source]) for r in routes}
     storage = {r.target: conversion.storage_of(session.checkpoint, prefix + r.source, stored[r.source], r)
                for r in routes}
-    return SideLayer(routed, storage)
+    named = {r.target: facts.get(r.source) for r in routes if r.chunk is None} if facts is not None else {}
+    return SideLayer(routed, storage, weights_fingerprint(stored, facts), finite=facts is not None, facts=named)
+
+
+def pair_fingerprint(a: SideLayer, b: SideLayer) -> str | None:
+    """One fingerprint for both sides' stored layer: a baseline entry made from another A or another B is
+    reported as made from other weights, never compared."""
+    if a.fingerprint is None or b.fingerprint is None:
+        return None
+    digest = hashlib.blake2b(f"{a.fingerprint}|{b.fingerprint}".encode(), digest_size=8)
+    return FINGERPRINT_SCHEME + digest.hexdigest()
 
 
 class Comparison:
@@ -140,6 +158,11 @@ class Comparison:
     def num_layers(self) -> int:
         return min(self.a.num_layers, self.b.num_layers)
 
+    def run(self, layers: Selection = None, on_layer: Callable[[Report, LayerResult], None] | None = None
+            ) -> CompareReport:
+        """``run_comparison`` of these layers (what ``engine.suite`` calls for a project's compare)."""
+        return run_comparison(self, layers, on_layer)
+
     def layers(self, selection: Selection) -> list[int]:
         try:
             return parse_selection(selection, self.num_layers)
@@ -156,18 +179,21 @@ class Comparison:
     def compare_layer(self, layer: int) -> CompareLayer:
         a = read_side(self.a, layer, truth=True)
         b = read_side(self.b, layer, truth=False)
-        rows = tensor_rows(a, b)
+        rows, converted, exact = tensor_rows(a, b)
         shaped = shape_finding(a, b)
         if shaped is not None:
-            return unloadable(layer, shaped, rows, self.a.checkpoint.weights)
+            result = unloadable(layer, shaped, rows, self.a.checkpoint.weights)
+            result.fingerprint = pair_fingerprint(a, b)
+            return result
         reference = self.a.reference_from(layer, a.routed)
         x = make_inputs(reference, self.a.hidden_size, self.seed, layer)
         truth = run_reference(reference, x)
         del reference
         out_b = self.run64(layer, b.routed, x)
-        converted = {n: conversion.convert_like(a.routed[n], b.storage[n])[0] for n in a.routed}
         changed = any(row["conversion"] != "as stored" for row in rows)
-        conv_dev = float((self.run64(layer, converted, x) - truth.out64).abs().max()) if changed else 0.0
+        # B holding exactly A's conversion (a faithful export) computes the conversion's output: no run of its own
+        out_conv = out_b if exact else self.run64(layer, converted, x)
+        conv_dev = float((out_conv - truth.out64).abs().max()) if changed else 0.0
         if not math.isfinite(conv_dev):  # A's values overflow B's dtype too: that is B's finding, not a bound
             conv_dev = 0.0
         noise = float((truth.out32 - truth.out64).abs().max())
@@ -176,9 +202,10 @@ class Comparison:
         factor = QUANT_FACTOR if quantized else CAST_FACTOR
         tolerance = max(parity_tolerance(noise, scale, None), factor * conv_dev)
         runs = Runs(truth.out64, truth.out32, out_b, out_b)
-        result = judge(layer, None, runs, a.routed, truth.z, tolerance, self.a.checkpoint.weights)
+        result = judge(layer, None, runs, a.routed, truth.z, tolerance, self.a.checkpoint.weights, a.facts)
         result = CompareLayer(**{f.name: getattr(result, f.name) for f in dataclasses.fields(LayerResult)})
         result.conversion = conversion_record(rows, b, conv_dev, result.max_abs_diff, factor, changed)
+        result.fingerprint = pair_fingerprint(a, b)
         self.verdict(result, layer, a, b, x, truth.out64, rows)
         gc.collect()
         return result
@@ -348,10 +375,11 @@ def tensor_hypotheses(name: str, a: torch.Tensor, b: torch.Tensor, storage: conv
     return found
 
 
-def tensor_rows(a: SideLayer, b: SideLayer) -> list[dict]:
+def tensor_rows(a: SideLayer, b: SideLayer) -> tuple[list[dict], dict[str, torch.Tensor], bool]:
     """Per tensor: how each side stores it, whether B's is bit-identical to A's, how far it is (relative) against
-    how far its conversion alone moves it, and for a quantized B how many values lie beyond their step."""
-    rows = []
+    how far its conversion alone moves it, and for a quantized B how many values lie beyond their step.  Also A's
+    tensors converted as B stores them (float32), and whether every one of B's equals its conversion exactly."""
+    rows, converted, exact = [], {}, True
     for name, ta in a.routed.items():
         tb, store = b.routed[name], b.storage[name]
         row: dict[str, Any] = {"name": name, "a_dtype": a.storage[name].dtype, "storage": store.dtype,
@@ -360,18 +388,23 @@ def tensor_rows(a: SideLayer, b: SideLayer) -> list[dict]:
                                "differs": True, "steps": None, "step_source": store.step_source, "overflow": None}
         rows.append(row)
         if ta.shape != tb.shape:
+            exact = False
             continue
         row["identical"] = ta.dtype == tb.dtype and bool(torch.equal(ta, tb))
-        row["overflow"] = conversion.overflow(ta, tb, store.dtype)
-        converted, how = conversion.convert_like(ta, store)
-        row["conversion"] = how
-        row["conversion_distance"] = conversion.relative_distance(converted, ta)
-        row["relative_distance"] = conversion.relative_distance(tb, ta)
+        row["overflow"] = None if b.finite else conversion.overflow(ta, tb, store.dtype)
+        a32, b32 = ta.float(), tb.float()
+        scale = float(a32.abs().max()) if a32.numel() else 0.0
+        converted[name], row["conversion"] = conversion.convert_like(ta, store)
+        row["conversion_distance"] = conversion.relative_distance(converted[name], a32, scale=scale)
+        same = bool(torch.equal(converted[name], b32))
+        exact = exact and same
+        row["relative_distance"] = (row["conversion_distance"] if same else
+                                    conversion.relative_distance(b32, a32, scale=scale))
         row["differs"] = not row["identical"] and not (
             row["relative_distance"] <= 2 * row["conversion_distance"] + DIFFERS)
         if store.quantized and store.steps is not None and store.steps.shape == ta.shape:
-            row["steps"] = conversion.step_excess(ta, tb, store.steps)
-    return rows
+            row["steps"] = conversion.step_excess(a32, b32, store.steps)
+    return rows, converted, exact
 
 
 def shape_finding(a: SideLayer, b: SideLayer) -> Diagnosis | None:
@@ -427,15 +460,33 @@ def plain_rows(rows: list[dict]) -> list[dict]:
     return [{k: v for k, v in row.items() if k != "overflow"} for row in rows]
 
 
+def open_comparison(spec: CompareSpec) -> Comparison:
+    """Both checkpoints of a compare resolved (``Comparison``); with ``require_real``, a synthetic stand-in on either
+    side is a SyntheticWeightsError before anything is computed."""
+    comparison = Comparison(spec.a, spec.b, revision=spec.revision, revision_b=spec.revision_b,
+                            allow_pickle=spec.allow_pickle, seed=spec.seed)
+    for side, name in ((comparison.a, spec.a), (comparison.b, spec.b)):
+        if spec.require_real and side.checkpoint.weights != "real":
+            why = (side.checkpoint.weights_note or "").removeprefix("SYNTHETIC weights: ").split(";")[0]
+            error = SyntheticWeightsError(
+                f"{name}: real weights are required, but {why or 'only synthetic weights are available'}: a "
+                "comparison of stand-ins proves nothing about either checkpoint. Give a local path or a reachable "
+                "hub id (require_real = false in the project file compares the stand-ins instead).")
+            error.reason = why or "only synthetic weights are available"
+            raise error
+    return comparison
+
+
 def run_comparison(comparison: Comparison, layers: Selection = None,
                    on_layer: Callable[[Report, LayerResult], None] | None = None) -> CompareReport:
     """Compare the selected layers (default all), one at a time, then inventory what lies outside the FFN."""
     report = comparison.report()
     chosen = comparison.layers(layers)
-    for layer in chosen:
-        result = comparison.compare_layer(layer)
-        report.layers.append(result)
-        if on_layer is not None:
-            on_layer(report, result)
+    with young_objects_only():  # the per-layer gc.collect() then costs milliseconds, not 0.2-0.5 s
+        for layer in chosen:
+            result = comparison.compare_layer(layer)
+            report.layers.append(result)
+            if on_layer is not None:
+                on_layer(report, result)
     report.comparison["inventory"] = inventory(comparison.a, comparison.b, chosen)
     return report

@@ -159,9 +159,10 @@ def step_excess(a: torch.Tensor, b: torch.Tensor, steps: torch.Tensor) -> dict:
             "at": index}
 
 
-def relative_distance(b: torch.Tensor, a: torch.Tensor) -> float:
-    """max |B - A| / max |A| (inf where A is all zero and B is not)."""
-    scale = float(a.float().abs().max()) if a.numel() else 0.0
+def relative_distance(b: torch.Tensor, a: torch.Tensor, *, scale: float | None = None) -> float:
+    """max |B - A| / max |A| (inf where A is all zero and B is not); ``scale``: max |A|, when already known."""
+    if scale is None:
+        scale = float(a.float().abs().max()) if a.numel() else 0.0
     diff = float((b.float() - a.float()).abs().max()) if b.numel() else 0.0
     return diff / scale if scale else (math.inf if diff else 0.0)
 

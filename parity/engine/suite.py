@@ -14,7 +14,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from parity.definitions.project import CheckSpec, shard_units
+from parity.definitions.project import CheckSpec, CompareSpec, shard_units
 from parity.definitions.selection import parse_selection
 from parity.definitions.values import check_compute
 from parity.engine.logits import logits_impact
@@ -22,12 +22,12 @@ from parity.engine.resolve import resolve
 from parity.engine.results import LayerResult, Report
 from parity.engine.run import torch_device
 from parity.engine.session import Session, run_session
-from parity.errors import ParityError, SyntheticWeightsError
+from parity.errors import ParityError, SyntheticWeightsError, UsageError
 
 
 @dataclass
 class CheckRun:
-    spec: CheckSpec
+    spec: CheckSpec | CompareSpec
     layers: list[int] = field(default_factory=list)  # planned for this shard
     report: Report | None = None
     error: str | None = None
@@ -40,9 +40,20 @@ class CheckRun:
         return self.spec.label
 
 
-def plan_layers(spec: CheckSpec) -> tuple[list[int], list[str], object]:
-    """The layers `parity MODEL` would check for this spec, notes about the choice, and the session."""
+# Opens a compare (``engine.checkpoint_compare.open_comparison``): passed in by the caller, since the compare sits
+# above a session, as this module does, and an import here would stack the two.
+CompareOpener = Callable[[CompareSpec], Any]
 
+
+def plan_layers(spec: CheckSpec | CompareSpec, open_compare: CompareOpener | None = None
+                ) -> tuple[list[int], list[str], object]:
+    """The layers `parity MODEL` (`parity compare A B`) would check for this spec, notes about the choice, and the
+    session (for a compare, the Comparison ``open_compare`` opened)."""
+    if isinstance(spec, CompareSpec):
+        if open_compare is None:
+            raise UsageError(f"{spec.label}: a compare needs open_compare (engine.checkpoint_compare.open_comparison)")
+        comparison = open_compare(spec)
+        return comparison.layers(spec.layers), [], comparison
     session = open_session(spec)
     layers = spec.layers
     notes: list[str] = []
@@ -51,12 +62,13 @@ def plan_layers(spec: CheckSpec) -> tuple[list[int], list[str], object]:
     return parse_selection(layers, session.num_layers), notes, session
 
 
-def plan(specs: list[CheckSpec], shard: tuple[int, int] | None = None, raise_errors: bool = False) -> list[CheckRun]:
+def plan(specs: list[CheckSpec | CompareSpec], shard: tuple[int, int] | None = None, raise_errors: bool = False,
+         open_compare: CompareOpener | None = None) -> list[CheckRun]:
     runs = [CheckRun(spec) for spec in specs]
     units = []
     for index, run in enumerate(runs):
         try:
-            layers, run.plan_notes, run.session = plan_layers(run.spec)
+            layers, run.plan_notes, run.session = plan_layers(run.spec, open_compare)
         except ParityError as exc:
             if raise_errors:
                 raise
@@ -91,8 +103,11 @@ def execute(runs: list[CheckRun], on_layer: Callable[[CheckRun, Report, LayerRes
                 on_layer(run, report, result)
 
         try:
-            report = run_session(run.session, run.layers, on_layer=record, experts=spec.experts)
-            if spec.logits:
+            if isinstance(spec, CompareSpec):
+                report = run.session.run(run.layers, on_layer=record)  # a Comparison (open_compare's)
+            else:
+                report = run_session(run.session, run.layers, on_layer=record, experts=spec.experts)
+            if getattr(spec, "logits", False):
                 report.logits = logits_impact(run.session, sorted({r.layer for r in report.layers}))
         except ParityError as exc:
             if raise_errors:

@@ -90,9 +90,30 @@ def checkpoint_key(report: Report, roots: Sequence[Path] | None = None) -> str:
     return source_key(report.checkpoint, roots or default_roots())
 
 
+def compared_sides(report: Report) -> dict | None:
+    """A `parity compare A B` report's ``comparison`` (its two sides), or None for a check's report."""
+    sides = getattr(report, "comparison", None)
+    return sides if isinstance(sides, dict) and "reference" in sides else None
+
+
+def compare_key(report: Report, layer: LayerResult, roots: Sequence[Path] | None = None) -> str:
+    """A compare's layer: a named one (a project file's ``[[compares]]`` ``name``) by that name, so a new export
+    path keeps its entries (the fingerprint of both sides still tells other weights); an unnamed one by A and B
+    as located (local paths made portable, hub ids as ``id@revision``)."""
+    roots = roots or default_roots()
+    if report.name:
+        head = f"compare {report.name}"
+    else:
+        head = f"compare {source_key(report.checkpoint, roots)} | {source_key(report.target, roots)}"
+    return f"{head} | layer {layer.layer:04d}" + _key_tail(report, layer)
+
+
 def entry_key(report: Report, layer: LayerResult, roots: Sequence[Path] | None = None) -> str:
     """The layer's key: a named check (a project file's ``name``) by that name and the model, so moving or
-    renaming the target class keeps its entries; an unnamed one by model, checkpoint and target."""
+    renaming the target class keeps its entries; an unnamed one by model, checkpoint and target; a compare's by
+    ``compare_key``."""
+    if compared_sides(report) is not None:
+        return compare_key(report, layer, roots)
     if not report.name:
         return legacy_key(report, layer, roots)
     roots = roots or default_roots()
@@ -118,9 +139,11 @@ def _entry(report: Report, layer: LayerResult) -> dict:
     def short(value: float | None) -> float | None:  # None: no number (module not loadable, or NaN/inf output)
         return None if value is None or not math.isfinite(value) else float(f"{value:.4e}")
 
+    # a compare's target is B's location, which differs between machines: its key and fingerprint name B
+    target = None if compared_sides(report) is not None else report.target
     return {"passed": layer.passed, "max_abs_diff": short(layer.max_abs_diff), "tolerance": short(layer.tolerance),
             "noise_floor": short(layer.noise_floor), "fingerprint": layer.fingerprint,
-            "weights": report.weights, "target": report.target}
+            "weights": report.weights, "target": target}
 
 
 # -- reading ----------------------------------------------------------------------------------------
@@ -223,7 +246,7 @@ class BaselineJudge:
         result = self.comparison
         key = entry_key(report, layer, self.roots)
         old = self.entries.get(key)
-        if old is None and report.name:  # a named check's layers stored before checks had names
+        if old is None and report.name and compared_sides(report) is None:  # named before checks had names
             old = self.entries.get(legacy_key(report, layer, self.roots))
         if old is None:
             result.not_compared.append(key)
@@ -341,7 +364,7 @@ def write_baseline(path: str | Path, reports: Iterable[Report], roots: Sequence[
     written = 0
     for report in reports:
         for layer in report.layers:
-            if report.name:  # the entry under its name replaces the one stored before the check had a name
+            if report.name and compared_sides(report) is None:  # replaces the entry stored before it had a name
                 entries.pop(legacy_key(report, layer, roots), None)
             entries[entry_key(report, layer, roots)] = _entry(report, layer)
             written += 1

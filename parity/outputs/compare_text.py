@@ -5,7 +5,8 @@ and the summary line.  A check's table (``text.py``) has no column for the conve
 from __future__ import annotations
 
 from parity.engine.results import LayerResult, Report, register_renderers
-from parity.outputs.text import units_label
+from parity.outputs.baseline import compared_sides
+from parity.outputs.text import TextWriter, units_label
 
 HEADER = (f"{'layer':>5}  {'max|Δ|':>9}  {'rel':>9}  {'noise':>9}  {'conv Δ':>9}  {'tol':>9}  {'×noise':>8}  "
           f"{'×conv':>6}  {'stored as':<22}  verdict")
@@ -19,7 +20,8 @@ def header_lines(report: Report) -> list[str]:
     comparison = getattr(report, "comparison", {}) or {}
     a, b = comparison.get("reference", {}), comparison.get("candidate", {})
     return [
-        f"parity compare: {a.get('model', report.model)} (A, the truth) against {b.get('model', report.target)} (B)",
+        f"parity compare{' ' + report.name if report.name else ''}: {a.get('model', report.model)} (A, the truth) "
+        f"against {b.get('model', report.target)} (B)",
         f"  A           {report.checkpoint} (mapping '{a.get('mapping', report.mapping)}', {a.get('weights')} weights)",
         f"  B           {report.target} (mapping '{b.get('mapping')}', {b.get('weights')} weights)",
         f"  oracle      transformers {report.versions.get('transformers', '?')} {report.reference} "
@@ -36,9 +38,11 @@ def layer_line(result: LayerResult) -> str:
              else f"{result.ratio_to_noise:.2e}")
     to_conv = conv.get("ratio_to_conversion")
     verdict = ("UNVERIFIABLE" if result.unverifiable is not None else "MISMATCH" if not result.passed
-               else "ok (bit-identical)" if conv.get("identical") else "ok")
+               else "REGRESSED" if result.regressed else "ok (bit-identical)" if conv.get("identical") else "ok")
     if result.diagnosis:
         verdict += f" — {result.diagnosis.id}"
+    if result.regressed:
+        verdict += f" (baseline: {result.baseline['message']})"
     stored = str(conv.get("kind", "-")).removeprefix("quantized ").removeprefix("cast ")
     return (f"{result.layer:>5}  {_sci(result.max_abs_diff):>9}  {_sci(result.max_rel_diff):>9}  "
             f"{_sci(result.noise_floor):>9}  {_sci(conv.get('conversion_deviation')):>9}  "
@@ -90,14 +94,19 @@ def inventory_lines(report: Report) -> list[str]:
 def summary_line(report: Report) -> str:
     if not report.layers:
         return "ERROR: no layer was compared: nothing was compared, so this is not a pass."
-    failed = [r for r in report.layers if not r.passed and r.unverifiable is None]
+    failed, regressed = [r for r in report.layers if not r.passed and r.unverifiable is None], report.regressed
     if failed:
         ids = list(dict.fromkeys(str(r.diagnosis.id) for r in failed if r.diagnosis))
+        also = f"; {len(regressed)} regressed against the baseline: {units_label(regressed)}" if regressed else ""
         return (f"FAIL: {len(failed)} of {len(report.layers)} layer(s) of B compute another function than A's: "
-                f"{units_label(failed)}{' — ' + ', '.join(ids) if ids else ''}")
+                f"{units_label(failed)}{' — ' + ', '.join(ids) if ids else ''}{also}")
     if report.unverifiable:
         return (f"ERROR: {len(report.unverifiable)} of {len(report.layers)} layer(s) could not be verified: "
                 f"{units_label(report.unverifiable)}")
+    if regressed:
+        return (f"FAIL: {len(regressed)} of {len(report.layers)} layer(s) of B regressed against the baseline: "
+                f"{units_label(regressed)} ({regressed[0].baseline['message']}); all are within what the "
+                "conversion allows.")
     identical = all((getattr(r, "conversion", None) or {}).get("identical") for r in report.layers)
     how = "bit-identical to A's" if identical else "compute what A's compute within what the conversion allows"
     return f"PASS: {len(report.layers)} layer(s) of B {how}."
@@ -107,6 +116,38 @@ def render_compare(report: Report) -> str:
     lines = [*header_lines(report), *(layer_line(r) for r in report.layers), "", *diagnosis_lines(report),
              *inventory_lines(report), summary_line(report)]
     return "\n".join(lines)
+
+
+class SuiteWriter(TextWriter):
+    """A run's reports as text, as they grow: a check's as ``text.TextWriter`` writes it, a compare's (a report
+    with ``comparison``) with this module's header, rows, diagnoses and inventory."""
+
+    def layer(self, report: Report, result: LayerResult) -> None:
+        if compared_sides(report) is None:
+            super().layer(report, result)
+            return
+        self._begin(report)
+        self.say(layer_line(result))
+
+    def finish(self, report: Report, summary: bool = True) -> None:
+        if compared_sides(report) is None:
+            super().finish(report, summary)
+            return
+        self._begin(report)
+        self.say("")
+        for line in [*diagnosis_lines(report), *inventory_lines(report)]:
+            self.say(line)
+        if summary:
+            self.say(summary_line(report))
+
+    def _begin(self, report: Report) -> None:
+        if id(report) in self.started:
+            return
+        if self.started:
+            self.say("")
+        self.started.append(id(report))
+        for line in header_lines(report):
+            self.say(line)
 
 
 register_renderers(compare=render_compare)  # str(CompareReport) (engine.checkpoint_compare) is this table
