@@ -250,7 +250,7 @@ def main() -> int:
                         help="where the synthetic checkpoints are cached")
     parser.add_argument("--out", type=Path, help="write the results as JSON")
     parser.add_argument("--skip", action="append", default=[],
-                        choices=["compare", "sweep", "startup", "bf16", "405b", "floor", "checkpoints"])
+                        choices=["compare", "sweep", "startup", "bf16", "405b", "floor", "checkpoints", "frameworks"])
     args = parser.parse_args()
     runs = 1 if args.quick else args.runs
 
@@ -302,6 +302,8 @@ def main() -> int:
             results["405b"] = run_all(commands, 1)
         if "checkpoints" not in args.skip:
             results["checkpoints"] = checkpoint_rows(args.root, llama, subsets, runs)
+        if "frameworks" not in args.skip:
+            results["frameworks"] = framework_rows(llama, max(runs, 3))
         if "startup" not in args.skip:
             print("(c) start-up", file=sys.stderr)
             commands = {"parity --version": parity_cmd("--version"), "parity list": parity_cmd("list"),
@@ -379,6 +381,8 @@ def print_table(results: dict) -> None:
         print_floor(results)
     if "checkpoints" in results:
         print_checkpoints(results)
+    if "frameworks" in results:
+        print_frameworks(results)
     if "startup" in results:
         print("\n(c) start-up")
         for name, r in results["startup"].items():
@@ -399,6 +403,42 @@ def checkpoint_rows(root: Path, llama: Path, subsets: dict[int, Path], runs: int
         commands[f"check/{n}"] = parity_cmd(str(subsets[n]), "--layers", "all", "--quiet")
         commands[f"compare/{n}"] = parity_cmd("compare", str(subsets[n]), str(casts[n]), "--quiet")
     return run_all(commands, runs)
+
+
+# (h) one layer of the 1B shape, the same SwiGLU written in each framework (the tests' ports, built from the config)
+FRAMEWORK_TARGETS = {"torch": "parity.ffn:SwiGLU", "mlx": "tests.mlx_ports:MLP", "flax.nnx": "tests.nnx_ports:MLP",
+                     "numpy": "tests.numpy_ports:swiglu"}
+
+
+def framework_rows(llama: Path, runs: int) -> dict:
+    """(h) The same layer checked with a PyTorch target and with an MLX, Flax NNX and NumPy one, interleaved; a
+    framework not installed here is left out (and said)."""
+    import importlib.util
+
+    print("(h) one layer of the 1B shape: a PyTorch target against MLX, Flax NNX and NumPy ones", file=sys.stderr)
+    needs = {"mlx": "mlx", "flax.nnx": "flax"}
+    commands = {}
+    for name, target in FRAMEWORK_TARGETS.items():
+        if name in needs and importlib.util.find_spec(needs[name]) is None:
+            print(f"  {name}: not installed, left out", file=sys.stderr)
+            continue
+        commands[name] = parity_cmd(str(llama), "--layer", "11", "--target", target, "--quiet")
+    return run_all(commands, runs)
+
+
+def print_frameworks(results: dict) -> None:
+    """Each framework's wall time and peak RSS against the PyTorch target's, paired run by run."""
+    f = results["frameworks"]
+    torch_runs = f["torch"]
+    print("\n(h) one layer of the 1B shape (d=2048, d_ff=5632; bfloat16 on disk), the same SwiGLU in each framework")
+    print(f"{'target':<10}{'wall':>9}{'peak RSS':>14}{'wall / torch':>15}{'RSS / torch':>14}")
+    summary = {}
+    for name, r in f.items():
+        wall = statistics.median(a / b for a, b in zip(r["wall_runs"], torch_runs["wall_runs"], strict=True))
+        rss = statistics.median(a / b for a, b in zip(r["rss_runs"], torch_runs["rss_runs"], strict=True))
+        summary[name] = {"wall_ratio": wall, "rss_ratio": rss}
+        print(f"{name:<10}{r['wall_s']:8.2f}s{r['peak_rss'] / 2**20:10.0f} MiB{wall:>14.2f}x{rss:>13.2f}x")
+    results["frameworks_summary"] = summary
 
 
 def print_checkpoints(results: dict) -> None:
