@@ -3,6 +3,8 @@ kernels [in, out]), correct and broken, for tests/test_frameworks.py.  Importing
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 from flax import nnx
@@ -70,3 +72,26 @@ def instance(hidden: int, width: int) -> MLP:
         hidden_size, intermediate_size = hidden, width
 
     return MLP(Config(), rngs=nnx.Rngs(3))
+
+
+@dataclasses.dataclass(frozen=True)
+class ShardingConfig:
+    """In the style of flax's examples/gemma: a sharding config whose defaults mean no sharding."""
+
+    ffw_weight_df: tuple | None = None
+    ffw_weight_fd: tuple | None = None
+
+
+class FeedForward(nnx.Module):
+    """In the style of flax's examples/gemma FeedForward: plain sizes, keyword-only rngs and a required config of
+    the project's own, framework objects as defaults."""
+
+    def __init__(self, features: int, hidden_dim: int, *, rngs: nnx.Rngs, shd_config: ShardingConfig,
+                 dtype: jnp.dtype = jnp.float32, dropout_rate: float = 0.0):
+        self.gate_proj = nnx.Linear(features, hidden_dim, use_bias=False, rngs=rngs, dtype=dtype)
+        self.up_proj = nnx.Linear(features, hidden_dim, use_bias=False, rngs=rngs, dtype=dtype)
+        self.down_proj = nnx.Linear(hidden_dim, features, use_bias=False, rngs=rngs, dtype=dtype)
+        self.sharding = shd_config
+
+    def __call__(self, x):
+        return self.down_proj(jax.nn.gelu(self.gate_proj(x)) * self.up_proj(x))

@@ -104,6 +104,16 @@ def test_nnx_kernels_are_filled_transposed_and_a_kernel_filled_as_stored_is_name
     assert code == 1 and report["layers"][0]["diagnosis"]["id"] == "missing_transpose"
 
 
+def test_an_nnx_constructor_of_sizes_and_a_default_config_passes(tiny, capsys):
+    """features/hidden_dim bound by name, rngs passed, shd_config: ShardingConfig built with its defaults, a
+    framework object's default (dtype=jnp.float32) left alone."""
+    _needs("flax.nnx")
+    code, report, err = run_json(capsys, tiny["gemma3_text"], "--layers", "0,1",
+                                 "--target", "tests.nnx_ports:FeedForward")
+    assert code == 0, err
+    assert any("shd_config=ShardingConfig() (its defaults" in note for note in report["notes"]), report["notes"]
+
+
 def test_bare_nnx_kernels_in_a_convention_group_pass(tiny, capsys):
     _needs("flax.nnx")
     code, _, err = run_json(capsys, tiny["llama"], "--layer", "0", "--target", "tests.nnx_ports:BareKernelMLP")

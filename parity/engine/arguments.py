@@ -16,6 +16,7 @@ from torch import nn
 from parity.definitions.aliases import load_aliases
 from parity.definitions.families import TANH_GELUS, config_dff, configured_activation
 from parity.definitions.mapping import NONE, ConfigValue, Mapping, TensorRoute
+from parity.engine.config_view import COMPUTE_DTYPE_NAMES
 from parity.errors import TargetError
 
 if TYPE_CHECKING:  # annotations only: the frameworks' registry is build.py's to import
@@ -203,27 +204,54 @@ def admits_none(parameter: inspect.Parameter) -> bool:
     return type(None) in typing.get_args(hint)
 
 
-def bind_by_name(named: list[inspect.Parameter], mapping: Mapping,
+def bind_by_name(factory: Any, named: list[inspect.Parameter], mapping: Mapping,
                  config: Any) -> tuple[dict, dict, list[str]] | None:
     """A constructor that takes plain values (Meta's ``FeedForward(dim, hidden_dim, multiple_of,
     ffn_dim_multiplier)``, llama2.c's, ``Mlp(in_features, hidden_features)``): each parameter bound by its name
-    through the same table as a config's fields (``spelled``), a required ``Optional[...]`` one nobody answers to
-    None.  Returns the arguments as a mapping spells them, their values and one note per argument; None when a
+    through the same table as a config's fields (``spelled``); a required ``Optional[...]`` one nobody answers is
+    None, and one annotated with the project's own class that needs no arguments gets that class's defaults
+    (flax's gemma FeedForward(shd_config: ShardingConfig)).  Returns the arguments as a mapping spells them (an
+    instance is not spelled: a saved mapping binds it again), their values and one note per argument; None when a
     required parameter is unanswered, or nothing is answered at all (its defaults are then all there is)."""
     raw, values, notes = {}, {}, []
     for parameter in named:
         key = parameter.name
+        required = parameter.default is parameter.empty
+        if not required and not isinstance(parameter.default, (bool, int, float, str, type(None))):
+            continue  # a default that is a framework's object (jnp.float32, an initializer) is the module's own
+        if key in COMPUTE_DTYPE_NAMES:
+            continue  # parity builds in float32 (a --dtype run casts after): the config's dtype is not the module's
         answer = spelled(key, mapping, config)
-        if answer is None and parameter.default is parameter.empty and admits_none(parameter):
+        if answer is None and required and admits_none(parameter):
             answer = ("None", NONE, f"nothing in the checkpoint's {type(config).__name__} states it")
-        if answer is None:
-            if parameter.default is parameter.empty:
+        if answer is None and required:
+            instance = default_instance(factory, key)
+            if instance is None:
                 return None
+            values[key] = instance
+            notes.append(f"target constructor: {key}={type(instance).__qualname__}() (its defaults: nothing in the "
+                         f"checkpoint's {type(config).__name__} states it)")
+            continue
+        if answer is None:
             continue
         raw[key] = answer[1]
         values[key] = ConfigValue(config, mapping.path)(answer[1], f"target.args.{key}")
         notes.append(f"target constructor: {key}={values[key]!r} ({answer[2]})")
-    return (raw, values, notes) if values else None
+    return (raw, values, notes) if raw else None
+
+
+def default_instance(factory: Any, parameter: str) -> Any | None:
+    """An instance of the project's own class ``factory``'s ``parameter`` is annotated with, built with its
+    defaults when its constructor needs no argument; None otherwise (or when building it fails)."""
+    cls = config_class(factory, parameter)
+    if cls is None:
+        return None
+    try:
+        if any(p.default is p.empty and p.kind in NAMED for p in inspect.signature(cls).parameters.values()):
+            return None
+        return cls()
+    except Exception:  # noqa: BLE001 - a class that cannot be built with its defaults is no default
+        return None
 
 
 NAMED = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
@@ -269,7 +297,7 @@ def _constructor_args(factory: Any, signature: inspect.Signature | None, extras:
                                              [p.name for p in named if p.default is None])
             if projections is not None and binds(projections):
                 return {}, projections, []  # a mapping without args repeats this: the modules are built again
-            by_name = bind_by_name(named, mapping, config)
+            by_name = bind_by_name(factory, named, mapping, config)
             if by_name is not None and binds(by_name[1]):
                 return by_name
             if binds({}):
