@@ -8,7 +8,6 @@ naming it, with the constructor's signature and what was passed.
 from __future__ import annotations
 
 import contextlib
-import copy
 import importlib
 import inspect
 import os
@@ -123,8 +122,8 @@ def build_target(mapping: Mapping, config: Any,
     [config_fields] (``parity.engine.config_view``); each field the view supplied is one of the notes."""
     chosen = target if target is not None else mapping.target_class
     name = target_label(chosen)
-    if isinstance(chosen, nn.Module):
-        return copy.deepcopy(chosen), name, None, []
+    if isinstance(chosen, nn.Module):  # an instance of parity's own kind: a copy is checked, never the caller's
+        return framework_of(chosen).copy(chosen), name, None, []
     if not inspect.isclass(chosen) and framework_of(chosen) is not None:  # an instance, a function, a file
         module, args, notes = unconstructed(framework_of(chosen), chosen, mapping, config)
         return module, name, args, notes
@@ -158,7 +157,7 @@ def build_target(mapping: Mapping, config: Any,
         raise construction_error(factory, name, kwargs, mapping, config, exc, by_name=by_name,
                                      framework=framework, built_config=built_config) from None
     built = framework or framework_of(module)  # a class of a framework, or a factory returning its module
-    if built is not None and not isinstance(module, nn.Module):
+    if built is not None and not built.native and not isinstance(module, nn.Module):
         built.require()
         module = foreign_target(built, module, mapping, config)
         notes = [*notes, *framework_notes(built)]
@@ -166,7 +165,7 @@ def build_target(mapping: Mapping, config: Any,
         raise TargetError(f"target {name} returned {type(module).__name__}, not a torch.nn.Module (nor a module "
                           f"of {', '.join(f.name for f in FRAMEWORKS)})")
     if by_name:
-        check_built_size(module, factory if built is None else None, name, kwargs, raw, config)
+        check_built_size(module, factory if built is None or built.native else None, name, kwargs, raw, config)
     return module, name, raw, notes
 
 

@@ -1,7 +1,7 @@
 """The frameworks a target may be written in, registered in one place (as checkpoint formats are in
 ``parity.sources``).  The framework is found from what --target names: a class or instance deriving from a
 framework's module base, a NumPy function (its first parameter the input), an ``.onnx`` path.  PyTorch modules
-are parity's own kind and need no adapter; every other framework's target is put behind a torch module by
+are parity's own kind (``native``: no adapter); every other framework's target is put behind a torch module by
 ``parity.targets.proxy`` and checked by the same engine.
 
 Registering one more framework is one class (``parity.targets.base.Framework``) and one line here.
@@ -16,13 +16,14 @@ from parity.targets.mlx import MLX
 from parity.targets.nnx import FlaxNNX
 from parity.targets.numpy_function import NumPyFunction
 from parity.targets.onnx_graph import ONNXGraph
+from parity.targets.pytorch import PyTorch
 
-FRAMEWORKS: tuple[Framework, ...] = (MLX(), FlaxNNX(), ONNXGraph(), NumPyFunction())
+FRAMEWORKS: tuple[Framework, ...] = (PyTorch(), MLX(), FlaxNNX(), ONNXGraph(), NumPyFunction())
 
 
 def framework_of(obj: Any) -> Framework | None:
-    """The registered framework ``obj`` (a class, an instance, a function or a path) belongs to; None for
-    PyTorch and anything else."""
+    """The registered framework ``obj`` (a class, an instance, a function or a path) belongs to; None for anything
+    else (a factory function: what it returns says)."""
     return next((framework for framework in FRAMEWORKS if framework.owns(obj)), None)
 
 

@@ -58,6 +58,7 @@ class Framework:
     immutable_arrays = False  # the target cannot change its input: input mutation is not checked, and said so
     dtypes: tuple[str, ...] = ("float32", "bfloat16", "float16")  # what --dtype it computes in
     fills = True  # False: its weights are inside it (an ONNX graph): parity checks them instead of filling
+    native = False  # True for PyTorch only: the engine's own kind, checked without a proxy
     extra_spelling: dict[str, str] = {}  # constructor_extras as a factory parity prints writes them
     computes_with: tuple[str, ...] = ()  # the packages that compute for it, whose versions the report gives too
 
