@@ -77,6 +77,7 @@ def check(model: str, *, layers: str | int | Iterable[int] | None = None, target
 
 def compare(a: str, b: str, *, layers: str | int | Iterable[int] | None = None, revision: str | None = None,
             revision_b: str | None = None, allow_pickle: bool = False, seed: int = 0,
+            experts: str | int | Iterable[int] | None = None,
             on_layer: Callable[[Report, LayerResult], None] | None = None) -> Report:
     """Judge checkpoint B (a re-save, a cast, a GGUF export, a quantization of A) against checkpoint A, layer by
     layer, as functions: transformers' MLP built from A's config holding A's layer is the truth, the same class
@@ -91,6 +92,7 @@ def compare(a: str, b: str, *, layers: str | int | Iterable[int] | None = None, 
         revision, revision_b: hub revisions of A and of B.
         allow_pickle: open pickle-based files of either side (``torch.load(weights_only=True)``).
         seed: the inputs' seed.
+        experts: MoE: the experts to judge, each its own unit (default all).
         on_layer: called with (report, layer result) as each layer finishes.
 
     Returns:
@@ -108,7 +110,8 @@ def compare(a: str, b: str, *, layers: str | int | Iterable[int] | None = None, 
     from parity.engine.checkpoint_compare import Comparison, run_comparison
     from parity.outputs import compare_text  # noqa: F401  (importing it makes str(report) the compare table)
 
-    comparison = Comparison(a, b, revision=revision, revision_b=revision_b, allow_pickle=allow_pickle, seed=seed)
+    comparison = Comparison(a, b, revision=revision, revision_b=revision_b, allow_pickle=allow_pickle, seed=seed,
+                            experts=experts)
     return run_comparison(comparison, layers, on_layer)
 
 

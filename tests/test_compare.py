@@ -22,6 +22,7 @@ from safetensors.torch import load_file, save_file
 import parity
 from parity.engine.results import SCHEMA_FILE
 
+from .builders import MIXTRAL, tiny_model
 from .conftest import build_model, save
 from .gguf_files import HF_TO_GGUF, Q, gguf_from_hf, gguf_gpt2, write_gguf
 from .support import run_json, run_main, run_parity
@@ -277,6 +278,63 @@ def test_the_inventory_outside_the_ffn_goes_through_ggufs_names(a_f32, llama, st
     assert found["shape_differs"] == [{"name": "model.layers.1.input_layernorm.weight", "a": [64], "b": [32]}]
     assert found["dtype_changes"] == {"F32 -> F16": 20}
     assert "not judged" in report.comparison["outside_ffn"]
+
+
+# -- a mixture of experts: each (layer, expert) its own unit ----------------------------------------------------
+
+EXPERT = "model.layers.{}.block_sparse_moe.experts.{}.{}.weight"  # save_pretrained's per-expert w1/w2/w3
+
+
+@pytest.fixture(scope="session")
+def mixtral():
+    return tiny_model("mixtral", 41, **MIXTRAL)  # 2 layers of 4 experts, d = 32, d_ff = 48
+
+
+@pytest.fixture(scope="session")
+def a_moe(mixtral, root):
+    return save(mixtral, root / "mixtral")
+
+
+def test_a_faithful_mixtral_resave_passes_every_expert(a_moe, mixtral, root, capsys):
+    code, data, err = run_json(capsys, "compare", a_moe, save(mixtral, root / "mixtral-resave"))
+    assert code == 0 and data["passed"], err
+    assert [(u["layer"], u["expert"]) for u in data["layers"]] == [(i, e) for i in range(2) for e in range(4)]
+    assert all(u["max_abs_diff"] == 0.0 and u["conversion"]["identical"] for u in data["layers"])
+
+
+def test_two_exchanged_experts_are_named_expert_shifted(a_moe, root):
+    values = load_file(a_moe / "model.safetensors")
+    for w in ("w1", "w2", "w3"):
+        values[EXPERT.format(1, 0, w)], values[EXPERT.format(1, 2, w)] = (values[EXPERT.format(1, 2, w)],
+                                                                          values[EXPERT.format(1, 0, w)])
+    report = parity.compare(str(a_moe), str(export(root / "mixtral-exchanged", a_moe, values)))
+    assert [(u.layer, u.expert) for u in report.layers if not u.passed] == [(1, 0), (1, 2)], str(report)
+    for unit, other in ((report.layers[4], 2), (report.layers[6], 0)):
+        found = unit.diagnosis
+        assert found.id == "expert_shifted" and found.distance <= unit.tolerance < found.reference_distance
+        assert f"B's expert {unit.expert} of layer 1 holds A's expert {other}" in found.message
+    text = str(report)
+    assert "diagnosis expert_shifted (expert 1/e0)" in text and "FAIL: 2 of 8 expert(s) of B" in text
+
+
+def test_experts_select_the_units_and_a_dense_b_is_no_conversion(a_moe, a_f32, capsys):
+    from parity.engine.checkpoint_compare import Comparison, run_comparison
+    from parity.errors import LayerRangeError
+
+    report = run_comparison(Comparison(str(a_moe), str(a_moe), experts="1"))
+    assert report.passed and [(u.layer, u.expert) for u in report.layers] == [(0, 1), (1, 1)]
+    code, data, err = run_json(capsys, "compare", a_moe, a_moe, "--experts", "2")  # the command line, and Python
+    assert code == 0 and [(u["layer"], u["expert"]) for u in data["layers"]] == [(0, 2), (1, 2)], err
+    assert [u.expert for u in parity.compare(str(a_moe), str(a_moe), layers=[0], experts=[0, 3]).layers] == [0, 3]
+    from safetensors import safe_open  # every expert's tensors are the FFN's: none is inventoried as outside it
+
+    with safe_open(str(a_moe / "model.safetensors"), "pt") as handle:
+        outside = [key for key in handle.keys() if ".experts." not in key]
+    assert report.comparison["inventory"]["tensors_a"] == len(outside), report.comparison["inventory"]
+    with pytest.raises(LayerRangeError, match="dense"):
+        Comparison(str(a_f32), str(a_f32), experts="1")
+    code, _, err = run_main(capsys, "compare", a_moe, a_f32)
+    assert code == 2 and "is no conversion of" in err and "4 experts per layer" in err, err
 
 
 # -- the command line ---------------------------------------------------------------------------------------

@@ -239,6 +239,6 @@ def run_compare(args: argparse.Namespace) -> int:
     from parity.definitions.project import CompareSpec
 
     spec = CompareSpec(a=args.a, b=args.b, layers=args.layers, revision=args.revision, revision_b=args.revision_b,
-                       seed=args.seed, allow_pickle=args.allow_pickle)
+                       seed=args.seed, allow_pickle=args.allow_pickle, experts=args.experts)
     args.model = spec.label  # what the error JSON names
     return with_error_outputs(args, spec.label, True, lambda: run_specs([spec], args, single=True))

@@ -240,6 +240,7 @@ def build_compare_parser() -> argparse.ArgumentParser:
     parser.add_argument("a", metavar="A", type=MODEL_VALUE, help="the reference checkpoint (the truth)")
     parser.add_argument("b", metavar="B", type=MODEL_VALUE, help="the candidate checkpoint, made from A")
     parser.add_argument("--layers", metavar="SPEC", help="all | 0,3,5 | 2-7 (default: every layer both hold)")
+    parser.add_argument("--experts", metavar="SPEC", help="MoE: all | 0,3 | 2-5 (default: every expert)")
     parser.add_argument("--revision", metavar="REV", type=REVISION_VALUE, help="hub revision of A")
     parser.add_argument("--revision-b", metavar="REV", type=REVISION_VALUE, help="hub revision of B")
     parser.add_argument("--allow-pickle", action="store_true",

@@ -36,6 +36,7 @@ class MistakeId(StrEnum):
     GATE_UP_EXCHANGED = "gate_up_exchanged"
     TENSOR_TRANSPOSED = "tensor_transposed"
     LAYER_SHIFTED = "layer_shifted"
+    EXPERT_SHIFTED = "expert_shifted"
     TENSOR_SCALED = "tensor_scaled"
     SIGN_FLIPPED = "sign_flipped"
     TENSOR_TRUNCATED = "tensor_truncated"
@@ -106,6 +107,9 @@ MISTAKES = {m.id: m for m in [
             "transpose it back in the converter (Conv1D [in, out] vs nn.Linear [out, in]; GGUF stores [out, in])"),
     Mistake(MistakeId.LAYER_SHIFTED, "checkpoint B's layer holds another layer of A (a shifted or repeated layer)",
             "fix the converter's layer index (an off-by-one, or a shard written from the wrong layer)"),
+    Mistake(MistakeId.EXPERT_SHIFTED, "checkpoint B's expert holds another expert of A's same layer (experts "
+            "exchanged, shifted or repeated)", "fix the converter's expert index (the order it numbers or stacks "
+            "a layer's experts in, e.g. GGUF's *_exps tensors)"),
     Mistake(MistakeId.TENSOR_SCALED, "a tensor of checkpoint B is A's multiplied by a constant",
             "remove the extra scale in the converter (a norm folded in twice, a scale applied on the wrong side)"),
     Mistake(MistakeId.SIGN_FLIPPED, "a tensor of checkpoint B is A's with its sign flipped",
@@ -216,6 +220,7 @@ PRODUCED_BY: dict[MistakeId, str] = {
     MistakeId.GATE_UP_EXCHANGED: "replay (compare): A's layer with gate and up exchanged",
     MistakeId.TENSOR_TRANSPOSED: "replay (compare): A's tensor transposed; finding: B's shape is A's reversed",
     MistakeId.LAYER_SHIFTED: "replay (compare): A's neighbouring layers, each in turn",
+    MistakeId.EXPERT_SHIFTED: "replay (compare): A's other experts of the same layer, each in turn",
     MistakeId.TENSOR_SCALED: "replay (compare): A's tensor times the least-squares factor fitted to B's",
     MistakeId.SIGN_FLIPPED: "replay (compare): A's tensor negated",
     MistakeId.TENSOR_TRUNCATED: "replay (compare): A's tensor with B's zero tail; finding: B's shape is smaller",

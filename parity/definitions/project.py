@@ -34,7 +34,7 @@ _TOP_KEYS = {"checks", "compares", "baseline", "baseline_factor", "baseline_slac
 _CHECK_KEYS = {"name", "model", "checkpoint", "layers", "layer", "target", "mapping", "revision", "seed", "atol",
                "tolerance", "logits", "experts", "allow_pickle", "require_real", "device", "dtype"}
 # [[compares]]: `parity compare A B` run by `parity check`; [defaults] keys of this set apply to compares too
-_COMPARE_KEYS = {"name", "a", "b", "revision", "revision_b", "layers", "layer", "seed", "allow_pickle",
+_COMPARE_KEYS = {"name", "a", "b", "revision", "revision_b", "layers", "layer", "experts", "seed", "allow_pickle",
                  "require_real"}
 
 
@@ -89,6 +89,7 @@ class CompareSpec:
     allow_pickle: bool = False
     require_real: bool = False  # a synthetic stand-in on either side is an error (exit 2); project files: true
     where: str = ""  # "parity.toml: compares[0]" for error messages
+    experts: Any = None  # MoE: None | "all" | "0,3" | list[int]
     kind = "compare"  # a class constant: what a suite's JSON calls the entry
 
     @property
@@ -255,10 +256,7 @@ def _parse_check(entry: dict, where: str, base: Path) -> CheckSpec:
     require_real = entry.get("require_real", synthetic_action("parity check") == "refuse")  # CI: definitions/policy.py
     if not all(isinstance(flag, bool) for flag in (logits, allow_pickle, require_real)):
         raise fail("'logits', 'allow_pickle' and 'require_real' must be true or false")
-    experts = entry.get("experts")
-    if experts is not None and not (isinstance(experts, str) or (
-            isinstance(experts, list) and all(isinstance(v, int) and not isinstance(v, bool) for v in experts))):
-        raise fail("'experts' must be \"all\", \"0,3\", \"2-5\" or a list of integers")
+    experts = _experts(entry, fail)
     mapping = entry.get("mapping")
     if mapping is not None and not Path(mapping).is_absolute():
         mapping = str(base / mapping)  # relative to the project file, like every path in it
@@ -295,6 +293,15 @@ def _local(value: str, base: Path) -> str:
     return str(base / value) if not Path(value).is_absolute() and _exists(base / value) else value
 
 
+def _experts(entry: dict, fail) -> Any:
+    """An entry's 'experts' (MoE): "all", "0,3", "2-5" or a list of integers; None when absent."""
+    experts = entry.get("experts")
+    if experts is not None and not (isinstance(experts, str) or (
+            isinstance(experts, list) and all(isinstance(v, int) and not isinstance(v, bool) for v in experts))):
+        raise fail("'experts' must be \"all\", \"0,3\", \"2-5\" or a list of integers")
+    return experts
+
+
 def _parse_compare(entry: dict, where: str, base: Path) -> CompareSpec:
     def fail(what: str) -> ProjectConfigError:
         sides = " and ".join(repr(entry[k]) for k in ("a", "b") if isinstance(entry.get(k), str))
@@ -320,7 +327,8 @@ def _parse_compare(entry: dict, where: str, base: Path) -> CompareSpec:
         raise fail("'allow_pickle' and 'require_real' must be true or false")
     return CompareSpec(a=_local(entry["a"], base), b=_local(entry["b"], base), layers=layers,
                        revision=entry.get("revision"), revision_b=entry.get("revision_b"), seed=seed,
-                       name=entry.get("name"), allow_pickle=allow_pickle, require_real=require_real, where=where)
+                       name=entry.get("name"), allow_pickle=allow_pickle, require_real=require_real, where=where,
+                       experts=_experts(entry, fail))
 
 
 def select_checks(checks: list[CheckSpec], expression: str) -> list[CheckSpec]:

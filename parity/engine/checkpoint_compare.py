@@ -87,21 +87,23 @@ class CompareReport(Report):
         return renderer(self) if renderer is not None else super().__str__()
 
 
-def read_side(session: Session, layer: int, truth: bool) -> SideLayer:
-    """The layer's FFN tensors of one checkpoint, routed to the reference's names.  The truth (A) must be
-    finite (a NaN there is bad input, exit 2); B's Inf is a finding (cast_overflow), so B is read raw."""
+def read_side(session: Session, layer: int, truth: bool, expert: int | None = None) -> SideLayer:
+    """The layer's (expert's, for MoE) FFN tensors of one checkpoint, routed to the reference's names.  The truth
+    (A) must be finite (a NaN there is bad input, exit 2); B's Inf is a finding (cast_overflow), so B is read raw."""
     routes = session.reader.reference_routes(layer)
-    prefix = session.reader.layer_prefix(layer)
+    prefix = session.reader.layer_prefix(layer, expert)
     try:
-        stored = session.read_layer(layer, dtype=None)
+        stored = session.read_layer(layer, expert, dtype=None)
         facts = session.reader.facts
     except WeightDefectError:
         if truth:
             raise
-        raw = session.checkpoint.read(list(dict.fromkeys(prefix + r.source for r in routes)))
+        sources = list(dict.fromkeys(r.source for r in routes))
+        raw = (session.checkpoint.read([prefix + s for s in sources]) if expert is None
+               else session.reader._read(prefix, sources, expert))  # stacked experts: sliced to this one
         stored, facts = {key[len(prefix):]: value for key, value in raw.items()}, None
     routed = {r.target: route_tensor(r, stored[r.source]) for r in routes}
-    storage = {r.target: conversion.storage_of(session.checkpoint, prefix + r.source, stored[r.source], r)
+    storage = {r.target: conversion.storage_of(session.checkpoint, prefix + r.source, stored[r.source], r, expert)
                for r in routes}
     named = {r.target: facts.get(r.source) for r in routes if r.chunk is None} if facts is not None else {}
     return SideLayer(routed, storage, weights_fingerprint(stored, facts), finite=facts is not None, facts=named)
@@ -120,19 +122,25 @@ class Comparison:
     """Both checkpoints resolved once; ``compare_layer`` then judges one layer at a time."""
 
     def __init__(self, a: str, b: str, *, revision: str | None = None, revision_b: str | None = None,
-                 allow_pickle: bool = False, seed: int = 0):
+                 allow_pickle: bool = False, seed: int = 0, experts: Selection = None):
         require_values(model=a, revision=revision)
         require_values(model=b, revision=revision_b)
         self.a = Session(resolve(a, revision=revision, allow_pickle=allow_pickle), seed=seed)
         self.b = Session(resolve(b, revision=revision_b, allow_pickle=allow_pickle), seed=seed)
         self.labels = (a, b)
         self.seed = seed
-        for side, name in ((self.a, a), (self.b, b)):
-            if side.num_experts is not None:
-                raise UsageError(f"{name}: a mixture of experts; `parity compare` judges dense FFN layers so far "
-                                 "(check each side with `parity MODEL --experts`)")
+        self.require_same_experts()
         self.require_same_ffn()
+        self.experts = self.a.expert_indices(experts)  # [None] for a dense model; the selected experts for MoE
         self.notes = self.config_notes()
+
+    def require_same_experts(self) -> None:
+        """Both dense, or both a mixture of the same number of experts per layer."""
+        counts = (self.a.num_experts, self.b.num_experts)
+        if counts[0] != counts[1]:
+            spelled = ["dense" if n is None else f"a mixture of {n} experts per layer" for n in counts]
+            raise UsageError(f"{self.labels[1]} is no conversion of {self.labels[0]}: A's FFN is {spelled[0]}, B's "
+                             f"{spelled[1]}; `parity compare` judges two stores of one model's layers")
 
     def require_same_ffn(self) -> None:
         """B must hold A's model: an MLP of the same parameters and shapes in transformers (a Mistral exported to
@@ -176,17 +184,19 @@ class Comparison:
         with torch.no_grad():
             return compute_in(module, torch.float64)(x.double())
 
-    def compare_layer(self, layer: int) -> CompareLayer:
-        a = read_side(self.a, layer, truth=True)
-        b = read_side(self.b, layer, truth=False)
+    def compare_layer(self, layer: int, expert: int | None = None) -> CompareLayer:
+        """One layer (one expert of it, for MoE) of B judged against A's."""
+        a = read_side(self.a, layer, truth=True, expert=expert)
+        b = read_side(self.b, layer, truth=False, expert=expert)
         rows, converted, exact = tensor_rows(a, b)
         shaped = shape_finding(a, b)
         if shaped is not None:
             result = unloadable(layer, shaped, rows, self.a.checkpoint.weights)
+            result.expert = expert
             result.fingerprint = pair_fingerprint(a, b)
             return result
         reference = self.a.reference_from(layer, a.routed)
-        x = make_inputs(reference, self.a.hidden_size, self.seed, layer)
+        x = make_inputs(reference, self.a.hidden_size, self.seed, layer, expert)
         truth = run_reference(reference, x)
         del reference
         out_b = self.run64(layer, b.routed, x)
@@ -202,15 +212,15 @@ class Comparison:
         factor = QUANT_FACTOR if quantized else CAST_FACTOR
         tolerance = max(parity_tolerance(noise, scale, None), factor * conv_dev)
         runs = Runs(truth.out64, truth.out32, out_b, out_b)
-        result = judge(layer, None, runs, a.routed, truth.z, tolerance, self.a.checkpoint.weights, a.facts)
+        result = judge(layer, expert, runs, a.routed, truth.z, tolerance, self.a.checkpoint.weights, a.facts)
         result = CompareLayer(**{f.name: getattr(result, f.name) for f in dataclasses.fields(LayerResult)})
         result.conversion = conversion_record(rows, b, conv_dev, result.max_abs_diff, factor, changed)
         result.fingerprint = pair_fingerprint(a, b)
-        self.verdict(result, layer, a, b, x, truth.out64, rows)
+        self.verdict(result, (layer, expert), a, b, x, truth.out64, rows)
         gc.collect()
         return result
 
-    def verdict(self, result: CompareLayer, layer: int, a: SideLayer, b: SideLayer, x: torch.Tensor,
+    def verdict(self, result: CompareLayer, unit: tuple[int, int | None], a: SideLayer, b: SideLayer, x: torch.Tensor,
                 out64: torch.Tensor, rows: list[dict]) -> None:
         """Findings first (overflow, values beyond their step), then replays of conversion mistakes."""
         overflowed = [(row["name"], row["overflow"]) for row in rows if row.get("overflow")]
@@ -225,20 +235,26 @@ class Comparison:
         if result.passed and not beyond:
             return
         result.passed = False
-        result.diagnosis = self.explain(layer, a, b, x, out64, result.tolerance, result.max_abs_diff or math.inf,
+        result.diagnosis = self.explain(unit, a, b, x, out64, result.tolerance, result.max_abs_diff or math.inf,
                                         rows, beyond)
 
-    def explain(self, layer: int, a: SideLayer, b: SideLayer, x: torch.Tensor, out64: torch.Tensor,
-                tolerance: float, reference_distance: float, rows: list[dict], beyond: list[dict]) -> Diagnosis:
+    def explain(self, unit: tuple[int, int | None], a: SideLayer, b: SideLayer, x: torch.Tensor,
+                out64: torch.Tensor, tolerance: float, reference_distance: float, rows: list[dict],
+                beyond: list[dict]) -> Diagnosis:
         """Replay each conversion mistake on A's tensors, converted the way B stores them, and name the one B's
-        output reproduces within the layer's tolerance; else a finding about the steps, else unexplained."""
+        output reproduces within the layer's tolerance; else a finding about the steps, else unexplained.  Only
+        when no single-tensor replay explains it are A's other experts of the layer, then its neighbouring layers,
+        read."""
+        layer = unit[0]
         out_b = self.run64(layer, b.routed, x)
         differing = [row["name"] for row in rows if row["differs"]]
         candidates: list[Candidate] = []
         best = self.replay_all(layer, hypotheses(a.routed, b.routed, b.storage, differing), a, b, x, out_b,
                                candidates)
-        if best is None or best[0] > tolerance:
-            shifted = self.replay_all(layer, self.neighbour_hypotheses(layer, a, b), a, b, x, out_b, candidates)
+        for search in (self.expert_hypotheses, self.neighbour_hypotheses):
+            if best is not None and best[0] <= tolerance:
+                break
+            shifted = self.replay_all(layer, search(unit, a, b), a, b, x, out_b, candidates)
             if shifted is not None and (best is None or shifted[0] < best[0]):
                 best = shifted
         if best is not None and best[0] <= tolerance:
@@ -267,21 +283,33 @@ class Comparison:
                 best = (distance, hypothesis.id, hypothesis.detail)
         return best
 
-    def neighbour_hypotheses(self, layer: int, a: SideLayer, b: SideLayer) -> list[Hypothesis]:
+    def neighbour_hypotheses(self, unit: tuple[int, int | None], a: SideLayer, b: SideLayer) -> list[Hypothesis]:
         """B's layer holding A's layer j (all its tensors, or those closer to layer j's than to this one's), for
-        the layers within NEIGHBOURS; each neighbour is read, compared by values and dropped in turn."""
+        the layers within NEIGHBOURS (for MoE: the same expert of layer j); each neighbour is read, compared by
+        values and dropped in turn."""
+        layer, expert = unit
         found = []
         for other in range(max(0, layer - NEIGHBOURS), min(self.a.num_layers, layer + NEIGHBOURS + 1)):
             if other == layer:
                 continue
-            theirs = read_side(self.a, other, truth=True).routed
-            closer = [n for n in a.routed if theirs[n].shape == b.routed[n].shape
-                      and conversion.relative_distance(b.routed[n], theirs[n])
-                      < conversion.relative_distance(b.routed[n], a.routed[n])]
-            if closer:
-                taken = {n: theirs[n] for n in closer}
-                found.append(Hypothesis(MistakeId.LAYER_SHIFTED, f"B's layer {layer} holds A's layer {other} "
-                                        f"({', '.join(closer)})", lambda t, taken=taken: {**t, **taken}))
+            mine, theirs = (f"layer {layer}", f"layer {other}") if expert is None else (
+                f"layer {layer} expert {expert}", f"layer {other} expert {expert}")
+            found.extend(held_from(read_side(self.a, other, truth=True, expert=expert).routed, a, b,
+                                   MistakeId.LAYER_SHIFTED, f"B's {mine} holds A's {theirs}"))
+        return found
+
+    def expert_hypotheses(self, unit: tuple[int, int | None], a: SideLayer, b: SideLayer) -> list[Hypothesis]:
+        """For MoE: B's expert e holding A's expert f of the same layer (all its tensors, or those closer to f's
+        than to e's), for every other expert of the layer; each is read, compared by values and dropped in turn."""
+        layer, expert = unit
+        if expert is None:
+            return []
+        found = []
+        for other in range(self.a.num_experts or 0):
+            if other != expert:
+                found.extend(held_from(read_side(self.a, layer, truth=True, expert=other).routed, a, b,
+                                       MistakeId.EXPERT_SHIFTED,
+                                       f"B's expert {expert} of layer {layer} holds A's expert {other}"))
         return found
 
     # -- the report -----------------------------------------------------------------------------------
@@ -309,6 +337,19 @@ class Comparison:
                                        "from headers; their values are not judged"})
 
 
+def held_from(theirs: dict[str, torch.Tensor], a: SideLayer, b: SideLayer, mistake: MistakeId,
+              detail: str) -> list[Hypothesis]:
+    """B's tensors that are closer to ``theirs`` (another layer's or expert's of A) than to A's own: one
+    hypothesis taking those from ``theirs``, or none when no tensor is."""
+    closer = [n for n in a.routed if theirs[n].shape == b.routed[n].shape
+              and conversion.relative_distance(b.routed[n], theirs[n])
+              < conversion.relative_distance(b.routed[n], a.routed[n])]
+    if not closer:
+        return []
+    taken = {n: theirs[n] for n in closer}
+    return [Hypothesis(mistake, f"{detail} ({', '.join(closer)})", lambda t, taken=taken: {**t, **taken})]
+
+
 @dataclass
 class Hypothesis:
     """One conversion mistake, as A's layer tensors (reference names) changed the way the mistake changes them."""
@@ -320,6 +361,8 @@ class Hypothesis:
 
 def _swap(t: dict, a: str, b: str) -> dict:
     out = dict(t)
+    if a in t and b in t:  # one MoE expert's tensors: gate, up, down (parity.engine.experts)
+        out[a], out[b] = t[b], t[a]
     for suffix in ("weight", "bias"):
         if f"{a}.{suffix}" in t and f"{b}.{suffix}" in t:
             out[f"{a}.{suffix}"], out[f"{b}.{suffix}"] = t[f"{b}.{suffix}"], t[f"{a}.{suffix}"]
@@ -331,9 +374,11 @@ def hypotheses(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor], storage: 
     """The conversion mistakes that could turn A's tensors into B's: one set per tensor that differs beyond
     what its conversion allows, plus gate and up exchanged."""
     found = []
-    if "gate_proj.weight" in a and "up_proj.weight" in a and {"gate_proj.weight", "up_proj.weight"} & set(differing):
-        found.append(Hypothesis(MistakeId.GATE_UP_EXCHANGED, "B's gate_proj is A's up_proj and the reverse",
-                                lambda t: _swap(t, "gate_proj", "up_proj")))
+    for gate, up in (("gate_proj", "up_proj"), ("gate", "up")):
+        names = {f"{gate}.weight", f"{up}.weight"} if gate.endswith("_proj") else {gate, up}
+        if names <= set(a) and names & set(differing):
+            found.append(Hypothesis(MistakeId.GATE_UP_EXCHANGED, f"B's {gate} is A's {up} and the reverse",
+                                    lambda t, gate=gate, up=up: _swap(t, gate, up)))
     for name in differing:
         found.extend(tensor_hypotheses(name, a[name], b[name], storage[name]))
     return found
@@ -464,7 +509,7 @@ def open_comparison(spec: CompareSpec) -> Comparison:
     """Both checkpoints of a compare resolved (``Comparison``); with ``require_real``, a synthetic stand-in on either
     side is a SyntheticWeightsError before anything is computed."""
     comparison = Comparison(spec.a, spec.b, revision=spec.revision, revision_b=spec.revision_b,
-                            allow_pickle=spec.allow_pickle, seed=spec.seed)
+                            allow_pickle=spec.allow_pickle, seed=spec.seed, experts=spec.experts)
     for side, name in ((comparison.a, spec.a), (comparison.b, spec.b)):
         if spec.require_real and side.checkpoint.weights != "real":
             why = (side.checkpoint.weights_note or "").removeprefix("SYNTHETIC weights: ").split(";")[0]
@@ -479,14 +524,16 @@ def open_comparison(spec: CompareSpec) -> Comparison:
 
 def run_comparison(comparison: Comparison, layers: Selection = None,
                    on_layer: Callable[[Report, LayerResult], None] | None = None) -> CompareReport:
-    """Compare the selected layers (default all), one at a time, then inventory what lies outside the FFN."""
+    """Compare the selected layers (default all), one at a time (each selected expert of a layer, for MoE, as its
+    own unit), then inventory what lies outside the FFN."""
     report = comparison.report()
     chosen = comparison.layers(layers)
     with young_objects_only():  # the per-layer gc.collect() then costs milliseconds, not 0.2-0.5 s
         for layer in chosen:
-            result = comparison.compare_layer(layer)
-            report.layers.append(result)
-            if on_layer is not None:
-                on_layer(report, result)
+            for expert in comparison.experts:
+                result = comparison.compare_layer(layer, expert)
+                report.layers.append(result)
+                if on_layer is not None:
+                    on_layer(report, result)
     report.comparison["inventory"] = inventory(comparison.a, comparison.b, chosen)
     return report

@@ -50,8 +50,9 @@ def dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
-def storage_of(checkpoint, key: str, stored: torch.Tensor, route: TensorRoute) -> Storage:
-    """How ``checkpoint`` stores tensor ``key`` (``stored``: as read); GGUF files say it in their index."""
+def storage_of(checkpoint, key: str, stored: torch.Tensor, route: TensorRoute, expert: int | None = None) -> Storage:
+    """How ``checkpoint`` stores tensor ``key`` (``stored``: as read; for MoE, one ``expert``'s slice of a tensor
+    that may stack every expert, as GGUF's ``*_exps`` do); GGUF files say it in their index."""
     header = getattr(checkpoint, "header", None)
     info = header.tensors.get(key) if header is not None else None
     if info is None:
@@ -63,6 +64,8 @@ def storage_of(checkpoint, key: str, stored: torch.Tensor, route: TensorRoute) -
         return Storage(dtype_name(FLOAT_TYPES[name]), route=route)
     if name in SCALE_FIRST:
         steps, source = file_steps(header.path, info), "file"
+        if expert is not None and steps.dim() == stored.dim() + 1:  # stacked over experts: this expert's steps
+            steps = steps[expert]
     else:
         steps, source = lattice_steps(stored), "estimated"
     return Storage(name, True, route_tensor(route, steps), source, route, info.qtype)

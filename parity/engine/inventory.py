@@ -23,8 +23,9 @@ def ffn_keys(session: Any) -> set[str]:
     functions, not inventoried."""
     mapping = session.mapping
     sources = {r.source for r in [*session.reader.reference_routes(0), *mapping.tensors] if r.reads}
-    return {f"{p}{mapping.layer_prefix(layer)}.{source}" for layer in range(session.num_layers)
-            for p in mapping.key_prefixes for source in sources}
+    experts = range(session.num_experts) if session.num_experts is not None else [None]
+    return {f"{p}{mapping.layer_prefix(layer, expert)}.{source}" for layer in range(session.num_layers)
+            for expert in experts for p in mapping.key_prefixes for source in sources}
 
 
 def headers(checkpoint: Any, names: list[str]) -> dict[str, tuple[list[int], str]] | None:

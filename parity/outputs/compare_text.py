@@ -6,14 +6,24 @@ from __future__ import annotations
 
 from parity.engine.results import LayerResult, Report, register_renderers
 from parity.outputs.baseline import compared_sides
-from parity.outputs.text import TextWriter, units_label
+from parity.outputs.text import TextWriter, unit_label, units_label
 
 HEADER = (f"{'layer':>5}  {'max|Δ|':>9}  {'rel':>9}  {'noise':>9}  {'conv Δ':>9}  {'tol':>9}  {'×noise':>8}  "
           f"{'×conv':>6}  {'stored as':<22}  verdict")
+EXPERT_HEADER = f"{'layer':>5}  {'expert':>6}" + HEADER[5:]  # a mixture of experts: one row per (layer, expert)
 
 
 def _sci(value: float | None) -> str:
     return "-" if value is None else f"{value:.2e}"
+
+
+def experts_of(report: Report) -> bool:
+    """Whether the report's units are experts (a mixture of experts: each (layer, expert) judged on its own)."""
+    return bool(report.layers) and report.layers[0].expert is not None
+
+
+def unit_noun(report: Report) -> str:
+    return "expert(s)" if experts_of(report) else "layer(s)"
 
 
 def header_lines(report: Report) -> list[str]:
@@ -28,7 +38,7 @@ def header_lines(report: Report) -> list[str]:
         f"(activation: {report.reference_activation}), built from A's config, filled with A's layer, then with B's",
         *(f"  note: {note}" for note in report.notes),
         "",
-        HEADER,
+        EXPERT_HEADER if experts_of(report) else HEADER,
     ]
 
 
@@ -44,7 +54,8 @@ def layer_line(result: LayerResult) -> str:
     if result.regressed:
         verdict += f" (baseline: {result.baseline['message']})"
     stored = str(conv.get("kind", "-")).removeprefix("quantized ").removeprefix("cast ")
-    return (f"{result.layer:>5}  {_sci(result.max_abs_diff):>9}  {_sci(result.max_rel_diff):>9}  "
+    cell = f"{result.layer:>5}" if result.expert is None else f"{result.layer:>5}  {result.expert:>6}"
+    return (f"{cell}  {_sci(result.max_abs_diff):>9}  {_sci(result.max_rel_diff):>9}  "
             f"{_sci(result.noise_floor):>9}  {_sci(conv.get('conversion_deviation')):>9}  "
             f"{_sci(result.tolerance):>9}  {ratio:>8}  {'-' if to_conv is None else f'{to_conv:.2f}':>6}  "
             f"{stored[:22]:<22}  {verdict}")
@@ -53,21 +64,27 @@ def layer_line(result: LayerResult) -> str:
 def diagnosis_lines(report: Report) -> list[str]:
     lines, seen = [], set()
     for result in report.unverifiable:
-        lines.append(f"unverifiable (layer {result.layer}): {result.unverifiable}")
+        lines.append(f"unverifiable ({_unit(result)}): {result.unverifiable}")
     for result in report.layers:
         d = result.diagnosis
         if not d or (d.id, d.message) in seen:
             continue
         seen.add((d.id, d.message))
-        lines.append(f"diagnosis {d.id} (layer {result.layer}): {d.message}")
+        lines.append(f"diagnosis {d.id} ({_unit(result)}): {d.message}")
         if d.distance is not None and d.reference_distance is not None:
-            lines.append(f"  evidence: B's layer is {d.distance:.2e} from A's replayed with this mistake and "
+            unit = "layer" if result.expert is None else "expert"
+            lines.append(f"  evidence: B's {unit} is {d.distance:.2e} from A's replayed with this mistake and "
                          f"{d.reference_distance:.2e} from A's (tolerance {_sci(result.tolerance)})")
         others = sorted((c for c in d.candidates if c.id != d.id), key=lambda c: c.distance)[:3]
         if others:
             lines.append("  next closest: " + "; ".join(f"{c.id} ({c.detail}) {c.distance:.2e}" for c in others))
         lines.append(f"  fix: {d.fix}")
     return [*lines, ""] if lines else []
+
+
+def _unit(result: LayerResult) -> str:
+    """'layer 3', or 'expert 3/e1' (expert 1 of layer 3, as a check's text labels it)."""
+    return f"{'layer' if result.expert is None else 'expert'} {unit_label(result)}"
 
 
 def inventory_lines(report: Report) -> list[str]:
@@ -98,18 +115,18 @@ def summary_line(report: Report) -> str:
     if failed:
         ids = list(dict.fromkeys(str(r.diagnosis.id) for r in failed if r.diagnosis))
         also = f"; {len(regressed)} regressed against the baseline: {units_label(regressed)}" if regressed else ""
-        return (f"FAIL: {len(failed)} of {len(report.layers)} layer(s) of B compute another function than A's: "
-                f"{units_label(failed)}{' — ' + ', '.join(ids) if ids else ''}{also}")
+        return (f"FAIL: {len(failed)} of {len(report.layers)} {unit_noun(report)} of B compute another function than "
+                f"A's: {units_label(failed)}{' — ' + ', '.join(ids) if ids else ''}{also}")
     if report.unverifiable:
-        return (f"ERROR: {len(report.unverifiable)} of {len(report.layers)} layer(s) could not be verified: "
+        return (f"ERROR: {len(report.unverifiable)} of {len(report.layers)} {unit_noun(report)} could not be verified: "
                 f"{units_label(report.unverifiable)}")
     if regressed:
-        return (f"FAIL: {len(regressed)} of {len(report.layers)} layer(s) of B regressed against the baseline: "
-                f"{units_label(regressed)} ({regressed[0].baseline['message']}); all are within what the "
+        return (f"FAIL: {len(regressed)} of {len(report.layers)} {unit_noun(report)} of B regressed against the "
+                f"baseline: {units_label(regressed)} ({regressed[0].baseline['message']}); all are within what the "
                 "conversion allows.")
     identical = all((getattr(r, "conversion", None) or {}).get("identical") for r in report.layers)
     how = "bit-identical to A's" if identical else "compute what A's compute within what the conversion allows"
-    return f"PASS: {len(report.layers)} layer(s) of B {how}."
+    return f"PASS: {len(report.layers)} {unit_noun(report)} of B {how}."
 
 
 def render_compare(report: Report) -> str:
