@@ -217,6 +217,7 @@ def test_compare_entries_are_read_relative_to_the_project_file(here):
     ('[[compares]]\na = "x"\nb = "y"\nseed = "1"\n', "compares[0] ('x' and 'y'): 'seed' must be an integer"),
     ('[[compares]]\na = "x"\nb = 3\n', "'b' is required"),
     ('[[compares]]\na = "x"\nb = "y"\nallow_pickle = "yes"\n', "'allow_pickle' and 'require_real' must be"),
+    ('[[compares]]\na = "x"\nb = "y"\nexperts = 1.5\n', "compares[0] ('x' and 'y'): 'experts' must be"),
     ('[[checks]]\nmodel = "gpt2"\n[[compares]]\na = "x"\nb = "y"\n[[compares]]\na = "x"\n', "compares[1]"),
 ])
 def test_a_bad_compare_entry_names_file_and_field(tmp_path, capsys, monkeypatch, text, message):
