@@ -378,3 +378,43 @@ def test_the_command_runs_as_a_process(a_f32, llama, root):
     done = run_parity("compare", a_f32, b, "-q")
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == "PASS: 3 layer(s) of B bit-identical to A's."
+
+
+# -- what a conversion can lose besides values -----------------------------------------------------------
+
+def test_a_config_naming_another_activation_fails_every_layer(a_f32, state, root, capsys):
+    b = export(root / "other-activation", a_f32, state)
+    config = json.loads((b / "config.json").read_text()) | {"hidden_act": "gelu"}
+    (b / "config.json").write_text(json.dumps(config))
+    code, data, _ = run_json(capsys, "compare", a_f32, b)
+    assert code == 1 and {u["diagnosis"]["id"] for u in data["layers"]} == {"config_changed"}
+
+
+def test_a_b_with_fewer_layers_fails_the_missing_ones_and_junit_says_why(a_f32, state, root, capsys):
+    b = export(root / "fewer-layers", a_f32, {k: v for k, v in state.items() if ".layers.2." not in k})
+    config = json.loads((b / "config.json").read_text()) | {"num_hidden_layers": 2}
+    (b / "config.json").write_text(json.dumps(config))
+    junit = root / "fewer.xml"
+    code, data, _ = run_json(capsys, "compare", a_f32, b, "--junit", str(junit))
+    assert code == 1 and [u["passed"] for u in data["layers"]] == [True, True, False]
+    assert data["layers"][2]["diagnosis"]["id"] == "layer_missing"
+    assert "cannot be loaded" not in junit.read_text() and "layer_missing" in junit.read_text()
+
+
+def test_a_tensor_missing_in_b_is_a_finding_not_bad_input(a_f32, state, root, capsys):
+    b = export(root / "missing-tensor", a_f32, {k: v for k, v in state.items() if k != MLP.format(1, "up")})
+    code, data, err = run_json(capsys, "compare", a_f32, b)
+    assert code == 1, err
+    assert [u["diagnosis"]["id"] if u["diagnosis"] else None for u in data["layers"]] == [None, "tensor_missing",
+                                                                                        None]
+
+
+def test_a_nan_in_a_same_dtype_copy_is_not_called_a_cast_overflow(a_f32, state, root, capsys):
+    def with_nan(s):
+        tensor = s[MLP.format(1, "up")].clone()
+        tensor[0, 0] = float("nan")
+        return tensor
+
+    b = export(root / "same-dtype-nan", a_f32, edited(state, **{"1_up": with_nan}))
+    code, data, _ = run_json(capsys, "compare", a_f32, b, "--layers", "1")
+    assert code == 1 and data["layers"][0]["diagnosis"]["id"] == "nonfinite_values"

@@ -205,7 +205,8 @@ def exports(tiny, tmp_path_factory):
     made = {"gpt2-0": (gpt2.transformer.h[0].mlp, x), "gpt2-1": (gpt2.transformer.h[1].mlp, x),
             "llama-0": (llama.model.layers[0].mlp, x),
             "llama-0-swapped": (SwappedExport(llama.model.layers[0].mlp), x),
-            "llama-0-f16": (copy.deepcopy(llama.model.layers[0].mlp).half(), x.half())}
+            "llama-0-f16": (copy.deepcopy(llama.model.layers[0].mlp).half(), x.half()),
+            "llama-0-2d": (llama.model.layers[0].mlp, x[0])}  # a [tokens, d] input, fixed at 4 tokens
     paths = {}
     for name, (module, example) in made.items():
         paths[name] = root / f"{name}.onnx"
@@ -221,6 +222,8 @@ def test_an_onnx_export_of_the_layer_passes_and_its_initializers_are_identified(
     assert len(identified) == 4, report["notes"]  # c_fc and c_proj, weight and bias
     code, report, err = run_json(capsys, tiny["llama"], "--layer", "0", "--target", str(exports["llama-0"]))
     assert code == 0, err
+    code, report, err = run_json(capsys, tiny["llama"], "--layer", "0", "--target", str(exports["llama-0-2d"]))
+    assert code == 0, err  # parity's [3, 16, d] tokens, fed 4 at a time as [4, d]
 
 
 def test_an_onnx_export_of_another_layer_fails_and_says_which_initializers_are_not_this_layers(tiny, exports,

@@ -43,6 +43,10 @@ class MistakeId(StrEnum):
     ZERO_FILLED = "zero_filled"
     CONSTANT_TENSOR = "constant_tensor"
     CAST_OVERFLOW = "cast_overflow"
+    NONFINITE_VALUES = "nonfinite_values"
+    CONFIG_CHANGED = "config_changed"
+    LAYER_MISSING = "layer_missing"
+    TENSOR_MISSING = "tensor_missing"
     BYTES_REINTERPRETED = "bytes_reinterpreted"
     QUANTIZATION_EXCEEDS_STEP = "quantization_exceeds_step"
     CONVERSION_UNEXPLAINED = "conversion_unexplained"
@@ -122,6 +126,16 @@ MISTAKES = {m.id: m for m in [
             "the converter wrote a placeholder or a fill value: export it from A's weights"),
     Mistake(MistakeId.CAST_OVERFLOW, "casting to checkpoint B's dtype overflowed: B holds Inf where A's values are "
             "finite", "keep these tensors in bfloat16 or float32 (float16 ends at 65504), or scale them first"),
+    Mistake(MistakeId.NONFINITE_VALUES, "checkpoint B holds NaN/Inf where A's values (of the same dtype) are finite",
+            "re-export the tensor from A: a same-dtype copy does not create NaN or Inf (a corrupt write, or a "
+            "transform such as a scale computed in the wrong dtype)"),
+    Mistake(MistakeId.CONFIG_CHANGED, "checkpoint B's config describes another FFN than A's: a model loading B "
+            "computes another function, whatever its tensors hold",
+            "write A's FFN settings (activation, d_ff) into B's config; the converter dropped or renamed them"),
+    Mistake(MistakeId.LAYER_MISSING, "checkpoint B has no such layer: A's layer was not converted",
+            "convert every layer (B's config or files stop early: a truncated export, or num_hidden_layers)"),
+    Mistake(MistakeId.TENSOR_MISSING, "checkpoint B lacks a tensor of this layer's FFN",
+            "re-export the layer: the converter skipped the tensor (a name the converter's map does not know)"),
     Mistake(MistakeId.BYTES_REINTERPRETED, "checkpoint B's tensor holds A's bytes read as another dtype "
             "(bfloat16 bits read as float16, or the reverse)",
             "convert the values (tensor.to(dtype)), do not reinterpret the buffer (view / frombuffer with the "
@@ -227,6 +241,10 @@ PRODUCED_BY: dict[MistakeId, str] = {
     MistakeId.ZERO_FILLED: "replay (compare): A's tensor zeroed",
     MistakeId.CONSTANT_TENSOR: "replay (compare): A's tensor replaced by B's constant",
     MistakeId.CAST_OVERFLOW: "finding (compare): Inf in B where A is finite",
+    MistakeId.NONFINITE_VALUES: "finding (compare): NaN/Inf in B where A, of the same dtype, is finite",
+    MistakeId.CONFIG_CHANGED: "finding (compare): B's config names another activation than A's",
+    MistakeId.LAYER_MISSING: "finding (compare): A has the layer, B does not",
+    MistakeId.TENSOR_MISSING: "finding (compare): B's layer lacks one of the FFN's tensors",
     MistakeId.BYTES_REINTERPRETED: "finding (compare): B's 16-bit patterns equal A's in the other 16-bit dtype",
     MistakeId.QUANTIZATION_EXCEEDS_STEP: "finding (compare): B's values against A's, per block's step from the file",
     MistakeId.CONVERSION_UNEXPLAINED: "finding (compare): no conversion replay within the tolerance",

@@ -23,11 +23,13 @@ if TYPE_CHECKING:  # annotations only: the frameworks' registry is build.py's to
     from parity.targets import Framework
 
 
-def config_view_of(mapping: Mapping, config: Any):
-    """parity's read-only view of the checkpoint's config (config_view.py), answering from aliases.toml."""
+def config_view_of(mapping: Mapping, config: Any, framework: Framework | None = None):
+    """parity's read-only view of the checkpoint's config (config_view.py), answering from aliases.toml; its
+    ``dtype`` is the target framework's float32."""
     from parity.engine.config_view import config_view
 
-    return config_view(config, load_aliases().config_fields, checkpoint_facts(mapping, config))
+    float32 = framework.float32() if framework is not None else None
+    return config_view(config, load_aliases().config_fields, checkpoint_facts(mapping, config), float32)
 
 
 def checkpoint_facts(mapping: Mapping, config: Any) -> dict[str, tuple[Any, str] | None]:

@@ -144,7 +144,7 @@ def build_target(mapping: Mapping, config: Any,
         own = config_class(factory, key) if value is config else None
         if own is not None:
             call = TargetCall(name.split(":")[-1], key, {k: v for k, v in kwargs.items() if k != key}, framework)
-            kwargs[key], notes = project_config(own, config_view_of(mapping, config), mapping, config, call)
+            kwargs[key], notes = project_config(own, config_view_of(mapping, config, framework), mapping, config, call)
             built_config = f"its {own.__qualname__} built from the checkpoint's {type(config).__name__}"
     try:
         module = factory(**kwargs)
@@ -152,7 +152,7 @@ def build_target(mapping: Mapping, config: Any,
         if not any(value is config for value in kwargs.values()):
             raise construction_error(factory, name, kwargs, mapping, config, exc, by_name=by_name,
                                      framework=framework, built_config=built_config) from None
-        module, notes = build_with_view(factory, name, kwargs, mapping, config)
+        module, notes = build_with_view(factory, name, kwargs, mapping, config, framework)
     except Exception as exc:
         raise construction_error(factory, name, kwargs, mapping, config, exc, by_name=by_name,
                                      framework=framework, built_config=built_config) from None
@@ -198,34 +198,17 @@ def framework_notes(framework: Framework) -> list[str]:
     return notes
 
 
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-def build_with_view(factory: Any, name: str, kwargs: dict, mapping: Mapping, config: Any) -> tuple[Any, list[str]]:
+def build_with_view(factory: Any, name: str, kwargs: dict, mapping: Mapping, config: Any,
+                    framework: Framework | None = None) -> tuple[Any, list[str]]:
     """The constructor called with parity's read-only view in place of the transformers config (config_view.py);
     the built module and one note per field the view supplied."""
-    view = config_view_of(mapping, config)
+    view = config_view_of(mapping, config, framework)
     viewed = {key: view if value is config else value for key, value in kwargs.items()}
     try:
         module = factory(**viewed)
     except Exception as exc:
         raise construction_error(factory, name, viewed, mapping, config, exc) from None
     return module, view.notes()
-
-
-
-
 
 
 def construction_error(factory: Any, name: str, kwargs: dict, mapping: Mapping, config: Any, exc: Exception, *,
@@ -295,12 +278,6 @@ def factory_call(parameters: Any, mapping: Mapping, config: Any, own: dict[str, 
             answer = "None", NONE
         parts.append(f"{key}={answer[0] if answer else f'<{key}>'}")
     return ", ".join(parts) if parts else None
-
-
-
-
-
-
 
 
 def check_built_size(module: nn.Module, factory: Any, name: str, kwargs: dict, raw: dict, config: Any) -> None:
@@ -373,14 +350,5 @@ def _is_view(value: Any) -> bool:
     from parity.engine.config_view import ConfigView
 
     return isinstance(value, ConfigView)
-
-
-
-
-
-
-
-
-
 
 

@@ -11,8 +11,9 @@ float32 against float64, as in a check.
 The tolerance is what B's storage can honestly change (``conversion.py``): A's tensors converted the way B
 stores them (nothing for the same dtype; rounded to B's dtype; re-quantized to B's GGUF type), run through
 the same MLP, deviate from the truth by the *conversion deviation*; B passes when
-``max|B - A| <= max(16 x noise floor, CONVERSION_FACTOR x conversion deviation)``, every quantized value of B
-lies within its block's step of A's, and nothing overflowed.  A failing layer is explained by replaying
+``max|B - A| <= max(16 x noise floor, F x conversion deviation)``, every quantized value of B
+lies within its block's step of A's, and nothing overflowed (F: ``CAST_FACTOR`` for a cast, ``QUANT_FACTOR``
+for a quantization).  A failing layer is explained by replaying
 known conversion mistakes on A's tensors (converted as B stores them) and naming the one B reproduces.
 """
 
@@ -45,7 +46,7 @@ from parity.engine.resolve import require_values, resolve
 from parity.engine.results import LayerResult, Report
 from parity.engine.session import Session, run_reference
 from parity.engine.upcast import compute_in
-from parity.errors import LayerRangeError, SyntheticWeightsError, UsageError, WeightDefectError
+from parity.errors import LayerRangeError, MissingTensorError, SyntheticWeightsError, UsageError, WeightDefectError
 
 QUANT_FACTOR = 2.0  # a quantized B passes within this x the deviation re-quantizing A's tensors causes
 CAST_FACTOR = 4.0  # a cast B within this x the deviation rounding A's tensors to B's dtype causes
@@ -152,19 +153,28 @@ class Comparison:
                              f"has {spelled[1]}; `parity compare` judges two stores of one model's layers")
 
     def config_notes(self) -> list[str]:
-        """Where B's config describes another FFN than A's (the judgement uses A's config for both)."""
-        notes = []
+        """Where B's config describes another model than A's (each such layer fails: config_changed, and a layer
+        A has and B lacks: layer_missing)."""
+        notes = [f"{change}: every layer fails as config_changed" for change in [self.config_change()] if change]
+        if self.a.num_layers > self.b.num_layers:
+            notes.append(f"A has {self.a.num_layers} layers, B {self.b.num_layers}: A's layers {self.b.num_layers} "
+                         "and up fail as layer_missing")
+        elif self.a.num_layers < self.b.num_layers:
+            notes.append(f"A has {self.a.num_layers} layers, B {self.b.num_layers}: B's layers beyond A's are not "
+                         "compared (A has nothing to judge them against)")
+        return notes
+
+    def config_change(self) -> str | None:
+        """How B's config changes the FFN's function where its tensors cannot say: another activation."""
         act_a, act_b = configured_activation(self.a.config), configured_activation(self.b.config)
         if act_a != act_b:
-            notes.append(f"B's config names activation {act_b!r}, A's {act_a!r}: both sides run A's MLP class "
-                         f"({act_a}); a model loading B runs {act_b}")
-        if self.a.num_layers != self.b.num_layers:
-            notes.append(f"A has {self.a.num_layers} layers, B {self.b.num_layers}: only layers both hold are compared")
-        return notes
+            return f"B's config names activation {act_b!r}, A's {act_a!r}: a model loading B runs {act_b}"
+        return None
 
     @property
     def num_layers(self) -> int:
-        return min(self.a.num_layers, self.b.num_layers)
+        """A's: every layer of the truth is judged; one B lacks fails as layer_missing."""
+        return self.a.num_layers
 
     def run(self, layers: Selection = None, on_layer: Callable[[Report, LayerResult], None] | None = None
             ) -> CompareReport:
@@ -184,10 +194,20 @@ class Comparison:
         with torch.no_grad():
             return compute_in(module, torch.float64)(x.double())
 
+    def missing(self, layer: int, expert: int | None, mistake: MistakeId, detail: str) -> CompareLayer:
+        """A unit of A that B lacks (a layer, or a tensor of it): failed, with the finding."""
+        result = unloadable(layer, diagnosis(mistake, None, None, detail), [], self.a.checkpoint.weights)
+        result.expert = expert
+        result.conversion["kind"] = "missing in B"
+        return result
+
     def compare_layer(self, layer: int, expert: int | None = None) -> CompareLayer:
         """One layer (one expert of it, for MoE) of B judged against A's."""
         a = read_side(self.a, layer, truth=True, expert=expert)
-        b = read_side(self.b, layer, truth=False, expert=expert)
+        try:
+            b = read_side(self.b, layer, truth=False, expert=expert)
+        except MissingTensorError as exc:  # a conversion that dropped a tensor: B's finding, not bad input
+            return self.missing(layer, expert, MistakeId.TENSOR_MISSING, str(exc))
         rows, converted, exact = tensor_rows(a, b)
         shaped = shape_finding(a, b)
         if shaped is not None:
@@ -227,9 +247,16 @@ class Comparison:
         beyond = [row for row in rows if (row.get("steps") or {}).get("values_beyond_step")]
         if result.unverifiable is not None:
             return
-        if overflowed:
+        changed = self.config_change()
+        if changed is not None:  # B's tensors may be A's, but a model loading B computes another function
             result.passed = False
-            result.diagnosis = diagnosis(MistakeId.CAST_OVERFLOW, None, result.max_abs_diff,
+            result.diagnosis = diagnosis(MistakeId.CONFIG_CHANGED, None, result.max_abs_diff, changed)
+            return
+        if overflowed:
+            same = {row["name"] for row in rows if row["a_dtype"] == row["storage"]}
+            mistake = MistakeId.NONFINITE_VALUES if all(n in same for n, _ in overflowed) else MistakeId.CAST_OVERFLOW
+            result.passed = False
+            result.diagnosis = diagnosis(mistake, None, result.max_abs_diff,
                                          "; ".join(f"{n}: {why}" for n, why in overflowed))
             return
         if result.passed and not beyond:
@@ -531,7 +558,9 @@ def run_comparison(comparison: Comparison, layers: Selection = None,
     with young_objects_only():  # the per-layer gc.collect() then costs milliseconds, not 0.2-0.5 s
         for layer in chosen:
             for expert in comparison.experts:
-                result = comparison.compare_layer(layer, expert)
+                held = comparison.b.num_layers
+                result = (comparison.compare_layer(layer, expert) if layer < held else comparison.missing(
+                    layer, expert, MistakeId.LAYER_MISSING, f"B has {held} layers, A's layer {layer} is not in B"))
                 report.layers.append(result)
                 if on_layer is not None:
                     on_layer(report, result)

@@ -164,8 +164,10 @@ _ABSENT = object()
 COMPUTE_DTYPE_NAMES = ("dtype", "torch_dtype")
 
 
-def config_view(config: Any, fields: ConfigFields, facts: dict[str, tuple[Any, str] | None]) -> ConfigView:
+def config_view(config: Any, fields: ConfigFields, facts: dict[str, tuple[Any, str] | None],
+                float32: Any = None) -> ConfigView:
     """The view of ``config`` answering the names of ``fields`` (aliases.toml [config_fields]) the config lacks;
+    ``float32``: the target framework's float32 (``mx.float32``, ``jnp.float32``; default torch's);
     ``facts``: fact name -> (value, why parity says so) or None when unknown (``parity.engine.build``:
     ``ffn_bias``, whether the checkpoint's FFN has bias tensors; ``ffn_width``, its d_ff)."""
     answers: dict[str, tuple[Any, str]] = {}
@@ -175,7 +177,9 @@ def config_view(config: Any, fields: ConfigFields, facts: dict[str, tuple[Any, s
             answers[name] = (value, f"{type(config).__name__}.{own}; alias in aliases.toml [config_fields]")
     answers.update({name: facts[fact] for name, fact in fields.facts.items() if facts.get(fact) is not None})
     answers.update(fields.values)
-    import torch  # only here: the view itself is plain Python
+    if float32 is None:
+        import torch  # only here: the view itself is plain Python
 
+        float32 = torch.float32
     why = "parity builds the module in float32; a --dtype run casts it after"
-    return ConfigView(config, answers, overrides={name: (torch.float32, why) for name in COMPUTE_DTYPE_NAMES})
+    return ConfigView(config, answers, overrides={name: (float32, why) for name in COMPUTE_DTYPE_NAMES})

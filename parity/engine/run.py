@@ -107,9 +107,6 @@ def user_code(what: str, exceptions: bool = True) -> Iterator[None]:
         raise TargetError(f"{what}: {type(exc).__name__}: {exc}{user_frame(exc)}") from exc
 
 
-
-
-
 def config_field_read(error: BaseException | None) -> str | None:
     """The field name when ``error`` is an AttributeError raised by reading a config (a transformers config, or
     parity's view of one) at call time; else None."""

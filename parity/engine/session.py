@@ -144,7 +144,7 @@ class Session:
             self.framework = framework
         if framework is not None and not framework.fills:  # its weights are inside it: checked, not filled
             module.parity_native.compute = self.dtype_name
-            stored = {} if isinstance(tensors, LayerOnDisk) else tensors
+            stored = self.read_layer(layer, None, dtype=None) if isinstance(tensors, LayerOnDisk) else tensors
             notes = [*built_notes, *(f"layer {layer}: {note}" if layer is not None else note
                                      for note in framework.verify(module.parity_native, stored))]
             self.target_notes.extend(n for n in notes if n not in self.target_notes)
@@ -219,7 +219,8 @@ class Session:
             result.separability = separability(self.replay_builder(layer), routed, self.config, x, runs.reference64,
                                                result.tolerance, result.reference_error, self.dtype_name, self.atol,
                                                own)
-        if result.diagnosis is None and not result.passed and held is not None and expert is None:
+        if (result.diagnosis is None and not result.passed and held is not None and expert is None
+                and not self.framework.holds(held, self.read_layer(layer, None, dtype=None))):
             other = self.layer_held(held, layer)
             if other is not None:
                 result.diagnosis = diagnosis(MistakeId.OTHER_LAYERS_WEIGHTS, None, None,
@@ -228,7 +229,7 @@ class Session:
             result.diagnosis = self.explain(layer, routed, x, runs.target, runs.reference64, result.tolerance)
         return result, target_name
 
-    def layer_held(self, native: Any, layer: int, reach: int = 64) -> int | None:
+    def layer_held(self, native: Any, layer: int, reach: int = 8) -> int | None:
         """The layer whose checkpoint tensors a target that holds its own weights (an ONNX graph) holds, searched
         nearest first within ``reach`` layers of the one checked; None when none is."""
         nearest = sorted((j for j in range(self.num_layers) if j != layer and abs(j - layer) <= reach),

@@ -24,8 +24,8 @@ def case_name(layer: LayerResult) -> str:
 
 
 def failure_message(layer: LayerResult) -> str:
-    if layer.max_abs_diff is None:  # the module could not hold the checkpoint's tensors: no numbers
-        parts = ["the module cannot be loaded with this layer's tensors"]
+    if layer.max_abs_diff is None:  # no numbers: the diagnosis says why (non-finite output, a missing layer, ...)
+        parts = [] if layer.diagnosis else ["the module cannot be loaded with this layer's tensors"]
     elif layer.max_abs_diff <= layer.tolerance:
         parts = [f"max|Δ| {layer.max_abs_diff:.3e} within tolerance {layer.tolerance:.3e}"]
     elif layer.ratio_to_reference_error is not None:  # a low-precision run: judged against the reference's own error

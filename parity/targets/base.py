@@ -102,6 +102,11 @@ class Framework:
             return "?"
 
     # -- building --------------------------------------------------------------------------------------------
+    def float32(self) -> Any:
+        """The framework's float32, which a config's ``dtype`` answers when parity builds its module (None:
+        torch's)."""
+        return None
+
     def constructor_extras(self, parameters: dict[str, inspect.Parameter]) -> dict[str, Any]:
         """Arguments the framework's constructors take that no config answers (Flax NNX's ``rngs``)."""
         return {}

@@ -25,6 +25,11 @@ class MLX(Framework):
     extra = "mlx"
     immutable_arrays = True
 
+    def float32(self) -> Any:
+        import mlx.core as mx
+
+        return mx.float32
+
     def parameters(self, native: Any, facts: CheckpointFacts | None) -> list[ForeignParameter]:
         import mlx.nn
         from mlx.utils import tree_flatten

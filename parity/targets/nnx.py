@@ -33,6 +33,11 @@ class FlaxNNX(Framework):
     extra_spelling = {"rngs": "nnx.Rngs(0)"}
     computes_with = ("jax", "jaxlib")
 
+    def float32(self) -> Any:
+        import jax.numpy as jnp
+
+        return jnp.float32
+
     def constructor_extras(self, parameters: dict[str, inspect.Parameter]) -> dict[str, Any]:
         from flax import nnx
 

@@ -25,7 +25,7 @@ import torch
 from parity.errors import TargetError
 from parity.targets.base import CheckpointFacts, ForeignParameter, Framework, to_numpy
 
-INPUT_NAMES = ("x", "inp", "input", "inputs", "hidden_states", "hidden", "h")
+INPUT_NAMES = ("x", "inp", "input", "inputs", "hidden_states", "h")
 
 
 class NumPyFunction(Framework):
@@ -35,7 +35,8 @@ class NumPyFunction(Framework):
     dtypes = ("float32", "float16")
 
     def owns(self, obj: Any) -> bool:
-        """A plain function whose first parameter is the input and which takes more: a factory takes a config."""
+        """A plain function whose first parameter is the input and which takes more: a factory takes a config or
+        sizes, whose names are none of ``INPUT_NAMES`` (``hidden``, a size in many factories, is not one)."""
         if not inspect.isfunction(obj):
             return False
         names = list(_parameters(obj))

@@ -14,6 +14,7 @@ provider; its bfloat16 MatMul does not.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -26,7 +27,6 @@ from parity.errors import TargetError, UsageError
 from parity.targets.base import CheckpointFacts, ForeignParameter, Framework, to_numpy
 
 # onnx TensorProto element types -> the dtype names parity uses
-_ELEMENTS = {1: "float32", 10: "float16", 11: "float64", 16: "bfloat16"}
 
 
 @dataclass
@@ -59,15 +59,28 @@ class ONNXGraph(Framework):
     dtypes = ("float32", "float16")
     fills = False
 
+    def __init__(self) -> None:
+        self._opened: dict[tuple, Graph] = {}
+
     def owns(self, obj: Any) -> bool:
         return isinstance(obj, (str, Path)) and str(obj).lower().endswith(".onnx")
 
     def open(self, obj: Any) -> Graph:
-        import onnxruntime
-
+        """The graph's session, made once per file as it is on disk (a check builds its target for every layer)."""
         path = Path(obj)
         if not path.is_file():
             raise TargetError(f"--target {shown(path)}: no such ONNX file")
+        stat = path.stat()
+        key = (str(path.resolve()), stat.st_mtime_ns, stat.st_size)
+        if key not in self._opened:
+            self._opened.clear()  # one graph at a time: a session holds the graph's weights
+            self._opened[key] = self._load(path)
+        graph = self._opened[key]
+        return dataclasses.replace(graph, compute="float32")
+
+    def _load(self, path: Path) -> Graph:
+        import onnxruntime
+
         try:
             session = onnxruntime.InferenceSession(str(path), providers=["CPUExecutionProvider"])
         except Exception as exc:  # noqa: BLE001 - a graph ONNX Runtime refuses is the user's file to fix
@@ -110,8 +123,8 @@ class ONNXGraph(Framework):
                               f"{native.input_shape[-1]}, the checkpoint's hidden size is {d}")
         tokens = to_numpy(x).reshape(-1, d).astype(native.dtype)
         fixed = [n for n in native.input_shape[:-1]]
-        if all(n is None for n in fixed):  # dynamic: parity's own shape
-            feed = [tokens.reshape(x.shape)]
+        if all(n is None for n in fixed):  # dynamic: parity's tokens in the graph's own rank ([N, d] or [B, T, d])
+            feed = [tokens if len(native.input_shape) == 2 else tokens.reshape(x.shape)]
             shape = None
         else:  # fixed: batches of the graph's own token count, the last padded
             shape = [n or 1 for n in fixed] + [d]
