@@ -169,7 +169,7 @@ def test_a_regressed_compare_fails_parity_check_while_the_check_passes(here, cap
 def test_a_project_of_compares_only_and_nothing_compared_is_no_pass(here, capsys):
     (here / "parity.toml").write_text('[[compares]]\na = "a"\nb = "b.gguf"\nlayers = [2]\n')
     code, out, _ = run_main(capsys, "check", "-q")
-    assert code == 0 and out.startswith("PASS: 1 check(s), 1 layer(s) checked")
+    assert code == 0 and out.startswith("PASS: 0 check(s) and 1 compare(s), 1 layer(s) checked")
     code, out, _ = run_main(capsys, "check", "-q", "--shard", "2/2")  # the one unit is shard 1's
     assert code == 2 and "Nothing was compared, so this is not a pass." in out
 

@@ -249,7 +249,10 @@ def suite_summary(runs, code: int, regressed: int | None, shard) -> str:
     where = f" in shard {shard[0]}/{shard[1]}" if shard else ""
     verdict = {0: "PASS", 1: "FAIL", 2: "ERROR"}[code]
     against = "" if regressed is None else f"{regressed} regressed against the baseline, "
-    line = (f"{verdict}: {len(runs)} check(s), {layers} layer(s) checked{where}; {failed} deviate, "
+    compares = sum(getattr(getattr(run, "spec", None), "kind", "check") == "compare" for run in runs)
+    counted = (f"{len(runs) - compares} check(s) and {compares} compare(s)" if compares
+               else f"{len(runs)} check(s)")
+    line = (f"{verdict}: {counted}, {layers} layer(s) checked{where}; {failed} deviate, "
             f"{unverifiable} could not be verified, {against}{errors} could not run.")
     if not results and not errors:
         line += " Nothing was compared, so this is not a pass."
