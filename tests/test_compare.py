@@ -118,7 +118,7 @@ def test_a_float32_to_float16_cast_is_held_to_float16_rounding(a_f32, llama, roo
         assert layer.conversion["ratio_to_conversion"] == pytest.approx(1.0, abs=1e-9)
 
 
-@pytest.mark.parametrize("qtype", [Q.F16, Q.Q8_0, Q.Q4_0, Q.Q5_0])
+@pytest.mark.parametrize("qtype", [Q.F16, Q.Q8_0, Q.Q4_0, Q.Q5_0, Q.MXFP4])
 def test_faithful_gguf_exports_pass(a_f32, llama, root, qtype):
     b = gguf_from_hf(llama, root / f"faithful-{qtype.name}.gguf", "llama", qtype)
     report = parity.compare(str(a_f32), str(b))
@@ -132,6 +132,22 @@ def test_faithful_gguf_exports_pass(a_f32, llama, root, qtype):
             if qtype != Q.F16:
                 assert row["step_source"] == "file"
                 assert row["steps"]["values_beyond_step"] == 0 and 0.3 < row["steps"]["max_steps"] <= 1.01
+
+
+def test_an_mxfp4_value_moved_a_grid_point_is_beyond_its_step(a_f32, llama, root):
+    """MXFP4's step is the wider gap beside a value on the E2M1 grid (its block's exponent read from the file):
+    a faithful export's values lie within it, one moved to a neighbouring grid point of twice the gap does not."""
+    faithful = gguf_from_hf(llama, root / "mxfp4-faithful.gguf", "llama", Q.MXFP4)
+    worst = max(row["steps"]["max_steps"] for layer in parity.compare(str(a_f32), str(faithful)).layers
+                for row in layer.conversion["tensors"])
+    assert worst <= 1.01
+    state = {k: v.clone() for k, v in llama.state_dict().items()}
+    state[MLP.format(1, "up")][0, :8] *= 1.6  # beyond what any block's grid rounds them to
+    moved = gguf_from_hf(Edited(llama, state), root / "mxfp4-moved.gguf", "llama", Q.MXFP4)
+    report = parity.compare(str(a_f32), str(moved), layers=[1])
+    found = report.layers[0].diagnosis
+    assert not report.passed and found.id == "quantization_exceeds_step" and "MXFP4, step from the file" in \
+        found.message, str(report)
 
 
 def test_a_quantized_layer_fails_when_its_deviation_exceeds_the_formats_own(a_f32, llama, root):

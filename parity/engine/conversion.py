@@ -31,6 +31,10 @@ FLOAT_TYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16,
 SCALE_FIRST = {"Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0"}  # block layout: float16 scale d in bytes 0-1
 STEP_SLACK = 1.01  # a value may sit a step from A's (Q4_0's clamp at +8) plus the float16 rounding of d itself
 LATTICE_GROUP = 16  # values per group when a step is estimated from the dequantized values (K-quant sub-blocks)
+# MXFP4 (OCP microscaling, as GGUF stores it): 32 values per block, byte 0 an E8M0 exponent e giving d = 2^(e-128),
+# then 4-bit E2M1 codes of magnitudes {0, 1, 2, 3, 4, 6, 8, 12} x d.  Each value's step is the wider of the two
+# gaps beside its magnitude on that grid: a faithful quantizer leaves A's value within half of it.
+MXFP4_GAPS = {0.0: 1.0, 1.0: 1.0, 2.0: 1.0, 3.0: 1.0, 4.0: 2.0, 6.0: 2.0, 8.0: 4.0, 12.0: 4.0}
 
 
 @dataclass
@@ -62,10 +66,12 @@ def storage_of(checkpoint, key: str, stored: torch.Tensor, route: TensorRoute, e
     name = qtype_name(info.qtype)
     if name in FLOAT_TYPES:
         return Storage(dtype_name(FLOAT_TYPES[name]), route=route)
-    if name in SCALE_FIRST:
+    if name in SCALE_FIRST or name == "MXFP4":
         steps, source = file_steps(header.path, info), "file"
         if expert is not None and steps.dim() == stored.dim() + 1:  # stacked over experts: this expert's steps
             steps = steps[expert]
+        if name == "MXFP4":
+            steps = mxfp4_steps(steps, stored)
     else:
         steps, source = lattice_steps(stored), "estimated"
     return Storage(name, True, route_tensor(route, steps), source, route, info.qtype)
@@ -76,13 +82,27 @@ def file_steps(path, info) -> torch.Tensor:
     import numpy as np
     from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
 
-    block, size = GGML_QUANT_SIZES[GGMLQuantizationType(info.qtype)]
+    qtype = GGMLQuantizationType(info.qtype)
+    block, size = GGML_QUANT_SIZES[qtype]
     with open(path, "rb") as handle:
         handle.seek(info.offset)
         raw = np.frombuffer(handle.read(info.nbytes()), dtype=np.uint8).reshape(-1, size)
-    scales = np.abs(raw[:, :2].copy().view(np.float16).astype(np.float32)).reshape(-1)
+    if qtype == GGMLQuantizationType.MXFP4:  # an E8M0 exponent: d = 2^(e - 128), the grid's unit
+        scales = np.ldexp(np.float32(1.0), raw[:, 0].astype(np.int32) - 128).astype(np.float32)
+    else:
+        scales = np.abs(raw[:, :2].copy().view(np.float16).astype(np.float32)).reshape(-1)
     steps = torch.from_numpy(np.repeat(scales, block))
     return steps.reshape(info.shape)
+
+
+def mxfp4_steps(units: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+    """Each MXFP4 value's step: its block's unit d (``units``, per value) times the wider gap beside the value's
+    magnitude on the E2M1 grid (``MXFP4_GAPS``)."""
+    magnitude = (values.float().abs() / units.clamp_min(1e-38)).reshape(-1)
+    gaps = torch.ones_like(magnitude)
+    for on_grid, gap in MXFP4_GAPS.items():
+        gaps = torch.where((magnitude - on_grid).abs() < 1e-3, torch.full_like(gaps, gap), gaps)
+    return units * gaps.reshape(units.shape)
 
 
 def lattice_steps(values: torch.Tensor) -> torch.Tensor:
