@@ -434,3 +434,59 @@ def test_a_nan_in_a_same_dtype_copy_is_not_called_a_cast_overflow(a_f32, state, 
     b = export(root / "same-dtype-nan", a_f32, edited(state, **{"1_up": with_nan}))
     code, data, _ = run_json(capsys, "compare", a_f32, b, "--layers", "1")
     assert code == 1 and data["layers"][0]["diagnosis"]["id"] == "nonfinite_values"
+
+
+# -- K-quants: each block's grid read from the file ---------------------------------------------------------
+
+K_SIZES = dict(hidden_size=256, intermediate_size=512, num_hidden_layers=2)  # rows of whole 256-value blocks
+
+
+def block_grid(blocks: np.ndarray, qtype: Q) -> tuple[np.ndarray, np.ndarray]:
+    """Each value's step and grid start by gguf's own dequantizer, not by parsing: the same blocks with every
+    code 0 and every code 1 (Q4_K/Q5_K: qs 0x00 / 0x11 with the high bits cleared; Q6_K: ql 0x00 / 0x11)."""
+    from gguf.quants import dequantize
+
+    codes = {Q.Q4_K: (slice(16, 144), None), Q.Q5_K: (slice(48, 176), slice(16, 48)),
+             Q.Q6_K: (slice(0, 128), slice(128, 192))}[qtype]
+    zero, one = blocks.copy(), blocks.copy()
+    for edited, byte in ((zero, 0x00), (one, 0x11)):
+        edited[..., codes[0]] = byte
+        if codes[1] is not None:
+            edited[..., codes[1]] = 0
+    low, high = dequantize(zero, qtype), dequantize(one, qtype)
+    return np.abs(high - low), low
+
+
+@pytest.mark.parametrize("qtype", [Q.Q4_K, Q.Q6_K])
+def test_a_k_quant_export_is_held_to_the_grids_in_its_file(root, qtype):
+    """B: a GGUF of random valid K-quant blocks; A: B's values moved within 0.4 of each value's step (faithful),
+    or 8 values moved 1.5 steps (beyond what the format allows).  The steps are gguf's own (block_grid)."""
+    from gguf import GGUFReader
+    from gguf.quants import dequantize
+
+    model = build_model("llama", seed=7, **K_SIZES)
+    b = gguf_from_hf(model, root / f"k-{qtype.name}.gguf", "llama", qtype)
+    reader = GGUFReader(str(b))
+    rng = np.random.default_rng(3)
+    for name in ("faithful", "beyond"):
+        state = {k: v.clone() for k, v in model.state_dict().items()}
+        for tensor in reader.tensors:
+            layer, gguf_name = int(tensor.name.split(".")[1]), ".".join(tensor.name.split(".")[2:])
+            hf = next(h for h, g in HF_TO_GGUF.items() if g == gguf_name)
+            blocks = np.array(tensor.data)
+            values = dequantize(blocks, qtype)
+            steps, _ = block_grid(blocks, qtype)
+            shift = rng.uniform(-0.4, 0.4, size=values.shape) * steps
+            if name == "beyond" and (layer, hf) == (1, "up_proj.weight"):
+                shift.reshape(-1)[:8] = 1.5 * steps.reshape(-1)[:8]
+            state[f"model.layers.{layer}.mlp.{hf}"] = torch.from_numpy((values + shift).astype(np.float32))
+        model.load_state_dict(state)
+        report = parity.compare(str(save(model, root / f"k-{qtype.name}-{name}")), str(b))
+        rows = [row for layer in report.layers for row in layer.conversion["tensors"]]
+        assert all(row["step_source"] == "file" for row in rows)
+        if name == "faithful":
+            assert report.passed, str(report)
+            assert max(row["steps"]["max_steps"] for row in rows) <= 0.41
+        else:
+            assert [u.passed for u in report.layers] == [True, False], str(report)
+            assert report.layers[1].diagnosis.id == "quantization_exceeds_step"

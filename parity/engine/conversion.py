@@ -35,6 +35,11 @@ LATTICE_GROUP = 16  # values per group when a step is estimated from the dequant
 # then 4-bit E2M1 codes of magnitudes {0, 1, 2, 3, 4, 6, 8, 12} x d.  Each value's step is the wider of the two
 # gaps beside its magnitude on that grid: a faithful quantizer leaves A's value within half of it.
 MXFP4_GAPS = {0.0: 1.0, 1.0: 1.0, 2.0: 1.0, 3.0: 1.0, 4.0: 2.0, 6.0: 2.0, 8.0: 4.0, 12.0: 4.0}
+# K-quants (llama.cpp's k-quants, 256 values per super-block): Q4_K and Q5_K store d and dmin (float16) and eight
+# 6-bit (scale, min) pairs, one per 32 values: value = d x scale x q - dmin x min, so the step is d x scale and the
+# grid starts at -dmin x min.  Q6_K stores sixteen int8 scales, one per 16 values, and d (float16) last:
+# value = d x scale x (q - 32), a grid from zero of step |d x scale|.
+K_QUANTS = {"Q4_K", "Q5_K", "Q6_K"}
 
 
 @dataclass
@@ -48,6 +53,7 @@ class Storage:
     step_source: str | None = None  # "file" (the block's scale) | "estimated" (the block's value lattice)
     route: TensorRoute | None = None
     qtype: int | None = None  # GGMLQuantizationType value, for re-quantizing A
+    offsets: torch.Tensor | None = None  # where a K-quant's grid starts (-dmin x min), per value; None: at zero
 
 
 def dtype_name(dtype: torch.dtype) -> str:
@@ -66,6 +72,11 @@ def storage_of(checkpoint, key: str, stored: torch.Tensor, route: TensorRoute, e
     name = qtype_name(info.qtype)
     if name in FLOAT_TYPES:
         return Storage(dtype_name(FLOAT_TYPES[name]), route=route)
+    if name in K_QUANTS:
+        steps, offsets = k_quant_grid(header.path, info)
+        if expert is not None and steps.dim() == stored.dim() + 1:
+            steps, offsets = steps[expert], offsets[expert]
+        return Storage(name, True, route_tensor(route, steps), "file", route, info.qtype, route_tensor(route, offsets))
     if name in SCALE_FIRST or name == "MXFP4":
         steps, source = file_steps(header.path, info), "file"
         if expert is not None and steps.dim() == stored.dim() + 1:  # stacked over experts: this expert's steps
@@ -93,6 +104,36 @@ def file_steps(path, info) -> torch.Tensor:
         scales = np.abs(raw[:, :2].copy().view(np.float16).astype(np.float32)).reshape(-1)
     steps = torch.from_numpy(np.repeat(scales, block))
     return steps.reshape(info.shape)
+
+
+def k_quant_grid(path, info) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each value's step and grid offset, read from its K-quant super-block (``K_QUANTS``)."""
+    import numpy as np
+    from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
+
+    qtype = GGMLQuantizationType(info.qtype)
+    _, size = GGML_QUANT_SIZES[qtype]
+    with open(path, "rb") as handle:
+        handle.seek(info.offset)
+        raw = np.frombuffer(handle.read(info.nbytes()), dtype=np.uint8).reshape(-1, size)
+    if qtype == GGMLQuantizationType.Q6_K:
+        d = raw[:, -2:].copy().view(np.float16).astype(np.float32)  # [blocks, 1]
+        scales = raw[:, -18:-2].view(np.int8).astype(np.float32)  # [blocks, 16]: one per 16 values
+        steps = np.repeat(np.abs(d * scales), 16, axis=1)
+        offsets = np.zeros_like(steps)
+    else:  # Q4_K, Q5_K: d, dmin, then 12 bytes of eight 6-bit (scale, min) pairs
+        d, dmin = (raw[:, i:i + 2].copy().view(np.float16).astype(np.float32) for i in (0, 2))
+        packed = raw[:, 4:16].astype(np.int32)
+        low = [(packed[:, j] & 63, packed[:, j + 4] & 63) for j in range(4)]
+        high = [((packed[:, j + 4] & 0xF) | ((packed[:, j - 4] >> 6) << 4),
+                 (packed[:, j + 4] >> 4) | ((packed[:, j] >> 6) << 4)) for j in range(4, 8)]
+        scale = np.stack([s for s, _ in low + high], axis=1).astype(np.float32)  # [blocks, 8]: one per 32 values
+        minimum = np.stack([m for _, m in low + high], axis=1).astype(np.float32)
+        steps = np.repeat(d * scale, 32, axis=1)
+        offsets = np.repeat(-dmin * minimum, 32, axis=1)
+    shape = tuple(info.shape)
+    return (torch.from_numpy(np.ascontiguousarray(steps)).reshape(shape),
+            torch.from_numpy(np.ascontiguousarray(offsets)).reshape(shape))
 
 
 def mxfp4_steps(units: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
@@ -139,7 +180,8 @@ def convert_like(a: torch.Tensor, storage: Storage) -> tuple[torch.Tensor, str]:
     quantized = requantize(a, storage)
     if quantized is not None:
         return quantized, f"re-quantized to {storage.dtype} with gguf.quants.quantize"
-    return on_lattice(a, storage.steps), f"rounded onto B's {storage.dtype} block steps (gguf cannot quantize it)"
+    return (on_lattice(a, storage.steps, storage.offsets),
+            f"rounded onto B's {storage.dtype} block grid, read from the file (gguf cannot quantize it)")
 
 
 def requantize(a: torch.Tensor, storage: Storage) -> torch.Tensor | None:
@@ -160,14 +202,15 @@ def requantize(a: torch.Tensor, storage: Storage) -> torch.Tensor | None:
     return back.t() if storage.route.transform == "transpose" else back
 
 
-def on_lattice(a: torch.Tensor, steps: torch.Tensor | None) -> torch.Tensor:
-    """A's values rounded to the nearest multiple of B's per-value step: the error a quantizer with that step
-    makes at least (used where gguf cannot quantize the type)."""
+def on_lattice(a: torch.Tensor, steps: torch.Tensor | None, offsets: torch.Tensor | None = None) -> torch.Tensor:
+    """A's values rounded to the nearest point of B's per-value grid (``offsets`` + k x ``steps``): the error a
+    quantizer on that grid makes at least (used where gguf cannot quantize the type)."""
     a = a.float()
     if steps is None:
         return a
+    start = offsets if offsets is not None else torch.zeros_like(steps)
     safe = torch.where(steps > 0, steps, torch.ones_like(steps))
-    return torch.where(steps > 0, torch.round(a / safe) * safe, a)
+    return torch.where(steps > 0, torch.round((a - start) / safe) * safe + start, a)
 
 
 def step_excess(a: torch.Tensor, b: torch.Tensor, steps: torch.Tensor) -> dict:
