@@ -124,8 +124,9 @@ def build_target(mapping: Mapping, config: Any,
     name = target_label(chosen)
     if isinstance(chosen, nn.Module):  # an instance of parity's own kind: a copy is checked, never the caller's
         return framework_of(chosen).copy(chosen), name, None, []
-    if not inspect.isclass(chosen) and framework_of(chosen) is not None:  # an instance, a function, a file
-        module, args, notes = unconstructed(framework_of(chosen), chosen, mapping, config)
+    framework = None if inspect.isclass(chosen) else framework_of(chosen)
+    if framework is not None:  # an instance, a function, a file: nothing to construct
+        module, args, notes = unconstructed(framework, chosen, mapping, config)
         return module, name, args, notes
     what = "--target" if target is not None else f"{mapping.path}: target.class"
     factory = import_object(chosen, what) if isinstance(chosen, str) else chosen
@@ -158,7 +159,6 @@ def build_target(mapping: Mapping, config: Any,
                                      framework=framework, built_config=built_config) from None
     built = framework or framework_of(module)  # a class of a framework, or a factory returning its module
     if built is not None and not built.native and not isinstance(module, nn.Module):
-        built.require()
         module = foreign_target(built, module, mapping, config)
         notes = [*notes, *framework_notes(built)]
     if not isinstance(module, nn.Module):

@@ -145,8 +145,8 @@ class Session:
         if framework is not None and not framework.fills:  # its weights are inside it: checked, not filled
             module.parity_native.compute = self.dtype_name
             stored = self.read_layer(layer, None, dtype=None) if isinstance(tensors, LayerOnDisk) else tensors
-            notes = [*built_notes, *(f"layer {layer}: {note}" if layer is not None else note
-                                     for note in framework.verify(module.parity_native, stored))]
+            checked, module.parity_holds_layer = framework.verify(module.parity_native, stored)
+            notes = [*built_notes, *(f"layer {layer}: {note}" if layer is not None else note for note in checked)]
             self.target_notes.extend(n for n in notes if n not in self.target_notes)
             return module.eval(), name
         with guarded(changes), user_code(f"target {name} could not be filled with the checkpoint's tensors",
@@ -203,7 +203,8 @@ class Session:
         runs = run_target_twice(truth, target, target_name, x, notes, changes)
         runs.dtype = self.dtype_name
         self.target_notes.extend(n for n in dict.fromkeys(notes) if n not in self.target_notes)
-        held = getattr(target, "parity_native", None) if self.framework and not self.framework.fills else None
+        # a graph that is not this layer's (its initializers said so when it was built): whose is it?
+        held = target.parity_native if getattr(target, "parity_holds_layer", True) is False else None
         del target
         gc.collect()
         if large:
@@ -219,8 +220,7 @@ class Session:
             result.separability = separability(self.replay_builder(layer), routed, self.config, x, runs.reference64,
                                                result.tolerance, result.reference_error, self.dtype_name, self.atol,
                                                own)
-        if (result.diagnosis is None and not result.passed and held is not None and expert is None
-                and not self.framework.holds(held, self.read_layer(layer, None, dtype=None))):
+        if result.diagnosis is None and not result.passed and held is not None and expert is None:
             other = self.layer_held(held, layer)
             if other is not None:
                 result.diagnosis = diagnosis(MistakeId.OTHER_LAYERS_WEIGHTS, None, None,
@@ -234,7 +234,8 @@ class Session:
         nearest first within ``reach`` layers of the one checked; None when none is."""
         nearest = sorted((j for j in range(self.num_layers) if j != layer and abs(j - layer) <= reach),
                          key=lambda j: abs(j - layer))
-        return next((j for j in nearest if self.framework.holds(native, self.read_layer(j, None, dtype=None))), None)
+        return next((j for j in nearest if self.framework.verify(native, self.read_layer(j, None, dtype=None))[1]),
+                    None)
 
     def explain(self, layer: int, routed: dict[str, torch.Tensor], x: torch.Tensor, got: torch.Tensor,
                 out64: torch.Tensor, tolerance: float) -> dict:

@@ -136,15 +136,10 @@ class Framework:
     def set_training(self, native: Any, mode: bool) -> None:
         """parity runs a target in eval mode (dropout off), as it does a PyTorch module."""
 
-    def verify(self, native: Any, tensors: dict[str, torch.Tensor]) -> list[str]:
-        """For a framework that does not fill (``fills = False``): notes saying which of its own weights are the
-        checkpoint layer's tensors."""
-        return []
-
-    def holds(self, native: Any, tensors: dict[str, torch.Tensor]) -> bool:
-        """For a framework that does not fill: whether its own weights are exactly ``tensors`` (another layer's,
-        when a check fails)."""
-        return False
+    def verify(self, native: Any, tensors: dict[str, torch.Tensor]) -> tuple[list[str], bool]:
+        """For a framework that does not fill (``fills = False``): notes saying which of its own weights are
+        ``tensors`` (a checkpoint layer's), and whether they are exactly those."""
+        return [], False
 
 
 def torch_dtype(name: str) -> torch.dtype:

@@ -168,7 +168,7 @@ class ONNXGraph(Framework):
         found.missing = sorted(set(stored) - {name for _, name, _ in found.matched.values()})
         return found
 
-    def verify(self, native: Graph, tensors: dict[str, torch.Tensor]) -> list[str]:
+    def verify(self, native: Graph, tensors: dict[str, torch.Tensor]) -> tuple[list[str], bool]:
         found = self.identify(native, tensors)
         notes = [f"ONNX initializer '{init}' {shape} is the checkpoint's '{name}' ({how})"
                  for init, (shape, name, how) in found.matched.items()]
@@ -177,12 +177,8 @@ class ONNXGraph(Framework):
                   for init, shape in found.unmatched.items()]
         if found.missing:
             notes.append(f"ONNX graph: no initializer holds the checkpoint's {', '.join(found.missing)}")
-        return notes
-
-    def holds(self, native: Graph, tensors: dict[str, torch.Tensor]) -> bool:
-        """Whether every weight of the graph is one of ``tensors`` and every one of them is in the graph."""
-        found = self.identify(native, tensors)
-        return bool(found.matched) and not found.unmatched and not found.missing
+        # every weight of the graph is one of ``tensors``, and every one of them is in the graph
+        return notes, bool(found.matched) and not found.unmatched and not found.missing
 
 
 @dataclass

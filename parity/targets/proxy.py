@@ -48,6 +48,7 @@ class ForeignModule(nn.Module):
         self.parity_framework = framework
         self.parity_native = native
         self.parity_loaded: tuple | None = None
+        self.parity_holds_layer: bool | None = None  # a graph's own weights are the layer's (set when checked)
         self.parity_layout = None
         for parameter in framework.parameters(native, facts):
             self._mirror(parameter)
