@@ -1,6 +1,6 @@
 """Test data more than one test module builds: results and reports without a model run, tiny MoE models,
-edited copies of built-in mappings, Meta's release layout.  Test modules import these from here, never
-from one another."""
+edited copies of built-in mappings, Meta's release layout and its model.py FeedForward.  Test modules import these
+from here, never from one another."""
 
 from __future__ import annotations
 
@@ -8,6 +8,8 @@ import json
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
+from torch import nn
 
 from parity.definitions.datafiles import builtin_mapping_dir
 from parity.engine.results import LayerResult, Report
@@ -68,3 +70,18 @@ def write_meta(folder: Path, dim=64, n_layers=2, multiple_of=32, multiplier=None
         params["ffn_dim_multiplier"] = multiplier
     (folder / "params.json").write_text(json.dumps(params))
     return folder
+
+
+class FeedForward(nn.Module):  # Meta's llama model.py
+    def __init__(self, dim: int, hidden_dim: int, multiple_of: int, ffn_dim_multiplier: float | None):
+        super().__init__()
+        hidden_dim = int(2 * hidden_dim / 3)
+        if ffn_dim_multiplier is not None:
+            hidden_dim = int(ffn_dim_multiplier * hidden_dim)
+        hidden_dim = multiple_of * ((hidden_dim + multiple_of - 1) // multiple_of)
+        self.w1 = nn.Linear(dim, hidden_dim, bias=False)
+        self.w2 = nn.Linear(hidden_dim, dim, bias=False)
+        self.w3 = nn.Linear(dim, hidden_dim, bias=False)
+
+    def forward(self, x):
+        return self.w2(F.silu(self.w1(x)) * self.w3(x))

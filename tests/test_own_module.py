@@ -27,6 +27,7 @@ from parity.definitions.aliases import load_aliases
 from parity.definitions.mapping_parser import load_mapping
 from parity.errors import MappingError
 
+from .builders import FeedForward
 from .conftest import build_model, save
 from .support import ROOT, run_json, run_main, run_parity
 
@@ -62,21 +63,6 @@ def nano_mlp_exact_gelu(config):
     mlp = nano_mlp(config)
     mlp.gelu = nn.GELU()
     return mlp
-
-
-class FeedForward(nn.Module):  # Meta's llama model.py
-    def __init__(self, dim: int, hidden_dim: int, multiple_of: int, ffn_dim_multiplier: float | None):
-        super().__init__()
-        hidden_dim = int(2 * hidden_dim / 3)
-        if ffn_dim_multiplier is not None:
-            hidden_dim = int(ffn_dim_multiplier * hidden_dim)
-        hidden_dim = multiple_of * ((hidden_dim + multiple_of - 1) // multiple_of)
-        self.w1 = nn.Linear(dim, hidden_dim, bias=False)
-        self.w2 = nn.Linear(hidden_dim, dim, bias=False)
-        self.w3 = nn.Linear(dim, hidden_dim, bias=False)
-
-    def forward(self, x):
-        return self.w2(F.silu(self.w1(x)) * self.w3(x))
 
 
 def meta_feed_forward(config):  # tiny llama: d = 32, 4d = 128 -> 2/3 -> 85 -> multiple_of 8 -> 88 = intermediate_size
@@ -207,7 +193,7 @@ def test_a_plain_values_constructor_built_to_the_wrong_size_gets_a_factory_that_
     assert "by parameter name" in err and "hidden_dim=88 most likely means something else" in err
     factory = err[err.index("def make_ffn(config):"):].strip()
     assert "..." not in factory and "dim=config.hidden_size" in factory, factory
-    (tmp_path / "written_factory.py").write_text(f"from {HERE} import FeedForward\n\n\n{factory}\n")
+    (tmp_path / "written_factory.py").write_text(f"from tests.builders import FeedForward\n\n\n{factory}\n")
     monkeypatch.syspath_prepend(str(tmp_path))
     code, _, err = run_main(capsys, tiny["llama"], "--layer", "0", "--target", "written_factory:make_ffn")
     assert code == 0, err

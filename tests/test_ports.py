@@ -431,15 +431,14 @@ def test_a_meta_checkpoint_and_metas_feed_forward_get_metas_own_call(tmp_path, c
     """Meta's FeedForward keeps 2/3 of its hidden_dim; its own TransformerBlock passes 4 * dim with params.json's
     multiple_of, and that is the factory printed for a Meta checkpoint."""
     from .builders import write_meta
-    from .test_own_module import FeedForward  # noqa: F401 - Meta's model.py FeedForward
 
     folder = write_meta(tmp_path / "meta", dim=64, multiple_of=32)
     code, _, err = run_main(capsys, str(folder), "--allow-pickle", "--layer", "0",
-                            "--target", "tests.test_own_module:FeedForward")
+                            "--target", "tests.builders:FeedForward")
     assert code == 2
     factory = err[err.index("def make_ffn(config):"):].strip()
     assert "hidden_dim=4 * config.hidden_size, multiple_of=config.multiple_of" in factory, factory
-    (tmp_path / "meta_factory.py").write_text(f"from tests.test_own_module import FeedForward\n\n\n{factory}\n")
+    (tmp_path / "meta_factory.py").write_text(f"from tests.builders import FeedForward\n\n\n{factory}\n")
     monkeypatch.syspath_prepend(str(tmp_path))
     code, out, err = run_main(capsys, str(folder), "--allow-pickle", "--layer", "0",
                               "--target", "meta_factory:make_ffn")
