@@ -1,0 +1,87 @@
+"""The conversion mistakes that could turn A's tensors into B's, each as a hypothesis: A's layer tensors
+(transformers' names) changed the way the mistake changes them, for ``parity.engine.checkpoint_compare`` to replay
+through transformers' MLP and keep the one B's output reproduces.  Which hypotheses a tensor raises is read off
+the tensors themselves (a square matrix may be transposed, a least-squares factor may be a scale or a sign flip),
+never tried at random.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from parity.definitions.mistakes import MistakeId
+from parity.engine import conversion
+
+
+@dataclass
+class Hypothesis:
+    """One conversion mistake, as A's layer tensors (reference names) changed the way the mistake changes them."""
+
+    id: MistakeId
+    detail: str
+    tensors: Callable[[dict[str, torch.Tensor]], dict[str, torch.Tensor]]
+
+
+def _swap(t: dict, a: str, b: str) -> dict:
+    out = dict(t)
+    if a in t and b in t:  # one MoE expert's tensors: gate, up, down (parity.engine.experts)
+        out[a], out[b] = t[b], t[a]
+    for suffix in ("weight", "bias"):
+        if f"{a}.{suffix}" in t and f"{b}.{suffix}" in t:
+            out[f"{a}.{suffix}"], out[f"{b}.{suffix}"] = t[f"{b}.{suffix}"], t[f"{a}.{suffix}"]
+    return out
+
+
+def hypotheses(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor], storage: dict[str, conversion.Storage],
+               differing: list[str]) -> list[Hypothesis]:
+    """The conversion mistakes that could turn A's tensors into B's: one set per tensor that differs beyond
+    what its conversion allows, plus gate and up exchanged."""
+    found = []
+    for gate, up in (("gate_proj", "up_proj"), ("gate", "up")):
+        names = {f"{gate}.weight", f"{up}.weight"} if gate.endswith("_proj") else {gate, up}
+        if names <= set(a) and names & set(differing):
+            found.append(Hypothesis(MistakeId.GATE_UP_EXCHANGED, f"B's {gate} is A's {up} and the reverse",
+                                    lambda t, gate=gate, up=up: _swap(t, gate, up)))
+    for name in differing:
+        found.extend(tensor_hypotheses(name, a[name], b[name], storage[name]))
+    return found
+
+
+def _replace(name: str, value: torch.Tensor) -> Callable[[dict], dict]:
+    return lambda t: {**t, name: value}
+
+
+def tensor_hypotheses(name: str, a: torch.Tensor, b: torch.Tensor, storage: conversion.Storage) -> list[Hypothesis]:
+    """What one tensor may have suffered: transposed (square), scaled or negated (the least-squares factor of B
+    on A), zero-filled, constant, cut short (a zero tail), its bytes read as the other 16-bit dtype."""
+    found = []
+    af, bf = a.float(), b.float()
+    if a.dim() == 2 and a.shape[0] == a.shape[1]:
+        found.append(Hypothesis(MistakeId.TENSOR_TRANSPOSED, f"{name} transposed", _replace(name, af.t())))
+    denominator = float((af * af).sum())
+    factor = float((af * bf).sum()) / denominator if denominator else math.nan
+    if math.isfinite(factor) and abs(factor - 1) > 1e-3 and factor != 0:
+        mistake = MistakeId.SIGN_FLIPPED if abs(factor + 1) < 1e-2 else MistakeId.TENSOR_SCALED
+        found.append(Hypothesis(mistake, f"{name} x {factor:.4g}",
+                                _replace(name, -af if mistake == MistakeId.SIGN_FLIPPED else af * factor)))
+    if bf.numel() and not bool(bf.any()):
+        found.append(Hypothesis(MistakeId.ZERO_FILLED, f"{name} all zeros", _replace(name, torch.zeros_like(af))))
+    elif bf.numel() and float(bf.min()) == float(bf.max()):
+        found.append(Hypothesis(MistakeId.CONSTANT_TENSOR, f"{name} = {float(bf.min()):.4g} everywhere",
+                                _replace(name, torch.full_like(af, float(bf.min())))))
+    end = conversion.zero_tail(af, bf)
+    if end is not None:
+        cut = af.clone().reshape(-1)
+        cut[end:] = 0
+        found.append(Hypothesis(MistakeId.TENSOR_TRUNCATED, f"{name}: the first {end} of {af.numel()} values are "
+                                "A's, the rest zero", _replace(name, cut.reshape(af.shape))))
+    why = conversion.reinterpreted(a, b, storage.dtype)
+    if why is not None:
+        other = torch.bfloat16 if storage.dtype == "float16" else torch.float16
+        bits = a.to(other).view(torch.int16).view(getattr(torch, storage.dtype)).float()
+        found.append(Hypothesis(MistakeId.BYTES_REINTERPRETED, f"{name}: {why}", _replace(name, bits)))
+    return found
