@@ -12,7 +12,8 @@ import pytest
 
 from parity import cli
 from parity.definitions.datafiles import builtin_mapping_dir
-from parity.definitions.project import load_project, parse_shard, shard_units
+from parity.definitions.project import load_project
+from parity.definitions.run_selection import parse_shard, shard_units
 from parity.engine.results import SCHEMA_VERSION
 from parity.errors import BaselineError, ProjectConfigError, ShardError
 from parity.outputs.baseline import compare, entry_key, load_baseline

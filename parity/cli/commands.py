@@ -49,7 +49,8 @@ def run_project(args: argparse.Namespace) -> int:
 
 
 def _run_project(args: argparse.Namespace) -> int:
-    from parity.definitions.project import load_project, parse_shard, select_checks
+    from parity.definitions.project import load_project
+    from parity.definitions.run_selection import parse_shard, select_checks
 
     project = load_project(args.config)
     if args.select is not None:

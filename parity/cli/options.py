@@ -68,8 +68,8 @@ DTYPE = value_type(dtype_value)
 
 def selection_expression(text: str) -> str:
     """``-k``'s expression, as given.  An empty one is kept as a blank one: ``-k ''`` must be refused as
-    ``-k ' '`` is (parity.definitions.project.select_checks: an empty selection is a usage error, exit 2), not read
-    as no ``-k`` at all, which would run every check."""
+    ``-k ' '`` is (parity.definitions.run_selection.select_checks: an empty selection is a usage error, exit 2),
+    not read as no ``-k`` at all, which would run every check."""
     return text or " "
 
 

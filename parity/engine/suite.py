@@ -14,7 +14,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from parity.definitions.project import CheckSpec, CompareSpec, shard_units
+from parity.definitions.project import CheckSpec, CompareSpec
+from parity.definitions.run_selection import shard_units
 from parity.definitions.selection import parse_selection
 from parity.definitions.values import check_compute
 from parity.engine.logits import logits_impact
