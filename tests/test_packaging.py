@@ -18,7 +18,7 @@ def wheel(tmp_path_factory):
     out = tmp_path_factory.mktemp("wheel")
     subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w", str(out),
                     str(ROOT)], check=True, capture_output=True, timeout=300)
-    (built,) = out.glob("parity-*.whl")
+    (built,) = out.glob("ffn_parity-*.whl")  # the distribution ffn-parity; the import name stays parity
     return built
 
 
@@ -46,3 +46,12 @@ def test_installed_wheel_lists_builtin_mappings(wheel, tmp_path):
     assert folder == str(target / "parity" / "mappings")
     assert aliases == str(target / "parity" / "mappings" / "aliases.toml") and schema == "True"
     assert {"gpt2", "llama", "gemma", "mistral", "qwen2", "openai-gpt"} <= set(json.loads(names))
+
+
+def test_the_distribution_name_is_the_one_messages_use():
+    """pyproject's [project].name and the name parity asks importlib.metadata about are one."""
+    import tomllib
+
+    from parity.definitions.distribution import DISTRIBUTION
+
+    assert tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["name"] == DISTRIBUTION

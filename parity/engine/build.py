@@ -54,7 +54,7 @@ def import_object(import_path: str, what: str = "--target") -> Any:
         if missing is not None and missing.extra:
             raise TargetError(f"{what} {import_path!r}: module '{module_name}' imports {exc.name}, which is not "
                               f"installed here: it is a {missing.name} target; install {missing.name} with "
-                              f"pip install 'parity[{missing.extra}]'") from None
+                              f"{missing.install_command()}") from None
         raise TargetError(f"{what} {import_path!r}: cannot import module '{module_name}': {type(exc).__name__}: {exc}. "
                           "Is it installed or on PYTHONPATH?") from None
     obj = module

@@ -167,7 +167,7 @@ def _read(path: Path) -> tuple[int, dict[str, dict]]:
         raise NotABaseline(f"'parity_baseline' is {version!r}, not a format number")
     if version > BASELINE_VERSION:  # a baseline, just not ours to read (nor to overwrite)
         raise BaselineError(f"{path}: baseline format {version} was written by a newer parity (this one reads "
-                            f"1-{BASELINE_VERSION}); upgrade parity (pip install -U parity) to use it")
+                            f"1-{BASELINE_VERSION}); upgrade parity (a newer checkout) to use it")
     for key, entry in data["entries"].items():
         _check_entry(key, entry)
     return version, data["entries"]

@@ -19,6 +19,7 @@ from typing import Any
 
 import torch
 
+from parity.definitions.distribution import install_command
 from parity.errors import TargetError
 
 
@@ -54,7 +55,7 @@ class Framework:
     modules: tuple[str, ...] = ()  # the framework's own module prefixes: a class deriving from one is its module
     imports: tuple[str, ...] = ()  # what must import for a target of it to run
     distribution = ""  # the package whose version the report gives
-    extra: str | None = None  # parity's pip extra that installs it: pip install 'parity[mlx]'
+    extra: str | None = None  # parity's extra for it (pyproject.toml), whose requirements a message names
     immutable_arrays = False  # the target cannot change its input: input mutation is not checked, and said so
     dtypes: tuple[str, ...] = ("float32", "bfloat16", "float16")  # what --dtype it computes in
     fills = True  # False: its weights are inside it (an ONNX graph): parity checks them instead of filling
@@ -85,9 +86,16 @@ class Framework:
             try:
                 importlib.import_module(module)
             except ImportError as exc:
-                install = f"pip install 'parity[{self.extra}]'" if self.extra else f"pip install {self.distribution}"
+                install = self.install_command()
                 raise TargetError(f"the target is a {self.name} module, but {module} cannot be imported here "
                                   f"({exc}); install it with {install}") from None
+
+    def install_command(self) -> str:
+        """What installs it: the packages parity's extra for it names (never parity's own name, which is someone
+        else's on the public index), or the framework's own distribution."""
+        if self.extra is None:
+            return f"pip install {self.distribution}"
+        return install_command(self.extra, fallback=self.distribution)
 
     def label(self) -> str:
         """'mlx 0.32.4'; 'onnx (onnxruntime 1.32.0)' where the package is not the framework's name."""
