@@ -223,3 +223,52 @@ def test_a_format_is_one_module_and_one_row(tiny, tmp_path, monkeypatch):
     assert report.passed and "read from weights.npz" in report.notes
     broken = parity.check(str(folder), layers=[1], target="tests.mutants:SwappedSwiGLU")
     assert broken.layers[0].diagnosis["id"] == "gate_up_swapped"
+
+
+# -- no test asserts a duration ---------------------------------------------------------------------------------
+
+CLOCKS = {"time", "perf_counter", "monotonic", "process_time", "thread_time", "perf_counter_ns", "monotonic_ns",
+          "time_ns"}
+
+
+def clock_calls(node: ast.AST, tainted: set[str]) -> bool:
+    """Does ``node`` read a clock: a call of time.<clock>() (or a bare clock imported by name), or a name that
+    was bound from one?"""
+    for sub in ast.walk(node):
+        if isinstance(sub, ast.Call):
+            func = sub.func
+            name = func.attr if isinstance(func, ast.Attribute) else getattr(func, "id", "")
+            if name in CLOCKS and (not isinstance(func, ast.Attribute) or getattr(func.value, "id", "") == "time"):
+                return True
+        if isinstance(sub, ast.Name) and sub.id in tainted:
+            return True
+    return False
+
+
+def duration_asserts(source: str) -> list[int]:
+    """The line of every assert whose condition reads a clock, directly or through names bound from one."""
+    tree = ast.parse(source)
+    tainted: set[str] = set()
+    for _ in range(3):  # names bound from names bound from a clock
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Assign) and clock_calls(node.value, tainted):
+                tainted |= {t.id for t in node.targets if isinstance(t, ast.Name)}
+    return [node.lineno for node in ast.walk(tree) if isinstance(node, ast.Assert) and clock_calls(node.test, tainted)]
+
+
+def test_no_test_asserts_a_duration():
+    """Machines are noisy: how long something takes is measured by scripts/bench.py (medians, ratios side by
+    side), never asserted by a test, which would fail on a loaded 2-core machine (CONTRIBUTING.md)."""
+    found = {path.name: lines for path in sorted((PACKAGE.parent / "tests").glob("*.py"))
+             if (lines := duration_asserts(path.read_text()))}
+    assert not found, f"tests asserting a duration (file: lines): {found}"
+
+
+def test_the_duration_rule_catches_what_it_is_for():
+    """It can fail: an elapsed time asserted directly or through names bound from a clock is found; a count is not."""
+    direct = ("import time\ndef test():\n    started = time.perf_counter()\n"
+              "    assert time.perf_counter() - started < 9\n")
+    named = ("import time\ndef test():\n    t = time.monotonic()\n    elapsed = time.monotonic() - t\n"
+             "    assert elapsed < 60\n")
+    counted = "def test():\n    hits = 3\n    assert hits <= 4\n"
+    assert duration_asserts(direct) == [4] and duration_asserts(named) == [5] and duration_asserts(counted) == []

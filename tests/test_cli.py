@@ -4,7 +4,6 @@ process is the point: --help and --version stay light (what a fresh interpreter 
 import json
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -14,15 +13,13 @@ from .support import offline_home, run_main, run_parity
 
 @pytest.mark.slow  # a fresh interpreter: what --version, --help and `list` import
 def test_version_and_help_are_light():
-    started = time.perf_counter()
     out = run_parity("--version")
     assert out.returncode == 0 and out.stdout.startswith("parity ")
     assert run_parity("--help").returncode == 0
     code = ("import sys, parity.cli; parity.cli.main(['list']); "
             "print('torch' in sys.modules, 'transformers' in sys.modules)")
     probe = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
-    assert probe.stdout.strip().endswith("False False")
-    assert time.perf_counter() - started < 20
+    assert probe.stdout.strip().endswith("False False")  # how long they take: scripts/bench.py, never a test
 
 
 def test_list_shows_every_family(capsys):
@@ -87,14 +84,11 @@ def test_bad_input_exit_2_without_traceback(tiny, args, message, capsys):
 
 def test_gpt2_offline_falls_back_to_synthetic_gpt2_small(tmp_path, monkeypatch, capsys):
     empty = offline_home(monkeypatch, tmp_path)  # HF_HOME empty, PARITY_CACHE tmp_path/cache
-    started = time.perf_counter()
     code, out, err = run_main(capsys, "gpt2", "--json", tmp_path / "r.json")
-    elapsed = time.perf_counter() - started
     assert code == 0, err
     assert "SYNTHETIC" in out and "openai-community/gpt2" in out
     data = json.loads((tmp_path / "r.json").read_text())
     assert data["weights"] == "synthetic" and len(data["layers"]) == 12
-    assert elapsed < 60  # the issue's goal is 30 s on the dev machine; CI machines are noisier
     # written in GPT-2's real on-disk format: HF names, Conv1D [in, out] layout, safetensors
     from safetensors import safe_open
 

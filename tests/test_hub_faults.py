@@ -30,6 +30,7 @@ from tests.support import default_sigint, run_json
 
 REPO = "tiny-org/sharded"
 LAYER = "2"
+MAX_TRIES = 4  # requests one persistent fault may see (3 seen: a range read, its retry, the whole-file fallback)
 TIMEOUT_S = 1  # HF_HUB_DOWNLOAD_TIMEOUT, HF_HUB_ETAG_TIMEOUT and PARITY_HUB_TIMEOUT here: a stall costs seconds
 TEST_LIMIT_S = 120  # per test, so that nothing hangs
 ROOT = Path(__file__).resolve().parents[1]
@@ -248,10 +249,9 @@ RECOVERS = {  # fault on the layer's first shard (unless "file" says otherwise) 
 def test_a_fault_parity_rides_out_gives_the_right_result(hub, local_fingerprint, fault, capsys):
     shard = layer_shards(hub.folder)[0]
     injected = hub.add_fault(**({"file": shard} | fault))
-    started = time.monotonic()
     code, report, err = run_cli(capsys, REPO, "--layer", LAYER)
     assert_right_result(code, report, local_fingerprint)
-    assert injected.hits >= 1 and time.monotonic() - started < 30
+    assert injected.hits >= 1
     cached = cache_entries(hub)  # whole entries of the true tensors only
     if fault["action"] == "ignore_range":  # the whole shard, from huggingface_hub's cache instead
         size = (hub.folder / shard).stat().st_size  # (the 200's body is cut off by closing: up to one more)
@@ -287,11 +287,10 @@ SLOW_FAILS = {"a server that stalls past the timeout, every try"}  # every try w
     pytest.param(*value, id=key, marks=[pytest.mark.slow] * (key in SLOW_FAILS)) for key, value in FAILS.items()])
 def test_a_fault_that_persists_is_exit_2_with_a_clear_message(hub, local_fingerprint, fault, says, capsys):
     shard = layer_shards(hub.folder)[0]
-    hub.add_fault(file=shard, **fault)
-    started = time.monotonic()
+    injected = hub.add_fault(file=shard, **fault)
     code, report, err = run_cli(capsys, REPO, "--layer", LAYER)
     assert code == 2 and report["kind"] == "error" and report["passed"] is False
-    assert time.monotonic() - started < 30  # bounded: tries x timeout
+    assert 1 <= injected.hits <= MAX_TRIES  # bounded: a few tries, each within the timeout, never a retry loop
     line = one_line_error(err)
     assert REPO in line and shard in line and says in line, line
     assert not [n for n in cache_entries(hub) if index_of(hub.folder)[n] == shard]  # nothing of it kept
