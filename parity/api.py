@@ -12,6 +12,7 @@ from typing import Any
 
 from torch import nn
 
+from parity.definitions.policy import synthetic_action
 from parity.definitions.project import CheckSpec
 from parity.definitions.selection import parse_selection
 from parity.engine.build import cwd_importable
@@ -77,7 +78,7 @@ def check(model: str, *, layers: str | int | Iterable[int] | None = None, target
 
 def compare(a: str, b: str, *, layers: str | int | Iterable[int] | None = None, revision: str | None = None,
             revision_b: str | None = None, allow_pickle: bool = False, seed: int = 0,
-            experts: str | int | Iterable[int] | None = None,
+            experts: str | int | Iterable[int] | None = None, require_real: bool = False,
             on_layer: Callable[[Report, LayerResult], None] | None = None) -> Report:
     """Judge checkpoint B (a re-save, a cast, a GGUF export, a quantization of A) against checkpoint A, layer by
     layer, as functions: transformers' MLP built from A's config holding A's layer is the truth, the same class
@@ -93,6 +94,8 @@ def compare(a: str, b: str, *, layers: str | int | Iterable[int] | None = None, 
         allow_pickle: open pickle-based files of either side (``torch.load(weights_only=True)``).
         seed: the inputs' seed.
         experts: MoE: the experts to judge, each its own unit (default all).
+        require_real: raise ``SyntheticWeightsError`` when either side has only the synthetic stand-in; by
+            default it is compared and ``report.synthetic`` is true (``parity.definitions.policy``).
         on_layer: called with (report, layer result) as each layer finishes.
 
     Returns:
@@ -100,19 +103,22 @@ def compare(a: str, b: str, *, layers: str | int | Iterable[int] | None = None, 
         and the inventory outside the FFN, each layer's ``conversion`` what the conversion may change).
 
     Raises:
-        ParityError: bad input (exit code 2's).
+        ParityError: bad input (exit code 2's); A and B the same files, or a revision with a local path, too.
+        SyntheticWeightsError: with ``require_real``, a side that has only the synthetic stand-in.
 
     Example::
 
         report = parity.compare("llama-hf/", "llama-Q8_0.gguf")
         assert report.passed, report.to_json()
     """
-    from parity.engine.checkpoint_compare import Comparison, run_comparison
+    from parity.definitions.project import CompareSpec
+    from parity.engine.checkpoint_compare import open_comparison, run_comparison
     from parity.outputs import compare_text  # noqa: F401  (importing it makes str(report) the compare table)
 
-    comparison = Comparison(a, b, revision=revision, revision_b=revision_b, allow_pickle=allow_pickle, seed=seed,
-                            experts=experts)
-    return run_comparison(comparison, layers, on_layer)
+    refuse = synthetic_action("parity.compare", require_real or None) == "refuse"
+    spec = CompareSpec(a=a, b=b, revision=revision, revision_b=revision_b, allow_pickle=allow_pickle, seed=seed,
+                       experts=experts, require_real=refuse)
+    return run_comparison(open_comparison(spec), layers, on_layer)
 
 
 def compute_names(device: Any, dtype: Any) -> tuple[str, str]:

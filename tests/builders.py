@@ -85,3 +85,33 @@ class FeedForward(nn.Module):  # Meta's llama model.py
 
     def forward(self, x):
         return self.w2(F.silu(self.w1(x)) * self.w3(x))
+
+
+def tiny_stand_in(monkeypatch, tmp_path: Path, name: str, config: dict) -> None:
+    """Mapping ``name`` offline with nothing cached (its synthetic stand-in), the stand-in built from ``config``
+    instead of the real model's (GPT-2 small's or TinyLlama's would take a minute); the mapping is otherwise the
+    built-in one.  PARITY_CACHE is tmp_path/cache, HF_HOME empty."""
+    import dataclasses
+
+    import parity.engine.resolve as resolve
+    from parity.definitions.registry import builtin_mappings
+
+    from .support import offline_home
+
+    offline_home(monkeypatch, tmp_path)
+    mappings = dict(builtin_mappings())
+    mappings[name] = dataclasses.replace(mappings[name], synthetic_config=config)
+    monkeypatch.setattr(resolve, "builtin_mappings", lambda: mappings)
+
+
+def written_stand_in(capsys, tmp_path: Path, name: str) -> Path:
+    """A copy of mapping ``name``'s whole stand-in folder under tmp_path (a check of every layer writes every
+    shard): a real local checkpoint holding the stand-in's values."""
+    import shutil
+
+    from .support import run_main
+
+    code, _, err = run_main(capsys, name, "--layers", "all")
+    assert code == 0, err
+    (folder,) = (tmp_path / "cache" / "synthetic").iterdir()
+    return Path(shutil.copytree(folder, tmp_path / f"{name}-copy"))

@@ -333,22 +333,23 @@ def test_two_exchanged_experts_are_named_expert_shifted(a_moe, root):
     assert "diagnosis expert_shifted (expert 1/e0)" in text and "FAIL: 2 of 8 expert(s) of B" in text
 
 
-def test_experts_select_the_units_and_a_dense_b_is_no_conversion(a_moe, a_f32, capsys):
+def test_experts_select_the_units_and_a_dense_b_is_no_conversion(a_moe, a_f32, tmp_path, capsys):
     from parity.engine.checkpoint_compare import Comparison, run_comparison
     from parity.errors import LayerRangeError
 
-    report = run_comparison(Comparison(str(a_moe), str(a_moe), experts="1"))
+    b_moe, b_f32 = (shutil.copytree(a, tmp_path / a.name) for a in (a_moe, a_f32))  # re-saves: A itself is exit 2
+    report = run_comparison(Comparison(str(a_moe), str(b_moe), experts="1"))
     assert report.passed and [(u.layer, u.expert) for u in report.layers] == [(0, 1), (1, 1)]
-    code, data, err = run_json(capsys, "compare", a_moe, a_moe, "--experts", "2")  # the command line, and Python
+    code, data, err = run_json(capsys, "compare", a_moe, b_moe, "--experts", "2")  # the command line, and Python
     assert code == 0 and [(u["layer"], u["expert"]) for u in data["layers"]] == [(0, 2), (1, 2)], err
-    assert [u.expert for u in parity.compare(str(a_moe), str(a_moe), layers=[0], experts=[0, 3]).layers] == [0, 3]
+    assert [u.expert for u in parity.compare(str(a_moe), str(b_moe), layers=[0], experts=[0, 3]).layers] == [0, 3]
     from safetensors import safe_open  # every expert's tensors are the FFN's: none is inventoried as outside it
 
     with safe_open(str(a_moe / "model.safetensors"), "pt") as handle:
         outside = [key for key in handle.keys() if ".experts." not in key]
     assert report.comparison["inventory"]["tensors_a"] == len(outside), report.comparison["inventory"]
     with pytest.raises(LayerRangeError, match="dense"):
-        Comparison(str(a_f32), str(a_f32), experts="1")
+        Comparison(str(a_f32), str(b_f32), experts="1")
     code, _, err = run_main(capsys, "compare", a_moe, a_f32)
     assert code == 2 and "is no conversion of" in err and "4 experts per layer" in err, err
 
@@ -375,10 +376,11 @@ def test_the_json_report_validates_against_the_shipped_schema(a_f32, llama, root
     jsonschema.validate(data, json.loads(SCHEMA_FILE.read_text(encoding="utf-8")))
 
 
-def test_bad_input_is_exit_2_with_one_line(a_f32, root, capsys):
+def test_bad_input_is_exit_2_with_one_line(a_f32, root, tmp_path, capsys):
     code, _, err = run_main(capsys, "compare", a_f32, root / "no-such-folder")
     assert code == 2 and "no-such-folder" in err and "Traceback" not in err
-    code, _, err = run_main(capsys, "compare", a_f32, a_f32, "--layers", "7")
+    b = shutil.copytree(a_f32, tmp_path / "b")
+    code, _, err = run_main(capsys, "compare", a_f32, b, "--layers", "7")
     assert code == 2 and "A has 3 layers, B 3" in err
 
 

@@ -17,9 +17,10 @@ from safetensors.torch import load_file, save_file
 from parity.definitions.project import CompareSpec, load_project
 from parity.errors import ProjectConfigError
 
-from .conftest import build_model, save
+from .builders import tiny_stand_in, written_stand_in
+from .conftest import TINY, build_model, save
 from .gguf_files import Q, gguf_from_hf
-from .support import offline_home, run_json, run_main
+from .support import run_json, run_main
 
 SIZES = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=3)
 
@@ -184,12 +185,13 @@ def test_a_compare_that_cannot_run_is_exit_2_and_the_others_still_run(here, caps
 
 def test_project_compares_require_real_weights(tmp_path, monkeypatch, capsys, sides):
     """A mapping name offline with an empty cache is a synthetic stand-in: refused, unless require_real = false."""
-    offline_home(monkeypatch, tmp_path)
+    tiny_stand_in(monkeypatch, tmp_path, "llama", TINY["llama"] | {"architectures": ["LlamaForCausalLM"]})
+    b = written_stand_in(capsys, tmp_path, "llama")  # a local copy of the stand-in: a real B
     monkeypatch.chdir(tmp_path)
-    (tmp_path / "parity.toml").write_text('[[compares]]\na = "llama"\nb = "llama"\nlayers = [0]\n')
+    (tmp_path / "parity.toml").write_text(f'[[compares]]\na = "llama"\nb = "{b}"\nlayers = [0]\n')
     code, _, err = run_main(capsys, "check")
     assert code == 2 and "compares[0]" in err and "real weights are required" in err
-    (tmp_path / "parity.toml").write_text('[[compares]]\na = "llama"\nb = "llama"\nlayers = [0]\n'
+    (tmp_path / "parity.toml").write_text(f'[[compares]]\na = "llama"\nb = "{b}"\nlayers = [0]\n'
                                           'require_real = false\n')
     code, out, err = run_main(capsys, "check", "-q")
     assert code == 0 and "SYNTHETIC" in out, err

@@ -19,6 +19,7 @@ from parity.cli.reports import (
     write_outputs,
 )
 from parity.definitions.files import one_line
+from parity.definitions.policy import synthetic_action
 from parity.errors import MappingError, UsageError
 
 
@@ -240,6 +241,7 @@ def run_compare(args: argparse.Namespace) -> int:
     from parity.definitions.project import CompareSpec
 
     spec = CompareSpec(a=args.a, b=args.b, layers=args.layers, revision=args.revision, revision_b=args.revision_b,
-                       seed=args.seed, allow_pickle=args.allow_pickle, experts=args.experts)
+                       seed=args.seed, allow_pickle=args.allow_pickle, experts=args.experts,
+                       require_real=synthetic_action("parity compare", args.require_real or None) == "refuse")
     args.model = spec.label  # what the error JSON names
     return with_error_outputs(args, spec.label, True, lambda: run_specs([spec], args, single=True))

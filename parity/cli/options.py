@@ -247,5 +247,8 @@ def build_compare_parser() -> argparse.ArgumentParser:
                         help="open pickle-based weights of either side with torch.load(weights_only=True); only for "
                              "files you trust")
     parser.add_argument("--seed", type=SEED, default=0, help="seed of the generated inputs (default 0)")
+    parser.add_argument("--require-real", action="store_true",
+                        help="exit 2 when either side has only the synthetic stand-in (random weights with the real "
+                             "shapes), instead of comparing it with SYNTHETIC in every view")
     add_output_options(parser)  # --json, --junit, --html, --quiet, --baseline (keyed `compare A | B | layer N`), ...
     return parser

@@ -17,7 +17,10 @@ Action = Literal["check", "refuse", "skip"]
 SYNTHETIC_DEFAULT: dict[str, Action] = {
     "parity MODEL": "check",  # the interactive door: checks them, SYNTHETIC in text/JSON/JUnit/HTML; --require-real
     "parity.check": "check",  # the library: report.synthetic is True; require_real=True raises SyntheticWeightsError
-    "parity check": "refuse",  # a project file is CI: exit 2 unless the check says require_real = false
+    "parity compare": "check",  # A or B a stand-in: compared, SYNTHETIC in text/JSON/JUnit/HTML; --require-real
+    "parity.compare": "check",  # report.synthetic is True; require_real=True raises SyntheticWeightsError
+    "parity check": "refuse",  # a project file is CI: exit 2 unless the check (or [[compares]]) says
+                               # require_real = false
     "pytest": "skip",  # assert_parity / parity_check: pytest.skip with the reason; require_real=False checks them,
                        # require_real=True, --parity-require-real or PARITY_REQUIRE_REAL=1 fail the test
 }

@@ -25,6 +25,7 @@ import hashlib
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -124,12 +125,16 @@ class Comparison:
     """Both checkpoints resolved once; ``compare_layer`` then judges one layer at a time."""
 
     def __init__(self, a: str, b: str, *, revision: str | None = None, revision_b: str | None = None,
-                 allow_pickle: bool = False, seed: int = 0, experts: Selection = None):
+                 allow_pickle: bool = False, seed: int = 0, experts: Selection = None, require_real: bool = False):
         require_values(model=a, revision=revision)
         require_values(model=b, revision=revision_b)
         self.a = Session(resolve(a, revision=revision, allow_pickle=allow_pickle), seed=seed)
-        self.b = Session(resolve(b, revision=revision_b, allow_pickle=allow_pickle), seed=seed)
+        self.b = Session(resolve(b, revision=revision_b, allow_pickle=allow_pickle, revision_option="--revision-b"),
+                         seed=seed)
         self.labels = (a, b)
+        if require_real:
+            require_real_sides(self.a, self.b, self.labels)
+        require_two_checkpoints(self.a, self.b, self.labels)
         self.seed = seed
         self.require_same_experts()
         self.require_same_ffn()
@@ -464,20 +469,34 @@ def plain_rows(rows: list[dict]) -> list[dict]:
 
 
 def open_comparison(spec: CompareSpec) -> Comparison:
-    """Both checkpoints of a compare resolved (``Comparison``); with ``require_real``, a synthetic stand-in on either
-    side is a SyntheticWeightsError before anything is computed."""
-    comparison = Comparison(spec.a, spec.b, revision=spec.revision, revision_b=spec.revision_b,
-                            allow_pickle=spec.allow_pickle, seed=spec.seed, experts=spec.experts)
-    for side, name in ((comparison.a, spec.a), (comparison.b, spec.b)):
-        if spec.require_real and side.checkpoint.weights != "real":
+    """Both checkpoints of a compare resolved (``Comparison``): with ``require_real``, a synthetic stand-in on either
+    side is a SyntheticWeightsError, and A and B one set of files a UsageError, before anything is computed."""
+    return Comparison(spec.a, spec.b, revision=spec.revision, revision_b=spec.revision_b,
+                      allow_pickle=spec.allow_pickle, seed=spec.seed, experts=spec.experts,
+                      require_real=spec.require_real)
+
+
+def require_real_sides(a: Session, b: Session, labels: tuple[str, str]) -> None:
+    """A SyntheticWeightsError naming the side that has only the synthetic stand-in."""
+    for side, name in ((a, labels[0]), (b, labels[1])):
+        if side.checkpoint.weights != "real":
             why = (side.checkpoint.weights_note or "").removeprefix("SYNTHETIC weights: ").split(";")[0]
             error = SyntheticWeightsError(
                 f"{name}: real weights are required, but {why or 'only synthetic weights are available'}: a "
                 "comparison of stand-ins proves nothing about either checkpoint. Give a local path or a reachable "
-                "hub id (require_real = false in the project file compares the stand-ins instead).")
+                "hub id (without --require-real, or with require_real = false in a project file, the stand-ins are "
+                "compared and every view says SYNTHETIC).")
             error.reason = why or "only synthetic weights are available"
             raise error
-    return comparison
+
+
+def require_two_checkpoints(a: Session, b: Session, labels: tuple[str, str]) -> None:
+    """A and B that are one set of files (one folder, one file, one hub snapshot) are a UsageError: the compare
+    would pass bit-identical and prove nothing about any conversion."""
+    where = a.checkpoint.location
+    if Path(where).expanduser().resolve() == Path(b.checkpoint.location).expanduser().resolve():
+        raise UsageError(f"A ({labels[0]}) and B ({labels[1]}) are the same checkpoint ({where}): comparing it with "
+                         "itself proves nothing about a conversion; give B as the converted, cast or re-saved copy")
 
 
 def run_comparison(comparison: Comparison, layers: Selection = None,

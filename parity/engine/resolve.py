@@ -26,6 +26,7 @@ from parity.errors import (
     MappingError,
     OfflineError,
     UnknownModelError,
+    UsageError,
 )
 from parity.sources.checkpoint import Checkpoint
 from parity.sources.config_check import (
@@ -49,11 +50,18 @@ class Resolved:
     notes: list[str] = field(default_factory=list)
 
 
-def open_checkpoint(location: str, revision: str | None = None, allow_pickle: bool = False) -> Checkpoint:
-    """MODEL or --checkpoint: an existing path (or one that looks like a path), else a hub id."""
+def open_checkpoint(location: str, revision: str | None = None, allow_pickle: bool = False, *,
+                    revision_option: str = "--revision") -> Checkpoint:
+    """MODEL or --checkpoint: an existing path (or one that looks like a path), else a hub id.  A revision given
+    with a local path is refused (``revision_option`` names it as the user gave it): ignored, it would let a user
+    believe they checked another commit."""
     path = Path(location).expanduser()
     looks_local = location.startswith((".", "/", "~")) or location.endswith((".safetensors", ".bin", ".pth", ".gguf"))
     if looks_local or path_exists(path):
+        if revision is not None:
+            raise UsageError(f"{revision_option} {shown(revision)}: '{shown(location)}' is a local path, and a "
+                             "revision names a commit, branch or tag of a hub repository; leave the revision out, or "
+                             "give the hub id (owner/name) to read that revision")
         return open_local(path, allow_pickle=allow_pickle)
     from parity.sources.hub import looks_like_hub_id, open_hub
 
@@ -91,7 +99,8 @@ EMPTY_HINTS = {"model": "give a mapping name (see `parity list`), a hub id (owne
 
 
 def resolve(model: str, checkpoint: str | None = None, mapping: str | Path | None = None,
-            revision: str | None = None, allow_pickle: bool = False) -> Resolved:
+            revision: str | None = None, allow_pickle: bool = False, *, revision_option: str = "--revision"
+            ) -> Resolved:
     require_values(model=model, checkpoint=checkpoint, mapping=mapping, revision=revision)
     mappings = builtin_mappings()
     chosen = load_mapping(mapping) if mapping is not None else None
@@ -112,7 +121,7 @@ def resolve(model: str, checkpoint: str | None = None, mapping: str | Path | Non
                 f"'{shown(model)}' is not a mapping name ({', '.join(sorted(mappings))}), a local path, "
                 "or a hub id (owner/name). Run `parity list` to see the mappings."
             )
-        ckpt = open_checkpoint(location, revision, allow_pickle)
+        ckpt = open_checkpoint(location, revision, allow_pickle, revision_option=revision_option)
     check_raw_config(ckpt)
     model_type = ckpt.raw_config.get("model_type")
     if chosen is None:
@@ -143,6 +152,9 @@ def _fitting_mapping(model_type: str | None, ckpt: Checkpoint) -> Mapping | None
     return candidate if fits(candidate, ckpt.has) else None
 
 
+CHECK_ADVICE = "Pass --checkpoint to check real weights."  # a check's way out of the stand-in (compare has its own)
+
+
 def _default_checkpoint(mapping: Mapping, revision: str | None) -> Checkpoint:
     from parity.sources.hub import open_hub
     from parity.sources.synthetic import synthetic_checkpoint
@@ -158,8 +170,7 @@ def _default_checkpoint(mapping: Mapping, revision: str | None) -> Checkpoint:
         return synthetic_checkpoint(
             mapping,
             f"SYNTHETIC weights: the default checkpoint {mapping.default_checkpoint} is {why}; "
-            f"random weights with its real shapes and on-disk format stand in. "
-            f"Pass --checkpoint to check real weights.",
+            f"random weights with its real shapes and on-disk format stand in. {CHECK_ADVICE}",
         )
 
 

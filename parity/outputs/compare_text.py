@@ -4,9 +4,10 @@ and the summary line.  A check's table (``text.py``) has no column for the conve
 
 from __future__ import annotations
 
+from parity.engine.resolve import CHECK_ADVICE
 from parity.engine.results import LayerResult, Report, register_renderers
 from parity.outputs.baseline import compared_sides
-from parity.outputs.text import TextWriter, unit_label, units_label
+from parity.outputs.text import SYNTHETIC_WARNING, TextWriter, unit_label, units_label
 
 HEADER = (f"{'layer':>5}  {'max|Δ|':>9}  {'rel':>9}  {'noise':>9}  {'conv Δ':>9}  {'tol':>9}  {'×noise':>8}  "
           f"{'×conv':>6}  {'stored as':<22}  verdict")
@@ -37,9 +38,22 @@ def header_lines(report: Report) -> list[str]:
         f"  oracle      transformers {report.versions.get('transformers', '?')} {report.reference} "
         f"(activation: {report.reference_activation}), built from A's config, filled with A's layer, then with B's",
         *(f"  note: {note}" for note in report.notes),
+        *synthetic_lines(report, a, b),
         "",
         EXPERT_HEADER if experts_of(report) else HEADER,
     ]
+
+
+COMPARE_ADVICE = "Give each side as a local path or a reachable hub id to compare real weights."
+
+
+def synthetic_lines(report: Report, a: dict, b: dict) -> list[str]:
+    """'!! SYNTHETIC weights (A and B): ...': which side is a stand-in, why, and a compare's way out."""
+    sides = [side for side, info in (("A", a), ("B", b)) if info.get("weights") == "synthetic"]
+    if not sides or not report.weights_note:
+        return []
+    why = report.weights_note.removesuffix(CHECK_ADVICE).removeprefix("SYNTHETIC weights: ").strip()
+    return [f"  !! SYNTHETIC weights ({' and '.join(sides)}): {why} {COMPARE_ADVICE}"]
 
 
 def layer_line(result: LayerResult) -> str:
@@ -109,6 +123,12 @@ def inventory_lines(report: Report) -> list[str]:
 
 
 def summary_line(report: Report) -> str:
+    """The one line CI logs show; a compare of synthetic stand-ins says so whatever its verdict."""
+    line = verdict_line(report)
+    return f"{line} {SYNTHETIC_WARNING}" if report.layers and report.synthetic else line
+
+
+def verdict_line(report: Report) -> str:
     if not report.layers:
         return "ERROR: no layer was compared: nothing was compared, so this is not a pass."
     failed, regressed = [r for r in report.layers if not r.passed and r.unverifiable is None], report.regressed
