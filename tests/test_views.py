@@ -135,6 +135,22 @@ def test_save_mapping_refuses_a_file_it_did_not_write(tiny, tmp_path, capsys):
     assert run_main(capsys, tiny["gpt2"], "--layer", "0", "--save-mapping", precious)[0] == 0  # its own file
 
 
+def test_save_mapping_never_replaces_a_file_the_user_edited_since(tiny, tmp_path, capsys):
+    """The template says "replace each ? ... then run with --mapping this file": once the user has done that in
+    place, the file is theirs, although its first line still says parity wrote it."""
+    saved = tmp_path / "mine.toml"
+    assert run_main(capsys, tiny["gpt2"], "--layer", "0", "--save-mapping", saved)[0] == 0
+    assert run_main(capsys, tiny["gpt2"], "--layer", "0", "--save-mapping", saved)[0] == 0  # untouched: replaced
+    edited = saved.read_text().replace('"c_fc.bias"', '"c_fc.bias"  # checked by hand', 1)
+    assert edited != saved.read_text() and edited.startswith("# Written by `parity ")
+    saved.write_text(edited)
+    code, _, err = run_main(capsys, tiny["gpt2"], "--layer", "0", "--save-mapping", saved)
+    assert code == 2 and "has been edited since" in err and "--force" in err and str(saved) in err
+    assert saved.read_text() == edited
+    assert run_main(capsys, tiny["gpt2"], "--layer", "0", "--save-mapping", saved, "--force")[0] == 0
+    assert saved.read_text() != edited
+
+
 def test_save_mapping_never_overwrites_the_mapping_it_was_given(tiny, tmp_path, capsys):
     mapping = tmp_path / "m.toml"
     assert run_main(capsys, tiny["gpt2"], "--layer", "0", "--save-mapping", mapping)[0] == 0

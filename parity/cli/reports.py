@@ -155,7 +155,7 @@ def save_mapping(path: str, report, *, force: bool = False) -> None:
     """--save-mapping: the routes this run used, as a mapping file that repeats the run with --mapping FILE.
     Replaces only a file that --save-mapping wrote (or any with ``force``); never the mapping the run was given
     (the saved file extends it, and would then extend itself): parity.outputs.destinations refuses that first."""
-    from parity.definitions.toml_text import mapping_text
+    from parity.definitions.toml_text import mapping_text, sealed
     from parity.outputs.atomic import write_output
 
     refuse_to_replace(path, force)
@@ -173,39 +173,47 @@ def save_mapping(path: str, report, *, force: bool = False) -> None:
     if "<" in report.target:
         header += f"\n{report.target} cannot be imported by name: put the factory in a module (module:function)."
     text = mapping_text(routes["extends"], report.target, routes["args"], routes["tensors"], header=header)
-    write_output(path, text, "--save-mapping", create_folder=False)
+    write_output(path, sealed(text), "--save-mapping", create_folder=False)
 
 
 def save_template(path: str, template: str, *, force: bool = False) -> None:
     """--save-mapping when the routes could not be inferred: the mapping to edit (its "?" still to fill in), written
     so the user edits a file; the run still exits 2."""
-    from parity.definitions.toml_text import SAVED_MAPPING_MARK
+    from parity.definitions.toml_text import SAVED_MAPPING_MARK, sealed
     from parity.outputs.atomic import write_output
 
     refuse_to_replace(path, force)
     header = (f"{SAVED_MAPPING_MARK.removeprefix('# ')}--save-mapping`: a mapping to complete. Replace each \"?\" with "
               "what its comment proposes, then run with --mapping this file.\n")
-    write_output(path, f"# {header}{template}", "--save-mapping", create_folder=False)
+    write_output(path, sealed(f"# {header}{template}"), "--save-mapping", create_folder=False)
     print(f"parity: wrote the mapping to complete to {path}", file=sys.stderr)
 
 
+SAVED_LIMIT = 1 << 20  # a mapping --save-mapping wrote is a few KiB; a larger file is not one
+
+
 def refuse_to_replace(path: str, force: bool) -> None:
+    """A file exists at ``path``: replaced only when --save-mapping wrote it and nobody has edited it since (its
+    seal matches), or with ``force``.  A mapping the user completed in place is theirs."""
     from pathlib import Path
 
     from parity.definitions.files import shown
-    from parity.definitions.toml_text import SAVED_MAPPING_MARK
+    from parity.definitions.toml_text import SAVED_MAPPING_MARK, untouched_since_saved
 
     target = Path(path)  # never the run's --mapping file: parity.outputs.destinations refused that before the run
     if force or not target.is_file():
         return
     try:
         with open(target, encoding="utf-8", errors="replace") as handle:
-            first = handle.readline(4096)
+            text = handle.read(SAVED_LIMIT + 1)
     except OSError:
-        first = ""
-    if not first.startswith(SAVED_MAPPING_MARK):
-        raise UsageError(f"--save-mapping {shown(path)}: the file exists and was not written by --save-mapping; "
-                         "parity will not replace it. Choose another file, or add --force to replace it")
+        text = ""
+    if untouched_since_saved(text):
+        return
+    how = ("was written by --save-mapping and has been edited since (its lines no longer match the sha256 on its "
+           "first line)" if text.startswith(SAVED_MAPPING_MARK) else "was not written by --save-mapping")
+    raise UsageError(f"--save-mapping {shown(path)}: the file exists and {how}; parity will not replace it. Choose "
+                     "another file, or add --force to replace it")
 
 
 def json_document(runs, single: bool, shard, args, comparison, problem: str | None, code: int) -> dict:

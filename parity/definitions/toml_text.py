@@ -4,6 +4,7 @@ back (``--save-mapping``, the templates printed when routes cannot be inferred).
 
 from __future__ import annotations
 
+import hashlib
 import json
 import re
 from typing import Any
@@ -29,6 +30,23 @@ def mapping_text(extends: str, target_class: str, args: dict[str, Any] | None, t
 
 
 SAVED_MAPPING_MARK = "# Written by `parity "  # the first line of every mapping --save-mapping writes
+SEAL = re.compile(r" \[sha256 ([0-9a-f]{64}) of the lines below\]$")  # the first line's end: what parity wrote
+
+
+def sealed(text: str) -> str:
+    """``text`` (a mapping whose first line is SAVED_MAPPING_MARK's) with the SHA-256 of its other lines appended
+    to its first line: parity can later tell a file it wrote from one the user has edited since."""
+    first, _, rest = text.partition("\n")
+    return f"{first} [sha256 {hashlib.sha256(rest.encode('utf-8')).hexdigest()} of the lines below]\n{rest}"
+
+
+def untouched_since_saved(text: str) -> bool:
+    """Whether ``text`` is a mapping --save-mapping wrote, unchanged since: its mark, and a seal that matches the
+    lines below it.  A file without a seal (an older parity's) cannot be told apart from an edited one: False."""
+    first, _, rest = text.partition("\n")
+    seal = SEAL.search(first)
+    return (first.startswith(SAVED_MAPPING_MARK) and seal is not None
+            and seal.group(1) == hashlib.sha256(rest.encode("utf-8")).hexdigest())
 
 
 def toml_text(tables: dict[str, Any]) -> str:
