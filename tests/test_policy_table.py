@@ -11,8 +11,9 @@ import pytest
 from parity.definitions.policy import SYNTHETIC_DEFAULT
 
 ROOT = Path(__file__).resolve().parent.parent
-DOORS = {"parity MODEL": "parity MODEL", "parity compare A B": "parity compare", "parity.compare(...)": "parity.compare",
-         "parity.check(...)": "parity.check", "parity check": "parity check", "assert_parity": "pytest"}
+DOORS = {"parity MODEL": "parity MODEL", "parity compare A B": "parity compare",
+         "parity.compare(...)": "parity.compare", "parity.check(...)": "parity.check", "parity check": "parity check",
+         "assert_parity": "pytest"}
 ACTIONS = {"checked": "check", "compared": "check", "refused": "refuse", "skipped": "skip"}
 
 
