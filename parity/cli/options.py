@@ -21,12 +21,13 @@ commands:
   parity MODEL [options]   check one model (this page)
   parity check [options]   run every check listed in parity.toml or [tool.parity] in
                            pyproject.toml, here or in a parent folder (`parity check
-                           --help`); a folder literally
-                           named "check" must be given as ./check
+                           --help`)
   parity inspect MODEL     show what would be checked, computing nothing
   parity compare A B       judge checkpoint B (a re-save, cast, GGUF export or quantization)
                            against checkpoint A, layer by layer (`parity compare --help`)
   parity list              the built-in mappings
+A local folder literally named "compare", "check", "inspect" or "list" must be given as
+./compare (./check, ...): as the first argument each word is a command.
 
 exit codes: 0 every checked layer matches, 1 some layer deviates (or grew beyond the
 baseline), 2 bad input or unusable checkpoint."""
