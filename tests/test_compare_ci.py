@@ -221,6 +221,13 @@ def test_compare_entries_are_read_relative_to_the_project_file(here):
     ('[[compares]]\na = "x"\nb = "y"\nallow_pickle = "yes"\n', "'allow_pickle' and 'require_real' must be"),
     ('[[compares]]\na = "x"\nb = "y"\nexperts = 1.5\n', "compares[0] ('x' and 'y'): 'experts' must be"),
     ('[[checks]]\nmodel = "gpt2"\n[[compares]]\na = "x"\nb = "y"\n[[compares]]\na = "x"\n', "compares[1]"),
+    # one name twice: the two would share baseline keys (red team 4)
+    ('[[compares]]\nname = "q8"\na = "x"\nb = "y"\n[[compares]]\nname = "q8"\na = "x"\nb = "z"\n',
+     "compares[1]: name 'q8' is also compares[0]'s"),
+    ('[[checks]]\nname = "q8"\nmodel = "gpt2"\n[[compares]]\nname = "q8"\na = "x"\nb = "y"\n',
+     "compares[0]: name 'q8' is also checks[0]'s"),
+    ('[[checks]]\nmodel = "gpt2"\nlayers = [0]\n[[checks]]\nmodel = "gpt2"\nlayers = [1]\n',
+     "checks[1]: label (made from its fields: it has no name) 'gpt2' is also checks[0]'s"),
 ])
 def test_a_bad_compare_entry_names_file_and_field(tmp_path, capsys, monkeypatch, text, message):
     (tmp_path / "parity.toml").write_text(text)

@@ -177,6 +177,20 @@ def _read_toml(path: Path) -> dict:
         raise ProjectConfigError(f"{path}: invalid TOML: nested too deeply to read") from None
 
 
+def require_unique_labels(specs: list) -> None:
+    """Each entry's label (its name, or the one made from its model/target, A and B) keys its baseline entries, its
+    reports and -k: two entries with one label would share baseline keys, and each run would read the other's
+    figures as 'made from other weights'.  Refused where the file is read, naming both entries."""
+    seen: dict[str, str] = {}
+    for spec in specs:
+        if spec.label in seen:
+            how = "name" if spec.name else "label (made from its fields: it has no name)"
+            other = seen[spec.label].split(": ")[-1]
+            raise ProjectConfigError(f"{spec.where}: {how} {spec.label!r} is also {other}'s; labels key the baseline "
+                                     "and -k, so each entry needs its own: give it a 'name'")
+        seen[spec.label] = spec.where
+
+
 def parse_project(table: dict, file: Path) -> Project:
     prefix = "tool.parity." if file.name == "pyproject.toml" else ""
     if not isinstance(table, dict):
@@ -203,6 +217,7 @@ def parse_project(table: dict, file: Path) -> Project:
     shared = {key: value for key, value in defaults.items() if key in _COMPARE_KEYS}
     specs += [_parse_compare({**shared, **entry}, f"{file.name}: {prefix}compares[{i}]", file.parent)
               for i, entry in enumerate(compares or [])]
+    require_unique_labels(specs)
     project = Project(file, specs)
     for key, kind in (("baseline", str), ("junit", str), ("html", str), ("baseline_factor", (int, float)),
                       ("baseline_slack", (int, float))):
