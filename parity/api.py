@@ -103,7 +103,7 @@ def compare(a: str, b: str, *, layers: str | int | Iterable[int] | None = None, 
         and the inventory outside the FFN, each layer's ``conversion`` what the conversion may change).
 
     Raises:
-        ParityError: bad input (exit code 2's); A and B the same files, or a revision with a local path, too.
+        ParityError: bad input (exit code 2's); a revision given with a local path, too.
         SyntheticWeightsError: with ``require_real``, a side that has only the synthetic stand-in.
 
     Example::

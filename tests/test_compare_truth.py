@@ -1,6 +1,7 @@
-"""`parity compare` tells the synthetic truth as every other door does, and never passes on nothing: a stand-in on
-either side is SYNTHETIC in the text, JSON, JUnit and HTML, --require-real (and ``require_real=True``) refuses it,
-A and B one set of files is exit 2, and a revision given with a local path is exit 2 naming the option."""
+"""`parity compare` tells the synthetic truth as every other door does, and never passes on nothing silently: a
+stand-in on either side is SYNTHETIC in the text, JSON, JUnit and HTML, --require-real (and ``require_real=True``)
+refuses it, A and B one set of files is said in the summary, and a revision given with a local path is exit 2
+naming the option."""
 
 from __future__ import annotations
 
@@ -53,11 +54,16 @@ def test_require_real_refuses_a_stand_in_before_anything_is_compared(stand_in, c
     assert parity.compare("gpt2", b, layers=[0]).synthetic  # the library's default: compared, and says so
 
 
-def test_a_checkpoint_compared_with_itself_is_exit_2(stand_in, tiny, capsys):
-    """`parity compare gpt2 gpt2` offline once passed 'bit-identical' on the stand-in: a pass about nothing."""
-    for a, b in (("gpt2", "gpt2"), (str(tiny["llama"]), str(tiny["llama"]) + "/")):
-        code, out, err = run_main(capsys, "compare", a, b)
-        assert code == 2 and "same checkpoint" in err and "proves nothing" in err, (out, err)
+def test_a_checkpoint_compared_with_itself_says_it_judged_no_conversion(stand_in, tiny, capsys):
+    """`parity compare gpt2 gpt2` offline once passed 'bit-identical' on the stand-in with no word of it: now the
+    stand-in is SYNTHETIC, and A and B being one set of files is said in the summary and the JSON's notes."""
+    code, out, err = run_main(capsys, "compare", "gpt2", "gpt2")
+    summary = out.strip().splitlines()[-1]
+    assert code == 0 and "A and B are the same files" in summary and "SYNTHETIC" in summary, err
+    code, out, err = run_main(capsys, "compare", str(tiny["llama"]), str(tiny["llama"]) + "/", "--json", "-")
+    report = json.loads(out)
+    assert code == 0 and any(n.startswith("A and B are the same files") for n in report["notes"]), err
+    assert "A and B are the same files" not in run_main(capsys, "compare", "gpt2", stand_in)[1]
 
 
 @pytest.mark.parametrize("option, side", [("--revision", "A"), ("--revision-b", "B")])

@@ -134,12 +134,11 @@ class Comparison:
         self.labels = (a, b)
         if require_real:
             require_real_sides(self.a, self.b, self.labels)
-        require_two_checkpoints(self.a, self.b, self.labels)
         self.seed = seed
         self.require_same_experts()
         self.require_same_ffn()
         self.experts = self.a.expert_indices(experts)  # [None] for a dense model; the selected experts for MoE
-        self.notes = self.config_notes()
+        self.notes = self.config_notes() + same_files_note(self.a, self.b)
 
     def require_same_experts(self) -> None:
         """Both dense, or both a mixture of the same number of experts per layer."""
@@ -470,7 +469,7 @@ def plain_rows(rows: list[dict]) -> list[dict]:
 
 def open_comparison(spec: CompareSpec) -> Comparison:
     """Both checkpoints of a compare resolved (``Comparison``): with ``require_real``, a synthetic stand-in on either
-    side is a SyntheticWeightsError, and A and B one set of files a UsageError, before anything is computed."""
+    side is a SyntheticWeightsError before anything is computed."""
     return Comparison(spec.a, spec.b, revision=spec.revision, revision_b=spec.revision_b,
                       allow_pickle=spec.allow_pickle, seed=spec.seed, experts=spec.experts,
                       require_real=spec.require_real)
@@ -490,13 +489,17 @@ def require_real_sides(a: Session, b: Session, labels: tuple[str, str]) -> None:
             raise error
 
 
-def require_two_checkpoints(a: Session, b: Session, labels: tuple[str, str]) -> None:
-    """A and B that are one set of files (one folder, one file, one hub snapshot) are a UsageError: the compare
-    would pass bit-identical and prove nothing about any conversion."""
+SAME_FILES = "A and B are the same files"  # the note's opening, which the summary line repeats
+
+
+def same_files_note(a: Session, b: Session) -> list[str]:
+    """A and B one set of files (one folder, one file, one hub snapshot): compared (it shows parity reads the
+    checkpoint end to end), and said in every view, since its pass proves nothing about a conversion."""
     where = a.checkpoint.location
-    if Path(where).expanduser().resolve() == Path(b.checkpoint.location).expanduser().resolve():
-        raise UsageError(f"A ({labels[0]}) and B ({labels[1]}) are the same checkpoint ({where}): comparing it with "
-                         "itself proves nothing about a conversion; give B as the converted, cast or re-saved copy")
+    if Path(where).expanduser().resolve() != Path(b.checkpoint.location).expanduser().resolve():
+        return []
+    return [f"{SAME_FILES} ({where}): a pass shows only that parity reads them; it proves nothing about a "
+            "conversion (give B as the converted, cast or re-saved copy)"]
 
 
 def run_comparison(comparison: Comparison, layers: Selection = None,
