@@ -138,7 +138,11 @@ class Comparison:
         self.require_same_experts()
         self.require_same_ffn()
         self.experts = self.a.expert_indices(experts)  # [None] for a dense model; the selected experts for MoE
-        self.notes = self.config_notes() + same_files_note(self.a, self.b)
+        self.same_files = same_files(self.a, self.b)
+        self.notes = self.config_notes() + ([
+            f"A and B are the same files ({self.a.checkpoint.location}): a pass shows only that parity reads them; it "
+            "proves nothing about a conversion (give B as the converted, cast or re-saved copy)"]
+            if self.same_files else [])
 
     def require_same_experts(self) -> None:
         """Both dense, or both a mixture of the same number of experts per layer."""
@@ -364,7 +368,7 @@ class Comparison:
                                       "mapping": self.a.mapping.name, "weights": a.weights},
                         "candidate": {"model": self.labels[1], "checkpoint": b.location,
                                       "mapping": self.b.mapping.name, "weights": b.weights},
-                        "inventory": None,
+                        "inventory": None, "same_files": self.same_files,
                         "outside_ffn": "tensors outside the FFN layers are inventoried (present, shape, dtype) "
                                        "from headers; their values are not judged"})
 
@@ -489,17 +493,10 @@ def require_real_sides(a: Session, b: Session, labels: tuple[str, str]) -> None:
             raise error
 
 
-SAME_FILES = "A and B are the same files"  # the note's opening, which the summary line repeats
-
-
-def same_files_note(a: Session, b: Session) -> list[str]:
+def same_files(a: Session, b: Session) -> bool:
     """A and B one set of files (one folder, one file, one hub snapshot): compared (it shows parity reads the
     checkpoint end to end), and said in every view, since its pass proves nothing about a conversion."""
-    where = a.checkpoint.location
-    if Path(where).expanduser().resolve() != Path(b.checkpoint.location).expanduser().resolve():
-        return []
-    return [f"{SAME_FILES} ({where}): a pass shows only that parity reads them; it proves nothing about a "
-            "conversion (give B as the converted, cast or re-saved copy)"]
+    return Path(a.checkpoint.location).expanduser().resolve() == Path(b.checkpoint.location).expanduser().resolve()
 
 
 def run_comparison(comparison: Comparison, layers: Selection = None,

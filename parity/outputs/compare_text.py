@@ -4,7 +4,6 @@ and the summary line.  A check's table (``text.py``) has no column for the conve
 
 from __future__ import annotations
 
-from parity.engine.checkpoint_compare import SAME_FILES
 from parity.engine.resolve import CHECK_ADVICE
 from parity.engine.results import LayerResult, Report, register_renderers
 from parity.outputs.baseline import compared_sides
@@ -126,8 +125,8 @@ def inventory_lines(report: Report) -> list[str]:
 def summary_line(report: Report) -> str:
     """The one line CI logs show; a compare of synthetic stand-ins says so whatever its verdict."""
     line = verdict_line(report)
-    if report.layers and any(note.startswith(SAME_FILES) for note in report.notes):
-        line = f"{line} {SAME_FILES}: nothing about a conversion was judged."
+    if report.layers and (getattr(report, "comparison", None) or {}).get("same_files"):
+        line = f"{line} A and B are the same files: nothing about a conversion was judged."
     return f"{line} {SYNTHETIC_WARNING}" if report.layers and report.synthetic else line
 
 
