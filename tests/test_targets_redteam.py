@@ -1,0 +1,165 @@
+"""What a red team found a foreign target or a constructor could do to parity (issue 26), as users trigger it:
+an ONNX graph that runs for ever must stop at Ctrl-C, a graph's fixed input shape is read before anything is
+allocated, a target's prints never reach a stdout carrying a report, NumPy class ports are targets, a module of a
+framework parity does not serve is named by its framework, every factory parity prints builds, and a size
+mismatch names the size that differs."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import textwrap
+import time
+
+import numpy as np
+import pytest
+
+from .support import PARITY, ROOT, default_sigint, run_json, run_main
+
+pytest.importorskip("onnxruntime")
+onnx = pytest.importorskip("onnx")
+
+
+# -- ONNX graphs built with onnx.helper ------------------------------------------------------------------------
+
+def _graph(path, nodes, x_shape, initializers=(), y_shape=None):
+    from onnx import TensorProto, helper
+
+    graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, x_shape)],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, y_shape or x_shape)],
+                              list(initializers))
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    onnx.checker.check_model(model)
+    onnx.save(model, str(path))
+    return path
+
+
+def forever_graph(path, d):
+    """y = x + 0 * (a Loop of 2^62 trips adding 1): a graph that computes for ever."""
+    from onnx import TensorProto, helper, numpy_helper
+
+    scalar = helper.make_tensor_value_info
+    body = helper.make_graph(
+        [helper.make_node("Identity", ["cond_in"], ["cond_out"]), helper.make_node("Add", ["v_in", "one"], ["v_out"])],
+        "body", [scalar("i", TensorProto.INT64, []), scalar("cond_in", TensorProto.BOOL, []),
+                 scalar("v_in", TensorProto.FLOAT, [])],
+        [scalar("cond_out", TensorProto.BOOL, []), scalar("v_out", TensorProto.FLOAT, [])],
+        [numpy_helper.from_array(np.array(1.0, np.float32), "one")])
+    constants = {"M": np.array(2**62, np.int64), "cond": np.array(True), "v0": np.array(0.0, np.float32),
+                 "zero": np.array(0.0, np.float32)}
+    return _graph(path, [helper.make_node("Loop", ["M", "cond", "v0"], ["v"], body=body),
+                         helper.make_node("Mul", ["v", "zero"], ["z"]), helper.make_node("Add", ["x", "z"], ["y"])],
+                  ["b", "t", d], [numpy_helper.from_array(a, n) for n, a in constants.items()])
+
+
+def identity_graph(path, x_shape):
+    from onnx import helper
+
+    return _graph(path, [helper.make_node("Identity", ["x"], ["y"])], x_shape)
+
+
+MARK_RUN = """
+import pathlib, onnxruntime
+_run = onnxruntime.InferenceSession.run
+def run(self, *args, **kwargs):
+    pathlib.Path({marker!r}).touch()
+    return _run(self, *args, **kwargs)
+onnxruntime.InferenceSession.run = run
+"""
+
+
+@pytest.mark.slow  # a real SIGINT into a real process
+def test_ctrl_c_stops_an_onnx_graph_that_runs_for_ever_with_exit_130(tiny, tmp_path):
+    graph = forever_graph(tmp_path / "forever.onnx", 32)
+    marker = tmp_path / "graph-started"
+    hooks = tmp_path / "hooks"  # the child's sitecustomize: touches a file when ONNX Runtime starts the graph
+    hooks.mkdir()
+    (hooks / "sitecustomize.py").write_text(MARK_RUN.format(marker=str(marker)))
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": os.pathsep.join([str(hooks), str(ROOT)])}
+    process = subprocess.Popen([*PARITY, str(tiny["llama"]), "--layer", "0", "--target", str(graph)], cwd=tmp_path,
+                               env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                               preexec_fn=default_sigint)
+    try:
+        deadline = time.monotonic() + 240
+        while not marker.exists() and process.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert marker.exists(), process.communicate(timeout=10)
+        time.sleep(0.5)  # inside the Loop by now
+        process.send_signal(signal.SIGINT)
+        _, err = process.communicate(timeout=60)  # a safety bound: a run that ignores Ctrl-C is killed, and fails
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait()
+            pytest.fail("parity was still running 60 s after Ctrl-C: the ONNX graph's run held the process")
+    assert process.returncode == 130, err
+    assert err.strip().endswith("parity: interrupted") and "Traceback" not in err
+
+
+def test_a_graph_fixed_to_2_to_the_26_tokens_is_exit_2_before_anything_is_allocated(tiny, tmp_path, capsys):
+    graph = identity_graph(tmp_path / "huge.onnx", [1, 2**26, 32])  # fed padded, [1, 2^26, 32] is 8 GiB
+    code, out, err = run_main(capsys, tiny["llama"], "--layer", "0", "--target", graph)
+    assert code == 2, err
+    assert "input 'x' has shape [1, 67108864, 32]" in err and "67108864 tokens per call" in err, err
+    assert "dynamic" in err and "Traceback" not in err
+
+
+@pytest.mark.parametrize("shape, says", [
+    (["t", 48], "its width is 48, the checkpoint's hidden size is 32"),
+    ([1, 1, "t", 32], "rank 4"),
+    ([32], "rank 1"),
+])
+def test_a_graph_input_shape_parity_cannot_feed_is_exit_2_naming_it(tiny, tmp_path, capsys, shape, says):
+    graph = identity_graph(tmp_path / "shaped.onnx", shape)
+    code, _, err = run_main(capsys, tiny["llama"], "--layer", "0", "--target", graph)
+    shown = "[" + ", ".join("'?'" if isinstance(n, str) else str(n) for n in shape) + "]"
+    assert code == 2 and f"input 'x' has shape {shown}" in err and says in err, err
+
+
+def test_a_graph_fixed_to_a_few_tokens_is_still_fed_in_batches(tiny, tmp_path, capsys):
+    graph = identity_graph(tmp_path / "few.onnx", [1, 5, 32])  # 48 tokens in 10 calls of 5, the last padded
+    code, report, err = run_json(capsys, tiny["llama"], "--layer", "0", "--target", graph)
+    assert code == 1 and report["layers"][0]["max_abs_diff"] is not None, err  # computed (identity is no FFN)
+
+
+# -- a target's own output ---------------------------------------------------------------------------------------
+
+@pytest.mark.slow  # file descriptor 1 of a real process
+def test_a_target_printing_10_mb_and_writing_to_fd_1_leaves_the_json_report_whole(tiny, tmp_path):
+    result = subprocess.run([*PARITY, str(tiny["llama"]), "--layer", "0", "--target",
+                             "tests.numpy_ports:swiglu_chatty", "--json", "-"], cwd=ROOT, capture_output=True,
+                            env={**os.environ, "HF_HUB_OFFLINE": "1"}, timeout=600)
+    assert result.returncode == 0, result.stderr[-2000:]
+    report = json.loads(result.stdout)  # stdout is the report and nothing else
+    assert report["passed"] is True
+    assert b"CHATTY-FD1" in result.stderr and b"CHATTY-PRINT" in result.stderr
+    assert len(result.stderr) > 10 * 1024 * 1024  # the 10 MB went to stderr, not lost
+
+
+CHATTY_MODULE = """
+    import os
+    from parity.ffn import SwiGLU
+
+    class Chatty(SwiGLU):
+        def __init__(self, emb_size, hidden_dim, bias=False, dropout=0.0):
+            print("CHATTY-INIT")
+            os.write(1, b"CHATTY-INIT-FD1\\n")
+            super().__init__(emb_size, dropout, hidden_dim, bias)
+
+        def forward(self, x):
+            os.write(1, b"CHATTY-FORWARD-FD1\\n")
+            return super().forward(x)
+"""
+
+
+@pytest.mark.slow  # file descriptor 1 of a real process
+def test_a_pytorch_target_printing_in_its_constructor_and_forward_leaves_the_json_report_whole(tiny, tmp_path):
+    (tmp_path / "chatty.py").write_text(textwrap.dedent(CHATTY_MODULE))
+    result = subprocess.run([*PARITY, str(tiny["llama"]), "--layer", "0", "--target", "chatty:Chatty",
+                             "--json", "-"], cwd=tmp_path, capture_output=True, text=True,
+                            env={**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(ROOT)}, timeout=600)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert json.loads(result.stdout)["passed"] is True
+    assert all(word in result.stderr for word in ("CHATTY-INIT", "CHATTY-INIT-FD1", "CHATTY-FORWARD-FD1"))
