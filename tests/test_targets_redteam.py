@@ -163,3 +163,107 @@ def test_a_pytorch_target_printing_in_its_constructor_and_forward_leaves_the_jso
     assert result.returncode == 0, result.stderr[-2000:]
     assert json.loads(result.stdout)["passed"] is True
     assert all(word in result.stderr for word in ("CHATTY-INIT", "CHATTY-INIT-FD1", "CHATTY-FORWARD-FD1"))
+
+
+# -- NumPy class ports --------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("target", ["FeedForward", "SizedFeedForward", "make_llama3np"])
+def test_a_numpy_class_port_passes_built_by_parity_or_by_a_factory(tiny, capsys, target):
+    code, report, err = run_json(capsys, tiny["llama"], "--layers", "0,1", "--target", f"tests.numpy_ports:{target}")
+    assert code == 0, err
+    assert report["framework"] == "numpy" and report["versions"]["numpy"]
+
+
+def test_a_numpy_class_with_picogpt_dicts_as_attributes_passes(tiny, capsys):
+    code, report, err = run_json(capsys, tiny["gpt2"], "--layer", "0", "--target", "tests.numpy_ports:GPT2Block")
+    assert code == 0, err
+
+
+def test_a_numpy_class_with_gate_and_up_swapped_is_named(tiny, capsys):
+    code, report, _ = run_json(capsys, tiny["llama"], "--layer", "1",
+                               "--target", "tests.numpy_ports:FeedForwardSwapped")
+    assert code == 1 and report["layers"][0]["diagnosis"]["id"] == "gate_up_swapped"
+
+
+def test_a_numpy_class_mapping_saved_repeats_the_run_and_routes_its_attributes(tiny, tmp_path, capsys):
+    saved = tmp_path / "llama3np.toml"
+    code, _, err = run_main(capsys, tiny["llama"], "--layer", "0", "--target", "tests.numpy_ports:FeedForward",
+                            "--save-mapping", saved)
+    assert code == 0, err
+    assert '"up_weight" = { from = "up_proj.weight"' in saved.read_text()
+    code, _, err = run_main(capsys, tiny["llama"], "--layer", "1", "--mapping", saved)
+    assert code == 0, err
+
+
+def test_a_numpy_class_instance_is_checked_and_not_modified(tiny):
+    import parity
+    from tests.numpy_ports import FeedForward
+
+    d, d_ff = 32, 88
+    rng = np.random.default_rng(1)
+    port = FeedForward(rng.standard_normal((d_ff, d)), rng.standard_normal((d_ff, d)), rng.standard_normal((d, d_ff)))
+    before = port.up_weight.copy()
+    report = parity.check(str(tiny["llama"]), layers=[0], target=port)
+    assert report.passed and report.framework == "numpy"
+    assert np.array_equal(port.up_weight, before)
+
+
+# -- frameworks parity does not serve -----------------------------------------------------------------------------
+
+UNSERVED_MODULE = """
+    class Tensor:  # stands for tinygrad.Tensor: tinygrad models are plain classes holding them
+        pass
+
+    Tensor.__module__ = "tinygrad.tensor"
+
+    class Module:  # a class whose MRO names tinygrad, as tinygrad.nn's layers are
+        pass
+
+    Module.__module__ = "tinygrad.nn"
+
+    class TinyFFN(Module):
+        def __init__(self, dim, hidden_dim):
+            self.w1 = Tensor()
+
+        def __call__(self, x):
+            return x
+
+    class HoldsTinygrad:
+        def __init__(self, dim, hidden_dim):
+            self.w1 = Tensor()
+
+        def __call__(self, x):
+            return x
+
+    def make_holds_tinygrad(config):
+        return HoldsTinygrad(config.hidden_size, config.intermediate_size)
+"""
+
+
+def test_a_flax_linen_module_is_refused_by_its_framework(tiny, tmp_path, capsys, monkeypatch):
+    pytest.importorskip("flax.linen")
+    (tmp_path / "linen_ffn.py").write_text(textwrap.dedent("""
+        import flax.linen as nn
+
+        class FeedForward(nn.Module):
+            features: int = 32
+
+            @nn.compact
+            def __call__(self, x):
+                return nn.Dense(self.features)(x)
+    """))
+    monkeypatch.syspath_prepend(str(tmp_path))
+    code, _, err = run_main(capsys, tiny["llama"], "--layer", "0", "--target", "linen_ffn:FeedForward")
+    assert code == 2 and "flax.linen modules are not served" in err and "flax.nnx" in err, err
+    assert "derives from none of" not in err
+
+
+@pytest.mark.parametrize("target, says", [
+    ("TinyFFN", "is a tinygrad module (it derives from tinygrad.nn.Module); tinygrad modules are not served"),
+    ("make_holds_tinygrad", "holds tinygrad.tensor.Tensor in its attribute 'w1': it is tinygrad code"),
+])
+def test_a_tinygrad_module_is_refused_by_its_framework(tiny, tmp_path, capsys, monkeypatch, target, says):
+    (tmp_path / "tiny_ffn.py").write_text(textwrap.dedent(UNSERVED_MODULE))
+    monkeypatch.syspath_prepend(str(tmp_path))
+    code, _, err = run_main(capsys, tiny["llama"], "--layer", "0", "--target", f"tiny_ffn:{target}")
+    assert code == 2 and says in err and "ONNX" in err, err

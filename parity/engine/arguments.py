@@ -273,12 +273,12 @@ def constructor_args(factory: Any, mapping: Mapping, config: Any,
     except (TypeError, ValueError):
         signature = None
     extras = framework.constructor_extras(dict(signature.parameters)) if framework and signature else {}
-    chosen = _constructor_args(factory, signature, extras, mapping, config)
+    chosen = _constructor_args(factory, signature, extras, mapping, config, framework)
     return chosen[0], {**extras, **chosen[1]}, chosen[2]
 
 
 def _constructor_args(factory: Any, signature: inspect.Signature | None, extras: dict, mapping: Mapping,
-                      config: Any) -> tuple[dict, dict, list[str]]:
+                      config: Any, framework: Framework | None = None) -> tuple[dict, dict, list[str]]:
     """constructor_args' choice, with ``extras`` bound beside each candidate."""
     raw = mapping.target_args
 
@@ -296,7 +296,7 @@ def _constructor_args(factory: Any, signature: inspect.Signature | None, extras:
             if len(required) == 1 and binds({required[0]: config}) and not inspect.isclass(factory):
                 return {required[0]: "config"}, {required[0]: config}, []
             projections = projection_modules(required, mapping, config,
-                                             [p.name for p in named if p.default is None])
+                                             [p.name for p in named if p.default is None], framework)
             if projections is not None and binds(projections):
                 return {}, projections, []  # a mapping without args repeats this: the modules are built again
             by_name = bind_by_name(factory, named, mapping, config)
@@ -319,13 +319,14 @@ def constructor_signature(factory: Any) -> inspect.Signature:
     return signature
 
 
-def projection_modules(required: list[str], mapping: Mapping, config: Any,
-                       optional: list[str] = ()) -> dict[str, nn.Module] | None:
+def projection_modules(required: list[str], mapping: Mapping, config: Any, optional: list[str] = (),
+                       framework: Framework | None = None) -> dict[str, Any] | None:
     """For a builder that takes its projections as modules (``FeedForward(gate_proj=..., down_proj=...,
     up_proj=None)``, torchtune's style): an nn.Linear per required parameter whose name plays a projection role
     (aliases.toml), and per ``optional`` one (a default of None) of the same kind (torchtune's up_proj beside a
-    gate_proj), sized from the checkpoint's config (d, d_ff) and with biases as its FFN has them; None when a
-    required parameter is no projection name, or the sizes are unknown."""
+    gate_proj), sized from the checkpoint's config (d, d_ff) and with biases as its FFN has them; a framework's own
+    projection where it has one (a NumPy class taking arrays: llama3.np's ``FeedForward(up_weight, ...)``).  None
+    when a required parameter is no projection name, or the sizes are unknown."""
     aliases = load_aliases()
     width, hidden = checkpoint_ffn_width(config), getattr(config, "hidden_size", None)
     if not required or width is None or not isinstance(hidden, int):
@@ -340,8 +341,9 @@ def projection_modules(required: list[str], mapping: Mapping, config: Any,
         if len(sides) != 1:
             return None
         kinds |= {role.kind for role in roles}
-        built[key] = (nn.Linear(hidden, width[0], bias=bias) if sides == {"in"}
-                      else nn.Linear(width[0], hidden, bias=bias))
+        size = (hidden, width[0]) if sides == {"in"} else (width[0], hidden)
+        own = framework.projection(*size, bias) if framework is not None else None
+        built[key] = own if own is not None else nn.Linear(*size, bias=bias)
     return built
 
 

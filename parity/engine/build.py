@@ -34,7 +34,15 @@ from parity.engine.arguments import (
 )
 from parity.engine.frames import user_frame
 from parity.errors import TargetError
-from parity.targets import FRAMEWORKS, CheckpointFacts, Framework, foreign, framework_importing, framework_of
+from parity.targets import (
+    FRAMEWORKS,
+    CheckpointFacts,
+    Framework,
+    foreign,
+    framework_importing,
+    framework_of,
+    unserved,
+)
 
 
 def import_object(import_path: str, what: str = "--target") -> Any:
@@ -71,10 +79,12 @@ def check_constructible(obj: Any, import_path: str, what: str) -> None:
     module: an nn.Module subclass, or a function written in Python (a factory).  ``os:system``,
     ``builtins:exec`` or ``subprocess:Popen`` are refused before anything is called."""
     if inspect.isclass(obj):
+        refuse_unserved(obj, f"{what} {import_path!r}")
         if issubclass(obj, nn.Module) or framework_of(obj) is not None:
             return
         raise TargetError(f"{what} {import_path!r}: is the class {obj.__module__}.{obj.__qualname__}, which derives "
-                          "from none of torch.nn.Module, mlx.nn.Module or flax.nnx.Module; name the module class, a "
+                          "from none of torch.nn.Module, mlx.nn.Module or flax.nnx.Module and is no NumPy class (one "
+                          "holding its weights as NumPy arrays, called as __call__(self, x)); name the module class, a "
                           "function that builds it, a NumPy function def ffn(x, <one parameter per projection>) or "
                           "an .onnx file")
     function = obj.__func__ if inspect.ismethod(obj) else obj
@@ -83,6 +93,17 @@ def check_constructible(obj: Any, import_path: str, what: str) -> None:
     kind = "a built-in function" if inspect.isbuiltin(obj) else f"a {type(obj).__name__}"
     raise TargetError(f"{what} {import_path!r}: is {kind}, not an nn.Module class or a Python function that builds "
                       "one; parity does not call it")
+
+
+def refuse_unserved(obj: Any, what: str, label: str | None = None) -> None:
+    """A module of a framework parity does not serve (flax.linen, tinygrad, Keras, ...) is exit 2 naming that
+    framework and the way to one parity serves, not 'derives from none of ...'."""
+    said = unserved(obj)
+    if said is not None:
+        if label is None:
+            label = (f"{obj.__module__}.{obj.__qualname__}" if inspect.isclass(obj)
+                     else f"a {type(obj).__module__}.{type(obj).__qualname__} instance")
+        raise TargetError(f"{what}: {label} {said}")
 
 
 def target_label(target: Any) -> str:
@@ -124,6 +145,8 @@ def build_target(mapping: Mapping, config: Any,
     name = target_label(chosen)
     if isinstance(chosen, nn.Module):  # an instance of parity's own kind: a copy is checked, never the caller's
         return framework_of(chosen).copy(chosen), name, None, []
+    if not isinstance(chosen, str):
+        refuse_unserved(chosen, f"target {name}")
     framework = None if inspect.isclass(chosen) else framework_of(chosen)
     if framework is not None:  # an instance, a function, a file: nothing to construct
         module, args, notes = unconstructed(framework, chosen, mapping, config)
@@ -162,6 +185,7 @@ def build_target(mapping: Mapping, config: Any,
         module = foreign_target(built, module, mapping, config)
         notes = [*notes, *framework_notes(built)]
     if not isinstance(module, nn.Module):
+        refuse_unserved(module, f"target {name}", f"what it returned, a {type(module).__qualname__},")
         raise TargetError(f"target {name} returned {type(module).__name__}, not a torch.nn.Module (nor a module "
                           f"of {', '.join(f.name for f in FRAMEWORKS)})")
     if by_name:
