@@ -121,7 +121,7 @@ def project_config(cls: type, view: Any, mapping: Mapping, config: Any, call: Ta
                           f"[config_fields] answers them. Write a factory and pass it as --target mymodel:make_ffn: "
                           f"def make_ffn(config): return {factory}")
     try:
-        built = cls(**values)
+        built = call_constructor(cls, values)
     except Exception as exc:  # noqa: BLE001 - the project's own validation: said in its terms
         raise TargetError(f"cannot build the target's config {label} from the checkpoint's {view.config_name} with "
                           f"{values}: {type(exc).__name__}: {exc}") from None
@@ -256,7 +256,75 @@ def default_instance(factory: Any, parameter: str) -> Any | None:
         return None
 
 
-NAMED = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
+# Parameters parity binds by name; a positional-only one (``def __init__(self, dim, hidden_dim, /)``) is bound by its
+# name too and passed positionally (``call_constructor``), as a printed factory passes it (``spell_call``).
+NAMED = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
+
+
+def split_call(signature: inspect.Signature, kwargs: dict) -> tuple[list, dict]:
+    """Arguments by parameter name -> (the positional-only ones, in order, up to the first not given; the rest by
+    keyword): how a call passes them."""
+    positional = [p.name for p in signature.parameters.values() if p.kind is inspect.Parameter.POSITIONAL_ONLY]
+    given = []
+    for key in positional:
+        if key not in kwargs:
+            break
+        given.append(key)
+    return [kwargs[key] for key in given], {k: v for k, v in kwargs.items() if k not in given}
+
+
+def call_constructor(factory: Any, kwargs: dict) -> Any:
+    """``factory`` called with arguments chosen by parameter name, positional-only ones passed positionally."""
+    try:
+        args, rest = split_call(constructor_signature(factory), kwargs)
+    except (TypeError, ValueError):
+        args, rest = [], kwargs
+    return factory(*args, **rest)
+
+
+def spell_call(target: str, signature: inspect.Signature | None, spelled_args: dict[str, str]) -> str:
+    """``Name(arg, key=value)``: a call, as a printed factory writes it, of arguments already spelled as Python,
+    positional-only ones positionally (in their order), every other one by keyword."""
+    if signature is None:
+        return f"{target}({', '.join(f'{k}={v}' for k, v in spelled_args.items())})"
+    args, rest = split_call(signature, spelled_args)
+    return f"{target}({', '.join([*args, *(f'{k}={v}' for k, v in rest.items())])})"
+
+
+def kwargs_read(factory: Any) -> list[str] | None:
+    """The names a constructor that takes ``**kwargs`` reads from it (``kwargs.get("dim", 96)``,
+    ``kwargs["hidden_dim"]``, ``kwargs.pop(...)``, ``"bias" in kwargs``), from its source; [] where it has no
+    ``**kwargs``; None where what it reads cannot be known: its source cannot be read, or it hands ``**kwargs`` on
+    (``super().__init__(**kwargs)``)."""
+    import ast
+    import textwrap
+
+    function = factory.__init__ if inspect.isclass(factory) else factory
+    try:
+        var = next((p.name for p in inspect.signature(function).parameters.values()
+                    if p.kind is inspect.Parameter.VAR_KEYWORD), None)
+        tree = ast.parse(textwrap.dedent(inspect.getsource(function))) if var else None
+    except (OSError, TypeError, ValueError, SyntaxError):
+        return None
+    found: list[str] = []
+
+    def is_var(node: ast.AST) -> bool:
+        return isinstance(node, ast.Name) and node.id == var
+
+    for node in ast.walk(tree) if tree is not None else ():
+        if isinstance(node, ast.keyword) and node.arg is None and is_var(node.value):
+            return None  # handed on: what the callee reads is not in this source
+        key = None
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and is_var(node.func.value) \
+                and node.func.attr in ("get", "pop", "setdefault") and node.args:
+            key = node.args[0]
+        elif isinstance(node, ast.Subscript) and is_var(node.value):
+            key = node.slice
+        elif isinstance(node, ast.Compare) and len(node.comparators) == 1 and is_var(node.comparators[0]):
+            key = node.left
+        if isinstance(key, ast.Constant) and isinstance(key.value, str) and key.value not in found:
+            found.append(key.value)
+    return found
 
 
 def constructor_args(factory: Any, mapping: Mapping, config: Any,
@@ -348,8 +416,9 @@ def projection_modules(required: list[str], mapping: Mapping, config: Any, optio
 
 
 def _binds(signature: inspect.Signature, kwargs: dict) -> bool:
+    args, rest = split_call(signature, kwargs)
     try:
-        signature.bind(**kwargs)
+        signature.bind(*args, **rest)
     except TypeError:
         return False
     return True
