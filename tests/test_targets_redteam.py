@@ -267,3 +267,67 @@ def test_a_tinygrad_module_is_refused_by_its_framework(tiny, tmp_path, capsys, m
     monkeypatch.syspath_prepend(str(tmp_path))
     code, _, err = run_main(capsys, tiny["llama"], "--layer", "0", "--target", f"tiny_ffn:{target}")
     assert code == 2 and says in err and "ONNX" in err, err
+
+
+# -- constructors: every printed factory builds; a size mismatch names the size ------------------------------------
+
+ZOO = ["PositionalOnly", "KeywordOnly", "KwargsOnly", "Defaults", "ConfigAndWidth"]
+
+
+def printed_factories(text: str) -> list[str]:
+    """Every `def make_ffn(config): return CALL` in ``text``, CALL cut at its balanced closing parenthesis."""
+    found, marker = [], "def make_ffn(config): return "
+    start = text.find(marker)
+    while start >= 0:
+        body = text[start + len(marker):]
+        depth = 0
+        for end, char in enumerate(body):
+            depth += {"(": 1, ")": -1}.get(char, 0)
+            if char == ")" and depth == 0:
+                found.append(body[:end + 1])
+                break
+        start = text.find(marker, start + 1)
+    return found
+
+
+def test_every_factory_parity_prints_for_the_constructor_zoo_builds_a_module_that_passes(tiny, capsys):
+    import parity
+    from tests import broken_targets
+
+    built = {}
+    for name in ZOO:
+        code, _, err = run_main(capsys, tiny["llama"], "--layer", "0", "--target", f"tests.broken_targets:{name}")
+        assert code == 2, (name, err)
+        factories = printed_factories(err)
+        assert factories, (name, err)
+        for call in factories:
+            namespace = {name: getattr(broken_targets, name)}
+            exec(f"def make_ffn(config):\n    return {call}\n", namespace)  # as the user would paste it
+            report = parity.check(str(tiny["llama"]), layers=[0], target=namespace["make_ffn"])
+            assert report.passed, (name, call)
+            built[name] = call
+    assert built["PositionalOnly"] == "PositionalOnly(config.hidden_size, 132)"  # positional-only, positionally
+    assert built["KeywordOnly"].startswith("KeywordOnly(dim=config.hidden_size")
+    assert set(built) == set(ZOO)
+
+
+def test_a_kwargs_constructor_built_to_another_models_size_is_exit_2_naming_d_with_both_values(tiny, capsys):
+    code, out, err = run_main(capsys, tiny["llama"], "--layer", "0", "--target", "tests.broken_targets:KwargsOnly")
+    assert code == 2 and not out.strip(), err
+    assert "its d is 96, the checkpoint's is 32" in err and "d_ff is 88 but" not in err, err
+    assert "its own defaults for dim" in err and "KwargsOnly(dim=config.hidden_size, hidden_dim=" in err, err
+
+
+def test_a_module_of_another_width_is_told_its_d_differs_not_its_d_ff(tiny, tmp_path, capsys, monkeypatch):
+    """Built by the user's own factory (so judged, exit 1): the shape finding names d, with both values."""
+    (tmp_path / "wide.py").write_text(textwrap.dedent("""
+        from tests.broken_targets import _Meta
+
+        def make_ffn(config):
+            return _Meta(96, config.intermediate_size * 3 // 2)
+    """))
+    monkeypatch.syspath_prepend(str(tmp_path))
+    code, report, err = run_json(capsys, tiny["llama"], "--layer", "0", "--target", "wide:make_ffn")
+    assert code == 1, err
+    message = report["layers"][0]["diagnosis"]["message"]
+    assert "the target's d is 96 but the checkpoint's is 32" in message and "d_ff is 88 but" not in message, message

@@ -223,6 +223,10 @@ def bind_by_name(factory: Any, named: list[inspect.Parameter], mapping: Mapping,
             continue  # a default that is a framework's object (jnp.float32, an initializer) is the module's own
         if key in COMPUTE_DTYPE_NAMES:
             continue  # parity builds in float32 (a --dtype run casts after): the config's dtype is not the module's
+        if key in load_aliases().config_names:  # Cfg(config, hidden_dim): the config beside plain values
+            raw[key], values[key] = "config", config
+            notes.append(f"target constructor: {key}=the checkpoint's {type(config).__name__}")
+            continue
         answer = spelled(key, mapping, config)
         if answer is None and required and admits_none(parameter):
             answer = ("None", NONE, f"nothing in the checkpoint's {type(config).__name__} states it")

@@ -313,7 +313,8 @@ def factory_call(parameters: Any, mapping: Mapping, config: Any,
     for key, parameter in parameters.items():
         if parameter.kind not in NAMED or parameter.default is not parameter.empty:
             continue
-        answer = (own[key],) if own and key in own else spelled(key, mapping, config)
+        answer = ((own[key],) if own and key in own else ("config",) if key in load_aliases().config_names
+                  else spelled(key, mapping, config))
         if answer is None and admits_none(parameter):
             answer = "None", NONE
         parts[key] = answer[0] if answer else f"<{key}>"
@@ -338,7 +339,7 @@ def check_built_size(module: nn.Module, factory: Any, name: str, kwargs: dict, r
         return
     short, signature = name.split(":")[-1], _signature(factory)
     built = ", ".join(f"{n} {list(shape)}" for n, shape in shapes.items())
-    given = spell_call(short, signature, {k: repr(v) for k, v in kwargs.items()})
+    given = spell_call(short, signature, {k: type(v).__name__ if v is config else repr(v) for k, v in kwargs.items()})
     passed = [k for k in kwargs if k not in _extras(kwargs)]
     how = (f"from the checkpoint's {type(config).__name__} by parameter name" if not defaults else
            f"with its own defaults for {', '.join(defaults)} (parity bound none of its parameters by name)"
@@ -473,6 +474,8 @@ def _python(spelling: Any, value: Any) -> str:
     """A mapping's spelling of an argument as Python: 'config.hidden_size' stays, { none = true } is None."""
     if spelling == NONE:
         return "None"
+    if spelling == "config":  # the factory's own parameter
+        return "config"
     return spelling if isinstance(spelling, str) and spelling.startswith("config.") else repr(value)
 
 
