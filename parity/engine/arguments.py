@@ -210,7 +210,8 @@ def bind_by_name(factory: Any, named: list[inspect.Parameter], mapping: Mapping,
                  config: Any) -> tuple[dict, dict, list[str]] | None:
     """A constructor that takes plain values (Meta's ``FeedForward(dim, hidden_dim, multiple_of,
     ffn_dim_multiplier)``, llama2.c's, ``Mlp(in_features, hidden_features)``): each parameter bound by its name
-    through the same table as a config's fields (``spelled``); a required ``Optional[...]`` one nobody answers is
+    through the same table as a config's fields (``spelled``), a ``config`` one to the config itself
+    (``Cfg(config, hidden_dim)``); a required ``Optional[...]`` one nobody answers is
     None, and one annotated with the project's own class that needs no arguments gets that class's defaults
     (flax's gemma FeedForward(shd_config: ShardingConfig)).  Returns the arguments as a mapping spells them (an
     instance is not spelled: a saved mapping binds it again), their values and one note per argument; None when a
