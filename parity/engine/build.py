@@ -148,9 +148,9 @@ def build_target(mapping: Mapping, config: Any,
     name = target_label(chosen)
     if isinstance(chosen, nn.Module):  # an instance of parity's own kind: a copy is checked, never the caller's
         return framework_of(chosen).copy(chosen), name, None, []
-    if not isinstance(chosen, str):
-        refuse_unserved(chosen, f"target {name}")
     framework = None if inspect.isclass(chosen) else framework_of(chosen)
+    if not isinstance(chosen, str) and framework is None:
+        refuse_unserved(chosen, f"target {name}")
     if framework is not None:  # an instance, a function, a file: nothing to construct
         module, args, notes = unconstructed(framework, chosen, mapping, config)
         return module, name, args, notes
