@@ -44,3 +44,51 @@ class BrokenParameters(SwiGLU):
 
     def named_parameters(self, *args, **kwargs):
         raise ZeroDivisionError("deliberately broken named_parameters")
+
+
+# -- a constructor zoo: every way a constructor takes its sizes, each built to another size by parity's guess, for
+# tests/test_targets_redteam.py (every factory parity prints for them must build a module that passes)
+
+class _Meta(nn.Module):
+    """SwiGLU sized as Meta's FeedForward sizes itself: hidden_dim is 4d, of which it keeps 2/3 (rounded up to
+    multiple_of)."""
+
+    def __init__(self, dim, hidden_dim, multiple_of=1):
+        super().__init__()
+        hidden = int(2 * hidden_dim / 3)
+        hidden = multiple_of * ((hidden + multiple_of - 1) // multiple_of)
+        self.w1 = nn.Linear(dim, hidden, bias=False)
+        self.w3 = nn.Linear(dim, hidden, bias=False)
+        self.w2 = nn.Linear(hidden, dim, bias=False)
+
+    def forward(self, x):
+        return self.w2(nn.functional.silu(self.w1(x)) * self.w3(x))
+
+
+class PositionalOnly(_Meta):
+    def __init__(self, dim, hidden_dim, /):
+        super().__init__(dim, hidden_dim)
+
+
+class KeywordOnly(_Meta):
+    def __init__(self, *, dim, hidden_dim):
+        super().__init__(dim, hidden_dim)
+
+
+class KwargsOnly(_Meta):
+    """Another model's default size (d = 96) unless told: reads its sizes from **kwargs, keeps all of hidden_dim."""
+
+    def __init__(self, **kwargs):
+        super().__init__(kwargs.get("dim", 96), kwargs.get("hidden_dim", 88) * 3 // 2)
+
+
+class Defaults(_Meta):
+    def __init__(self, dim=4096, hidden_dim=16384, multiple_of=256):
+        super().__init__(dim, hidden_dim, multiple_of)
+
+
+class ConfigAndWidth(_Meta):
+    """Takes the config beside a plain width (which it reduces)."""
+
+    def __init__(self, config, hidden_dim):
+        super().__init__(config.hidden_size, hidden_dim)

@@ -121,7 +121,7 @@ def project_config(cls: type, view: Any, mapping: Mapping, config: Any, call: Ta
                           f"[config_fields] answers them. Write a factory and pass it as --target mymodel:make_ffn: "
                           f"def make_ffn(config): return {factory}")
     try:
-        built = cls(**values)
+        built = call_constructor(cls, values)
     except Exception as exc:  # noqa: BLE001 - the project's own validation: said in its terms
         raise TargetError(f"cannot build the target's config {label} from the checkpoint's {view.config_name} with "
                           f"{values}: {type(exc).__name__}: {exc}") from None
@@ -210,7 +210,8 @@ def bind_by_name(factory: Any, named: list[inspect.Parameter], mapping: Mapping,
                  config: Any) -> tuple[dict, dict, list[str]] | None:
     """A constructor that takes plain values (Meta's ``FeedForward(dim, hidden_dim, multiple_of,
     ffn_dim_multiplier)``, llama2.c's, ``Mlp(in_features, hidden_features)``): each parameter bound by its name
-    through the same table as a config's fields (``spelled``); a required ``Optional[...]`` one nobody answers is
+    through the same table as a config's fields (``spelled``), a ``config`` one to the config itself
+    (``Cfg(config, hidden_dim)``); a required ``Optional[...]`` one nobody answers is
     None, and one annotated with the project's own class that needs no arguments gets that class's defaults
     (flax's gemma FeedForward(shd_config: ShardingConfig)).  Returns the arguments as a mapping spells them (an
     instance is not spelled: a saved mapping binds it again), their values and one note per argument; None when a
@@ -223,6 +224,10 @@ def bind_by_name(factory: Any, named: list[inspect.Parameter], mapping: Mapping,
             continue  # a default that is a framework's object (jnp.float32, an initializer) is the module's own
         if key in COMPUTE_DTYPE_NAMES:
             continue  # parity builds in float32 (a --dtype run casts after): the config's dtype is not the module's
+        if key in load_aliases().config_names:  # Cfg(config, hidden_dim): the config beside plain values
+            raw[key], values[key] = "config", config
+            notes.append(f"target constructor: {key}=the checkpoint's {type(config).__name__}")
+            continue
         answer = spelled(key, mapping, config)
         if answer is None and required and admits_none(parameter):
             answer = ("None", NONE, f"nothing in the checkpoint's {type(config).__name__} states it")
@@ -256,7 +261,75 @@ def default_instance(factory: Any, parameter: str) -> Any | None:
         return None
 
 
-NAMED = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
+# Parameters parity binds by name; a positional-only one (``def __init__(self, dim, hidden_dim, /)``) is bound by its
+# name too and passed positionally (``call_constructor``), as a printed factory passes it (``spell_call``).
+NAMED = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
+
+
+def split_call(signature: inspect.Signature, kwargs: dict) -> tuple[list, dict]:
+    """Arguments by parameter name -> (the positional-only ones, in order, up to the first not given; the rest by
+    keyword): how a call passes them."""
+    positional = [p.name for p in signature.parameters.values() if p.kind is inspect.Parameter.POSITIONAL_ONLY]
+    given = []
+    for key in positional:
+        if key not in kwargs:
+            break
+        given.append(key)
+    return [kwargs[key] for key in given], {k: v for k, v in kwargs.items() if k not in given}
+
+
+def call_constructor(factory: Any, kwargs: dict) -> Any:
+    """``factory`` called with arguments chosen by parameter name, positional-only ones passed positionally."""
+    try:
+        args, rest = split_call(constructor_signature(factory), kwargs)
+    except (TypeError, ValueError):
+        args, rest = [], kwargs
+    return factory(*args, **rest)
+
+
+def spell_call(target: str, signature: inspect.Signature | None, spelled_args: dict[str, str]) -> str:
+    """``Name(arg, key=value)``: a call, as a printed factory writes it, of arguments already spelled as Python,
+    positional-only ones positionally (in their order), every other one by keyword."""
+    if signature is None:
+        return f"{target}({', '.join(f'{k}={v}' for k, v in spelled_args.items())})"
+    args, rest = split_call(signature, spelled_args)
+    return f"{target}({', '.join([*args, *(f'{k}={v}' for k, v in rest.items())])})"
+
+
+def kwargs_read(factory: Any) -> list[str] | None:
+    """The names a constructor that takes ``**kwargs`` reads from it (``kwargs.get("dim", 96)``,
+    ``kwargs["hidden_dim"]``, ``kwargs.pop(...)``, ``"bias" in kwargs``), from its source; [] where it has no
+    ``**kwargs``; None where what it reads cannot be known: its source cannot be read, or it hands ``**kwargs`` on
+    (``super().__init__(**kwargs)``)."""
+    import ast
+    import textwrap
+
+    function = factory.__init__ if inspect.isclass(factory) else factory
+    try:
+        var = next((p.name for p in inspect.signature(function).parameters.values()
+                    if p.kind is inspect.Parameter.VAR_KEYWORD), None)
+        tree = ast.parse(textwrap.dedent(inspect.getsource(function))) if var else None
+    except (OSError, TypeError, ValueError, SyntaxError):
+        return None
+    found: list[str] = []
+
+    def is_var(node: ast.AST) -> bool:
+        return isinstance(node, ast.Name) and node.id == var
+
+    for node in ast.walk(tree) if tree is not None else ():
+        if isinstance(node, ast.keyword) and node.arg is None and is_var(node.value):
+            return None  # handed on: what the callee reads is not in this source
+        key = None
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and is_var(node.func.value) \
+                and node.func.attr in ("get", "pop", "setdefault") and node.args:
+            key = node.args[0]
+        elif isinstance(node, ast.Subscript) and is_var(node.value):
+            key = node.slice
+        elif isinstance(node, ast.Compare) and len(node.comparators) == 1 and is_var(node.comparators[0]):
+            key = node.left
+        if isinstance(key, ast.Constant) and isinstance(key.value, str) and key.value not in found:
+            found.append(key.value)
+    return found
 
 
 def constructor_args(factory: Any, mapping: Mapping, config: Any,
@@ -273,12 +346,12 @@ def constructor_args(factory: Any, mapping: Mapping, config: Any,
     except (TypeError, ValueError):
         signature = None
     extras = framework.constructor_extras(dict(signature.parameters)) if framework and signature else {}
-    chosen = _constructor_args(factory, signature, extras, mapping, config)
+    chosen = _constructor_args(factory, signature, extras, mapping, config, framework)
     return chosen[0], {**extras, **chosen[1]}, chosen[2]
 
 
 def _constructor_args(factory: Any, signature: inspect.Signature | None, extras: dict, mapping: Mapping,
-                      config: Any) -> tuple[dict, dict, list[str]]:
+                      config: Any, framework: Framework | None = None) -> tuple[dict, dict, list[str]]:
     """constructor_args' choice, with ``extras`` bound beside each candidate."""
     raw = mapping.target_args
 
@@ -296,7 +369,7 @@ def _constructor_args(factory: Any, signature: inspect.Signature | None, extras:
             if len(required) == 1 and binds({required[0]: config}) and not inspect.isclass(factory):
                 return {required[0]: "config"}, {required[0]: config}, []
             projections = projection_modules(required, mapping, config,
-                                             [p.name for p in named if p.default is None])
+                                             [p.name for p in named if p.default is None], framework)
             if projections is not None and binds(projections):
                 return {}, projections, []  # a mapping without args repeats this: the modules are built again
             by_name = bind_by_name(factory, named, mapping, config)
@@ -319,13 +392,14 @@ def constructor_signature(factory: Any) -> inspect.Signature:
     return signature
 
 
-def projection_modules(required: list[str], mapping: Mapping, config: Any,
-                       optional: list[str] = ()) -> dict[str, nn.Module] | None:
+def projection_modules(required: list[str], mapping: Mapping, config: Any, optional: list[str] = (),
+                       framework: Framework | None = None) -> dict[str, Any] | None:
     """For a builder that takes its projections as modules (``FeedForward(gate_proj=..., down_proj=...,
     up_proj=None)``, torchtune's style): an nn.Linear per required parameter whose name plays a projection role
     (aliases.toml), and per ``optional`` one (a default of None) of the same kind (torchtune's up_proj beside a
-    gate_proj), sized from the checkpoint's config (d, d_ff) and with biases as its FFN has them; None when a
-    required parameter is no projection name, or the sizes are unknown."""
+    gate_proj), sized from the checkpoint's config (d, d_ff) and with biases as its FFN has them; a framework's own
+    projection where it has one (a NumPy class taking arrays: llama3.np's ``FeedForward(up_weight, ...)``).  None
+    when a required parameter is no projection name, or the sizes are unknown."""
     aliases = load_aliases()
     width, hidden = checkpoint_ffn_width(config), getattr(config, "hidden_size", None)
     if not required or width is None or not isinstance(hidden, int):
@@ -340,14 +414,16 @@ def projection_modules(required: list[str], mapping: Mapping, config: Any,
         if len(sides) != 1:
             return None
         kinds |= {role.kind for role in roles}
-        built[key] = (nn.Linear(hidden, width[0], bias=bias) if sides == {"in"}
-                      else nn.Linear(width[0], hidden, bias=bias))
+        size = (hidden, width[0]) if sides == {"in"} else (width[0], hidden)
+        own = framework.projection(*size, bias) if framework is not None else None
+        built[key] = own if own is not None else nn.Linear(*size, bias=bias)
     return built
 
 
 def _binds(signature: inspect.Signature, kwargs: dict) -> bool:
+    args, rest = split_call(signature, kwargs)
     try:
-        signature.bind(**kwargs)
+        signature.bind(*args, **rest)
     except TypeError:
         return False
     return True

@@ -18,23 +18,34 @@ from typing import Any
 from torch import nn
 
 from parity.definitions.aliases import load_aliases
-from parity.definitions.mapping import NONE, Mapping
+from parity.definitions.mapping import NONE, ConfigValue, Mapping
 from parity.engine.arguments import (
     NAMED,
     TargetCall,
     admits_none,
+    call_constructor,
     checkpoint_ffn_bias,
     checkpoint_ffn_width,
     config_class,
     config_view_of,
     constructor_args,
     constructor_signature,
+    kwargs_read,
     project_config,
+    spell_call,
     spelled,
 )
 from parity.engine.frames import user_frame
 from parity.errors import TargetError
-from parity.targets import FRAMEWORKS, CheckpointFacts, Framework, foreign, framework_importing, framework_of
+from parity.targets import (
+    FRAMEWORKS,
+    CheckpointFacts,
+    Framework,
+    foreign,
+    framework_importing,
+    framework_of,
+    unserved,
+)
 
 
 def import_object(import_path: str, what: str = "--target") -> Any:
@@ -71,10 +82,12 @@ def check_constructible(obj: Any, import_path: str, what: str) -> None:
     module: an nn.Module subclass, or a function written in Python (a factory).  ``os:system``,
     ``builtins:exec`` or ``subprocess:Popen`` are refused before anything is called."""
     if inspect.isclass(obj):
+        refuse_unserved(obj, f"{what} {import_path!r}")
         if issubclass(obj, nn.Module) or framework_of(obj) is not None:
             return
         raise TargetError(f"{what} {import_path!r}: is the class {obj.__module__}.{obj.__qualname__}, which derives "
-                          "from none of torch.nn.Module, mlx.nn.Module or flax.nnx.Module; name the module class, a "
+                          "from none of torch.nn.Module, mlx.nn.Module or flax.nnx.Module and is no NumPy class (one "
+                          "holding its weights as NumPy arrays, called as __call__(self, x)); name the module class, a "
                           "function that builds it, a NumPy function def ffn(x, <one parameter per projection>) or "
                           "an .onnx file")
     function = obj.__func__ if inspect.ismethod(obj) else obj
@@ -83,6 +96,17 @@ def check_constructible(obj: Any, import_path: str, what: str) -> None:
     kind = "a built-in function" if inspect.isbuiltin(obj) else f"a {type(obj).__name__}"
     raise TargetError(f"{what} {import_path!r}: is {kind}, not an nn.Module class or a Python function that builds "
                       "one; parity does not call it")
+
+
+def refuse_unserved(obj: Any, what: str, label: str | None = None) -> None:
+    """A module of a framework parity does not serve (flax.linen, tinygrad, Keras, ...) is exit 2 naming that
+    framework and the way to one parity serves, not 'derives from none of ...'."""
+    said = unserved(obj)
+    if said is not None:
+        if label is None:
+            label = (f"{obj.__module__}.{obj.__qualname__}" if inspect.isclass(obj)
+                     else f"a {type(obj).__module__}.{type(obj).__qualname__} instance")
+        raise TargetError(f"{what}: {label} {said}")
 
 
 def target_label(target: Any) -> str:
@@ -125,6 +149,8 @@ def build_target(mapping: Mapping, config: Any,
     if isinstance(chosen, nn.Module):  # an instance of parity's own kind: a copy is checked, never the caller's
         return framework_of(chosen).copy(chosen), name, None, []
     framework = None if inspect.isclass(chosen) else framework_of(chosen)
+    if not isinstance(chosen, str) and framework is None:
+        refuse_unserved(chosen, f"target {name}")
     if framework is not None:  # an instance, a function, a file: nothing to construct
         module, args, notes = unconstructed(framework, chosen, mapping, config)
         return module, name, args, notes
@@ -140,15 +166,10 @@ def build_target(mapping: Mapping, config: Any,
         framework.require()
     raw, kwargs, notes = constructor_args(factory, mapping, config, framework)
     by_name = bool(notes)  # only arguments bound by parameter name come with notes
-    built_config = None  # the project's own config class, built from the checkpoint's config
-    for key, value in list(kwargs.items()):  # a config parameter annotated with the project's own config class
-        own = config_class(factory, key) if value is config else None
-        if own is not None:
-            call = TargetCall(name.split(":")[-1], key, {k: v for k, v in kwargs.items() if k != key}, framework)
-            kwargs[key], notes = project_config(own, config_view_of(mapping, config, framework), mapping, config, call)
-            built_config = f"its {own.__qualname__} built from the checkpoint's {type(config).__name__}"
+    defaults = left_to_defaults(factory, kwargs, framework)
+    built_config, notes = own_config_arguments(factory, name, kwargs, notes, mapping, config, framework)
     try:
-        module = factory(**kwargs)
+        module = call_constructor(factory, kwargs)
     except (AttributeError, TypeError, KeyError) as exc:  # a field the config lacks; a dict config (cfg["emb_dim"])
         if not any(value is config for value in kwargs.values()):
             raise construction_error(factory, name, kwargs, mapping, config, exc, by_name=by_name,
@@ -162,11 +183,28 @@ def build_target(mapping: Mapping, config: Any,
         module = foreign_target(built, module, mapping, config)
         notes = [*notes, *framework_notes(built)]
     if not isinstance(module, nn.Module):
+        refuse_unserved(module, f"target {name}", f"what it returned, a {type(module).__qualname__},")
         raise TargetError(f"target {name} returned {type(module).__name__}, not a torch.nn.Module (nor a module "
                           f"of {', '.join(f.name for f in FRAMEWORKS)})")
-    if by_name:
-        check_built_size(module, factory if built is None or built.native else None, name, kwargs, raw, config)
+    if by_name or defaults:
+        check_built_size(module, factory if built is None or built.native else None, name, kwargs, raw, config,
+                         mapping=mapping, defaults=None if by_name else defaults)
     return module, name, raw, notes
+
+
+def own_config_arguments(factory: Any, name: str, kwargs: dict, notes: list[str], mapping: Mapping, config: Any,
+                         framework: Framework | None) -> tuple[str | None, list[str]]:
+    """A config parameter annotated with the project's own config class gets an instance of it built from the
+    checkpoint's config (``kwargs`` changed in place).  Returns how to say what it was given (None: no such
+    parameter) and the notes."""
+    built_config = None
+    for key, value in list(kwargs.items()):
+        own = config_class(factory, key) if value is config else None
+        if own is not None:
+            call = TargetCall(name.split(":")[-1], key, {k: v for k, v in kwargs.items() if k != key}, framework)
+            kwargs[key], notes = project_config(own, config_view_of(mapping, config, framework), mapping, config, call)
+            built_config = f"its {own.__qualname__} built from the checkpoint's {type(config).__name__}"
+    return built_config, notes
 
 
 def unconstructed(framework: Framework, obj: Any, mapping: Mapping, config: Any) -> tuple[nn.Module, dict | None,
@@ -205,7 +243,7 @@ def build_with_view(factory: Any, name: str, kwargs: dict, mapping: Mapping, con
     view = config_view_of(mapping, config, framework)
     viewed = {key: view if value is config else value for key, value in kwargs.items()}
     try:
-        module = factory(**viewed)
+        module = call_constructor(factory, viewed)
     except Exception as exc:
         raise construction_error(factory, name, viewed, mapping, config, exc) from None
     return module, view.notes()
@@ -219,11 +257,12 @@ def construction_error(factory: Any, name: str, kwargs: dict, mapping: Mapping, 
     ``kwargs`` were bound by the constructor's own parameter names (bind_by_name), not a mapping's."""
     short = name.split(":")[-1]
     try:
-        parameters = constructor_signature(factory).parameters
-        signature = f"{short}{constructor_signature(factory)}"
+        own_signature = constructor_signature(factory)
+        parameters, signature = own_signature.parameters, f"{short}{own_signature}"
     except (TypeError, ValueError):
-        parameters, signature = {}, name
-    call = ", ".join(f"{p}=<{p}>" for p, v in parameters.items() if v.default is v.empty and v.kind in NAMED)
+        own_signature, parameters, signature = None, {}, name
+    call = spell_call(short, own_signature, {p: f"<{p}>" for p, v in parameters.items()
+                                             if v.default is v.empty and v.kind in NAMED})
     own = framework.extra_spelling if framework else {}
     shown = {k: (type(config).__name__ if k == "config" or v is config or _is_view(v) else
                  _Spelled(own[k]) if k in own else v) for k, v in kwargs.items()}
@@ -239,7 +278,7 @@ def construction_error(factory: Any, name: str, kwargs: dict, mapping: Mapping, 
         )
     written = factory_call(parameters, mapping, config, own)
     if written is not None:
-        call = written
+        call = spell_call(short, own_signature, written)
     got_config = any(v is config or _is_view(v) for v in kwargs.values())
     if (got_config or by_name or built_config) and not isinstance(exc, TypeError):  # its own code failed
         given = (f"the checkpoint's {type(config).__name__}" if got_config else built_config if built_config
@@ -252,7 +291,7 @@ def construction_error(factory: Any, name: str, kwargs: dict, mapping: Mapping, 
     return TargetError(
         f"cannot construct target {name} {given}: {type(exc).__name__}: {exc}. "
         f"Its signature is {signature}; set [target].args in a mapping file (--mapping) to match it, "
-        f"or pass a factory as --target: def make_ffn(config): return {short}({call}), with the values "
+        f"or pass a factory as --target: def make_ffn(config): return {call}, with the values "
         "read from the checkpoint's transformers config."
     )
 
@@ -264,28 +303,33 @@ class _Spelled(str):
         return str(self)
 
 
-def factory_call(parameters: Any, mapping: Mapping, config: Any, own: dict[str, str] | None = None) -> str | None:
-    """The call a factory would make, in the constructor's own parameter names, each answered from the checkpoint's
-    config where the config or aliases.toml [config_fields] can ('dim=config.hidden_size'); a placeholder that is
-    not Python where not ('quant=<quant>': copied as it is, it fails instead of passing Ellipsis).  None when the
-    signature has no required parameter."""
-    parts = []
+def factory_call(parameters: Any, mapping: Mapping, config: Any,
+                 own: dict[str, str] | None = None) -> dict[str, str] | None:
+    """The arguments a factory would pass, by the constructor's own parameter names, each spelled from the
+    checkpoint's config where the config or aliases.toml [config_fields] can ('config.hidden_size'); a placeholder
+    that is not Python where not ('<quant>': copied as it is, it fails instead of passing Ellipsis); ``spell_call``
+    writes the call.  None when the signature has no required parameter."""
+    parts = {}
     for key, parameter in parameters.items():
         if parameter.kind not in NAMED or parameter.default is not parameter.empty:
             continue
-        answer = (own[key],) if own and key in own else spelled(key, mapping, config)
+        answer = ((own[key],) if own and key in own else ("config",) if key in load_aliases().config_names
+                  else spelled(key, mapping, config))
         if answer is None and admits_none(parameter):
             answer = "None", NONE
-        parts.append(f"{key}={answer[0] if answer else f'<{key}>'}")
-    return ", ".join(parts) if parts else None
+        parts[key] = answer[0] if answer else f"<{key}>"
+    return parts or None
 
 
-def check_built_size(module: nn.Module, factory: Any, name: str, kwargs: dict, raw: dict, config: Any) -> None:
+def check_built_size(module: nn.Module, factory: Any, name: str, kwargs: dict, raw: dict, config: Any, *,
+                     mapping: Mapping | None = None, defaults: list[str] | None = None) -> None:
     """A module built from values parity bound by name must have the checkpoint's sizes before anything is judged:
     a width argument the constructor reduces (Meta's hidden_dim, of which it keeps 2/3) builds a smaller module,
-    and that is parity's guess gone wrong, not the user's mistake.  Exit 2 naming the argument, with the factory
-    that builds the right size, in the user's own parameter names (the width found by building the module on the
-    meta device, which allocates nothing)."""
+    and that is parity's guess gone wrong, not the user's mistake.  So is a module parity built with its own
+    defaults (``defaults``, the parameters or ``**kwargs`` names it was left to decide: ``left_to_defaults``), sized
+    for another model.  Exit 2 naming the size that differs (d or d_ff) with both values, and the factory that builds
+    the right size, in the user's own parameter names (found by building the module on the meta device, which
+    allocates nothing)."""
     hidden, width = getattr(config, "hidden_size", None), checkpoint_ffn_width(config)
     if not isinstance(hidden, int) or width is None:
         return
@@ -293,22 +337,109 @@ def check_built_size(module: nn.Module, factory: Any, name: str, kwargs: dict, r
     shapes = {n: tuple(p.shape) for n, p in module.named_parameters() if p.dim() == 2}
     if not shapes or all(set(shape) <= {hidden, d_ff, 2 * d_ff} for shape in shapes.values()):
         return
+    short, signature = name.split(":")[-1], _signature(factory)
+    built = ", ".join(f"{n} {list(shape)}" for n, shape in shapes.items())
+    given = spell_call(short, signature, {k: type(v).__name__ if v is config else repr(v) for k, v in kwargs.items()})
+    passed = [k for k in kwargs if k not in _extras(kwargs)]
+    how = (f"from the checkpoint's {type(config).__name__} by parameter name" if not defaults else
+           f"with its own defaults for {', '.join(defaults)} (parity bound none of its parameters by name)"
+           if not passed else f"with its own defaults for {', '.join(defaults)}, which its **kwargs reads and the "
+           f"arguments parity passed ({', '.join(passed)}: the mapping's [target].args) do not hold")
+    text = (f"target {name}, built as {given} {how}, has {built}: {differing_size(shapes, hidden, d_ff)}; the "
+            f"checkpoint's FFN is d={hidden}, d_ff={d_ff}.")
+    if defaults:
+        raise TargetError(f"{text} {defaults_advice(factory, short, signature, mapping, config, hidden, d_ff)}")
     facts = load_aliases().config_fields.facts
     key = next((k for k in kwargs if facts.get(k) == "ffn_width"), None)
     solved = solve_width(factory, kwargs, key, hidden, d_ff) if key and factory is not None else None
-    short = name.split(":")[-1]
-    built = ", ".join(f"{n} {list(shape)}" for n, shape in shapes.items())
-    given = ", ".join(f"{k}={v!r}" for k, v in kwargs.items())
-    text = (f"target {name}, built as {short}({given}) from the checkpoint's {type(config).__name__} by parameter "
-            f"name, has {built}; the checkpoint's FFN is d={hidden}, d_ff={d_ff}.")
     if solved is None:
         raise TargetError(f"{text} Its constructor computes its sizes in its own way: write a factory that passes "
                           f"what it expects: --target mymodel:make_ffn with def make_ffn(config): return "
-                          f"{short}(...)")
-    call = ", ".join(f"{k}={solved if k == key else _python(raw.get(k), kwargs[k])}" for k in kwargs)
+                          f"{short}(<the arguments that build d={hidden}, d_ff={d_ff}>)")
+    call = spell_call(short, signature, {k: solved if k == key else _python(raw.get(k), kwargs[k]) for k in kwargs})
     raise TargetError(f"{text} {key}={kwargs[key]!r} most likely means something else to it (Meta's FeedForward "
                       f"takes 4 x dim and keeps 2/3 of it); {key}={solved} builds d_ff={d_ff}. Write a factory and "
-                      f"pass it as --target mymodel:make_ffn: def make_ffn(config): return {short}({call})")
+                      f"pass it as --target mymodel:make_ffn: def make_ffn(config): return {call}")
+
+
+def differing_size(shapes: dict[str, tuple[int, ...]], hidden: int, d_ff: int) -> str:
+    """Which of the FFN's two sizes the built weights differ in, with both values: 'its d is 96, the checkpoint's
+    is 64 (its d_ff, 224, is the checkpoint's)'."""
+    dims = {n for shape in shapes.values() for n in shape}
+    widths = {d_ff, 2 * d_ff} & dims
+    if widths and hidden not in dims:
+        others = ", ".join(map(str, sorted(dims - widths)))
+        return f"its d is {others}, the checkpoint's is {hidden} (its d_ff, {d_ff}, is the checkpoint's)"
+    if hidden in dims and not widths:
+        others = ", ".join(map(str, sorted(dims - {hidden})))
+        return f"its d_ff is {others}, the checkpoint's is {d_ff} (its d, {hidden}, is the checkpoint's)"
+    return (f"its sizes are {', '.join(map(str, sorted(dims)))}, where the checkpoint's d is {hidden} and its d_ff "
+            f"{d_ff}")
+
+
+def defaults_advice(factory: Any, short: str, signature: inspect.Signature | None, mapping: Mapping | None,
+                    config: Any, hidden: int, d_ff: int) -> str:
+    """For a module built with its defaults: the factory passing the checkpoint's sizes under the names its
+    ``**kwargs`` is read with (``kwargs.get("dim", 96)``), when answering those names from the config builds the
+    checkpoint's sizes (tried on the meta device); else what such a factory must pass."""
+    names = kwargs_read(factory) if factory is not None and mapping is not None else []
+    answers = {k: a for k in names if (a := spelled(k, mapping, config)) is not None}
+    if answers and builds_size(factory, {k: ConfigValue(config, mapping.path)(a[1], f"target.args.{k}")
+                                         for k, a in answers.items()}, hidden, d_ff):
+        call = spell_call(short, signature, {k: a[0] for k, a in answers.items()})
+        return (f"Its constructor reads {', '.join(names)} from its **kwargs; pass them with a factory: --target "
+                f"mymodel:make_ffn with def make_ffn(config): return {call}")
+    return (f"Pass the checkpoint's sizes under the names its constructor takes them, with a factory: --target "
+            f"mymodel:make_ffn with def make_ffn(config): return {short}(<d = config.hidden_size, d_ff = "
+            f"{d_ff}, under its own names>)")
+
+
+def builds_size(factory: Any, kwargs: dict, hidden: int, d_ff: int) -> bool:
+    """``factory(**kwargs)`` builds weights of exactly the checkpoint's sizes, d and d_ff (on the meta device)."""
+    import torch
+
+    try:
+        with torch.device("meta"):
+            module = call_constructor(factory, kwargs)
+        dims = [set(p.shape) for p in module.parameters() if p.dim() == 2]
+    except Exception:  # noqa: BLE001 - a constructor refusing these arguments builds nothing
+        return False
+    return bool(dims) and all(d <= {hidden, d_ff, 2 * d_ff} for d in dims) and {hidden, d_ff} <= set().union(*dims)
+
+
+def _extras(kwargs: dict) -> set[str]:
+    """The framework's own arguments among ``kwargs`` (Flax NNX's rngs): not sizes."""
+    from parity.targets import FRAMEWORKS
+
+    return {k for k in kwargs if any(k in f.extra_spelling for f in FRAMEWORKS)}
+
+
+def _signature(factory: Any) -> inspect.Signature | None:
+    try:
+        return constructor_signature(factory) if factory is not None else None
+    except (TypeError, ValueError):
+        return None
+
+
+def left_to_defaults(factory: Any, kwargs: dict, framework: Framework | None) -> list[str] | None:
+    """What the constructor takes that parity did not pass, so that its own defaults decide it: every parameter,
+    where nothing could be bound to their names (beyond its framework's own arguments, Flax's rngs), or the names
+    a ``**kwargs`` reads that the arguments passed (the built-in mapping's [target].args, written for parity's own
+    class) do not hold (``kwargs.get("dim", 96)`` given emb_size).  The sizes it builds from those are another
+    model's: parity's guess, not the user's module.  None where parity's arguments decide it."""
+    own = set(framework.extra_spelling) if framework is not None else set()
+    signature = _signature(factory)
+    if signature is None:
+        return None
+    parameters = [p for p in signature.parameters.values() if p.name not in own]
+    passed = set(kwargs) - own
+    if not passed:
+        left = [p.name for p in parameters if p.kind in NAMED] + (kwargs_read(factory) or [])
+        takes = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters)
+        return left or (["**kwargs"] if takes else None)
+    read = kwargs_read(factory)
+    left = [name for name in read or () if name not in passed]
+    return left or None
 
 
 def solve_width(factory: Any, kwargs: dict, key: str, hidden: int, d_ff: int) -> str | None:
@@ -321,7 +452,7 @@ def solve_width(factory: Any, kwargs: dict, key: str, hidden: int, d_ff: int) ->
     def built(value: int) -> int | None:
         try:
             with torch.device("meta"):
-                module = factory(**{**kwargs, key: value})
+                module = call_constructor(factory, {**kwargs, key: value})
         except Exception:  # noqa: BLE001 - a value the constructor refuses builds nothing
             return None
         dims = {dim for p in module.parameters() if p.dim() == 2 for dim in p.shape} - {hidden}
@@ -343,6 +474,8 @@ def _python(spelling: Any, value: Any) -> str:
     """A mapping's spelling of an argument as Python: 'config.hidden_size' stays, { none = true } is None."""
     if spelling == NONE:
         return "None"
+    if spelling == "config":  # the factory's own parameter
+        return "config"
     return spelling if isinstance(spelling, str) and spelling.startswith("config.") else repr(value)
 
 

@@ -138,10 +138,14 @@ def shape_message(route: TensorRoute, found: tuple[int, ...], expected: tuple[in
     d_ff = config_dff(config)
     d = getattr(config, "hidden_size", None)
     if d and len(found) == len(expected) and found != expected and found[::-1] != expected:
-        target_dff = [s for s in expected if s != d]
-        ckpt_dff = [s for s in found if s != d]
-        if target_dff and ckpt_dff and target_dff != ckpt_dff:
-            t, c = target_dff[0], ckpt_dff[0]
+        # the sizes that differ, position by position: the checkpoint's says which one it is (d, or d_ff)
+        differing = [(t, c) for t, c in zip(expected, found, strict=True) if t != c]
+        if any(c == d != d_ff for _, c in differing):
+            t = next(t for t, c in differing if c == d)
+            hints.append(f"the target's d is {t} but the checkpoint's is {d} (its hidden size): the module is "
+                         "built for another model's width")
+        elif differing:
+            t, c = differing[0]
             mistake = MistakeId.INTERMEDIATE_SIZE_MISMATCH
             cause = f"the target's d_ff is {t} but the checkpoint's is {c}"
             if t == 4 * d:

@@ -5,6 +5,8 @@ its forward on its own copy of the inputs, and the user's exceptions turned into
 from __future__ import annotations
 
 import contextlib
+import os
+import sys
 from collections.abc import Iterator
 
 import torch
@@ -95,16 +97,44 @@ def place(module: nn.Module, device: torch.device, dtype: torch.dtype | None) ->
 @contextlib.contextmanager
 def user_code(what: str, exceptions: bool = True) -> Iterator[None]:
     """The module under test is the user's code: what it raises (even SystemExit) is a target error
-    naming it, never a parity crash or an exit code of its choosing.  Ctrl-C stays Ctrl-C.
-    ``exceptions=False`` where parity's own code runs too: only SystemExit and the like are the target's."""
+    naming it, never a parity crash or an exit code of its choosing.  Ctrl-C stays Ctrl-C.  What it prints
+    goes to stderr (``prints_to_stderr``).  ``exceptions=False`` where parity's own code runs too: only
+    SystemExit and the like are the target's."""
     try:
-        yield
+        with prints_to_stderr():
+            yield
     except (KeyboardInterrupt, ParityError):
         raise
     except BaseException as exc:  # noqa: BLE001 - SystemExit(0) from a target must not end parity with 0
         if isinstance(exc, Exception) and not exceptions:
             raise
         raise TargetError(f"{what}: {type(exc).__name__}: {exc}{user_frame(exc)}") from exc
+
+
+@contextlib.contextmanager
+def prints_to_stderr() -> Iterator[None]:
+    """While the user's code runs (constructor, fill, forward), its output goes to stderr: stdout may carry a
+    report (``--json -``, ``--junit -``), which one print, a 10 MB debug dump or an ``os.write(1, ...)`` would
+    break.  Both levels are moved: ``sys.stdout`` (print) and file descriptor 1 (os.write, C extensions), put
+    back afterwards, also when the code raised.  Where fd 1 cannot be moved (closed, no fd), sys.stdout still is."""
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(Exception):
+            stream.flush()
+    try:
+        saved = os.dup(1)
+        os.dup2(2, 1)
+    except OSError:
+        saved = None
+    stdout, sys.stdout = sys.stdout, sys.stderr
+    try:
+        yield
+    finally:
+        with contextlib.suppress(Exception):
+            sys.stdout.flush()
+        sys.stdout = stdout
+        if saved is not None:
+            os.dup2(saved, 1)
+            os.close(saved)
 
 
 def config_field_read(error: BaseException | None) -> str | None:

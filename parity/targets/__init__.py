@@ -1,6 +1,8 @@
 """The frameworks a target may be written in, registered in one place (as checkpoint formats are in
 ``parity.sources``).  The framework is found from what --target names: a class or instance deriving from a
-framework's module base, a NumPy function (its first parameter the input), an ``.onnx`` path.  PyTorch modules
+framework's module base, a NumPy function (its first parameter the input), a class holding NumPy arrays and called
+on the input, an ``.onnx`` path.  A module of a framework parity does not serve (flax.linen, tinygrad, Keras, ...)
+is named by its framework in the refusal (``parity.targets.unserved``).  PyTorch modules
 are parity's own kind (``native``: no adapter); every other framework's target is put behind a torch module by
 ``parity.targets.proxy`` and checked by the same engine.
 
@@ -14,11 +16,13 @@ from typing import Any
 from parity.targets.base import CheckpointFacts, Framework
 from parity.targets.mlx import MLX
 from parity.targets.nnx import FlaxNNX
+from parity.targets.numpy_class import NumPyClass
 from parity.targets.numpy_function import NumPyFunction
 from parity.targets.onnx_graph import ONNXGraph
 from parity.targets.pytorch import PyTorch
+from parity.targets.unserved import unserved
 
-FRAMEWORKS: tuple[Framework, ...] = (PyTorch(), MLX(), FlaxNNX(), ONNXGraph(), NumPyFunction())
+FRAMEWORKS: tuple[Framework, ...] = (PyTorch(), MLX(), FlaxNNX(), ONNXGraph(), NumPyFunction(), NumPyClass())
 
 
 def framework_of(obj: Any) -> Framework | None:
@@ -47,4 +51,4 @@ def foreign(framework: Framework, native: Any, facts: CheckpointFacts | None):
 
 
 __all__ = ["FRAMEWORKS", "CheckpointFacts", "Framework", "distribution_of", "foreign", "framework_importing",
-           "framework_of"]
+           "framework_of", "unserved"]

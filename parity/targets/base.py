@@ -22,6 +22,9 @@ import torch
 from parity.definitions.distribution import install_command
 from parity.errors import TargetError
 
+# What a NumPy target's input parameter is named: the first parameter of a function, or of a class's __call__
+INPUT_NAMES = ("x", "inp", "input", "inputs", "hidden_states", "h")
+
 
 @dataclass(frozen=True)
 class ForeignParameter:
@@ -119,6 +122,11 @@ class Framework:
         """Arguments the framework's constructors take that no config answers (Flax NNX's ``rngs``)."""
         return {}
 
+    def projection(self, in_features: int, out_features: int, bias: bool) -> Any:
+        """What a constructor that takes a projection itself is given (torchtune's ``FeedForward(gate_proj=...)``,
+        llama3.np's ``FeedForward(up_weight, ...)``), sized from the checkpoint; None: a torch nn.Linear."""
+        return None
+
     def open(self, obj: Any) -> Any:
         """The target for what --target named, where nothing is constructed (a NumPy function, an ONNX file)."""
         raise NotImplementedError
@@ -163,3 +171,17 @@ def to_numpy(tensor: torch.Tensor) -> Any:
     bfloat16 value is exactly a float32 one): the framework casts it back to its own bfloat16."""
     tensor = tensor.detach().cpu()
     return (tensor.float() if tensor.dtype == torch.bfloat16 else tensor).numpy()
+
+
+def numpy_output(out: Any, what: str = "") -> torch.Tensor:
+    """What a NumPy target returned as a CPU tensor: a floating array (a tuple's first element); TypeError else."""
+    import numpy as np
+
+    said = f"{what} returned" if what else "returned"
+    if isinstance(out, tuple) and out:
+        out = out[0]
+    if not isinstance(out, np.ndarray):
+        raise TypeError(f"{said} {type(out).__name__}, not a numpy.ndarray")
+    if out.dtype.kind != "f":
+        raise TypeError(f"{said} an array of {out.dtype}; an FFN returns floating-point hidden states")
+    return torch.from_numpy(np.array(out))

@@ -23,9 +23,7 @@ from typing import Any
 import torch
 
 from parity.errors import TargetError
-from parity.targets.base import CheckpointFacts, ForeignParameter, Framework, to_numpy
-
-INPUT_NAMES = ("x", "inp", "input", "inputs", "hidden_states", "h")
+from parity.targets.base import INPUT_NAMES, CheckpointFacts, ForeignParameter, Framework, numpy_output, to_numpy
 
 
 class NumPyFunction(Framework):
@@ -77,16 +75,7 @@ class NumPyFunction(Framework):
         native.weights = arguments(values)
 
     def call(self, native: Any, x: torch.Tensor) -> torch.Tensor:
-        import numpy as np
-
-        out = native.function(x.numpy(), **native.weights)  # x: the target's own copy, seen if changed in place
-        if isinstance(out, tuple) and out:
-            out = out[0]
-        if not isinstance(out, np.ndarray):
-            raise TypeError(f"returned {type(out).__name__}, not a numpy.ndarray")
-        if out.dtype.kind != "f":
-            raise TypeError(f"returned an array of {out.dtype}; an FFN returns floating-point hidden states")
-        return torch.from_numpy(np.array(out))
+        return numpy_output(native.function(x.numpy(), **native.weights))  # x: its own copy, seen if changed
 
 
 @dataclass

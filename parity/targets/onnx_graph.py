@@ -8,8 +8,16 @@ layer, a swapped gate/up or the exact GELU is named by the same diagnoses.
 
 An FFN is position-wise: each token's output depends on that token alone.  A graph exported with a fixed
 input shape is run on parity's tokens in batches of its own token count (the last one padded), which computes
-exactly what one call would.  The graph's input type is its compute dtype: float32 and float16 run on the CPU
-provider; its bfloat16 MatMul does not.
+exactly what one call would.  The declared shape is read before anything is allocated: a rank other than
+[tokens, d] or [batch, tokens, d], a fixed d that is not the checkpoint's, or a fixed token count beyond
+``MAX_FIXED_TOKENS`` (a batch that would be almost all padding: [1, 2^26, d] is 20 GiB) is exit 2 naming the
+input and its shape.  The graph's input type is its compute dtype: float32 and float16 run on the CPU provider;
+its bfloat16 MatMul does not.
+
+A graph can compute for ever (a ``Loop`` of 2^62 trips): ONNX Runtime's ``run`` holds the thread that calls it,
+so Python's Ctrl-C handler would never run.  Each run goes on a worker thread while the calling thread waits,
+where a KeyboardInterrupt reaches it; it then sets the run's ``RunOptions.terminate``, which ONNX Runtime checks
+between kernels and Loop iterations, and the interrupt goes on (exit 130).
 """
 
 from __future__ import annotations
@@ -26,7 +34,11 @@ from parity.definitions.files import shown
 from parity.errors import TargetError, UsageError
 from parity.targets.base import CheckpointFacts, ForeignParameter, Framework, to_numpy
 
-# onnx TensorProto element types -> the dtype names parity uses
+# A graph exported with a fixed token count is fed parity's tokens padded to that count; beyond this many tokens
+# per call (a sequence length no FFN export uses: 2048-8192 are usual) the batch is refused rather than allocated.
+MAX_FIXED_TOKENS = 1 << 16
+RANKS = (2, 3)  # [tokens, d] and [batch, tokens, d]: the inputs an FFN graph takes
+TERMINATE_WAIT_S = 10.0  # how long an interrupted run may take to see its terminate flag (it takes milliseconds)
 
 
 @dataclass
@@ -118,21 +130,16 @@ class ONNXGraph(Framework):
             raise UsageError(f"--target {where}: ONNX Runtime's CPU provider has no bfloat16 MatMul; export the "
                              "graph in float32 or float16")
         d = x.shape[-1]
-        if native.input_shape and native.input_shape[-1] not in (None, d):
-            raise TargetError(f"--target {where}: the graph's input '{native.input_name}' has width "
-                              f"{native.input_shape[-1]}, the checkpoint's hidden size is {d}")
+        fixed = feedable(native, d, math.prod(x.shape[:-1]))  # before anything is allocated
         tokens = to_numpy(x).reshape(-1, d).astype(native.dtype)
-        fixed = [n for n in native.input_shape[:-1]]
-        if all(n is None for n in fixed):  # dynamic: parity's tokens in the graph's own rank ([N, d] or [B, T, d])
+        if fixed is None:  # dynamic: parity's tokens in the graph's own rank ([N, d] or [B, T, d])
             feed = [tokens if len(native.input_shape) == 2 else tokens.reshape(x.shape)]
-            shape = None
         else:  # fixed: batches of the graph's own token count, the last padded
-            shape = [n or 1 for n in fixed] + [d]
-            count = math.prod(shape[:-1])
+            count = math.prod(fixed[:-1])
             padded = np.zeros((math.ceil(len(tokens) / count) * count, d), dtype=tokens.dtype)
             padded[:len(tokens)] = tokens
-            feed = [chunk.reshape(shape) for chunk in np.split(padded, len(padded) // count)]
-        outputs = [native.session.run(None, {native.input_name: chunk})[0] for chunk in feed]
+            feed = [chunk.reshape(fixed) for chunk in np.split(padded, len(padded) // count)]
+        outputs = [stoppable_run(native.session, {native.input_name: chunk})[0] for chunk in feed]
         pairs = zip(outputs, feed, strict=True)
         if any(np.ndim(o) < 1 or o.shape[-1] != d or o.size != chunk.size for o, chunk in pairs):
             shapes = sorted({str(list(np.shape(o))) for o in outputs})
@@ -186,3 +193,61 @@ class Identified:
     matched: dict[str, tuple[list[int], str, str]] = field(default_factory=dict)  # initializer -> shape, tensor, how
     unmatched: dict[str, list[int]] = field(default_factory=dict)  # initializer -> shape
     missing: list[str] = field(default_factory=list)  # checkpoint tensors no initializer holds
+
+
+def feedable(native: Graph, d: int, tokens: int) -> list[int] | None:
+    """The shape of one call's input when the graph fixes its token count (None: dynamic, fed as one call), from
+    the graph's declared input shape alone; a TargetError (exit 2) naming the input and its shape when parity
+    cannot feed it: a rank other than 2 or 3, a fixed width that is not the checkpoint's d, or a fixed token
+    count beyond MAX_FIXED_TOKENS (its padded batch would be that many rows of d, mostly zeros)."""
+    declared = ["?" if n is None else n for n in native.input_shape]
+    where = f"--target {shown(native.path)}: the graph's input '{native.input_name}' has shape {declared}"
+    if len(native.input_shape) not in RANKS:
+        raise TargetError(f"{where}, rank {len(native.input_shape)}; parity feeds an FFN [tokens, d] or "
+                          f"[batch, tokens, d] hidden states: export it with one of those input ranks")
+    if native.input_shape[-1] not in (None, d):
+        raise TargetError(f"{where}: its width is {native.input_shape[-1]}, the checkpoint's hidden size is {d}; "
+                          "export the layer of this checkpoint")
+    fixed = native.input_shape[:-1]
+    if all(n is None for n in fixed):
+        return None
+    count = math.prod(n or 1 for n in fixed)
+    if count > max(MAX_FIXED_TOKENS, tokens):
+        raise TargetError(f"{where}: {count} tokens per call, fixed; parity feeds {tokens} and pads up to "
+                          f"{MAX_FIXED_TOKENS} per call, no more (a batch of {count} x {d} would be allocated for "
+                          "them): export it with a dynamic token axis (dynamic_shapes / dynamic_axes) or a smaller "
+                          "fixed one")
+    return [n or 1 for n in fixed] + [d]
+
+
+def stoppable_run(session: Any, feed: dict[str, Any]) -> list[Any]:
+    """``session.run(None, feed)`` that Ctrl-C stops: run on a worker thread while this one waits (a wait that a
+    KeyboardInterrupt reaches); on the interrupt the run's ``terminate`` flag is set, the worker given
+    TERMINATE_WAIT_S to stop, and the interrupt raised on.  A daemon thread: a worker that never stops does not
+    hold the process open."""
+    import threading
+
+    import onnxruntime
+
+    options = onnxruntime.RunOptions()
+    options.log_severity_level = 4  # the terminated run's error is parity's doing, not the graph's: not logged
+    result: dict[str, Any] = {}
+
+    def work() -> None:
+        try:
+            result["outputs"] = session.run(None, feed, options)
+        except BaseException as exc:  # noqa: BLE001 - handed to the waiting thread, raised there
+            result["error"] = exc
+
+    worker = threading.Thread(target=work, name="parity-onnx-run", daemon=True)
+    worker.start()
+    try:
+        while worker.is_alive():
+            worker.join(0.25)
+    except KeyboardInterrupt:
+        options.terminate = True
+        worker.join(TERMINATE_WAIT_S)
+        raise
+    if "error" in result:
+        raise result["error"]
+    return result["outputs"]
