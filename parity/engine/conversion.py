@@ -364,26 +364,30 @@ def quantized_bounds(a: torch.Tensor, b: torch.Tensor, storage: Storage, a_dtype
 
     A value may lie its block's step from A's (``STEP_SLACK``), never less than A's own storage rounding (a zero
     step, where a block's values all equal its minimum, is a fact about the block).  In a K-quant a value at either
-    end of its block's grid (or in a zero-step block) may also lie as far as the rounding of the block's scale to a
-    multiple of d (and of its minimum to a multiple of dmin) moves it, with d and dmin those A's values call for."""
+    end of its block's grid (its code clamped, or in a zero-step block) may lie farther by as much as the rounding of
+    the block's scale to a multiple of d (and of its minimum to a multiple of dmin) moves it: (levels x d + dmin) / 2,
+    with d and dmin those A's values call for, plus the float16 rounding of d and dmin themselves (times ``SEARCH``)."""
     allowed = torch.maximum(STEP_SLACK * storage.steps.double(), spacing(a, a_dtype))
     x = stored_layout(storage.route, a.double())
     if x is None:
         return allowed, None
     b_steps = stored_layout(storage.route, storage.steps.double())
     if storage.dtype in K_QUANTS and x.shape[-1] % SUPER_BLOCK == 0:
-        span, sub, _ = K_FORMAT[storage.dtype]
+        span, sub, levels = K_FORMAT[storage.dtype]
         ideal, _, quantum, mquantum = k_statistics(x, storage.dtype)
+        # d and dmin are float16: a step moves by up to levels x half d's float16 spacing (a subnormal d: by much)
+        d_rounding, m_rounding = (levels * spacing(unit, "float16") / 2 for unit in (quantum, mquantum))
         offsets = None if storage.offsets is None else stored_layout(storage.route, storage.offsets.double())
         ends = k_ends(stored_layout(storage.route, b.double()), b_steps, offsets, storage.dtype,
-                      SEARCH * (span * quantum + mquantum) / 2)
-        allowed = torch.maximum(allowed, unstored(storage.route, ends).double())
-        return allowed, coarse_blocks(b_steps, ideal, SEARCH * (ideal + quantum / 2), sub, x, a_dtype)
+                      SEARCH * ((span * quantum + mquantum) / 2 + span * d_rounding + m_rounding))
+        allowed = allowed + unstored(storage.route, ends).double()  # 0 away from the grid's ends
+        limit = SEARCH * (ideal + quantum / 2) + d_rounding
+        return allowed, coarse_blocks(b_steps, ideal, limit, sub, x, a_dtype)
     if a_steps is None:
         return allowed, None
     group = block_values(storage)
     needed = a_steps.double().reshape(-1, group)[:, 0]
-    return allowed, coarse_blocks(b_steps, needed, SEARCH * needed, group, x, a_dtype)
+    return allowed, coarse_blocks(b_steps, needed, SEARCH * needed + spacing(needed, "float16"), group, x, a_dtype)
 
 
 def block_values(storage: Storage) -> int:
