@@ -349,8 +349,12 @@ def spacing(values: torch.Tensor, dtype: str) -> torch.Tensor:
 def ulp_excess(cast: torch.Tensor, b: torch.Tensor, dtype: str) -> dict:
     """How far each of B's values is from A's value cast to B's dtype (``cast``), in units in the last place of
     that dtype at the value: a cast or a re-save makes every value exactly its cast (within one such unit for
-    another rounding mode).  The count beyond one, the worst, where it is, and both values there."""
+    another rounding mode; a subnormal may be flushed to zero).  The count beyond one, the worst, where it is, and
+    both values there."""
     units = ((b.double() - cast.double()).abs() / spacing(cast, dtype)).nan_to_num(math.inf)
+    kind = getattr(torch, dtype, None)
+    if isinstance(kind, torch.dtype) and kind.is_floating_point:  # a subnormal flushed to zero: another rounding
+        units = torch.where((b == 0) & (cast.abs() < torch.finfo(kind).tiny), 0.0, units)
     worst = int(units.flatten().argmax())
     index = [int(i) for i in torch.unravel_index(torch.tensor(worst), units.shape)]
     return {"values_beyond_ulp": int((units > 1).sum()), "max_ulps": float(units.flatten()[worst]), "at": index,
