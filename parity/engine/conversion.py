@@ -403,13 +403,15 @@ def block_values(storage: Storage) -> int:
 
 def k_ends(b: torch.Tensor, steps: torch.Tensor, offsets: torch.Tensor | None, name: str,
            extra: torch.Tensor) -> torch.Tensor:
-    """``extra`` (per super-block) where B's value sits at an end of its block's grid (its code clamped: Q4_K/Q5_K
-    codes 0 and 2^bits - 1, Q6_K's -32 and 31) or its block's step is zero, else 0; stored layout."""
+    """Where B's value sits at an end of its block's grid (its code clamped: Q4_K/Q5_K codes 0 and 2^bits - 1, Q6_K's
+    -32 and 31) or its block's step is zero: ``extra`` (per super-block) plus (``SEARCH`` - 1) steps, since a
+    quantizer searching steps up to a level either side of range/levels clamps values that far; else 0.  Stored
+    layout."""
     span = K_FORMAT[name][0]
     start = offsets if offsets is not None else torch.zeros_like(b)
     codes = torch.round((b - start) / torch.where(steps > 0, steps, torch.ones_like(steps)))
     at_end = (codes.abs() >= span - 1) if name == "Q6_K" else (codes <= 0) | (codes >= span)
-    per_value = extra.expand(-1, SUPER_BLOCK).reshape(b.shape)
+    per_value = extra.expand(-1, SUPER_BLOCK).reshape(b.shape) + (SEARCH - 1) * steps
     return torch.where(at_end | (steps == 0), per_value, torch.zeros_like(per_value))
 
 
