@@ -11,10 +11,11 @@ float32 against float64, as in a check.
 The tolerance is what B's storage can honestly change (``conversion.py``): A's tensors converted the way B
 stores them (nothing for the same dtype; rounded to B's dtype; re-quantized to B's GGUF type), run through
 the same MLP, deviate from the truth by the *conversion deviation*; B passes when
-``max|B - A| <= max(16 x noise floor, F x conversion deviation)``, every quantized value of B
-lies within its block's step of A's, and nothing overflowed (F: ``CAST_FACTOR`` for a cast, ``QUANT_FACTOR``
-for a quantization).  A failing layer is explained by replaying
-known conversion mistakes on A's tensors (converted as B stores them) and naming the one B reproduces.
+``max|B - A| <= max(16 x noise floor, F x conversion deviation)``, every value of B is what its storage
+can make of A's (a quantized value within its block's step, on a grid no coarser than the format's quantizer
+chooses for A; a cast's within one ulp of A's cast), and nothing overflowed (F: ``CAST_FACTOR`` for a cast,
+``QUANT_FACTOR`` for a quantization).  A failing layer is explained by replaying known conversion mistakes on A's
+tensors (converted as B stores them) and naming the one B reproduces.
 """
 
 from __future__ import annotations

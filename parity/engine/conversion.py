@@ -5,16 +5,22 @@ Each of a layer's FFN tensors is read as its checkpoint stores it and routed to 
 parameter names by that checkpoint's mapping (GGUF names, Conv1D transposes, fused halves), so A's and
 B's tensors are compared name by name in one layout.  How B stores a tensor decides what B may differ by:
 
-* the same dtype as A: nothing (bit-identical is the expected case, and reported as such);
-* another float dtype (bfloat16 -> float16, float32 -> bfloat16): A's value rounded to B's dtype;
-* a GGUF quantized type: every value within its block's quantization step of A's value.  The step is read
-  from the file where the block layout puts it in the first two bytes (the float16 scale ``d`` of Q4_0,
-  Q4_1, Q5_0, Q5_1, Q8_0); for the other types (K-quants, ...) it is estimated from the block's own values
-  (the smallest gap between its distinct dequantized values).
+* the same dtype as A: nothing (bit-identical is the expected case, and reported as such), each value within
+  one ulp of A's;
+* another float dtype (bfloat16 -> float16, float32 -> bfloat16): A's value rounded to B's dtype, each value of
+  B within one ulp of that dtype of A's cast (``ulp_excess``: value_corrupted otherwise);
+* a GGUF quantized type: every value within its block's quantization step of A's value, never less than A's own
+  storage rounding (``quantized_bounds``).  The step is read from the file: the float16 scale ``d`` in the first
+  two bytes of Q4_0, Q4_1, Q5_0, Q5_1, Q8_0 blocks, MXFP4's E8M0 exponent, the K-quants' super-block scales; for
+  the other types it is estimated from the block's own values (the smallest gap between its distinct values).
+  Each block's step is also held to what a quantizer of the format chooses for A's values there
+  (``coarse_blocks``: grid_too_coarse).
 
-``convert_like`` makes A's tensor as B's storage would hold it (cast, or re-quantized with
-``gguf.quants.quantize`` in B's stored layout; where gguf cannot quantize the type, A's values rounded onto
-B's own block lattice): the function-level deviation that conversion alone causes is what B is judged against.
+``reference_conversion`` makes A's tensor as B's storage would hold it, from A alone: cast, re-quantized with
+``gguf.quants.quantize`` in B's stored layout, or for the K-quants (which gguf cannot write) quantized by
+round-to-nearest on the grid A's own blocks call for (``k_requantize``).  Only types with neither (Q2_K, Q3_K, IQ)
+fall back to A rounded onto B's estimated lattice.  The function-level deviation that conversion alone causes is
+what B is judged against.
 """
 
 from __future__ import annotations
