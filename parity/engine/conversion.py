@@ -246,7 +246,7 @@ def reference_conversion(a: torch.Tensor, storage: Storage) -> tuple[torch.Tenso
         if not isinstance(target, torch.dtype) or target == a.dtype:
             return a.float(), "as stored", None
         return a.to(target).float(), f"rounded to {storage.dtype}", None
-    stored = stored_layout(storage.route, a.double())
+    stored = stored_layout(storage.route, a.float())
     if stored is not None and storage.dtype in K_QUANTS and stored.shape[-1] % SUPER_BLOCK == 0:
         values, steps = k_requantize(stored, storage.dtype)
         return (unstored(storage.route, values), f"re-quantized to {storage.dtype} by rounding to the nearest level "
@@ -292,7 +292,7 @@ def requantize(a: torch.Tensor, storage: Storage) -> tuple[torch.Tensor, torch.T
 
 
 def k_statistics(x: torch.Tensor, name: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """What a K-quant quantizer makes of A's values ``x`` (stored layout, float64), per sub-block: the step they
+    """What a K-quant quantizer makes of A's values ``x`` (stored layout, float32), per sub-block: the step they
     call for (their range over ``K_FORMAT``'s levels) and the minimum below zero; per super-block the unit d of
     the sub-block scales and dmin of the minima.  Shapes: [super-blocks, sub-blocks] and [super-blocks, 1]."""
     span, sub, levels = K_FORMAT[name]
@@ -306,13 +306,13 @@ def k_statistics(x: torch.Tensor, name: str) -> tuple[torch.Tensor, torch.Tensor
 
 
 def k_requantize(x: torch.Tensor, name: str) -> tuple[torch.Tensor, torch.Tensor]:
-    """A's values ``x`` (stored layout, float64) quantized to K-quant ``name`` by round-to-nearest: each sub-block's
+    """A's values ``x`` (stored layout, float32) quantized to K-quant ``name`` by round-to-nearest: each sub-block's
     step its range over the levels, rounded to a multiple of the float16 d (Q4_K/Q5_K: the minimum likewise under
     dmin), each value to the nearest level (clamped to the codes).  Returns the values and each value's step."""
     span, sub, levels = K_FORMAT[name]
     blocks = x.reshape(-1, SUPER_BLOCK // sub, sub)
     ideal, mins, quantum, mquantum = k_statistics(x, name)
-    d = quantum.to(torch.float16).double()
+    d = quantum.to(torch.float16).to(x.dtype)
     safe_d = torch.where(d > 0, d, torch.ones_like(d))
     if name == "Q6_K":  # signed scale: the largest magnitude maps to code -32
         pick = blocks.gather(-1, blocks.abs().argmax(-1, keepdim=True)).squeeze(-1)
@@ -320,7 +320,7 @@ def k_requantize(x: torch.Tensor, name: str) -> tuple[torch.Tensor, torch.Tensor
         safe = torch.where(step != 0, step, torch.ones_like(step)).unsqueeze(-1)
         values = torch.where(step.unsqueeze(-1) != 0, torch.round(blocks / safe).clamp(-32, 31) * safe, 0.0)
     else:
-        dmin = mquantum.to(torch.float16).double()
+        dmin = mquantum.to(torch.float16).to(x.dtype)
         safe_m = torch.where(dmin > 0, dmin, torch.ones_like(dmin))
         step = torch.where(d > 0, torch.round(ideal / safe_d).clamp(0, levels), 0.0) * d
         offset = (-torch.where(dmin > 0, torch.round(mins / safe_m).clamp(0, levels), 0.0) * dmin).unsqueeze(-1)
@@ -344,11 +344,12 @@ def on_lattice(a: torch.Tensor, steps: torch.Tensor | None, offsets: torch.Tenso
 
 def spacing(values: torch.Tensor, dtype: str) -> torch.Tensor:
     """One unit in the last place of ``dtype`` (a torch dtype's name; float32 for anything else, such as a GGUF
-    quantized type dequantized) at each value, in float64: the rounding that storing the value in it may cause."""
+    quantized type dequantized) at each value, in float32: the rounding that storing the value in it may cause."""
     kind = getattr(torch, dtype, None)
     info = torch.finfo(kind if isinstance(kind, torch.dtype) and kind.is_floating_point else torch.float32)
-    exponent = torch.frexp(values.double().nan_to_num(0.0, info.max, -info.max))[1]
-    magnitude = torch.ldexp(torch.ones_like(exponent, dtype=torch.float64), exponent - 1)
+    limit = min(info.max, torch.finfo(torch.float32).max)
+    exponent = torch.frexp(values.float().nan_to_num(0.0, limit, -limit))[1]
+    magnitude = torch.ldexp(torch.ones_like(exponent, dtype=torch.float32), exponent - 1)
     return info.eps * torch.where(values == 0, info.tiny, magnitude.clamp_min(info.tiny))
 
 
@@ -357,7 +358,7 @@ def ulp_excess(cast: torch.Tensor, b: torch.Tensor, dtype: str) -> dict:
     that dtype at the value: a cast or a re-save makes every value exactly its cast (within one such unit for
     another rounding mode; a subnormal may be flushed to zero).  The count beyond one, the worst, where it is, and
     both values there."""
-    units = ((b.double() - cast.double()).abs() / spacing(cast, dtype)).nan_to_num(math.inf)
+    units = ((b.float() - cast.float()).abs() / spacing(cast, dtype)).nan_to_num(math.inf)
     kind = getattr(torch, dtype, None)
     if isinstance(kind, torch.dtype) and kind.is_floating_point:  # a subnormal flushed to zero: another rounding
         units = torch.where((b == 0) & (cast.abs() < torch.finfo(kind).tiny), 0.0, units)
@@ -377,26 +378,26 @@ def quantized_bounds(a: torch.Tensor, b: torch.Tensor, storage: Storage, a_dtype
     end of its block's grid (its code clamped, or in a zero-step block) may lie farther by as much as the rounding of
     the block's scale to a multiple of d (and of its minimum to a multiple of dmin) moves it: (levels x d + dmin) / 2,
     with d and dmin those A's values call for, plus the float16 rounding of d and dmin themselves (times ``SEARCH``)."""
-    allowed = torch.maximum(STEP_SLACK * storage.steps.double(), spacing(a, a_dtype))
-    x = stored_layout(storage.route, a.double())
+    allowed = torch.maximum(STEP_SLACK * storage.steps.float(), spacing(a, a_dtype))
+    x = stored_layout(storage.route, a.float())
     if x is None:
         return allowed, None
-    b_steps = stored_layout(storage.route, storage.steps.double())
+    b_steps = stored_layout(storage.route, storage.steps.float())
     if storage.dtype in K_QUANTS and x.shape[-1] % SUPER_BLOCK == 0:
         span, sub, levels = K_FORMAT[storage.dtype]
         ideal, _, quantum, mquantum = k_statistics(x, storage.dtype)
         # d and dmin are float16: a step moves by up to levels x half d's float16 spacing (a subnormal d: by much)
         d_rounding, m_rounding = (levels * spacing(unit, "float16") / 2 for unit in (quantum, mquantum))
-        offsets = None if storage.offsets is None else stored_layout(storage.route, storage.offsets.double())
-        ends = k_ends(stored_layout(storage.route, b.double()), b_steps, offsets, storage.dtype,
+        offsets = None if storage.offsets is None else stored_layout(storage.route, storage.offsets.float())
+        ends = k_ends(stored_layout(storage.route, b.float()), b_steps, offsets, storage.dtype,
                       SEARCH * ((span * quantum + mquantum) / 2 + span * d_rounding + m_rounding))
-        allowed = allowed + unstored(storage.route, ends).double()  # 0 away from the grid's ends
+        allowed = allowed + unstored(storage.route, ends).float()  # 0 away from the grid's ends
         limit = SEARCH * (ideal + quantum / 2) + d_rounding
         return allowed, coarse_blocks(b_steps, ideal, limit, sub, x, a_dtype)
     if a_steps is None:
         return allowed, None
     group = block_values(storage)
-    needed = a_steps.double().reshape(-1, group)[:, 0]
+    needed = a_steps.float().reshape(-1, group)[:, 0]
     return allowed, coarse_blocks(b_steps, needed, SEARCH * needed + spacing(needed, "float16"), group, x, a_dtype)
 
 
@@ -445,10 +446,10 @@ def step_excess(a: torch.Tensor, b: torch.Tensor, steps: torch.Tensor, allowed: 
     """How far B's values are from A's in units of their block's step: the count beyond their allowed distance
     (``allowed``; default ``STEP_SLACK`` x step), the worst in steps, and where it is (the value most beyond its
     allowance when one is; a zero-step value within its allowance counts 0 steps)."""
-    diff = (b.double() - a.double()).abs()
-    allowed = STEP_SLACK * steps.double() if allowed is None else allowed
+    diff = (b.float() - a.float()).abs()
+    allowed = STEP_SLACK * steps.float() if allowed is None else allowed
     beyond = diff > allowed
-    units = torch.where(steps > 0, diff / steps.double().clamp_min(1e-30), torch.where(beyond, math.inf, 0.0))
+    units = torch.where(steps > 0, diff / steps.float().clamp_min(1e-30), torch.where(beyond, math.inf, 0.0))
     pick = diff / allowed.clamp_min(1e-300) if bool(beyond.any()) else units
     worst = int(pick.nan_to_num(math.inf).flatten().argmax())
     index = [int(i) for i in torch.unravel_index(torch.tensor(worst), units.shape)]
