@@ -160,8 +160,8 @@ MISTAKES = {m.id: m for m in [
     Mistake(MistakeId.ZEROED_TENSOR, "every quantization code of checkpoint B's tensor is zero: the blocks keep "
             "their scales but none of A's values",
             "re-export the tensor: the quantizer wrote its codes empty (an unfilled buffer, a failed pack)"),
-    Mistake(MistakeId.NONFINITE_SCALE, "a block scale of checkpoint B's quantized tensor is NaN or Inf, so every "
-            "value of that block is", "re-quantize the tensor from A's weights: the block's float16 scale "
+    Mistake(MistakeId.NONFINITE_SCALE, "a block scale of checkpoint B's quantized tensor is NaN or Inf: every "
+            "value of that block is NaN or Inf", "re-quantize the tensor from A's weights: the block's float16 scale "
             "overflowed or was written corrupt"),
     Mistake(MistakeId.CONVERSION_UNEXPLAINED, "checkpoint B's layer computes another function than A's, and no "
             "known conversion mistake explains it",
