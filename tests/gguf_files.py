@@ -97,3 +97,93 @@ def gguf_gpt2(model, path: Path, qtype: Q = Q.F32) -> Path:
         tensors[f"blk.{layer}.ffn_down.weight"] = (state[prefix + "c_proj.weight"].t().contiguous().numpy(), qtype)
         tensors[f"blk.{layer}.ffn_down.bias"] = (state[prefix + "c_proj.bias"].numpy(), Q.F32)
     return write_gguf(path, "gpt2", meta, tensors)
+
+
+# -- K-quants quantized here: gguf reads Q4_K / Q5_K / Q6_K but cannot write them ---------------------------------
+
+def _half(values: np.ndarray) -> np.ndarray:
+    """float16 bytes of a [blocks] array, as [blocks, 2]."""
+    return values.astype(np.float16).reshape(-1, 1).view(np.uint8)
+
+
+def _rounded(values: np.ndarray, unit: np.ndarray, low: int, high: int) -> np.ndarray:
+    """round(values / unit) clamped to [low, high]; 0 where the unit is 0."""
+    safe = np.where(unit != 0, unit, 1.0)
+    return np.where(unit != 0, np.clip(np.rint(values / safe), low, high), 0.0)
+
+
+def k_quantize(values: np.ndarray, qtype: Q, coarsen: float = 1.0) -> np.ndarray:
+    """``values`` [rows, cols] (cols a multiple of 256) as Q4_K, Q5_K or Q6_K bytes, quantized the way the format's
+    quantizer does, by round-to-nearest: each sub-block's scale its range over the levels (``coarsen`` times that:
+    a grid coarser than the values need), rounded to a multiple of the super-block's float16 d, the codes rounded to
+    it.  gguf's own dequantizer reads what this writes (the tests compare against it)."""
+    rows, cols = values.shape
+    if qtype == Q.Q6_K:
+        return _q6_k(values.reshape(-1, 16, 16).astype(np.float64), coarsen).reshape(rows, -1)
+    levels = 15 if qtype == Q.Q4_K else 31
+    x = values.reshape(-1, 8, 32).astype(np.float64)
+    low = np.minimum(x.min(-1), 0.0)
+    scale, mins = (x.max(-1) - low) / levels * coarsen, -low
+    d = (scale.max(-1) / 63).astype(np.float16).astype(np.float64)[:, None]
+    dmin = (mins.max(-1) / 63).astype(np.float16).astype(np.float64)[:, None]
+    ls, lm = _rounded(scale, d, 0, 63), _rounded(mins, dmin, 0, 63)
+    codes = _rounded(x + (dmin * lm)[..., None], (d * ls)[..., None], 0, levels).astype(np.uint8)
+    ls, lm = ls.astype(np.uint8), lm.astype(np.uint8)
+    packed = np.zeros((len(x), 12), dtype=np.uint8)
+    for j in range(4):
+        packed[:, j] = ls[:, j] | ((ls[:, j + 4] >> 4) << 6)
+        packed[:, j + 4] = lm[:, j] | ((lm[:, j + 4] >> 4) << 6)
+        packed[:, j + 8] = (ls[:, j + 4] & 15) | ((lm[:, j + 4] & 15) << 4)
+    low_bits = codes & 15
+    qs = np.concatenate([low_bits[:, 2 * c] | (low_bits[:, 2 * c + 1] << 4) for c in range(4)], axis=1)
+    parts = [_half(d), _half(dmin), packed]
+    if qtype == Q.Q5_K:  # the fifth bit of sub-block j's value l is bit j of qh[l]
+        qh = sum((codes[:, j] >> 4).astype(np.uint16) << j for j in range(8)).astype(np.uint8)
+        parts.append(qh)
+    return np.concatenate([*parts, qs], axis=1).reshape(rows, -1)
+
+
+def _q6_k(x: np.ndarray, coarsen: float) -> np.ndarray:
+    """Q6_K bytes of [super-blocks, 16, 16] values: the largest magnitude of a sub-block maps to code -32."""
+    pick = np.take_along_axis(x, np.abs(x).argmax(-1)[..., None], -1)[..., 0]
+    scale = -pick / 32 * coarsen
+    d = (np.abs(scale).max(-1) / 127).astype(np.float16).astype(np.float64)[:, None]
+    ls = _rounded(scale, d, -128, 127)
+    codes = (_rounded(x, (d * ls)[..., None], -32, 31) + 32).astype(np.uint8).reshape(-1, 256)
+    ql, qh = np.zeros((len(x), 128), dtype=np.uint8), np.zeros((len(x), 64), dtype=np.uint8)
+    for n in range(2):
+        q = [codes[:, 128 * n + 32 * k:128 * n + 32 * k + 32] for k in range(4)]
+        ql[:, 64 * n:64 * n + 32] = (q[0] & 15) | ((q[2] & 15) << 4)
+        ql[:, 64 * n + 32:64 * n + 64] = (q[1] & 15) | ((q[3] & 15) << 4)
+        qh[:, 32 * n:32 * n + 32] = (q[0] >> 4) | ((q[1] >> 4) << 2) | ((q[2] >> 4) << 4) | ((q[3] >> 4) << 6)
+    return np.concatenate([ql, qh, ls.astype(np.int8).view(np.uint8), _half(d)], axis=1)
+
+
+def write_k_gguf(model, path: Path, qtype: Q, edits: dict | None = None, extra: dict | None = None) -> Path:
+    """The FFN tensors of a tiny LLaMA as a GGUF of ``qtype`` (``k_quantize``); ``edits``: GGUF name -> a function
+    of (values, bytes) returning the bytes to write instead (a broken export); ``extra``: name -> values of tensors
+    written before the model's own."""
+    config, state = model.config, model.state_dict()
+    meta = {"block_count": config.num_hidden_layers, "embedding_length": config.hidden_size,
+            "feed_forward_length": config.intermediate_size, "attention.head_count": config.num_attention_heads,
+            "attention.head_count_kv": config.num_key_value_heads, "context_length": 64,
+            "attention.layer_norm_rms_epsilon": 1e-6}
+    writer = GGUFWriter(str(path), "llama")
+    for key, value in meta.items():
+        (writer.add_float32 if isinstance(value, float) else writer.add_uint32)(f"llama.{key}", value)
+    writer.add_token_list([f"tok{i}" for i in range(64)])
+    for name, values in (extra or {}).items():
+        writer.add_tensor(name, quantize(values, qtype), raw_dtype=qtype)
+    for layer in range(config.num_hidden_layers):
+        for hf, gg in HF_TO_GGUF.items():
+            values = state[f"model.layers.{layer}.mlp.{hf}"].float().numpy()
+            data = quantize(values, qtype) if qtype in (Q.Q8_0, Q.Q4_0) else k_quantize(values, qtype)
+            name = f"blk.{layer}.{gg}"
+            if edits and name in edits:
+                data = edits[name](values, data.copy())
+            writer.add_tensor(name, data, raw_dtype=qtype)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path

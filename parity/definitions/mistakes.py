@@ -49,6 +49,10 @@ class MistakeId(StrEnum):
     TENSOR_MISSING = "tensor_missing"
     BYTES_REINTERPRETED = "bytes_reinterpreted"
     QUANTIZATION_EXCEEDS_STEP = "quantization_exceeds_step"
+    VALUE_CORRUPTED = "value_corrupted"
+    GRID_TOO_COARSE = "grid_too_coarse"
+    ZEROED_TENSOR = "zeroed_tensor"
+    NONFINITE_SCALE = "nonfinite_scale"
     CONVERSION_UNEXPLAINED = "conversion_unexplained"
 
 
@@ -144,6 +148,21 @@ MISTAKES = {m.id: m for m in [
             "block's own quantization step allows",
             "re-quantize from A's original weights (not from an already rounded or edited copy); check the "
             "quantizer's block layout"),
+    Mistake(MistakeId.VALUE_CORRUPTED, "a value of checkpoint B is not what casting A's value to B's dtype gives: "
+            "it is farther from it than one unit in the last place of B's dtype, which no cast or re-save produces",
+            "re-export the tensor from A with a plain cast (tensor.to(dtype)); the file was edited or corrupted "
+            "after the conversion (a flipped bit, a bad write, an in-place edit)"),
+    Mistake(MistakeId.GRID_TOO_COARSE, "checkpoint B's quantized blocks use a coarser grid (a larger step) than "
+            "the format's own quantizer chooses for A's values in those blocks: fewer bits of A are kept than the "
+            "format claims",
+            "re-quantize from A's original weights with the format's own quantizer (llama-quantize, "
+            "gguf.quants.quantize); the exporter chose the block scales itself"),
+    Mistake(MistakeId.ZEROED_TENSOR, "every quantization code of checkpoint B's tensor is zero: the blocks keep "
+            "their scales but none of A's values",
+            "re-export the tensor: the quantizer wrote its codes empty (an unfilled buffer, a failed pack)"),
+    Mistake(MistakeId.NONFINITE_SCALE, "a block scale of checkpoint B's quantized tensor is NaN or Inf: every "
+            "value of that block is NaN or Inf", "re-quantize the tensor from A's weights: the block's float16 scale "
+            "overflowed or was written corrupt"),
     Mistake(MistakeId.CONVERSION_UNEXPLAINED, "checkpoint B's layer computes another function than A's, and no "
             "known conversion mistake explains it",
             "compare the layer's tensors one by one (the report lists which differ beyond the conversion's bound)"),
@@ -247,5 +266,11 @@ PRODUCED_BY: dict[MistakeId, str] = {
     MistakeId.TENSOR_MISSING: "finding (compare): B's layer lacks one of the FFN's tensors",
     MistakeId.BYTES_REINTERPRETED: "finding (compare): B's 16-bit patterns equal A's in the other 16-bit dtype",
     MistakeId.QUANTIZATION_EXCEEDS_STEP: "finding (compare): B's values against A's, per block's step from the file",
+    MistakeId.VALUE_CORRUPTED: "finding (compare): a value of a cast or re-saved B more than one ulp of B's dtype "
+                               "from A's value cast to that dtype",
+    MistakeId.GRID_TOO_COARSE: "finding (compare): a block's step in B's file against the step the format's "
+                               "quantizer chooses for A's values in that block",
+    MistakeId.ZEROED_TENSOR: "finding (compare): every code of B's quantized tensor is zero, read from its blocks",
+    MistakeId.NONFINITE_SCALE: "finding (compare): a NaN/Inf block scale in B's quantized tensor, read from its blocks",
     MistakeId.CONVERSION_UNEXPLAINED: "finding (compare): no conversion replay within the tolerance",
 }

@@ -11,10 +11,11 @@ float32 against float64, as in a check.
 The tolerance is what B's storage can honestly change (``conversion.py``): A's tensors converted the way B
 stores them (nothing for the same dtype; rounded to B's dtype; re-quantized to B's GGUF type), run through
 the same MLP, deviate from the truth by the *conversion deviation*; B passes when
-``max|B - A| <= max(16 x noise floor, F x conversion deviation)``, every quantized value of B
-lies within its block's step of A's, and nothing overflowed (F: ``CAST_FACTOR`` for a cast, ``QUANT_FACTOR``
-for a quantization).  A failing layer is explained by replaying
-known conversion mistakes on A's tensors (converted as B stores them) and naming the one B reproduces.
+``max|B - A| <= max(16 x noise floor, F x conversion deviation)``, every value of B is what its storage
+can make of A's (a quantized value within its block's step, on a grid no coarser than the format's quantizer
+chooses for A; a cast's within one ulp of A's cast), and nothing overflowed (F: ``CAST_FACTOR`` for a cast,
+``QUANT_FACTOR`` for a quantization).  A failing layer is explained by replaying known conversion mistakes on A's
+tensors (converted as B stores them) and naming the one B reproduces.
 """
 
 from __future__ import annotations
@@ -174,11 +175,16 @@ class Comparison:
         return notes
 
     def config_change(self) -> str | None:
-        """How B's config changes the FFN's function where its tensors cannot say: another activation."""
+        """How B's config changes the FFN's function where its tensors cannot say: another activation.  Names are
+        resolved through transformers' ACT2FN (what a model loading the config runs), so an alias of the same
+        function ("swish" for "silu") is no change."""
         act_a, act_b = configured_activation(self.a.config), configured_activation(self.b.config)
-        if act_a != act_b:
-            return f"B's config names activation {act_b!r}, A's {act_a!r}: a model loading B runs {act_b}"
-        return None
+        if act_a == act_b:
+            return None
+        differs = activations_differ(act_a, act_b)
+        if differs is None:
+            return None
+        return f"B's config names activation {act_b!r}, A's {act_a!r}: a model loading B runs {act_b} ({differs})"
 
     @property
     def num_layers(self) -> int:
@@ -243,6 +249,7 @@ class Comparison:
         runs = Runs(truth.out64, truth.out32, out_b, out_b)
         result = judge(layer, expert, runs, a.routed, truth.z, tolerance, self.a.checkpoint.weights, a.facts)
         result = CompareLayer(**{f.name: getattr(result, f.name) for f in dataclasses.fields(LayerResult)})
+        result.unverifiable = compare_terms(result.unverifiable)
         result.conversion = conversion_record(rows, b, conv_dev, result.max_abs_diff, factor, changed)
         result.fingerprint = pair_fingerprint(a, b)
         self.verdict(result, (layer, expert), a, b, x, truth.out64, rows)
@@ -251,9 +258,16 @@ class Comparison:
 
     def verdict(self, result: CompareLayer, unit: tuple[int, int | None], a: SideLayer, b: SideLayer, x: torch.Tensor,
                 out64: torch.Tensor, rows: list[dict]) -> None:
-        """Findings first (overflow, values beyond their step), then replays of conversion mistakes."""
+        """Findings about B's blocks first (a NaN/Inf scale, every code zero), then the config, overflow; a layer
+        whose function differs beyond its tolerance is explained by replays of conversion mistakes, then by what its
+        values show (a grid too coarse, values beyond their step or ulp); one within its tolerance only by these."""
         overflowed = [(row["name"], row["overflow"]) for row in rows if row.get("overflow")]
-        beyond = [row for row in rows if (row.get("steps") or {}).get("values_beyond_step")]
+        beyond = [row for row in rows if (row.get("steps") or {}).get("values_beyond_step")
+                  or (row.get("ulps") or {}).get("values_beyond_ulp")]
+        found = block_finding(rows, b, result.max_abs_diff)
+        if found is not None:  # a defect of B's blocks, read from its file: whatever the layer's tolerance
+            result.passed, result.unverifiable, result.diagnosis = False, None, found
+            return
         if result.unverifiable is not None:
             return
         changed = self.config_change()
@@ -262,17 +276,19 @@ class Comparison:
             result.diagnosis = diagnosis(MistakeId.CONFIG_CHANGED, None, result.max_abs_diff, changed)
             return
         if overflowed:
-            same = {row["name"] for row in rows if row["a_dtype"] == row["storage"]}
-            mistake = MistakeId.NONFINITE_VALUES if all(n in same for n, _ in overflowed) else MistakeId.CAST_OVERFLOW
+            cast = {row["name"] for row in rows
+                    if row["a_dtype"] != row["storage"] and not b.storage[row["name"]].quantized}
+            mistake = MistakeId.CAST_OVERFLOW if any(n in cast for n, _ in overflowed) else MistakeId.NONFINITE_VALUES
             result.passed = False
             result.diagnosis = diagnosis(mistake, None, result.max_abs_diff,
                                          "; ".join(f"{n}: {why}" for n, why in overflowed))
             return
-        if result.passed and not beyond:
+        if result.passed and not beyond and not any(row.get("grid") for row in rows):
             return
+        replay = not result.passed  # within its tolerance, a replay could only name what the function cannot show
         result.passed = False
-        result.diagnosis = self.explain(unit, a, b, x, out64, result.tolerance, result.max_abs_diff or math.inf,
-                                        rows, beyond)
+        result.diagnosis = self.explain(unit, a, b, x, out64, result.tolerance if replay else -math.inf,
+                                        result.max_abs_diff or math.inf, rows, beyond)
 
     def explain(self, unit: tuple[int, int | None], a: SideLayer, b: SideLayer, x: torch.Tensor,
                 out64: torch.Tensor, tolerance: float, reference_distance: float, rows: list[dict],
@@ -282,24 +298,26 @@ class Comparison:
         when no single-tensor replay explains it are A's other experts of the layer, then its neighbouring layers,
         read."""
         layer = unit[0]
-        out_b = self.run64(layer, b.routed, x)
         differing = [row["name"] for row in rows if row["differs"]]
         candidates: list[Candidate] = []
-        best = self.replay_all(layer, hypotheses(a.routed, b.routed, b.storage, differing), a, b, x, out_b,
-                               candidates)
-        for search in (self.expert_hypotheses, self.neighbour_hypotheses):
-            if best is not None and best[0] <= tolerance:
-                break
-            shifted = self.replay_all(layer, search(unit, a, b), a, b, x, out_b, candidates)
-            if shifted is not None and (best is None or shifted[0] < best[0]):
-                best = shifted
+        best = None
+        if tolerance >= 0:  # -inf: the layer's function is within its tolerance, no replay to run
+            out_b = self.run64(layer, b.routed, x)
+            best = self.replay_all(layer, hypotheses(a.routed, b.routed, b.storage, differing), a, b, x, out_b,
+                                   candidates)
+            for search in (self.expert_hypotheses, self.neighbour_hypotheses):
+                if best is not None and best[0] <= tolerance:
+                    break
+                shifted = self.replay_all(layer, search(unit, a, b), a, b, x, out_b, candidates)
+                if shifted is not None and (best is None or shifted[0] < best[0]):
+                    best = shifted
         if best is not None and best[0] <= tolerance:
             return diagnosis(best[1], best[0], reference_distance, best[2], candidates)
+        coarse = grid_finding(rows, b, reference_distance, candidates)
+        if coarse is not None:
+            return coarse
         if beyond:
-            detail = "; ".join(f"{row['name']} ({row['storage']}, step from the {row['step_source']}): "
-                               f"{row['steps']['values_beyond_step']} values beyond one step, worst "
-                               f"{row['steps']['max_steps']:.2f} steps at {row['steps']['at']}" for row in beyond)
-            return diagnosis(MistakeId.QUANTIZATION_EXCEEDS_STEP, None, reference_distance, detail, candidates)
+            return beyond_finding(beyond, reference_distance, candidates)
         closest = f"closest: {best[1]}, {best[2]}, at {best[0]:.2e}; " if best else ""
         detail = f"{closest}tensors beyond the conversion's bound: {', '.join(differing) or 'none'}"
         return diagnosis(MistakeId.CONVERSION_UNEXPLAINED, best[0] if best else None, reference_distance, detail,
@@ -373,6 +391,98 @@ class Comparison:
                                        "from headers; their values are not judged"})
 
 
+ACTIVATION_GRID = (-20.0, 20.0, 4001)  # where two activations are compared, in float64
+SAME_FUNCTION = 1e-9  # two activations agreeing within this (relative to their largest output) are one function
+
+
+def activations_differ(name_a: str | None, name_b: str | None) -> str | None:
+    """How two configured activation names differ as functions (None: they are one function): each resolved through
+    transformers' ACT2FN and evaluated in float64 on ``ACTIVATION_GRID``; a name ACT2FN does not know differs by
+    its name.  Two classes can compute one function (SiLU as "silu" and as "swish"), hence the evaluation."""
+    from transformers.activations import ACT2FN
+
+    try:
+        fn_a, fn_b = ACT2FN[name_a], ACT2FN[name_b]
+    except KeyError as exc:
+        return f"{exc.args[0]!r} is no activation transformers knows"
+    z = torch.linspace(*ACTIVATION_GRID[:2], ACTIVATION_GRID[2], dtype=torch.float64)
+    try:
+        with torch.no_grad():
+            out_a, out_b = fn_a(z), fn_b(z)
+    except Exception:  # an activation that cannot run on a float64 vector: judged by its class
+        if type(fn_a) is type(fn_b):
+            return None
+        return f"transformers runs {type(fn_b).__name__} for it, {type(fn_a).__name__} for A's"
+    gap = float((out_a - out_b).abs().max())
+    scale = max(1.0, float(out_a.abs().max()))
+    if gap <= SAME_FUNCTION * scale:
+        return None
+    worst = float(z[(out_a - out_b).abs().argmax()])
+    return (f"transformers' {type(fn_b).__name__} against {type(fn_a).__name__}: they differ by up to {gap:.3g} "
+            f"at z = {worst:.3g}")
+
+
+def beyond_finding(beyond: list[dict], reference_distance: float, candidates: list[Candidate]) -> Diagnosis:
+    """Values of B beyond what their storage allows, no replay explaining them: quantized values beyond their step
+    (quantization_exceeds_step), else a cast's or re-save's values beyond one ulp of A's cast (value_corrupted)."""
+    stepped = [row for row in beyond if (row.get("steps") or {}).get("values_beyond_step")]
+    if stepped:
+        detail = "; ".join(f"{row['name']} ({row['storage']}, step from the {row['step_source']}): "
+                           f"{row['steps']['values_beyond_step']} values beyond one step, worst "
+                           f"{row['steps']['max_steps']:.2f} steps at {row['steps']['at']}" for row in stepped)
+        return diagnosis(MistakeId.QUANTIZATION_EXCEEDS_STEP, None, reference_distance, detail, candidates)
+    detail = "; ".join(f"{row['name']} ({row['a_dtype']} -> {row['storage']}): {row['ulps']['values_beyond_ulp']} of "
+                       f"its values beyond one ulp of A's value cast to {row['storage']}, worst at index "
+                       f"{row['ulps']['at']}: {row['ulps']['max_ulps']:.4g} ulps (B holds {row['ulps']['b']:.6g}, "
+                       f"the cast of A's value is {row['ulps']['a_cast']:.6g})" for row in beyond)
+    return diagnosis(MistakeId.VALUE_CORRUPTED, None, reference_distance, detail, candidates)
+
+
+def block_finding(rows: list[dict], b: SideLayer, reference_distance: float | None) -> Diagnosis | None:
+    """A defect of B's quantized blocks that no conversion makes, read from its file: a NaN/Inf block scale
+    (nonfinite_scale), every code zero while A's values are not the blocks' minima (zeroed_tensor)."""
+    for row in rows:
+        store = b.storage[row["name"]]
+        where = f"{row['name']} (B's {store.route.source if store.route else row['name']}, {row['storage']})"
+        steps, grid = row.get("steps") or {}, row.get("grid")
+        if store.nonfinite_scale is not None and row["overflow"]:
+            return diagnosis(MistakeId.NONFINITE_SCALE, None, None, f"{where}: {store.nonfinite_scale}")
+        if store.zeroed and (steps.get("values_beyond_step") or grid is not None):
+            return diagnosis(MistakeId.ZEROED_TENSOR, None, reference_distance,
+                             f"{where}: every code is zero; {steps.get('values_beyond_step', 0)} values lie beyond "
+                             f"their step from A's, worst {steps.get('max_steps', math.nan):.3g} steps at "
+                             f"{steps.get('at')}")
+    return None
+
+
+def grid_finding(rows: list[dict], b: SideLayer, reference_distance: float,
+                 candidates: list[Candidate]) -> Diagnosis | None:
+    """B's blocks on a coarser grid than the format's own quantizer chooses for A's values (grid_too_coarse): every
+    such tensor, with its worst block, or None."""
+    coarse = [row for row in rows if row.get("grid")]
+    if not coarse:
+        return None
+    details = []
+    for row in coarse:
+        store, grid = b.storage[row["name"]], row["grid"]
+        details.append(f"{row['name']} (B's {store.route.source if store.route else row['name']}, {row['storage']}): "
+                       f"{grid['blocks_too_coarse']} of {grid['blocks']} blocks; the worst, block {grid['worst_block']}"
+                       f" (row {grid['row']}, values {grid['values'][0]}-{grid['values'][1]} as the file stores "
+                       f"them), has step {grid['b_step']:.4g} where A's values there call for {grid['a_step']:.4g} "
+                       f"({grid['times_coarser']:.2f}x; a quantizer of the format chooses at most "
+                       f"{grid['limit']:.4g})")
+    return diagnosis(MistakeId.GRID_TOO_COARSE, None, reference_distance, "; ".join(details), candidates)
+
+
+def compare_terms(reason: str | None) -> str | None:
+    """A check's reason for an unverifiable layer in a compare's terms: compare has no --atol; a tolerance that large
+    is the conversion's own deviation."""
+    if reason is None:
+        return None
+    return reason.replace("(lower --atol)", "(A converted as B stores it deviates that far: B's storage cannot carry "
+                                            "this layer's function)")
+
+
 def held_from(theirs: dict[str, torch.Tensor], a: SideLayer, b: SideLayer, mistake: MistakeId,
               detail: str) -> list[Hypothesis]:
     """B's tensors that are closer to ``theirs`` (another layer's or expert's of A) than to A's own: one
@@ -396,7 +506,8 @@ def tensor_rows(a: SideLayer, b: SideLayer) -> tuple[list[dict], dict[str, torch
         row: dict[str, Any] = {"name": name, "a_dtype": a.storage[name].dtype, "storage": store.dtype,
                                "a_shape": list(ta.shape), "b_shape": list(tb.shape), "identical": False,
                                "relative_distance": None, "conversion": None, "conversion_distance": None,
-                               "differs": True, "steps": None, "step_source": store.step_source, "overflow": None}
+                               "differs": True, "steps": None, "step_source": store.step_source, "grid": None,
+                               "ulps": None, "overflow": None}
         rows.append(row)
         if ta.shape != tb.shape:
             exact = False
@@ -405,7 +516,7 @@ def tensor_rows(a: SideLayer, b: SideLayer) -> tuple[list[dict], dict[str, torch
         row["overflow"] = None if b.finite else conversion.overflow(ta, tb, store.dtype)
         a32, b32 = ta.float(), tb.float()
         scale = float(a32.abs().max()) if a32.numel() else 0.0
-        converted[name], row["conversion"] = conversion.convert_like(ta, store)
+        converted[name], row["conversion"], a_steps = conversion.reference_conversion(ta, store)
         row["conversion_distance"] = conversion.relative_distance(converted[name], a32, scale=scale)
         same = bool(torch.equal(converted[name], b32))
         exact = exact and same
@@ -414,7 +525,10 @@ def tensor_rows(a: SideLayer, b: SideLayer) -> tuple[list[dict], dict[str, torch
         row["differs"] = not row["identical"] and not (
             row["relative_distance"] <= 2 * row["conversion_distance"] + DIFFERS)
         if store.quantized and store.steps is not None and store.steps.shape == ta.shape:
-            row["steps"] = conversion.step_excess(a32, b32, store.steps)
+            allowed, row["grid"] = conversion.quantized_bounds(a32, b32, store, row["a_dtype"], a_steps)
+            row["steps"] = conversion.step_excess(a32, b32, store.steps, allowed)
+        elif not store.quantized and not same:  # each value of a cast or re-save held to its own rounding
+            row["ulps"] = conversion.ulp_excess(converted[name], b32, store.dtype)
     return rows, converted, exact
 
 

@@ -5,16 +5,22 @@ Each of a layer's FFN tensors is read as its checkpoint stores it and routed to 
 parameter names by that checkpoint's mapping (GGUF names, Conv1D transposes, fused halves), so A's and
 B's tensors are compared name by name in one layout.  How B stores a tensor decides what B may differ by:
 
-* the same dtype as A: nothing (bit-identical is the expected case, and reported as such);
-* another float dtype (bfloat16 -> float16, float32 -> bfloat16): A's value rounded to B's dtype;
-* a GGUF quantized type: every value within its block's quantization step of A's value.  The step is read
-  from the file where the block layout puts it in the first two bytes (the float16 scale ``d`` of Q4_0,
-  Q4_1, Q5_0, Q5_1, Q8_0); for the other types (K-quants, ...) it is estimated from the block's own values
-  (the smallest gap between its distinct dequantized values).
+* the same dtype as A: nothing (bit-identical is the expected case, and reported as such), each value within
+  one ulp of A's;
+* another float dtype (bfloat16 -> float16, float32 -> bfloat16): A's value rounded to B's dtype, each value of
+  B within one ulp of that dtype of A's cast (``ulp_excess``: value_corrupted otherwise);
+* a GGUF quantized type: every value within its block's quantization step of A's value, never less than A's own
+  storage rounding (``quantized_bounds``).  The step is read from the file: the float16 scale ``d`` in the first
+  two bytes of Q4_0, Q4_1, Q5_0, Q5_1, Q8_0 blocks, MXFP4's E8M0 exponent, the K-quants' super-block scales; for
+  the other types it is estimated from the block's own values (the smallest gap between its distinct values).
+  Each block's step is also held to what a quantizer of the format chooses for A's values there
+  (``coarse_blocks``: grid_too_coarse).
 
-``convert_like`` makes A's tensor as B's storage would hold it (cast, or re-quantized with
-``gguf.quants.quantize`` in B's stored layout; where gguf cannot quantize the type, A's values rounded onto
-B's own block lattice): the function-level deviation that conversion alone causes is what B is judged against.
+``reference_conversion`` makes A's tensor as B's storage would hold it, from A alone: cast, re-quantized with
+``gguf.quants.quantize`` in B's stored layout, or for the K-quants (which gguf cannot write) quantized by
+round-to-nearest on the grid A's own blocks call for (``k_requantize``).  Only types with neither (Q2_K, Q3_K, IQ)
+fall back to A rounded onto B's estimated lattice.  The function-level deviation that conversion alone causes is
+what B is judged against.
 """
 
 from __future__ import annotations
@@ -40,6 +46,20 @@ MXFP4_GAPS = {0.0: 1.0, 1.0: 1.0, 2.0: 1.0, 3.0: 1.0, 4.0: 2.0, 6.0: 2.0, 8.0: 4
 # grid starts at -dmin x min.  Q6_K stores sixteen int8 scales, one per 16 values, and d (float16) last:
 # value = d x scale x (q - 32), a grid from zero of step |d x scale|.
 K_QUANTS = {"Q4_K", "Q5_K", "Q6_K"}
+# What a K-quant's own quantizer makes of a sub-block, for judging B's grid against A (gguf cannot quantize K-quants):
+# (the levels A's sub-block range spans: 2^bits - 1 codes from the minimum for Q4_K/Q5_K, 32 from zero to the largest
+# magnitude for Q6_K's signed codes -32..31; values per sub-block; the levels of a sub-block's scale under d: 6-bit
+# for Q4_K/Q5_K, int8 for Q6_K).  The step such a quantizer picks is range / levels, its scale then rounded to a
+# multiple of d = (largest scale of the super-block) / scale levels.
+K_FORMAT = {"Q4_K": (15, 32, 63), "Q5_K": (31, 32, 63), "Q6_K": (32, 16, 127)}
+SUPER_BLOCK = 256  # values per K-quant super-block
+# A quantizer may search the scale (llama.cpp tries steps between range/(levels + 1) and range/(levels - 1), then
+# refits them by least squares): B's step may exceed the step A's values call for by this factor before it is
+# judged too coarse (grid_too_coarse).  4x (2 bits passed off as 4) and 16x coarser grids exceed it widely.
+SEARCH = 2.0
+FLOAT16_ROUNDING = 1 + 2.0 ** -10  # a block's d is stored as float16: B's step may exceed the exact one by this
+# The bytes of a K-quant block that hold its values' codes (the rest are its scales): every one zero is zeroed_tensor
+CODE_BYTES = {"Q4_K": ((16, 144),), "Q5_K": ((16, 48), (48, 176)), "Q6_K": ((0, 128), (128, 192))}
 
 
 @dataclass
@@ -54,6 +74,8 @@ class Storage:
     route: TensorRoute | None = None
     qtype: int | None = None  # GGMLQuantizationType value, for re-quantizing A
     offsets: torch.Tensor | None = None  # where a K-quant's grid starts (-dmin x min), per value; None: at zero
+    nonfinite_scale: str | None = None  # the first block whose scale is NaN/Inf, in words (read from the file)
+    zeroed: bool = False  # every quantization code of the tensor (this expert's blocks) is zero
 
 
 def dtype_name(dtype: torch.dtype) -> str:
@@ -72,68 +94,108 @@ def storage_of(checkpoint, key: str, stored: torch.Tensor, route: TensorRoute, e
     name = qtype_name(info.qtype)
     if name in FLOAT_TYPES:
         return Storage(dtype_name(FLOAT_TYPES[name]), route=route)
+    if name not in K_QUANTS and name not in SCALE_FIRST and name != "MXFP4":
+        return Storage(name, True, route_tensor(route, lattice_steps(stored)), "estimated", route, info.qtype)
+    stacked = expert is not None and len(info.shape) == stored.dim() + 1  # this expert's blocks only
+    raw = read_blocks(header.path, info, expert if stacked else None)
+    steps, offsets, scales = block_grid(raw, name, tuple(stored.shape))
+    if name == "MXFP4":
+        steps = mxfp4_steps(steps, stored)
+    return Storage(name, True, route_tensor(route, steps), "file", route, info.qtype,
+                   None if offsets is None else route_tensor(route, offsets),
+                   nonfinite_scale=scale_problem(scales, stored.numel() // len(raw), stored.shape[-1]),
+                   zeroed=codes_zero(raw, name))
+
+
+def read_blocks(path, info, expert: int | None = None):
+    """A quantized tensor's blocks as bytes, [blocks, block bytes] (``expert``: that expert's part of a tensor
+    stacking every expert)."""
+    import numpy as np
+    from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
+
+    _, size = GGML_QUANT_SIZES[GGMLQuantizationType(info.qtype)]
+    start, length = info.offset, info.nbytes()
+    if expert is not None:
+        length //= info.shape[0]
+        start += expert * length
+    with open(path, "rb") as handle:
+        handle.seek(start)
+        return np.frombuffer(handle.read(length), dtype=np.uint8).reshape(-1, size)
+
+
+def block_grid(raw, name: str, shape: tuple[int, ...]):
+    """Each value's step and grid offset (None: the grid starts at zero), read from its block's scales, and the
+    scales themselves by name ({"d": [blocks], ...}) for ``scale_problem``."""
+    import numpy as np
+
+    def half(i: int) -> np.ndarray:
+        return raw[:, i:i + 2].copy().view(np.float16).astype(np.float32).reshape(-1)
+
     if name in K_QUANTS:
-        steps, offsets = k_quant_grid(header.path, info)
-        if expert is not None and steps.dim() == stored.dim() + 1:
-            steps, offsets = steps[expert], offsets[expert]
-        return Storage(name, True, route_tensor(route, steps), "file", route, info.qtype, route_tensor(route, offsets))
-    if name in SCALE_FIRST or name == "MXFP4":
-        steps, source = file_steps(header.path, info), "file"
-        if expert is not None and steps.dim() == stored.dim() + 1:  # stacked over experts: this expert's steps
-            steps = steps[expert]
-        if name == "MXFP4":
-            steps = mxfp4_steps(steps, stored)
-    else:
-        steps, source = lattice_steps(stored), "estimated"
-    return Storage(name, True, route_tensor(route, steps), source, route, info.qtype)
+        steps, offsets, scales = k_quant_grid(raw, name)
+    elif name == "MXFP4":  # an E8M0 exponent: d = 2^(e - 128), the grid's unit
+        block = math.prod(shape) // len(raw)
+        units = np.ldexp(np.float32(1.0), raw[:, 0].astype(np.int32) - 128).astype(np.float32)
+        steps, offsets, scales = np.repeat(units, block), None, {}
+    else:  # SCALE_FIRST: a float16 d in bytes 0-1 (Q4_1 and Q5_1: their minimum m in bytes 2-3)
+        block = math.prod(shape) // len(raw)
+        d = half(0)
+        scales = {"d": d, **({"m": half(2)} if name in ("Q4_1", "Q5_1") else {})}
+        steps, offsets = np.repeat(np.abs(d), block), None
+    as_torch = [None if t is None else torch.from_numpy(np.ascontiguousarray(t)).reshape(shape)
+                for t in (steps, offsets)]
+    return as_torch[0], as_torch[1], scales
 
 
-def file_steps(path, info) -> torch.Tensor:
-    """Each value's quantization step, read from its block's float16 scale (bytes 0-1 of every block)."""
+def k_quant_grid(raw, name: str):
+    """Each value's step and grid offset, read from its K-quant super-block (``K_QUANTS``), and the super-blocks'
+    float16 scales."""
     import numpy as np
-    from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
 
-    qtype = GGMLQuantizationType(info.qtype)
-    block, size = GGML_QUANT_SIZES[qtype]
-    with open(path, "rb") as handle:
-        handle.seek(info.offset)
-        raw = np.frombuffer(handle.read(info.nbytes()), dtype=np.uint8).reshape(-1, size)
-    if qtype == GGMLQuantizationType.MXFP4:  # an E8M0 exponent: d = 2^(e - 128), the grid's unit
-        scales = np.ldexp(np.float32(1.0), raw[:, 0].astype(np.int32) - 128).astype(np.float32)
-    else:
-        scales = np.abs(raw[:, :2].copy().view(np.float16).astype(np.float32)).reshape(-1)
-    steps = torch.from_numpy(np.repeat(scales, block))
-    return steps.reshape(info.shape)
+    def half(i: int) -> np.ndarray:
+        return raw[:, i:i + 2].copy().view(np.float16).astype(np.float32)  # [blocks, 1]
 
-
-def k_quant_grid(path, info) -> tuple[torch.Tensor, torch.Tensor]:
-    """Each value's step and grid offset, read from its K-quant super-block (``K_QUANTS``)."""
-    import numpy as np
-    from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
-
-    qtype = GGMLQuantizationType(info.qtype)
-    _, size = GGML_QUANT_SIZES[qtype]
-    with open(path, "rb") as handle:
-        handle.seek(info.offset)
-        raw = np.frombuffer(handle.read(info.nbytes()), dtype=np.uint8).reshape(-1, size)
-    if qtype == GGMLQuantizationType.Q6_K:
-        d = raw[:, -2:].copy().view(np.float16).astype(np.float32)  # [blocks, 1]
+    if name == "Q6_K":
+        d = half(raw.shape[1] - 2)
         scales = raw[:, -18:-2].view(np.int8).astype(np.float32)  # [blocks, 16]: one per 16 values
         steps = np.repeat(np.abs(d * scales), 16, axis=1)
-        offsets = np.zeros_like(steps)
-    else:  # Q4_K, Q5_K: d, dmin, then 12 bytes of eight 6-bit (scale, min) pairs
-        d, dmin = (raw[:, i:i + 2].copy().view(np.float16).astype(np.float32) for i in (0, 2))
-        packed = raw[:, 4:16].astype(np.int32)
-        low = [(packed[:, j] & 63, packed[:, j + 4] & 63) for j in range(4)]
-        high = [((packed[:, j + 4] & 0xF) | ((packed[:, j - 4] >> 6) << 4),
-                 (packed[:, j + 4] >> 4) | ((packed[:, j] >> 6) << 4)) for j in range(4, 8)]
-        scale = np.stack([s for s, _ in low + high], axis=1).astype(np.float32)  # [blocks, 8]: one per 32 values
-        minimum = np.stack([m for _, m in low + high], axis=1).astype(np.float32)
-        steps = np.repeat(d * scale, 32, axis=1)
-        offsets = np.repeat(-dmin * minimum, 32, axis=1)
-    shape = tuple(info.shape)
-    return (torch.from_numpy(np.ascontiguousarray(steps)).reshape(shape),
-            torch.from_numpy(np.ascontiguousarray(offsets)).reshape(shape))
+        return steps.reshape(-1), None, {"d": d.reshape(-1)}
+    # Q4_K, Q5_K: d, dmin, then 12 bytes of eight 6-bit (scale, min) pairs
+    d, dmin = half(0), half(2)
+    packed = raw[:, 4:16].astype(np.int32)
+    low = [(packed[:, j] & 63, packed[:, j + 4] & 63) for j in range(4)]
+    high = [((packed[:, j + 4] & 0xF) | ((packed[:, j - 4] >> 6) << 4),
+             (packed[:, j + 4] >> 4) | ((packed[:, j] >> 6) << 4)) for j in range(4, 8)]
+    scale = np.stack([s for s, _ in low + high], axis=1).astype(np.float32)  # [blocks, 8]: one per 32 values
+    minimum = np.stack([m for _, m in low + high], axis=1).astype(np.float32)
+    steps = np.repeat(d * scale, 32, axis=1)
+    offsets = np.repeat(-dmin * minimum, 32, axis=1)
+    return steps.reshape(-1), offsets.reshape(-1), {"d": d.reshape(-1), "dmin": dmin.reshape(-1)}
+
+
+def scale_problem(scales: dict, block_values: int, row: int) -> str | None:
+    """The first block whose float16 scale is NaN/Inf (every value of it is then NaN/Inf), in words: its index,
+    where its values lie, the scale; and how many blocks are so."""
+    import numpy as np
+
+    bad = np.zeros(len(next(iter(scales.values()))), dtype=bool) if scales else None
+    if bad is None:
+        return None
+    for values in scales.values():
+        bad |= ~np.isfinite(values)
+    if not bad.any():
+        return None
+    first = int(np.flatnonzero(bad)[0])
+    which = ", ".join(f"{n} = {float(v[first])}" for n, v in scales.items() if not np.isfinite(v[first]))
+    start = first * block_values
+    return (f"block {first} ({which}; values {start}-{start + block_values - 1} of the tensor as the file stores "
+            f"it, row {start // row}): {int(bad.sum())} of {len(bad)} blocks have a NaN/Inf scale")
+
+
+def codes_zero(raw, name: str) -> bool:
+    """Every quantization code of a K-quant tensor is zero (the bytes ``CODE_BYTES`` names), whatever its scales."""
+    spans = CODE_BYTES.get(name)
+    return spans is not None and len(raw) > 0 and not any(raw[:, a:b].any() for a, b in spans)
 
 
 def mxfp4_steps(units: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
@@ -172,20 +234,40 @@ def stored_layout(route: TensorRoute | None, tensor: torch.Tensor) -> torch.Tens
 
 def convert_like(a: torch.Tensor, storage: Storage) -> tuple[torch.Tensor, str]:
     """A's tensor (reference layout) as B's storage would hold it, in float32, and how it was made."""
+    return reference_conversion(a, storage)[:2]
+
+
+def reference_conversion(a: torch.Tensor, storage: Storage) -> tuple[torch.Tensor, str, torch.Tensor | None]:
+    """A's tensor as B's storage would hold it (float32), how it was made, and for a quantized B each value's step
+    as the format's own quantizer chose it for A (stored layout; None where it cannot be had).  Nothing here is
+    read from B's blocks: B's grid is judged against these, never the reverse."""
     if not storage.quantized:
         target = getattr(torch, storage.dtype, None)
         if not isinstance(target, torch.dtype) or target == a.dtype:
-            return a.float(), "as stored"
-        return a.to(target).float(), f"rounded to {storage.dtype}"
+            return a.float(), "as stored", None
+        return a.to(target).float(), f"rounded to {storage.dtype}", None
+    stored = stored_layout(storage.route, a.float())
+    if stored is not None and storage.dtype in K_QUANTS and stored.shape[-1] % SUPER_BLOCK == 0:
+        values, steps = k_requantize(stored, storage.dtype)
+        return (unstored(storage.route, values), f"re-quantized to {storage.dtype} by rounding to the nearest level "
+                "of the grid A's own blocks call for (gguf cannot quantize it)", steps)
     quantized = requantize(a, storage)
     if quantized is not None:
-        return quantized, f"re-quantized to {storage.dtype} with gguf.quants.quantize"
+        return quantized[0], f"re-quantized to {storage.dtype} with gguf.quants.quantize", quantized[1]
     return (on_lattice(a, storage.steps, storage.offsets),
-            f"rounded onto B's {storage.dtype} block grid, read from the file (gguf cannot quantize it)")
+            f"rounded onto B's {storage.dtype} block grid, read from the file (no quantizer for it here)", None)
 
 
-def requantize(a: torch.Tensor, storage: Storage) -> torch.Tensor | None:
-    """A quantized the way B's file is (gguf.quants, in B's stored layout), dequantized; None where it cannot."""
+def unstored(route: TensorRoute | None, tensor: torch.Tensor) -> torch.Tensor:
+    """A tensor in its checkpoint's stored layout put into the reference's layout (``stored_layout`` undone)."""
+    tensor = tensor.float()
+    return tensor.t() if route is not None and route.transform == "transpose" else tensor
+
+
+def requantize(a: torch.Tensor, storage: Storage) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+    """A quantized the way B's file is (gguf.quants, in B's stored layout), dequantized, and the step gguf's
+    quantizer chose for each value's block (stored layout; None for MXFP4, whose step is not one per block); None
+    where gguf cannot quantize the type."""
     import numpy as np
     from gguf.constants import GGMLQuantizationType
     from gguf.quants import QuantError, dequantize, quantize
@@ -195,16 +277,63 @@ def requantize(a: torch.Tensor, storage: Storage) -> torch.Tensor | None:
         return None
     qtype = GGMLQuantizationType(storage.qtype)
     try:
-        values = dequantize(quantize(np.ascontiguousarray(stored.numpy(), dtype=np.float32), qtype), qtype)
+        blocks = quantize(np.ascontiguousarray(stored.numpy(), dtype=np.float32), qtype)
+        values = dequantize(blocks, qtype)
     except (QuantError, NotImplementedError):  # the K-quants, among others: gguf has no quantizer for them
         return None
     back = torch.from_numpy(np.ascontiguousarray(values, dtype=np.float32)).reshape(stored.shape)
-    return back.t() if storage.route.transform == "transpose" else back
+    steps = None
+    if storage.dtype in SCALE_FIRST:  # the d gguf's quantizer chose for each of A's blocks
+        from gguf.constants import GGML_QUANT_SIZES
+
+        raw = np.ascontiguousarray(blocks).reshape(-1, GGML_QUANT_SIZES[qtype][1])
+        steps = block_grid(raw, storage.dtype, tuple(stored.shape))[0]
+    return unstored(storage.route, back), steps
+
+
+def k_statistics(x: torch.Tensor, name: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """What a K-quant quantizer makes of A's values ``x`` (stored layout, float32), per sub-block: the step they
+    call for (their range over ``K_FORMAT``'s levels) and the minimum below zero; per super-block the unit d of
+    the sub-block scales and dmin of the minima.  Shapes: [super-blocks, sub-blocks] and [super-blocks, 1]."""
+    span, sub, levels = K_FORMAT[name]
+    blocks = x.reshape(-1, SUPER_BLOCK // sub, sub)
+    if name == "Q6_K":
+        ideal, mins = blocks.abs().amax(-1) / span, torch.zeros(blocks.shape[:2], dtype=x.dtype)
+    else:
+        low = blocks.amin(-1).clamp(max=0)
+        ideal, mins = (blocks.amax(-1) - low) / span, -low
+    return ideal, mins, ideal.amax(-1, keepdim=True) / levels, mins.amax(-1, keepdim=True) / levels
+
+
+def k_requantize(x: torch.Tensor, name: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """A's values ``x`` (stored layout, float32) quantized to K-quant ``name`` by round-to-nearest: each sub-block's
+    step its range over the levels, rounded to a multiple of the float16 d (Q4_K/Q5_K: the minimum likewise under
+    dmin), each value to the nearest level (clamped to the codes).  Returns the values and each value's step."""
+    span, sub, levels = K_FORMAT[name]
+    blocks = x.reshape(-1, SUPER_BLOCK // sub, sub)
+    ideal, mins, quantum, mquantum = k_statistics(x, name)
+    d = quantum.to(torch.float16).to(x.dtype)
+    safe_d = torch.where(d > 0, d, torch.ones_like(d))
+    if name == "Q6_K":  # signed scale: the largest magnitude maps to code -32
+        pick = blocks.gather(-1, blocks.abs().argmax(-1, keepdim=True)).squeeze(-1)
+        step = torch.where(d > 0, torch.round(-pick / 32 / safe_d).clamp(-128, 127), 0.0) * d
+        safe = torch.where(step != 0, step, torch.ones_like(step)).unsqueeze(-1)
+        values = torch.where(step.unsqueeze(-1) != 0, torch.round(blocks / safe).clamp(-32, 31) * safe, 0.0)
+    else:
+        dmin = mquantum.to(torch.float16).to(x.dtype)
+        safe_m = torch.where(dmin > 0, dmin, torch.ones_like(dmin))
+        step = torch.where(d > 0, torch.round(ideal / safe_d).clamp(0, levels), 0.0) * d
+        offset = (-torch.where(dmin > 0, torch.round(mins / safe_m).clamp(0, levels), 0.0) * dmin).unsqueeze(-1)
+        safe = torch.where(step != 0, step, torch.ones_like(step)).unsqueeze(-1)
+        codes = torch.where(step.unsqueeze(-1) != 0, torch.round((blocks - offset) / safe).clamp(0, span), 0.0)
+        values = offset + codes * safe * (step.unsqueeze(-1) != 0)
+    steps = step.abs().unsqueeze(-1).expand(-1, -1, sub)
+    return values.reshape(x.shape), steps.reshape(x.shape)
 
 
 def on_lattice(a: torch.Tensor, steps: torch.Tensor | None, offsets: torch.Tensor | None = None) -> torch.Tensor:
-    """A's values rounded to the nearest point of B's per-value grid (``offsets`` + k x ``steps``): the error a
-    quantizer on that grid makes at least (used where gguf cannot quantize the type)."""
+    """A's values rounded to the nearest point of B's per-value grid (``offsets`` + k x ``steps``): used only where
+    no quantizer of the type is known here (types whose step is estimated), never for a type judged by its grid."""
     a = a.float()
     if steps is None:
         return a
@@ -213,16 +342,118 @@ def on_lattice(a: torch.Tensor, steps: torch.Tensor | None, offsets: torch.Tenso
     return torch.where(steps > 0, torch.round((a - start) / safe) * safe + start, a)
 
 
-def step_excess(a: torch.Tensor, b: torch.Tensor, steps: torch.Tensor) -> dict:
-    """How far B's values are from A's in units of their block's step: the count beyond STEP_SLACK x step,
-    the worst ratio, and where it is."""
-    diff = (b.float() - a.float()).abs()
-    units = diff / steps.clamp_min(1e-30)
-    units = torch.where(steps > 0, units, torch.where(diff > 0, math.inf, 0.0))
-    worst = int(units.nan_to_num(math.inf).flatten().argmax())
+def spacing(values: torch.Tensor, dtype: str) -> torch.Tensor:
+    """One unit in the last place of ``dtype`` (a torch dtype's name; float32 for anything else, such as a GGUF
+    quantized type dequantized) at each value, in float32: the rounding that storing the value in it may cause."""
+    kind = getattr(torch, dtype, None)
+    info = torch.finfo(kind if isinstance(kind, torch.dtype) and kind.is_floating_point else torch.float32)
+    limit = min(info.max, torch.finfo(torch.float32).max)
+    exponent = torch.frexp(values.float().nan_to_num(0.0, limit, -limit))[1]
+    magnitude = torch.ldexp(torch.ones_like(exponent, dtype=torch.float32), exponent - 1)
+    return info.eps * torch.where(values == 0, info.tiny, magnitude.clamp_min(info.tiny))
+
+
+def ulp_excess(cast: torch.Tensor, b: torch.Tensor, dtype: str) -> dict:
+    """How far each of B's values is from A's value cast to B's dtype (``cast``), in units in the last place of
+    that dtype at the value: a cast or a re-save makes every value exactly its cast (within one such unit for
+    another rounding mode; a subnormal may be flushed to zero).  The count beyond one, the worst, where it is, and
+    both values there."""
+    units = ((b.float() - cast.float()).abs() / spacing(cast, dtype)).nan_to_num(math.inf)
+    kind = getattr(torch, dtype, None)
+    if isinstance(kind, torch.dtype) and kind.is_floating_point:  # a subnormal flushed to zero: another rounding
+        units = torch.where((b == 0) & (cast.abs() < torch.finfo(kind).tiny), 0.0, units)
+    worst = int(units.flatten().argmax())
     index = [int(i) for i in torch.unravel_index(torch.tensor(worst), units.shape)]
-    return {"values_beyond_step": int((units > STEP_SLACK).sum()), "max_steps": float(units.flatten()[worst]),
-            "at": index}
+    return {"values_beyond_ulp": int((units > 1).sum()), "max_ulps": float(units.flatten()[worst]), "at": index,
+            "b": float(b.flatten()[worst]), "a_cast": float(cast.flatten()[worst])}
+
+
+def quantized_bounds(a: torch.Tensor, b: torch.Tensor, storage: Storage, a_dtype: str,
+                     a_steps: torch.Tensor | None) -> tuple[torch.Tensor, dict | None]:
+    """Each of B's values' allowed distance from A's (reference layout), and where B's blocks use a coarser step than
+    the format's own quantizer chooses for A's values, the evidence (``coarse_blocks``: grid_too_coarse).
+
+    A value may lie its block's step from A's (``STEP_SLACK``), never less than A's own storage rounding (a zero
+    step, where a block's values all equal its minimum, is a fact about the block).  In a K-quant a value at either
+    end of its block's grid (its code clamped, or in a zero-step block) may lie farther by as much as the rounding of
+    the block's scale to a multiple of d (and of its minimum to a multiple of dmin) moves it: (levels x d + dmin) / 2,
+    with d and dmin those A's values call for, plus the float16 rounding of d and dmin themselves (times ``SEARCH``)."""
+    allowed = torch.maximum(STEP_SLACK * storage.steps.float(), spacing(a, a_dtype))
+    x = stored_layout(storage.route, a.float())
+    if x is None:
+        return allowed, None
+    b_steps = stored_layout(storage.route, storage.steps.float())
+    if storage.dtype in K_QUANTS and x.shape[-1] % SUPER_BLOCK == 0:
+        span, sub, levels = K_FORMAT[storage.dtype]
+        ideal, _, quantum, mquantum = k_statistics(x, storage.dtype)
+        # d and dmin are float16: a step moves by up to levels x half d's float16 spacing (a subnormal d: by much)
+        d_rounding, m_rounding = (levels * spacing(unit, "float16") / 2 for unit in (quantum, mquantum))
+        offsets = None if storage.offsets is None else stored_layout(storage.route, storage.offsets.float())
+        ends = k_ends(stored_layout(storage.route, b.float()), b_steps, offsets, storage.dtype,
+                      SEARCH * ((span * quantum + mquantum) / 2 + span * d_rounding + m_rounding))
+        allowed = allowed + unstored(storage.route, ends).float()  # 0 away from the grid's ends
+        limit = SEARCH * (ideal + quantum / 2) + d_rounding
+        return allowed, coarse_blocks(b_steps, ideal, limit, sub, x, a_dtype)
+    if a_steps is None:
+        return allowed, None
+    group = block_values(storage)
+    needed = a_steps.float().reshape(-1, group)[:, 0]
+    return allowed, coarse_blocks(b_steps, needed, SEARCH * needed + spacing(needed, "float16"), group, x, a_dtype)
+
+
+def block_values(storage: Storage) -> int:
+    """Values per block of a GGUF quantized type (gguf's own table)."""
+    from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
+
+    return GGML_QUANT_SIZES[GGMLQuantizationType(storage.qtype)][0]
+
+
+def k_ends(b: torch.Tensor, steps: torch.Tensor, offsets: torch.Tensor | None, name: str,
+           extra: torch.Tensor) -> torch.Tensor:
+    """Where B's value sits at an end of its block's grid (its code clamped: Q4_K/Q5_K codes 0 and 2^bits - 1, Q6_K's
+    -32 and 31) or its block's step is zero: ``extra`` (per super-block) plus (``SEARCH`` - 1) steps, since a
+    quantizer searching steps up to a level either side of range/levels clamps values that far; else 0.  Stored
+    layout."""
+    span = K_FORMAT[name][0]
+    start = offsets if offsets is not None else torch.zeros_like(b)
+    codes = torch.round((b - start) / torch.where(steps > 0, steps, torch.ones_like(steps)))
+    at_end = (codes.abs() >= span - 1) if name == "Q6_K" else (codes <= 0) | (codes >= span)
+    per_value = extra.expand(-1, SUPER_BLOCK).reshape(b.shape) + (SEARCH - 1) * steps
+    return torch.where(at_end | (steps == 0), per_value, torch.zeros_like(per_value))
+
+
+def coarse_blocks(b_steps: torch.Tensor, needed: torch.Tensor, limit: torch.Tensor, group: int, x: torch.Tensor,
+                  a_dtype: str) -> dict | None:
+    """Blocks (of ``group`` values, stored layout) whose step in B's file exceeds ``limit``: the most a quantizer of
+    the format chooses for A's values there (``needed``: the step they call for; never less than A's own storage
+    rounding at the block's largest value).  None when no block does; else how many, and the worst, with evidence."""
+    chosen = b_steps.reshape(-1, group)[:, 0]
+    top = x.reshape(-1, group).abs().amax(-1)
+    bound = torch.maximum(limit.reshape(-1) * FLOAT16_ROUNDING, spacing(top, a_dtype))
+    over = (chosen / bound).nan_to_num(0.0)
+    if not bool((over > 1).any()):
+        return None
+    worst = int(over.argmax())
+    start = worst * group % x.shape[-1]
+    needed = float(needed.reshape(-1)[worst])
+    return {"blocks_too_coarse": int((over > 1).sum()), "blocks": len(chosen), "worst_block": worst,
+            "row": worst * group // x.shape[-1], "values": [start, start + group - 1],
+            "b_step": float(chosen[worst]), "a_step": needed, "limit": float(bound[worst]),
+            "times_coarser": float(chosen[worst]) / needed if needed else math.inf}
+
+
+def step_excess(a: torch.Tensor, b: torch.Tensor, steps: torch.Tensor, allowed: torch.Tensor | None = None) -> dict:
+    """How far B's values are from A's in units of their block's step: the count beyond their allowed distance
+    (``allowed``; default ``STEP_SLACK`` x step), the worst in steps, and where it is (the value most beyond its
+    allowance when one is; a zero-step value within its allowance counts 0 steps)."""
+    diff = (b.float() - a.float()).abs()
+    allowed = STEP_SLACK * steps.float() if allowed is None else allowed
+    beyond = diff > allowed
+    units = torch.where(steps > 0, diff / steps.float().clamp_min(1e-30), torch.where(beyond, math.inf, 0.0))
+    pick = diff / allowed.clamp_min(1e-300) if bool(beyond.any()) else units
+    worst = int(pick.nan_to_num(math.inf).flatten().argmax())
+    index = [int(i) for i in torch.unravel_index(torch.tensor(worst), units.shape)]
+    return {"values_beyond_step": int(beyond.sum()), "max_steps": float(units.flatten()[worst]), "at": index}
 
 
 def relative_distance(b: torch.Tensor, a: torch.Tensor, *, scale: float | None = None) -> float:

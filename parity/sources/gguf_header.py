@@ -180,6 +180,10 @@ def _parse(buf, path: Path) -> GGUFHeader:
     data_start = (cursor.pos + alignment - 1) // alignment * alignment
     header = GGUFHeader(path, version, metadata)
     for name, dims, qtype, offset in infos:
+        if name in header.tensors:  # gguf's reader raises "Found duplicated tensor"; llama.cpp refuses the file
+            raise CheckpointError(f"{shown(path)}: GGUF tensor {short(name)} is listed twice in the tensor index: "
+                                  "which copy is the model cannot be told (llama.cpp refuses such a file); "
+                                  "re-convert it")
         header.tensors[name] = tensor_info(path, name, dims, qtype, offset, data_start, len(buf))
     return header
 

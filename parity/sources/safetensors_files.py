@@ -58,7 +58,10 @@ def parse_header(raw: bytes, file_name: str, sizes: bool = True) -> dict[str, Sp
     """JSON header bytes -> {tensor name: Span}, offsets made absolute (8 + header length + ...).
     Every entry is checked: a known dtype's shape must need exactly the bytes its offsets span."""
     try:
-        header = json.loads(raw)
+        header = json.loads(raw, object_pairs_hook=_pairs)
+    except DuplicateKey as twice:
+        raise CheckpointError(f"{file_name}: its safetensors header lists tensor {short(twice.key)} twice: which "
+                              "copy is the model cannot be told; re-save the file") from None
     except (UnicodeDecodeError, ValueError, RecursionError) as exc:
         raise CheckpointError(f"{file_name}: its header is not valid JSON, overwritten or corrupted ({exc})") from None
     if not isinstance(header, dict):
@@ -198,11 +201,36 @@ def describe_local(path: Path, names: list[str]) -> dict[str, tuple[list[int], s
     return {name: (list(spans[name].shape), spans[name].dtype) for name in names}
 
 
-def read_json(path: Path, what: str) -> dict:
-    """A JSON object from a regular file (a FIFO or a device is refused, never read)."""
+class DuplicateKey(ValueError):
+    """A JSON object naming one key twice: ``json.loads`` would silently keep the last value."""
+
+    def __init__(self, key: str):
+        super().__init__(key)
+        self.key = key
+
+
+def _pairs(pairs: list[tuple[str, object]]) -> dict:
+    """json's object_pairs_hook: the object, or DuplicateKey for a key it names twice (a tensor listed twice in a
+    header or an index must be refused, not resolved to whichever copy comes last)."""
+    out: dict = {}
+    for key, value in pairs:
+        if key in out:
+            raise DuplicateKey(key)
+        out[key] = value
+    return out
+
+
+def read_json(path: Path, what: str, *, unique: bool = False) -> dict:
+    """A JSON object from a regular file (a FIFO or a device is refused, never read); with ``unique``, a key named
+    twice in one object (a tensor an index lists twice) is refused.  config.json keeps json's own reading (the
+    last value wins), as transformers reads it."""
     text = read_text(path, what, CheckpointError)
     try:
-        data = json.loads(text)
+        data = json.loads(text, object_pairs_hook=_pairs if unique else None)
+    except DuplicateKey as twice:
+        raise CheckpointError(f"{shown(path)}: {what} names {short(twice.key)} twice in one JSON object (for a "
+                              "tensor: two shard files, of which JSON keeps only the last); remove the stale "
+                              "entry or re-download it") from None
     except (ValueError, RecursionError) as exc:
         raise CheckpointError(f"{shown(path)}: {what} is not valid JSON ({type(exc).__name__}: {exc})") from None
     if not isinstance(data, dict):
@@ -216,7 +244,7 @@ def local_reader(fetch: Callable[[str], Path]) -> Callable[[str, list[str]], dic
 
 
 def weight_map_from_index(index_path: Path, what: str = "safetensors index") -> dict[str, str]:
-    index = read_json(index_path, what)
+    index = read_json(index_path, what, unique=True)
     weight_map = index.get("weight_map")
     if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
         raise CheckpointError(f"{shown(index_path)}: has no valid 'weight_map' (tensor name -> shard file)")

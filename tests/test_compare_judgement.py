@@ -1,0 +1,325 @@
+"""`parity compare A B` judges B by what A's values call for, never by what B chose: each as a user meets it.
+
+* A quantized B's blocks are held to the grid the format's own quantizer chooses for A's values (gguf's quantizer
+  where it has one, the sub-block's range over its levels for the K-quants): a coarser grid is grid_too_coarse.
+* Each value of a cast or re-save is held to its own rounding (value_corrupted).
+* A tensor named twice (GGUF, safetensors header, safetensors index) is refused, exit 2.
+* Block defects get their own names (nonfinite_scale, zeroed_tensor), and compare never mentions --atol.
+* A zero step (a sub-block whose values all equal its minimum) is no defect: A's own rounding is always allowed.
+* A config change is one that changes the function: "swish" is "silu".
+
+Every B is written here with the tools that write such files: transformers' save_pretrained, safetensors, gguf's
+GGUFWriter (the K-quants quantized by ``tests.gguf_files.k_quantize``, read back by gguf's own dequantizer).
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from gguf.quants import dequantize
+from safetensors.torch import load_file, save_file
+
+from .conftest import build_model, save
+from .gguf_files import HF_TO_GGUF, Q, k_quantize, write_k_gguf
+from .support import run_json, run_main
+
+K_SIZES = dict(hidden_size=256, intermediate_size=512, num_hidden_layers=2)  # rows of whole 256-value super-blocks
+SIZES = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2)
+MLP = "model.layers.{}.mlp.{}"
+K_BYTES = {Q.Q4_K: 144, Q.Q5_K: 176, Q.Q6_K: 210}  # bytes per 256-value super-block
+
+
+@pytest.fixture(scope="module")
+def root(tmp_path_factory):
+    return tmp_path_factory.mktemp("judgement")
+
+
+@pytest.fixture(scope="module")
+def k_model():
+    return build_model("llama", seed=5, **K_SIZES)
+
+
+@pytest.fixture(scope="module")
+def k_a(k_model, root):
+    return save(k_model, root / "k-a")
+
+
+@pytest.fixture(scope="module")
+def small():
+    return build_model("llama", seed=9, **SIZES)
+
+
+@pytest.fixture(scope="module")
+def a_small(small, root):
+    return save(small, root / "a-small")
+
+
+def layer_finding(data: dict, layer: int) -> dict:
+    return next(entry for entry in data["layers"] if entry["layer"] == layer)["diagnosis"]
+
+
+# -- a quantized B judged against the grid A's values call for ------------------------------------------------
+
+@pytest.mark.parametrize("qtype", [Q.Q4_K, Q.Q5_K, Q.Q6_K])
+def test_a_faithful_k_quant_export_passes(k_model, k_a, root, qtype, capsys):
+    b = write_k_gguf(k_model, root / f"faithful-{qtype.name}.gguf", qtype)
+    code, data, err = run_json(capsys, "compare", k_a, b)
+    assert code == 0, err + json.dumps([entry["diagnosis"] for entry in data["layers"]])[:2000]
+    for entry in data["layers"]:
+        for row in entry["conversion"]["tensors"]:
+            assert row["grid"] is None and row["steps"]["values_beyond_step"] == 0
+        assert "gguf cannot quantize it" in entry["conversion"]["tensors"][0]["conversion"]
+
+
+def coarser(factor: float, qtype: Q):
+    return lambda values, data: k_quantize(values, qtype, coarsen=factor)
+
+
+@pytest.mark.parametrize("qtype", [Q.Q4_K, Q.Q6_K])
+@pytest.mark.parametrize("factor", [4.0, 16.0])
+def test_a_k_quant_grid_coarser_than_as_values_need_is_grid_too_coarse(k_model, k_a, root, qtype, factor, capsys):
+    """B's up_proj of layer 1 quantized on a grid ``factor`` x coarser than its values need (2 bits passed off as 4
+    at 4x; at 16x nearly every code is zero): its own grid must not excuse it.  Today's exit 2 "could not be
+    verified ... (lower --atol)" for 16x is a broken B: exit 1."""
+    b = write_k_gguf(k_model, root / f"coarse{factor:g}-{qtype.name}.gguf", qtype,
+                     {"blk.1.ffn_up.weight": coarser(factor, qtype)})
+    code, data, err = run_json(capsys, "compare", k_a, b)
+    assert code == 1, err
+    assert [entry["passed"] for entry in data["layers"]] == [True, False]
+    found = layer_finding(data, 1)
+    assert found["id"] == "grid_too_coarse", found
+    assert "up_proj.weight" in found["message"] and "ffn_up.weight" in found["message"]
+    worst = next(row for row in data["layers"][1]["conversion"]["tensors"] if row["name"] == "up_proj.weight")
+    assert worst["grid"]["times_coarser"] > 0.9 * factor * (31 / 32 if qtype == Q.Q6_K else 1)
+    assert "--atol" not in json.dumps(data) + err
+
+
+def test_a_q8_0_grid_coarser_than_ggufs_quantizer_chooses_is_grid_too_coarse(k_model, k_a, root, capsys):
+    """Q8_0 blocks whose d is 4x what gguf's quantizer chooses for A's values, codes divided by 4."""
+    def coarse(values, data):
+        blocks = data.reshape(-1, 34)
+        d = blocks[:, :2].copy().view(np.float16).astype(np.float32) * 4
+        codes = np.rint(blocks[:, 2:].view(np.int8) / 4).astype(np.int8)
+        return np.concatenate([d.astype(np.float16).view(np.uint8), codes.view(np.uint8)], axis=1).reshape(
+            data.shape)
+
+    b = write_k_gguf(k_model, root / "coarse-q8.gguf", Q.Q8_0, {"blk.0.ffn_down.weight": coarse})
+    code, data, err = run_json(capsys, "compare", k_a, b)
+    assert code == 1, err
+    found = layer_finding(data, 0)
+    assert found["id"] == "grid_too_coarse" and "down_proj.weight" in found["message"], found
+    assert data["layers"][1]["passed"]
+
+
+# -- block defects named for what they are -----------------------------------------------------------------
+
+def nan_scale(qtype: Q, block: int):
+    """Bytes with the float16 d of ``block`` set to NaN (Q6_K keeps d in its last two bytes, the others first)."""
+    def edit(values, data):
+        size = 34 if qtype == Q.Q8_0 else K_BYTES[qtype]
+        blocks = data.reshape(-1, size)
+        at = size - 2 if qtype == Q.Q6_K else 0
+        blocks[block, at:at + 2] = np.array([np.nan], dtype=np.float16).view(np.uint8)
+        return data
+    return edit
+
+
+@pytest.mark.parametrize("qtype", [Q.Q4_K, Q.Q5_K, Q.Q6_K, Q.Q8_0])
+def test_a_nan_block_scale_is_nonfinite_scale_not_a_cast_overflow(k_model, k_a, root, qtype, capsys):
+    b = write_k_gguf(k_model, root / f"nan-scale-{qtype.name}.gguf", qtype,
+                     {"blk.0.ffn_gate.weight": nan_scale(qtype, 3)})
+    code, data, err = run_json(capsys, "compare", k_a, b)
+    assert code == 1, err
+    found = layer_finding(data, 0)
+    assert found["id"] == "nonfinite_scale", found
+    assert "gate_proj.weight" in found["message"] and "block 3 " in found["message"]
+    assert "65504" not in found["message"] and data["layers"][1]["passed"]
+
+
+@pytest.mark.parametrize("qtype", [Q.Q4_K, Q.Q6_K])
+def test_a_k_quant_with_every_code_zero_is_zeroed_tensor(k_model, k_a, root, qtype, capsys):
+    """The codes of layer 0's gate_proj emptied, its scales kept: exit 1 naming the tensor, never --atol."""
+    codes = {Q.Q4_K: [(16, 144)], Q.Q6_K: [(0, 192)]}[qtype]
+
+    def empty(values, data):
+        blocks = data.reshape(-1, K_BYTES[qtype])
+        for start, end in codes:
+            blocks[:, start:end] = 0
+        return data
+
+    b = write_k_gguf(k_model, root / f"zeroed-{qtype.name}.gguf", qtype, {"blk.0.ffn_gate.weight": empty})
+    code, out, err = run_main(capsys, "compare", k_a, b)
+    assert code == 1, err
+    assert "zeroed_tensor" in out and "gate_proj.weight" in out and "--atol" not in out + err
+    code, data, _ = run_json(capsys, "compare", k_a, b)
+    assert layer_finding(data, 0)["id"] == "zeroed_tensor" and data["layers"][1]["passed"]
+
+
+# -- a zero step is a fact about the block ----------------------------------------------------------------
+
+def test_a_zero_step_sub_block_passes_against_as_own_rounding(k_model, root, capsys):
+    """llama.cpp's own case: Q4_K sub-blocks whose 6-bit scale is zero (every value equals its minimum), and A the
+    bfloat16 checkpoint made from the file's dequantized values: A's bf16 rounding of the minimum is no defect.
+    The float32 weights the file was quantized from pass too (the minimum's own rounding to a multiple of dmin)."""
+    from gguf import GGUFReader
+
+    state = {k: v.clone() for k, v in k_model.state_dict().items()}
+    for layer in range(2):
+        gate = state[MLP.format(layer, "gate_proj.weight")]
+        gate[0, :32] = -0.03  # one sub-block of constant values: scale 0, every value at the minimum
+        gate[5, 64:96] = -0.0123
+    model = build_model("llama", seed=5, **K_SIZES)
+    model.load_state_dict(state)
+    a32 = save(model, root / "zero-step-a-f32")
+    b = write_k_gguf(model, root / "zero-step.gguf", Q.Q4_K)
+    tensors = {t.name: np.array(t.data) for t in GGUFReader(str(b)).tensors}
+    raw = tensors["blk.0.ffn_gate.weight"].reshape(-1, 144)
+    assert not raw[0, 4] & 63  # sub-block 0's 6-bit scale is zero (gguf's reader agrees: one value, the minimum)
+    values = dequantize(raw, Q.Q4_K).reshape(512, 256)
+    assert len(set(values[0, :32].tolist())) == 1 and values[0, 0] != np.float32(-0.03)
+    for layer in range(2):  # A: the dequantized file in bfloat16, as an HF folder made from the GGUF is
+        for hf, gg in HF_TO_GGUF.items():
+            shape = state[MLP.format(layer, hf)].shape
+            state[MLP.format(layer, hf)] = torch.from_numpy(dequantize(tensors[f"blk.{layer}.{gg}"], Q.Q4_K)
+                                                            .reshape(shape))
+    model.load_state_dict(state)
+    a = save(model.to(torch.bfloat16), root / "zero-step-a-bf16")
+    for truth in (a, a32):
+        code, data, err = run_json(capsys, "compare", truth, b)
+        assert code == 0, err + json.dumps([entry["diagnosis"] for entry in data["layers"]])[:2000]
+
+
+# -- each value of a cast or re-save held to its own rounding -----------------------------------------------
+
+def flipped(tensor: torch.Tensor, index: tuple[int, int], bit: int) -> torch.Tensor:
+    """``tensor`` (float16) with one mantissa bit of one value flipped."""
+    out = tensor.clone()
+    bits = out.view(torch.int16)
+    bits[index] ^= 1 << bit
+    return out
+
+
+def test_a_float16_cast_with_one_corrupted_value_is_value_corrupted(small, a_small, root, capsys):
+    """B: A cast to float16, one value of layer 1's up_proj with mantissa bit 8 flipped (~25 % off, 256 ulps):
+    no cast makes that, and the function alone (within 4x the cast's deviation) cannot see it."""
+    state = {k: v.to(torch.float16) for k, v in small.state_dict().items()}
+    key = MLP.format(1, "up_proj.weight")
+    original = state[key].clone()
+    state[key] = flipped(state[key], (3, 7), 8)
+    assert 0.15 < float((state[key][3, 7] / original[3, 7]).float().abs().log().abs().exp()) - 1 < 0.4
+    folder = root / "f16-corrupted"
+    folder.mkdir()
+    shutil.copy(a_small / "config.json", folder / "config.json")
+    save_file(state, folder / "model.safetensors")
+    code, data, err = run_json(capsys, "compare", a_small, folder)
+    assert code == 1, err
+    assert data["layers"][0]["passed"] and not data["layers"][1]["passed"]
+    found = layer_finding(data, 1)
+    assert found["id"] == "value_corrupted", found
+    assert "up_proj.weight" in found["message"] and "[3, 7]" in found["message"]
+    row = next(r for r in data["layers"][1]["conversion"]["tensors"] if r["name"] == "up_proj.weight")
+    assert row["ulps"]["values_beyond_ulp"] == 1 and 200 < row["ulps"]["max_ulps"] < 600
+
+
+def test_a_same_dtype_resave_with_one_value_moved_is_value_corrupted(small, a_small, root, capsys):
+    """A re-save (float32 to float32) holding one value moved by 0.1 %: beyond any rounding a re-save makes."""
+    state = load_file(a_small / "model.safetensors")
+    key = MLP.format(0, "down_proj.weight")
+    state[key] = state[key].clone()
+    state[key][10, 20] *= 1.001
+    folder = root / "resave-moved"
+    folder.mkdir()
+    shutil.copy(a_small / "config.json", folder / "config.json")
+    save_file(state, folder / "model.safetensors")
+    code, data, err = run_json(capsys, "compare", a_small, folder)
+    assert code == 1, err
+    found = layer_finding(data, 0)
+    assert found["id"] == "value_corrupted" and "down_proj.weight" in found["message"], found
+    assert "[10, 20]" in found["message"] and data["layers"][1]["passed"]
+
+
+def test_a_faithful_cast_keeps_every_value_within_one_ulp(small, a_small, root, capsys):
+    b = save(build_model("llama", seed=9, **SIZES).to(torch.bfloat16), root / "bf16-cast")
+    code, data, err = run_json(capsys, "compare", a_small, b)
+    assert code == 0, err
+    rows = [row for entry in data["layers"] for row in entry["conversion"]["tensors"]]
+    assert all(row["ulps"] is None or row["ulps"]["values_beyond_ulp"] == 0 for row in rows)
+
+
+# -- a tensor named twice is refused -----------------------------------------------------------------------
+
+def renamed_in_file(path: Path, old: bytes, new: bytes, count: int = 1) -> None:
+    """Replace ``old`` by ``new`` (same length) in a file's header: a name the writers refuse to write twice."""
+    assert len(old) == len(new)
+    data = path.read_bytes()
+    assert data.count(old) == count
+    path.write_bytes(data.replace(old, new))
+
+
+def test_a_gguf_naming_a_tensor_twice_is_refused(k_model, k_a, root, capsys):
+    """A first copy of blk.0.ffn_up.weight holding gate's values, then the real one: gguf's reader raises "Found
+    duplicated tensor" and llama.cpp refuses the file; parity must not take the last copy silently."""
+    gate = k_model.state_dict()[MLP.format(0, "gate_proj.weight")].numpy()
+    b = write_k_gguf(k_model, root / "twice.gguf", Q.Q8_0, extra={"blk.0.ffn_up.weighT": gate})
+    renamed_in_file(b, b"blk.0.ffn_up.weighT", b"blk.0.ffn_up.weight")  # the writer refuses to write a name twice
+    code, out, err = run_main(capsys, "compare", k_a, b)
+    assert code == 2, out + err
+    assert "blk.0.ffn_up.weight" in err and "twice" in err and b.name in err and "Traceback" not in err
+
+
+def test_a_safetensors_header_naming_a_tensor_twice_is_refused(small, a_small, root, capsys):
+    state = load_file(a_small / "model.safetensors")
+    state["model.layers.0.mlp.up_proj.weighX"] = state[MLP.format(0, "gate_proj.weight")].clone()
+    folder = root / "header-twice"
+    folder.mkdir()
+    shutil.copy(a_small / "config.json", folder / "config.json")
+    save_file(state, folder / "model.safetensors")
+    renamed_in_file(folder / "model.safetensors", b"up_proj.weighX", b"up_proj.weight", count=1)
+    code, out, err = run_main(capsys, "compare", a_small, folder)
+    assert code == 2, out + err
+    assert "model.layers.0.mlp.up_proj.weight" in err and "twice" in err and "model.safetensors" in err
+
+
+def test_a_safetensors_index_naming_a_tensor_twice_is_refused(small, a_small, root, capsys):
+    """An index whose weight_map names layer 0's up_proj twice, the first time in another shard: json.load would
+    keep the last silently."""
+    folder = save(small, root / "sharded", max_shard_size="100KB")
+    index = folder / "model.safetensors.index.json"
+    text = index.read_text()
+    key = f'"{MLP.format(0, "up_proj.weight")}"'
+    shards = sorted(p.name for p in folder.glob("model-*.safetensors"))
+    assert len(shards) > 1 and text.count(key) == 1
+    index.write_text(text.replace('"weight_map": {', f'"weight_map": {{\n    {key}: "{shards[-1]}",', 1))
+    code, out, err = run_main(capsys, "compare", a_small, folder)
+    assert code == 2, out + err
+    assert "model.layers.0.mlp.up_proj.weight" in err and "twice" in err and index.name in err
+
+
+# -- a config change is one that changes the function ----------------------------------------------------------
+
+def test_an_activation_alias_is_no_config_change(small, a_small, root, capsys):
+    """B's config says hidden_act "swish" where A's says "silu": transformers' ACT2FN runs the same function."""
+    folder = save(small, root / "swish")
+    config = json.loads((folder / "config.json").read_text())
+    assert config["hidden_act"] == "silu"
+    (folder / "config.json").write_text(json.dumps({**config, "hidden_act": "swish"}))
+    code, data, err = run_json(capsys, "compare", a_small, folder)
+    assert code == 0, err
+    assert not any("config_changed" in note for note in data["notes"])
+    (folder / "config.json").write_text(json.dumps({**config, "hidden_act": "gelu"}))
+    code, data, _ = run_json(capsys, "compare", a_small, folder)
+    assert code == 1 and layer_finding(data, 0)["id"] == "config_changed"
+    assert "differ by up to" in layer_finding(data, 0)["message"]
+
+
+def test_q8_0_still_judged_by_ggufs_own_quantizer(k_model, k_a, root, capsys):
+    """A faithful Q8_0 (gguf's quantizer): every block's d is the one gguf chooses for A's values."""
+    b = write_k_gguf(k_model, root / "faithful-q8.gguf", Q.Q8_0)
+    code, data, err = run_json(capsys, "compare", k_a, b)
+    assert code == 0, err
+    assert all(row["grid"] is None for entry in data["layers"] for row in entry["conversion"]["tensors"])
