@@ -54,7 +54,7 @@ from sybil.parsers.markdown.lexers import RawFencedCodeBlockLexer
 
 ROOT = Path(__file__).resolve().parent.parent
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
-NOT_RUN = re.compile(r"not run by the docs tests", re.IGNORECASE)
+NOT_RUN = re.compile(r"not\s+run\s+by\s+the\s+docs\s+tests", re.IGNORECASE)
 DIRECTIVE = re.compile(r"<!--\s*docs:(.*?)-->", re.DOTALL)
 SHELL = {"bash", "sh", "shell", "console"}
 NUMBER_FACTOR = 2.0
@@ -290,24 +290,38 @@ def _difference(part: list[str], actual: list[str], position: int) -> str:
     return "shown lines not printed in this order or with other lines between them (no `...` there)"
 
 
+def _loosely(shown: str, actual: str) -> bool:
+    """The shown line's words, numbers blanked, begin the actual line's: where a drifted line now is."""
+    words = _loose(shown)
+    return bool(words) and _loose(actual)[:len(words)] == words
+
+
+def _locate(line: str, actual: list[str], start: int) -> int | None:
+    """Where a shown line is in the output from ``start`` on: the line itself, else one like it."""
+    for match in (same_line, _loosely):
+        found = _find([line], actual, start, match)
+        if found is not None:
+            return found
+    return None
+
+
 def regenerate(shown: list[str], actual: list[str]) -> list[str] | None:
     """The shown output rewritten from ``actual``, keeping its ``...`` elisions: each shown segment becomes the
-    real lines from where its first line is (words, numbers blanked) to where its last is; a segment at the
-    start or end of the block reaches the start or end of the output.  None if a segment cannot be placed."""
+    real lines from where its first line is to where its last is (each found as printed, else as a line like
+    it); a segment at the start or end of the block reaches the start or end of the output.  None if a segment
+    cannot be placed."""
     parts = segments(shown)
     if len(parts) == 1:
         return list(actual)
-    loose = lambda s, a: _loose(s) == _loose(a)  # noqa: E731
     out, position = [], 0
     for index, part in enumerate(parts):
         if part is None:
             out.append(next(line for line in shown if line.strip() == "..."))
             continue
-        first = 0 if index == 0 else _find(part[:1], actual, position, loose)
+        first = 0 if index == 0 else _locate(part[0], actual, position)
         if first is None:
             return None
-        last = (len(actual) - 1 if index == len(parts) - 1
-                else _find(part[-1:], actual, first + (len(part) > 1), loose))
+        last = len(actual) - 1 if index == len(parts) - 1 else _locate(part[-1], actual, first + (len(part) > 1))
         if last is None:
             return None
         out += actual[first:last + 1]
@@ -488,7 +502,8 @@ def run_step(workspace: Workspace, work: Path, block: Block, step: Step, update:
     """Run one command of a block and check it as the page shows it (or, updating, keep what it printed)."""
     env = block.directives.get("env", "offline")
     runs = command_args(block, step.command)
-    assert runs, f"{block.name}: `{step.command}` runs no parity command"
+    if not runs:  # an install step alone (`pip install 'parity[mlx]'`): the test extra has installed it
+        return
     code, printed = 0, ""
     for args in runs:
         code, printed = run_parity(workspace, work, args, env)

@@ -128,6 +128,10 @@ def diagnosis_lines(report: Report) -> list[str]:
         elif d.distance is not None and d.reference_distance is not None:
             lines.append(f"  evidence: the module is {d.distance:.2e} from this mistake's replay "
                          f"and {d.reference_distance:.2e} from transformers")
+        if d.id == MistakeId.UNEXPLAINED and result.max_at:  # where to look: the JSON's max_at, said in the text
+            batch, token, channel = result.max_at
+            lines.append(f"  largest deviation (layer {unit_label(result)}): input row {batch}, token {token}, output "
+                         f"channel {channel} of parity's inputs (seed {report.seed})")
         lines.append(f"  fix: {d.fix}")
         lines.append("")
     return lines + separability_lines(report)
