@@ -72,7 +72,8 @@ def main(argv: list[str] | None = None) -> int:
                     failures.append(str(error))
             if args.update:
                 failures += rewrite(page, examples, updates)
-            print(f"{page.relative_to(ROOT)}: {sum(e.parsed.runs for e in examples)} block(s) run", flush=True)
+            name = page.relative_to(ROOT) if page.is_relative_to(ROOT) else page
+            print(f"{name}: {sum(e.parsed.runs for e in examples)} block(s) run", flush=True)
     for failure in failures:
         print(f"\n{failure}", file=sys.stderr)
     return 1 if failures else 0

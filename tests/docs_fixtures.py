@@ -61,6 +61,7 @@ def port(module: str, names: str):
     classes the page's commands name."""
 
     def build(destination: Path, workspace: Workspace) -> Path:
+        destination = destination.with_suffix(".py")  # the page names the module, `mlx_port:MLP`
         destination.parent.mkdir(parents=True, exist_ok=True)
         destination.write_text(f"from tests.{module} import {names}  # noqa: F401\n", encoding="utf-8")
         return destination
@@ -122,7 +123,7 @@ def onnx_layer0(destination: Path, workspace: Workspace) -> Path:
     model = AutoModelForCausalLM.from_pretrained(workspace.base / "hub-sources" / "openai-community/gpt2").eval()
     destination.parent.mkdir(parents=True, exist_ok=True)
     torch.onnx.export(model.transformer.h[0].mlp, (torch.zeros(1, 4, model.config.n_embd),), destination,
-                      dynamo=True, verbose=False)
+                      dynamo=True, verbose=False, external_data=False)  # one file, as the page names one
     return destination
 
 
@@ -140,8 +141,8 @@ FIXTURES = {
     "stories15M": stories,
     "mixtral-tiny": mixtral_tiny,
     "ffn_layer0.onnx": lambda dest, ws: (ws.fixture("hub"), onnx_layer0(dest, ws))[1],
-    "mlx_port.py": port("mlx_ports", "MLP"),
-    "nnx_port.py": port("nnx_ports", "GPT2MLP as MLP"),  # frameworks.md checks it on GPT-2
+    "mlx_port": port("mlx_ports", "MLP"),
+    "nnx_port": port("nnx_ports", "GPT2MLP as MLP"),  # frameworks.md checks it on GPT-2
 }
 assert TINY["llama"]["intermediate_size"] == 88  # own-module.md shows llama-checkpoint's [88, 32]
 

@@ -371,7 +371,8 @@ class Workspace:
                           for block in (example.parsed for example in blocks_of(page)) if block.runs)
         for name in FIXTURES:
             if name != "hub" and name in text:
-                _place(self.fixture(name), work / name)
+                source = self.fixture(name)  # a module the page names (`mlx_port:MLP`) is a .py file
+                _place(source, work / (name if Path(name).suffix else name + source.suffix))
         for name, content in self.files.items():
             (work / name).parent.mkdir(parents=True, exist_ok=True)
             (work / name).write_text(content, encoding="utf-8")
