@@ -131,8 +131,6 @@ FIXTURES = {
     "hub": hub,
     "llama-hf": llama_hf,
     "llama-Q8_0.gguf": llama_gguf,
-    "models/llama-hf": lambda dest, ws: ws.fixture("llama-hf"),
-    "models/llama-Q8_0.gguf": lambda dest, ws: ws.fixture("llama-Q8_0.gguf"),
     "models/gpt2": lambda dest, ws: _saved(dest, "gpt2", 31),
     "path/to/llama": lambda dest, ws: _saved(dest, "llama", 32, num_hidden_layers=12),  # api.md: layers=[0, 11]
     "llama-checkpoint": lambda dest, ws: _saved(dest, "llama", 33),  # TINY's d 32, d_ff 88, as the page shows
@@ -205,11 +203,46 @@ def run_python(workspace: Workspace, work: Path, block: Block) -> None:
 
 
 def _run_pytest(workspace: Workspace, work: Path, block: Block, env: str) -> None:
-    test = work / f"test_docs_{block.page.stem.lower()}_{block.line}.py"
-    test.write_text(block.text, encoding="utf-8")
-    with environment(workspace, work, env):
-        child = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), str(work)])}
-    done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-rs", "-p", "no:cacheprovider", test.name],
-                          cwd=work, env=child, capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0, f"{block.name}: pytest exited {done.returncode}:\n{done.stdout}{done.stderr}"
-    return None
+    """The pages' test modules run together, in one real pytest process (its start-up and torch's import are
+    most of the time), in a folder holding every one of them and the files the pages show; each block then
+    asserts its own module's outcome."""
+    outcomes = workspace.__dict__.setdefault("pytest_outcomes", {})
+    if not outcomes:
+        outcomes.update(_run_test_modules(workspace, env))
+    name = _test_module(block)
+    assert name in outcomes, f"{block.name}: its test module did not run (env={env}; the pages' test modules share one)"
+    failed, log = outcomes[name]
+    assert not failed, f"{block.name}: pytest failed on it:\n{log}"
+
+
+def _test_module(block: Block) -> str:
+    return f"test_docs_{block.page.stem.lower().replace('-', '_')}_{block.line}"
+
+
+def _run_test_modules(workspace: Workspace, env: str) -> dict[str, tuple[bool, str]]:
+    from xml.etree import ElementTree
+
+    from .docs_runner import all_blocks
+
+    folder = workspace.base / "pytest-blocks"
+    folder.mkdir()
+    for name, content in workspace.files.items():
+        (folder / name).parent.mkdir(parents=True, exist_ok=True)
+        (folder / name).write_text(content, encoding="utf-8")
+    modules = [b for b in all_blocks() if b.runs and b.kind == "python" and "def test_" in b.text
+               and b.directives.get("env", "offline") == env]
+    for module in modules:
+        (folder / f"{_test_module(module)}.py").write_text(module.text, encoding="utf-8")
+    with environment(workspace, folder, env):
+        child = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), str(folder)])}
+    done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-rs", "-p", "no:cacheprovider",
+                           "--junitxml=outcome.xml"], cwd=folder, env=child, capture_output=True, text=True,
+                          timeout=600)
+    log = done.stdout + done.stderr
+    assert (folder / "outcome.xml").is_file(), f"pytest of the pages' test modules did not run:\n{log}"
+    failed = {_test_module(m): False for m in modules}
+    for case in ElementTree.parse(folder / "outcome.xml").iter("testcase"):
+        module = case.get("classname", "").split(".")[-1]
+        if module in failed and (case.find("failure") is not None or case.find("error") is not None):
+            failed[module] = True
+    return {module: (bad, log) for module, bad in failed.items()}

@@ -76,7 +76,8 @@ class Block:
 
     @property
     def name(self) -> str:
-        return f"{self.page.relative_to(ROOT)}:{self.line}"
+        page = self.page.relative_to(ROOT) if self.page.is_relative_to(ROOT) else self.page.name
+        return f"{page}:{self.line}"
 
     @property
     def kind(self) -> str:
@@ -165,17 +166,16 @@ def _exit_comment(command: str) -> int | None:
 
 
 def implied_exit(lines: list[str]) -> int | None:
-    """The exit code a shown output implies by its last words: PASS 0, FAIL 1, ERROR or an error 2."""
-    tail = [line for line in lines if line.strip()]
-    if not tail or tail[-1].strip() == "...":
+    """The exit code a shown output implies by its last summary: PASS 0, FAIL 1, ERROR or an error 2 (lines after
+    it, such as `baseline: wrote ...`, are notes).  None when the output ends elided or shows no summary."""
+    tail = [line.lstrip() for line in lines if line.strip()]
+    if not tail or tail[-1] == "...":
         return None
-    last = tail[-1].lstrip()
-    if last.startswith("PASS"):
-        return 0
-    if last.startswith("FAIL"):
-        return 1
-    if last.startswith(("ERROR", "parity: error", "parity: internal error")):
-        return 2
+    for line in reversed(tail):
+        for start, code in (("PASS", 0), ("FAIL", 1), ("ERROR", 2), ("parity: error", 2),
+                            ("parity: internal error", 2)):
+            if line.startswith(start):
+                return code
     return None
 
 

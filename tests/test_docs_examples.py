@@ -64,7 +64,7 @@ def test_every_command_block_runs_or_says_why_not():
             assert "<!--" not in block.marked, f"{block.name}: the reason it is not run must be visible"
     commands = [b for b in blocks if b.kind in ("shell", "python", "output")]
     marked = [b.name for b in commands if b.marked]
-    assert len(commands) - len(marked) >= 40, "most documented commands run"
+    assert len(commands) - len(marked) >= 35, "most documented commands run"
     assert len(marked) <= 8, f"not running a block is the exception: {marked}"
 
 
@@ -111,9 +111,10 @@ def test_the_update_script_rewrites_a_drifted_page_then_checks_it(tmp_path, caps
     script = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(script)
     page = tmp_path / "page.md"
-    page.write_text("# A page\n\n```\n$ parity list\nan output that drifted\n```\n\nAfter.\n", encoding="utf-8")
+    page.write_text("# A page\n\n```\n$ parity list  # exit 0\nan output that drifted\n```\n\nAfter.\n",
+                    encoding="utf-8")
     assert script.main([str(page)]) == 1  # drifted: the check fails
     assert script.main(["--update", str(page)]) == 0
     text = page.read_text(encoding="utf-8")
-    assert "drifted" not in text and "$ parity list\n" in text and "gpt2" in text and text.endswith("\nAfter.\n")
+    assert "drifted" not in text and "$ parity list  # exit 0\n" in text and "gpt2" in text and text.endswith("\nAfter.\n")
     assert script.main([str(page)]) == 0
