@@ -27,8 +27,9 @@ A command block (a ``bash``/``sh``/``console`` fence, a fence whose first line s
 fence, an output block with ``run=``) that cannot run offline says why in the paragraph right above it, in
 words the reader sees, containing "not run by the docs tests"; any other command block runs.
 
-How shown output is checked (``compare``): line by line after paths are normalised (the page's working folder
-becomes relative, the temporary caches ``~/.cache/parity`` and ``~/.cache/huggingface``); a line ``...``
+How shown output is checked (``compare``): line by line after paths are normalised (an absolute path into the
+page's working folder reads ``~/project/...``, parity's temporary cache ``~/.cache/parity``, the repository's
+own files ``parity/...``, as an installed parity has them); a line ``...``
 stands for any number of lines; words must be equal, a version such as ``5.24.0`` matches any version, and a
 number written with a decimal point or an exponent matches within a factor of ``NUMBER_FACTOR``: the float32
 noise figures differ between CPUs (layer 0 of the synthetic GPT-2: noise 2.17e-06 on one machine, 2.94e-06 on
@@ -42,7 +43,6 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import io
-import os
 import re
 import shlex
 import shutil
@@ -379,8 +379,9 @@ class Workspace:
         return work
 
     def normalise(self, text: str, work: Path) -> str:
-        for path, shown in ((work, "."), (self.cache, "~/.cache/parity"), (self.base, "/tmp"), (ROOT, "parity")):
-            text = text.replace(str(path) + os.sep, "" if shown == "." else shown + "/").replace(str(path), shown)
+        for path, shown in ((work, "~/project"), (self.cache, "~/.cache/parity"), (self.base, "/tmp"),
+                            (ROOT, "parity")):
+            text = text.replace(str(path), shown)
         return text
 
 
