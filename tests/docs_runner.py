@@ -413,11 +413,16 @@ def environment(workspace: Workspace, work: Path, env: str):
         yield
 
 
-def _tree_digest(work: Path) -> str:
-    digest = hashlib.sha256()
+def _tree_digest(work: Path, fixtures: set[str]) -> str:
+    """What a command's output can depend on in its folder: the fixtures there (by name: a fixture is the same
+    on every page) and every other file's content (the page's files, what earlier commands wrote)."""
+    digest = hashlib.sha256(" ".join(sorted(name for name in fixtures if (work / name).exists())).encode())
     for path in sorted(work.rglob("*")):
+        relative = path.relative_to(work).as_posix()
+        if any(relative == name or relative.startswith(name + "/") for name in fixtures):
+            continue
         if path.is_file() and not path.is_symlink() and path.stat().st_size < 1 << 20:
-            digest.update(str(path.relative_to(work)).encode() + path.read_bytes())
+            digest.update(relative.encode() + path.read_bytes())
     return digest.hexdigest()
 
 
@@ -425,9 +430,11 @@ def run_parity(workspace: Workspace, work: Path, args: list[str], env: str) -> t
     """``parity ARGS`` in this process (tests/support.py's ``_main``): exit code and what it printed, stdout
     and stderr together in the order written, as a terminal shows them.  Runs of the same command in a folder
     holding the same files are made once."""
+    from tests.docs_fixtures import FIXTURES
     from tests.support import _main
 
-    key = (tuple(args), env, _tree_digest(work))
+    fixtures = set(FIXTURES) | {name + ".py" for name in FIXTURES}  # a module fixture is placed as NAME.py
+    key = (tuple(args), env, _tree_digest(work, fixtures))
     if key not in workspace.results:
         out = io.StringIO()
         with environment(workspace, work, env), contextlib.redirect_stdout(out), contextlib.redirect_stderr(out):
