@@ -414,9 +414,10 @@ def environment(workspace: Workspace, work: Path, env: str):
 
 
 def _tree_digest(work: Path, fixtures: set[str]) -> str:
-    """What a command's output can depend on in its folder: the fixtures there (by name: a fixture is the same
-    on every page) and every other file's content (the page's files, what earlier commands wrote)."""
-    digest = hashlib.sha256(" ".join(sorted(name for name in fixtures if (work / name).exists())).encode())
+    """What a command's output can depend on in its folder, fixtures aside (a fixture is the same on every page,
+    and one a command names is in its folder): every other file's content (the page's files, what earlier
+    commands wrote)."""
+    digest = hashlib.sha256()
     for path in sorted(work.rglob("*")):
         relative = path.relative_to(work).as_posix()
         if any(relative == name or relative.startswith(name + "/") for name in fixtures):
