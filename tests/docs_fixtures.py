@@ -177,7 +177,16 @@ def baseline_other_weights(work: Path, name: str) -> None:
     _edit_baseline(work, name, edit)
 
 
-PREPARE = {"baseline_tenth": baseline_tenth, "baseline_other_weights": baseline_other_weights}
+def synthetic_written(work: Path, model: str) -> None:
+    """The synthetic stand-in of ``model`` with its layer-0 shard written, as any check of it leaves it (a fresh
+    cache shows the shards as not written yet): whichever page ran first, the same state."""
+    import parity
+
+    parity.load_ffn(model, layer=0)
+
+
+PREPARE = {"baseline_tenth": baseline_tenth, "baseline_other_weights": baseline_other_weights,
+           "synthetic_written": synthetic_written}
 
 
 # -- Python blocks ---------------------------------------------------------------------------------------------

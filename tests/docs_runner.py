@@ -471,7 +471,8 @@ def evaluate(example) -> str | None:
         from tests.docs_fixtures import PREPARE
 
         name, *args = block.directives["prepare"].split()
-        PREPARE[name](work, *args)
+        with environment(workspace, work, block.directives.get("env", "offline")):
+            PREPARE[name](work, *args)
     if block.kind == "python":
         from tests.docs_fixtures import run_python
 
