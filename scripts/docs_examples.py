@@ -2,9 +2,9 @@
 """Run every command the documentation shows (README.md, docs/*.md) against the tests' fixtures, offline, and
 check its shown output; with --update, rewrite the shown outputs from the real runs, so they cannot drift.
 
-    PYTHONPATH=$PWD python scripts/docs_examples.py            # check, as tests/test_docs_examples.py does
-    PYTHONPATH=$PWD python scripts/docs_examples.py --update   # regenerate the shown outputs
-    PYTHONPATH=$PWD python scripts/docs_examples.py docs/ci.md # one page (or several)
+    python scripts/docs_examples.py            # check, as tests/test_docs_examples.py does
+    python scripts/docs_examples.py --update   # regenerate the shown outputs
+    python scripts/docs_examples.py docs/ci.md # one page (or several)
 
 What is run and how output is compared: tests/docs_runner.py.  --update keeps each block's ``...`` elisions
 (the lines around them are re-read from the run) and says which blocks it could not place or whose exit code
