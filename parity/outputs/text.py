@@ -6,6 +6,7 @@ The CLI prints these pieces as layers finish; ``render`` joins them for a finish
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 
 from parity.definitions.mapping import route_arrows
@@ -128,6 +129,10 @@ def diagnosis_lines(report: Report) -> list[str]:
         elif d.distance is not None and d.reference_distance is not None:
             lines.append(f"  evidence: the module is {d.distance:.2e} from this mistake's replay "
                          f"and {d.reference_distance:.2e} from transformers")
+        if d.id == MistakeId.UNEXPLAINED and result.max_at:  # where to look: the JSON's max_at, said in the text
+            batch, token, channel = result.max_at
+            lines.append(f"  largest deviation (layer {unit_label(result)}): input row {batch}, token {token}, output "
+                         f"channel {channel} of parity's inputs (seed {report.seed})")
         lines.append(f"  fix: {d.fix}")
         lines.append("")
     return lines + separability_lines(report)
@@ -260,14 +265,21 @@ def suite_summary(runs, code: int, regressed: int | None, shard) -> str:
                if run.report is not None and not_checked_summary(run.report)]
     if caveats:  # a low-precision pass that cannot tell some mistakes apart: the -q line says it too
         line += " " + " ".join(caveats)
-    failing = [run.label for run in runs if run.error is not None or (run.report is not None and not run.report.passed)]
+    failing = [as_given(run.label) for run in runs
+               if run.error is not None or (run.report is not None and not run.report.passed)]
     if failing:
         shown = ", ".join(failing[:8]) + (f" and {len(failing) - 8} more" if len(failing) > 8 else "")
         line += f" Failing: {shown}."
-    synthetic = [run.label for run in runs if run.report is not None and run.report.synthetic]
+    synthetic = [as_given(run.label) for run in runs if run.report is not None and run.report.synthetic]
     if synthetic:
         line += f" SYNTHETIC weights (no real checkpoint weight read) in: {', '.join(synthetic)}."
     return line
+
+
+def as_given(label: str) -> str:
+    """A check's label as the project file gave its paths: the project file's folder is made part of a local
+    path when the check is read (``models/gpt2`` becomes absolute); run from that folder, it is left out again."""
+    return label.replace(os.path.join(os.getcwd(), ""), "")
 
 
 class TextWriter:
