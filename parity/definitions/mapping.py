@@ -59,6 +59,7 @@ class Mapping:
     reference_tensors: list[TensorRoute] = field(default_factory=list)
     experts: Experts | None = None  # MoE: each expert's FFN is checked on its own
     text: str = field(default="", repr=False, compare=False)  # the file's text, for line numbers in later errors
+    derived: bool = False  # no file: derived from transformers' own model (parity.engine.derive); ``name`` says so
 
     def where(self, key: str) -> str:
         """'FILE:LINE' of a key, for errors found only once the target or reference exists."""
@@ -233,5 +234,6 @@ def _assigns(code: str, key: str, anywhere: bool = False) -> bool:
 
 
 def is_builtin(mapping: Mapping) -> bool:
-    """Whether this is one of parity's own mappings (a file of the built-in folder, not one the user wrote)."""
-    return mapping.path.resolve().parent == builtin_mapping_dir().resolve()
+    """Whether this is one of parity's own mappings (a file of the built-in folder, or one derived from transformers;
+    not one the user wrote)."""
+    return mapping.derived or mapping.path.resolve().parent == builtin_mapping_dir().resolve()

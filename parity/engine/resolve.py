@@ -18,7 +18,7 @@ from typing import Any
 from parity.definitions.files import shown
 from parity.definitions.mapping import ConfigValue, Mapping
 from parity.definitions.mapping_parser import load_mapping
-from parity.definitions.registry import builtin_mappings, fits, mapping_for_model_type
+from parity.definitions.registry import builtin_mappings, fits, mapping_for_model_type, mappings_for_model_type
 from parity.errors import (
     CheckpointError,
     EmptyValueError,
@@ -124,6 +124,10 @@ def resolve(model: str, checkpoint: str | None = None, mapping: str | Path | Non
         ckpt = open_checkpoint(location, revision, allow_pickle, revision_option=revision_option)
     check_raw_config(ckpt)
     model_type = ckpt.raw_config.get("model_type")
+    if chosen is None and not mappings_for_model_type(model_type):  # no mapping file: transformers' own model says
+        from parity.engine.derive import derive_mapping
+
+        chosen = derive_mapping(ckpt, load_config(ckpt))
     if chosen is None:
         chosen = mapping_for_model_type(model_type, ckpt.has)
     elif mapping is None and not fits(chosen, ckpt.has):

@@ -23,9 +23,10 @@ LAYER_KEYS = ("num_hidden_layers", "n_layer", "n_layers", "num_layers")
 
 # key -> (minimum, maximum, may be null)
 INT_KEYS: dict[str, tuple[int, int, bool]] = {
-    **{key: (1, MAX_WIDTH, False) for key in ("hidden_size", "n_embd", "d_model", "intermediate_size",
-                                              "num_attention_heads", "n_head")},
-    **{key: (1, MAX_WIDTH, True) for key in ("n_inner", "num_key_value_heads", "head_dim", "moe_intermediate_size")},
+    **{key: (1, MAX_WIDTH, False) for key in ("hidden_size", "n_embd", "d_model", "num_attention_heads", "n_head")},
+    # intermediate_size may be null: GPT-Neo's config leaves it None, which its transformers module reads as 4d
+    **{key: (1, MAX_WIDTH, True) for key in ("n_inner", "intermediate_size", "num_key_value_heads", "head_dim",
+                                             "moe_intermediate_size")},
     **{key: (1, MAX_LENGTH, True) for key in ("vocab_size", "max_position_embeddings", "n_positions", "n_ctx")},
     "sliding_window": (0, MAX_LENGTH, True),
     **{key: (0, MAX_EXPERTS, True) for key in ("num_local_experts", "num_experts", "num_experts_per_tok",

@@ -43,8 +43,10 @@ class ModelSkeleton:
             ) from None
 
     def meta_module(self, path: str) -> nn.Module:
+        path, _, inline = path.partition(INLINE)
         try:
-            return self.skeleton.get_submodule(path)
+            module = self.skeleton.get_submodule(path)
+            return InlineFFN(module, inline.split("+")) if inline else module
         except AttributeError:
             raise MappingError(
                 f"the reference module path '{path}' does not exist in {type(self.skeleton).__name__} "
@@ -54,6 +56,26 @@ class ModelSkeleton:
     def tensor_shapes(self, path: str) -> dict[str, tuple[int, ...]]:
         """HF names (relative to the MLP) and shapes of a layer's reference parameters."""
         return {name: tuple(p.shape) for name, p in self.meta_module(path).named_parameters()}
+
+
+INLINE = ":"  # 'model.decoder.layers.0:fc1+activation_fn+fc2': a layer's own children that form its FFN (OPT)
+
+
+class InlineFFN(nn.Module):
+    """A decoder layer's FFN written inline in the layer's forward (OPT's fc1, activation_fn, fc2): the layer's
+    own modules, under their own names, applied in the order given.  No transformers class holds them alone, so
+    this is the reference's module; each step is transformers' own."""
+
+    def __init__(self, layer: nn.Module, steps: list[str]):
+        super().__init__()
+        self.steps = list(steps)
+        for name in self.steps:
+            self.add_module(name, getattr(layer, name))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for name in self.steps:
+            x = getattr(self, name)(x)
+        return x
 
 
 def _transformers_version() -> str:

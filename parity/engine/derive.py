@@ -1,0 +1,371 @@
+"""A checkpoint's FFN layout derived from transformers itself, for a model type no mapping file serves.
+
+transformers already knows every family it ships: its model (built on the meta device) holds the decoder layers,
+each layer's FFN module, its projections and their shapes; its load-time conversion
+(``transformers.conversion_mapping`` / ``core_model_loading.rename_source_key``) says which checkpoint tensor
+becomes which parameter.  From those this module builds the in-memory ``Mapping`` a mapping file would give:
+where a layer's FFN tensors are, transformers' module as the reference, and the repository module (``parity.ffn``)
+that expresses the FFN as the default target, chosen from the module's structure and activation, never from the
+family's name.  A mapping file stays the override: this runs only where none serves the model type.
+
+The structure, read off the modules: the decoder layers are the ModuleList ``num_hidden_layers`` long; a layer's
+FFN is the child whose projections (nn.Linear, transformers' Conv1D) map d -> d_ff (one, or two: gate and up, or
+one fused [gate; up]) and then d_ff -> d, holding an activation; where the projections sit on the layer itself
+(OPT's fc1/fc2) the layer's own modules form it (``sources.skeleton.InlineFFN``).  Mixture-of-experts layers are
+refused here (each expert is a later slice).
+"""
+
+from __future__ import annotations
+
+import inspect
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from torch import nn
+
+from parity.definitions.aliases import load_aliases
+from parity.definitions.mapping import Mapping, TensorRoute
+from parity.engine.reference import activation_module
+from parity.errors import MappingError
+from parity.sources.checkpoint import Checkpoint
+from parity.sources.skeleton import INLINE, ModelSkeleton
+
+# parity.ffn's modules: the activations each takes, by transformers' ACT2CLS names of the same function
+GATED = {"silu": "parity.ffn:SwiGLU", "gelu_tanh": "parity.ffn:GeGLU"}
+CLASSIC = ("relu", "gelu", "gelu_tanh")  # parity.ffn.FeedForward(activation=...)
+_SAME_FUNCTION = {"silu": "silu", "swish": "silu", "gelu": "gelu", "gelu_python": "gelu", "relu": "relu",
+                  "gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh", "gelu_python_tanh": "gelu_tanh"}
+ADVICE = ("`parity CKPT --target pkg.module:YourFFN` checks your own module against it, and "
+          "`parity compare A B` needs no target")
+
+
+@dataclass(frozen=True)
+class Projection:
+    """One projection of an FFN: its name (relative to the FFN module), widths, storage layout and bias."""
+
+    name: str
+    d_in: int
+    d_out: int
+    layout: str  # "out_in" (nn.Linear) | "in_out" (transformers' Conv1D)
+    bias: bool
+
+
+@dataclass(frozen=True)
+class FFN:
+    """A layer's FFN as transformers builds it: ``path`` relative to the layer ("" + ``inline``: on the layer)."""
+
+    path: str
+    module: nn.Module
+    ins: tuple[Projection, ...]
+    out: Projection
+    width: int
+    inline: tuple[str, ...] = ()
+
+    @property
+    def fused(self) -> bool:
+        return len(self.ins) == 1 and self.ins[0].d_out == 2 * self.width
+
+
+def derive_mapping(ckpt: Checkpoint, config: Any) -> Mapping:
+    """The mapping transformers' own model implies for this checkpoint (MappingError, exit 2, where it cannot)."""
+    import transformers
+
+    model_type = getattr(config, "model_type", None)
+    model = ModelSkeleton(config).skeleton
+    layers_path, layers = decoder_layers(model, config)
+    d = int(config.hidden_size)
+    ffn = uniform_ffn(layers, d, model_type)
+    module_path = ".".join(p for p in (f"{layers_path}.{{layer}}", ffn.path) if p)
+    names = checkpoint_names(model, ckpt, [module_path.format(layer=i) for i in (0, 1 % len(layers))], ffn,
+                             model_type)
+    layer_key, sources = checkpoint_layout(names, module_path, model_type)
+    shown_class = type(ffn.module).__name__ if not ffn.inline else f"{type(layers[0]).__name__}'s " \
+        + "+".join(ffn.inline)
+    reference = module_path + (INLINE + "+".join(ffn.inline) if ffn.inline else "")
+    name = f"derived from transformers {transformers.__version__} {shown_class} at {module_path}"
+    target_class, args, tensors = default_target(ffn, d, sources)
+    return Mapping(
+        name=name, path=Path(name), model_types=[model_type], layer_key=layer_key, reference_module=reference,
+        target_class=target_class, target_args=args, tensors=tensors, num_layers=len(layers), hidden_size=d,
+        description=f"{model_type}: layout derived from transformers' {shown_class} (no mapping file)",
+        reference_tensors=[TensorRoute(own, source) for own, source in sources.items() if own != source],
+        derived=True,
+    )
+
+
+def decoder_layers(model: nn.Module, config: Any) -> tuple[str, nn.ModuleList]:
+    """The decoder layers: the outermost ModuleList ``num_hidden_layers`` long whose items hold projections."""
+    count = getattr(config, "num_hidden_layers", None)
+    for path, module in model.named_modules():
+        if isinstance(module, nn.ModuleList) and len(module) == count and count \
+                and all(projections(layer) for layer in module):
+            return path, module
+    raise MappingError(f"transformers' {type(model).__name__} has no list of {count} decoder layers "
+                       f"(config num_hidden_layers = {count}) to find the FFN in; write a mapping file for it and "
+                       "pass it with --mapping FILE.toml (docs/own-module.md)")
+
+
+def projections(module: nn.Module, direct: bool = False) -> list[Projection]:
+    """The module's projections (nn.Linear, transformers' Conv1D: by class, through the MRO), in the order they are
+    registered; ``direct``: only its own children."""
+    aliases = load_aliases()
+    found = []
+    members = module.named_children() if direct else module.named_modules()
+    for name, child in members:
+        weight = getattr(child, "weight", None)
+        layout = aliases.layout_of([cls.__name__ for cls in type(child).__mro__])
+        if layout is None or not isinstance(weight, nn.Parameter) or weight.dim() != 2:
+            continue
+        d_out, d_in = weight.shape if layout == "out_in" else weight.shape[::-1]
+        found.append(Projection(name, int(d_in), int(d_out), layout, getattr(child, "bias", None) is not None))
+    return found
+
+
+def ffn_of(projs: list[Projection], d: int) -> tuple[tuple[Projection, ...], Projection, int] | None:
+    """(in projections, out projection, d_ff) when ``projs`` read d -> d_ff (one; two alike; one fused [gate; up])
+    and then d_ff -> d, the last registered writing; None for anything else (attention's q/k/v/o)."""
+    if len(projs) not in (2, 3):
+        return None
+    *ins, out = projs
+    width = out.d_in
+    if out.d_out != d or any(p.d_in != d for p in ins):
+        return None
+    if len(ins) == 2 and all(p.d_out == width for p in ins) or len(ins) == 1 and ins[0].d_out in (width, 2 * width):
+        return tuple(ins), out, width
+    return None
+
+
+def find_ffn(layer: nn.Module, d: int) -> FFN | None:
+    """The layer's FFN: the child that is one (holding an activation, when two children read alike), else the
+    layer's own projections with the activation between them (OPT)."""
+    found = []
+    for name, child in layer.named_children():
+        shape = ffn_of(projections(child), d)
+        if shape is not None:
+            found.append(FFN(name, child, *shape))
+    if len(found) > 1:
+        found = [f for f in found if activation_module(f.module) is not None]
+    if len(found) == 1:
+        return found[0]
+    shape = ffn_of(projections(layer, direct=True), d)
+    act = activation_module(layer)
+    if found or shape is None or act is None or len(shape[0]) != 1:
+        return None
+    act_name = next(name for name, child in layer.named_children() if child is act)
+    return FFN("", layer, *shape, inline=(shape[0][0].name, act_name, shape[1].name))
+
+
+def has_experts(layer: nn.Module) -> bool:
+    """Whether the layer holds a mixture of experts: a parameter stacked over experts (3-D, not a convolution's) or a
+    ModuleList of FFNs."""
+    for module in layer.modules():
+        if isinstance(module, nn.ModuleList) and any(ffn_of(projections(m), _width_in(m)) for m in module):
+            return True
+        if not isinstance(module, nn.modules.conv._ConvNd) and \
+                any(p.dim() == 3 for p in module.parameters(recurse=False)):
+            return True
+    return False
+
+
+def _width_in(module: nn.Module) -> int:
+    projs = projections(module)
+    return projs[-1].d_out if projs else -1
+
+
+def uniform_ffn(layers: nn.ModuleList, d: int, model_type: str | None) -> FFN:
+    """Layer 0's FFN, when every layer has a dense FFN of the same path, class and shapes."""
+    ffns = [find_ffn(layer, d) for layer in layers]
+    moe = [i for i, layer in enumerate(layers) if has_experts(layer)]
+    if moe:
+        raise MappingError(
+            f"model_type {model_type!r}: layer {moe[0]}'s FFN is a mixture of experts ({len(moe)} of {len(layers)} "
+            "layers); deriving an MoE layout from transformers is not built yet: write a mapping file with an "
+            "[experts] table and pass it with --mapping FILE.toml (docs/own-module.md)")
+    missing = [i for i, f in enumerate(ffns) if f is None]
+    if missing:
+        raise MappingError(
+            f"model_type {model_type!r}: layer {missing[0]} of transformers' {type(layers[0]).__name__} holds no "
+            "module whose projections read d -> d_ff -> d with an activation between them (parity's reading of an "
+            "FFN); write a mapping file for it and pass it with --mapping FILE.toml (docs/own-module.md)")
+    first = ffns[0]
+    takes = [name for name, p in inspect.signature(first.module.forward).parameters.items()
+             if p.default is inspect.Parameter.empty and p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    if not first.inline and len(takes) != 1:
+        raise MappingError(
+            f"model_type {model_type!r}: transformers' {type(first.module).__name__}.forward takes "
+            f"({', '.join(takes)}), not the FFN's input alone (it does more than the FFN, e.g. adds the residual); "
+            "deriving such a module is not built yet: write a mapping file whose [reference] module is an FFN and "
+            "pass it with --mapping FILE.toml (docs/own-module.md)")
+    shape = [(p.d_in, p.d_out) for p in (*first.ins, first.out)]
+    for i, f in enumerate(ffns):
+        if (f.path, type(f.module), [(p.d_in, p.d_out) for p in (*f.ins, f.out)]) != \
+                (first.path, type(first.module), shape):
+            raise MappingError(
+                f"model_type {model_type!r}: layer {i}'s FFN ({type(f.module).__name__}, d_ff {f.width}) differs "
+                f"from layer 0's ({type(first.module).__name__}, d_ff {first.width}); per-layer FFN layouts are not "
+                "derived yet: write a mapping file for it and pass it with --mapping FILE.toml")
+    return first
+
+
+def checkpoint_names(model: nn.Module, ckpt: Checkpoint, paths: list[str], ffn: FFN,
+                     model_type: str | None) -> dict[str, str]:
+    """Model parameter name -> the checkpoint tensor that fills it, for the FFN parameters under ``paths``:
+    transformers' own load-time renaming (``rename_source_key``) applied to every checkpoint key."""
+    from transformers.conversion_mapping import get_model_conversion_mapping
+    from transformers.core_model_loading import WeightConverter, WeightRenaming, rename_source_key
+
+    conversions = get_model_conversion_mapping(model)
+    renamings = [c for c in conversions if isinstance(c, WeightRenaming)]
+    converters = [c for c in conversions if isinstance(c, WeightConverter)]
+    state = model.state_dict()
+    wanted = {f"{path}.{name}" for path in paths for name, _ in ffn.module.named_parameters()
+              if not ffn.inline or name.split(".")[0] in ffn.inline}
+    found: dict[str, str] = {}
+    for key in ckpt.weight_map:
+        own, converter = rename_source_key(key, renamings, converters, model.base_model_prefix, state)
+        if own in wanted and converter is None:
+            found.setdefault(own, key)
+    lacking = sorted(wanted - set(found))
+    if lacking:
+        raise MappingError(
+            f"no mapping file serves model_type {model_type!r}, and its layout derived from transformers' "
+            f"{type(model).__name__} needs checkpoint tensor '{lacking[0]}' (or a name transformers' load-time "
+            f"conversion turns into it), which this checkpoint does not hold ({len(ckpt.weight_map)} tensors, e.g. "
+            f"{', '.join(sorted(ckpt.weight_map)[:3])}); write a mapping file for its names and pass it with "
+            "--mapping FILE.toml (docs/own-module.md)")
+    return found
+
+
+def checkpoint_layout(names: dict[str, str], module_path: str, model_type: str | None
+                      ) -> tuple[str, dict[str, str]]:
+    """(layer_key, FFN parameter name -> checkpoint name relative to it) from layers 0 and 1's tensors."""
+    keys = {}
+    for layer in (0, 1):
+        prefix = module_path.format(layer=layer) + "."
+        mine = {own[len(prefix):]: key for own, key in names.items() if own.startswith(prefix)}
+        keys[layer] = mine
+    stems = {}
+    for layer, mine in keys.items():
+        parts = [key.split(".") for key in mine.values()]
+        common = 0
+        while all(len(p) > common + 1 and p[common] == parts[0][common] for p in parts):
+            common += 1
+        stems[layer] = parts[0][:common]
+    first, second = stems[0], stems[1]
+    template = [("{layer}" if (a, b) == ("0", "1") else a) for a, b in zip(first, second, strict=False)]
+    if len(first) != len(second) or template.count("{layer}") > 1 or [
+            p for p, a, b in zip(template, first, second, strict=False) if p != "{layer}" and a != b]:
+        raise MappingError(f"model_type {model_type!r}: the checkpoint's FFN tensors of layers 0 and 1 "
+                           f"({'.'.join(first)}, {'.'.join(second)}) differ in more than the layer number; write a "
+                           "mapping file for its names and pass it with --mapping FILE.toml")
+    stem = ".".join(first) + "."
+    return ".".join(template), {own: key[len(stem):] for own, key in keys[0].items()}
+
+
+def activation_of(module: nn.Module) -> str | None:
+    """The function of the FFN's activation as parity.ffn names it ('silu', 'gelu', 'gelu_tanh', 'relu'), read off
+    its class through transformers' ACT2CLS (torch's nn.GELU by its ``approximate``); None: none of those."""
+    from transformers.activations import ACT2CLS
+
+    act = activation_module(module)
+    if act is None:
+        return None
+    if type(act) is nn.GELU:
+        return "gelu_tanh" if act.approximate == "tanh" else "gelu"
+    names = {name for name, entry in ACT2CLS.items() if (entry[0] if isinstance(entry, tuple) else entry) is type(act)}
+    kinds = {_SAME_FUNCTION[name] for name in names if name in _SAME_FUNCTION}
+    return kinds.pop() if len(kinds) == 1 else None
+
+
+def activation_label(module: nn.Module) -> str:
+    act = activation_module(module)
+    return type(act).__name__ if act is not None else "no activation module"
+
+
+ROLE_TARGETS = {"gate": "_gate", "up": "_up", "down": "_down", "fc_in": "_layer1", "fc_out": "_layer2"}
+
+
+def projection_roles(ffn: FFN) -> tuple[dict[str, str], str | None]:
+    """Each projection's role (gate, up, down; gate_up fused; fc_in, fc_out): a classic FFN's by structure, a gated
+    one's gate and up by transformers' own names (aliases.toml); with what stands in the way, if anything."""
+    if len(ffn.ins) == 1 and not ffn.fused:
+        return {ffn.ins[0].name: "fc_in", ffn.out.name: "fc_out"}, None
+    aliases = load_aliases()
+    roles = {ffn.out.name: "down"}
+    wanted = {"gate_up"} if ffn.fused else {"gate", "up"}
+    for proj in ffn.ins:
+        said = {role for role, kind in aliases.roles_of(f"{proj.name}.weight") if role in wanted}
+        if len(said) != 1:
+            return roles, (f"its projection '{proj.name}' reads as {' or '.join(sorted(said)) or 'no gated role'} "
+                           f"in {aliases.path.name}, so which input projection is the gate is not said")
+        roles[proj.name] = said.pop()
+    if sorted(roles.values()) != sorted({"down", *wanted}):
+        return roles, "its input projections' names read as one role"
+    return roles, None
+
+
+def target_routes(ffn: FFN, roles: dict[str, str], sources: dict[str, str]) -> list[TensorRoute]:
+    """parity.ffn's parameters filled from the checkpoint's tensors: an nn.Linear weight as stored, a Conv1D one
+    transposed, a fused [gate; up] in halves.  A bias the checkpoint lacks is no route (parity zeroes it, saying so)."""
+    routes = []
+    for proj in (*ffn.ins, ffn.out):
+        role = roles.get(proj.name)
+        if role is None:
+            continue
+        parts = [("gate", (0, 2)), ("up", (1, 2))] if role == "gate_up" else [(role, None)]
+        transform = "transpose" if proj.layout == "in_out" else "none"
+        for part, chunk in parts:
+            routes.append(TensorRoute(f"{ROLE_TARGETS[part]}.weight", sources[f"{proj.name}.weight"], transform, chunk))
+            if proj.bias:
+                routes.append(TensorRoute(f"{ROLE_TARGETS[part]}.bias", sources[f"{proj.name}.bias"], "none", chunk))
+    return routes
+
+
+def repository_gap(ffn: FFN, d: int, unsaid: str | None) -> str | None:
+    """What parity.ffn's modules lack to express this FFN (None: one does)."""
+    act, label = activation_of(ffn.module), activation_label(ffn.module)
+    projected = {f"{p.name}.{leaf}" for p in (*ffn.ins, ffn.out) for leaf in ("weight", "bias")}
+    others = [name for name, _ in ffn.module.named_parameters() if name not in projected] if not ffn.inline else []
+    if others:
+        return f"it holds parameters besides its projections ({', '.join(others[:3])})"
+    if unsaid:
+        return unsaid
+    if len(ffn.ins) == 2 or ffn.fused:
+        return None if act in GATED else (f"it is a gated FFN running {label}, and parity.ffn's gated modules run "
+                                           "SiLU (SwiGLU) or tanh GELU (GeGLU)")
+    if act not in CLASSIC:
+        return f"it runs {label}, and parity.ffn.FeedForward runs ReLU, exact GELU or tanh GELU"
+    if ffn.width != 4 * d:
+        return f"its d_ff is {ffn.width}, and parity.ffn.FeedForward's d_ff is always 4·d ({4 * d})"
+    return None
+
+
+def default_target(ffn: FFN, d: int, sources: dict[str, str]) -> tuple[str, dict[str, Any], list[TensorRoute]]:
+    """[target].class, [target].args and [tensors] for the repository module that expresses this FFN; where none
+    does, a target that refuses in one line when built (exit 2), and the same routes for ``--target``."""
+    roles, unsaid = projection_roles(ffn)
+    routes = target_routes(ffn, roles, sources)
+    gap = repository_gap(ffn, d, unsaid)
+    bias = any(p.bias for p in (*ffn.ins, ffn.out))
+    gated = len(ffn.ins) == 2 or ffn.fused
+    args: dict[str, Any] = {"emb_size": d, "hidden_dim": ffn.width, "bias": bias, "dropout": 0.0} if gated else \
+        {"emb_size": d, "activation": activation_of(ffn.module) or "relu", "dropout": 0.0}
+    if gap is not None:
+        what = type(ffn.module).__name__ if not ffn.inline else "+".join(ffn.inline)
+        key = "repository_lacks_" + re.sub(r"\W", "_", what)
+        REFUSALS[key] = f"no module of the repository (parity.ffn) expresses transformers' {what}: {gap}; {ADVICE}"
+        return f"parity.engine.derive:{key}", args, routes
+    return (GATED[activation_of(ffn.module)] if gated else "parity.ffn:FeedForward"), args, routes
+
+
+REFUSALS: dict[str, str] = {}  # [target].class of a derived layout no repository module expresses -> why
+
+
+def __getattr__(name: str) -> Any:
+    """The default target of a derived layout no repository module expresses: importing it (only a check without
+    --target does) refuses in one line, exit 2, before anything is built."""
+    if name in REFUSALS:
+        raise MappingError(REFUSALS[name])
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
