@@ -1,0 +1,216 @@
+"""Families no mapping file serves: their layout derived from transformers itself (parity/engine/derive.py).
+
+Each family is a tiny checkpoint built with transformers' own classes (AutoConfig.for_model + from_config +
+save_pretrained).  For each: the default target passes (or is the documented one-line exit 2 where no module of
+parity.ffn expresses the FFN), a port written the family's way passes with ``--target`` alone, a broken export
+(written with safetensors) fails on the broken layer only and is named by ``parity compare``, and ``parity
+compare A A`` passes.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .support import run_main
+
+COMMON = dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=2, vocab_size=64, pad_token_id=0,
+              bos_token_id=1, eos_token_id=2)
+KV = dict(num_key_value_heads=2, head_dim=16)
+
+# model_type -> (config values beyond COMMON, the port --target names, the tensor a broken export changes in
+# layer 1 (a pair: exchanged; one name: negated), the diagnosis compare must name)
+FAMILIES = {
+    "qwen3": (dict(intermediate_size=72, **KV), "gated_port", ("mlp.gate_proj", "mlp.up_proj"), "gate_up_exchanged"),
+    "olmo2": (dict(intermediate_size=72, **KV), "gated_port", ("mlp.gate_proj", "mlp.up_proj"), "gate_up_exchanged"),
+    "granite": (dict(intermediate_size=72, **KV), "gated_port", ("mlp.gate_proj", "mlp.up_proj"),
+                "gate_up_exchanged"),
+    "stablelm": (dict(intermediate_size=72, num_key_value_heads=2), "gated_port", ("mlp.gate_proj", "mlp.up_proj"),
+                 "gate_up_exchanged"),
+    "cohere": (dict(intermediate_size=72, num_key_value_heads=2), "gated_port", ("mlp.gate_proj", "mlp.up_proj"),
+               "gate_up_exchanged"),
+    "exaone4": (dict(intermediate_size=72, **KV), "gated_port", ("mlp.gate_proj", "mlp.up_proj"),
+                "gate_up_exchanged"),
+    "glm": (dict(intermediate_size=72, **KV), "gated_port", "mlp.down_proj", "sign_flipped"),  # gate_up fused
+    "gptj": (dict(rotary_dim=8), "gptj_port", "mlp.fc_out", "sign_flipped"),
+    "gpt_neox": (dict(intermediate_size=128), "neox_port", "mlp.dense_4h_to_h", "sign_flipped"),
+    "opt": (dict(ffn_dim=128, word_embed_proj_dim=32), "opt_port", "fc2", "sign_flipped"),  # fc1/fc2 on the layer
+    "phi": (dict(intermediate_size=128, num_key_value_heads=2), "phi_port", "mlp.fc2", "sign_flipped"),
+    "falcon": (dict(), "falcon_port", "mlp.dense_4h_to_h", "sign_flipped"),  # no biases
+    "starcoder2": (dict(intermediate_size=128, num_key_value_heads=2), "starcoder2_port", "mlp.c_proj",
+                   "sign_flipped"),
+    "gpt_bigcode": (dict(), "bigcode_port", "mlp.c_proj", "sign_flipped"),
+    "gpt_neo": (dict(attention_types=[[["global", "local"], 1]], intermediate_size=None), "gpt_neo_port",
+                "mlp.c_proj", "sign_flipped"),  # intermediate_size None: transformers' 4d
+    "nemotron": (dict(intermediate_size=72, **KV), "relu2_port", "mlp.down_proj", "sign_flipped"),
+}
+# no module of parity.ffn expresses these: the default target is exit 2, naming what parity.ffn lacks
+REFUSED = {"nemotron": "it runs ReLUSquaredActivation, and parity.ffn.FeedForward runs ReLU, exact GELU or tanh GELU"}
+
+
+def build(model_type: str, folder: Path, seed: int, **values) -> Path:
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.for_model(model_type, **COMMON, **values)
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config)
+    with torch.no_grad():  # distinct random values everywhere, biases included
+        for param in model.parameters():
+            param.normal_(0.0, 0.05)
+    model.save_pretrained(folder)
+    return folder
+
+
+def broken_copy(folder: Path, dest: Path, change: str | tuple[str, str]) -> Path:
+    """A copy whose layer 1 has two FFN tensors exchanged, or one negated, written with safetensors."""
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(folder, dest)
+    tensors = load_file(dest / "model.safetensors")
+    names = {name for name in tensors if ".1." in name}
+    if isinstance(change, tuple):
+        first, second = (next(n for n in names if n.endswith(f".1.{part}.weight")) for part in change)
+        tensors[first], tensors[second] = tensors[second].clone(), tensors[first].clone()
+    else:
+        name = next(n for n in names if n.endswith(f".1.{change}.weight"))
+        tensors[name] = -tensors[name]
+    save_file(tensors, dest / "model.safetensors", metadata={"format": "pt"})
+    return dest
+
+
+@pytest.fixture(scope="session")
+def families(tmp_path_factory) -> dict[str, tuple[Path, Path]]:
+    """model_type -> (its tiny checkpoint, a broken export of it)."""
+    root = tmp_path_factory.mktemp("derived")
+    built = {}
+    for seed, (model_type, (values, _, change, _)) in enumerate(FAMILIES.items()):
+        folder = build(model_type, root / model_type, seed, **values)
+        built[model_type] = folder, broken_copy(folder, root / f"{model_type}-broken", change)
+    return built
+
+
+# -- ports, written each family's way (the names its own ports use) ------------------------------------------------
+class GatedPort(nn.Module):
+    def __init__(self, config):
+        super().__init__()
+        d, f = config.hidden_size, config.intermediate_size
+        self.gate, self.up = nn.Linear(d, f, bias=False), nn.Linear(d, f, bias=False)
+        self.down = nn.Linear(f, d, bias=False)
+
+    def forward(self, x):
+        return self.down(F.silu(self.gate(x)) * self.up(x))
+
+
+class TwoLayer(nn.Module):
+    """A classic FFN whose two projections carry a family's names."""
+
+    def __init__(self, d: int, f: int, names: tuple[str, str], act, bias: bool = True):
+        super().__init__()
+        self.names, self.act = names, act
+        setattr(self, names[0], nn.Linear(d, f, bias=bias))
+        setattr(self, names[1], nn.Linear(f, d, bias=bias))
+
+    def forward(self, x):
+        return getattr(self, self.names[1])(self.act(getattr(self, self.names[0])(x)))
+
+
+def tanh_gelu(x):
+    return F.gelu(x, approximate="tanh")
+
+
+def gated_port(config):
+    return GatedPort(config)
+
+
+def gptj_port(config):
+    return TwoLayer(config.hidden_size, config.n_inner or 4 * config.hidden_size, ("fc_in", "fc_out"), tanh_gelu)
+
+
+def neox_port(config):
+    return TwoLayer(config.hidden_size, config.intermediate_size, ("dense_h_to_4h", "dense_4h_to_h"), F.gelu)
+
+
+def falcon_port(config):
+    return TwoLayer(config.hidden_size, config.ffn_hidden_size, ("dense_h_to_4h", "dense_4h_to_h"), F.gelu,
+                    bias=False)
+
+
+def opt_port(config):
+    return TwoLayer(config.hidden_size, config.ffn_dim, ("fc1", "fc2"), F.relu)
+
+
+def phi_port(config):
+    return TwoLayer(config.hidden_size, config.intermediate_size, ("fc1", "fc2"), tanh_gelu)
+
+
+def starcoder2_port(config):
+    return TwoLayer(config.hidden_size, config.intermediate_size, ("c_fc", "c_proj"), tanh_gelu)
+
+
+def bigcode_port(config):
+    return TwoLayer(config.hidden_size, 4 * config.hidden_size, ("c_fc", "c_proj"), tanh_gelu)
+
+
+def gpt_neo_port(config):
+    return TwoLayer(config.hidden_size, 4 * config.hidden_size, ("c_fc", "c_proj"), tanh_gelu)
+
+
+def relu2_port(config):
+    return TwoLayer(config.hidden_size, config.intermediate_size, ("up", "down"), lambda x: F.relu(x) ** 2,
+                    bias=False)
+
+
+# -- the checks ----------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("model_type", sorted(FAMILIES))
+def test_default_target(capsys, families, model_type):
+    """The default target: the parity.ffn module the FFN's structure calls for passes every layer, and the header
+    says where the layout came from; where none expresses it, exit 2 in one line saying what parity.ffn lacks."""
+    code, out, err = run_main(capsys, families[model_type][0], "--layers", "all")
+    if model_type in REFUSED:
+        assert code == 2, out + err
+        message = err.strip()
+        assert "\n" not in message and REFUSED[model_type] in message
+        assert "--target" in message and "parity compare A B" in message
+        return
+    assert code == 0, out + err
+    header = out.splitlines()[0]
+    assert "— mapping 'derived from transformers " in header
+    assert "PASS: 2 layer(s)" in out
+
+
+@pytest.mark.parametrize("model_type", sorted(FAMILIES))
+def test_port_with_target_alone(capsys, families, model_type):
+    """A port written with the names the family's own ports use passes with --target alone (routes read off its
+    parameter names)."""
+    port = FAMILIES[model_type][1]
+    code, out, err = run_main(capsys, families[model_type][0], "--layers", "all", "--target",
+                              f"tests.test_derived_families:{port}")
+    assert code == 0, out + err
+    assert "inferred from parameter names" in out
+    assert "PASS: 2 layer(s)" in out
+
+
+@pytest.mark.parametrize("model_type", sorted(FAMILIES))
+def test_compare_broken_export(capsys, families, model_type):
+    """B with layer 1 broken: layer 0 passes, layer 1 fails and is named."""
+    good, broken = families[model_type]
+    code, out, err = run_main(capsys, "compare", good, broken, "--json", "-")
+    assert code == 1, out + err
+    report = json.loads(out)
+    verdicts = {layer["layer"]: layer for layer in report["layers"]}
+    assert verdicts[0]["passed"] and not verdicts[1]["passed"]
+    assert verdicts[1]["diagnosis"]["id"] == FAMILIES[model_type][3]
+    assert report["mapping"].startswith("derived from transformers ")
+
+
+@pytest.mark.parametrize("model_type", sorted(FAMILIES))
+def test_compare_with_itself(capsys, families, model_type):
+    code, out, err = run_main(capsys, "compare", families[model_type][0], families[model_type][0])
+    assert code == 0, out + err
+    assert "PASS: 2 layer(s) of B bit-identical to A's" in out
