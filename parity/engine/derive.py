@@ -17,6 +17,7 @@ refused here (each expert is a later slice).
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 import re
 from dataclasses import dataclass
@@ -358,6 +359,24 @@ def default_target(ffn: FFN, d: int, sources: dict[str, str]) -> tuple[str, dict
         REFUSALS[key] = f"no module of the repository (parity.ffn) expresses transformers' {what}: {gap}; {ADVICE}"
         return f"parity.engine.derive:{key}", args, routes
     return (GATED[activation_of(ffn.module)] if gated else "parity.ffn:FeedForward"), args, routes
+
+
+def expressible(mapping: Mapping, config: Any) -> Mapping:
+    """A built-in mapping whose default target is parity.ffn.FeedForward (d_ff always 4d) over an FFN transformers
+    builds at another width (GPT-2 with n_inner set): its default target refuses in one line, as a derived one
+    does, instead of failing every layer with a mismatch that is the repository's, not the checkpoint's."""
+    if mapping.target_class != "parity.ffn:FeedForward" or mapping.experts is not None:
+        return mapping
+    d = getattr(config, "hidden_size", None)
+    module = ModelSkeleton(config).meta_module(mapping.reference_path(0))
+    shape = ffn_of(projections(module), d) if isinstance(d, int) else None
+    if shape is None or shape[2] == 4 * d:
+        return mapping
+    key = "repository_lacks_" + re.sub(r"\W", "_", f"{mapping.name}_{shape[2]}")
+    REFUSALS[key] = (f"no module of the repository (parity.ffn) expresses transformers' {type(module).__name__} of "
+                     f"this checkpoint: its d_ff is {shape[2]}, and parity.ffn.FeedForward's d_ff is always 4·d "
+                     f"({4 * d}); {ADVICE}")
+    return dataclasses.replace(mapping, target_class=f"parity.engine.derive:{key}")
 
 
 REFUSALS: dict[str, str] = {}  # [target].class of a derived layout no repository module expresses -> why

@@ -142,6 +142,10 @@ def resolve(model: str, checkpoint: str | None = None, mapping: str | Path | Non
                      f"does not list ({', '.join(chosen.model_types)}); using it as asked")
     config = load_config(ckpt)
     check_sizes(chosen, ckpt, config)
+    if mapping is None:  # a built-in default target that cannot express this FFN refuses in one line
+        from parity.engine.derive import expressible
+
+        chosen = expressible(chosen, config)
     notes.extend(ckpt.notes)
     notes.extend(chosen.notes)
     notes.extend(activation_override_notes(ckpt.raw_config, config))
