@@ -20,6 +20,7 @@ from __future__ import annotations
 import dataclasses
 import inspect
 import re
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -69,11 +70,20 @@ class FFN:
         return len(self.ins) == 1 and self.ins[0].d_out == 2 * self.width
 
 
-def derive_mapping(ckpt: Checkpoint, config: Any) -> Mapping:
-    """The mapping transformers' own model implies for this checkpoint (MappingError, exit 2, where it cannot)."""
+def derive_mapping(ckpt: Checkpoint, load_config: Callable[[Checkpoint], Any]) -> Mapping:
+    """The mapping transformers' own model implies for this checkpoint (MappingError, exit 2, where it cannot);
+    ``load_config``: the checkpoint's transformers config, once transformers is known to have its model type."""
     import transformers
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
 
-    model_type = getattr(config, "model_type", None)
+    model_type = ckpt.raw_config.get("model_type")
+    if model_type not in CONFIG_MAPPING_NAMES:
+        raise MappingError(
+            f"no mapping file serves model_type {model_type!r} (config.json), and transformers "
+            f"{transformers.__version__} installed here does not know it, so its layout cannot be derived: install "
+            "a transformers that ships it, or write a mapping file and pass it with --mapping FILE.toml "
+            "(docs/own-module.md)")
+    config = load_config(ckpt)
     model = ModelSkeleton(config).skeleton
     layers_path, layers = decoder_layers(model, config)
     d = int(config.hidden_size)

@@ -127,7 +127,7 @@ def resolve(model: str, checkpoint: str | None = None, mapping: str | Path | Non
     if chosen is None and not mappings_for_model_type(model_type):  # no mapping file: transformers' own model says
         from parity.engine.derive import derive_mapping
 
-        chosen = derive_mapping(ckpt, load_config(ckpt))
+        chosen = derive_mapping(ckpt, load_config)
     if chosen is None:
         chosen = mapping_for_model_type(model_type, ckpt.has)
     elif mapping is None and not fits(chosen, ckpt.has):
