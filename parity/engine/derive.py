@@ -43,6 +43,15 @@ ADVICE = ("`parity CKPT --target pkg.module:YourFFN` checks your own module agai
           "`parity compare A B` needs no target")
 
 
+def refused(model_type: str | None, why: str, mapping_with: str = "") -> MappingError:
+    """Why a layout cannot be derived, in one line: it comes up only where no mapping file serves the type."""
+    import transformers
+
+    return MappingError(f"no mapping serves model_type {model_type!r} (config.json), and its layout cannot be derived "
+                        f"from transformers {transformers.__version__}: {why}; write a mapping file {mapping_with}and "
+                        "pass it with --mapping FILE.toml (docs/own-module.md)")
+
+
 @dataclass(frozen=True)
 class Projection:
     """One projection of an FFN: its name (relative to the FFN module), widths, storage layout and bias."""
@@ -78,11 +87,14 @@ def derive_mapping(ckpt: Checkpoint, load_config: Callable[[Checkpoint], Any]) -
 
     model_type = ckpt.raw_config.get("model_type")
     if model_type not in CONFIG_MAPPING_NAMES:
+        from parity.definitions.registry import builtin_mappings
+
+        served = sorted({t for m in builtin_mappings().values() for t in m.model_types})
         raise MappingError(
-            f"no mapping file serves model_type {model_type!r} (config.json), and transformers "
-            f"{transformers.__version__} installed here does not know it, so its layout cannot be derived: install "
-            "a transformers that ships it, or write a mapping file and pass it with --mapping FILE.toml "
-            "(docs/own-module.md)")
+            f"no mapping serves model_type {model_type!r} (config.json), and transformers {transformers.__version__} "
+            "installed here does not know it, so its layout cannot be derived (parity derives layouts only for "
+            f"types transformers ships); known model types: {', '.join(served)}. Write a mapping file for it and pass "
+            "it with --mapping FILE.toml (docs/own-module.md), or install a transformers that ships it")
     config = load_config(ckpt)
     model = ModelSkeleton(config).skeleton
     layers_path, layers = decoder_layers(model, config)
@@ -113,9 +125,8 @@ def decoder_layers(model: nn.Module, config: Any) -> tuple[str, nn.ModuleList]:
         if isinstance(module, nn.ModuleList) and len(module) == count and count \
                 and all(projections(layer) for layer in module):
             return path, module
-    raise MappingError(f"transformers' {type(model).__name__} has no list of {count} decoder layers "
-                       f"(config num_hidden_layers = {count}) to find the FFN in; write a mapping file for it and "
-                       "pass it with --mapping FILE.toml (docs/own-module.md)")
+    raise refused(getattr(config, "model_type", None), f"transformers' {type(model).__name__} has no list of {count} "
+                  f"decoder layers (config num_hidden_layers = {count}) to find the FFN in")
 
 
 def projections(module: nn.Module, direct: bool = False) -> list[Projection]:
@@ -190,33 +201,27 @@ def uniform_ffn(layers: nn.ModuleList, d: int, model_type: str | None) -> FFN:
     ffns = [find_ffn(layer, d) for layer in layers]
     moe = [i for i, layer in enumerate(layers) if has_experts(layer)]
     if moe:
-        raise MappingError(
-            f"model_type {model_type!r}: layer {moe[0]}'s FFN is a mixture of experts ({len(moe)} of {len(layers)} "
-            "layers); deriving an MoE layout from transformers is not built yet: write a mapping file with an "
-            "[experts] table and pass it with --mapping FILE.toml (docs/own-module.md)")
+        raise refused(model_type, f"layer {moe[0]}'s FFN is a mixture of experts ({len(moe)} of {len(layers)} "
+                      "layers), and deriving an MoE layout is not built yet", "with an [experts] table ")
     missing = [i for i, f in enumerate(ffns) if f is None]
     if missing:
-        raise MappingError(
-            f"model_type {model_type!r}: layer {missing[0]} of transformers' {type(layers[0]).__name__} holds no "
-            "module whose projections read d -> d_ff -> d with an activation between them (parity's reading of an "
-            "FFN); write a mapping file for it and pass it with --mapping FILE.toml (docs/own-module.md)")
+        raise refused(model_type, f"layer {missing[0]} of transformers' {type(layers[0]).__name__} holds no module "
+                      "whose projections read d -> d_ff -> d with an activation between them (an FFN, as parity reads "
+                      "one)")
     first = ffns[0]
     takes = [name for name, p in inspect.signature(first.module.forward).parameters.items()
              if p.default is inspect.Parameter.empty and p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
     if not first.inline and len(takes) != 1:
-        raise MappingError(
-            f"model_type {model_type!r}: transformers' {type(first.module).__name__}.forward takes "
-            f"({', '.join(takes)}), not the FFN's input alone (it does more than the FFN, e.g. adds the residual); "
-            "deriving such a module is not built yet: write a mapping file whose [reference] module is an FFN and "
-            "pass it with --mapping FILE.toml (docs/own-module.md)")
+        raise refused(model_type, f"transformers' {type(first.module).__name__}.forward takes ({', '.join(takes)}), "
+                      "not the FFN's input alone (it does more than the FFN, e.g. adds the residual), and checking "
+                      "such a module is not built yet")
     shape = [(p.d_in, p.d_out) for p in (*first.ins, first.out)]
     for i, f in enumerate(ffns):
         if (f.path, type(f.module), [(p.d_in, p.d_out) for p in (*f.ins, f.out)]) != \
                 (first.path, type(first.module), shape):
-            raise MappingError(
-                f"model_type {model_type!r}: layer {i}'s FFN ({type(f.module).__name__}, d_ff {f.width}) differs "
-                f"from layer 0's ({type(first.module).__name__}, d_ff {first.width}); per-layer FFN layouts are not "
-                "derived yet: write a mapping file for it and pass it with --mapping FILE.toml")
+            raise refused(model_type, f"layer {i}'s FFN ({type(f.module).__name__}, d_ff {f.width}) differs from "
+                          f"layer 0's ({type(first.module).__name__}, d_ff {first.width}), and per-layer layouts are "
+                          "not derived yet")
     return first
 
 
@@ -240,12 +245,10 @@ def checkpoint_names(model: nn.Module, ckpt: Checkpoint, paths: list[str], ffn: 
             found.setdefault(own, key)
     lacking = sorted(wanted - set(found))
     if lacking:
-        raise MappingError(
-            f"no mapping file serves model_type {model_type!r}, and its layout derived from transformers' "
-            f"{type(model).__name__} needs checkpoint tensor '{lacking[0]}' (or a name transformers' load-time "
-            f"conversion turns into it), which this checkpoint does not hold ({len(ckpt.weight_map)} tensors, e.g. "
-            f"{', '.join(sorted(ckpt.weight_map)[:3])}); write a mapping file for its names and pass it with "
-            "--mapping FILE.toml (docs/own-module.md)")
+        raise refused(model_type, f"transformers' {type(model).__name__} needs checkpoint tensor '{lacking[0]}' (or a "
+                      "name transformers' load-time conversion turns into it), which this checkpoint does not hold "
+                      f"({len(ckpt.weight_map)} tensors, e.g. {', '.join(sorted(ckpt.weight_map)[:3])})",
+                      "for its names ")
     return found
 
 
@@ -268,9 +271,8 @@ def checkpoint_layout(names: dict[str, str], module_path: str, model_type: str |
     template = [("{layer}" if (a, b) == ("0", "1") else a) for a, b in zip(first, second, strict=False)]
     if len(first) != len(second) or template.count("{layer}") > 1 or [
             p for p, a, b in zip(template, first, second, strict=False) if p != "{layer}" and a != b]:
-        raise MappingError(f"model_type {model_type!r}: the checkpoint's FFN tensors of layers 0 and 1 "
-                           f"({'.'.join(first)}, {'.'.join(second)}) differ in more than the layer number; write a "
-                           "mapping file for its names and pass it with --mapping FILE.toml")
+        raise refused(model_type, f"the checkpoint's FFN tensors of layers 0 and 1 ({'.'.join(first)}, "
+                      f"{'.'.join(second)}) differ in more than the layer number", "for its names ")
     stem = ".".join(first) + "."
     return ".".join(template), {own: key[len(stem):] for own, key in keys[0].items()}
 
