@@ -214,3 +214,107 @@ def test_compare_with_itself(capsys, families, model_type):
     code, out, err = run_main(capsys, "compare", families[model_type][0], families[model_type][0])
     assert code == 0, out + err
     assert "PASS: 2 layer(s) of B bit-identical to A's" in out
+
+
+class SwappedGatedPort(GatedPort):
+    """The activation on the up branch instead of the gate's."""
+
+    def forward(self, x):
+        return self.down(self.gate(x) * F.silu(self.up(x)))
+
+
+def swapped_port(config):
+    return SwappedGatedPort(config)
+
+
+def gpt2_port(config):
+    return TwoLayer(config.n_embd, config.n_inner or 4 * config.n_embd, ("c_fc", "c_proj"), tanh_gelu)
+
+
+@pytest.fixture(scope="session")
+def refused(tmp_path_factory) -> dict[str, Path]:
+    """Checkpoints whose default target or whose derivation is refused (exit 2, one line)."""
+    root = tmp_path_factory.mktemp("refused")
+    return {
+        "starcoder2": build("starcoder2", root / "starcoder2", 0, intermediate_size=72, num_key_value_heads=2),
+        "gpt2": build("gpt2", root / "gpt2", 1, n_inner=72),  # served by mappings/gpt2.toml
+        "qwen3_moe": build("qwen3_moe", root / "qwen3_moe", 2, intermediate_size=72, moe_intermediate_size=16,
+                           num_experts=4, num_experts_per_tok=2, **KV),
+        "bloom": build("bloom", root / "bloom", 3),
+    }
+
+
+def one_line(err: str) -> str:
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert len(lines) == 1, err
+    return lines[0]
+
+
+@pytest.mark.parametrize("case, port, said", [
+    ("starcoder2", "starcoder2_port", "its d_ff is 72, and parity.ffn.FeedForward's d_ff is always 4·d (128)"),
+    ("gpt2", "gpt2_port", "GPT2MLP of this checkpoint: its d_ff is 72, and parity.ffn.FeedForward's d_ff is always"),
+])
+def test_classic_ffn_wider_or_narrower_than_4d(capsys, refused, case, port, said):
+    """parity.ffn.FeedForward's d_ff is 4d: a classic FFN of another width is no failure of the checkpoint but what
+    the repository lacks, in one line with the two ways on; a port of the right width passes, compare needs none."""
+    code, out, err = run_main(capsys, refused[case], "--layers", "all")
+    line = one_line(err)
+    assert code == 2 and said in line and "--target" in line and "parity compare A B" in line, out + err
+    code, out, err = run_main(capsys, refused[case], "--layers", "all", "--target",
+                              f"tests.test_derived_families:{port}")
+    assert code == 0 and "PASS: 2 layer(s)" in out, out + err
+    code, out, err = run_main(capsys, "compare", refused[case], refused[case])
+    assert code == 0, out + err
+
+
+@pytest.mark.parametrize("case, said", [
+    ("qwen3_moe", "layer 0's FFN is a mixture of experts (2 of 2 layers), and deriving an MoE layout is not built yet"),
+    ("bloom", "BloomMLP.forward takes (hidden_states, residual)"),
+])
+def test_derivation_refused(capsys, refused, case, said):
+    """Layouts this slice does not derive: exit 2, one line, for a check and a compare alike."""
+    for args in ([refused[case]], ["compare", refused[case], refused[case]]):
+        code, out, err = run_main(capsys, *args)
+        line = one_line(err)
+        assert code == 2 and f"no mapping serves model_type '{case}'" in line and said in line, out + err
+        assert "--mapping FILE.toml" in line
+
+
+def test_unknown_to_transformers(capsys, families, tmp_path):
+    """A type transformers does not know: exit 2 naming the type and the installed transformers."""
+    import transformers
+
+    folder = tmp_path / "odd"
+    shutil.copytree(families["qwen3"][0], folder)
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**config, "model_type": "nosuchfamily"}))
+    code, out, err = run_main(capsys, folder)
+    line = one_line(err)
+    assert code == 2 and "model_type 'nosuchfamily'" in line
+    assert f"transformers {transformers.__version__} installed here does not know it" in line
+
+
+def test_broken_port_is_named(capsys, families):
+    code, out, err = run_main(capsys, families["qwen3"][0], "--layer", "0", "--target",
+                              "tests.test_derived_families:swapped_port")
+    assert code == 1 and "gate_up_swapped" in out, out + err
+
+
+def test_mapping_file_still_serves_and_overrides(capsys, families, tiny):
+    """A type a mapping file serves is served by it; --mapping overrides a derived layout."""
+    code, out, err = run_main(capsys, tiny["llama"], "--layer", "0")
+    assert code == 0 and out.splitlines()[0].endswith("— mapping 'llama'"), out + err
+    llama = Path(__file__).resolve().parent.parent / "mappings" / "llama.toml"
+    code, out, err = run_main(capsys, families["qwen3"][0], "--layers", "all", "--mapping", llama)
+    assert code == 0 and "— mapping 'llama'" in out.splitlines()[0] and "PASS: 2 layer(s)" in out, out + err
+
+
+def test_json_html_and_list_say_derived(capsys, families, tmp_path):
+    page = tmp_path / "report.html"
+    code, out, err = run_main(capsys, families["opt"][0], "--layers", "all", "--json", "-", "--html", page)
+    assert code == 0, out + err
+    said = "derived from transformers"
+    assert json.loads(out)["mapping"].startswith(f"{said} ") and "fc1+activation_fn+fc2" in json.loads(out)["mapping"]
+    assert said in page.read_text(encoding="utf-8")
+    code, out, err = run_main(capsys, "list")
+    assert code == 0 and "derived from transformers" in out
