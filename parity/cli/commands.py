@@ -211,7 +211,8 @@ def list_mappings() -> int:
     for name, mapping in mappings.items():
         print(f"  {name:<{width}}  {mapping.description}")
         print(f"  {'':<{width}}  model_type: {', '.join(mapping.model_types)}; default: {mapping.default_checkpoint}")
-    print("Any other model type: its layout is derived from transformers (dense FFNs; docs/formats.md#derived).")
+    print("Any other model type: its layout is derived from transformers (dense FFNs; "
+          "docs/formats.md#derived-layouts).")
     return EXIT_PASS
 
 
