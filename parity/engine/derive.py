@@ -215,6 +215,11 @@ def uniform_ffn(layers: nn.ModuleList, d: int, model_type: str | None) -> FFN:
         raise refused(model_type, f"transformers' {type(first.module).__name__}.forward takes ({', '.join(takes)}), "
                       "not the FFN's input alone (it does more than the FFN, e.g. adds the residual), and checking "
                       "such a module is not built yet")
+    buffers = [name for name, _ in first.module.named_buffers()
+               if not first.inline or name.split(".")[0] in first.inline]
+    if buffers:
+        raise refused(model_type, f"transformers' {type(first.module).__name__} holds buffers ({', '.join(buffers)}: "
+                      "values its parameters do not carry), and reading them into the reference is not built yet")
     shape = [(p.d_in, p.d_out) for p in (*first.ins, first.out)]
     for i, f in enumerate(ffns):
         if (f.path, type(f.module), [(p.d_in, p.d_out) for p in (*f.ins, f.out)]) != \
