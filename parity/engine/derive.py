@@ -179,14 +179,18 @@ def find_ffn(layer: nn.Module, d: int) -> FFN | None:
     return FFN("", layer, *shape, inline=(shape[0][0].name, act_name, shape[1].name))
 
 
-def has_experts(layer: nn.Module) -> bool:
-    """Whether the layer holds a mixture of experts: a parameter stacked over experts (3-D, not a convolution's) or a
-    ModuleList of FFNs."""
+def has_experts(layer: nn.Module, d: int) -> bool:
+    """Whether the layer holds a mixture of experts: a ModuleList of FFNs, or parameters stacked over E experts
+    (3-D, not a convolution's) beside a router that scores them (a 2-D weight [E, d] or [d, E]).  A 3-D parameter
+    alone is no expert stack (RWKV's [1, 1, d] mixes, RecurrentGemma's block-diagonal gates)."""
+    matrices = {tuple(p.shape) for p in layer.parameters() if p.dim() == 2}
     for module in layer.modules():
         if isinstance(module, nn.ModuleList) and any(ffn_of(projections(m), _width_in(m)) for m in module):
             return True
-        if not isinstance(module, nn.modules.conv._ConvNd) and \
-                any(p.dim() == 3 for p in module.parameters(recurse=False)):
+        if isinstance(module, nn.modules.conv._ConvNd):
+            continue
+        stacks = {p.shape[0] for p in module.parameters(recurse=False) if p.dim() == 3}
+        if any((count, d) in matrices or (d, count) in matrices for count in stacks):
             return True
     return False
 
@@ -199,7 +203,7 @@ def _width_in(module: nn.Module) -> int:
 def uniform_ffn(layers: nn.ModuleList, d: int, model_type: str | None) -> FFN:
     """Layer 0's FFN, when every layer has a dense FFN of the same path, class and shapes."""
     ffns = [find_ffn(layer, d) for layer in layers]
-    moe = [i for i, layer in enumerate(layers) if has_experts(layer)]
+    moe = [i for i, layer in enumerate(layers) if has_experts(layer, d)]
     if moe:
         raise refused(model_type, f"layer {moe[0]}'s FFN is a mixture of experts ({len(moe)} of {len(layers)} "
                       "layers), and deriving an MoE layout is not built yet", "with an [experts] table ")
