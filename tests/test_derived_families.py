@@ -49,6 +49,12 @@ FAMILIES = {
     "gpt_neo": (dict(attention_types=[[["global", "local"], 1]], intermediate_size=None), "gpt_neo_port",
                 "mlp.c_proj", "sign_flipped"),  # intermediate_size None: transformers' 4d
     "nemotron": (dict(intermediate_size=72, **KV), "relu2_port", "mlp.down_proj", "sign_flipped"),
+    **{model_type: (dict(intermediate_size=72, **KV), "gated_port", ("mlp.gate_proj", "mlp.up_proj"),
+                    "gate_up_exchanged")
+       for model_type in ("olmo", "olmo3", "smollm3", "helium", "ministral", "seed_oss", "diffllama")},
+    "codegen": (dict(rotary_dim=8), "gptj_port", "mlp.fc_out", "sign_flipped"),
+    "biogpt": (dict(intermediate_size=128), "biogpt_port", "fc2", "sign_flipped"),  # fc1/fc2 on the layer
+    "xglm": (dict(ffn_dim=128), "xglm_port", "fc2", "sign_flipped"),  # fc1/fc2 on the layer
 }
 # no module of parity.ffn expresses these: the default target is exit 2, naming what parity.ffn lacks
 REFUSED = {"nemotron": "it runs ReLUSquaredActivation, and parity.ffn.FeedForward runs ReLU, exact GELU or tanh GELU"}
@@ -143,6 +149,14 @@ def falcon_port(config):
 
 def opt_port(config):
     return TwoLayer(config.hidden_size, config.ffn_dim, ("fc1", "fc2"), F.relu)
+
+
+def biogpt_port(config):
+    return TwoLayer(config.hidden_size, config.intermediate_size, ("fc1", "fc2"), F.gelu)
+
+
+def xglm_port(config):
+    return TwoLayer(config.hidden_size, config.ffn_dim, ("fc1", "fc2"), F.gelu)
 
 
 def phi_port(config):
