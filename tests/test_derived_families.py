@@ -63,7 +63,7 @@ REFUSED = {"nemotron": "it runs ReLUSquaredActivation, and parity.ffn.FeedForwar
 def build(model_type: str, folder: Path, seed: int, **values) -> Path:
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    config = AutoConfig.for_model(model_type, **COMMON, **values)
+    config = AutoConfig.for_model(model_type, **{**COMMON, **values})
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config)
     with torch.no_grad():  # distinct random values everywhere, biases included
@@ -332,3 +332,10 @@ def test_json_html_and_list_say_derived(capsys, families, tmp_path):
     assert said in page.read_text(encoding="utf-8")
     code, out, err = run_main(capsys, "list")
     assert code == 0 and "derived from transformers" in out
+
+
+def test_one_layer_model(capsys, tmp_path):
+    """With one layer, the layer number in the tensor names is the stem's one '0' (no second layer to tell it by)."""
+    folder = build("qwen3", tmp_path / "qwen3", 5, intermediate_size=72, num_hidden_layers=1, **KV)
+    code, out, err = run_main(capsys, folder, "--layers", "all")
+    assert code == 0 and "PASS: 1 layer(s)" in out, out + err

@@ -103,7 +103,7 @@ def derive_mapping(ckpt: Checkpoint, load_config: Callable[[Checkpoint], Any]) -
     module_path = ".".join(p for p in (f"{layers_path}.{{layer}}", ffn.path) if p)
     names = checkpoint_names(model, ckpt, [module_path.format(layer=i) for i in (0, 1 % len(layers))], ffn,
                              model_type)
-    layer_key, sources = checkpoint_layout(names, module_path, model_type)
+    layer_key, sources = checkpoint_layout(names, module_path, model_type, len(layers))
     shown_class = type(ffn.module).__name__ if not ffn.inline else f"{type(layers[0]).__name__}'s " \
         + "+".join(ffn.inline)
     reference = module_path + (INLINE + "+".join(ffn.inline) if ffn.inline else "")
@@ -261,27 +261,26 @@ def checkpoint_names(model: nn.Module, ckpt: Checkpoint, paths: list[str], ffn: 
     return found
 
 
-def checkpoint_layout(names: dict[str, str], module_path: str, model_type: str | None
+def checkpoint_layout(names: dict[str, str], module_path: str, model_type: str | None, count: int
                       ) -> tuple[str, dict[str, str]]:
-    """(layer_key, FFN parameter name -> checkpoint name relative to it) from layers 0 and 1's tensors."""
-    keys = {}
-    for layer in (0, 1):
+    """(layer_key, FFN parameter name -> checkpoint name relative to it) from layers 0 and 1's tensors (a model of
+    one layer: the one '0' of its tensors' common stem)."""
+    keys, stems = {}, {}
+    for layer in (0, 1) if count > 1 else (0,):
         prefix = module_path.format(layer=layer) + "."
-        mine = {own[len(prefix):]: key for own, key in names.items() if own.startswith(prefix)}
-        keys[layer] = mine
-    stems = {}
-    for layer, mine in keys.items():
-        parts = [key.split(".") for key in mine.values()]
+        keys[layer] = {own[len(prefix):]: key for own, key in names.items() if own.startswith(prefix)}
+        parts = [key.split(".") for key in keys[layer].values()]
         common = 0
         while all(len(p) > common + 1 and p[common] == parts[0][common] for p in parts):
             common += 1
         stems[layer] = parts[0][:common]
-    first, second = stems[0], stems[1]
+    first = stems[0]
+    second = stems.get(1, ["1" if part == "0" else part for part in first])
     template = [("{layer}" if (a, b) == ("0", "1") else a) for a, b in zip(first, second, strict=False)]
-    if len(first) != len(second) or template.count("{layer}") > 1 or [
+    if len(first) != len(second) or template.count("{layer}") != 1 or [
             p for p, a, b in zip(template, first, second, strict=False) if p != "{layer}" and a != b]:
         raise refused(model_type, f"the checkpoint's FFN tensors of layers 0 and 1 ({'.'.join(first)}, "
-                      f"{'.'.join(second)}) differ in more than the layer number", "for its names ")
+                      f"{'.'.join(second)}) differ in more or less than the layer number", "for its names ")
     stem = ".".join(first) + "."
     return ".".join(template), {own: key[len(stem):] for own, key in keys[0].items()}
 
