@@ -35,8 +35,8 @@ def random_k_blocks(shape: tuple[int, int], qtype: Q, rng: np.random.Generator) 
 
 def encode(values: np.ndarray, qtype: Q, rng: np.random.Generator) -> np.ndarray:
     """The array to hand GGUFWriter.add_tensor(..., raw_dtype=qtype)."""
-    if qtype in (Q.Q4_K, Q.Q6_K):
-        return random_k_blocks(values.shape, qtype, rng)
+    if qtype in (Q.Q4_K, Q.Q5_K, Q.Q6_K):  # gguf cannot write K-quants: round-to-nearest on the values' own grid
+        return k_quantize(values, qtype)
     return quantize(values.astype(np.float32), qtype)
 
 

@@ -81,7 +81,7 @@ def coarser(factor: float, qtype: Q):
 
 
 @pytest.mark.parametrize("qtype", [Q.Q4_K, Q.Q6_K])
-@pytest.mark.parametrize("factor", [4.0, 16.0])
+@pytest.mark.parametrize("factor", [2.0, 2.5, 4.0, 16.0])  # 2x: one bit passed off; 2.5x was once tensor_scaled
 def test_a_k_quant_grid_coarser_than_as_values_need_is_grid_too_coarse(k_model, k_a, root, qtype, factor, capsys):
     """B's up_proj of layer 1 quantized on a grid ``factor`` x coarser than its values need (2 bits passed off as 4
     at 4x; at 16x nearly every code is zero): its own grid must not excuse it.  Today's exit 2 "could not be
@@ -99,16 +99,17 @@ def test_a_k_quant_grid_coarser_than_as_values_need_is_grid_too_coarse(k_model, 
     assert "--atol" not in json.dumps(data) + err
 
 
-def test_a_q8_0_grid_coarser_than_ggufs_quantizer_chooses_is_grid_too_coarse(k_model, k_a, root, capsys):
-    """Q8_0 blocks whose d is 4x what gguf's quantizer chooses for A's values, codes divided by 4."""
+@pytest.mark.parametrize("factor", [2, 4])
+def test_a_q8_0_grid_coarser_than_ggufs_quantizer_chooses_is_grid_too_coarse(k_model, k_a, root, capsys, factor):
+    """Q8_0 blocks whose d is ``factor`` x what gguf's quantizer chooses for A's values, codes divided by it."""
     def coarse(values, data):
         blocks = data.reshape(-1, 34)
-        d = blocks[:, :2].copy().view(np.float16).astype(np.float32) * 4
-        codes = np.rint(blocks[:, 2:].view(np.int8) / 4).astype(np.int8)
+        d = blocks[:, :2].copy().view(np.float16).astype(np.float32) * factor
+        codes = np.rint(blocks[:, 2:].view(np.int8) / factor).astype(np.int8)
         return np.concatenate([d.astype(np.float16).view(np.uint8), codes.view(np.uint8)], axis=1).reshape(
             data.shape)
 
-    b = write_k_gguf(k_model, root / "coarse-q8.gguf", Q.Q8_0, {"blk.0.ffn_down.weight": coarse})
+    b = write_k_gguf(k_model, root / f"coarse{factor}-q8.gguf", Q.Q8_0, {"blk.0.ffn_down.weight": coarse})
     code, data, err = run_json(capsys, "compare", k_a, b)
     assert code == 1, err
     found = layer_finding(data, 0)
@@ -272,10 +273,11 @@ def test_a_gguf_naming_a_tensor_twice_is_refused(k_model, k_a, root, capsys):
     assert "blk.0.ffn_up.weight" in err and "twice" in err and b.name in err and "Traceback" not in err
 
 
-def test_a_safetensors_header_naming_a_tensor_twice_is_refused(small, a_small, root, capsys):
+@pytest.mark.parametrize("copy_of", ["gate_proj.weight", "up_proj.weight"])  # another tensor's values, or its own
+def test_a_safetensors_header_naming_a_tensor_twice_is_refused(small, a_small, root, capsys, copy_of):
     state = load_file(a_small / "model.safetensors")
-    state["model.layers.0.mlp.up_proj.weighX"] = state[MLP.format(0, "gate_proj.weight")].clone()
-    folder = root / "header-twice"
+    state["model.layers.0.mlp.up_proj.weighX"] = state[MLP.format(0, copy_of)].clone()
+    folder = root / f"header-twice-{copy_of}"
     folder.mkdir()
     shutil.copy(a_small / "config.json", folder / "config.json")
     save_file(state, folder / "model.safetensors")

@@ -122,6 +122,9 @@ def pair_fingerprint(a: SideLayer, b: SideLayer) -> str | None:
     return FINGERPRINT_SCHEME + digest.hexdigest()
 
 
+EXPLAINS = 0.5  # a replay names the mistake only when B is at most this fraction of its distance from A away from it
+
+
 class Comparison:
     """Both checkpoints resolved once; ``compare_layer`` then judges one layer at a time."""
 
@@ -294,7 +297,10 @@ class Comparison:
                 out64: torch.Tensor, tolerance: float, reference_distance: float, rows: list[dict],
                 beyond: list[dict]) -> Diagnosis:
         """Replay each conversion mistake on A's tensors, converted the way B stores them, and name the one B's
-        output reproduces within the layer's tolerance; else a finding about the steps, else unexplained.  Only
+        output reproduces within the layer's tolerance and at most ``EXPLAINS`` times B's distance from A (a replay
+        that moves A only a little toward B explains nothing: a grid 2.5x too coarse once read as tensor_scaled
+        x1.004, 1.19 from B against A's 1.27); else a grid coarser than the format's quantizer makes of A, else a
+        finding about the steps, else unexplained.  Only
         when no single-tensor replay explains it are A's other experts of the layer, then its neighbouring layers,
         read."""
         layer = unit[0]
@@ -311,7 +317,7 @@ class Comparison:
                 shifted = self.replay_all(layer, search(unit, a, b), a, b, x, out_b, candidates)
                 if shifted is not None and (best is None or shifted[0] < best[0]):
                     best = shifted
-        if best is not None and best[0] <= tolerance:
+        if best is not None and best[0] <= min(tolerance, EXPLAINS * reference_distance):
             return diagnosis(best[1], best[0], reference_distance, best[2], candidates)
         coarse = grid_finding(rows, b, reference_distance, candidates)
         if coarse is not None:

@@ -54,9 +54,17 @@ K_QUANTS = {"Q4_K", "Q5_K", "Q6_K"}
 K_FORMAT = {"Q4_K": (15, 32, 63), "Q5_K": (31, 32, 63), "Q6_K": (32, 16, 127)}
 SUPER_BLOCK = 256  # values per K-quant super-block
 # A quantizer may search the scale (llama.cpp tries steps between range/(levels + 1) and range/(levels - 1), then
-# refits them by least squares): B's step may exceed the step A's values call for by this factor before it is
-# judged too coarse (grid_too_coarse).  4x (2 bits passed off as 4) and 16x coarser grids exceed it widely.
+# refits them by least squares): a value at the end of its block's grid may lie this many times the scale's
+# rounding farther from A's.
 SEARCH = 2.0
+# What B's step may exceed the step the format's quantizer chooses for A's values by before the block is judged too
+# coarse (grid_too_coarse).  K-quants: llama.cpp's scale search tries steps up to range/(levels - 1) and refits them
+# (15/14 = 1.07 x for Q4_K); measured on re-writes of its quantizers, 1.105 (reference) and 1.122 (importance
+# matrix) at most.  Q4_0..Q8_0: gguf's quantizer fixes d (amax / levels); llama.cpp's importance-matrix search for
+# Q4_0/Q5_0/Q4_1/Q5_1 moves it by up to (levels / (levels - 0.9)) = 1.127 x (Q4_0), Q8_0 not at all.  A grid 2x too
+# coarse (one bit of the code passed off) exceeds both.
+K_GRID_FACTOR = 1.5
+LEGACY_GRID_FACTOR = 1.25
 FLOAT16_ROUNDING = 1 + 2.0 ** -10  # a block's d is stored as float16: B's step may exceed the exact one by this
 # The bytes of a K-quant block that hold its values' codes (the rest are its scales): every one zero is zeroed_tensor
 CODE_BYTES = {"Q4_K": ((16, 144),), "Q5_K": ((16, 48), (48, 176)), "Q6_K": ((0, 128), (128, 192))}
@@ -392,13 +400,14 @@ def quantized_bounds(a: torch.Tensor, b: torch.Tensor, storage: Storage, a_dtype
         ends = k_ends(stored_layout(storage.route, b.float()), b_steps, offsets, storage.dtype,
                       SEARCH * ((span * quantum + mquantum) / 2 + span * d_rounding + m_rounding))
         allowed = allowed + unstored(storage.route, ends).float()  # 0 away from the grid's ends
-        limit = SEARCH * (ideal + quantum / 2) + d_rounding
+        limit = K_GRID_FACTOR * (ideal + quantum / 2) + d_rounding
         return allowed, coarse_blocks(b_steps, ideal, limit, sub, x, a_dtype)
     if a_steps is None:
         return allowed, None
     group = block_values(storage)
     needed = a_steps.float().reshape(-1, group)[:, 0]
-    return allowed, coarse_blocks(b_steps, needed, SEARCH * needed + spacing(needed, "float16"), group, x, a_dtype)
+    return allowed, coarse_blocks(b_steps, needed, LEGACY_GRID_FACTOR * needed + spacing(needed, "float16"), group, x,
+                                  a_dtype)
 
 
 def block_values(storage: Storage) -> int:

@@ -164,9 +164,23 @@ def _utf8(text: str) -> bool:
     return True
 
 
+def require_unique_names(path: Path) -> None:
+    """A header that lists one tensor twice is refused before safe_open reads it (safetensors keeps the last copy
+    silently, as json does); any other defect is left to the read, whose failure ``unreadable`` explains."""
+    try:
+        with path.open("rb") as handle:
+            json.loads(handle.read(header_length(handle.read(8), path.name)), object_pairs_hook=_pairs)
+    except DuplicateKey as twice:
+        raise CheckpointError(f"{shown(path)}: its safetensors header lists tensor {short(twice.key)} twice: which "
+                              "copy is the model cannot be told; re-save the file") from None
+    except (OSError, CheckpointError, UnicodeDecodeError, ValueError, RecursionError):
+        return
+
+
 def read_safetensors(path: Path, names: list[str]) -> dict:
     """These tensors of one local safetensors file; the file is closed (unmapped) on return."""
     require_regular_file(path)
+    require_unique_names(path)
     try:
         handle = _open(path)
     except Exception as exc:
