@@ -20,7 +20,7 @@ from parity.errors import ProjectConfigError
 from .builders import tiny_stand_in, written_stand_in
 from .conftest import TINY, build_model, save
 from .gguf_files import Q, gguf_from_hf
-from .support import run_json, run_main
+from .support import offline_home, run_json, run_main
 
 SIZES = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=3)
 
@@ -266,3 +266,16 @@ def test_the_check_baseline_keys_are_unchanged():
     assert entry_key(report, layer) == "gpt2 | gpt2 | m:F | layer 0003"
     report.name = "mine"
     assert entry_key(report, layer) == "check mine | gpt2 | layer 0003"
+
+
+def test_update_baseline_of_a_run_that_checked_nothing_writes_no_file(tmp_path, monkeypatch, capsys):
+    """Every entry could not run (synthetic weights refused): an empty baseline would make the next run read as
+    'matches none of this run's layers' instead of 'not found'."""
+    offline_home(monkeypatch, tmp_path)
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "parity.toml").write_text('baseline = "b.json"\n[[checks]]\nmodel = "gpt2"\nlayers = [0]\n')
+    code, out, err = run_main(capsys, "check", "--update-baseline")
+    assert code == 2 and "baseline: not written: no layer was checked" in out, (out, err)
+    assert not (tmp_path / "b.json").exists()
+    code, _, err = run_main(capsys, "check")
+    assert code == 2 and "create it with --update-baseline" in err, err

@@ -144,8 +144,9 @@ def test_save_mapping_never_replaces_a_file_the_user_edited_since(tiny, tmp_path
     edited = saved.read_text().replace('"c_fc.bias"', '"c_fc.bias"  # checked by hand', 1)
     assert edited != saved.read_text() and edited.startswith("# Written by `parity ")
     saved.write_text(edited)
-    code, _, err = run_main(capsys, tiny["gpt2"], "--layer", "0", "--save-mapping", saved)
+    code, out, err = run_main(capsys, tiny["gpt2"], "--layer", "0", "--save-mapping", saved)
     assert code == 2 and "has been edited since" in err and "--force" in err and str(saved) in err
+    assert "PASS" not in out and "max|Δ|" not in out  # refused before anything was computed
     assert saved.read_text() == edited
     assert run_main(capsys, tiny["gpt2"], "--layer", "0", "--save-mapping", saved, "--force")[0] == 0
     assert saved.read_text() != edited

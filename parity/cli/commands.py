@@ -128,6 +128,10 @@ def check_run_destinations(specs, args: argparse.Namespace) -> None:
     elif args.baseline:
         inputs.append(("baseline", args.baseline))
     check_destinations(outputs, inputs)
+    if outputs["--save-mapping"]:  # a file the user edited is refused now, not after the whole check has run
+        from parity.cli.reports import refuse_to_replace
+
+        refuse_to_replace(outputs["--save-mapping"], getattr(args, "force", False))
 
 
 def run_with_progress(specs, args: argparse.Namespace, single: bool, shard, out, judge=None) -> list:

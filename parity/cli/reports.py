@@ -104,6 +104,10 @@ def key_roots(args: argparse.Namespace) -> tuple:
 def update_baseline(args: argparse.Namespace, reports, out) -> None:
     from parity.outputs.baseline import BASELINE_VERSION, write_baseline
 
+    if not any(report.layers for report in reports):  # an empty file would then read as 'matches nothing'
+        print(f"baseline: not written: no layer was checked in this run, so there is nothing to record in "
+              f"{args.baseline}", file=out)
+        return
     written, dropped = write_baseline(args.baseline, reports, key_roots(args))
     print(f"baseline: wrote {written} layer entr{'y' if written == 1 else 'ies'} to {args.baseline}", file=out)
     if dropped:

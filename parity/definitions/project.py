@@ -186,8 +186,9 @@ def require_unique_labels(specs: list) -> None:
         if spec.label in seen:
             how = "name" if spec.name else "label (made from its fields: it has no name)"
             other = seen[spec.label].split(": ")[-1]
+            fix = "give it another 'name'" if spec.name else "give it a 'name'"
             raise ProjectConfigError(f"{spec.where}: {how} {spec.label!r} is also {other}'s; labels key the baseline "
-                                     "and -k, so each entry needs its own: give it a 'name'")
+                                     f"and -k, so each entry needs its own: {fix}")
         seen[spec.label] = spec.where
 
 
