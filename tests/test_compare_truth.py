@@ -42,6 +42,8 @@ def test_a_stand_in_is_synthetic_in_every_view(stand_in, tmp_path, capsys):
     cases = ET.parse(out_xml).getroot().iter("testcase")
     assert all("(synthetic weights)" in case.get("name") for case in cases)
     assert "SYNTHETIC WEIGHTS" in out_html.read_text()
+    for view in (out, out_html.read_text(), report["weights_note"]):  # a compare has no --checkpoint to suggest
+        assert "--checkpoint" not in view and "local path or a reachable hub id" in view
 
 
 def test_require_real_refuses_a_stand_in_before_anything_is_compared(stand_in, capsys):

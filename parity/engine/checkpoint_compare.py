@@ -45,7 +45,7 @@ from parity.engine.inventory import inventory
 from parity.engine.layer import FINGERPRINT_SCHEME, weights_fingerprint
 from parity.engine.memory import young_objects_only
 from parity.engine.reference import activation_name
-from parity.engine.resolve import require_values, resolve
+from parity.engine.resolve import CHECK_ADVICE, COMPARE_ADVICE, require_values, resolve
 from parity.engine.results import LayerResult, Report
 from parity.engine.session import Session, run_reference
 from parity.engine.upcast import compute_in
@@ -387,7 +387,8 @@ class Comparison:
             target=b.location, reference=f"{type(probe).__module__}.{type(probe).__name__}",
             reference_activation=activation_name(probe, configured_activation(self.a.config)),
             versions={"parity": __version__, "transformers": transformers.__version__, "torch": torch.__version__},
-            seed=self.seed, weights_note=a.weights_note or b.weights_note, notes=notes,
+            seed=self.seed, notes=notes,
+            weights_note=(a.weights_note or b.weights_note or "").replace(CHECK_ADVICE, COMPARE_ADVICE) or None,
             comparison={"reference": {"model": self.labels[0], "checkpoint": a.location,
                                       "mapping": self.a.mapping.name, "weights": a.weights},
                         "candidate": {"model": self.labels[1], "checkpoint": b.location,

@@ -160,7 +160,8 @@ def _fitting_mapping(model_type: str | None, ckpt: Checkpoint) -> Mapping | None
     return candidate if fits(candidate, ckpt.has) else None
 
 
-CHECK_ADVICE = "Pass --checkpoint to check real weights."  # a check's way out of the stand-in (compare has its own)
+CHECK_ADVICE = "Pass --checkpoint to check real weights."  # a check's way out of the stand-in
+COMPARE_ADVICE = "Give each side as a local path or a reachable hub id to compare real weights."  # a compare's
 
 
 def _default_checkpoint(mapping: Mapping, revision: str | None) -> Checkpoint:

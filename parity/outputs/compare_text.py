@@ -4,7 +4,7 @@ and the summary line.  A check's table (``text.py``) has no column for the conve
 
 from __future__ import annotations
 
-from parity.engine.resolve import CHECK_ADVICE
+from parity.engine.resolve import COMPARE_ADVICE
 from parity.engine.results import LayerResult, Report, register_renderers
 from parity.outputs.baseline import compared_sides
 from parity.outputs.text import SYNTHETIC_WARNING, TextWriter, unit_label, units_label
@@ -44,15 +44,12 @@ def header_lines(report: Report) -> list[str]:
     ]
 
 
-COMPARE_ADVICE = "Give each side as a local path or a reachable hub id to compare real weights."
-
-
 def synthetic_lines(report: Report, a: dict, b: dict) -> list[str]:
     """'!! SYNTHETIC weights (A and B): ...': which side is a stand-in, why, and a compare's way out."""
     sides = [side for side, info in (("A", a), ("B", b)) if info.get("weights") == "synthetic"]
     if not sides or not report.weights_note:
         return []
-    why = report.weights_note.removesuffix(CHECK_ADVICE).removeprefix("SYNTHETIC weights: ").strip()
+    why = report.weights_note.removesuffix(COMPARE_ADVICE).removeprefix("SYNTHETIC weights: ").strip()
     return [f"  !! SYNTHETIC weights ({' and '.join(sides)}): {why} {COMPARE_ADVICE}"]
 
 
