@@ -118,6 +118,8 @@ def k_quantize(values: np.ndarray, qtype: Q, coarsen: float = 1.0) -> np.ndarray
     a grid coarser than the values need), rounded to a multiple of the super-block's float16 d, the codes rounded to
     it.  gguf's own dequantizer reads what this writes (the tests compare against it)."""
     rows, cols = values.shape
+    if qtype in (Q.Q2_K, Q.Q3_K):
+        return k_quantize_low(values, qtype, coarsen)
     if qtype == Q.Q6_K:
         return _q6_k(values.reshape(-1, 16, 16).astype(np.float64), coarsen).reshape(rows, -1)
     levels = 15 if qtype == Q.Q4_K else 31
@@ -187,3 +189,41 @@ def write_k_gguf(model, path: Path, qtype: Q, edits: dict | None = None, extra: 
     writer.write_tensors_to_file()
     writer.close()
     return path
+
+
+# -- Q2_K and Q3_K quantized here the same way (16 values per sub-block) ------------------------------------------
+
+def _two_bit_planes(codes: np.ndarray) -> np.ndarray:
+    """[blocks, 256] codes 0..3 as 64 bytes: byte 32 h + l holds value 128 h + 32 i + l in bits 2i, 2i + 1."""
+    planes = codes.reshape(-1, 2, 4, 32).astype(np.uint8)
+    return sum(planes[:, :, i] << (2 * i) for i in range(4)).astype(np.uint8).reshape(-1, 64)
+
+
+def k_quantize_low(values: np.ndarray, qtype: Q, coarsen: float = 1.0) -> np.ndarray:
+    """``values`` [rows, cols] (cols a multiple of 256) as Q2_K or Q3_K bytes by round-to-nearest, as ``k_quantize``.
+    Q2_K: each sub-block of 16 its range from min(0, minimum) over 3 (``coarsen`` times that), 4-bit scale and minimum
+    under float16 d and dmin.  Q3_K: the largest magnitude maps to code -4, 6-bit signed scales under float16 d."""
+    rows = values.shape[0]
+    x = values.reshape(-1, 16, 16).astype(np.float64)
+    if qtype == Q.Q2_K:
+        low = np.minimum(x.min(-1), 0.0)
+        scale, mins = (x.max(-1) - low) / 3 * coarsen, -low
+        d = (scale.max(-1) / 15).astype(np.float16).astype(np.float64)[:, None]
+        dmin = (mins.max(-1) / 15).astype(np.float16).astype(np.float64)[:, None]
+        ls, lm = _rounded(scale, d, 0, 15), _rounded(mins, dmin, 0, 15)
+        codes = _rounded(x + (dmin * lm)[..., None], (d * ls)[..., None], 0, 3).reshape(-1, 256)
+        pairs = (ls.astype(np.uint8) | (lm.astype(np.uint8) << 4))
+        return np.concatenate([pairs, _two_bit_planes(codes), _half(d), _half(dmin)], axis=1).reshape(rows, -1)
+    pick = np.take_along_axis(x, np.abs(x).argmax(-1)[..., None], -1)[..., 0]
+    scale = -pick / 4 * coarsen
+    d = (np.abs(scale).max(-1) / 31).astype(np.float16).astype(np.float64)[:, None]
+    ls = _rounded(scale, d, -32, 31)
+    codes = (_rounded(x, (d * ls)[..., None], -4, 3) + 4).astype(np.uint8).reshape(-1, 256)
+    high = (codes >> 2).reshape(-1, 8, 32)  # value 32 i + l: bit i of hmask byte l
+    hmask = sum(high[:, i] << i for i in range(8)).astype(np.uint8)
+    six = (ls + 32).astype(np.uint8)  # scale j: low nibble in byte j mod 8 (high nibble for j >= 8), top 2 bits in
+    packed = np.zeros((len(x), 12), dtype=np.uint8)  # byte 8 + j mod 4 at bit 2 (j div 4)
+    for j in range(16):
+        packed[:, j % 8] |= (six[:, j] & 15) << (4 * (j // 8))
+        packed[:, 8 + j % 4] |= (six[:, j] >> 4) << (2 * (j // 4))
+    return np.concatenate([hmask, _two_bit_planes(codes & 3), packed, _half(d)], axis=1).reshape(rows, -1)

@@ -325,3 +325,105 @@ def test_q8_0_still_judged_by_ggufs_own_quantizer(k_model, k_a, root, capsys):
     code, data, err = run_json(capsys, "compare", k_a, b)
     assert code == 0, err
     assert all(row["grid"] is None for entry in data["layers"] for row in entry["conversion"]["tensors"])
+
+
+# -- Q2_K and Q3_K: their grids read from the file like the other K-quants ------------------------------------
+
+LOW_K = {Q.Q2_K: (84, 3.0), Q.Q3_K: (110, 4.0)}  # bytes per super-block; the levels a sub-block's range spans
+
+
+@pytest.fixture(scope="module")
+def low_k(k_model, k_a, root):
+    """qtype -> (model, A).  Q3_K: the K-quant fixture.  Q2_K: its FFN weights first put on a Q2_K grid (as an HF
+    folder made from a Q2_K file is): 2 bits rounded to the nearest of four levels on these Gaussian weights move
+    layer 1's output by 0.65 of itself (measured), so its conversion alone would leave the layer unverifiable."""
+    state = {k: v.clone() for k, v in k_model.state_dict().items()}
+    for layer in range(2):
+        for hf in HF_TO_GGUF:
+            weight = state[MLP.format(layer, hf)]
+            on_grid = dequantize(k_quantize(weight.float().numpy(), Q.Q2_K), Q.Q2_K).reshape(weight.shape)
+            state[MLP.format(layer, hf)] = torch.from_numpy(np.ascontiguousarray(on_grid))
+    model = build_model("llama", seed=5, **K_SIZES)
+    model.load_state_dict(state)
+    return {Q.Q2_K: (model, save(model, root / "q2-grid-a")), Q.Q3_K: (k_model, k_a)}
+
+
+@pytest.mark.parametrize("qtype", [Q.Q2_K, Q.Q3_K])
+def test_the_q2_k_q3_k_encoder_writes_what_ggufs_dequantizer_reads(qtype):
+    """``k_quantize``'s Q2_K / Q3_K bytes, read back by gguf's own dequantizer, lie within one sub-block step (the
+    range over 3 for Q2_K, the largest magnitude over 4 for Q3_K) and a half of the float64 values written (a step
+    rounded to a multiple of d clamps the ends: 1.08 measured for Q3_K), on average about a quarter of one: a byte
+    or bit misplaced puts values whole steps away (a Q3_K high bit: four)."""
+    x = np.random.default_rng(3).standard_normal((32, 512)) * 0.05
+    raw = k_quantize(x.astype(np.float32), qtype)
+    assert raw.shape == (32, 2 * LOW_K[qtype][0])
+    back = dequantize(raw, qtype).astype(np.float64).reshape(-1, 16)
+    blocks = x.astype(np.float32).astype(np.float64).reshape(-1, 16)
+    if qtype == Q.Q2_K:
+        step = (blocks.max(-1) - np.minimum(blocks.min(-1), 0)) / 3
+    else:
+        step = np.abs(blocks).max(-1) / 4
+    error = np.abs(back - blocks) / step[:, None]
+    assert error.max() <= 1.5 and error.mean() < 0.35, (error.max(), error.mean())
+
+
+@pytest.mark.parametrize("qtype", [Q.Q2_K, Q.Q3_K])
+def test_a_faithful_q2_k_q3_k_export_passes_with_its_steps_from_the_file(low_k, root, qtype, capsys):
+    k_model, k_a = low_k[qtype]
+    b = write_k_gguf(k_model, root / f"faithful-{qtype.name}.gguf", qtype)
+    code, data, err = run_json(capsys, "compare", k_a, b)
+    assert code == 0, err + json.dumps([entry["diagnosis"] for entry in data["layers"]])[:2000]
+    for entry in data["layers"]:
+        for row in entry["conversion"]["tensors"]:
+            assert row["grid"] is None and row["steps"]["values_beyond_step"] == 0
+            assert row["step_source"] == "file" and row["storage"] == qtype.name
+        assert "gguf cannot quantize it" in entry["conversion"]["tensors"][0]["conversion"]
+
+
+@pytest.mark.parametrize("qtype", [Q.Q2_K, Q.Q3_K])
+@pytest.mark.parametrize("factor", [2.0, 4.0])
+def test_a_q2_k_q3_k_grid_coarser_than_as_values_need_is_grid_too_coarse(low_k, root, qtype, factor, capsys):
+    """B's up_proj of layer 1 on a grid ``factor`` x coarser than A's values call for: its own grid, which an estimate
+    from B's values would have taken as the tolerance, must not excuse it."""
+    k_model, k_a = low_k[qtype]
+    b = write_k_gguf(k_model, root / f"coarse{factor:g}-{qtype.name}.gguf", qtype,
+                     {"blk.1.ffn_up.weight": coarser(factor, qtype)})
+    code, data, err = run_json(capsys, "compare", k_a, b)
+    assert code == 1, err
+    assert [entry["passed"] for entry in data["layers"]] == [True, False]
+    found = layer_finding(data, 1)
+    assert found["id"] == "grid_too_coarse", found
+    assert "up_proj.weight" in found["message"] and "ffn_up.weight" in found["message"]
+    worst = next(row for row in data["layers"][1]["conversion"]["tensors"] if row["name"] == "up_proj.weight")
+    assert worst["grid"]["times_coarser"] > 0.8 * factor and worst["step_source"] == "file"
+    assert "--atol" not in json.dumps(data) + err
+
+
+def low_k_edit(qtype: Q, what: str):
+    """Q2_K / Q3_K bytes with block 3's float16 d set to NaN (Q2_K: d then dmin in the last four bytes, Q3_K: d in
+    the last two), or with every code byte zero (Q2_K: qs, bytes 16-80; Q3_K: hmask and qs, bytes 0-96)."""
+    size = LOW_K[qtype][0]
+
+    def edit(values, data):
+        blocks = data.reshape(-1, size)
+        if what == "nan":
+            at = size - 4 if qtype == Q.Q2_K else size - 2
+            blocks[3, at:at + 2] = np.array([np.nan], dtype=np.float16).view(np.uint8)
+        else:
+            start, end = (16, 80) if qtype == Q.Q2_K else (0, 96)
+            blocks[:, start:end] = 0
+        return data
+    return edit
+
+
+@pytest.mark.parametrize("qtype", [Q.Q2_K, Q.Q3_K])
+@pytest.mark.parametrize("what, finding", [("nan", "nonfinite_scale"), ("zero", "zeroed_tensor")])
+def test_q2_k_q3_k_block_defects_are_named(low_k, root, qtype, what, finding, capsys):
+    k_model, k_a = low_k[qtype]
+    b = write_k_gguf(k_model, root / f"{what}-{qtype.name}.gguf", qtype,
+                     {"blk.0.ffn_gate.weight": low_k_edit(qtype, what)})
+    code, data, err = run_json(capsys, "compare", k_a, b)
+    assert code == 1, err
+    found = layer_finding(data, 0)
+    assert found["id"] == finding and "gate_proj.weight" in found["message"], found
+    assert data["layers"][1]["passed"] and "--atol" not in json.dumps(data) + err

@@ -18,7 +18,7 @@ B's tensors are compared name by name in one layout.  How B stores a tensor deci
 
 ``reference_conversion`` makes A's tensor as B's storage would hold it, from A alone: cast, re-quantized with
 ``gguf.quants.quantize`` in B's stored layout, or for the K-quants (which gguf cannot write) quantized by
-round-to-nearest on the grid A's own blocks call for (``k_requantize``).  Only types with neither (Q2_K, Q3_K, IQ)
+round-to-nearest on the grid A's own blocks call for (``k_requantize``).  Only types with neither (IQ, TQ)
 fall back to A rounded onto B's estimated lattice.  The function-level deviation that conversion alone causes is
 what B is judged against.
 """
@@ -43,15 +43,19 @@ LATTICE_GROUP = 16  # values per group when a step is estimated from the dequant
 MXFP4_GAPS = {0.0: 1.0, 1.0: 1.0, 2.0: 1.0, 3.0: 1.0, 4.0: 2.0, 6.0: 2.0, 8.0: 4.0, 12.0: 4.0}
 # K-quants (llama.cpp's k-quants, 256 values per super-block): Q4_K and Q5_K store d and dmin (float16) and eight
 # 6-bit (scale, min) pairs, one per 32 values: value = d x scale x q - dmin x min, so the step is d x scale and the
-# grid starts at -dmin x min.  Q6_K stores sixteen int8 scales, one per 16 values, and d (float16) last:
-# value = d x scale x (q - 32), a grid from zero of step |d x scale|.
-K_QUANTS = {"Q4_K", "Q5_K", "Q6_K"}
+# grid starts at -dmin x min.  Q2_K likewise, with sixteen 4-bit (scale, min) pairs, one per 16 values, d and dmin
+# last.  Q6_K stores sixteen int8 scales, one per 16 values, and d (float16) last: value = d x scale x (q - 32), a
+# grid from zero of step |d x scale|; Q3_K likewise with sixteen 6-bit scales less 32 and codes q - 4.
+K_QUANTS = {"Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K"}
+SIGNED_K = {"Q3_K", "Q6_K"}  # a grid from zero, signed scales and codes (the others: a minimum under dmin)
 # What a K-quant's own quantizer makes of a sub-block, for judging B's grid against A (gguf cannot quantize K-quants):
-# (the levels A's sub-block range spans: 2^bits - 1 codes from the minimum for Q4_K/Q5_K, 32 from zero to the largest
-# magnitude for Q6_K's signed codes -32..31; values per sub-block; the levels of a sub-block's scale under d: 6-bit
-# for Q4_K/Q5_K, int8 for Q6_K).  The step such a quantizer picks is range / levels, its scale then rounded to a
-# multiple of d = (largest scale of the super-block) / scale levels.
-K_FORMAT = {"Q4_K": (15, 32, 63), "Q5_K": (31, 32, 63), "Q6_K": (32, 16, 127)}
+# (the levels A's sub-block range spans: 2^bits - 1 codes from the minimum for Q2_K/Q4_K/Q5_K, 2^(bits - 1) from zero
+# to the largest magnitude for Q3_K's and Q6_K's signed codes -4..3 and -32..31; values per sub-block; the levels of a
+# sub-block's scale under d: 4-bit for Q2_K, 6-bit for Q4_K/Q5_K, 6-bit signed for Q3_K, int8 for Q6_K).  The step
+# such a quantizer picks is range / levels, its scale then rounded to a multiple of d = (largest scale of the
+# super-block) / scale levels.
+K_FORMAT = {"Q2_K": (3, 16, 15), "Q3_K": (4, 16, 31), "Q4_K": (15, 32, 63), "Q5_K": (31, 32, 63),
+            "Q6_K": (32, 16, 127)}
 SUPER_BLOCK = 256  # values per K-quant super-block
 # A quantizer may search the scale (llama.cpp tries steps between range/(levels + 1) and range/(levels - 1), then
 # refits them by least squares): a value at the end of its block's grid may lie this many times the scale's
@@ -67,7 +71,8 @@ K_GRID_FACTOR = 1.5
 LEGACY_GRID_FACTOR = 1.25
 FLOAT16_ROUNDING = 1 + 2.0 ** -10  # a block's d is stored as float16: B's step may exceed the exact one by this
 # The bytes of a K-quant block that hold its values' codes (the rest are its scales): every one zero is zeroed_tensor
-CODE_BYTES = {"Q4_K": ((16, 144),), "Q5_K": ((16, 48), (48, 176)), "Q6_K": ((0, 128), (128, 192))}
+CODE_BYTES = {"Q2_K": ((16, 80),), "Q3_K": ((0, 96),), "Q4_K": ((16, 144),), "Q5_K": ((16, 48), (48, 176)),
+              "Q6_K": ((0, 128), (128, 192))}
 
 
 @dataclass
@@ -160,25 +165,57 @@ def k_quant_grid(raw, name: str):
     float16 scales."""
     import numpy as np
 
-    def half(i: int) -> np.ndarray:
-        return raw[:, i:i + 2].copy().view(np.float16).astype(np.float32)  # [blocks, 1]
-
-    if name == "Q6_K":
-        d = half(raw.shape[1] - 2)
-        scales = raw[:, -18:-2].view(np.int8).astype(np.float32)  # [blocks, 16]: one per 16 values
-        steps = np.repeat(np.abs(d * scales), 16, axis=1)
+    sub = K_FORMAT[name][1]
+    if name in SIGNED_K:
+        d, scale = k_signed_scales(raw, name)
+        steps = np.repeat(np.abs(d * scale), sub, axis=1)
         return steps.reshape(-1), None, {"d": d.reshape(-1)}
-    # Q4_K, Q5_K: d, dmin, then 12 bytes of eight 6-bit (scale, min) pairs
-    d, dmin = half(0), half(2)
+    d, dmin, scale, minimum = k_min_scales(raw, name)
+    steps = np.repeat(d * scale, sub, axis=1)
+    offsets = np.repeat(-dmin * minimum, sub, axis=1)
+    return steps.reshape(-1), offsets.reshape(-1), {"d": d.reshape(-1), "dmin": dmin.reshape(-1)}
+
+
+def float16_at(raw, i: int):
+    """The float16 in bytes i, i + 1 of each block, as float32 [blocks, 1]."""
+    import numpy as np
+
+    return raw[:, i:i + 2].copy().view(np.float16).astype(np.float32)
+
+
+def k_signed_scales(raw, name: str):
+    """Q6_K's and Q3_K's d [blocks, 1] and signed sub-block scales [blocks, 16] (value = d x scale x code).  Q6_K: 16
+    int8 scales, then d.  Q3_K: 12 bytes of sixteen 6-bit scales (less 32), then d: scale j's low 4 bits in byte j mod 8
+    (the high nibble for j >= 8), its high 2 bits in byte 8 + j mod 4 at bit 2 x (j div 4)."""
+    import numpy as np
+
+    d = float16_at(raw, raw.shape[1] - 2)
+    if name == "Q6_K":
+        return d, raw[:, -18:-2].view(np.int8).astype(np.float32)
+    packed = raw[:, -14:-2].astype(np.int32)
+    j = np.arange(16)
+    low = (packed[:, j % 8] >> (4 * (j // 8))) & 0xF
+    high = (packed[:, 8 + j % 4] >> (2 * (j // 4))) & 3
+    return d, ((high << 4) | low).astype(np.float32) - 32
+
+
+def k_min_scales(raw, name: str):
+    """Q2_K's, Q4_K's and Q5_K's d and dmin [blocks, 1] and sub-block scales and minima [blocks, sub-blocks] (value =
+    d x scale x q - dmin x min).  Q2_K: sixteen bytes of (scale, min) nibbles, then d and dmin.  Q4_K, Q5_K: d, dmin,
+    then 12 bytes of eight 6-bit (scale, min) pairs."""
+    import numpy as np
+
+    if name == "Q2_K":
+        pairs = raw[:, :16].astype(np.float32)
+        size = raw.shape[1]
+        return float16_at(raw, size - 4), float16_at(raw, size - 2), pairs % 16, pairs // 16
     packed = raw[:, 4:16].astype(np.int32)
     low = [(packed[:, j] & 63, packed[:, j + 4] & 63) for j in range(4)]
     high = [((packed[:, j + 4] & 0xF) | ((packed[:, j - 4] >> 6) << 4),
              (packed[:, j + 4] >> 4) | ((packed[:, j] >> 6) << 4)) for j in range(4, 8)]
     scale = np.stack([s for s, _ in low + high], axis=1).astype(np.float32)  # [blocks, 8]: one per 32 values
     minimum = np.stack([m for _, m in low + high], axis=1).astype(np.float32)
-    steps = np.repeat(d * scale, 32, axis=1)
-    offsets = np.repeat(-dmin * minimum, 32, axis=1)
-    return steps.reshape(-1), offsets.reshape(-1), {"d": d.reshape(-1), "dmin": dmin.reshape(-1)}
+    return float16_at(raw, 0), float16_at(raw, 2), scale, minimum
 
 
 def scale_problem(scales: dict, block_values: int, row: int) -> str | None:
@@ -305,7 +342,7 @@ def k_statistics(x: torch.Tensor, name: str) -> tuple[torch.Tensor, torch.Tensor
     the sub-block scales and dmin of the minima.  Shapes: [super-blocks, sub-blocks] and [super-blocks, 1]."""
     span, sub, levels = K_FORMAT[name]
     blocks = x.reshape(-1, SUPER_BLOCK // sub, sub)
-    if name == "Q6_K":
+    if name in SIGNED_K:
         ideal, mins = blocks.abs().amax(-1) / span, torch.zeros(blocks.shape[:2], dtype=x.dtype)
     else:
         low = blocks.amin(-1).clamp(max=0)
@@ -315,18 +352,18 @@ def k_statistics(x: torch.Tensor, name: str) -> tuple[torch.Tensor, torch.Tensor
 
 def k_requantize(x: torch.Tensor, name: str) -> tuple[torch.Tensor, torch.Tensor]:
     """A's values ``x`` (stored layout, float32) quantized to K-quant ``name`` by round-to-nearest: each sub-block's
-    step its range over the levels, rounded to a multiple of the float16 d (Q4_K/Q5_K: the minimum likewise under
+    step its range over the levels, rounded to a multiple of the float16 d (Q2_K/Q4_K/Q5_K: the minimum likewise under
     dmin), each value to the nearest level (clamped to the codes).  Returns the values and each value's step."""
     span, sub, levels = K_FORMAT[name]
     blocks = x.reshape(-1, SUPER_BLOCK // sub, sub)
     ideal, mins, quantum, mquantum = k_statistics(x, name)
     d = quantum.to(torch.float16).to(x.dtype)
     safe_d = torch.where(d > 0, d, torch.ones_like(d))
-    if name == "Q6_K":  # signed scale: the largest magnitude maps to code -32
+    if name in SIGNED_K:  # signed scale: the largest magnitude maps to code -span (Q6_K: -32, Q3_K: -4)
         pick = blocks.gather(-1, blocks.abs().argmax(-1, keepdim=True)).squeeze(-1)
-        step = torch.where(d > 0, torch.round(-pick / 32 / safe_d).clamp(-128, 127), 0.0) * d
+        step = torch.where(d > 0, torch.round(-pick / span / safe_d).clamp(-levels - 1, levels), 0.0) * d
         safe = torch.where(step != 0, step, torch.ones_like(step)).unsqueeze(-1)
-        values = torch.where(step.unsqueeze(-1) != 0, torch.round(blocks / safe).clamp(-32, 31) * safe, 0.0)
+        values = torch.where(step.unsqueeze(-1) != 0, torch.round(blocks / safe).clamp(-span, span - 1) * safe, 0.0)
     else:
         dmin = mquantum.to(torch.float16).to(x.dtype)
         safe_m = torch.where(dmin > 0, dmin, torch.ones_like(dmin))
@@ -419,14 +456,14 @@ def block_values(storage: Storage) -> int:
 
 def k_ends(b: torch.Tensor, steps: torch.Tensor, offsets: torch.Tensor | None, name: str,
            extra: torch.Tensor) -> torch.Tensor:
-    """Where B's value sits at an end of its block's grid (its code clamped: Q4_K/Q5_K codes 0 and 2^bits - 1, Q6_K's
-    -32 and 31) or its block's step is zero: ``extra`` (per super-block) plus (``SEARCH`` - 1) steps, since a
-    quantizer searching steps up to a level either side of range/levels clamps values that far; else 0.  Stored
-    layout."""
+    """Where B's value sits at an end of its block's grid (its code clamped: Q2_K/Q4_K/Q5_K codes 0 and 2^bits - 1,
+    Q3_K's and Q6_K's -2^(bits-1) and 2^(bits-1) - 1) or its block's step is zero: ``extra`` (per super-block) plus
+    (``SEARCH`` - 1) steps, since a quantizer searching steps up to a level either side of range/levels clamps values
+    that far; else 0.  Stored layout."""
     span = K_FORMAT[name][0]
     start = offsets if offsets is not None else torch.zeros_like(b)
     codes = torch.round((b - start) / torch.where(steps > 0, steps, torch.ones_like(steps)))
-    at_end = (codes.abs() >= span - 1) if name == "Q6_K" else (codes <= 0) | (codes >= span)
+    at_end = (codes.abs() >= span - 1) if name in SIGNED_K else (codes <= 0) | (codes >= span)
     per_value = extra.expand(-1, SUPER_BLOCK).reshape(b.shape) + (SEARCH - 1) * steps
     return torch.where(at_end | (steps == 0), per_value, torch.zeros_like(per_value))
 
