@@ -122,6 +122,8 @@ def pair_fingerprint(a: SideLayer, b: SideLayer) -> str | None:
     return FINGERPRINT_SCHEME + digest.hexdigest()
 
 
+# a compare has no --atol: a tolerance as large as the output is the conversion's own deviation
+CONVERSION_TOO_LARGE = "A converted as B stores it deviates that far: B's storage cannot carry this layer's function"
 EXPLAINS = 0.5  # a replay names the mistake only when B is at most this fraction of its distance from A away from it
 
 
@@ -250,9 +252,9 @@ class Comparison:
         factor = QUANT_FACTOR if quantized else CAST_FACTOR
         tolerance = max(parity_tolerance(noise, scale, None), factor * conv_dev)
         runs = Runs(truth.out64, truth.out32, out_b, out_b)
-        result = judge(layer, expert, runs, a.routed, truth.z, tolerance, self.a.checkpoint.weights, a.facts)
+        result = judge(layer, expert, runs, a.routed, truth.z, tolerance, self.a.checkpoint.weights, a.facts,
+                       too_large=CONVERSION_TOO_LARGE)
         result = CompareLayer(**{f.name: getattr(result, f.name) for f in dataclasses.fields(LayerResult)})
-        result.unverifiable = compare_terms(result.unverifiable)
         result.conversion = conversion_record(rows, b, conv_dev, result.max_abs_diff, factor, changed)
         result.fingerprint = pair_fingerprint(a, b)
         self.verdict(result, (layer, expert), a, b, x, truth.out64, rows)
@@ -445,12 +447,18 @@ def beyond_finding(beyond: list[dict], reference_distance: float, candidates: li
     return diagnosis(MistakeId.VALUE_CORRUPTED, None, reference_distance, detail, candidates)
 
 
+def named_in_b(row: dict, b: SideLayer) -> str:
+    """'up_proj.weight (B's blk.1.ffn_up.weight, Q4_K)': a tensor under transformers' name and B's own."""
+    store = b.storage[row["name"]]
+    return f"{row['name']} (B's {store.route.source if store.route else row['name']}, {row['storage']})"
+
+
 def block_finding(rows: list[dict], b: SideLayer, reference_distance: float | None) -> Diagnosis | None:
     """A defect of B's quantized blocks that no conversion makes, read from its file: a NaN/Inf block scale
     (nonfinite_scale), every code zero while A's values are not the blocks' minima (zeroed_tensor)."""
     for row in rows:
         store = b.storage[row["name"]]
-        where = f"{row['name']} (B's {store.route.source if store.route else row['name']}, {row['storage']})"
+        where = named_in_b(row, b)
         steps, grid = row.get("steps") or {}, row.get("grid")
         if store.nonfinite_scale is not None and row["overflow"]:
             return diagnosis(MistakeId.NONFINITE_SCALE, None, None, f"{where}: {store.nonfinite_scale}")
@@ -471,23 +479,13 @@ def grid_finding(rows: list[dict], b: SideLayer, reference_distance: float,
         return None
     details = []
     for row in coarse:
-        store, grid = b.storage[row["name"]], row["grid"]
-        details.append(f"{row['name']} (B's {store.route.source if store.route else row['name']}, {row['storage']}): "
-                       f"{grid['blocks_too_coarse']} of {grid['blocks']} blocks; the worst, block {grid['worst_block']}"
-                       f" (row {grid['row']}, values {grid['values'][0]}-{grid['values'][1]} as the file stores "
-                       f"them), has step {grid['b_step']:.4g} where A's values there call for {grid['a_step']:.4g} "
-                       f"({grid['times_coarser']:.2f}x; a quantizer of the format chooses at most "
-                       f"{grid['limit']:.4g})")
+        grid = row["grid"]
+        details.append(f"{named_in_b(row, b)}: {grid['blocks_too_coarse']} of {grid['blocks']} blocks; the worst, "
+                       f"block {grid['worst_block']} (row {grid['row']}, values {grid['values'][0]}-"
+                       f"{grid['values'][1]} as the file stores them), has step {grid['b_step']:.4g} where A's values "
+                       f"there call for {grid['a_step']:.4g} ({grid['times_coarser']:.2f}x; a quantizer of the format "
+                       f"chooses at most {grid['limit']:.4g})")
     return diagnosis(MistakeId.GRID_TOO_COARSE, None, reference_distance, "; ".join(details), candidates)
-
-
-def compare_terms(reason: str | None) -> str | None:
-    """A check's reason for an unverifiable layer in a compare's terms: compare has no --atol; a tolerance that large
-    is the conversion's own deviation."""
-    if reason is None:
-        return None
-    return reason.replace("(lower --atol)", "(A converted as B stores it deviates that far: B's storage cannot carry "
-                                            "this layer's function)")
 
 
 def held_from(theirs: dict[str, torch.Tensor], a: SideLayer, b: SideLayer, mistake: MistakeId,

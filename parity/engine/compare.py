@@ -82,11 +82,15 @@ def same_values(a: torch.Tensor, b: torch.Tensor) -> bool:
     return a.shape == b.shape and bool(torch.allclose(a, b, rtol=0.0, atol=0.0, equal_nan=True))
 
 
+TOLERANCE_TOO_LARGE = "lower --atol"  # a check's remedy for a tolerance as large as the output (a compare has its own)
+
+
 def unverifiable_reason(weights: dict[str, torch.Tensor], runs: Runs, tolerance: float,
-                        facts: dict[str, Any] | None = None) -> str | None:
+                        facts: dict[str, Any] | None = None, *, too_large: str = TOLERANCE_TOO_LARGE) -> str | None:
     """Why comparing against this layer's reference could not tell a right module from a wrong one.  ``facts``
     (engine.layer.TensorFacts by weight name, from the read's one pass) answer "all zero?" and "identical?"
-    without another pass over the weights."""
+    without another pass over the weights; ``too_large`` says why the tolerance is as large as the output, or what
+    to do about it, in the caller's terms."""
     facts = facts or {}
     for name, output in (("float32", runs.reference32), ("float64", runs.reference64), (runs.dtype, runs.low)):
         if output is not None and not bool(torch.isfinite(output).all()):
@@ -113,7 +117,7 @@ def unverifiable_reason(weights: dict[str, torch.Tensor], runs: Runs, tolerance:
     scale = float(runs.reference64.abs().max())
     if tolerance >= scale:
         return (f"the tolerance {tolerance:.3g} is at least the reference output's largest magnitude {scale:.3g}: "
-                "a module that outputs zeros would pass (lower --atol)")
+                f"a module that outputs zeros would pass ({too_large})")
     truth = runs.reference64.reshape(-1, runs.reference64.shape[-1])
     spread = float((truth - truth[:1]).abs().max())
     if spread <= tolerance:
@@ -146,8 +150,10 @@ def input_change(before: torch.Tensor, after: torch.Tensor) -> str | None:
 
 
 def judge(layer: int, expert: int | None, runs: Runs, weights: dict[str, torch.Tensor], z: torch.Tensor | None,
-          atol: float | None, weights_kind: str, facts: dict[str, Any] | None = None) -> LayerResult:
-    """The formula at the top of this module, and the findings that need no replay named."""
+          atol: float | None, weights_kind: str, facts: dict[str, Any] | None = None, *,
+          too_large: str = TOLERANCE_TOO_LARGE) -> LayerResult:
+    """The formula at the top of this module, and the findings that need no replay named (``too_large``: as for
+    ``unverifiable_reason``)."""
     noise, scale, own = measures(runs)
     tolerance = atol if atol is not None else parity_tolerance(noise, scale, own)
     diff = (runs.target - runs.reference64).abs()
@@ -164,7 +170,7 @@ def judge(layer: int, expert: int | None, runs: Runs, weights: dict[str, torch.T
         deterministic=same_values(runs.target, runs.again), expert=expert, weights=weights_kind,
         reference_error=own, ratio_to_reference_error=ratio(max_abs, own),
     )
-    result.unverifiable = unverifiable_reason(weights, runs, tolerance, facts)
+    result.unverifiable = unverifiable_reason(weights, runs, tolerance, facts, too_large=too_large)
     if runs.input_change is not None:  # a definite bug, whatever the reference can judge
         result.diagnosis = diagnosis(MistakeId.INPUT_MUTATED, None, max_abs, runs.input_change)
     elif result.unverifiable is not None:

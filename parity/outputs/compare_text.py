@@ -4,7 +4,6 @@ and the summary line.  A check's table (``text.py``) has no column for the conve
 
 from __future__ import annotations
 
-from parity.engine.resolve import COMPARE_ADVICE
 from parity.engine.results import LayerResult, Report, register_renderers
 from parity.outputs.baseline import compared_sides
 from parity.outputs.text import SYNTHETIC_WARNING, TextWriter, unit_label, units_label
@@ -49,8 +48,8 @@ def synthetic_lines(report: Report, a: dict, b: dict) -> list[str]:
     sides = [side for side, info in (("A", a), ("B", b)) if info.get("weights") == "synthetic"]
     if not sides or not report.weights_note:
         return []
-    why = report.weights_note.removesuffix(COMPARE_ADVICE).removeprefix("SYNTHETIC weights: ").strip()
-    return [f"  !! SYNTHETIC weights ({' and '.join(sides)}): {why} {COMPARE_ADVICE}"]
+    why = report.weights_note.removeprefix("SYNTHETIC weights: ")  # the report's note carries a compare's advice
+    return [f"  !! SYNTHETIC weights ({' and '.join(sides)}): {why}"]
 
 
 def layer_line(result: LayerResult) -> str:
