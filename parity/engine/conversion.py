@@ -141,9 +141,6 @@ def block_grid(raw, name: str, shape: tuple[int, ...]):
     scales themselves by name ({"d": [blocks], ...}) for ``scale_problem``."""
     import numpy as np
 
-    def half(i: int) -> np.ndarray:
-        return raw[:, i:i + 2].copy().view(np.float16).astype(np.float32).reshape(-1)
-
     if name in K_QUANTS:
         steps, offsets, scales = k_quant_grid(raw, name)
     elif name == "MXFP4":  # an E8M0 exponent: d = 2^(e - 128), the grid's unit
@@ -152,8 +149,8 @@ def block_grid(raw, name: str, shape: tuple[int, ...]):
         steps, offsets, scales = np.repeat(units, block), None, {}
     else:  # SCALE_FIRST: a float16 d in bytes 0-1 (Q4_1 and Q5_1: their minimum m in bytes 2-3)
         block = math.prod(shape) // len(raw)
-        d = half(0)
-        scales = {"d": d, **({"m": half(2)} if name in ("Q4_1", "Q5_1") else {})}
+        d = float16_at(raw, 0).reshape(-1)
+        scales = {"d": d, **({"m": float16_at(raw, 2).reshape(-1)} if name in ("Q4_1", "Q5_1") else {})}
         steps, offsets = np.repeat(np.abs(d), block), None
     as_torch = [None if t is None else torch.from_numpy(np.ascontiguousarray(t)).reshape(shape)
                 for t in (steps, offsets)]

@@ -9,6 +9,7 @@ metadata, file not fully covered") do not say that the usual cause is an interru
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -58,10 +59,7 @@ def parse_header(raw: bytes, file_name: str, sizes: bool = True) -> dict[str, Sp
     """JSON header bytes -> {tensor name: Span}, offsets made absolute (8 + header length + ...).
     Every entry is checked: a known dtype's shape must need exactly the bytes its offsets span."""
     try:
-        header = json.loads(raw, object_pairs_hook=_pairs)
-    except DuplicateKey as twice:
-        raise CheckpointError(f"{file_name}: its safetensors header lists tensor {short(twice.key)} twice: which "
-                              "copy is the model cannot be told; re-save the file") from None
+        header = header_object(raw, file_name)
     except (UnicodeDecodeError, ValueError, RecursionError) as exc:
         raise CheckpointError(f"{file_name}: its header is not valid JSON, overwritten or corrupted ({exc})") from None
     if not isinstance(header, dict):
@@ -164,17 +162,26 @@ def _utf8(text: str) -> bool:
     return True
 
 
+def header_object(raw: bytes, file_name: str) -> object:
+    """A safetensors header's JSON; one that lists a tensor twice is a CheckpointError naming it (json, and
+    safetensors itself, would keep the last copy silently)."""
+    try:
+        return json.loads(raw, object_pairs_hook=_pairs)
+    except DuplicateKey as twice:
+        raise CheckpointError(f"{file_name}: its safetensors header lists tensor {short(twice.key)} twice: which "
+                              "copy is the model cannot be told; re-save the file") from None
+
+
 def require_unique_names(path: Path) -> None:
-    """A header that lists one tensor twice is refused before safe_open reads it (safetensors keeps the last copy
-    silently, as json does); any other defect is left to the read, whose failure ``unreadable`` explains."""
+    """A header that lists one tensor twice is refused before safe_open reads it; any other defect is left to the
+    read, whose failure ``unreadable`` explains."""
     try:
         with path.open("rb") as handle:
-            json.loads(handle.read(header_length(handle.read(8), path.name)), object_pairs_hook=_pairs)
-    except DuplicateKey as twice:
-        raise CheckpointError(f"{shown(path)}: its safetensors header lists tensor {short(twice.key)} twice: which "
-                              "copy is the model cannot be told; re-save the file") from None
-    except (OSError, CheckpointError, UnicodeDecodeError, ValueError, RecursionError):
+            raw = handle.read(header_length(handle.read(8), path.name))
+    except (OSError, CheckpointError):
         return
+    with contextlib.suppress(UnicodeDecodeError, ValueError, RecursionError):
+        header_object(raw, shown(path))
 
 
 def read_safetensors(path: Path, names: list[str]) -> dict:
