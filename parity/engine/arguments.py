@@ -280,11 +280,17 @@ def split_call(signature: inspect.Signature, kwargs: dict) -> tuple[list, dict]:
 
 def call_constructor(factory: Any, kwargs: dict) -> Any:
     """``factory`` called with arguments chosen by parameter name, positional-only ones passed positionally."""
-    try:
-        args, rest = split_call(constructor_signature(factory), kwargs)
-    except (TypeError, ValueError):
-        args, rest = [], kwargs
+    signature = signature_or_none(factory)
+    args, rest = split_call(signature, kwargs) if signature is not None else ([], kwargs)
     return factory(*args, **rest)
+
+
+def signature_or_none(factory: Any) -> inspect.Signature | None:
+    """``constructor_signature``, or None where the factory has none to read (a builtin, None itself)."""
+    try:
+        return constructor_signature(factory) if factory is not None else None
+    except (TypeError, ValueError):
+        return None
 
 
 def spell_call(target: str, signature: inspect.Signature | None, spelled_args: dict[str, str]) -> str:

@@ -32,6 +32,7 @@ from parity.engine.arguments import (
     constructor_signature,
     kwargs_read,
     project_config,
+    signature_or_none,
     spell_call,
     spelled,
 )
@@ -337,7 +338,7 @@ def check_built_size(module: nn.Module, factory: Any, name: str, kwargs: dict, r
     shapes = {n: tuple(p.shape) for n, p in module.named_parameters() if p.dim() == 2}
     if not shapes or all(set(shape) <= {hidden, d_ff, 2 * d_ff} for shape in shapes.values()):
         return
-    short, signature = name.split(":")[-1], _signature(factory)
+    short, signature = name.split(":")[-1], signature_or_none(factory)
     built = ", ".join(f"{n} {list(shape)}" for n, shape in shapes.items())
     given = spell_call(short, signature, {k: type(v).__name__ if v is config else repr(v) for k, v in kwargs.items()})
     passed = [k for k in kwargs if k not in _extras(kwargs)]
@@ -396,15 +397,21 @@ def defaults_advice(factory: Any, short: str, signature: inspect.Signature | Non
 
 def builds_size(factory: Any, kwargs: dict, hidden: int, d_ff: int) -> bool:
     """``factory(**kwargs)`` builds weights of exactly the checkpoint's sizes, d and d_ff (on the meta device)."""
+    dims = meta_weight_sizes(factory, kwargs)
+    return bool(dims) and all(d <= {hidden, d_ff, 2 * d_ff} for d in dims) and {hidden, d_ff} <= set().union(*dims)
+
+
+def meta_weight_sizes(factory: Any, kwargs: dict) -> list[set[int]] | None:
+    """The sizes of each 2-D weight ``factory`` builds from ``kwargs``, built on the meta device (nothing is
+    allocated); None when the constructor refuses these arguments."""
     import torch
 
     try:
         with torch.device("meta"):
             module = call_constructor(factory, kwargs)
-        dims = [set(p.shape) for p in module.parameters() if p.dim() == 2]
+        return [set(p.shape) for p in module.parameters() if p.dim() == 2]
     except Exception:  # noqa: BLE001 - a constructor refusing these arguments builds nothing
-        return False
-    return bool(dims) and all(d <= {hidden, d_ff, 2 * d_ff} for d in dims) and {hidden, d_ff} <= set().union(*dims)
+        return None
 
 
 def _extras(kwargs: dict) -> set[str]:
@@ -414,13 +421,6 @@ def _extras(kwargs: dict) -> set[str]:
     return {k for k in kwargs if any(k in f.extra_spelling for f in FRAMEWORKS)}
 
 
-def _signature(factory: Any) -> inspect.Signature | None:
-    try:
-        return constructor_signature(factory) if factory is not None else None
-    except (TypeError, ValueError):
-        return None
-
-
 def left_to_defaults(factory: Any, kwargs: dict, framework: Framework | None) -> list[str] | None:
     """What the constructor takes that parity did not pass, so that its own defaults decide it: every parameter,
     where nothing could be bound to their names (beyond its framework's own arguments, Flax's rngs), or the names
@@ -428,7 +428,7 @@ def left_to_defaults(factory: Any, kwargs: dict, framework: Framework | None) ->
     class) do not hold (``kwargs.get("dim", 96)`` given emb_size).  The sizes it builds from those are another
     model's: parity's guess, not the user's module.  None where parity's arguments decide it."""
     own = set(framework.extra_spelling) if framework is not None else set()
-    signature = _signature(factory)
+    signature = signature_or_none(factory)
     if signature is None:
         return None
     parameters = [p for p in signature.parameters.values() if p.name not in own]
@@ -447,15 +447,9 @@ def solve_width(factory: Any, kwargs: dict, key: str, hidden: int, d_ff: int) ->
     Meta's convention first (hidden_dim = 4 x dim, facebookresearch/llama model.py's TransformerBlock), else the
     smallest value that builds it, by bisection on the width the constructor builds (a size only: the verdict is
     still judged after).  None when no value does."""
-    import torch
-
     def built(value: int) -> int | None:
-        try:
-            with torch.device("meta"):
-                module = call_constructor(factory, {**kwargs, key: value})
-        except Exception:  # noqa: BLE001 - a value the constructor refuses builds nothing
-            return None
-        dims = {dim for p in module.parameters() if p.dim() == 2 for dim in p.shape} - {hidden}
+        sizes = meta_weight_sizes(factory, {**kwargs, key: value})
+        dims = set().union(*sizes) - {hidden} if sizes is not None else set()
         return dims.pop() if len(dims) == 1 else None
 
     if built(4 * hidden) == d_ff:
