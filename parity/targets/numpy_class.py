@@ -73,7 +73,7 @@ class NumPyClass(Framework):
     def parameters(self, native: Any, facts: CheckpointFacts | None) -> list[ForeignParameter]:
         from parity.targets.unserved import unserved
 
-        found = [(name, array) for name, array in arrays(native)]
+        found = arrays(native)
         said = None if found else unserved(native)
         if said is not None:
             raise TargetError(f"target {type(native).__qualname__} {said}")
