@@ -38,6 +38,7 @@ from parity.definitions.project import CompareSpec
 from parity.definitions.selection import Selection, parse_selection
 from parity.engine import conversion
 from parity.engine.compare import Runs, judge, parity_tolerance
+from parity.engine.compare_findings import activations_differ, beyond_finding, block_finding, grid_finding
 from parity.engine.conversion_mistakes import Hypothesis, hypotheses
 from parity.engine.fill import route_tensor
 from parity.engine.inputs import make_inputs
@@ -269,7 +270,7 @@ class Comparison:
         overflowed = [(row["name"], row["overflow"]) for row in rows if row.get("overflow")]
         beyond = [row for row in rows if (row.get("steps") or {}).get("values_beyond_step")
                   or (row.get("ulps") or {}).get("values_beyond_ulp")]
-        found = block_finding(rows, b, result.max_abs_diff)
+        found = block_finding(rows, b.storage, result.max_abs_diff)
         if found is not None:  # a defect of B's blocks, read from its file: whatever the layer's tolerance
             result.passed, result.unverifiable, result.diagnosis = False, None, found
             return
@@ -321,7 +322,7 @@ class Comparison:
                     best = shifted
         if best is not None and best[0] <= min(tolerance, EXPLAINS * reference_distance):
             return diagnosis(best[1], best[0], reference_distance, best[2], candidates)
-        coarse = grid_finding(rows, b, reference_distance, candidates)
+        coarse = grid_finding(rows, b.storage, reference_distance, candidates)
         if coarse is not None:
             return coarse
         if beyond:
@@ -398,94 +399,6 @@ class Comparison:
                         "inventory": None, "same_files": self.same_files,
                         "outside_ffn": "tensors outside the FFN layers are inventoried (present, shape, dtype) "
                                        "from headers; their values are not judged"})
-
-
-ACTIVATION_GRID = (-20.0, 20.0, 4001)  # where two activations are compared, in float64
-SAME_FUNCTION = 1e-9  # two activations agreeing within this (relative to their largest output) are one function
-
-
-def activations_differ(name_a: str | None, name_b: str | None) -> str | None:
-    """How two configured activation names differ as functions (None: they are one function): each resolved through
-    transformers' ACT2FN and evaluated in float64 on ``ACTIVATION_GRID``; a name ACT2FN does not know differs by
-    its name.  Two classes can compute one function (SiLU as "silu" and as "swish"), hence the evaluation."""
-    from transformers.activations import ACT2FN
-
-    try:
-        fn_a, fn_b = ACT2FN[name_a], ACT2FN[name_b]
-    except KeyError as exc:
-        return f"{exc.args[0]!r} is no activation transformers knows"
-    z = torch.linspace(*ACTIVATION_GRID[:2], ACTIVATION_GRID[2], dtype=torch.float64)
-    try:
-        with torch.no_grad():
-            out_a, out_b = fn_a(z), fn_b(z)
-    except Exception:  # an activation that cannot run on a float64 vector: judged by its class
-        if type(fn_a) is type(fn_b):
-            return None
-        return f"transformers runs {type(fn_b).__name__} for it, {type(fn_a).__name__} for A's"
-    gap = float((out_a - out_b).abs().max())
-    scale = max(1.0, float(out_a.abs().max()))
-    if gap <= SAME_FUNCTION * scale:
-        return None
-    worst = float(z[(out_a - out_b).abs().argmax()])
-    return (f"transformers' {type(fn_b).__name__} against {type(fn_a).__name__}: they differ by up to {gap:.3g} "
-            f"at z = {worst:.3g}")
-
-
-def beyond_finding(beyond: list[dict], reference_distance: float, candidates: list[Candidate]) -> Diagnosis:
-    """Values of B beyond what their storage allows, no replay explaining them: quantized values beyond their step
-    (quantization_exceeds_step), else a cast's or re-save's values beyond one ulp of A's cast (value_corrupted)."""
-    stepped = [row for row in beyond if (row.get("steps") or {}).get("values_beyond_step")]
-    if stepped:
-        detail = "; ".join(f"{row['name']} ({row['storage']}, step from the {row['step_source']}): "
-                           f"{row['steps']['values_beyond_step']} values beyond one step, worst "
-                           f"{row['steps']['max_steps']:.2f} steps at {row['steps']['at']}" for row in stepped)
-        return diagnosis(MistakeId.QUANTIZATION_EXCEEDS_STEP, None, reference_distance, detail, candidates)
-    detail = "; ".join(f"{row['name']} ({row['a_dtype']} -> {row['storage']}): {row['ulps']['values_beyond_ulp']} of "
-                       f"its values beyond one ulp of A's value cast to {row['storage']}, worst at index "
-                       f"{row['ulps']['at']}: {row['ulps']['max_ulps']:.4g} ulps (B holds {row['ulps']['b']:.6g}, "
-                       f"the cast of A's value is {row['ulps']['a_cast']:.6g})" for row in beyond)
-    return diagnosis(MistakeId.VALUE_CORRUPTED, None, reference_distance, detail, candidates)
-
-
-def named_in_b(row: dict, b: SideLayer) -> str:
-    """'up_proj.weight (B's blk.1.ffn_up.weight, Q4_K)': a tensor under transformers' name and B's own."""
-    store = b.storage[row["name"]]
-    return f"{row['name']} (B's {store.route.source if store.route else row['name']}, {row['storage']})"
-
-
-def block_finding(rows: list[dict], b: SideLayer, reference_distance: float | None) -> Diagnosis | None:
-    """A defect of B's quantized blocks that no conversion makes, read from its file: a NaN/Inf block scale
-    (nonfinite_scale), every code zero while A's values are not the blocks' minima (zeroed_tensor)."""
-    for row in rows:
-        store = b.storage[row["name"]]
-        where = named_in_b(row, b)
-        steps, grid = row.get("steps") or {}, row.get("grid")
-        if store.nonfinite_scale is not None and row["overflow"]:
-            return diagnosis(MistakeId.NONFINITE_SCALE, None, None, f"{where}: {store.nonfinite_scale}")
-        if store.zeroed and (steps.get("values_beyond_step") or grid is not None):
-            return diagnosis(MistakeId.ZEROED_TENSOR, None, reference_distance,
-                             f"{where}: every code is zero; {steps.get('values_beyond_step', 0)} values lie beyond "
-                             f"their step from A's, worst {steps.get('max_steps', math.nan):.3g} steps at "
-                             f"{steps.get('at')}")
-    return None
-
-
-def grid_finding(rows: list[dict], b: SideLayer, reference_distance: float,
-                 candidates: list[Candidate]) -> Diagnosis | None:
-    """B's blocks on a coarser grid than the format's own quantizer chooses for A's values (grid_too_coarse): every
-    such tensor, with its worst block, or None."""
-    coarse = [row for row in rows if row.get("grid")]
-    if not coarse:
-        return None
-    details = []
-    for row in coarse:
-        grid = row["grid"]
-        details.append(f"{named_in_b(row, b)}: {grid['blocks_too_coarse']} of {grid['blocks']} blocks; the worst, "
-                       f"block {grid['worst_block']} (row {grid['row']}, values {grid['values'][0]}-"
-                       f"{grid['values'][1]} as the file stores them), has step {grid['b_step']:.4g} where A's values "
-                       f"there call for {grid['a_step']:.4g} ({grid['times_coarser']:.2f}x; a quantizer of the format "
-                       f"chooses at most {grid['limit']:.4g})")
-    return diagnosis(MistakeId.GRID_TOO_COARSE, None, reference_distance, "; ".join(details), candidates)
 
 
 def held_from(theirs: dict[str, torch.Tensor], a: SideLayer, b: SideLayer, mistake: MistakeId,

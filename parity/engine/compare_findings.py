@@ -1,0 +1,102 @@
+"""What B's values and config show, named without a replay (``parity compare``): values beyond what their storage
+allows (quantization_exceeds_step, value_corrupted), defects of B's quantized blocks read from its file
+(nonfinite_scale, zeroed_tensor), a grid coarser than the format's quantizer makes of A (grid_too_coarse), and
+whether two configured activations are one function.  ``checkpoint_compare`` decides when each is asked; this
+module words them, with their evidence, from the per-tensor rows it made (``tensor_rows``)."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from parity.definitions.mistakes import Candidate, Diagnosis, MistakeId, diagnosis
+from parity.engine.conversion import Storage
+
+ACTIVATION_GRID = (-20.0, 20.0, 4001)  # where two activations are compared, in float64
+SAME_FUNCTION = 1e-9  # two activations agreeing within this (relative to their largest output) are one function
+
+
+def activations_differ(name_a: str | None, name_b: str | None) -> str | None:
+    """How two configured activation names differ as functions (None: they are one function): each resolved through
+    transformers' ACT2FN and evaluated in float64 on ``ACTIVATION_GRID``; a name ACT2FN does not know differs by
+    its name.  Two classes can compute one function (SiLU as "silu" and as "swish"), hence the evaluation."""
+    from transformers.activations import ACT2FN
+
+    try:
+        fn_a, fn_b = ACT2FN[name_a], ACT2FN[name_b]
+    except KeyError as exc:
+        return f"{exc.args[0]!r} is no activation transformers knows"
+    z = torch.linspace(*ACTIVATION_GRID[:2], ACTIVATION_GRID[2], dtype=torch.float64)
+    try:
+        with torch.no_grad():
+            out_a, out_b = fn_a(z), fn_b(z)
+    except Exception:  # an activation that cannot run on a float64 vector: judged by its class
+        if type(fn_a) is type(fn_b):
+            return None
+        return f"transformers runs {type(fn_b).__name__} for it, {type(fn_a).__name__} for A's"
+    gap = float((out_a - out_b).abs().max())
+    scale = max(1.0, float(out_a.abs().max()))
+    if gap <= SAME_FUNCTION * scale:
+        return None
+    worst = float(z[(out_a - out_b).abs().argmax()])
+    return (f"transformers' {type(fn_b).__name__} against {type(fn_a).__name__}: they differ by up to {gap:.3g} "
+            f"at z = {worst:.3g}")
+
+
+def beyond_finding(beyond: list[dict], reference_distance: float, candidates: list[Candidate]) -> Diagnosis:
+    """Values of B beyond what their storage allows, no replay explaining them: quantized values beyond their step
+    (quantization_exceeds_step), else a cast's or re-save's values beyond one ulp of A's cast (value_corrupted)."""
+    stepped = [row for row in beyond if (row.get("steps") or {}).get("values_beyond_step")]
+    if stepped:
+        detail = "; ".join(f"{row['name']} ({row['storage']}, step from the {row['step_source']}): "
+                           f"{row['steps']['values_beyond_step']} values beyond one step, worst "
+                           f"{row['steps']['max_steps']:.2f} steps at {row['steps']['at']}" for row in stepped)
+        return diagnosis(MistakeId.QUANTIZATION_EXCEEDS_STEP, None, reference_distance, detail, candidates)
+    detail = "; ".join(f"{row['name']} ({row['a_dtype']} -> {row['storage']}): {row['ulps']['values_beyond_ulp']} of "
+                       f"its values beyond one ulp of A's value cast to {row['storage']}, worst at index "
+                       f"{row['ulps']['at']}: {row['ulps']['max_ulps']:.4g} ulps (B holds {row['ulps']['b']:.6g}, "
+                       f"the cast of A's value is {row['ulps']['a_cast']:.6g})" for row in beyond)
+    return diagnosis(MistakeId.VALUE_CORRUPTED, None, reference_distance, detail, candidates)
+
+
+def named_in_b(row: dict, storage: dict[str, Storage]) -> str:
+    """'up_proj.weight (B's blk.1.ffn_up.weight, Q4_K)': a tensor under transformers' name and B's own."""
+    store = storage[row["name"]]
+    return f"{row['name']} (B's {store.route.source if store.route else row['name']}, {row['storage']})"
+
+
+def block_finding(rows: list[dict], storage: dict[str, Storage], reference_distance: float | None
+                  ) -> Diagnosis | None:
+    """A defect of B's quantized blocks that no conversion makes, read from its file: a NaN/Inf block scale
+    (nonfinite_scale), every code zero while A's values are not the blocks' minima (zeroed_tensor)."""
+    for row in rows:
+        store = storage[row["name"]]
+        where = named_in_b(row, storage)
+        steps, grid = row.get("steps") or {}, row.get("grid")
+        if store.nonfinite_scale is not None and row["overflow"]:
+            return diagnosis(MistakeId.NONFINITE_SCALE, None, None, f"{where}: {store.nonfinite_scale}")
+        if store.zeroed and (steps.get("values_beyond_step") or grid is not None):
+            return diagnosis(MistakeId.ZEROED_TENSOR, None, reference_distance,
+                             f"{where}: every code is zero; {steps.get('values_beyond_step', 0)} values lie beyond "
+                             f"their step from A's, worst {steps.get('max_steps', math.nan):.3g} steps at "
+                             f"{steps.get('at')}")
+    return None
+
+
+def grid_finding(rows: list[dict], storage: dict[str, Storage], reference_distance: float,
+                 candidates: list[Candidate]) -> Diagnosis | None:
+    """B's blocks on a coarser grid than the format's own quantizer chooses for A's values (grid_too_coarse): every
+    such tensor, with its worst block, or None."""
+    coarse = [row for row in rows if row.get("grid")]
+    if not coarse:
+        return None
+    details = []
+    for row in coarse:
+        grid = row["grid"]
+        details.append(f"{named_in_b(row, storage)}: {grid['blocks_too_coarse']} of {grid['blocks']} blocks; the "
+                       f"worst, block {grid['worst_block']} (row {grid['row']}, values {grid['values'][0]}-"
+                       f"{grid['values'][1]} as the file stores them), has step {grid['b_step']:.4g} where A's values "
+                       f"there call for {grid['a_step']:.4g} ({grid['times_coarser']:.2f}x; a quantizer of the format "
+                       f"chooses at most {grid['limit']:.4g})")
+    return diagnosis(MistakeId.GRID_TOO_COARSE, None, reference_distance, "; ".join(details), candidates)
