@@ -78,7 +78,8 @@ class Experts:
     """[experts]: how many experts a layer has and where one expert's gate/up/down projections are.
 
     ``stacked`` names checkpoint tensors holding every expert along dim 0 (transformers' fused
-    layout, GGUF's ``ffn_*_exps``); one expert's slice is taken from them on read.
+    layout, GGUF's ``ffn_*_exps``); one expert's slice is taken from them on read.  ``transposed``: each
+    expert's slice is stored [in, out] (a module computing ``x @ W``, Llama 4's), read as nn.Linear's [out, in].
     """
 
     count: Any
@@ -86,6 +87,7 @@ class Experts:
     up: TensorRoute
     down: TensorRoute
     stacked: tuple[str, ...] = ()
+    transposed: bool = False
 
 
 def route_spelling(route: TensorRoute) -> str | dict[str, Any]:

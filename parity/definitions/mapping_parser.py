@@ -28,7 +28,7 @@ _TENSOR_KEYS = {"from", "transform", "chunk", "optional"}
 
 _SYNTHETIC_KEYS = {"config"}
 
-_EXPERT_KEYS = {"count", "stacked", "gate", "up", "down"}
+_EXPERT_KEYS = {"count", "stacked", "transposed", "gate", "up", "down"}
 
 
 def _fail(path: Path, key: str, what: str) -> MappingError:
@@ -230,7 +230,11 @@ def _parse_experts(path: Path, table: Any) -> Experts:
         if role not in table:
             raise _fail(path, f"experts.{role}", "is required: the checkpoint tensor of this expert's projection")
         routes[role] = _parse_route(path, role, table[role], "experts")
-    return Experts(table["count"], routes["gate"], routes["up"], routes["down"], tuple(stacked))
+    transposed = table.get("transposed", False)
+    if not isinstance(transposed, bool) or transposed and not stacked:
+        raise _fail(path, "experts.transposed", "expected true or false, and true only with 'stacked' tensors (each "
+                                                "expert's slice stored [in, out])")
+    return Experts(table["count"], routes["gate"], routes["up"], routes["down"], tuple(stacked), transposed)
 
 
 def load_mapping(path: str | Path) -> Mapping:

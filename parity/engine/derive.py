@@ -29,6 +29,7 @@ from torch import nn
 
 from parity.definitions.aliases import load_aliases
 from parity.definitions.mapping import Mapping, TensorRoute
+from parity.engine.derive_experts import ExpertsModule, expert_layout, find_experts
 from parity.engine.reference import activation_module
 from parity.errors import MappingError
 from parity.sources.checkpoint import Checkpoint
@@ -99,6 +100,9 @@ def derive_mapping(ckpt: Checkpoint, load_config: Callable[[Checkpoint], Any]) -
     model = ModelSkeleton(config).skeleton
     layers_path, layers = decoder_layers(model, config)
     d = int(config.hidden_size)
+    moe = [i for i, layer in enumerate(layers) if has_experts(layer, d)]
+    if moe:
+        return experts_mapping(ckpt, model, (layers_path, layers), moe, d, model_type)
     ffn = uniform_ffn(layers, d, model_type)
     module_path = ".".join(p for p in (f"{layers_path}.{{layer}}", ffn.path) if p)
     names = checkpoint_names(model, ckpt, [module_path.format(layer=i) for i in (0, 1 % len(layers))], ffn,
@@ -203,10 +207,6 @@ def _width_in(module: nn.Module) -> int:
 def uniform_ffn(layers: nn.ModuleList, d: int, model_type: str | None) -> FFN:
     """Layer 0's FFN, when every layer has a dense FFN of the same path, class and shapes."""
     ffns = [find_ffn(layer, d) for layer in layers]
-    moe = [i for i, layer in enumerate(layers) if has_experts(layer, d)]
-    if moe:
-        raise refused(model_type, f"layer {moe[0]}'s FFN is a mixture of experts ({len(moe)} of {len(layers)} "
-                      "layers), and deriving an MoE layout is not built yet", "with an [experts] table ")
     missing = [i for i, f in enumerate(ffns) if f is None]
     if missing:
         raise refused(model_type, f"layer {missing[0]} of transformers' {type(layers[0]).__name__} holds no module "
@@ -374,11 +374,63 @@ def default_target(ffn: FFN, d: int, sources: dict[str, str]) -> tuple[str, dict
     args: dict[str, Any] = {"emb_size": d, "hidden_dim": ffn.width, "bias": bias, "dropout": 0.0} if gated else \
         {"emb_size": d, "activation": activation_of(ffn.module) or "relu", "dropout": 0.0}
     if gap is not None:
-        what = type(ffn.module).__name__ if not ffn.inline else "+".join(ffn.inline)
-        key = "repository_lacks_" + re.sub(r"\W", "_", what)
-        REFUSALS[key] = f"no module of the repository (parity.ffn) expresses transformers' {what}: {gap}; {ADVICE}"
-        return f"parity.engine.derive:{key}", args, routes
+        return refusing_target(type(ffn.module).__name__ if not ffn.inline else "+".join(ffn.inline), gap), args, \
+            routes
     return (GATED[activation_of(ffn.module)] if gated else "parity.ffn:FeedForward"), args, routes
+
+
+def refusing_target(what: str, gap: str) -> str:
+    """[target].class of a derived layout that no repository module expresses: importing it refuses in one line."""
+    key = "repository_lacks_" + re.sub(r"\W", "_", what)
+    REFUSALS[key] = f"no module of the repository (parity.ffn) expresses transformers' {what}: {gap}; {ADVICE}"
+    return f"parity.engine.derive:{key}"
+
+
+def experts_mapping(ckpt: Checkpoint, model: nn.Module, decoder: tuple[str, nn.ModuleList], moe: list[int], d: int,
+                    model_type: str | None) -> Mapping:
+    """The layout of a model whose every layer is a mixture of experts: each expert a unit, read where the
+    checkpoint keeps it (parity.engine.derive_experts), checked against transformers' experts module."""
+    import transformers
+
+    layers_path, layers = decoder
+    if len(moe) != len(layers):
+        dense = [i for i in range(len(layers)) if i not in moe]
+        raise refused(model_type, f"layers {dense} have a dense FFN and layers {moe} a mixture of experts, and "
+                      "deriving a model whose layers differ is not built yet", "with an [experts] table ")
+    found = [find_experts(layers[i], d) for i in moe]
+    first = found[0]
+    if first is None or any(f is None or (f.path, type(f.module), f.count, f.width) !=
+                            (first.path, type(first.module), first.count, first.width) for f in found):
+        raise refused(model_type, f"transformers' {type(layers[0]).__name__} holds experts that are not one fused "
+                      "module (gate_up_proj and down_proj stacked over experts) of the same shape in every layer",
+                      "with an [experts] table ")
+    module_path = ".".join(p for p in (f"{layers_path}.{{layer}}", first.path) if p)
+    layer_key, experts = expert_layout(model, ckpt, module_path, first,
+                                       lambda why, what="": refused(model_type, why, what))
+    shown_class = type(first.module).__name__
+    act = activation_of(first.module)
+    target = GATED.get(act) or refusing_target(shown_class, f"its experts are gated FFNs running "
+                                               f"{activation_label(first.module)}, and parity.ffn's gated modules run "
+                                               "SiLU (SwiGLU) or tanh GELU (GeGLU)")
+    tensors = [TensorRoute(f"{ROLE_TARGETS[role]}.weight", route.source, chunk=route.chunk)
+               for role, route in (("gate", experts.gate), ("up", experts.up), ("down", experts.down))]
+    name = f"derived from transformers {transformers.__version__} {shown_class} at {module_path}"
+    return Mapping(
+        name=name, path=Path(name), model_types=[model_type], layer_key=layer_key, reference_module=module_path,
+        target_class=target, target_args={"emb_size": d, "hidden_dim": first.width, "bias": False, "dropout": 0.0},
+        tensors=tensors, num_layers=len(layers), hidden_size=d, experts=experts, derived=True,
+        description=f"{model_type}: {first.count} experts per layer, layout derived from transformers' {shown_class}",
+        notes=shared_notes(layers[moe[0]], first, d),
+    )
+
+
+def shared_notes(layer: nn.Module, experts: ExpertsModule, d: int) -> list[str]:
+    """A note naming the layer's dense FFNs beside its experts (a shared expert), which per-expert units leave out."""
+    shared = [path for path, module in layer.named_modules()
+              if path and not path.startswith(experts.path) and ffn_of(projections(module), d)
+              and activation_module(module) is not None]
+    return [f"each layer also holds {', '.join(shared)} ({type(layer.get_submodule(shared[0])).__name__}) beside "
+            "its experts: a shared expert, not among the per-expert units checked here"] if shared else []
 
 
 def expressible(mapping: Mapping, config: Any) -> Mapping:

@@ -12,6 +12,7 @@ decorator sets on the module.
 from __future__ import annotations
 
 import copy
+import inspect
 from typing import Any
 
 import torch
@@ -27,18 +28,24 @@ class ExpertReference(nn.Module):
         super().__init__()
         self.experts = experts
         self.act_fn = experts.act_fn  # the activation, where parity's pre-activation probe looks for it
+        # Llama 4's experts take the tokens already sorted by expert (and scaled); the others take the choice
+        self.routed = len(inspect.signature(experts.forward).parameters) > 1
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         tokens = x.reshape(-1, x.shape[-1])
+        if not self.routed:
+            return self.experts(tokens).reshape(x.shape)
         index = torch.zeros(tokens.shape[0], 1, dtype=torch.long, device=x.device)  # every token to expert 0 ...
         weights = torch.ones(tokens.shape[0], 1, dtype=x.dtype, device=x.device)  # ... with routing weight 1
         return self.experts(tokens, index, weights).reshape(x.shape)
 
 
-def _one_expert_config(config: Any) -> Any:
+def _one_expert_config(config: Any, count: int) -> Any:
+    """The config with one expert: every attribute that counts the module's ``count`` experts set to 1 (its name
+    says experts and does not say per token: num_local_experts, num_experts, n_routed_experts, ...)."""
     single = copy.deepcopy(config)
-    for attr in ("num_local_experts", "num_experts", "n_routed_experts"):
-        if hasattr(single, attr):
+    for attr, value in vars(config).items():
+        if value == count and not isinstance(value, bool) and "expert" in attr and "per_tok" not in attr:
             setattr(single, attr, 1)
     # The eager path is transformers' reference loop; grouped kernels do not all run in float64.
     single._experts_implementation = "eager"
@@ -48,16 +55,19 @@ def _one_expert_config(config: Any) -> Any:
 def expert_reference(meta_experts: nn.Module, config: Any, gate: torch.Tensor, up: torch.Tensor,
                      down: torch.Tensor, where: str) -> nn.Module:
     """transformers' experts module holding one expert's weights ([out, in] each), in eval mode."""
+    from parity.engine.derive_experts import experts_transposed
+
     if not hasattr(meta_experts, "gate_up_proj") or not hasattr(meta_experts, "down_proj"):
         raise MappingError(f"reference.module '{where}' is {type(meta_experts).__name__}, not a fused experts module "
                            "with gate_up_proj / down_proj (mapping key 'reference.module')")
     if getattr(meta_experts, "has_bias", False) or not getattr(meta_experts, "is_concatenated", True):
         raise MappingError(f"{type(meta_experts).__name__} stores biased or interleaved experts; parity checks "
                            "concatenated [gate; up] experts without biases (Mixtral, Qwen-MoE style)")
+    transposed = experts_transposed(meta_experts, gate.shape[1])
     with torch.device("meta"):
-        module = type(meta_experts)(_one_expert_config(config))
+        module = type(meta_experts)(_one_expert_config(config, meta_experts.down_proj.shape[0]))
     gate_up, down_proj = torch.cat([gate, up], dim=0), down
-    if getattr(meta_experts, "is_transposed", False):
+    if transposed:
         gate_up, down_proj = gate_up.t(), down_proj.t()
     expected = {n: tuple(p.shape) for n, p in module.named_parameters()}
     given = {"gate_up_proj": gate_up.unsqueeze(0), "down_proj": down_proj.unsqueeze(0)}

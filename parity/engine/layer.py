@@ -165,7 +165,7 @@ class LayerReader:
                     raise ShapeMismatchError(f"{self.checkpoint.location}: '{key}' (shape {list(tensor.shape)}) "
                                              f"stacks {tensor.shape[0] if tensor.dim() else 0} experts, the config "
                                              f"says {self.num_experts}")
-                out[key] = tensor[expert]
+                out[key] = tensor[expert].t() if self.mapping.experts.transposed else tensor[expert]
         return out
 
 

@@ -1,0 +1,176 @@
+"""A mixture-of-experts layer's layout derived from transformers itself: where each expert's tensors are.
+
+transformers 5 keeps a layer's experts fused in one module (``MixtralExperts``, ``Qwen3MoeExperts``, ...): two
+parameters stacked over the E experts, ``gate_up_proj`` ([E, 2·ff, d], or [E, d, 2·ff] where the module computes
+``x @ W``) and ``down_proj``.  What a checkpoint stores is often something else: one tensor per expert and
+projection (``mlp.experts.{e}.gate_proj.weight``, Mixtral's ``block_sparse_moe.experts.{e}.w1.weight``), which
+transformers' load-time conversion (``WeightConverter``: ``MergeModulelist`` stacks the experts, ``Concatenate``
+puts gate before up) turns into the fused parameters; or the fused tensors themselves under another name (Granite
+MoE's ``input_linear``), which a ``WeightRenaming`` renames.  Both are read here from that conversion: which
+checkpoint tensor, in which order of the concatenation, fills which parameter; nothing is guessed from names.
+
+The result is the ``[experts]`` table a mapping file would hold (parity.definitions.mapping.Experts): each expert
+is then checked on its own against transformers' experts module holding that expert (parity.engine.experts).
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import dataclass
+from typing import Any
+
+from torch import nn
+
+from parity.definitions.mapping import Experts, TensorRoute
+from parity.sources.checkpoint import Checkpoint
+
+FUSED = ("gate_up_proj", "down_proj")  # transformers 5's fused experts module: its two stacked parameters
+
+
+@dataclass(frozen=True)
+class ExpertsModule:
+    """A layer's fused experts module as transformers builds it: ``path`` relative to the layer."""
+
+    path: str
+    module: nn.Module
+    count: int
+    width: int  # one expert's d_ff
+    transposed: bool  # stored [E, in, out] (x @ W), not nn.Linear's [E, out, in]
+
+
+def experts_transposed(module: nn.Module, d: int) -> bool | None:
+    """Whether the module's ``gate_up_proj`` is [E, d, 2·ff] (x @ W): what transformers' experts decorator says
+    (``is_transposed``), else read off the shape against d; None where the shape cannot tell (2·ff = d)."""
+    said = getattr(module, "is_transposed", None)
+    if isinstance(said, bool):
+        return said
+    _, rows, cols = module.gate_up_proj.shape
+    if (rows == d) == (cols == d):
+        return None
+    return rows == d
+
+
+def find_experts(layer: nn.Module, d: int) -> ExpertsModule | None:
+    """The layer's fused experts module: one holding ``gate_up_proj`` and ``down_proj`` stacked over experts."""
+    for path, module in layer.named_modules():
+        params = dict(module.named_parameters(recurse=False))
+        if all(name in params and params[name].dim() == 3 for name in FUSED):
+            transposed = experts_transposed(module, d)
+            if transposed is None:
+                return None
+            down = params["down_proj"].shape
+            width = int(down[1] if transposed else down[2])
+            return ExpertsModule(path, module, int(down[0]), width, transposed)
+    return None
+
+
+def expert_layout(model: nn.Module, ckpt: Checkpoint, experts_path: str, experts: ExpertsModule,
+                  refuse: Any) -> tuple[str, Experts]:
+    """(layer_key, [experts]) for the checkpoint: per-expert tensors that transformers' conversion merges, or the
+    fused tensors themselves.  ``experts_path``: the module's path with '{layer}'; ``refuse(why, what)`` makes
+    the exit-2 error."""
+    from transformers.conversion_mapping import get_model_conversion_mapping
+    from transformers.core_model_loading import WeightConverter, WeightRenaming, rename_source_key
+
+    conversions = get_model_conversion_mapping(model)
+    renamings = [c for c in conversions if isinstance(c, WeightRenaming)]
+    converters = [c for c in conversions if isinstance(c, WeightConverter)]
+    state = model.state_dict()
+    found: dict[int, dict[str, list[tuple[str, str | None]]]] = defaultdict(lambda: defaultdict(list))
+    layers = (0, 1) if experts_path.format(layer=1) + ".gate_up_proj" in state else (0,)
+    for key in ckpt.weight_map:
+        own, pattern = rename_source_key(key, renamings, converters, model.base_model_prefix, state)
+        for layer in layers:
+            prefix = experts_path.format(layer=layer) + "."
+            if own.startswith(prefix) and own[len(prefix):] in FUSED:
+                found[layer][own[len(prefix):]].append((key, pattern))
+    lacking = [name for name in FUSED if not found[0][name]]
+    if lacking:
+        raise refuse(f"transformers' {type(experts.module).__name__} needs '{experts_path.format(layer=0)}."
+                     f"{lacking[0]}' (or the tensors transformers' load-time conversion merges into it), which this "
+                     "checkpoint does not hold", "for its names ")
+    per_expert = any(pattern is not None for pattern_keys in found[0].values() for _, pattern in pattern_keys)
+    if per_expert:
+        return _per_expert(found, converters, experts, refuse)
+    return _fused(found, experts, refuse)
+
+
+def _varying(keys: list[str], label: str, refuse: Any) -> int:
+    """The index of the one dotted part in which ``keys`` differ, a number in each (the layer or the expert);
+    ``refuse`` where they differ in more or less than one place."""
+    parts = [key.split(".") for key in keys]
+    varying = [i for i in range(len(parts[0])) if len({p[i] if len(p) > i else None for p in parts}) > 1]
+    if len({len(p) for p in parts}) != 1 or len(varying) != 1 or not all(p[varying[0]].isdigit() for p in parts):
+        raise refuse(f"the checkpoint's expert tensors ({', '.join(keys[:2])}) differ in more or less than the "
+                     f"{label} number", "for its names ")
+    return varying[0]
+
+
+def _with(key: str, index: int, label: str) -> str:
+    parts = key.split(".")
+    parts[index] = "{" + label + "}"
+    return ".".join(parts)
+
+
+def _layer_key(stems: dict[int, str], refuse: Any) -> str:
+    """The layer's stem of its expert tensors with '{layer}' where layers 0 and 1 differ (one layer: the first
+    number of the stem, as the dense derivation reads a one-layer model)."""
+    if 1 in stems:
+        return _with(stems[0], _varying([stems[0], stems[1]], "layer", refuse), "layer")
+    first = next(i for i, part in enumerate(stems[0].split(".")) if part.isdigit())
+    return _with(stems[0], first, "layer")
+
+
+def _per_expert(found: dict, converters: list, experts: ExpertsModule, refuse: Any) -> tuple[str, Experts]:
+    """One tensor per expert and projection, merged by transformers (MergeModulelist, then Concatenate for gate_up
+    in the converter's source order: gate first, as the fused module computes ``gate, up = ... .chunk(2)``)."""
+    by_pattern = {pattern: converter for converter in converters for pattern in converter.source_patterns}
+    stems: dict[int, str] = {}
+    leaves: dict[str, str] = {}
+    for layer, params in found.items():
+        for param, keys in params.items():
+            converter = by_pattern.get(keys[0][1])
+            operations = [type(op).__name__ for op in converter.operations] if converter else []
+            wanted = ["MergeModulelist", "Concatenate"] if param == "gate_up_proj" else ["MergeModulelist"]
+            joined = getattr(converter.operations[-1], "dim", None) if converter else None
+            if operations != wanted or wanted[-1] == "Concatenate" and joined != (2 if experts.transposed else 1):
+                raise refuse(f"transformers fills '{param}' of {type(experts.module).__name__} with "
+                             f"{' + '.join(operations) or 'no conversion'} (dim {joined}), and parity reads per-expert "
+                             f"tensors merged with {' + '.join(wanted)} along the output dim", "for its names ")
+            for pattern in converter.source_patterns:
+                names = sorted(key for key, p in keys if p == pattern)
+                if len(names) != experts.count:
+                    raise refuse(f"the checkpoint holds {len(names)} tensors matching '{pattern}' in layer {layer}, "
+                                 f"and transformers' module has {experts.count} experts", "for its names ")
+                at = _varying(names, "expert", refuse)
+                stem = ".".join(_with(names[0], at, "expert").split(".")[:at + 1])
+                if stems.setdefault(layer, stem) != stem:
+                    raise refuse(f"the checkpoint keeps an expert's projections under two stems ({stems[layer]}, "
+                                 f"{stem})", "for its names ")
+                role = ("gate", "up")[converter.source_patterns.index(pattern)] if param == "gate_up_proj" else "down"
+                leaves.setdefault(role, ".".join(names[0].split(".")[at + 1:]))
+    routes = {role: TensorRoute(role, leaf) for role, leaf in leaves.items()}
+    return _layer_key(stems, refuse), Experts(experts.count, routes["gate"], routes["up"], routes["down"])
+
+
+def _fused(found: dict, experts: ExpertsModule, refuse: Any) -> tuple[str, Experts]:
+    """The fused tensors stored as such (transformers renames them at most): each expert a slice of them, gate
+    and up the halves of gate_up's rows, read in nn.Linear's [out, in] (``transposed``: stored [in, out])."""
+    if getattr(experts.module, "is_concatenated", True) is not True:
+        raise refuse(f"transformers' {type(experts.module).__name__} interleaves gate and up in gate_up_proj, and "
+                     "reading interleaved experts is not built yet", "with an [experts] table ")
+    stems, leaves = {}, {}
+    for layer, params in found.items():
+        keys = [keys[0][0] for keys in params.values()]
+        parts = [key.split(".") for key in keys]
+        common = 0
+        while all(len(p) > common + 1 and p[common] == parts[0][common] for p in parts):
+            common += 1
+        stems[layer] = ".".join(parts[0][:common])
+        for param, keys in params.items():
+            leaves.setdefault(param, keys[0][0][len(stems[layer]) + 1:])
+    gate_up, down = leaves["gate_up_proj"], leaves["down_proj"]
+    halves = TensorRoute("gate", gate_up, chunk=(0, 2)), TensorRoute("up", gate_up, chunk=(1, 2))
+    layout = Experts(experts.count, *halves, TensorRoute("down", down), stacked=(gate_up, down),
+                     transposed=experts.transposed)
+    return _layer_key(stems, refuse), layout
