@@ -60,6 +60,12 @@ class Mapping:
     experts: Experts | None = None  # MoE: each expert's FFN is checked on its own
     text: str = field(default="", repr=False, compare=False)  # the file's text, for line numbers in later errors
     derived: bool = False  # no file: derived from transformers' own model (parity.engine.derive); ``name`` says so
+    # a model whose layers are not all alike (dense layers before MoE ones, a shared expert beside the routed ones):
+    # the layers this layout serves (None: every one), the unit's name in reports where it is not the layer or a
+    # routed expert ('shared_expert'), and the checkpoint's further layouts, each checked as its own units
+    layers: tuple[int, ...] | None = None
+    unit: str | None = None
+    parts: list[Mapping] = field(default_factory=list)
 
     def where(self, key: str) -> str:
         """'FILE:LINE' of a key, for errors found only once the target or reference exists."""
@@ -71,6 +77,14 @@ class Mapping:
 
     def reference_path(self, layer: int) -> str:
         return self.reference_module.format(layer=layer)
+
+    def serves(self, layer: int) -> bool:
+        return self.layers is None or layer in self.layers
+
+    @property
+    def first_layer(self) -> int:
+        """The first layer this layout serves: where its module and tensors are looked at once for all."""
+        return self.layers[0] if self.layers else 0
 
 
 @dataclass(frozen=True)

@@ -20,6 +20,7 @@ tensors (converted as B stores them) and naming the one B reproduces.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import gc
 import hashlib
@@ -145,6 +146,7 @@ class Comparison:
         self.require_same_experts()
         self.require_same_ffn()
         self.experts = self.a.expert_indices(experts)  # [None] for a dense model; the selected experts for MoE
+        self.parts = [self.part(a, b, experts) for a, b in self.paired_parts()]
         self.same_files = same_files(self.a, self.b)
         self.notes = self.config_notes() + ([
             f"A and B are the same files ({self.a.checkpoint.location}): a pass shows only that parity reads them; it "
@@ -159,10 +161,34 @@ class Comparison:
             raise UsageError(f"{self.labels[1]} is no conversion of {self.labels[0]}: A's FFN is {spelled[0]}, B's "
                              f"{spelled[1]}; `parity compare` judges two stores of one model's layers")
 
+    def paired_parts(self) -> list[tuple[Session, Session]]:
+        """A's further layouts (dense layers, shared experts) with B's: the same units, or B is another model."""
+        units = [[(p.mapping.unit, p.mapping.layers, p.num_experts) for p in side.parts] for side in (self.a, self.b)]
+        if units[0] != units[1]:
+            spelled = [", ".join(f"{unit or 'FFN'} of layers {list(layers or [])}" for unit, layers, _ in side) or
+                       "none" for side in units]
+            raise UsageError(f"{self.labels[1]} is no conversion of {self.labels[0]}: besides its main layout A's "
+                             f"layers hold {spelled[0]}, B's {spelled[1]}; `parity compare` judges two stores of one "
+                             "model's layers")
+        return list(zip(self.a.parts, self.b.parts, strict=True))
+
+    def part(self, a: Session, b: Session, experts: Selection) -> Comparison:
+        """This comparison for one further layout of both sides (its units judged as the main layout's are)."""
+        part = copy.copy(self)
+        part.a, part.b, part.parts = a, b, []
+        part.experts = a.expert_indices(experts if a.num_experts is not None else None)
+        return part
+
+    def units(self, layer: int) -> list[tuple[Comparison, int | None]]:
+        """What is compared of a layer, in order: each layout serving it, each selected expert of one with experts."""
+        return [(part, expert) for part in (self, *self.parts) if part.a.mapping.serves(layer)
+                for expert in part.experts]
+
     def require_same_ffn(self) -> None:
         """B must hold A's model: an MLP of the same parameters and shapes in transformers (a Mistral exported to
         GGUF reads back as LLaMA's MLP, which has Mistral's parameters: that is one model)."""
-        shapes = [dict(side.reference.tensor_shapes(side.mapping.reference_path(0))) for side in (self.a, self.b)]
+        shapes = [dict(side.reference.tensor_shapes(side.mapping.reference_path(side.mapping.first_layer)))
+                  for side in (self.a, self.b)]
         if shapes[0] != shapes[1]:
             spelled = [", ".join(f"{n} {list(s)}" for n, s in sorted(side.items())) for side in shapes]
             raise UsageError(f"{self.labels[1]} is no conversion of {self.labels[0]}: A's FFN has {spelled[0]}; B's "
@@ -379,7 +405,7 @@ class Comparison:
     def report(self) -> CompareReport:
         import transformers
 
-        probe = self.a.reference.meta_module(self.a.mapping.reference_path(0))
+        probe = self.a.reference.meta_module(self.a.mapping.reference_path(self.a.mapping.first_layer))
         a, b = self.a.checkpoint, self.b.checkpoint
         # a check's GGUF note says target and reference share the dequantized weights; here only B's are dequantized
         notes = [*(n.split("; target and reference")[0] for n in self.a.resolved.notes),
@@ -539,10 +565,11 @@ def run_comparison(comparison: Comparison, layers: Selection = None,
     chosen = comparison.layers(layers)
     with young_objects_only():  # the per-layer gc.collect() then costs milliseconds, not 0.2-0.5 s
         for layer in chosen:
-            for expert in comparison.experts:
+            for unit, expert in comparison.units(layer):
                 held = comparison.b.num_layers
-                result = (comparison.compare_layer(layer, expert) if layer < held else comparison.missing(
+                result = (unit.compare_layer(layer, expert) if layer < held else unit.missing(
                     layer, expert, MistakeId.LAYER_MISSING, f"B has {held} layers, A's layer {layer} is not in B"))
+                result.unit = unit.a.mapping.unit
                 report.layers.append(result)
                 if on_layer is not None:
                     on_layer(report, result)

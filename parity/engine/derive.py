@@ -100,26 +100,80 @@ def derive_mapping(ckpt: Checkpoint, load_config: Callable[[Checkpoint], Any]) -
     model = ModelSkeleton(config).skeleton
     layers_path, layers = decoder_layers(model, config)
     d = int(config.hidden_size)
+    decoder = Decoder(layers_path, layers, model, ckpt, d, model_type)
     moe = [i for i, layer in enumerate(layers) if has_experts(layer, d)]
-    if moe:
-        return experts_mapping(ckpt, model, (layers_path, layers), moe, d, model_type)
-    ffn = uniform_ffn(layers, d, model_type)
-    module_path = ".".join(p for p in (f"{layers_path}.{{layer}}", ffn.path) if p)
-    names = checkpoint_names(model, ckpt, [module_path.format(layer=i) for i in (0, 1 % len(layers))], ffn,
-                             model_type)
-    layer_key, sources = checkpoint_layout(names, module_path, model_type, len(layers))
-    shown_class = type(ffn.module).__name__ if not ffn.inline else f"{type(layers[0]).__name__}'s " \
+    dense = [i for i in range(len(layers)) if i not in moe]
+    units = experts_mappings(decoder, moe) if moe else []
+    if dense:
+        units.append(dense_mapping(decoder, dense, uniform_ffn([layers[i] for i in dense], dense, d, model_type)))
+    main, *parts = units
+    if not parts:
+        return main
+    for unit in units:  # every row of a report names its unit where a layer has several, or layers differ
+        unit.unit = unit.unit or unit.reference_module.rsplit(".", 1)[-1]
+    main.parts = parts
+    main.description += "; " + "; ".join(part.description for part in parts)
+    main.notes = [f"each layer's units are not all alike: {main.unit} ({describe_layers(main)}) as the mapping above "
+                  "says, and " + "; ".join(f"{part.unit} ({describe_layers(part)}): {part.name}" for part in parts)]
+    return main
+
+
+def describe_layers(mapping: Mapping) -> str:
+    return "every layer" if mapping.layers is None else f"layers {spans(list(mapping.layers))}"
+
+
+@dataclass(frozen=True)
+class Decoder:
+    """transformers' model of the checkpoint and its decoder layers: what each unit's layout is read from."""
+
+    path: str
+    layers: nn.ModuleList
+    model: nn.Module
+    ckpt: Checkpoint
+    d: int
+    model_type: str | None
+
+    def module_path(self, within: str) -> str:
+        return ".".join(p for p in (f"{self.path}.{{layer}}", within) if p)
+
+    def layers_note(self, indices: list[int]) -> tuple[int, ...] | None:
+        """The ``layers`` of a unit's mapping: None where it is every layer."""
+        return None if len(indices) == len(self.layers) else tuple(indices)
+
+
+def dense_mapping(decoder: Decoder, indices: list[int], ffn: FFN, unit: str | None = None) -> Mapping:
+    """The layout of a dense FFN found at the same place in each of these layers."""
+    import transformers
+
+    module_path = decoder.module_path(ffn.path)
+    pair = tuple(indices[:2])
+    names = checkpoint_names(decoder.model, decoder.ckpt, [module_path.format(layer=i) for i in pair], ffn,
+                             decoder.model_type)
+    layer_key, sources = checkpoint_layout(names, module_path, decoder.model_type, pair)
+    shown_class = type(ffn.module).__name__ if not ffn.inline else f"{type(decoder.layers[0]).__name__}'s " \
         + "+".join(ffn.inline)
     reference = module_path + (INLINE + "+".join(ffn.inline) if ffn.inline else "")
     name = f"derived from transformers {transformers.__version__} {shown_class} at {module_path}"
-    target_class, args, tensors = default_target(ffn, d, sources)
+    target_class, args, tensors = default_target(ffn, decoder.d, sources)
+    where = "" if decoder.layers_note(indices) is None else f" (layers {spans(indices)})"
     return Mapping(
-        name=name, path=Path(name), model_types=[model_type], layer_key=layer_key, reference_module=reference,
-        target_class=target_class, target_args=args, tensors=tensors, num_layers=len(layers), hidden_size=d,
-        description=f"{model_type}: layout derived from transformers' {shown_class} (no mapping file)",
+        name=name, path=Path(name), model_types=[decoder.model_type], layer_key=layer_key, reference_module=reference,
+        target_class=target_class, target_args=args, tensors=tensors, num_layers=len(decoder.layers),
+        hidden_size=decoder.d, derived=True, layers=decoder.layers_note(indices), unit=unit,
+        description=f"{decoder.model_type}: layout derived from transformers' {shown_class}{where} (no mapping file)",
         reference_tensors=[TensorRoute(own, source) for own, source in sources.items() if own != source],
-        derived=True,
     )
+
+
+def spans(indices: list[int]) -> str:
+    """'0-2, 5' for [0, 1, 2, 5]."""
+    runs: list[list[int]] = []
+    for i in indices:
+        if runs and i == runs[-1][-1] + 1:
+            runs[-1].append(i)
+        else:
+            runs.append([i])
+    return ", ".join(f"{r[0]}-{r[-1]}" if len(r) > 1 else str(r[0]) for r in runs)
 
 
 def decoder_layers(model: nn.Module, config: Any) -> tuple[str, nn.ModuleList]:
@@ -204,10 +258,12 @@ def _width_in(module: nn.Module) -> int:
     return projs[-1].d_out if projs else -1
 
 
-def uniform_ffn(layers: nn.ModuleList, d: int, model_type: str | None) -> FFN:
-    """Layer 0's FFN, when every layer has a dense FFN of the same path, class and shapes."""
-    ffns = [find_ffn(layer, d) for layer in layers]
-    missing = [i for i, f in enumerate(ffns) if f is None]
+def uniform_ffn(layers: list[nn.Module], indices: list[int], d: int, model_type: str | None,
+                find: Callable[[nn.Module, int], FFN | None] | None = None) -> FFN:
+    """The first layer's FFN, when each of these layers (numbered ``indices``) has a dense FFN of the same path,
+    class and shapes; ``find``: how a layer's FFN is found (default: ``find_ffn``)."""
+    ffns = [(find or find_ffn)(layer, d) for layer in layers]
+    missing = [i for i, f in zip(indices, ffns, strict=True) if f is None]
     if missing:
         raise refused(model_type, f"layer {missing[0]} of transformers' {type(layers[0]).__name__} holds no module "
                       "whose projections read d -> d_ff -> d with an activation between them (an FFN, as parity reads "
@@ -225,12 +281,12 @@ def uniform_ffn(layers: nn.ModuleList, d: int, model_type: str | None) -> FFN:
         raise refused(model_type, f"transformers' {type(first.module).__name__} holds buffers ({', '.join(buffers)}: "
                       "values its parameters do not carry), and reading them into the reference is not built yet")
     shape = [(p.d_in, p.d_out) for p in (*first.ins, first.out)]
-    for i, f in enumerate(ffns):
+    for i, f in zip(indices, ffns, strict=True):
         if (f.path, type(f.module), [(p.d_in, p.d_out) for p in (*f.ins, f.out)]) != \
                 (first.path, type(first.module), shape):
             raise refused(model_type, f"layer {i}'s FFN ({type(f.module).__name__}, d_ff {f.width}) differs from "
-                          f"layer 0's ({type(first.module).__name__}, d_ff {first.width}), and per-layer layouts are "
-                          "not derived yet")
+                          f"layer {indices[0]}'s ({type(first.module).__name__}, d_ff {first.width}), and per-layer "
+                          "layouts are not derived yet")
     return first
 
 
@@ -261,12 +317,12 @@ def checkpoint_names(model: nn.Module, ckpt: Checkpoint, paths: list[str], ffn: 
     return found
 
 
-def checkpoint_layout(names: dict[str, str], module_path: str, model_type: str | None, count: int
+def checkpoint_layout(names: dict[str, str], module_path: str, model_type: str | None, pair: tuple[int, ...]
                       ) -> tuple[str, dict[str, str]]:
-    """(layer_key, FFN parameter name -> checkpoint name relative to it) from layers 0 and 1's tensors (a model of
-    one layer: the one '0' of its tensors' common stem)."""
+    """(layer_key, FFN parameter name -> checkpoint name relative to it) from two layers' tensors (``pair``; one
+    layer: the part of its tensors' common stem that is its number)."""
     keys, stems = {}, {}
-    for layer in (0, 1) if count > 1 else (0,):
+    for layer in pair:
         prefix = module_path.format(layer=layer) + "."
         keys[layer] = {own[len(prefix):]: key for own, key in names.items() if own.startswith(prefix)}
         parts = [key.split(".") for key in keys[layer].values()]
@@ -274,15 +330,16 @@ def checkpoint_layout(names: dict[str, str], module_path: str, model_type: str |
         while all(len(p) > common + 1 and p[common] == parts[0][common] for p in parts):
             common += 1
         stems[layer] = parts[0][:common]
-    first = stems[0]
-    second = stems.get(1, ["1" if part == "0" else part for part in first])
-    template = [("{layer}" if (a, b) == ("0", "1") else a) for a, b in zip(first, second, strict=False)]
+    one, other = pair[0], pair[-1] if len(pair) > 1 else pair[0] + 1
+    first = stems[one]
+    second = stems.get(other, [str(other) if part == str(one) else part for part in first])
+    template = [("{layer}" if (a, b) == (str(one), str(other)) else a) for a, b in zip(first, second, strict=False)]
     if len(first) != len(second) or template.count("{layer}") != 1 or [
             p for p, a, b in zip(template, first, second, strict=False) if p != "{layer}" and a != b]:
-        raise refused(model_type, f"the checkpoint's FFN tensors of layers 0 and 1 ({'.'.join(first)}, "
+        raise refused(model_type, f"the checkpoint's FFN tensors of layers {one} and {other} ({'.'.join(first)}, "
                       f"{'.'.join(second)}) differ in more or less than the layer number", "for its names ")
     stem = ".".join(first) + "."
-    return ".".join(template), {own: key[len(stem):] for own, key in keys[0].items()}
+    return ".".join(template), {own: key[len(stem):] for own, key in keys[one].items()}
 
 
 def activation_of(module: nn.Module) -> str | None:
@@ -386,27 +443,21 @@ def refusing_target(what: str, gap: str) -> str:
     return f"parity.engine.derive:{key}"
 
 
-def experts_mapping(ckpt: Checkpoint, model: nn.Module, decoder: tuple[str, nn.ModuleList], moe: list[int], d: int,
-                    model_type: str | None) -> Mapping:
-    """The layout of a model whose every layer is a mixture of experts: each expert a unit, read where the
-    checkpoint keeps it (parity.engine.derive_experts), checked against transformers' experts module."""
+def experts_mappings(decoder: Decoder, moe: list[int]) -> list[Mapping]:
+    """The layouts of the layers with experts: the routed experts (each a unit, read where the checkpoint keeps it:
+    parity.engine.derive_experts), then each dense FFN beside them (a shared expert) as a unit of its own."""
     import transformers
 
-    layers_path, layers = decoder
-    if len(moe) != len(layers):
-        dense = [i for i in range(len(layers)) if i not in moe]
-        raise refused(model_type, f"layers {dense} have a dense FFN and layers {moe} a mixture of experts, and "
-                      "deriving a model whose layers differ is not built yet", "with an [experts] table ")
-    found = [find_experts(layers[i], d) for i in moe]
+    found = [find_experts(decoder.layers[i], decoder.d) for i in moe]
     first = found[0]
     if first is None or any(f is None or (f.path, type(f.module), f.count, f.width) !=
                             (first.path, type(first.module), first.count, first.width) for f in found):
-        raise refused(model_type, f"transformers' {type(layers[0]).__name__} holds experts that are not one fused "
-                      "module (gate_up_proj and down_proj stacked over experts) of the same shape in every layer",
-                      "with an [experts] table ")
-    module_path = ".".join(p for p in (f"{layers_path}.{{layer}}", first.path) if p)
-    layer_key, experts = expert_layout(model, ckpt, module_path, first,
-                                       lambda why, what="": refused(model_type, why, what))
+        raise refused(decoder.model_type, f"transformers' {type(decoder.layers[moe[0]]).__name__} holds experts that "
+                      "are not one fused module (gate_up_proj and down_proj stacked over experts) of the same shape "
+                      "in every layer with experts", "with an [experts] table ")
+    module_path = decoder.module_path(first.path)
+    layer_key, experts = expert_layout(decoder.model, decoder.ckpt, module_path, first, tuple(moe[:2]),
+                                       lambda why, what="": refused(decoder.model_type, why, what))
     shown_class = type(first.module).__name__
     act = activation_of(first.module)
     target = GATED.get(act) or refusing_target(shown_class, f"its experts are gated FFNs running "
@@ -415,22 +466,40 @@ def experts_mapping(ckpt: Checkpoint, model: nn.Module, decoder: tuple[str, nn.M
     tensors = [TensorRoute(f"{ROLE_TARGETS[role]}.weight", route.source, chunk=route.chunk)
                for role, route in (("gate", experts.gate), ("up", experts.up), ("down", experts.down))]
     name = f"derived from transformers {transformers.__version__} {shown_class} at {module_path}"
-    return Mapping(
-        name=name, path=Path(name), model_types=[model_type], layer_key=layer_key, reference_module=module_path,
-        target_class=target, target_args={"emb_size": d, "hidden_dim": first.width, "bias": False, "dropout": 0.0},
-        tensors=tensors, num_layers=len(layers), hidden_size=d, experts=experts, derived=True,
-        description=f"{model_type}: {first.count} experts per layer, layout derived from transformers' {shown_class}",
-        notes=shared_notes(layers[moe[0]], first, d),
-    )
+    where = "" if decoder.layers_note(moe) is None else f" (layers {spans(moe)})"
+    routed = Mapping(
+        name=name, path=Path(name), model_types=[decoder.model_type], layer_key=layer_key,
+        reference_module=module_path, target_class=target, tensors=tensors, num_layers=len(decoder.layers),
+        target_args={"emb_size": decoder.d, "hidden_dim": first.width, "bias": False, "dropout": 0.0},
+        hidden_size=decoder.d, experts=experts, derived=True, layers=decoder.layers_note(moe),
+        description=f"{decoder.model_type}: {first.count} experts per layer{where}, layout derived from "
+                    f"transformers' {shown_class}")
+    shared = shared_path(decoder.layers[moe[0]], first, decoder.d)
+    if shared is None:
+        return [routed]
+    layers = [decoder.layers[i] for i in moe]
+    ffn = uniform_ffn(layers, moe, decoder.d, decoder.model_type, find=lambda layer, d: ffn_at(layer, shared, d))
+    return [routed, dense_mapping(decoder, moe, ffn, unit=shared.rsplit(".", 1)[-1])]
 
 
-def shared_notes(layer: nn.Module, experts: ExpertsModule, d: int) -> list[str]:
-    """A note naming the layer's dense FFNs beside its experts (a shared expert), which per-expert units leave out."""
-    shared = [path for path, module in layer.named_modules()
-              if path and not path.startswith(experts.path) and ffn_of(projections(module), d)
-              and activation_module(module) is not None]
-    return [f"each layer also holds {', '.join(shared)} ({type(layer.get_submodule(shared[0])).__name__}) beside "
-            "its experts: a shared expert, not among the per-expert units checked here"] if shared else []
+def shared_path(layer: nn.Module, experts: ExpertsModule, d: int) -> str | None:
+    """The path (relative to the layer) of a dense FFN beside the layer's experts: a shared expert; the outermost
+    where one holds another."""
+    found = [path for path, module in layer.named_modules()
+             if path and not path.startswith(experts.path) and ffn_of(projections(module), d)
+             and activation_module(module) is not None]
+    outer = [path for path in found if not any(path.startswith(other + ".") for other in found)]
+    return outer[0] if len(outer) == 1 else None
+
+
+def ffn_at(layer: nn.Module, path: str, d: int) -> FFN | None:
+    """The FFN at ``path`` under the layer, as ``find_ffn`` describes one."""
+    try:
+        module = layer.get_submodule(path)
+    except AttributeError:
+        return None
+    shape = ffn_of(projections(module), d)
+    return None if shape is None else FFN(path, module, *shape)
 
 
 def expressible(mapping: Mapping, config: Any) -> Mapping:

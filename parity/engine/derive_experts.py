@@ -65,10 +65,11 @@ def find_experts(layer: nn.Module, d: int) -> ExpertsModule | None:
 
 
 def expert_layout(model: nn.Module, ckpt: Checkpoint, experts_path: str, experts: ExpertsModule,
-                  refuse: Any) -> tuple[str, Experts]:
+                  layers: tuple[int, ...], refuse: Any) -> tuple[str, Experts]:
     """(layer_key, [experts]) for the checkpoint: per-expert tensors that transformers' conversion merges, or the
-    fused tensors themselves.  ``experts_path``: the module's path with '{layer}'; ``refuse(why, what)`` makes
-    the exit-2 error."""
+    fused tensors themselves.  ``experts_path``: the module's path with '{layer}'; ``layers``: the first one or
+    two layers with experts, read to tell the layer number in the names; ``refuse(why, what)`` makes the exit-2
+    error."""
     from transformers.conversion_mapping import get_model_conversion_mapping
     from transformers.core_model_loading import WeightConverter, WeightRenaming, rename_source_key
 
@@ -77,22 +78,21 @@ def expert_layout(model: nn.Module, ckpt: Checkpoint, experts_path: str, experts
     converters = [c for c in conversions if isinstance(c, WeightConverter)]
     state = model.state_dict()
     found: dict[int, dict[str, list[tuple[str, str | None]]]] = defaultdict(lambda: defaultdict(list))
-    layers = (0, 1) if experts_path.format(layer=1) + ".gate_up_proj" in state else (0,)
     for key in ckpt.weight_map:
         own, pattern = rename_source_key(key, renamings, converters, model.base_model_prefix, state)
         for layer in layers:
             prefix = experts_path.format(layer=layer) + "."
             if own.startswith(prefix) and own[len(prefix):] in FUSED:
                 found[layer][own[len(prefix):]].append((key, pattern))
-    lacking = [name for name in FUSED if not found[0][name]]
+    lacking = [name for layer in layers for name in FUSED if not found[layer][name]]
     if lacking:
-        raise refuse(f"transformers' {type(experts.module).__name__} needs '{experts_path.format(layer=0)}."
+        raise refuse(f"transformers' {type(experts.module).__name__} needs '{experts_path.format(layer=layers[0])}."
                      f"{lacking[0]}' (or the tensors transformers' load-time conversion merges into it), which this "
                      "checkpoint does not hold", "for its names ")
-    per_expert = any(pattern is not None for pattern_keys in found[0].values() for _, pattern in pattern_keys)
+    per_expert = any(pattern is not None for keys in found[layers[0]].values() for _, pattern in keys)
     if per_expert:
-        return _per_expert(found, converters, experts, refuse)
-    return _fused(found, experts, refuse)
+        return _per_expert(found, converters, experts, layers, refuse)
+    return _fused(found, experts, layers, refuse)
 
 
 def _varying(keys: list[str], label: str, refuse: Any) -> int:
@@ -112,16 +112,17 @@ def _with(key: str, index: int, label: str) -> str:
     return ".".join(parts)
 
 
-def _layer_key(stems: dict[int, str], refuse: Any) -> str:
-    """The layer's stem of its expert tensors with '{layer}' where layers 0 and 1 differ (one layer: the first
-    number of the stem, as the dense derivation reads a one-layer model)."""
-    if 1 in stems:
-        return _with(stems[0], _varying([stems[0], stems[1]], "layer", refuse), "layer")
-    first = next(i for i, part in enumerate(stems[0].split(".")) if part.isdigit())
-    return _with(stems[0], first, "layer")
+def _layer_key(stems: dict[int, str], layers: tuple[int, ...], refuse: Any) -> str:
+    """The layer's stem of its expert tensors with '{layer}' where two layers differ (one layer: the number of
+    the stem that is the layer's)."""
+    first = stems[layers[0]]
+    if len(layers) > 1:
+        return _with(first, _varying([first, stems[layers[1]]], "layer", refuse), "layer")
+    return _with(first, first.split(".").index(str(layers[0])), "layer")
 
 
-def _per_expert(found: dict, converters: list, experts: ExpertsModule, refuse: Any) -> tuple[str, Experts]:
+def _per_expert(found: dict, converters: list, experts: ExpertsModule, layers: tuple[int, ...], refuse: Any
+                ) -> tuple[str, Experts]:
     """One tensor per expert and projection, merged by transformers (MergeModulelist, then Concatenate for gate_up
     in the converter's source order: gate first, as the fused module computes ``gate, up = ... .chunk(2)``)."""
     by_pattern = {pattern: converter for converter in converters for pattern in converter.source_patterns}
@@ -150,10 +151,10 @@ def _per_expert(found: dict, converters: list, experts: ExpertsModule, refuse: A
                 role = ("gate", "up")[converter.source_patterns.index(pattern)] if param == "gate_up_proj" else "down"
                 leaves.setdefault(role, ".".join(names[0].split(".")[at + 1:]))
     routes = {role: TensorRoute(role, leaf) for role, leaf in leaves.items()}
-    return _layer_key(stems, refuse), Experts(experts.count, routes["gate"], routes["up"], routes["down"])
+    return _layer_key(stems, layers, refuse), Experts(experts.count, routes["gate"], routes["up"], routes["down"])
 
 
-def _fused(found: dict, experts: ExpertsModule, refuse: Any) -> tuple[str, Experts]:
+def _fused(found: dict, experts: ExpertsModule, layers: tuple[int, ...], refuse: Any) -> tuple[str, Experts]:
     """The fused tensors stored as such (transformers renames them at most): each expert a slice of them, gate
     and up the halves of gate_up's rows, read in nn.Linear's [out, in] (``transposed``: stored [in, out])."""
     if getattr(experts.module, "is_concatenated", True) is not True:
@@ -173,4 +174,4 @@ def _fused(found: dict, experts: ExpertsModule, refuse: Any) -> tuple[str, Exper
     halves = TensorRoute("gate", gate_up, chunk=(0, 2)), TensorRoute("up", gate_up, chunk=(1, 2))
     layout = Experts(experts.count, *halves, TensorRoute("down", down), stacked=(gate_up, down),
                      transposed=experts.transposed)
-    return _layer_key(stems, refuse), layout
+    return _layer_key(stems, layers, refuse), layout

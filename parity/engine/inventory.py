@@ -22,10 +22,11 @@ def ffn_keys(session: Any) -> set[str]:
     """Every layer's FFN tensor keys (the mapping's routes under each key prefix): those are judged as
     functions, not inventoried."""
     mapping = session.mapping
-    sources = {r.source for r in [*session.reader.reference_routes(0), *mapping.tensors] if r.reads}
+    sources = {r.source for r in [*session.reader.reference_routes(mapping.first_layer), *mapping.tensors] if r.reads}
     experts = range(session.num_experts) if session.num_experts is not None else [None]
-    return {f"{p}{mapping.layer_prefix(layer, expert)}.{source}" for layer in range(session.num_layers)
-            for expert in experts for p in mapping.key_prefixes for source in sources}
+    keys = {f"{p}{mapping.layer_prefix(layer, expert)}.{source}" for layer in range(session.num_layers)
+            if mapping.serves(layer) for expert in experts for p in mapping.key_prefixes for source in sources}
+    return keys.union(*(ffn_keys(part) for part in getattr(session, "parts", ())))
 
 
 def headers(checkpoint: Any, names: list[str]) -> dict[str, tuple[list[int], str]] | None:

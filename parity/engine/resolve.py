@@ -195,7 +195,8 @@ def check_sizes(mapping: Mapping, ckpt: Checkpoint, config: Any) -> None:
     last expert's) tensors must exist, and the inputs' width must be the one transformers' MLP takes.  A
     million layers claimed over three layers of weights is refused here, before anything is built or iterated."""
     count = _mapping_int(mapping, config, mapping.num_layers, "num_layers", MAX_WIDTH)
-    if not _holds(mapping, ckpt, count - 1, 0):
+    last = max((i for i in mapping.layers or () if i < count), default=count - 1)  # the last it serves
+    if not _holds(mapping, ckpt, last, 0):
         held = layers_held(mapping, ckpt.weight_map)
         raise _size_error(mapping, mapping.num_layers, "num_layers", count,
                           f"the checkpoint holds no tensor of layer {count - 1} (none under "
@@ -203,9 +204,10 @@ def check_sizes(mapping: Mapping, ckpt: Checkpoint, config: Any) -> None:
                           f"{'0-' + str(held - 1) if held else '(none under this mapping)'}")
     if mapping.experts is not None:
         experts = _mapping_int(mapping, config, mapping.experts.count, "experts.count", MAX_EXPERTS)
-        if "{expert}" in mapping.layer_key and not _holds(mapping, ckpt, 0, experts - 1):
+        first = mapping.first_layer
+        if "{expert}" in mapping.layer_key and not _holds(mapping, ckpt, first, experts - 1):
             raise _size_error(mapping, mapping.experts.count, "experts.count", experts,
-                              f"the checkpoint holds no tensor of layer 0's expert {experts - 1}")
+                              f"the checkpoint holds no tensor of layer {first}'s expert {experts - 1}")
     width = _mapping_int(mapping, config, mapping.hidden_size, "hidden_size", MAX_WIDTH)
     stated = getattr(config, "hidden_size", None)
     if isinstance(stated, int) and not isinstance(stated, bool) and stated != width:

@@ -40,6 +40,7 @@ class LayerResult:
     deterministic: bool = True
     diagnosis: Diagnosis | None = None  # the known mistake that explains a failing layer, with its evidence
     expert: int | None = None  # MoE: which expert of the layer; null for dense models
+    unit: str | None = None  # a unit of the layer that is neither the layer's FFN nor a routed expert: its name
     weights: WeightsKind = "real"  # where this layer's weights came from
     fingerprint: str | None = None  # hash of the layer's stored FFN tensors (names, dtypes, shapes, bytes)
     unverifiable: str | None = None  # why this comparison could not tell right from wrong (then passed is false)
@@ -164,6 +165,18 @@ _RENDERERS: dict[str, Callable[[Report], str]] = {}
 def register_renderers(**renderers: Callable[[Report], str]) -> None:
     """``text=`` and ``html=`` render a Report for ``str(report)`` and notebooks' ``_repr_html_``."""
     _RENDERERS.update(renderers)
+
+
+def within_layer(result: LayerResult) -> str | None:
+    """Which unit of its layer a result is: 'e1' for routed expert 1, a named unit ('shared_expert'), or None for
+    the layer's one FFN."""
+    return f"e{result.expert}" if result.expert is not None else result.unit
+
+
+def units_noun(results: list[LayerResult]) -> str:
+    """'layer', 'expert', or 'unit' where a report holds both (dense layers before MoE ones, shared experts)."""
+    kinds = {"expert" if r.expert is not None else "layer" if r.unit is None else "unit" for r in results}
+    return kinds.pop() if len(kinds) == 1 else "unit"
 
 
 def layer_status(result: LayerResult) -> str:

@@ -9,6 +9,7 @@ MLP and the target from them (``reference.py``, ``build.py``, ``fill.py``), make
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import gc
 import math
 from collections.abc import Callable, Iterable
@@ -52,7 +53,8 @@ class Session:
     """Everything resolved once for a run; ``run_layer`` then works on one layer at a time."""
 
     def __init__(self, resolved: Resolved, target: str | Any | None = None, seed: int = 0, atol: float | None = None,
-                 diagnose: bool = True, device: str = "cpu", dtype: str = "float32"):
+                 diagnose: bool = True, device: str = "cpu", dtype: str = "float32",
+                 reference: ReferenceModel | None = None):
         self.resolved = resolved
         # where and in what the target computes; the truth stays transformers' MLP in float64 on the CPU
         self.device_name, self.dtype_name = check_compute(device, dtype)
@@ -70,16 +72,19 @@ class Session:
         self.diagnose = diagnose
         self.target_notes: list[str] = []  # what loading the target had to work around, once each
         self.framework = None  # the target's framework when not PyTorch (parity.targets), once built
-        self.reference = ReferenceModel(self.config)
+        self.reference = reference or ReferenceModel(self.config)
         self.num_layers = self.config_int(self.mapping.num_layers, "num_layers")
         self.hidden_size = self.config_int(self.mapping.hidden_size, "hidden_size")
         experts = self.mapping.experts
         self.num_experts = None if experts is None else self.config_int(experts.count, "experts.count")
         self.reader = LayerReader(self.mapping, self.checkpoint, self.reference, self.num_experts)
         if experts is None:  # a [reference.tensors] name the MLP lacks would silently route nothing
-            names = self.reference.tensor_shapes(self.mapping.reference_path(0))
+            names = self.reference.tensor_shapes(self.mapping.reference_path(self.mapping.first_layer))
             check_reference_routes(self.mapping, names)
             check_reference_roles(self.mapping, names, builtin_mappings().values())  # nor may a mapping bend it
+        # the checkpoint's further layouts (dense layers before MoE ones, shared experts): each its own units
+        self.parts = [Session(dataclasses.replace(resolved, mapping=part), target, seed, atol, diagnose, device, dtype,
+                              self.reference) for part in self.mapping.parts]
 
     def config_int(self, size: Any, key: str) -> int:
         """A mapping size (num_layers, hidden_size, experts.count) read from the config: a config.json may hold
@@ -246,7 +251,7 @@ class Session:
     def report(self) -> Report:
         import transformers
 
-        probe = self.reference.meta_module(self.mapping.reference_path(0))
+        probe = self.reference.meta_module(self.mapping.reference_path(self.mapping.first_layer))
         return Report(
             model=self.resolved.model,
             checkpoint=self.checkpoint.location,
@@ -262,7 +267,7 @@ class Session:
             device=str(self.device),
             dtype=self.dtype_name,
             atol=self.atol,
-            reference_routes=reference_routes(self.reader.reference_routes(0)),
+            reference_routes=reference_routes(self.reader.reference_routes(self.mapping.first_layer)),
         )
 
     def describe_framework(self, report: Report) -> None:
@@ -289,7 +294,7 @@ class Session:
         Random weights are the same kind of tensor at every depth; writing gigabytes of them
         proves nothing more than three layers do.
         """
-        shapes = self.reference.tensor_shapes(self.mapping.reference_path(0)).values()
+        shapes = self.reference.tensor_shapes(self.mapping.reference_path(self.mapping.first_layer)).values()
         layer_bytes = sum(math.prod(shape) for shape in shapes) * 2
         if layer_bytes * self.num_layers <= SYNTHETIC_BUDGET_BYTES:
             return None
@@ -306,6 +311,12 @@ class Session:
                                       "(no experts)")
             return [None]
         return parse_selection(selection, self.num_experts, "expert")
+
+    def units(self, layer: int, experts: Selection = None) -> list[tuple[Session, int | None]]:
+        """What is checked of a layer, in order: each layout serving it (this one, then its parts) as a unit, or
+        each selected expert of one with experts (``--experts`` selects among routed experts only)."""
+        return [(session, expert) for session in (self, *self.parts) if session.mapping.serves(layer)
+                for expert in session.expert_indices(experts if session.num_experts is not None else None)]
 
     def target_name(self) -> str:
         return target_label(self.target_spec if self.target_spec is not None else self.mapping.target_class)
@@ -352,14 +363,15 @@ def run_session(session: Session, layers: Selection = None,
     report = session.report()
     if layers is None and session.checkpoint.weights == "synthetic":
         layers = session.synthetic_layers(report.notes)
-    selected_experts = session.expert_indices(experts)
+    session.expert_indices(experts)  # a selection of experts a dense model lacks: refused before any layer runs
     with young_objects_only():  # the per-layer gc.collect() then costs milliseconds, not 0.5 s
         for layer in parse_selection(layers, session.num_layers):
-            for expert in selected_experts:
-                result, report.target = session.run_layer(layer, expert)
+            for unit, expert in session.units(layer, experts):
+                result, report.target = unit.run_layer(layer, expert)
+                result.unit = unit.mapping.unit
                 report.routes = session.routes.describe()
-                session.describe_framework(report)
-                report.notes.extend(n for n in session.target_notes if n not in report.notes)
+                unit.describe_framework(report)
+                report.notes.extend(n for n in unit.target_notes if n not in report.notes)
                 report.layers.append(result)
                 if on_layer is not None:
                     on_layer(report, result)

@@ -130,6 +130,7 @@ def legacy_key(report: Report, layer: LayerResult, roots: Sequence[Path] | None 
 
 def _key_tail(report: Report, layer: LayerResult) -> str:
     tail = "" if layer.expert is None else f" | expert {layer.expert:04d}"
+    tail += "" if layer.unit is None else f" | {layer.unit}"
     if getattr(report, "dtype", "float32") != "float32" or getattr(report, "device", "cpu") != "cpu":
         tail += f" | {report.dtype} on {report.device}"  # a bf16 run's deviations are not a float32 run's
     return tail

@@ -4,9 +4,9 @@ and the summary line.  A check's table (``text.py``) has no column for the conve
 
 from __future__ import annotations
 
-from parity.engine.results import LayerResult, Report, register_renderers
+from parity.engine.results import LayerResult, Report, register_renderers, units_noun
 from parity.outputs.baseline import compared_sides
-from parity.outputs.text import SYNTHETIC_WARNING, TextWriter, unit_label, units_label
+from parity.outputs.text import SYNTHETIC_WARNING, TextWriter, unit_cell, unit_label, units_label
 
 HEADER = (f"{'layer':>5}  {'max|Δ|':>9}  {'rel':>9}  {'noise':>9}  {'conv Δ':>9}  {'tol':>9}  {'×noise':>8}  "
           f"{'×conv':>6}  {'stored as':<22}  verdict")
@@ -19,11 +19,11 @@ def _sci(value: float | None) -> str:
 
 def experts_of(report: Report) -> bool:
     """Whether the report's units are experts (a mixture of experts: each (layer, expert) judged on its own)."""
-    return bool(report.layers) and report.layers[0].expert is not None
+    return bool(report.layers) and units_noun(report.layers[:1]) != "layer"
 
 
 def unit_noun(report: Report) -> str:
-    return "expert(s)" if experts_of(report) else "layer(s)"
+    return f"{units_noun(report.layers)}(s)"
 
 
 def header_lines(report: Report) -> list[str]:
@@ -64,7 +64,7 @@ def layer_line(result: LayerResult) -> str:
     if result.regressed:
         verdict += f" (baseline: {result.baseline['message']})"
     stored = str(conv.get("kind", "-")).removeprefix("quantized ").removeprefix("cast ")
-    cell = f"{result.layer:>5}" if result.expert is None else f"{result.layer:>5}  {result.expert:>6}"
+    cell = unit_cell(result)
     return (f"{cell}  {_sci(result.max_abs_diff):>9}  {_sci(result.max_rel_diff):>9}  "
             f"{_sci(result.noise_floor):>9}  {_sci(conv.get('conversion_deviation')):>9}  "
             f"{_sci(result.tolerance):>9}  {ratio:>8}  {'-' if to_conv is None else f'{to_conv:.2f}':>6}  "
@@ -82,7 +82,7 @@ def diagnosis_lines(report: Report) -> list[str]:
         seen.add((d.id, d.message))
         lines.append(f"diagnosis {d.id} ({_unit(result)}): {d.message}")
         if d.distance is not None and d.reference_distance is not None:
-            unit = "layer" if result.expert is None else "expert"
+            unit = units_noun([result])
             lines.append(f"  evidence: B's {unit} is {d.distance:.2e} from A's replayed with this mistake and "
                          f"{d.reference_distance:.2e} from A's (tolerance {_sci(result.tolerance)})")
         others = sorted((c for c in d.candidates if c.id != d.id), key=lambda c: c.distance)[:3]
@@ -94,7 +94,7 @@ def diagnosis_lines(report: Report) -> list[str]:
 
 def _unit(result: LayerResult) -> str:
     """'layer 3', or 'expert 3/e1' (expert 1 of layer 3, as a check's text labels it)."""
-    return f"{'layer' if result.expert is None else 'expert'} {unit_label(result)}"
+    return f"{units_noun([result])} {unit_label(result)}"
 
 
 def inventory_lines(report: Report) -> list[str]:

@@ -30,7 +30,7 @@ from pathlib import Path
 from parity import __version__
 from parity.definitions.families import TANH_GELUS
 from parity.definitions.mapping import route_arrows
-from parity.engine.results import Diagnosis, LayerResult, Report, layer_status
+from parity.engine.results import Diagnosis, LayerResult, Report, layer_status, units_noun
 from parity.outputs.atomic import write_output
 from parity.outputs.text import condition, framework_label, reference_filled, summary_line, unit_label
 
@@ -191,7 +191,7 @@ def layer_chart(report: Report) -> str:
     for values, colour, style, _ in lines:
         style = f'stroke="{COLOURS[colour]}" stroke-width="2.5"{style}'
         parts.append(step_line(values, axis, left, band, colour, style))
-    expert = bool(layers) and layers[0].expert is not None
+    expert = bool(layers) and units_noun(layers[:1]) != "layer"
     step = max(1, math.ceil(len(layers) / (16 if expert else 24)))
     for index, result in enumerate(layers):
         x = left + (index + 0.5) * band
@@ -483,7 +483,7 @@ def context_block(report: Report) -> str:
 
 
 def layer_table(report: Report) -> str:
-    expert = bool(report.layers) and report.layers[0].expert is not None
+    expert = bool(report.layers) and units_noun(report.layers[:1]) != "layer"
     own = any(getattr(r, "ratio_to_reference_error", None) is not None for r in report.layers)
     head = ["layer", *(["expert"] if expert else []), "max|Δ|", "rel", "noise floor", "tolerance", "×noise",
             *(["ref. error", "×ref. error"] if own else []), "z range", "verdict"]
@@ -501,7 +501,8 @@ def layer_table(report: Report) -> str:
         ratio = "-" if r.ratio_to_noise is None else f"{r.ratio_to_noise:.1f}"
         mine = getattr(r, "ratio_to_reference_error", None)
         low = [sci(getattr(r, "reference_error", None)), "-" if mine is None else f"{mine:.2f}"] if own else []
-        cells = [r.layer, *([r.expert] if expert else []), sci(r.max_abs_diff), sci(r.max_rel_diff),
+        within = r.expert if r.expert is not None else r.unit or "-"
+        cells = [r.layer, *([within] if expert else []), sci(r.max_abs_diff), sci(r.max_rel_diff),
                  sci(r.noise_floor), sci(r.tolerance), ratio, *low, z]
         rows.append(f'<tr class="{status}">' + "".join(f'<td class="num">{esc(c)}</td>' for c in cells)
                     + f'<td class="verdict">{esc(verdict)}</td></tr>')

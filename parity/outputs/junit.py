@@ -20,6 +20,7 @@ def case_name(layer: LayerResult) -> str:
     weights."""
     name = f"layer {layer.layer}"
     name = name if layer.expert is None else f"{name} expert {layer.expert}"
+    name = name if layer.unit is None else f"{name} {layer.unit}"
     return f"{name} (synthetic weights)" if layer.weights == "synthetic" else name
 
 

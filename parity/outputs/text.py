@@ -11,7 +11,7 @@ from collections.abc import Callable
 
 from parity.definitions.mapping import route_arrows
 from parity.definitions.mistakes import MistakeId
-from parity.engine.results import LayerResult, Report
+from parity.engine.results import LayerResult, Report, units_noun, within_layer
 
 GELU_VARIANTS = (MistakeId.GELU_EXACT_INSTEAD_OF_TANH, MistakeId.GELU_TANH_INSTEAD_OF_EXACT)
 # found from the runs and the shapes, not by a replay: as visible at a low precision as in float32
@@ -34,8 +34,9 @@ LOW_COLUMNS = (f"{'noise':>9}  {'tol':>9}  {'×noise':>7}", f"{'ref err':>9}  {'
 
 
 def table_header(result: LayerResult | None, low_precision: bool = False) -> str:
-    """The column header for a table whose rows look like ``result`` (an expert column for MoE)."""
-    header = HEADER if result is None or result.expert is None else EXPERT_HEADER
+    """The column header for a table whose rows look like ``result`` (an expert column for MoE, where a layer
+    has several units)."""
+    header = HEADER if result is None or units_noun([result]) == "layer" else EXPERT_HEADER
     return header.replace(*LOW_COLUMNS) if low_precision else header
 
 
@@ -96,15 +97,23 @@ def layer_line(result: LayerResult) -> str:
         verdict += f" (baseline: {result.baseline['message']})"
     if result.diagnosis:
         verdict += f" — {result.diagnosis.id}"
-    cell = f"{result.layer:>5}" if result.expert is None else f"{result.layer:>5}  {result.expert:>6}"
+    cell = unit_cell(result)
     return (f"{cell}  {_sci(result.max_abs_diff):>9}  {_sci(result.max_rel_diff):>9}  "
             f"{_sci(result.mean_abs_diff):>9}  {_sci(noise):>9}  {_sci(result.tolerance):>9}  "
             f"{ratio:>7}  {zrange:>15}  {verdict}")
 
 
 def unit_label(result: LayerResult) -> str:
-    """'3' for a layer, '3/e1' for expert 1 of layer 3."""
-    return str(result.layer) if result.expert is None else f"{result.layer}/e{result.expert}"
+    """'3' for a layer, '3/e1' for expert 1 of layer 3, '3/shared_expert' for a named unit of it."""
+    part = within_layer(result)
+    return str(result.layer) if part is None else f"{result.layer}/{part}"
+
+
+def unit_cell(result: LayerResult) -> str:
+    """The layer (and expert) columns of a row; a named unit in the expert column."""
+    if result.expert is None and result.unit is None:
+        return f"{result.layer:>5}"
+    return f"{result.layer:>5}  {result.expert if result.expert is not None else result.unit:>6}"
 
 
 def diagnosis_lines(report: Report) -> list[str]:
@@ -163,7 +172,7 @@ def separability_lines(report: Report) -> list[str]:
 
 def units_label(results: list[LayerResult]) -> str:
     """'layer 3', 'layers 0, 1', 'experts 1/e2, 1/e5' (named: a bare '1' reads as a count)."""
-    noun = "expert" if results and results[0].expert is not None else "layer"
+    noun = units_noun(results)
     labels = ", ".join(unit_label(r) for r in results[:12]) + (" ..." if len(results) > 12 else "")
     return f"{noun}{'s' if len(results) > 1 else ''} {labels}"
 
@@ -181,7 +190,7 @@ def summary_line(report: Report) -> str:
     """The one line CI logs show (also with --quiet): the verdict, and what it rests on."""
     if not report.layers:
         return "ERROR: no layer was checked: nothing was compared, so this is not a pass."
-    unit = "expert(s)" if report.layers[0].expert is not None else "layer(s)"
+    unit = f"{units_noun(report.layers)}(s)"
     failed = [r for r in report.layers if not r.passed and r.unverifiable is None]
     unverifiable = report.unverifiable
     regressed = report.regressed
