@@ -31,6 +31,7 @@ class TensorRoute:
     chunk: tuple[int, int] | None = None  # (index, count) along dim 0, for fused tensors
     optional: bool = False  # skipped when the target has no such parameter (e.g. biases off)
     zeros: bool = False  # `param = { zeros = true }`: no checkpoint tensor; parity fills zeros and says so
+    interleaved: bool = False  # the chunk is every count-th row from index (GPT-OSS's gate/up), not a block
 
     @property
     def reads(self) -> bool:
@@ -102,6 +103,12 @@ class Experts:
     down: TensorRoute
     stacked: tuple[str, ...] = ()
     transposed: bool = False
+    biases: tuple[TensorRoute, ...] = ()  # gate_bias, up_bias, down_bias: each expert's biases, where it has them
+
+    @property
+    def routes(self) -> list[TensorRoute]:
+        """What one expert reads: its gate, up and down projections, then its biases."""
+        return [self.gate, self.up, self.down, *self.biases]
 
 
 def route_spelling(route: TensorRoute) -> str | dict[str, Any]:
@@ -114,6 +121,8 @@ def route_spelling(route: TensorRoute) -> str | dict[str, Any]:
         spelled["transform"] = route.transform
     if route.chunk is not None:
         spelled["chunk"] = list(route.chunk)
+    if route.interleaved:
+        spelled["interleaved"] = True
     if route.optional:
         spelled["optional"] = True
     return route.source if len(spelled) == 1 else spelled
@@ -130,6 +139,7 @@ def route_arrows(tensors: dict[str, Any]) -> str:
             parts.append(f"{target} ← zeros")
         elif not spelled.get("optional"):
             chunk = f"[chunk {spelled['chunk'][0]}/{spelled['chunk'][1]}]" if spelled.get("chunk") else ""
+            chunk = f"[rows {spelled['chunk'][0]}::{spelled['chunk'][1]}]" if spelled.get("interleaved") else chunk
             flip = ".T" if spelled.get("transform") == "transpose" else ""
             parts.append(f"{target} ← {spelled['from']}{chunk}{flip}")
     return ", ".join(parts)

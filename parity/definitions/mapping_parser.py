@@ -24,11 +24,11 @@ _REFERENCE_KEYS = {"module", "tensors"}
 
 _TARGET_KEYS = {"class", "args"}
 
-_TENSOR_KEYS = {"from", "transform", "chunk", "optional"}
+_TENSOR_KEYS = {"from", "transform", "chunk", "interleaved", "optional"}
 
 _SYNTHETIC_KEYS = {"config"}
 
-_EXPERT_KEYS = {"count", "stacked", "transposed", "gate", "up", "down"}
+_EXPERT_KEYS = {"count", "stacked", "transposed", "gate", "up", "down", "gate_bias", "up_bias", "down_bias"}
 
 
 def _fail(path: Path, key: str, what: str) -> MappingError:
@@ -82,7 +82,11 @@ def _parse_route(path: Path, target: str, spelled: Any, table: str = "tensors") 
     optional = spelled.get("optional", False)
     if not isinstance(optional, bool):
         raise _fail(path, where + ".optional", "expected true or false")
-    return TensorRoute(target, source, transform, chunk, optional)
+    interleaved = spelled.get("interleaved", False)
+    if not isinstance(interleaved, bool) or interleaved and chunk is None:
+        raise _fail(path, where + ".interleaved", "expected true or false, and true only with a chunk (rows index, "
+                                                  "index + count, ... instead of one block)")
+    return TensorRoute(target, source, transform, chunk, optional, interleaved=interleaved)
 
 
 def _check_template(path: Path, key: str, template: str, placeholders: tuple[str, ...] = ("layer",)) -> None:
@@ -234,7 +238,9 @@ def _parse_experts(path: Path, table: Any) -> Experts:
     if not isinstance(transposed, bool) or transposed and not stacked:
         raise _fail(path, "experts.transposed", "expected true or false, and true only with 'stacked' tensors (each "
                                                 "expert's slice stored [in, out])")
-    return Experts(table["count"], routes["gate"], routes["up"], routes["down"], tuple(stacked), transposed)
+    biases = tuple(_parse_route(path, role, table[role], "experts") for role in ("gate_bias", "up_bias", "down_bias")
+                   if role in table)
+    return Experts(table["count"], routes["gate"], routes["up"], routes["down"], tuple(stacked), transposed, biases)
 
 
 def load_mapping(path: str | Path) -> Mapping:

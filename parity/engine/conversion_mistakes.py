@@ -36,16 +36,37 @@ def _swap(t: dict, a: str, b: str) -> dict:
     return out
 
 
+def _refused_layout(t: dict, pairs: list[tuple[str, str]], interleaved: bool) -> dict:
+    """Each (gate, up) pair fused in one layout and read back in the other: written as halves and read as
+    alternate rows (``interleaved``), or written interleaved and read as halves."""
+    out = dict(t)
+    for gate, up in pairs:
+        if gate in t and up in t and t[gate].shape == t[up].shape:
+            if interleaved:
+                fused = torch.cat([t[gate], t[up]])
+                out[gate], out[up] = fused[0::2], fused[1::2]
+            else:
+                fused = torch.stack([t[gate], t[up]], dim=1).flatten(0, 1)
+                out[gate], out[up] = fused.chunk(2)
+    return out
+
+
 def hypotheses(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor], storage: dict[str, conversion.Storage],
                differing: list[str]) -> list[Hypothesis]:
     """The conversion mistakes that could turn A's tensors into B's: one set per tensor that differs beyond
-    what its conversion allows, plus gate and up exchanged."""
+    what its conversion allows, plus gate and up exchanged, and fused in the other layout."""
     found = []
     for gate, up in (("gate_proj", "up_proj"), ("gate", "up")):
         names = {f"{gate}.weight", f"{up}.weight"} if gate.endswith("_proj") else {gate, up}
         if names <= set(a) and names & set(differing):
             found.append(Hypothesis(MistakeId.GATE_UP_EXCHANGED, f"B's {gate} is A's {up} and the reverse",
                                     lambda t, gate=gate, up=up: _swap(t, gate, up)))
+            weights = (f"{gate}.weight", f"{up}.weight") if gate.endswith("_proj") else (gate, up)
+            pairs = [weights, (f"{gate}_bias", f"{up}_bias"), (f"{gate}.bias", f"{up}.bias")]
+            for interleaved, how in ((True, "[gate; up] halves read as alternate rows"),
+                                     (False, "alternate rows read as [gate; up] halves")):
+                found.append(Hypothesis(MistakeId.GATE_UP_REORDERED, f"B's {gate} and {up}: {how}",
+                                        lambda t, pairs=pairs, i=interleaved: _refused_layout(t, pairs, i)))
     for name in differing:
         found.extend(tensor_hypotheses(name, a[name], b[name], storage[name]))
     return found

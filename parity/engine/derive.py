@@ -459,18 +459,16 @@ def experts_mappings(decoder: Decoder, moe: list[int]) -> list[Mapping]:
     layer_key, experts = expert_layout(decoder.model, decoder.ckpt, module_path, first, tuple(moe[:2]),
                                        lambda why, what="": refused(decoder.model_type, why, what))
     shown_class = type(first.module).__name__
-    act = activation_of(first.module)
-    target = GATED.get(act) or refusing_target(shown_class, f"its experts are gated FFNs running "
-                                               f"{activation_label(first.module)}, and parity.ffn's gated modules run "
-                                               "SiLU (SwiGLU) or tanh GELU (GeGLU)")
-    tensors = [TensorRoute(f"{ROLE_TARGETS[role]}.weight", route.source, chunk=route.chunk)
-               for role, route in (("gate", experts.gate), ("up", experts.up), ("down", experts.down))]
+    target = GATED.get(activation_of(first.module)) or refusing_target(shown_class, experts_gap(first))
+    tensors = [dataclasses.replace(route, target=f"{ROLE_TARGETS[role.removesuffix('_bias')]}."
+                                                 f"{'bias' if role.endswith('_bias') else 'weight'}")
+               for role, route in ((r.target, r) for r in experts.routes)]
     name = f"derived from transformers {transformers.__version__} {shown_class} at {module_path}"
     where = "" if decoder.layers_note(moe) is None else f" (layers {spans(moe)})"
     routed = Mapping(
         name=name, path=Path(name), model_types=[decoder.model_type], layer_key=layer_key,
         reference_module=module_path, target_class=target, tensors=tensors, num_layers=len(decoder.layers),
-        target_args={"emb_size": decoder.d, "hidden_dim": first.width, "bias": False, "dropout": 0.0},
+        target_args={"emb_size": decoder.d, "hidden_dim": first.width, "bias": first.biased, "dropout": 0.0},
         hidden_size=decoder.d, experts=experts, derived=True, layers=decoder.layers_note(moe),
         description=f"{decoder.model_type}: {first.count} experts per layer{where}, layout derived from "
                     f"transformers' {shown_class}")
@@ -480,6 +478,16 @@ def experts_mappings(decoder: Decoder, moe: list[int]) -> list[Mapping]:
     layers = [decoder.layers[i] for i in moe]
     ffn = uniform_ffn(layers, moe, decoder.d, decoder.model_type, find=lambda layer, d: ffn_at(layer, shared, d))
     return [routed, dense_mapping(decoder, moe, ffn, unit=shared.rsplit(".", 1)[-1])]
+
+
+def experts_gap(experts: ExpertsModule) -> str:
+    """What parity.ffn's gated modules lack to express these experts."""
+    if activation_module(experts.module) is None:
+        return ("its experts compute their gated activation in their own code (no activation module: "
+                f"{', '.join(n for n in ('alpha', 'limit') if hasattr(experts.module, n)) or 'its own formula'}), "
+                "and parity.ffn's gated modules run SiLU (SwiGLU) or tanh GELU (GeGLU) on the gate alone")
+    return (f"its experts are gated FFNs running {activation_label(experts.module)}, and parity.ffn's gated modules "
+            "run SiLU (SwiGLU) or tanh GELU (GeGLU)")
 
 
 def shared_path(layer: nn.Module, experts: ExpertsModule, d: int) -> str | None:

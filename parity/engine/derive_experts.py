@@ -25,6 +25,7 @@ from parity.definitions.mapping import Experts, TensorRoute
 from parity.sources.checkpoint import Checkpoint
 
 FUSED = ("gate_up_proj", "down_proj")  # transformers 5's fused experts module: its two stacked parameters
+BIASES = ("gate_up_proj_bias", "down_proj_bias")  # and their biases, where it has them (GPT-OSS)
 
 
 @dataclass(frozen=True)
@@ -36,6 +37,15 @@ class ExpertsModule:
     count: int
     width: int  # one expert's d_ff
     transposed: bool  # stored [E, in, out] (x @ W), not nn.Linear's [E, out, in]
+
+    @property
+    def interleaved(self) -> bool:
+        """gate and up alternate along gate_up_proj's output rows (transformers' decorator: is_concatenated)."""
+        return getattr(self.module, "is_concatenated", True) is False
+
+    @property
+    def biased(self) -> bool:
+        return isinstance(getattr(self.module, "gate_up_proj_bias", None), nn.Parameter)
 
 
 def experts_transposed(module: nn.Module, d: int) -> bool | None:
@@ -82,7 +92,7 @@ def expert_layout(model: nn.Module, ckpt: Checkpoint, experts_path: str, experts
         own, pattern = rename_source_key(key, renamings, converters, model.base_model_prefix, state)
         for layer in layers:
             prefix = experts_path.format(layer=layer) + "."
-            if own.startswith(prefix) and own[len(prefix):] in FUSED:
+            if own.startswith(prefix) and own[len(prefix):] in FUSED + BIASES:
                 found[layer][own[len(prefix):]].append((key, pattern))
     lacking = [name for layer in layers for name in FUSED if not found[layer][name]]
     if lacking:
@@ -90,6 +100,9 @@ def expert_layout(model: nn.Module, ckpt: Checkpoint, experts_path: str, experts
                      f"{lacking[0]}' (or the tensors transformers' load-time conversion merges into it), which this "
                      "checkpoint does not hold", "for its names ")
     per_expert = any(pattern is not None for keys in found[layers[0]].values() for _, pattern in keys)
+    if per_expert and any(found[layers[0]][name] for name in BIASES):
+        raise refuse(f"transformers' {type(experts.module).__name__} has biased experts that this checkpoint keeps "
+                     "per expert, and reading per-expert biases is not built yet", "with an [experts] table ")
     if per_expert:
         return _per_expert(found, converters, experts, layers, refuse)
     return _fused(found, experts, layers, refuse)
@@ -157,9 +170,6 @@ def _per_expert(found: dict, converters: list, experts: ExpertsModule, layers: t
 def _fused(found: dict, experts: ExpertsModule, layers: tuple[int, ...], refuse: Any) -> tuple[str, Experts]:
     """The fused tensors stored as such (transformers renames them at most): each expert a slice of them, gate
     and up the halves of gate_up's rows, read in nn.Linear's [out, in] (``transposed``: stored [in, out])."""
-    if getattr(experts.module, "is_concatenated", True) is not True:
-        raise refuse(f"transformers' {type(experts.module).__name__} interleaves gate and up in gate_up_proj, and "
-                     "reading interleaved experts is not built yet", "with an [experts] table ")
     stems, leaves = {}, {}
     for layer, params in found.items():
         keys = [keys[0][0] for keys in params.values()]
@@ -171,7 +181,21 @@ def _fused(found: dict, experts: ExpertsModule, layers: tuple[int, ...], refuse:
         for param, keys in params.items():
             leaves.setdefault(param, keys[0][0][len(stems[layer]) + 1:])
     gate_up, down = leaves["gate_up_proj"], leaves["down_proj"]
-    halves = TensorRoute("gate", gate_up, chunk=(0, 2)), TensorRoute("up", gate_up, chunk=(1, 2))
-    layout = Experts(experts.count, *halves, TensorRoute("down", down), stacked=(gate_up, down),
-                     transposed=experts.transposed)
+    biases = ()
+    if experts.biased:
+        missing = [name for name in BIASES if name not in leaves]
+        if missing:
+            raise refuse(f"transformers' {type(experts.module).__name__} needs '{missing[0]}', which this checkpoint "
+                         "does not hold beside its experts", "for its names ")
+        biases = (*gate_and_up(leaves["gate_up_proj_bias"], experts, "_bias"),
+                  TensorRoute("down_bias", leaves["down_proj_bias"]))
+    layout = Experts(experts.count, *gate_and_up(gate_up, experts), TensorRoute("down", down),
+                     stacked=tuple(leaves.values()), transposed=experts.transposed, biases=biases)
     return _layer_key(stems, layers, refuse), layout
+
+
+def gate_and_up(fused: str, experts: ExpertsModule, suffix: str = "") -> tuple[TensorRoute, TensorRoute]:
+    """The gate and up routes out of one fused tensor: its halves, or its alternate rows where transformers'
+    module interleaves them (``is_concatenated`` False: gate = rows 0::2, up = rows 1::2)."""
+    return tuple(TensorRoute(role + suffix, fused, chunk=(i, 2), interleaved=experts.interleaved)
+                 for i, role in enumerate(("gate", "up")))

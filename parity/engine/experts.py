@@ -27,7 +27,8 @@ class ExpertReference(nn.Module):
     def __init__(self, experts: nn.Module):
         super().__init__()
         self.experts = experts
-        self.act_fn = experts.act_fn  # the activation, where parity's pre-activation probe looks for it
+        # the activation, where parity's pre-activation probe looks for it (GPT-OSS's experts compute their own)
+        self.act_fn = getattr(experts, "act_fn", None)
         # Llama 4's experts take the tokens already sorted by expert (and scaled); the others take the choice
         self.routed = len(inspect.signature(experts.forward).parameters) > 1
 
@@ -52,25 +53,37 @@ def _one_expert_config(config: Any, count: int) -> Any:
     return single
 
 
-def expert_reference(meta_experts: nn.Module, config: Any, gate: torch.Tensor, up: torch.Tensor,
-                     down: torch.Tensor, where: str) -> nn.Module:
-    """transformers' experts module holding one expert's weights ([out, in] each), in eval mode."""
+def expert_reference(meta_experts: nn.Module, config: Any, routed: dict[str, torch.Tensor], where: str) -> nn.Module:
+    """transformers' experts module holding one expert's weights, in eval mode.  ``routed``: the expert's gate, up
+    and down ([out, in] each) and, where the module has them, gate_bias, up_bias and down_bias; they are put back
+    into the module's own layout as transformers' decorator describes it (gate and up concatenated or interleaved,
+    each matrix [out, in] or transposed)."""
     from parity.engine.derive_experts import experts_transposed
 
     if not hasattr(meta_experts, "gate_up_proj") or not hasattr(meta_experts, "down_proj"):
         raise MappingError(f"reference.module '{where}' is {type(meta_experts).__name__}, not a fused experts module "
                            "with gate_up_proj / down_proj (mapping key 'reference.module')")
-    if getattr(meta_experts, "has_bias", False) or not getattr(meta_experts, "is_concatenated", True):
-        raise MappingError(f"{type(meta_experts).__name__} stores biased or interleaved experts; parity checks "
-                           "concatenated [gate; up] experts without biases (Mixtral, Qwen-MoE style)")
-    transposed = experts_transposed(meta_experts, gate.shape[1])
+    biased = hasattr(meta_experts, "gate_up_proj_bias")
+    if biased and not {"gate_bias", "up_bias", "down_bias"} <= set(routed):
+        raise MappingError(f"{type(meta_experts).__name__} holds biases (gate_up_proj_bias, down_proj_bias): the "
+                           "mapping's [experts] must route gate_bias, up_bias and down_bias")
+    transposed = experts_transposed(meta_experts, routed["gate"].shape[1])
     with torch.device("meta"):
         module = type(meta_experts)(_one_expert_config(config, meta_experts.down_proj.shape[0]))
-    gate_up, down_proj = torch.cat([gate, up], dim=0), down
+    interleaved = getattr(meta_experts, "is_concatenated", True) is False
+
+    def joined(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:  # [gate; up], or their rows alternating
+        return torch.stack([gate, up], dim=1).flatten(0, 1) if interleaved else torch.cat([gate, up], dim=0)
+
+    gate_up, down_proj = joined(routed["gate"], routed["up"]), routed["down"]
     if transposed:
         gate_up, down_proj = gate_up.t(), down_proj.t()
+    given = {"gate_up_proj": gate_up, "down_proj": down_proj}
+    if biased:
+        given |= {"gate_up_proj_bias": joined(routed["gate_bias"], routed["up_bias"]),
+                  "down_proj_bias": routed["down_bias"]}
+    given = {name: tensor.unsqueeze(0) for name, tensor in given.items()}
     expected = {n: tuple(p.shape) for n, p in module.named_parameters()}
-    given = {"gate_up_proj": gate_up.unsqueeze(0), "down_proj": down_proj.unsqueeze(0)}
     for name, tensor in given.items():
         if tuple(tensor.shape) != expected.get(name):
             from parity.errors import ShapeMismatchError

@@ -26,7 +26,7 @@ def route_tensor(route: TensorRoute, stored: torch.Tensor) -> torch.Tensor:
             raise ShapeMismatchError(
                 f"tensor '{route.source}' {tuple(tensor.shape)}: dim 0 is not divisible into {count} chunks"
             )
-        tensor = tensor.chunk(count, dim=0)[index]
+        tensor = tensor[index::count] if route.interleaved else tensor.chunk(count, dim=0)[index]
     if route.transform == "transpose":
         tensor = tensor.t()
     return tensor

@@ -67,7 +67,7 @@ class LayerReader:
         """Reference parameter (HF name) <- checkpoint tensor; by default the same name.  For MoE: the
         expert's gate, up and down tensors, which parity.engine.experts puts into transformers' experts module."""
         if self.mapping.experts is not None:
-            return [self.mapping.experts.gate, self.mapping.experts.up, self.mapping.experts.down]
+            return self.mapping.experts.routes
         given = {route.target: route for route in self.mapping.reference_tensors}
         names = self.reference.tensor_shapes(self.mapping.reference_path(layer))
         return [given.get(name, TensorRoute(name, name)) for name in names]

@@ -127,7 +127,8 @@ def family_roles(family: Mapping, aliases: Aliases) -> dict[Role, TensorRoute]:
                                f"{aliases.path}; routes cannot be inferred with this mapping: give --mapping FILE")
         canon[roles.pop()] = route
     gate, up = canon.get(("gate", "weight")), canon.get(("up", "weight"))
-    if gate is not None and up is not None and gate.source == up.source and (gate.chunk, up.chunk) == ((0, 2), (1, 2)):
+    if gate is not None and up is not None and gate.source == up.source and (gate.chunk, up.chunk) == ((0, 2), (1, 2)) \
+            and not gate.interleaved:
         canon[("gate_up", "weight")] = TensorRoute("", gate.source, gate.transform)  # stored fused, [gate; up]
     return canon
 
@@ -280,7 +281,7 @@ def infer_routes(module: nn.Module, family: Mapping, tensors: dict[str, torch.Te
                 routes.append(TensorRoute(name, "", zeros=True))
             continue  # a submodule's: fill_target zeroes it as a projection's bias and says so
         if kind == "bias":
-            routes.append(TensorRoute(name, base.source, "none", base.chunk, base.optional))
+            routes.append(dataclasses.replace(base, target=name, transform="none"))
             continue
         transform = orientation(base, stored_shape(base, tensors), params[name], aliases.roles[role].side,
                                 hidden_size, bare.get(name) or owner_layout(module, name, aliases))
@@ -289,7 +290,7 @@ def infer_routes(module: nn.Module, family: Mapping, tensors: dict[str, torch.Te
             owner = type(owner_of(module, name)).__name__
             notes.append(f"target parameter '{name}' is square and its owner {owner} is neither "
                          "nn.Linear nor Conv1D: its layout was taken as nn.Linear's [out, in]")
-        routes.append(TensorRoute(name, base.source, transform, base.chunk, base.optional))
+        routes.append(dataclasses.replace(base, target=name, transform=transform))
     return routes, notes
 
 

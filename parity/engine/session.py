@@ -118,8 +118,8 @@ class Session:
             from parity.engine.experts import expert_reference
 
             path = self.mapping.reference_path(layer)
-            module = expert_reference(self.reference.meta_module(path), self.config, routed["gate"].float(),
-                                      routed["up"].float(), routed["down"].float(), path)
+            module = expert_reference(self.reference.meta_module(path), self.config,
+                                      {role: tensor.float() for role, tensor in routed.items()}, path)
             return module if dtype == torch.float32 else module.to(dtype)
         return self.reference.build(self.mapping.reference_path(layer), routed, self.hidden_size, on_call, dtype)
 
