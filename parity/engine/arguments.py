@@ -45,13 +45,21 @@ def checkpoint_facts(mapping: Mapping, config: Any) -> dict[str, tuple[Any, str]
         head_dim = hidden // heads
     rope = getattr(config, "rope_parameters", None)
     rope_theta = rope.get("rope_theta") if isinstance(rope, dict) else getattr(config, "rope_theta", None)
-    return {"ffn_bias": checkpoint_ffn_bias(mapping, config), "ffn_width": checkpoint_ffn_width(config),
+    return {"ffn_bias": checkpoint_ffn_bias(mapping, config),
+            "ffn_width": checkpoint_ffn_width(config, mapping),
             "ffn_activation": (activation, source) if activation else None,
             "gelu_approximate": (("tanh" if activation in TANH_GELUS else "none"), source) if activation else None,
             "head_dim": (head_dim, f"{type(config).__name__}: head_dim, or hidden size / attention heads")
             if isinstance(head_dim, int) else None,
             "rope_theta": (rope_theta, f"{type(config).__name__}.rope_parameters['rope_theta']")
             if isinstance(rope_theta, (int, float)) else None}
+
+
+def unit_width(mapping: Mapping) -> int | None:
+    """The d_ff of a derived layout's unit (an expert, a shared expert, a dense layer of an MoE model), which the
+    config's intermediate_size need not be; None for a mapping file's layout."""
+    width = mapping.target_args.get("hidden_dim") if mapping.derived else None
+    return width if isinstance(width, int) and not isinstance(width, bool) else None
 
 
 def config_class(factory: Any, parameter: str) -> type | None:
@@ -133,9 +141,13 @@ def project_config(cls: type, view: Any, mapping: Mapping, config: Any, call: Ta
 _UNANSWERED = object()
 
 
-def checkpoint_ffn_width(config: Any) -> tuple[int, str] | None:
+def checkpoint_ffn_width(config: Any, mapping: Mapping | None = None) -> tuple[int, str] | None:
     """d_ff as transformers builds the MLP from this config: its intermediate_size (n_inner), or 4 x the hidden
-    size where a GPT config leaves n_inner unset; None where the config states neither."""
+    size where a GPT config leaves n_inner unset; a derived layout's unit its own (an expert's); None where the
+    config states neither."""
+    unit = unit_width(mapping) if mapping is not None else None
+    if unit is not None:
+        return unit, "this unit's d_ff in transformers' module"
     width = config_dff(config)
     if isinstance(width, int) and not isinstance(width, bool):
         field = "intermediate_size" if getattr(config, "intermediate_size", None) else "n_inner"
@@ -177,6 +189,9 @@ def spelled(key: str, mapping: Mapping, config: Any) -> tuple[str, Any, str] | N
     right value (aliases.toml [config_fields]); None when nothing answers it."""
     fields = load_aliases().config_fields
     owner = type(config).__name__
+    width = unit_width(mapping) if fields.facts.get(key) == "ffn_width" else None
+    if width is not None and getattr(config, key, None) != width:
+        return str(width), width, "this unit's d_ff in transformers' module"
     if hasattr(config, key) and not callable(getattr(config, key)):
         value = getattr(config, key)
         return (f"config.{key}", f"config.{key}", f"{owner}.{key}") if value is not None else \
@@ -407,7 +422,7 @@ def projection_modules(required: list[str], mapping: Mapping, config: Any, optio
     projection where it has one (a NumPy class taking arrays: llama3.np's ``FeedForward(up_weight, ...)``).  None
     when a required parameter is no projection name, or the sizes are unknown."""
     aliases = load_aliases()
-    width, hidden = checkpoint_ffn_width(config), getattr(config, "hidden_size", None)
+    width, hidden = checkpoint_ffn_width(config, mapping), getattr(config, "hidden_size", None)
     if not required or width is None or not isinstance(hidden, int):
         return None
     bias = checkpoint_ffn_bias(mapping, config)[0]

@@ -222,7 +222,7 @@ def unconstructed(framework: Framework, obj: Any, mapping: Mapping, config: Any)
 def foreign_target(framework: Framework, native: Any, mapping: Mapping, config: Any) -> nn.Module:
     """A framework's module, function or graph behind a torch module (parity.targets.proxy), sized, where it
     lists no parameters of its own (a NumPy function), from the checkpoint's d, d_ff and biases."""
-    hidden, width = getattr(config, "hidden_size", None), checkpoint_ffn_width(config)
+    hidden, width = getattr(config, "hidden_size", None), checkpoint_ffn_width(config, mapping)
     facts = (CheckpointFacts(hidden, width[0], checkpoint_ffn_bias(mapping, config)[0])
              if isinstance(hidden, int) and width is not None else None)
     return foreign(framework, native, facts)
@@ -331,7 +331,7 @@ def check_built_size(module: nn.Module, factory: Any, name: str, kwargs: dict, r
     for another model.  Exit 2 naming the size that differs (d or d_ff) with both values, and the factory that builds
     the right size, in the user's own parameter names (found by building the module on the meta device, which
     allocates nothing)."""
-    hidden, width = getattr(config, "hidden_size", None), checkpoint_ffn_width(config)
+    hidden, width = getattr(config, "hidden_size", None), checkpoint_ffn_width(config, mapping)
     if not isinstance(hidden, int) or width is None:
         return
     d_ff = width[0]

@@ -94,13 +94,13 @@ def expert_layout(model: nn.Module, ckpt: Checkpoint, experts_path: str, experts
             prefix = experts_path.format(layer=layer) + "."
             if own.startswith(prefix) and own[len(prefix):] in FUSED + BIASES:
                 found[layer][own[len(prefix):]].append((key, pattern))
-    lacking = [name for layer in layers for name in FUSED if not found[layer][name]]
+    lacking = [name for layer in layers for name in FUSED if not found[layer].get(name)]
     if lacking:
         raise refuse(f"transformers' {type(experts.module).__name__} needs '{experts_path.format(layer=layers[0])}."
                      f"{lacking[0]}' (or the tensors transformers' load-time conversion merges into it), which this "
                      "checkpoint does not hold", "for its names ")
     per_expert = any(pattern is not None for keys in found[layers[0]].values() for _, pattern in keys)
-    if per_expert and any(found[layers[0]][name] for name in BIASES):
+    if per_expert and any(found[layers[0]].get(name) for name in BIASES):
         raise refuse(f"transformers' {type(experts.module).__name__} has biased experts that this checkpoint keeps "
                      "per expert, and reading per-expert biases is not built yet", "with an [experts] table ")
     if per_expert:
