@@ -65,8 +65,9 @@ def hypotheses(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor], storage: 
             pairs = [weights, (f"{gate}_bias", f"{up}_bias"), (f"{gate}.bias", f"{up}.bias")]
             for interleaved, how in ((True, "[gate; up] halves read as alternate rows"),
                                      (False, "alternate rows read as [gate; up] halves")):
-                found.append(Hypothesis(MistakeId.GATE_UP_REORDERED, f"B's {gate} and {up}: {how}",
-                                        lambda t, pairs=pairs, i=interleaved: _refused_layout(t, pairs, i)))
+                for which, said in ((pairs, ""), (pairs[:1], ", biases as A's")):  # a converter may miss the biases
+                    found.append(Hypothesis(MistakeId.GATE_UP_REORDERED, f"B's {gate} and {up}: {how}{said}",
+                                            lambda t, p=which, i=interleaved: _refused_layout(t, p, i)))
     for name in differing:
         found.extend(tensor_hypotheses(name, a[name], b[name], storage[name]))
     return found

@@ -110,11 +110,12 @@ def derive_mapping(ckpt: Checkpoint, load_config: Callable[[Checkpoint], Any]) -
     if not parts:
         return main
     for unit in units:  # every row of a report names its unit where a layer has several, or layers differ
-        unit.unit = unit.unit or unit.reference_module.rsplit(".", 1)[-1]
+        unit.unit = unit.unit or (None if unit.experts else unit.reference_module.rsplit(".", 1)[-1])
     main.parts = parts
     main.description += "; " + "; ".join(part.description for part in parts)
-    main.notes = [f"each layer's units are not all alike: {main.unit} ({describe_layers(main)}) as the mapping above "
-                  "says, and " + "; ".join(f"{part.unit} ({describe_layers(part)}): {part.name}" for part in parts)]
+    others = "; ".join(f"{part.unit} ({describe_layers(part)}): {part.name}" for part in parts)
+    main.notes = [f"each layer's units are not all alike: {main.unit or 'routed experts'} ({describe_layers(main)}) as "
+                  f"the mapping above says, and {others}"]
     return main
 
 

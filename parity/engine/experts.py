@@ -21,19 +21,29 @@ from torch import nn
 from parity.errors import MappingError
 
 
+class GateInput(nn.Identity):
+    """Stands where an activation module would be, for experts that compute their activation in their own code:
+    called on the gate's pre-activation only while parity's input probe listens (engine.inputs.preactivation)."""
+
+
 class ExpertReference(nn.Module):
     """One expert of a transformers experts module, as a plain [batch, tokens, d] -> same module."""
 
-    def __init__(self, experts: nn.Module):
+    def __init__(self, experts: nn.Module, gate: tuple[torch.Tensor, torch.Tensor | None]):
         super().__init__()
         self.experts = experts
-        # the activation, where parity's pre-activation probe looks for it (GPT-OSS's experts compute their own)
-        self.act_fn = getattr(experts, "act_fn", None)
+        # the activation, where parity's input probe looks for it; experts computing theirs in their own code
+        # (GPT-OSS's clamped one) get a stand-in that sees the gate's pre-activation, so the inputs sweep its range
+        self.act_fn = getattr(experts, "act_fn", None) or GateInput()
+        self.gate = None if hasattr(experts, "act_fn") else gate
         # Llama 4's experts take the tokens already sorted by expert (and scaled); the others take the choice
         self.routed = len(inspect.signature(experts.forward).parameters) > 1
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         tokens = x.reshape(-1, x.shape[-1])
+        if self.gate is not None and self.act_fn._forward_pre_hooks:  # the input probe asks what the gate sees
+            weight, bias = (t.to(tokens.dtype) if t is not None else None for t in self.gate)
+            self.act_fn(nn.functional.linear(tokens, weight, bias))
         if not self.routed:
             return self.experts(tokens).reshape(x.shape)
         index = torch.zeros(tokens.shape[0], 1, dtype=torch.long, device=x.device)  # every token to expert 0 ...
@@ -92,4 +102,4 @@ def expert_reference(meta_experts: nn.Module, config: Any, routed: dict[str, tor
                                      f"transformers expects {list(expected.get(name, ()))} for one expert "
                                      "(is the config's intermediate_size right for this checkpoint?)")
     module.load_state_dict(given, strict=True, assign=True)
-    return ExpertReference(module).eval()
+    return ExpertReference(module, (routed["gate"], routed.get("gate_bias"))).eval()
