@@ -104,8 +104,8 @@ def derive_mapping(ckpt: Checkpoint, load_config: Callable[[Checkpoint], Any]) -
     moe = [i for i, layer in enumerate(layers) if has_experts(layer, d)]
     dense = [i for i in range(len(layers)) if i not in moe]
     units = experts_mappings(decoder, moe) if moe else []
-    if dense:
-        units.append(dense_mapping(decoder, dense, uniform_ffn([layers[i] for i in dense], dense, d, model_type)))
+    for group in ffn_groups([layers[i] for i in dense], dense, d):  # Gemma 3n's widths differ layer by layer
+        units.append(dense_mapping(decoder, group, uniform_ffn([layers[i] for i in group], group, d, model_type)))
     main, *parts = units
     if not parts:
         return main
@@ -257,6 +257,18 @@ def has_experts(layer: nn.Module, d: int) -> bool:
 def _width_in(module: nn.Module) -> int:
     projs = projections(module)
     return projs[-1].d_out if projs else -1
+
+
+def ffn_groups(layers: list[nn.Module], indices: list[int], d: int) -> list[list[int]]:
+    """The layers (by number) grouped by their FFN's path, class and shapes, in order of first appearance: one
+    group where every layer is alike; a layer holding no FFN parity reads comes first (uniform_ffn refuses it)."""
+    groups: dict[str, list[int]] = {}
+    for index, layer in zip(indices, layers, strict=True):
+        ffn = find_ffn(layer, d)
+        key = None if ffn is None else (ffn.path, type(ffn.module), [(p.d_in, p.d_out) for p in (*ffn.ins, ffn.out)])
+        key = repr(key)
+        groups.setdefault(key, []).append(index)
+    return sorted(groups.values(), key=lambda group: (group is not groups.get("None"), group[0]))
 
 
 def uniform_ffn(layers: list[nn.Module], indices: list[int], d: int, model_type: str | None,
