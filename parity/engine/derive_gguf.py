@@ -4,9 +4,10 @@ map for the file's ``general.architecture`` (``gguf.TensorNameMap``: the table l
 with) says what each is called in the file.  No table per family: any architecture both know is served.
 
 The derivation runs on the Hugging Face names gguf's map lists for layers 0 and 1; the layout it returns is then
-spelled in the file's names (a tensor the file lacks is named when its layer is read, as for any checkpoint).  GGUF holds every 2-D tensor in nn.Linear's
-[out, in] layout once dequantized (llama.cpp's converter transposes transformers' Conv1D weights, GPT-2's): routes
-into a Conv1D reference transpose it back, routes into an nn.Linear target take it as stored.
+spelled in the file's names (a tensor the file lacks is named when its layer is read, as for any checkpoint).
+GGUF holds every 2-D tensor in nn.Linear's [out, in] layout once dequantized (llama.cpp's converter transposes
+transformers' Conv1D weights, GPT-2's): routes into a Conv1D reference transpose it back, routes into an nn.Linear
+target take it as stored.
 """
 
 from __future__ import annotations
