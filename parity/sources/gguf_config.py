@@ -110,9 +110,9 @@ def config_from_metadata(header: GGUFHeader) -> tuple[dict, list[str]]:
         value = meta.get(key)
         if value is not None and isinstance(attr, str):
             raw[attr] = _metadata_value(header, key, value)
-    if how.model_type != "mixtral":  # experts counts mean something only where the type has experts
-        raw.pop("num_local_experts", None)
-        raw.pop("num_experts_per_tok", None)
+    for attr in ("num_local_experts", "num_experts", "num_experts_per_tok"):
+        if raw.get(attr) == 0:  # a dense model's expert_count 0 (llama.cpp writes it): no experts to configure
+            del raw[attr]
     raw["vocab_size"] = _vocab_size(header, arch)
     for attr in [a for a in raw if a.endswith("token_id")]:
         if raw[attr] >= raw["vocab_size"]:  # an id the vocabulary does not hold: transformers' default instead
