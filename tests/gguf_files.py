@@ -266,6 +266,8 @@ def gguf_of_folder(folder: Path, path: Path, arch: str, names: dict[str, str], q
     meta = {"block_count": count, "embedding_length": config["hidden_size"], "context_length": 64,
             "feed_forward_length": config.get("intermediate_size") or 4 * config["hidden_size"],
             "attention.head_count": config["num_attention_heads"]}
+    if config.get("num_key_value_heads"):
+        meta["attention.head_count_kv"] = config["num_key_value_heads"]
     tensors = {}
     for layer in range(count):
         stem = next(k for k in state if k.endswith(f".{layer}.{next(iter(names))}")).removesuffix(next(iter(names)))

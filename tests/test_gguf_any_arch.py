@@ -42,6 +42,9 @@ FAMILIES = {
     "falcon": ("falcon", dict(), {"mlp.dense_h_to_4h.weight": "ffn_up.weight",  # classic, exact GELU, no biases
                                   "mlp.dense_4h_to_h.weight": "ffn_down.weight"},
                "ffn_down.weight", "sign_flipped", "parity.ffn:FeedForward"),
+    "nemotron": ("nemotron", dict(intermediate_size=64, head_dim=16, **KV),  # squared ReLU: no parity.ffn module
+                 {"mlp.up_proj.weight": "ffn_up.weight", "mlp.down_proj.weight": "ffn_down.weight"},
+                 "ffn_down.weight", "sign_flipped", None),
 }
 QTYPES = [Q.F32, Q.F16, Q.Q8_0]
 
@@ -96,6 +99,12 @@ def test_broken_gguf_fails_on_the_broken_layer_only(capsys, files, arch):
 
 @pytest.mark.parametrize("arch", sorted(FAMILIES))
 def test_check_with_the_default_target(capsys, files, arch):
+    """The default target the derived layout chooses passes; where no parity.ffn module expresses the FFN, exit 2
+    in one line saying what the repository lacks, as for a Hugging Face folder."""
+    if FAMILIES[arch][5] is None:
+        code, out, err = run_main(capsys, files[arch]["Q8_0"])
+        assert code == 2 and "no module of the repository (parity.ffn) expresses" in one_line(err), out + err
+        return
     code, out, err = run_main(capsys, files[arch]["Q8_0"], "--layers", "all", "--json", "-")
     assert code == 0, out + err
     report = json.loads(out)
