@@ -65,8 +65,8 @@ def translation(header: GGUFHeader, arch: str) -> Translation:
     versions = f"gguf {gguf_version()} and transformers {transformers.__version__} installed here"
     if arch not in gguf.MODEL_ARCH_NAMES.values():
         raise CheckpointError(f"{shown(header.path)}: GGUF architecture {_short(arch)} is not supported: unknown to "
-                              f"{versions}. Check the Hugging Face folder it was converted from instead "
-                              "(parity FOLDER), or upgrade gguf and transformers")
+                              f"gguf ({versions}), so neither its tensor names nor its config can be read. Check the "
+                              "Hugging Face folder it was converted from instead (parity FOLDER), or upgrade gguf")
     experts = header.metadata.get(f"{arch}.expert_count")
     beyond = BEYOND_TRANSFORMERS.get(f"{arch}+experts" if isinstance(experts, int) and experts > 0 else arch)
     if beyond is not None:
