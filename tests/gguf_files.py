@@ -227,3 +227,68 @@ def k_quantize_low(values: np.ndarray, qtype: Q, coarsen: float = 1.0) -> np.nda
         packed[:, j % 8] |= (six[:, j] & 15) << (4 * (j // 8))
         packed[:, 8 + j % 4] |= (six[:, j] >> 4) << (2 * (j // 4))
     return np.concatenate([hmask, _two_bit_planes(codes & 3), packed, _half(d)], axis=1).reshape(rows, -1)
+
+
+# -- any architecture: a tiny HF checkpoint's FFN tensors under llama.cpp's names for its family -------------------
+
+def tiny_hf(model_type: str, folder: Path, seed: int, **values) -> Path:
+    """A tiny checkpoint of ``model_type`` built with transformers' own classes (from_config + save_pretrained),
+    distinct random values everywhere (biases included)."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    common = dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=2, vocab_size=64, pad_token_id=0,
+                  bos_token_id=1, eos_token_id=2)
+    config = AutoConfig.for_model(model_type, **{**common, **values})
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config)
+    with torch.no_grad():
+        for param in model.parameters():
+            param.normal_(0.0, 0.05)
+    model.save_pretrained(folder)
+    return folder
+
+
+def gguf_of_folder(folder: Path, path: Path, arch: str, names: dict[str, str], qtype: Q = Q.F32,
+                   edit=None) -> Path:
+    """The FFN tensors of a saved HF checkpoint as a GGUF file of ``arch``, named as llama.cpp's converter names
+    them: ``names`` maps each tensor's name under the layer (HF, e.g. 'mlp.c_fc.weight') to its GGUF name under
+    'blk.N.' (e.g. 'ffn_up.weight'); ``layer_prefix`` found from config.json.  2-D weights as ``qtype`` (biases F32),
+    Conv1D-free families only (their weights are [out, in] already).  ``edit(layer, tensors)`` may change a layer's
+    {GGUF name: values} before it is written (a broken export)."""
+    import json
+
+    from safetensors.numpy import load_file
+
+    config = json.loads((folder / "config.json").read_text())
+    state = load_file(str(folder / "model.safetensors"))
+    count = config["num_hidden_layers"]
+    meta = {"block_count": count, "embedding_length": config["hidden_size"], "context_length": 64,
+            "feed_forward_length": config.get("intermediate_size") or 4 * config["hidden_size"],
+            "attention.head_count": config["num_attention_heads"]}
+    if config.get("num_key_value_heads"):
+        meta["attention.head_count_kv"] = config["num_key_value_heads"]
+    tensors = {}
+    for layer in range(count):
+        stem = next(k for k in state if k.endswith(f".{layer}.{next(iter(names))}")).removesuffix(next(iter(names)))
+        found = {gg: state[stem + hf] for hf, gg in names.items()}
+        if edit is not None:
+            found = edit(layer, found)
+        for gg, values in found.items():
+            tensors[f"blk.{layer}.{gg}"] = (values.astype(np.float32), qtype if values.ndim == 2 else Q.F32)
+    rng = np.random.default_rng(0)
+    writer = GGUFWriter(str(path), arch)
+    for key, value in meta.items():
+        writer.add_uint32(f"{arch}.{key}", value)
+    writer.add_token_list([f"tok{i}" for i in range(config["vocab_size"])])
+    writer.add_pad_token_id(0)  # the ids llama.cpp's converter writes from the tokenizer; transformers reads them
+    writer.add_bos_token_id(1)
+    writer.add_eos_token_id(2)
+    for name, (values, kind) in tensors.items():
+        data = encode(values, kind, rng)
+        writer.add_tensor(name, data, raw_dtype=kind if data.dtype == np.uint8 else None)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path

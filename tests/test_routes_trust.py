@@ -103,7 +103,9 @@ def test_check_reference_routes_names_file_line_and_the_real_names(tmp_path):
     assert "did you mean 'c_fc.weight'?" in message
     assert "Its parameters are: c_fc.weight, c_fc.bias, c_proj.weight, c_proj.bias" in message
     check_reference_routes(load_mapping(reference_variant(tmp_path, "c_fc.weight")), REFERENCE_NAMES)  # fine
-    check_reference_routes(load_mapping(builtin_mapping_dir() / "gpt2-gguf.toml"), REFERENCE_NAMES)
+    gguf_style = variant(tmp_path, "[target]\n", '[reference.tensors]\n"c_fc.weight" = { from = "ffn_up.weight", '
+                         'transform = "transpose" }\n"c_proj.bias" = "ffn_down.bias"\n\n[target]\n', "gguf.toml")
+    check_reference_routes(load_mapping(gguf_style), REFERENCE_NAMES)  # routes from other names, transposed: fine
 
 
 def test_reference_route_to_a_parameter_transformers_lacks_exit_2(tiny, tmp_path, capsys):

@@ -27,9 +27,9 @@ def check_reference_roles(mapping: Mapping, reference_names: Iterable[str], buil
     """Refuse a user mapping's [reference.tensors] route that fills one role of transformers' MLP with a
     checkpoint tensor of another role (by the alias table), or that moves one of the MLP's own names elsewhere.
     ``builtins``: parity's own mappings (the format mappings, the only ones that may route the reference freely);
-    ``mapping`` being one of them is not checked."""
+    ``mapping`` being one of them, or derived (its routes are transformers' and gguf's own names), is not checked."""
     builtins = list(builtins)
-    if any(mapping is m for m in builtins) or not mapping.reference_tensors:
+    if mapping.derived or any(mapping is m for m in builtins) or not mapping.reference_tensors:
         return
     have, aliases = set(reference_names), load_aliases()
     allowed = builtin_reference_routes(mapping, builtins)

@@ -124,15 +124,16 @@ def resolve(model: str, checkpoint: str | None = None, mapping: str | Path | Non
         ckpt = open_checkpoint(location, revision, allow_pickle, revision_option=revision_option)
     check_raw_config(ckpt)
     model_type = ckpt.raw_config.get("model_type")
-    if chosen is None and not mappings_for_model_type(model_type):  # no mapping file: transformers' own model says
-        from parity.engine.derive import derive_mapping
-
-        chosen = derive_mapping(ckpt, load_config)
+    served = mappings_for_model_type(model_type)
+    if chosen is None and (not served or _is_gguf(ckpt) and not any(fits(m, ckpt.has) for m in served)):
+        chosen = derived_mapping(ckpt)  # no mapping file (that fits a GGUF): transformers' own model says
     if chosen is None:
         chosen = mapping_for_model_type(model_type, ckpt.has)
     elif mapping is None and not fits(chosen, ckpt.has):
-        # `parity llama --checkpoint x.gguf`: the family's GGUF mapping
+        # `parity llama --checkpoint x.gguf`: the family's GGUF mapping, or the layout derived in GGUF names
         sibling = _fitting_mapping(model_type, ckpt)
+        if sibling is None and _is_gguf(ckpt):
+            sibling = derived_mapping(ckpt)
         if sibling is not None:
             notes.append(f"this checkpoint stores mapping '{chosen.name}''s tensors under other names; "
                          f"using mapping '{sibling.name}' of the same family")
@@ -150,6 +151,24 @@ def resolve(model: str, checkpoint: str | None = None, mapping: str | Path | Non
     notes.extend(chosen.notes)
     notes.extend(activation_override_notes(ckpt.raw_config, config))
     return Resolved(model, chosen, ckpt, config, notes)
+
+
+def _is_gguf(ckpt: Checkpoint) -> bool:
+    from parity.sources.gguf import GGUFCheckpoint
+
+    return isinstance(ckpt, GGUFCheckpoint)
+
+
+def derived_mapping(ckpt: Checkpoint) -> Mapping:
+    """The layout transformers' own model implies (``engine.derive``); for a GGUF file, spelled in the names gguf's
+    own map gives its architecture (``engine.derive_gguf``)."""
+    if _is_gguf(ckpt):
+        from parity.engine.derive_gguf import derive_gguf_mapping
+
+        return derive_gguf_mapping(ckpt, load_config)
+    from parity.engine.derive import derive_mapping
+
+    return derive_mapping(ckpt, load_config)
 
 
 def _fitting_mapping(model_type: str | None, ckpt: Checkpoint) -> Mapping | None:

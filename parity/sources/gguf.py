@@ -3,24 +3,21 @@ asked for (``gguf.quants.dequantize``; rows come out in HF's ``[out, in]`` layou
 the metadata stands for.
 
 GGUF names no activation and no transformers class: both follow from ``general.architecture``, which
-ARCHITECTURES translates into a transformers config.  The header itself is read by ``gguf_header``.
+``gguf_config`` translates into a transformers config.  The header itself is read by ``gguf_header``; the names of a
+layer's FFN tensors come from gguf's own name map (``engine.derive_gguf``) or a mapping file.
 """
 
 from __future__ import annotations
 
 import os
 from collections import Counter
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 from parity.definitions.files import shown
 from parity.errors import CheckpointError
 from parity.sources.checkpoint import Checkpoint
-from parity.sources.config_check import MAX_EXPERTS, MAX_LENGTH, MAX_WIDTH, float_problem, int_problem
-from parity.sources.config_check import short as _short
+from parity.sources.gguf_config import config_from_metadata
 from parity.sources.gguf_header import (
-    ArrayInfo,
     GGUFHeader,
     TensorInfo,
     gguf_version,
@@ -28,40 +25,6 @@ from parity.sources.gguf_header import (
     read_header,
     tensor_info,
 )
-
-# HF-style config keys, shared by the LLaMA-like families
-_HF_KEYS = {
-    "embedding_length": "hidden_size", "feed_forward_length": "intermediate_size",
-    "block_count": "num_hidden_layers", "attention.head_count": "num_attention_heads",
-    "attention.head_count_kv": "num_key_value_heads", "attention.layer_norm_rms_epsilon": "rms_norm_eps",
-    "context_length": "max_position_embeddings", "attention.key_length": "head_dim",
-    "attention.sliding_window": "sliding_window", "expert_count": "num_local_experts",
-    "expert_used_count": "num_experts_per_tok",
-}
-
-_GPT2_KEYS = {
-    "embedding_length": "n_embd", "feed_forward_length": "n_inner", "block_count": "n_layer",
-    "attention.head_count": "n_head", "context_length": "n_positions",
-    "attention.layer_norm_epsilon": "layer_norm_epsilon",
-}
-
-
-@dataclass(frozen=True)
-class Architecture:
-    model_type: str  # transformers model_type of the equivalent HF checkpoint
-    activation_key: str  # the config attribute that names the activation
-    activation: str  # what llama.cpp runs for this architecture (GGUF stores no activation name)
-    keys: dict[str, str]  # GGUF "{arch}.KEY" -> transformers config attribute
-    moe_model_type: str | None = None  # model_type when the file has experts (expert_count > 0)
-
-ARCHITECTURES = {
-    "llama": Architecture("llama", "hidden_act", "silu", _HF_KEYS, moe_model_type="mixtral"),  # also Mistral
-    "qwen2": Architecture("qwen2", "hidden_act", "silu", _HF_KEYS),
-    "gemma": Architecture("gemma", "hidden_act", "gelu_pytorch_tanh", _HF_KEYS),
-    "gemma2": Architecture("gemma2", "hidden_activation", "gelu_pytorch_tanh", _HF_KEYS),
-    "gemma3": Architecture("gemma3_text", "hidden_activation", "gelu_pytorch_tanh", _HF_KEYS),
-    "gpt2": Architecture("gpt2", "activation_function", "gelu_new", _GPT2_KEYS),
-}
 
 
 def dequantize(path: Path, info: TensorInfo):
@@ -112,100 +75,6 @@ class GGUFCheckpoint(Checkpoint):
         return {name: dequantize(self.header.path, self.header.tensors[name]) for name in names}
 
 
-def config_from_metadata(header: GGUFHeader) -> tuple[dict, list[str]]:
-    """The equivalent transformers config.json (as a dict) and notes on how it was derived."""
-    meta = header.metadata
-    arch_name = meta.get("general.architecture")
-    if not isinstance(arch_name, str):
-        raise CheckpointError(f"{shown(header.path)}: GGUF metadata has no 'general.architecture' string; is it a "
-                              "model file?")
-    arch = ARCHITECTURES.get(arch_name)
-    if arch is None:
-        raise CheckpointError(
-            f"{shown(header.path)}: GGUF architecture {_short(arch_name)} is not supported; supported: "
-            f"{', '.join(ARCHITECTURES)}. Convert the original Hugging Face checkpoint instead (parity FOLDER)."
-        )
-    for required in ("block_count", "embedding_length", "feed_forward_length"):
-        if f"{arch_name}.{required}" not in meta:
-            raise CheckpointError(f"{shown(header.path)}: GGUF metadata lacks '{arch_name}.{required}', "
-                                  "needed to build the reference")
-    raw: dict[str, Any] = {}
-    for key, attr in arch.keys.items():
-        value = meta.get(f"{arch_name}.{key}")
-        if value is not None:
-            raw[attr] = _metadata_value(header, f"{arch_name}.{key}", value)
-    model_type = arch.model_type
-    if raw.get("num_local_experts", 0) > 0:
-        if arch.moe_model_type is None:
-            raise CheckpointError(f"{shown(header.path)}: GGUF architecture '{arch_name}' with experts is not "
-                                  "supported")
-        model_type = arch.moe_model_type
-    else:
-        raw.pop("num_local_experts", None)
-        raw.pop("num_experts_per_tok", None)
-    rope_base = meta.get(f"{arch_name}.rope.freq_base")
-    if rope_base is not None and arch.keys is _HF_KEYS:
-        raw["rope_theta"] = _metadata_value(header, f"{arch_name}.rope.freq_base", rope_base)
-    raw["vocab_size"] = _vocab_size(header, arch_name)
-    raw[arch.activation_key] = arch.activation
-    raw["model_type"] = model_type
-    types = Counter(qtype_name(info.qtype) for name, info in header.tensors.items() if ".ffn_" in name)
-    notes = [
-        f"GGUF architecture '{arch_name}' checked as transformers model_type '{model_type}' with "
-        f"{arch.activation_key}='{arch.activation}' (GGUF stores no activation name; llama.cpp runs this one for it)",
-        "GGUF FFN tensor types: " + ", ".join(f"{t} ({n})" for t, n in types.most_common())
-        + "; target and reference both get the same dequantized float32 weights",
-    ]
-    return raw, notes
-
-
-def _metadata_value(header: GGUFHeader, key: str, value: Any) -> int | float:
-    """One metadata number, checked: per-layer arrays must agree; sizes are positive integers (the layer
-    count at most the number of tensors the file holds), epsilons and rope bases finite and positive."""
-    def fail(why: str) -> CheckpointError:
-        return CheckpointError(f"{shown(header.path)}: GGUF metadata '{key}' = {_short(value)}: {why}; the file is "
-                               "corrupt or was not written by a llama.cpp converter")
-
-    if isinstance(value, ArrayInfo):
-        raise fail(f"an array of {value.count} values where one number (or one per layer) was expected")
-    if isinstance(value, list):  # per-layer sizes: fine when they agree
-        if not value or not all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in value):
-            raise fail("expected a number, or a non-empty array of numbers (one per layer)")
-        if len(set(value)) != 1:
-            raise fail("differs between layers; per-layer FFN sizes are not supported")
-        value = value[0]
-    if key.endswith(("epsilon", "freq_base")):
-        why = float_problem(value, 0.0 if key.endswith("epsilon") else 1e-300)
-    elif key.endswith("block_count"):
-        why = int_problem(value, 1, MAX_WIDTH) or (
-            f"more layers than the file's {len(header.tensors)} tensors could hold (each layer has tensors of its own)"
-            if value > len(header.tensors) else None)
-    elif key.endswith(("expert_count", "expert_used_count", "sliding_window")):
-        why = int_problem(value, 0, MAX_EXPERTS if "expert" in key else MAX_LENGTH)
-    else:
-        why = int_problem(value, 1, MAX_LENGTH if key.endswith("context_length") else MAX_WIDTH)
-    if why is not None:
-        raise fail(why)
-    return value
-
-
-def _vocab_size(header: GGUFHeader, arch_name: str) -> int:
-    value = header.metadata.get(f"{arch_name}.vocab_size")
-    if value is not None:
-        why = int_problem(value, 1, MAX_LENGTH)
-        if why is not None:
-            raise CheckpointError(f"{shown(header.path)}: GGUF metadata '{arch_name}.vocab_size' = {_short(value)}: "
-                                  f"{why}; the file is corrupt")
-        return value
-    embedding = header.tensors.get("token_embd.weight")
-    if embedding is not None and len(embedding.dims) == 2:
-        return int(embedding.dims[1])
-    tokens = header.metadata.get("tokenizer.ggml.tokens")
-    if isinstance(tokens, ArrayInfo):
-        return tokens.count
-    return len(tokens) if isinstance(tokens, list) else 32000  # the MLP does not depend on it
-
-
 def open_gguf(path: Path) -> GGUFCheckpoint:
     """A .gguf file as a checkpoint: config from its metadata, tensors dequantized on read."""
     path = path.expanduser()
@@ -215,6 +84,9 @@ def open_gguf(path: Path) -> GGUFCheckpoint:
         raise CheckpointError(f"{shown(path)}: is one of {split} split GGUF files; merge them first "
                               "(llama-gguf-split --merge FIRST.gguf merged.gguf)")
     raw_config, notes = config_from_metadata(header)
+    types = Counter(qtype_name(info.qtype) for name, info in header.tensors.items() if ".ffn_" in name)
+    notes.append("GGUF FFN tensor types: " + ", ".join(f"{t} ({n})" for t, n in types.most_common())
+                 + "; target and reference both get the same dequantized float32 weights")
     return GGUFCheckpoint(header, raw_config, notes)
 
 
