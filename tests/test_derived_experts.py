@@ -204,3 +204,12 @@ def test_gpt_oss_port_passes_and_one_without_the_clamp_fails(capsys, moe_familie
     assert all(r["preactivation_range"] and max(map(abs, r["preactivation_range"])) > 7 for r in report["layers"])
     code, report, err = run_json(capsys, folder, "--target", "tests.test_derived_experts:oss_expert_unclamped")
     assert code == 1 and not report["passed"], err
+
+
+def test_inspect_shows_the_unit_of_the_layer_asked(capsys, moe_families):
+    """DeepSeek's layer 0 is a dense MLP of intermediate_size, its later layers experts of moe_intermediate_size."""
+    folder = moe_families["deepseek_v3"][0]
+    for layer, width, module in ((0, 72, "DeepseekV3MLP"), (2, 24, "DeepseekV3Experts")):
+        code, info, err = run_json(capsys, "inspect", folder, "--layer", layer)
+        assert code == 0, err
+        assert info["intermediate_size"] == width and info["reference"].endswith(module)

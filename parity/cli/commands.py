@@ -215,7 +215,8 @@ def list_mappings() -> int:
     for name, mapping in mappings.items():
         print(f"  {name:<{width}}  {mapping.description}")
         print(f"  {'':<{width}}  model_type: {', '.join(mapping.model_types)}; default: {mapping.default_checkpoint}")
-    print("Any other model type: its layout is derived from transformers (dense FFNs; "
+    print("Any other model type: its layout is derived from transformers (dense FFNs, each expert of a mixture "
+          "of experts, shared experts, dense layers before MoE ones; GGUF names from gguf's own name map: "
           "docs/formats.md#derived-layouts).")
     return EXIT_PASS
 

@@ -88,16 +88,19 @@ def inspect_model(model: str, checkpoint: str | None = None, mapping: str | None
     from parity.definitions.families import ACTIVATION_ATTRS, config_dff, configured_activation
     from parity.definitions.mapping import ConfigValue
     from parity.definitions.selection import parse_selection
+    from parity.engine.arguments import unit_width
     from parity.engine.reference import activation_module, activation_name
     from parity.engine.resolve import resolve
     from parity.engine.session import Session
 
     session = Session(resolve(model, checkpoint, mapping, revision, allow_pickle=allow_pickle), target=target)
     (layer,) = parse_selection(int(layer), session.num_layers)
+    # a derived layout whose layers differ (dense layers before MoE ones): the first unit of this layer is shown
+    session = next(unit for unit in (session, *session.parts) if unit.mapping.serves(layer))
     config, ckpt, fam = session.config, session.checkpoint, session.mapping
     probe = session.reference.meta_module(fam.reference_path(layer))
     d = session.hidden_size
-    d_ff = config_dff(config)
+    d_ff = unit_width(fam) or config_dff(config)  # an expert's own, in a derived MoE layout
     shapes = session.reference.tensor_shapes(fam.reference_path(layer))
     if d_ff is None:  # GPT configs leave n_inner empty: the model uses 4d; read it off the built MLP
         d_ff = next((max(s) for n, s in shapes.items() if n.endswith("weight") and len(s) == 2), None)
