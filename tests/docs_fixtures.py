@@ -115,6 +115,14 @@ def mixtral_tiny(destination: Path, workspace: Workspace) -> Path:
     return save(tiny_model("mixtral", 41, **MIXTRAL), destination)
 
 
+def deepseek_tiny(destination: Path, workspace: Workspace) -> Path:
+    """DeepSeek V3 at a tiny size: layer 0 dense, layers 1-2 four routed experts and a shared one (formats.md)."""
+    from .test_derived_experts import MOE
+    from .test_derived_families import build
+
+    return build("deepseek_v3", destination, 43, **dict(MOE, num_hidden_layers=3, first_k_dense_replace=1))
+
+
 def onnx_layer0(destination: Path, workspace: Workspace) -> Path:
     """Layer 0 of the hub cache's GPT-2, exported by torch's own exporter (as tests/test_frameworks.py)."""
     import torch
@@ -138,6 +146,7 @@ FIXTURES = {
     "gemma3-270m-shape.gguf": gemma3_shape_gguf,
     "stories15M": stories,
     "mixtral-tiny": mixtral_tiny,
+    "deepseek-tiny": deepseek_tiny,
     "ffn_layer0.onnx": lambda dest, ws: (ws.fixture("hub"), onnx_layer0(dest, ws))[1],
     "mlx_port": port("mlx_ports", "MLP"),
     "nnx_port": port("nnx_ports", "GPT2MLP as MLP"),  # frameworks.md checks it on GPT-2
