@@ -15,10 +15,10 @@ from torch import nn
 from parity.definitions.policy import synthetic_action
 from parity.definitions.project import CheckSpec
 from parity.definitions.selection import parse_selection
-from parity.engine.build import cwd_importable
-from parity.engine.logits import logits_impact
+from parity.engine.check.build import cwd_importable
+from parity.engine.check.logits import logits_impact
+from parity.engine.check.session import run_session
 from parity.engine.results import LayerResult, Report
-from parity.engine.session import run_session
 from parity.engine.suite import open_session
 from parity.errors import LayerRangeError
 from parity.outputs.render import render, render_html  # importing it makes str(report) the text table
@@ -112,7 +112,7 @@ def compare(a: str, b: str, *, layers: str | int | Iterable[int] | None = None, 
         assert report.passed, report.to_json()
     """
     from parity.definitions.project import CompareSpec
-    from parity.engine.checkpoint_compare import open_comparison, run_comparison
+    from parity.engine.compare.comparison import open_comparison, run_comparison
     from parity.outputs import compare_text  # noqa: F401  (importing it makes str(report) the compare table)
 
     refuse = synthetic_action("parity.compare", require_real or None) == "refuse"

@@ -93,7 +93,7 @@ def tiny_stand_in(monkeypatch, tmp_path: Path, name: str, config: dict) -> None:
     built-in one.  PARITY_CACHE is tmp_path/cache, HF_HOME empty."""
     import dataclasses
 
-    import parity.engine.resolve as resolve
+    import parity.engine.layout.resolve as resolve
     from parity.definitions.registry import builtin_mappings
 
     from .support import offline_home

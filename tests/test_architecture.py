@@ -272,3 +272,18 @@ def test_the_duration_rule_catches_what_it_is_for():
              "    assert elapsed < 60\n")
     counted = "def test():\n    hits = 3\n    assert hits <= 4\n"
     assert duration_asserts(direct) == [4] and duration_asserts(named) == [5] and duration_asserts(counted) == []
+
+
+def test_check_and_compare_each_have_their_own_home():
+    """Both flows start from one layout (``parity.engine.layout``: a mapping file's, or one derived from
+    transformers); a check (``engine.check``) never reaches into a compare (``engine.compare``), and the layout into
+    neither: each flow's modules live in its own home, what both use at ``engine``'s top."""
+    def under(name: str, home: str) -> bool:
+        return name == f"parity.engine.{home}" or name.startswith(f"parity.engine.{home}.")
+
+    crossing = sorted(f"{a} imports {b}" for a, deps in GRAPH.items() for b in deps
+                      if under(a, "check") and under(b, "compare")
+                      or under(a, "layout") and (under(b, "check") or under(b, "compare")))
+    assert crossing == []
+    homes = {"layout", "check", "compare"}
+    assert all((PACKAGE / "engine" / home / "__init__.py").exists() for home in homes)

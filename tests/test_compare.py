@@ -334,7 +334,7 @@ def test_two_exchanged_experts_are_named_expert_shifted(a_moe, root):
 
 
 def test_experts_select_the_units_and_a_dense_b_is_no_conversion(a_moe, a_f32, tmp_path, capsys):
-    from parity.engine.checkpoint_compare import Comparison, run_comparison
+    from parity.engine.compare.comparison import Comparison, run_comparison
     from parity.errors import LayerRangeError
 
     b_moe, b_f32 = (shutil.copytree(a, tmp_path / a.name) for a in (a_moe, a_f32))  # re-saves: A itself is exit 2

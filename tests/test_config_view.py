@@ -1,5 +1,5 @@
 """A target constructor that reads config fields transformers' config lacks: parity's read-only config view
-(parity/engine/config_view.py, aliases.toml [config_fields]) answers them, and says so in the report."""
+(parity/engine/check/config_view.py, aliases.toml [config_fields]) answers them, and says so in the report."""
 
 import textwrap
 from pathlib import Path
@@ -10,8 +10,8 @@ from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig
 
 from parity.definitions.aliases import aliases_path, load_aliases
 from parity.definitions.registry import builtin_mappings
-from parity.engine.arguments import checkpoint_ffn_bias, checkpoint_ffn_width
-from parity.engine.config_view import config_view
+from parity.engine.check.arguments import checkpoint_ffn_bias, checkpoint_ffn_width
+from parity.engine.check.config_view import config_view
 from parity.errors import MappingError
 from tests.conftest import TINY
 from tests.support import run_json

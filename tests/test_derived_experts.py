@@ -1,5 +1,5 @@
 """Mixture-of-experts families no mapping file serves: their layout derived from transformers itself
-(parity/engine/derive.py, parity/engine/derive_experts.py).
+(parity/engine/layout/derive.py, parity/engine/layout/experts.py).
 
 Each family is a tiny checkpoint built with transformers' own classes (from_config + save_pretrained), so what is
 on disk is what transformers writes: one tensor per expert that its load-time conversion merges (Qwen3-MoE, OLMoE,

@@ -1,4 +1,4 @@
-"""Families no mapping file serves: their layout derived from transformers itself (parity/engine/derive.py).
+"""Families no mapping file serves: their layout derived from transformers itself (parity/engine/layout/derive.py).
 
 Each family is a tiny checkpoint built with transformers' own classes (AutoConfig.for_model + from_config +
 save_pretrained).  For each: the default target passes (or is the documented one-line exit 2 where no module of

@@ -16,7 +16,7 @@ import parity
 from parity import cli
 from parity.definitions.project import parse_project
 from parity.definitions.values import device_value, dtype_value
-from parity.engine.compare import LOW_PRECISION_FACTOR, NOISE_FACTOR, RELATIVE_FLOOR
+from parity.engine.verdict import LOW_PRECISION_FACTOR, NOISE_FACTOR, RELATIVE_FLOOR
 from parity.errors import ParityAssertionError, ProjectConfigError, UsageError
 from parity.outputs.text import summary_line
 from parity.testing import assert_parity

@@ -590,7 +590,7 @@ def test_gated_repo_says_accept_licence_and_set_token(gated_hub, capsys):
 
 
 def test_gated_default_checkpoint_falls_back_to_synthetic(gated_hub):
-    from parity.engine.resolve import resolve
+    from parity.engine.layout.resolve import resolve
 
     resolved = resolve("gpt2")
     assert resolved.checkpoint.weights == "synthetic" and "gated" in resolved.checkpoint.weights_note
@@ -614,8 +614,8 @@ def test_offline_message_when_hub_unreachable_without_hf_hub_offline(monkeypatch
 
 # -- the reference side: weights whose shapes disagree with config.json ----------------------
 def test_reference_names_both_shapes_when_config_and_weights_disagree(tiny):
+    from parity.engine.layout.resolve import load_config, open_checkpoint
     from parity.engine.reference import ReferenceModel
-    from parity.engine.resolve import load_config, open_checkpoint
     from parity.errors import ShapeMismatchError
 
     config = load_config(open_checkpoint(str(tiny["llama"])))

@@ -18,8 +18,8 @@ from hypothesis import strategies as st
 
 from parity.definitions.datafiles import builtin_mapping_dir
 from parity.definitions.mapping_parser import parse_mapping
-from parity.engine.resolve import resolve
-from parity.engine.session import Session
+from parity.engine.check.session import Session
+from parity.engine.layout.resolve import resolve
 from parity.errors import ParityError
 from parity.sources.registry import open_local
 

@@ -194,7 +194,7 @@ INDEX_VALUES = st.one_of(extremes, st.sampled_from(["model-00099-of-00099.safete
 @EXAMPLES
 @given(where=st.sampled_from(["weight_map", "metadata", "tensor", "other shard"]), value=INDEX_VALUES)
 def test_index_json_field(llama_sharded, work, where, value):
-    from parity.engine.inspect import inspect_model
+    from parity.engine.check.inspect import inspect_model
 
     folder = fresh(llama_sharded, work / "index")
     path = folder / "model.safetensors.index.json"

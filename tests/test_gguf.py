@@ -77,7 +77,7 @@ def test_load_ffn_holds_the_dequantized_weights(llama_mixed):
 
 
 def test_config_comes_from_the_metadata(llama_mixed):
-    from parity.engine.resolve import resolve
+    from parity.engine.layout.resolve import resolve
 
     resolved = resolve(str(llama_mixed))
     config = resolved.config
@@ -194,7 +194,7 @@ def test_cli_on_a_gguf_file(llama_mixed, capsys):
 
 
 def test_inspect_describes_gguf_tensors_from_the_file_index(llama_mixed):
-    from parity.engine.inspect import inspect_model
+    from parity.engine.check.inspect import inspect_model
 
     info = inspect_model(str(llama_mixed), layer=1)
     rows = {row["name"]: row for row in info["tensors"]}

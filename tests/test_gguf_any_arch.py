@@ -1,6 +1,6 @@
 """GGUF files of architectures no mapping file names: the config from transformers' own GGUF tables, the FFN tensors
 found through gguf's own name map for ``general.architecture`` (parity/sources/gguf_config.py,
-parity/engine/derive_gguf.py).
+parity/engine/layout/gguf.py).
 
 Each file is written with gguf's GGUFWriter from the tensors of a tiny checkpoint built with transformers' own
 classes (from_config + save_pretrained), under the names llama.cpp's converter gives them (spelled out here, per
@@ -115,7 +115,7 @@ def test_check_with_the_default_target(capsys, files, arch):
 def test_a_conv1d_family_reads_ggufs_linear_layout(files, tmp_path):
     """GPT-2 (transformers' Conv1D, [in, out]): llama.cpp's converter stores [out, in]; the derived routes transpose
     it back for GPT2MLP and give parity.ffn's nn.Linear the stored tensor."""
-    from parity.engine.resolve import resolve
+    from parity.engine.layout.resolve import resolve
 
     from .conftest import build_model
     from .gguf_files import gguf_gpt2

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 import parity
-from parity.engine import logits as logits_module
+from parity.engine.check import logits as logits_module
 
 from . import mutants as m
 
@@ -49,7 +49,7 @@ def float64_logits(folder, exact_gelu: bool = False) -> tuple[torch.Tensor, floa
 
 
 def logits_tokens(model) -> torch.Tensor:
-    """The token ids parity.engine.logits feeds (seed 0)."""
+    """The token ids parity.engine.check.logits feeds (seed 0)."""
     vocab = model.get_output_embeddings().weight.shape[0]
     return torch.randint(0, vocab, (1, logits_module.TOKENS), generator=torch.Generator().manual_seed(0))
 

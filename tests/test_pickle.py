@@ -49,7 +49,7 @@ def test_meta_with_opt_in_passes_and_mutant_fails(meta):
 
 
 def test_meta_params_become_a_llama_config(meta):
-    from parity.engine.resolve import resolve
+    from parity.engine.layout.resolve import resolve
 
     config = resolve(str(meta), allow_pickle=True).config
     assert (config.model_type, config.hidden_size, config.num_hidden_layers) == ("llama", 64, 2)

@@ -20,7 +20,7 @@ from parity.definitions.aliases import load_aliases
 from parity.definitions.mapping_parser import load_mapping
 from parity.definitions.registry import builtin_mappings, mapping_for_model_type
 from parity.definitions.run_selection import MAX_SELECTION_DEPTH, select_checks
-from parity.engine.config_view import config_view
+from parity.engine.check.config_view import config_view
 from parity.errors import MappingError
 from parity.outputs.baseline import _regression
 

@@ -11,7 +11,7 @@ import pytest
 
 from parity import cli
 from parity.definitions.families import dff_rule
-from parity.engine.inspect import inspect_model, render_inspection
+from parity.engine.check.inspect import inspect_model, render_inspection
 from parity.outputs.progress import Progress, bar_wanted
 from parity.testing import ParityAssertionError, assert_parity
 

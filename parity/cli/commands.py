@@ -24,7 +24,7 @@ from parity.errors import MappingError, UsageError
 
 
 def run_inspect(args: argparse.Namespace) -> int:
-    from parity.engine.inspect import inspect_model, inspection_json, render_inspection
+    from parity.engine.check.inspect import inspect_model, inspection_json, render_inspection
 
     info = inspect_model(args.model, checkpoint=args.checkpoint, mapping=args.mapping, revision=args.revision,
                          target=args.target, layer=args.layer, allow_pickle=args.allow_pickle)
@@ -146,7 +146,7 @@ def run_with_progress(specs, args: argparse.Namespace, single: bool, shard, out,
         silence_downloads()
     if not bar_wanted(False, False):  # stderr is no terminal (a CI log): no library's bars either
         silence_foreign_bars()
-    from parity.engine.checkpoint_compare import open_comparison
+    from parity.engine.compare.comparison import open_comparison
 
     runs = plan(specs, shard, raise_errors=single, open_compare=open_comparison)
     progress = Progress(sum(len(run.layers) for run in runs), bar_wanted(args.quiet, json_stdout))

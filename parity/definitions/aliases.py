@@ -1,6 +1,6 @@
 """The alias table (``mappings/aliases.toml``): the role a module's parameter plays, read off its name.
 
-Pure data work, no torch: ``parity.engine.routes`` uses it to route a checkpoint into a user's
+Pure data work, no torch: ``parity.engine.check.routes`` uses it to route a checkpoint into a user's
 module whose parameter names follow a common naming.  Every name is looked up exactly; nothing
 here guesses by similarity.
 """
@@ -52,7 +52,7 @@ class Group:
 @dataclass(frozen=True)
 class ConfigFields:
     """[config_fields]: how a field a target's constructor reads, and the transformers config lacks, is answered
-    (parity.engine.config_view).  Each maps the name a module reads to its answer."""
+    (parity.engine.check.config_view).  Each maps the name a module reads to its answer."""
 
     aliases: dict[str, str]  # name -> the transformers config's own field ("n_embd" -> "hidden_size")
     facts: dict[str, str]  # name -> a fact about the checkpoint's FFN ("bias" -> "ffn_bias")

@@ -60,7 +60,7 @@ class Mapping:
     reference_tensors: list[TensorRoute] = field(default_factory=list)
     experts: Experts | None = None  # MoE: each expert's FFN is checked on its own
     text: str = field(default="", repr=False, compare=False)  # the file's text, for line numbers in later errors
-    derived: bool = False  # no file: derived from transformers' own model (parity.engine.derive); ``name`` says so
+    derived: bool = False  # no file: derived from transformers' own model (engine.layout.derive); ``name`` says so
     # a model whose layers are not all alike (dense layers before MoE ones, a shared expert beside the routed ones):
     # the layers this layout serves (None: every one), the unit's name in reports where it is not the layer or a
     # routed expert ('shared_expert'), and the checkpoint's further layouts, each checked as its own units

@@ -68,7 +68,7 @@ def expert_reference(meta_experts: nn.Module, config: Any, routed: dict[str, tor
     and down ([out, in] each) and, where the module has them, gate_bias, up_bias and down_bias; they are put back
     into the module's own layout as transformers' decorator describes it (gate and up concatenated or interleaved,
     each matrix [out, in] or transposed)."""
-    from parity.engine.derive_experts import experts_transposed
+    from parity.engine.layout.experts import experts_transposed
 
     if not hasattr(meta_experts, "gate_up_proj") or not hasattr(meta_experts, "down_proj"):
         raise MappingError(f"reference.module '{where}' is {type(meta_experts).__name__}, not a fused experts module "

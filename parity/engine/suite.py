@@ -18,11 +18,11 @@ from parity.definitions.project import CheckSpec, CompareSpec
 from parity.definitions.run_selection import shard_units
 from parity.definitions.selection import parse_selection
 from parity.definitions.values import check_compute
-from parity.engine.logits import logits_impact
-from parity.engine.resolve import resolve
+from parity.engine.check.logits import logits_impact
+from parity.engine.check.run import torch_device
+from parity.engine.check.session import Session, run_session
+from parity.engine.layout.resolve import resolve
 from parity.engine.results import LayerResult, Report
-from parity.engine.run import torch_device
-from parity.engine.session import Session, run_session
 from parity.errors import ParityError, SyntheticWeightsError, UsageError
 
 

@@ -5,7 +5,7 @@ Which classes: a plain Python class whose ``__call__`` is Python code taking the
 function's is: ``INPUT_NAMES``), deriving from no framework's module (those are their frameworks', served or
 named as not served: ``parity.targets.unserved``).
 
-Built by its constructor as a PyTorch class is (``parity.engine.arguments``): sizes bound by parameter name
+Built by its constructor as a PyTorch class is (``parity.engine.check.arguments``): sizes bound by parameter name
 (``FeedForward(dim, hidden_dim)``), a config, a factory, a mapping's args; a constructor that takes the
 projections themselves (llama3.np) gets a zero array per projection in the checkpoint's layout [out, in], which
 it may transpose as llama3.np does: the attributes it keeps are what parity fills.

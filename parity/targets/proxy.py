@@ -2,7 +2,7 @@
 
 The proxy's parameters mirror the framework module's: the same dotted names, shapes and dtypes, held by
 submodules named after the framework's layer classes that say how their weights are stored
-(``parity_layout``, read by ``parity.engine.routes.owner_layout``).  Routes are inferred from those names,
+(``parity_layout``, read by ``parity.engine.check.routes.owner_layout``).  Routes are inferred from those names,
 ``fill_target`` copies the checkpoint's tensors into the mirror, ``place`` casts it for a ``--dtype`` run,
 and the first forward after any change loads the mirror into the framework's module (exact values, in the
 mirror's dtype, converted by the framework).  The output comes back as a CPU tensor; the engine takes it from

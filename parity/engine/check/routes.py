@@ -24,8 +24,8 @@ from torch import nn
 from parity.definitions.aliases import Aliases, Group, load_aliases
 from parity.definitions.mapping import Mapping, TensorRoute, is_builtin, route_spelling
 from parity.definitions.toml_text import mapping_text
-from parity.engine.build import target_label
-from parity.engine.fill import check_target_routes, is_projection_bias
+from parity.engine.check.build import target_label
+from parity.engine.check.fill import check_target_routes, is_projection_bias
 from parity.errors import MappingError
 
 Role = tuple[str, str]  # (role name, "weight" | "bias")

@@ -11,7 +11,7 @@ import math
 import torch
 
 from parity.definitions.mistakes import Candidate, Diagnosis, MistakeId, diagnosis
-from parity.engine.conversion import Storage
+from parity.engine.compare.conversion import Storage
 
 ACTIVATION_GRID = (-20.0, 20.0, 4001)  # where two activations are compared, in float64
 SAME_FUNCTION = 1e-9  # two activations agreeing within this (relative to their largest output) are one function

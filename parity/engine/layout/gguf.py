@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from parity.definitions.mapping import Mapping, TensorRoute
-from parity.engine.derive import derive_mapping, projections, refused
+from parity.engine.layout.derive import derive_mapping, projections, refused
 from parity.sources.checkpoint import Checkpoint
 from parity.sources.skeleton import ModelSkeleton
 

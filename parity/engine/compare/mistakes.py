@@ -1,5 +1,5 @@
 """The conversion mistakes that could turn A's tensors into B's, each as a hypothesis: A's layer tensors
-(transformers' names) changed the way the mistake changes them, for ``parity.engine.checkpoint_compare`` to replay
+(transformers' names) changed the way the mistake changes them, for ``parity.engine.compare.comparison`` to replay
 through transformers' MLP and keep the one B's output reproduces.  Which hypotheses a tensor raises is read off
 the tensors themselves (a square matrix may be transposed, a least-squares factor may be a scale or a sign flip),
 never tried at random.
@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from parity.definitions.mistakes import MistakeId
-from parity.engine import conversion
+from parity.engine.compare import conversion
 
 
 @dataclass

@@ -27,24 +27,24 @@ from parity.definitions.reference_routes import check_reference_roles, reference
 from parity.definitions.registry import builtin_mappings
 from parity.definitions.selection import Selection, parse_selection
 from parity.definitions.values import check_atol, check_compute
-from parity.engine.build import build_target, target_label
-from parity.engine.compare import LOW_PRECISION_FACTOR, Runs, judge, own_tolerance, shape_failure
-from parity.engine.diagnose import diagnose, separability
-from parity.engine.fill import fill_target, route_tensor
-from parity.engine.guard import guarded
+from parity.engine.check.build import build_target, target_label
+from parity.engine.check.diagnose import diagnose, separability
+from parity.engine.check.fill import fill_target, route_tensor
+from parity.engine.check.guard import guarded
+from parity.engine.check.routes import TargetRoutes
+from parity.engine.check.run import place, run_module, run_target, skip_init, torch_device, user_code
 from parity.engine.inputs import make_inputs, preactivation
 from parity.engine.layer import LayerOnDisk, LayerReader, weights_fingerprint
 from parity.engine.memory import young_objects_only
 from parity.engine.reference import ReferenceModel, activation_name
 from parity.engine.results import LayerResult, Report
-from parity.engine.routes import TargetRoutes
-from parity.engine.run import place, run_module, run_target, skip_init, torch_device, user_code
 from parity.engine.sliced import SlicedMLP
 from parity.engine.upcast import compute_in
+from parity.engine.verdict import LOW_PRECISION_FACTOR, Runs, judge, own_tolerance, shape_failure
 from parity.errors import CheckpointError, LayerRangeError, ShapeMismatchError, TargetError
 
 if TYPE_CHECKING:  # the session is given what resolve found; it never resolves anything itself
-    from parity.engine.resolve import Resolved
+    from parity.engine.layout.resolve import Resolved
 
 SYNTHETIC_BUDGET_BYTES = 2 * 2**30  # synthetic FFN weights written for a default run
 

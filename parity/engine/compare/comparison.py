@@ -37,20 +37,20 @@ from parity.definitions.families import configured_activation
 from parity.definitions.mistakes import Candidate, Diagnosis, MistakeId, diagnosis
 from parity.definitions.project import CompareSpec
 from parity.definitions.selection import Selection, parse_selection
-from parity.engine import conversion
-from parity.engine.compare import Runs, judge, parity_tolerance
-from parity.engine.compare_findings import activations_differ, beyond_finding, block_finding, grid_finding
-from parity.engine.conversion_mistakes import Hypothesis, hypotheses
-from parity.engine.fill import route_tensor
+from parity.engine.check.fill import route_tensor
+from parity.engine.check.session import Session, run_reference
+from parity.engine.compare import conversion
+from parity.engine.compare.findings import activations_differ, beyond_finding, block_finding, grid_finding
+from parity.engine.compare.inventory import inventory
+from parity.engine.compare.mistakes import Hypothesis, hypotheses
 from parity.engine.inputs import make_inputs
-from parity.engine.inventory import inventory
 from parity.engine.layer import FINGERPRINT_SCHEME, weights_fingerprint
+from parity.engine.layout.resolve import CHECK_ADVICE, COMPARE_ADVICE, require_values, resolve
 from parity.engine.memory import young_objects_only
 from parity.engine.reference import activation_name
-from parity.engine.resolve import CHECK_ADVICE, COMPARE_ADVICE, require_values, resolve
 from parity.engine.results import LayerResult, Report
-from parity.engine.session import Session, run_reference
 from parity.engine.upcast import compute_in
+from parity.engine.verdict import Runs, judge, parity_tolerance
 from parity.errors import LayerRangeError, MissingTensorError, SyntheticWeightsError, UsageError, WeightDefectError
 
 QUANT_FACTOR = 2.0  # a quantized B passes within this x the deviation re-quantizing A's tensors causes

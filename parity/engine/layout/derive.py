@@ -29,7 +29,7 @@ from torch import nn
 
 from parity.definitions.aliases import load_aliases
 from parity.definitions.mapping import Mapping, TensorRoute
-from parity.engine.derive_experts import ExpertsModule, expert_layout, find_experts
+from parity.engine.layout.experts import ExpertsModule, expert_layout, find_experts
 from parity.engine.reference import activation_module
 from parity.errors import MappingError
 from parity.sources.checkpoint import Checkpoint
@@ -453,12 +453,12 @@ def refusing_target(what: str, gap: str) -> str:
     """[target].class of a derived layout that no repository module expresses: importing it refuses in one line."""
     key = "repository_lacks_" + re.sub(r"\W", "_", what)
     REFUSALS[key] = f"no module of the repository (parity.ffn) expresses transformers' {what}: {gap}; {ADVICE}"
-    return f"parity.engine.derive:{key}"
+    return f"parity.engine.layout.derive:{key}"
 
 
 def experts_mappings(decoder: Decoder, moe: list[int]) -> list[Mapping]:
     """The layouts of the layers with experts: the routed experts (each a unit, read where the checkpoint keeps it:
-    parity.engine.derive_experts), then each dense FFN beside them (a shared expert) as a unit of its own."""
+    parity.engine.layout.experts), then each dense FFN beside them (a shared expert) as a unit of its own."""
     import transformers
 
     found = [find_experts(decoder.layers[i], decoder.d) for i in moe]
@@ -538,7 +538,7 @@ def expressible(mapping: Mapping, config: Any) -> Mapping:
     REFUSALS[key] = (f"no module of the repository (parity.ffn) expresses transformers' {type(module).__name__} of "
                      f"this checkpoint: its d_ff is {shape[2]}, and parity.ffn.FeedForward's d_ff is always 4·d "
                      f"({4 * d}); {ADVICE}")
-    return dataclasses.replace(mapping, target_class=f"parity.engine.derive:{key}")
+    return dataclasses.replace(mapping, target_class=f"parity.engine.layout.derive:{key}")
 
 
 REFUSALS: dict[str, str] = {}  # [target].class of a derived layout no repository module expresses -> why

@@ -1,5 +1,5 @@
 """Building the module under test: importing the user's class or factory and calling its constructor with what
-``parity.engine.arguments`` chooses (the mapping's [target].args, the checkpoint's config or a read-only view of
+``parity.engine.check.arguments`` chooses (the mapping's [target].args, the checkpoint's config or a read-only view of
 it, values bound by parameter name), then checking the built sizes; a target of another framework is put behind
 a torch module (``parity.targets``).  Construction runs the user's code: what it raises becomes a TargetError
 naming it, with the constructor's signature and what was passed.
@@ -19,7 +19,7 @@ from torch import nn
 
 from parity.definitions.aliases import load_aliases
 from parity.definitions.mapping import NONE, ConfigValue, Mapping
-from parity.engine.arguments import (
+from parity.engine.check.arguments import (
     NAMED,
     TargetCall,
     admits_none,
@@ -144,7 +144,7 @@ def build_target(mapping: Mapping, config: Any,
 
     A constructor given the checkpoint's transformers config that reads a field the config lacks (nanoGPT's
     ``config.bias``) is called once more with a read-only view of the config that answers it from aliases.toml
-    [config_fields] (``parity.engine.config_view``); each field the view supplied is one of the notes."""
+    [config_fields] (``parity.engine.check.config_view``); each field the view supplied is one of the notes."""
     chosen = target if target is not None else mapping.target_class
     name = target_label(chosen)
     if isinstance(chosen, nn.Module):  # an instance of parity's own kind: a copy is checked, never the caller's
@@ -474,7 +474,7 @@ def _python(spelling: Any, value: Any) -> str:
 
 
 def _is_view(value: Any) -> bool:
-    from parity.engine.config_view import ConfigView
+    from parity.engine.check.config_view import ConfigView
 
     return isinstance(value, ConfigView)
 

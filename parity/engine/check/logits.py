@@ -15,7 +15,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from parity.engine.run import run_module
+from parity.engine.check.run import run_module
 
 TOKENS = 32
 MEMORY_SHARE = 0.6  # of MemAvailable, for the model in float32 (held once; one MLP swapped at a time)

@@ -4,7 +4,7 @@ Why it exists: a module whose constructor takes a config reads that config's fie
 nanoGPT's ``MLP(config)`` reads ``config.n_embd``, ``config.bias`` and ``config.dropout``; transformers'
 ``GPT2Config`` has ``n_embd`` but neither ``bias`` nor ``dropout``, so building the module verbatim from the
 checkpoint's config raises AttributeError, and every such user had to write a factory.  When that happens,
-``parity.engine.build.build_target`` builds the target once more with this view instead of the config:
+``parity.engine.check.build.build_target`` builds the target once more with this view instead of the config:
 
 - a field the config has is the config's own (attribute_map included: ``GPT2Config.hidden_size`` is
   ``n_embd``); the view never overrides the checkpoint's config;
@@ -168,7 +168,7 @@ def config_view(config: Any, fields: ConfigFields, facts: dict[str, tuple[Any, s
                 float32: Any = None) -> ConfigView:
     """The view of ``config`` answering the names of ``fields`` (aliases.toml [config_fields]) the config lacks;
     ``float32``: the target framework's float32 (``mx.float32``, ``jnp.float32``; default torch's);
-    ``facts``: fact name -> (value, why parity says so) or None when unknown (``parity.engine.build``:
+    ``facts``: fact name -> (value, why parity says so) or None when unknown (``parity.engine.check.build``:
     ``ffn_bias``, whether the checkpoint's FFN has bias tensors; ``ffn_width``, its d_ff)."""
     answers: dict[str, tuple[Any, str]] = {}
     for name, own in fields.aliases.items():

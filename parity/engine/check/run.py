@@ -12,8 +12,8 @@ from collections.abc import Iterator
 import torch
 from torch import nn
 
-from parity.engine.compare import input_change
 from parity.engine.frames import user_frame
+from parity.engine.verdict import input_change
 from parity.errors import ParityError, TargetError
 
 

@@ -13,7 +13,7 @@ from typing import Any
 
 from parity.definitions.families import dff_rule
 from parity.definitions.mapping import route_arrows
-from parity.engine.resolve import activation_override_notes
+from parity.engine.layout.resolve import activation_override_notes
 from parity.engine.results import SCHEMA_VERSION
 
 
@@ -88,15 +88,14 @@ def inspect_model(model: str, checkpoint: str | None = None, mapping: str | None
     from parity.definitions.families import ACTIVATION_ATTRS, config_dff, configured_activation
     from parity.definitions.mapping import ConfigValue
     from parity.definitions.selection import parse_selection
-    from parity.engine.arguments import unit_width
+    from parity.engine.check.arguments import unit_width
+    from parity.engine.check.session import Session
+    from parity.engine.layout.resolve import resolve
     from parity.engine.reference import activation_module, activation_name
-    from parity.engine.resolve import resolve
-    from parity.engine.session import Session
 
     session = Session(resolve(model, checkpoint, mapping, revision, allow_pickle=allow_pickle), target=target)
     (layer,) = parse_selection(int(layer), session.num_layers)
-    # a derived layout whose layers differ (dense layers before MoE ones): the first unit of this layer is shown
-    session = next(unit for unit in (session, *session.parts) if unit.mapping.serves(layer))
+    session = next(unit for unit in (session, *session.parts) if unit.mapping.serves(layer))  # its first unit
     config, ckpt, fam = session.config, session.checkpoint, session.mapping
     probe = session.reference.meta_module(fam.reference_path(layer))
     d = session.hidden_size
@@ -154,7 +153,7 @@ def target_routes(session, prefix: str, rows: list[dict[str, Any]]) -> dict[str,
     fail the layer, or routes that cannot be shown)."""
     import torch
 
-    from parity.engine.fill import fill_target
+    from parity.engine.check.fill import fill_target
     from parity.errors import ParityError, ShapeMismatchError, TargetError
 
     built: dict[str, Any] = {"args": None, "routes": None, "notes": [], "error": None, "error_details": None,
@@ -193,8 +192,8 @@ def _build_on_meta(session):
     device; a constructor that cannot run there is built on the CPU and moved to it."""
     import torch
 
-    from parity.engine.build import build_target
-    from parity.engine.run import skip_init, user_code
+    from parity.engine.check.build import build_target
+    from parity.engine.check.run import skip_init, user_code
     from parity.errors import TargetError
 
     with skip_init(), user_code(f"target {session.target_name()} could not be built"):

@@ -144,7 +144,7 @@ def resolve(model: str, checkpoint: str | None = None, mapping: str | Path | Non
     config = load_config(ckpt)
     check_sizes(chosen, ckpt, config)
     if mapping is None:  # a built-in default target that cannot express this FFN refuses in one line
-        from parity.engine.derive import expressible
+        from parity.engine.layout.derive import expressible
 
         chosen = expressible(chosen, config)
     notes.extend(ckpt.notes)
@@ -163,10 +163,10 @@ def derived_mapping(ckpt: Checkpoint) -> Mapping:
     """The layout transformers' own model implies (``engine.derive``); for a GGUF file, spelled in the names gguf's
     own map gives its architecture (``engine.derive_gguf``)."""
     if _is_gguf(ckpt):
-        from parity.engine.derive_gguf import derive_gguf_mapping
+        from parity.engine.layout.gguf import derive_gguf_mapping
 
         return derive_gguf_mapping(ckpt, load_config)
-    from parity.engine.derive import derive_mapping
+    from parity.engine.layout.derive import derive_mapping
 
     return derive_mapping(ckpt, load_config)
 

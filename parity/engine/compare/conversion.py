@@ -31,8 +31,8 @@ from dataclasses import dataclass
 import torch
 
 from parity.definitions.mapping import TensorRoute
-from parity.engine.fill import route_tensor
-from parity.engine.gguf_blocks import (
+from parity.engine.check.fill import route_tensor
+from parity.engine.compare.gguf_blocks import (
     K_FORMAT,
     K_QUANTS,
     SCALE_FIRST,

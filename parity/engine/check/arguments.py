@@ -1,7 +1,8 @@
 """What a target's constructor is called with: the checkpoint's config (or parity's read-only view of it, or an
 instance of the project's own config class built from it), the mapping's [target].args, the values its
 parameters' names ask for (``bind_by_name``), or projection modules; and the facts about the checkpoint's FFN
-that answer them (d_ff, biases, activation).  ``parity.engine.build`` calls the constructor with what this chooses.
+that answer them (d_ff, biases, activation).  ``parity.engine.check.build`` calls the constructor with what this
+chooses.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from torch import nn
 from parity.definitions.aliases import load_aliases
 from parity.definitions.families import TANH_GELUS, config_dff, configured_activation
 from parity.definitions.mapping import NONE, ConfigValue, Mapping, TensorRoute
-from parity.engine.config_view import COMPUTE_DTYPE_NAMES
+from parity.engine.check.config_view import COMPUTE_DTYPE_NAMES
 from parity.errors import TargetError
 
 if TYPE_CHECKING:  # annotations only: the frameworks' registry is build.py's to import
@@ -26,7 +27,7 @@ if TYPE_CHECKING:  # annotations only: the frameworks' registry is build.py's to
 def config_view_of(mapping: Mapping, config: Any, framework: Framework | None = None):
     """parity's read-only view of the checkpoint's config (config_view.py), answering from aliases.toml; its
     ``dtype`` is the target framework's float32."""
-    from parity.engine.config_view import config_view
+    from parity.engine.check.config_view import config_view
 
     float32 = framework.float32() if framework is not None else None
     return config_view(config, load_aliases().config_fields, checkpoint_facts(mapping, config), float32)
