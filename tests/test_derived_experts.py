@@ -213,3 +213,24 @@ def test_inspect_shows_the_unit_of_the_layer_asked(capsys, moe_families):
         code, info, err = run_json(capsys, "inspect", folder, "--layer", layer)
         assert code == 0, err
         assert info["intermediate_size"] == width and info["reference"].endswith(module)
+
+
+@pytest.mark.parametrize("model_type", ["phi3", "glm"])  # phi3: mappings/phi3.toml; glm: derived
+def test_a_dense_fused_gate_up_with_its_halves_exchanged_is_named(capsys, tmp_path, model_type):
+    """One fused gate_up_proj [2·ff, d] whose halves are exchanged is gate and up exchanged, not a corrupted value;
+    written interleaved where transformers reads halves, it is the layout mistake."""
+    from safetensors.torch import load_file, save_file
+
+    folder = build(model_type, tmp_path / model_type, 5, intermediate_size=72, num_key_value_heads=2, head_dim=16)
+    for how, named in (("halves", "gate_up_exchanged"), ("interleaving", "gate_up_reordered")):
+        broken = tmp_path / f"{model_type}-{how}"
+        shutil.copytree(folder, broken)
+        tensors = load_file(broken / "model.safetensors")
+        name = next(n for n in tensors if ".layers.1." in n and "gate_up_proj" in n)
+        first, second = tensors[name].chunk(2)
+        tensors[name] = (torch.cat([second, first]) if how == "halves"
+                         else torch.stack([first, second], dim=1).flatten(0, 1)).contiguous()
+        save_file(tensors, broken / "model.safetensors", metadata={"format": "pt"})
+        code, report, err = run_json(capsys, "compare", folder, broken)
+        assert code == 1, err
+        assert [(r["layer"], r["diagnosis"]["id"]) for r in report["layers"] if not r["passed"]] == [(1, named)]

@@ -69,8 +69,27 @@ def hypotheses(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor], storage: 
                     found.append(Hypothesis(MistakeId.GATE_UP_REORDERED, f"B's {gate} and {up}: {how}{said}",
                                             lambda t, p=which, i=interleaved: _refused_layout(t, p, i)))
     for name in differing:
+        found.extend(fused_hypotheses(name, a[name]))
         found.extend(tensor_hypotheses(name, a[name], b[name], storage[name]))
     return found
+
+
+def fused_hypotheses(name: str, a: torch.Tensor) -> list[Hypothesis]:
+    """A tensor holding gate and up fused along its rows (transformers' names say so: Phi-3's gate_up_proj, in
+    mappings/aliases.toml): its halves exchanged, or its rows written in the other layout (halves / interleaved)."""
+    from parity.definitions.aliases import load_aliases
+
+    if a.dim() == 0 or a.shape[0] % 2 or "gate_up" not in {role for role, _ in load_aliases().roles_of(name)}:
+        return []
+    first, second = a.float().chunk(2)
+    alternate = a.float().reshape(2, -1, *a.shape[1:]).transpose(0, 1).reshape(a.shape)  # [g; u] -> g0 u0 g1 u1
+    halves = torch.cat([a.float()[0::2], a.float()[1::2]])  # g0 u0 g1 u1 -> [g; u]
+    return [Hypothesis(MistakeId.GATE_UP_EXCHANGED, f"{name}: its halves exchanged (up first, then gate)",
+                       _replace(name, torch.cat([second, first]))),
+            Hypothesis(MistakeId.GATE_UP_REORDERED, f"{name}: [gate; up] halves written as alternate rows",
+                       _replace(name, alternate)),
+            Hypothesis(MistakeId.GATE_UP_REORDERED, f"{name}: alternate rows written as [gate; up] halves",
+                       _replace(name, halves))]
 
 
 def _replace(name: str, value: torch.Tensor) -> Callable[[dict], dict]:
