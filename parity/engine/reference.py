@@ -18,7 +18,7 @@ from parity.engine import sliced
 from parity.engine.sliced import SlicedMLP, SlicePlan, plan_slices
 from parity.engine.upcast import upcast_on_call, works_on_call
 from parity.errors import CheckpointError, MappingError, ShapeMismatchError
-from parity.sources.skeleton import ModelSkeleton
+from parity.sources.skeleton import InlineFFN, ModelSkeleton
 
 _ACTIVATION_CHILD_NAMES = ("act", "act_fn", "activation_fn", "activation")
 
@@ -111,11 +111,13 @@ def _sizes(config: Any) -> str:
 
 
 def activation_module(module: nn.Module) -> nn.Module | None:
-    """The activation inside a transformers MLP (GPT2MLP.act, LlamaMLP.act_fn, ...)."""
+    """The activation inside a transformers MLP (GPT2MLP.act, LlamaMLP.act_fn, ...; an inline FFN's step, which may
+    sit in a child of the layer: BERT's intermediate.intermediate_act_fn)."""
     from transformers.activations import ACT2CLS
 
     classes = tuple({v[0] if isinstance(v, tuple) else v for v in ACT2CLS.values()})
-    for name, child in module.named_children():
+    children = module.step_modules() if isinstance(module, InlineFFN) else module.named_children()
+    for name, child in children:
         if name in _ACTIVATION_CHILD_NAMES or isinstance(child, classes):
             return child
     return None
