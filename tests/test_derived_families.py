@@ -254,7 +254,6 @@ def refused(tmp_path_factory) -> dict[str, Path]:
         "gpt2": build("gpt2", root / "gpt2", 1, n_inner=72),  # served by mappings/gpt2.toml
         "qwen3_moe": build("qwen3_moe", root / "qwen3_moe", 2, intermediate_size=72, moe_intermediate_size=16,
                            num_experts=4, num_experts_per_tok=2, **KV),
-        "bloom": build("bloom", root / "bloom", 3),
     }
 
 
@@ -283,7 +282,6 @@ def test_classic_ffn_wider_or_narrower_than_4d(capsys, refused, case, port, said
 
 @pytest.mark.parametrize("case, said", [
     ("qwen3_moe", "layer 0's FFN is a mixture of experts (2 of 2 layers), and deriving an MoE layout is not built yet"),
-    ("bloom", "BloomMLP.forward takes (hidden_states, residual)"),
 ])
 def test_derivation_refused(capsys, refused, case, said):
     """Layouts this slice does not derive: exit 2, one line, for a check and a compare alike."""
