@@ -248,3 +248,44 @@ def test_tanh_gelu_port_passes_bloom(capsys, shapes):
     code, out, err = run_main(capsys, shapes["bloom"][0], "--layers", "all", "--target",
                               "tests.test_derived_dense_shapes:bloom_tanh_port")
     assert code == 0 and "PASS: 2 layer(s)" in out, out + err
+
+
+class Intermediate(nn.Module):
+    def __init__(self, d: int, f: int):
+        super().__init__()
+        self.dense, self.act_fn = nn.Linear(d, f), nn.GELU()
+
+    def forward(self, x):
+        return self.act_fn(self.dense(x))
+
+
+class ScaledIntermediate(Intermediate):
+    def forward(self, x):
+        return 2.0 * self.act_fn(self.dense(x))
+
+
+class SplitLayer(nn.Module):
+    """A BERT-like layer: attention, then the FFN over two children."""
+
+    def __init__(self, intermediate: type[Intermediate], d: int = 8, f: int = 32):
+        super().__init__()
+        self.query, self.intermediate, self.output = nn.Linear(d, d), intermediate(d, f), nn.Module()
+        self.output.dense = nn.Linear(f, d)
+
+
+@pytest.mark.parametrize("intermediate, steps", [
+    (Intermediate, ("intermediate.dense", "intermediate.act_fn", "output.dense")),
+    (ScaledIntermediate, None),
+])
+def test_split_ffn_is_cut_only_where_the_child_computes_just_it(intermediate, steps):
+    """The child holding the first projection and the activation is cut into the FFN's steps only where its
+    forward computes just those two (seen on random values): one that does more is no FFN parity reads."""
+    from parity.engine.derive_structure import find_ffn
+
+    with torch.device("meta"):
+        layer = SplitLayer(intermediate)
+    found = find_ffn(layer, 8)
+    assert (found.inline if found is not None else None) == steps
+    if found is not None:
+        assert sorted(found.module.state_dict()) == ["intermediate.dense.bias", "intermediate.dense.weight",
+                                                      "output.dense.bias", "output.dense.weight"]

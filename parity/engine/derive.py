@@ -260,7 +260,7 @@ def default_target(ffn: FFN, d: int, sources: dict[str, str]) -> tuple[str, dict
     args: dict[str, Any] = {"emb_size": d, "hidden_dim": ffn.width, "bias": bias, "dropout": 0.0} if gated else \
         {"emb_size": d, "activation": activation_of(ffn.module) or "relu", "dropout": 0.0}
     if gap is not None:
-        what = type(ffn.module).__name__ if not ffn.inline else "+".join(ffn.inline)
+        what = type(ffn.module).__name__ if not ffn.inline else f"{ffn.module.layer_class}'s {'+'.join(ffn.inline)}"
         key = "repository_lacks_" + re.sub(r"\W", "_", what)
         REFUSALS[key] = f"no module of the repository (parity.ffn) expresses transformers' {what}: {gap}; {ADVICE}"
         return f"parity.engine.derive:{key}", args, routes

@@ -141,7 +141,8 @@ def inline_ffn(layer: nn.Module, d: int) -> FFN | None:
     """An FFN no one child holds: a projection d -> d_ff whose parent (the layer, or a child of it) holds the
     activation, and the projection registered next, d_ff -> d (OPT: fc1, activation_fn, fc2 on the layer; BERT:
     intermediate.dense, intermediate.intermediate_act_fn, then output.dense, whose module goes on to add the
-    residual and normalise: not the FFN).  Attention's projections have no activation beside them."""
+    residual and normalise: not the FFN; the child holding the first two is seen to compute just them).
+    Attention's projections have no activation beside them."""
     projs = projections(layer)
     for first, second in zip(projs, projs[1:], strict=False):
         if first.d_in != d or second.d_out != d or first.d_out != second.d_in:
@@ -152,6 +153,8 @@ def inline_ffn(layer: nn.Module, d: int) -> FFN | None:
         if act is None:
             continue
         act_name = next(name for name, child in parent.named_children() if child is act)
+        if parent_path and not runs_alone(parent, (first.name[len(parent_path) + 1:], act_name), d):
+            continue
         steps = (first.name, ".".join(p for p in (parent_path, act_name) if p), second.name)
         return FFN("", InlineFFN(layer, list(steps)), (first,), second, first.d_out, inline=steps)
     return None
@@ -182,18 +185,40 @@ def usable_alone(ffn: FFN, model_type: str | None) -> FFN:
 def adds_second_input(module: nn.Module, d: int) -> bool:
     """Whether ``module(x, r) - module(x, 0) == r``: the module's forward adds its second input at the end (BloomMLP
     adds the residual), checked in float64 on random parameters and inputs, never assumed from a name."""
+    probe, generator = random_probe(module)
+    x, r = (torch.randn(2, 3, d, generator=generator, dtype=torch.float64) for _ in range(2))
+    try:
+        with torch.no_grad():
+            gap = probe(x, r) - probe(x, torch.zeros_like(r)) - r
+    except Exception:  # a forward that cannot run on these inputs does not read as adding them
+        return False
+    return bool(gap.abs().max() <= 1e-12 * r.abs().max())
+
+
+def runs_alone(parent: nn.Module, steps: tuple[str, str], d: int) -> bool:
+    """Whether a child of the layer holding an FFN's first projection and activation computes just those two
+    (BertIntermediate: act(dense(x))), checked as ``adds_second_input`` is; one whose forward does more (or
+    takes more than x) is not cut into an FFN."""
+    probe, generator = random_probe(parent)
+    x = torch.randn(2, 3, d, generator=generator, dtype=torch.float64)
+    try:
+        with torch.no_grad():
+            want = probe.get_submodule(steps[1])(probe.get_submodule(steps[0])(x))
+            gap = probe(x) - want
+    except Exception:  # a forward that cannot run on x alone
+        return False
+    return bool(gap.abs().max() <= 1e-12 * want.abs().max())
+
+
+def random_probe(module: nn.Module) -> tuple[nn.Module, torch.Generator]:
+    """A float64 CPU copy of a (meta-device) module holding random values, in eval mode, and the generator on."""
     generator = torch.Generator().manual_seed(0)
     probe = copy.deepcopy(module).to_empty(device="cpu").double().eval()
     with torch.no_grad():
         for tensor in (*probe.parameters(), *probe.buffers()):
             if tensor.is_floating_point():
                 tensor.copy_(torch.randn(tensor.shape, generator=generator, dtype=tensor.dtype) * 0.3)
-        x, r = (torch.randn(2, 3, d, generator=generator, dtype=torch.float64) for _ in range(2))
-        try:
-            gap = probe(x, r) - probe(x, torch.zeros_like(r)) - r
-        except Exception:  # a forward that cannot run on these inputs does not read as adding them
-            return False
-    return bool(gap.abs().max() <= 1e-12 * r.abs().max())
+    return probe, generator
 
 
 def activation_step(module: nn.Module) -> nn.Module | None:

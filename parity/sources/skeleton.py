@@ -74,7 +74,7 @@ class InlineFFN(nn.Module):
 
     def __init__(self, layer: nn.Module, steps: list[str]):
         super().__init__()
-        self.steps = list(steps)
+        self.steps, self.layer_class = list(steps), type(layer).__name__
         for path in self.steps:
             parent = self
             *parents, name = path.split(".")
