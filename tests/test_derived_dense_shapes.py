@@ -203,16 +203,17 @@ class GatesOnResidual(AddsResidual):
         return self.fc_out(F.gelu(self.fc_in(hidden_states) * residual.sum())) + residual
 
 
-@pytest.mark.parametrize("module, adds", [(AddsResidual(), True), (ScalesResidual(), False),
-                                          (GatesOnResidual(), False)])
-def test_residual_is_seen_added_not_assumed(module, adds):
+@pytest.mark.parametrize("d", [8, 512])  # 512: over PROBE_ELEMENTS, probed at a small width
+@pytest.mark.parametrize("kind, adds", [(AddsResidual, True), (ScalesResidual, False), (GatesOnResidual, False)])
+def test_residual_is_seen_added_not_assumed(kind, adds, d):
     """A forward of (x, residual) is cut down to the FFN only where the module is seen to add the residual at the
     end, in float64 on random values (meta-device parameters, as derive holds them)."""
-    from parity.engine.derive_structure import adds_second_input
+    from parity.engine.derive_structure import PROBE_ELEMENTS, adds_second_input
 
     with torch.device("meta"):
-        meta = type(module)()
-    assert adds_second_input(meta, 8) is adds
+        meta = kind(d)
+    assert (sum(p.numel() for p in meta.parameters()) > PROBE_ELEMENTS) == (d == 512)
+    assert adds_second_input(meta, d, 4 * d) is adds
 
 
 class RoundedTanhGelu(nn.Module):

@@ -153,7 +153,7 @@ def inline_ffn(layer: nn.Module, d: int) -> FFN | None:
         if act is None:
             continue
         act_name = next(name for name, child in parent.named_children() if child is act)
-        if parent_path and not runs_alone(parent, (first.name[len(parent_path) + 1:], act_name), d):
+        if parent_path and not runs_alone(parent, (first.name[len(parent_path) + 1:], act_name), d, first.d_out):
             continue
         steps = (first.name, ".".join(p for p in (parent_path, act_name) if p), second.name)
         return FFN("", InlineFFN(layer, list(steps)), (first,), second, first.d_out, inline=steps)
@@ -167,7 +167,7 @@ def usable_alone(ffn: FFN, model_type: str | None) -> FFN:
     name = type(ffn.module).__name__
     takes = [n for n, p in inspect.signature(ffn.module.forward).parameters.items()
              if p.default is inspect.Parameter.empty and p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
-    if not ffn.inline and len(takes) == 2 and adds_second_input(ffn.module, ffn.out.d_out):
+    if not ffn.inline and len(takes) == 2 and adds_second_input(ffn.module, ffn.out.d_out, ffn.width):
         ffn = dataclasses.replace(ffn, residual=True)
     elif not ffn.inline and len(takes) != 1:
         raise refused(model_type, f"transformers' {name}.forward takes ({', '.join(takes)}), not the FFN's input "
@@ -182,10 +182,10 @@ def usable_alone(ffn: FFN, model_type: str | None) -> FFN:
     return ffn
 
 
-def adds_second_input(module: nn.Module, d: int) -> bool:
+def adds_second_input(module: nn.Module, d: int, width: int) -> bool:
     """Whether ``module(x, r) - module(x, 0) == r``: the module's forward adds its second input at the end (BloomMLP
     adds the residual), checked in float64 on random parameters and inputs, never assumed from a name."""
-    probe, generator = random_probe(module)
+    probe, generator, d = random_probe(module, d, width)
     x, r = (torch.randn(2, 3, d, generator=generator, dtype=torch.float64) for _ in range(2))
     try:
         with torch.no_grad():
@@ -195,11 +195,11 @@ def adds_second_input(module: nn.Module, d: int) -> bool:
     return bool(gap.abs().max() <= 1e-12 * r.abs().max())
 
 
-def runs_alone(parent: nn.Module, steps: tuple[str, str], d: int) -> bool:
+def runs_alone(parent: nn.Module, steps: tuple[str, str], d: int, width: int) -> bool:
     """Whether a child of the layer holding an FFN's first projection and activation computes just those two
     (BertIntermediate: act(dense(x))), checked as ``adds_second_input`` is; one whose forward does more (or
     takes more than x) is not cut into an FFN."""
-    probe, generator = random_probe(parent)
+    probe, generator, d = random_probe(parent, d, width)
     x = torch.randn(2, 3, d, generator=generator, dtype=torch.float64)
     try:
         with torch.no_grad():
@@ -210,15 +210,29 @@ def runs_alone(parent: nn.Module, steps: tuple[str, str], d: int) -> bool:
     return bool(gap.abs().max() <= 1e-12 * want.abs().max())
 
 
-def random_probe(module: nn.Module) -> tuple[nn.Module, torch.Generator]:
-    """A float64 CPU copy of a (meta-device) module holding random values, in eval mode, and the generator on."""
+PROBE_ELEMENTS = 1 << 20  # a module with more parameters is probed at a small d and d_ff (a real Bloom's: 1.6e9 B)
+
+
+def random_probe(module: nn.Module, d: int, width: int) -> tuple[nn.Module, torch.Generator, int]:
+    """A float64 CPU copy of a (meta-device) module holding random values, in eval mode, the generator on, and the
+    d its input has.  A large module's parameters are made d = 8, d_ff = 24 wide along those axes (a forward that
+    reads its widths from elsewhere then fails, and the module reads as doing something else: refused, never
+    passed)."""
+    probe = copy.deepcopy(module)
+    if sum(p.numel() for p in probe.parameters()) > PROBE_ELEMENTS and d != width:
+        sizes = {d: 8, width: 24}
+        for owner in probe.modules():
+            for name, param in list(owner.named_parameters(recurse=False)):
+                shape = [sizes.get(size, size) for size in param.shape]
+                setattr(owner, name, nn.Parameter(torch.empty(shape, device="meta", dtype=param.dtype)))
+        d = sizes[d]
     generator = torch.Generator().manual_seed(0)
-    probe = copy.deepcopy(module).to_empty(device="cpu").double().eval()
+    probe = probe.to_empty(device="cpu").double().eval()
     with torch.no_grad():
         for tensor in (*probe.parameters(), *probe.buffers()):
             if tensor.is_floating_point():
                 tensor.copy_(torch.randn(tensor.shape, generator=generator, dtype=tensor.dtype) * 0.3)
-    return probe, generator
+    return probe, generator, d
 
 
 def activation_step(module: nn.Module) -> nn.Module | None:
