@@ -290,3 +290,20 @@ def test_split_ffn_is_cut_only_where_the_child_computes_just_it(intermediate, st
     if found is not None:
         assert sorted(found.module.state_dict()) == ["intermediate.dense.bias", "intermediate.dense.weight",
                                                       "output.dense.bias", "output.dense.weight"]
+
+
+class GatedOnTheLayer(nn.Module):
+    """gate, up, down and the activation directly on the layer: a gated FFN that no three-step cut computes."""
+
+    def __init__(self, d: int = 8, f: int = 32):
+        super().__init__()
+        self.query = nn.Linear(d, d)
+        self.gate, self.up, self.act_fn, self.down = nn.Linear(d, f), nn.Linear(d, f), nn.SiLU(), nn.Linear(f, d)
+
+
+def test_gated_projections_on_the_layer_are_not_cut_into_a_classic_ffn():
+    from parity.engine.derive_structure import find_ffn
+
+    with torch.device("meta"):
+        layer = GatedOnTheLayer()
+    assert find_ffn(layer, 8) is None

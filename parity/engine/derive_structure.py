@@ -142,7 +142,8 @@ def inline_ffn(layer: nn.Module, d: int) -> FFN | None:
     activation, and the projection registered next, d_ff -> d (OPT: fc1, activation_fn, fc2 on the layer; BERT:
     intermediate.dense, intermediate.intermediate_act_fn, then output.dense, whose module goes on to add the
     residual and normalise: not the FFN; the child holding the first two is seen to compute just them).
-    Attention's projections have no activation beside them."""
+    Attention's projections have no activation beside them; a second projection d -> d_ff beside the first is a
+    gate, and a gated FFN is no such cut."""
     projs = projections(layer)
     for first, second in zip(projs, projs[1:], strict=False):
         if first.d_in != d or second.d_out != d or first.d_out != second.d_in:
@@ -153,6 +154,9 @@ def inline_ffn(layer: nn.Module, d: int) -> FFN | None:
         if act is None:
             continue
         act_name = next(name for name, child in parent.named_children() if child is act)
+        twins = [q for q in projections(parent, direct=True) if (q.d_in, q.d_out) == (d, first.d_out)]
+        if len(twins) > 1:  # a gate beside it (gate, up, down on the layer): a gated FFN, not this cut
+            continue
         if parent_path and not runs_alone(parent, (first.name[len(parent_path) + 1:], act_name), d, first.d_out):
             continue
         steps = (first.name, ".".join(p for p in (parent_path, act_name) if p), second.name)
