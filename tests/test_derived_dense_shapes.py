@@ -307,3 +307,30 @@ def test_gated_projections_on_the_layer_are_not_cut_into_a_classic_ffn():
     with torch.device("meta"):
         layer = GatedOnTheLayer()
     assert find_ffn(layer, 8) is None
+
+
+class TwoStacks(nn.Module):
+    """An encoder and a decoder of linear layers, 3 and 2 long."""
+
+    def __init__(self, d: int = 8):
+        super().__init__()
+        self.encoder = nn.ModuleList(nn.Sequential(nn.Linear(d, d)) for _ in range(3))
+        self.decoder = nn.ModuleList(nn.Sequential(nn.Linear(d, d)) for _ in range(2))
+
+
+@pytest.mark.parametrize("count, chosen", [(2, "decoder"), (3, "encoder"), (4, None)])
+def test_which_list_of_layers(count, chosen):
+    """Of two lists of layers, the one num_hidden_layers long; with none that long, refused naming both (one list
+    alone, as a seq2seq ForCausalLM's decoder, is taken whatever num_hidden_layers says: the bart case above)."""
+    from types import SimpleNamespace
+
+    from parity.engine.derive_structure import decoder_layers
+    from parity.errors import MappingError
+
+    config = SimpleNamespace(num_hidden_layers=count, model_type="twostacks")
+    if chosen is not None:
+        assert decoder_layers(TwoStacks(), config)[0] == chosen
+        return
+    with pytest.raises(MappingError) as caught:
+        decoder_layers(TwoStacks(), config)
+    assert "found: encoder (3), decoder (2)" in str(caught.value) and "\n" not in str(caught.value)
