@@ -114,6 +114,10 @@ def bloom_port(config):
     return TwoLayer(config.hidden_size, 4 * config.hidden_size, ("dense_h_to_4h", "dense_4h_to_h"), bloom_gelu)
 
 
+def bloom_exact_gelu_port(config):
+    return TwoLayer(config.hidden_size, 4 * config.hidden_size, ("dense_h_to_4h", "dense_4h_to_h"), F.gelu)
+
+
 def bloom_tanh_port(config):
     return TwoLayer(config.hidden_size, 4 * config.hidden_size, ("dense_h_to_4h", "dense_4h_to_h"), tanh_gelu)
 
@@ -229,7 +233,7 @@ class RoundedTanhGelu(nn.Module):
 def test_activation_of_its_own_class_is_measured(constant, named):
     """Bloom's constant (0.79788456) is tanh GELU's sqrt(2/pi) within a tenth of float32's resolution; one rounded
     to 0.7978 is a function float32 tells apart (up to 6e-4 relative), and is named as none."""
-    from parity.engine.derive_structure import measured_function
+    from parity.engine.reference import measured_function
 
     assert measured_function(RoundedTanhGelu(constant)) == named
 
@@ -334,3 +338,12 @@ def test_which_list_of_layers(count, chosen):
     with pytest.raises(MappingError) as caught:
         decoder_layers(TwoStacks(), config)
     assert "found: encoder (3), decoder (2)" in str(caught.value) and "\n" not in str(caught.value)
+
+
+def test_bloom_port_with_exact_gelu_is_named(capsys, shapes):
+    """Bloom's own GELU class is measured as tanh GELU, so the known mistake of a port running exact GELU is
+    replayed on transformers' BloomMLP (its activation replaced) and named."""
+    code, out, err = run_main(capsys, shapes["bloom"][0], "--layers", "all", "--target",
+                              "tests.test_derived_dense_shapes:bloom_exact_gelu_port")
+    assert code == 1 and "gelu_exact_instead_of_tanh" in out, out + err
+    assert "(activation: gelu_pytorch_tanh)" in out

@@ -21,17 +21,13 @@ import torch
 from torch import nn
 
 from parity.definitions.aliases import load_aliases
-from parity.engine.reference import activation_module
+from parity.engine.reference import activation_module, measured_function
 from parity.errors import MappingError
 from parity.sources.skeleton import InlineFFN
 
 # parity.ffn's activations, by transformers' ACT2CLS names of the same function
 _SAME_FUNCTION = {"silu": "silu", "swish": "silu", "gelu": "gelu", "gelu_python": "gelu", "relu": "relu",
                   "gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh", "gelu_python_tanh": "gelu_tanh"}
-_FUNCTIONS = {"relu": torch.relu, "gelu": nn.functional.gelu, "silu": nn.functional.silu,
-              "gelu_tanh": lambda x: nn.functional.gelu(x, approximate="tanh")}
-# an activation of its own class computes one of those where it agrees with it 10x closer than float32 resolves
-SAME_WITHIN = torch.finfo(torch.float32).eps / 10
 
 
 def refused(model_type: str | None, why: str, mapping_with: str = "") -> MappingError:
@@ -239,24 +235,13 @@ def random_probe(module: nn.Module, d: int, width: int) -> tuple[nn.Module, torc
     return probe, generator, d
 
 
-def activation_step(module: nn.Module) -> nn.Module | None:
-    """The FFN's activation: the child transformers' names or ACT2CLS classes say, else its one child without
-    parameters that is no dropout (BloomMLP's gelu_impl, a BloomGelu)."""
-    act = activation_module(module)
-    if act is not None:
-        return act
-    bare = [child for _, child in module.named_children()
-            if not any(True for _ in child.parameters()) and not isinstance(child, nn.Dropout)]
-    return bare[0] if len(bare) == 1 else None
-
-
 def activation_of(module: nn.Module) -> str | None:
     """The function of the FFN's activation as parity.ffn names it ('silu', 'gelu', 'gelu_tanh', 'relu'), read off
     its class through transformers' ACT2CLS (torch's nn.GELU by its ``approximate``), else measured
     (``measured_function``); None: none of those."""
     from transformers.activations import ACT2CLS
 
-    act = activation_step(module)
+    act = activation_module(module)
     if act is None:
         return None
     if type(act) is nn.GELU:
@@ -268,25 +253,6 @@ def activation_of(module: nn.Module) -> str | None:
     return None if names else measured_function(act)
 
 
-def measured_function(act: nn.Module) -> str | None:
-    """The parity.ffn activation a module of its own class computes (Bloom's tanh GELU, written with rounded
-    constants): the one it agrees with in float64 over [-12, 12] within a tenth of float32's resolution, relative
-    to the value; None where none does, or it holds parameters (then it is no fixed function)."""
-    if any(True for _ in act.parameters()):
-        return None
-    x = torch.linspace(-12.0, 12.0, 4801, dtype=torch.float64)
-    try:
-        with torch.no_grad():
-            got = copy.deepcopy(act).eval()(x)
-    except Exception:  # an activation that cannot run alone on a vector is not measured
-        return None
-    for name, function in _FUNCTIONS.items():
-        want = function(x)
-        if got.shape == want.shape and bool(((got - want).abs() <= SAME_WITHIN * (want.abs() + 1e-3)).all()):
-            return name
-    return None
-
-
 def activation_label(module: nn.Module) -> str:
-    act = activation_step(module)
+    act = activation_module(module)
     return type(act).__name__ if act is not None else "no activation module"
