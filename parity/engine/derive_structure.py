@@ -167,7 +167,8 @@ def usable_alone(ffn: FFN, model_type: str | None) -> FFN:
     name = type(ffn.module).__name__
     takes = [n for n, p in inspect.signature(ffn.module.forward).parameters.items()
              if p.default is inspect.Parameter.empty and p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
-    if not ffn.inline and len(takes) == 2 and adds_second_input(ffn.module, ffn.out.d_out, ffn.width):
+    own = [*ffn.module.parameters(recurse=False), *ffn.module.buffers(recurse=False)]  # ZeroResidual holds children
+    if not ffn.inline and len(takes) == 2 and not own and adds_second_input(ffn.module, ffn.out.d_out, ffn.width):
         ffn = dataclasses.replace(ffn, residual=True)
     elif not ffn.inline and len(takes) != 1:
         raise refused(model_type, f"transformers' {name}.forward takes ({', '.join(takes)}), not the FFN's input "

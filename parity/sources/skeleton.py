@@ -97,8 +97,8 @@ class InlineFFN(nn.Module):
 class ZeroResidual(nn.Module):
     """An MLP whose forward takes ``(x, residual)`` and adds the residual at the end (BloomMLP), called with a zero
     residual: the FFN's own function, by transformers' own forward.  It holds the MLP's children under their own
-    names (the checkpoint's), and runs the MLP's forward, which reads them; derive.py checks on the module that
-    the residual is only added before choosing this."""
+    names (the checkpoint's), and runs the MLP's forward, which reads them; engine/derive_structure.py checks on the
+    module that the residual is only added, and that the MLP holds no tensor of its own, before choosing this."""
 
     def __init__(self, module: nn.Module):
         super().__init__()
