@@ -18,7 +18,7 @@ from parity.engine import sliced
 from parity.engine.sliced import SlicedMLP, SlicePlan, plan_slices
 from parity.engine.upcast import upcast_on_call, works_on_call
 from parity.errors import CheckpointError, MappingError, ShapeMismatchError
-from parity.sources.skeleton import ModelSkeleton
+from parity.sources.skeleton import InlineFFN, ModelSkeleton
 
 _ACTIVATION_CHILD_NAMES = ("act", "act_fn", "activation_fn", "activation")
 
@@ -111,14 +111,31 @@ def _sizes(config: Any) -> str:
 
 
 def activation_module(module: nn.Module) -> nn.Module | None:
-    """The activation inside a transformers MLP (GPT2MLP.act, LlamaMLP.act_fn, ...)."""
+    """The activation inside a transformers MLP (GPT2MLP.act, LlamaMLP.act_fn, ...; an inline FFN's step, which may
+    sit in a child of the layer: BERT's intermediate.intermediate_act_fn); else the MLP's one child without
+    parameters or buffers, no dropout, that acts elementwise (BloomMLP's gelu_impl, a class of Bloom's own)."""
     from transformers.activations import ACT2CLS
 
     classes = tuple({v[0] if isinstance(v, tuple) else v for v in ACT2CLS.values()})
-    for name, child in module.named_children():
+    children = module.step_modules() if isinstance(module, InlineFFN) else list(module.named_children())
+    for name, child in children:
         if name in _ACTIVATION_CHILD_NAMES or isinstance(child, classes):
             return child
-    return None
+    bare = [child for _, child in children if not isinstance(child, nn.Dropout)
+            and next(iter(child.parameters()), None) is None and next(iter(child.buffers()), None) is None]
+    return bare[0] if len(bare) == 1 and _elementwise(bare[0]) else None
+
+
+def _elementwise(child: nn.Module) -> bool:
+    """Whether a module maps a vector to one of its shape, each value from its own input alone (an activation)."""
+    x = torch.linspace(-4.0, 4.0, 9, dtype=torch.float64)
+    try:
+        with torch.no_grad():
+            whole, part = child(x), child(x[3:6])
+    except Exception:  # anything that cannot run on a plain vector is no activation
+        return False
+    return isinstance(whole, torch.Tensor) and whole.shape == x.shape and bool(torch.equal(whole[3:6], part)) \
+        and not torch.equal(whole, x)
 
 
 def replace_activation(module: nn.Module, new: nn.Module) -> None:
@@ -131,7 +148,8 @@ def replace_activation(module: nn.Module, new: nn.Module) -> None:
 
 
 def activation_name(module: nn.Module, configured: str | None) -> str:
-    """The ACT2FN name of the activation the reference really runs (prefers the configured name)."""
+    """The ACT2FN name of the activation the reference really runs (prefers the configured name); for a class of
+    the family's own, the ACT2FN name of the function it is measured to compute (``measured_function``)."""
     from transformers.activations import ACT2CLS
 
     act = activation_module(module)
@@ -140,4 +158,34 @@ def activation_name(module: nn.Module, configured: str | None) -> str:
     names = [k for k, v in ACT2CLS.items() if (v[0] if isinstance(v, tuple) else v) is type(act)]
     if configured in names:
         return configured
-    return names[0] if names else type(act).__name__
+    if names:
+        return names[0]
+    measured = measured_function(act)  # a class of the family's own (BloomGelu): the function it computes
+    return MEASURED_NAMES[measured] if measured else type(act).__name__
+
+
+_FUNCTIONS = {"relu": torch.relu, "gelu": nn.functional.gelu, "silu": nn.functional.silu,
+              "gelu_tanh": lambda x: nn.functional.gelu(x, approximate="tanh")}
+MEASURED_NAMES = {"relu": "relu", "gelu": "gelu", "silu": "silu", "gelu_tanh": "gelu_pytorch_tanh"}  # ACT2FN's
+# an activation of its own class computes one of those where it agrees with it 10x closer than float32 resolves
+SAME_WITHIN = torch.finfo(torch.float32).eps / 10
+
+
+def measured_function(act: nn.Module) -> str | None:
+    """The function ('relu', 'gelu', 'silu', 'gelu_tanh': parity.ffn's names) an activation of its own class
+    computes (Bloom's tanh GELU, written with rounded constants): the one it agrees with in float64 over [-12, 12]
+    within a tenth of float32's resolution, relative to the value; None where none does, or it holds parameters
+    (then it is no fixed function)."""
+    if next(iter(act.parameters()), None) is not None:
+        return None
+    x = torch.linspace(-12.0, 12.0, 4801, dtype=torch.float64)
+    try:
+        with torch.no_grad():
+            got = copy.deepcopy(act).eval()(x)
+    except Exception:  # an activation that cannot run alone on a vector is not measured
+        return None
+    for name, function in _FUNCTIONS.items():
+        want = function(x)
+        if got.shape == want.shape and bool(((got - want).abs() <= SAME_WITHIN * (want.abs() + 1e-3)).all()):
+            return name
+    return None

@@ -207,7 +207,9 @@ def _build_on_meta(session):
 
 
 def _child_name(module, child) -> str:
-    return next((name for name, c in module.named_children() if c is child), "?")
+    """The path of ``child`` in ``module`` (an inline FFN's activation may sit a level down:
+    intermediate.intermediate_act_fn)."""
+    return next((name for name, c in module.named_modules() if c is child and name), "?")
 
 
 def _plain(value: Any) -> Any:

@@ -8,17 +8,14 @@ where a layer's FFN tensors are, transformers' module as the reference, and the 
 that expresses the FFN as the default target, chosen from the module's structure and activation, never from the
 family's name.  A mapping file stays the override: this runs only where none serves the model type.
 
-The structure, read off the modules: the decoder layers are the ModuleList ``num_hidden_layers`` long; a layer's
-FFN is the child whose projections (nn.Linear, transformers' Conv1D) map d -> d_ff (one, or two: gate and up, or
-one fused [gate; up]) and then d_ff -> d, holding an activation; where the projections sit on the layer itself
-(OPT's fc1/fc2) the layer's own modules form it (``sources.skeleton.InlineFFN``).  Mixture-of-experts layers are
-refused here (each expert is a later slice).
+Where the FFN is (the decoder layers, a layer's FFN: a child, or the layer's own modules in order; a forward that
+also takes the residual, run with a zero one) is read off the modules in ``layout.structure``.  Mixture-of-experts
+layers are refused here (each expert is a later slice).
 """
 
 from __future__ import annotations
 
 import dataclasses
-import inspect
 import re
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -30,54 +27,27 @@ from torch import nn
 from parity.definitions.aliases import load_aliases
 from parity.definitions.mapping import Mapping, TensorRoute
 from parity.engine.layout.experts import ExpertsModule, expert_layout, find_experts
+from parity.engine.layout.structure import (
+    FFN,
+    activation_label,
+    activation_of,
+    decoder_layers,
+    ffn_of,
+    find_ffn,
+    projections,
+    refused,
+    usable_alone,
+)
 from parity.engine.reference import activation_module
 from parity.errors import MappingError
 from parity.sources.checkpoint import Checkpoint
-from parity.sources.skeleton import INLINE, ModelSkeleton
+from parity.sources.skeleton import INLINE, ZERO_RESIDUAL, ModelSkeleton
 
-# parity.ffn's modules: the activations each takes, by transformers' ACT2CLS names of the same function
+# parity.ffn's modules: the activations each takes (structure.activation_of names them)
 GATED = {"silu": "parity.ffn:SwiGLU", "gelu_tanh": "parity.ffn:GeGLU"}
 CLASSIC = ("relu", "gelu", "gelu_tanh")  # parity.ffn.FeedForward(activation=...)
-_SAME_FUNCTION = {"silu": "silu", "swish": "silu", "gelu": "gelu", "gelu_python": "gelu", "relu": "relu",
-                  "gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh", "gelu_python_tanh": "gelu_tanh"}
 ADVICE = ("`parity CKPT --target pkg.module:YourFFN` checks your own module against it, and "
           "`parity compare A B` needs no target")
-
-
-def refused(model_type: str | None, why: str, mapping_with: str = "") -> MappingError:
-    """Why a layout cannot be derived, in one line: it comes up only where no mapping file serves the type."""
-    import transformers
-
-    return MappingError(f"no mapping serves model_type {model_type!r} (config.json), and its layout cannot be derived "
-                        f"from transformers {transformers.__version__}: {why}; write a mapping file {mapping_with}and "
-                        "pass it with --mapping FILE.toml (docs/own-module.md)")
-
-
-@dataclass(frozen=True)
-class Projection:
-    """One projection of an FFN: its name (relative to the FFN module), widths, storage layout and bias."""
-
-    name: str
-    d_in: int
-    d_out: int
-    layout: str  # "out_in" (nn.Linear) | "in_out" (transformers' Conv1D)
-    bias: bool
-
-
-@dataclass(frozen=True)
-class FFN:
-    """A layer's FFN as transformers builds it: ``path`` relative to the layer ("" + ``inline``: on the layer)."""
-
-    path: str
-    module: nn.Module
-    ins: tuple[Projection, ...]
-    out: Projection
-    width: int
-    inline: tuple[str, ...] = ()
-
-    @property
-    def fused(self) -> bool:
-        return len(self.ins) == 1 and self.ins[0].d_out == 2 * self.width
 
 
 def derive_mapping(ckpt: Checkpoint, load_config: Callable[[Checkpoint], Any]) -> Mapping:
@@ -154,6 +124,8 @@ def dense_mapping(decoder: Decoder, indices: list[int], ffn: FFN, unit: str | No
     shown_class = type(ffn.module).__name__ if not ffn.inline else f"{type(decoder.layers[0]).__name__}'s " \
         + "+".join(ffn.inline)
     reference = module_path + (INLINE + "+".join(ffn.inline) if ffn.inline else "")
+    if ffn.residual:  # its forward adds the residual: run with a zero one (structure.usable_alone)
+        shown_class, reference = shown_class + ZERO_RESIDUAL, reference + ZERO_RESIDUAL
     name = f"derived from transformers {transformers.__version__} {shown_class} at {module_path}"
     target_class, args, tensors = default_target(ffn, decoder.d, sources)
     where = "" if decoder.layers_note(indices) is None else f" (layers {spans(indices)})"
@@ -175,67 +147,6 @@ def spans(indices: list[int]) -> str:
         else:
             runs.append([i])
     return ", ".join(f"{r[0]}-{r[-1]}" if len(r) > 1 else str(r[0]) for r in runs)
-
-
-def decoder_layers(model: nn.Module, config: Any) -> tuple[str, nn.ModuleList]:
-    """The decoder layers: the outermost ModuleList ``num_hidden_layers`` long whose items hold projections."""
-    count = getattr(config, "num_hidden_layers", None)
-    for path, module in model.named_modules():
-        if isinstance(module, nn.ModuleList) and len(module) == count and count \
-                and all(projections(layer) for layer in module):
-            return path, module
-    raise refused(getattr(config, "model_type", None), f"transformers' {type(model).__name__} has no list of {count} "
-                  f"decoder layers (config num_hidden_layers = {count}) to find the FFN in")
-
-
-def projections(module: nn.Module, direct: bool = False) -> list[Projection]:
-    """The module's projections (nn.Linear, transformers' Conv1D: by class, through the MRO), in the order they are
-    registered; ``direct``: only its own children."""
-    aliases = load_aliases()
-    found = []
-    members = module.named_children() if direct else module.named_modules()
-    for name, child in members:
-        weight = getattr(child, "weight", None)
-        layout = aliases.layout_of([cls.__name__ for cls in type(child).__mro__])
-        if layout is None or not isinstance(weight, nn.Parameter) or weight.dim() != 2:
-            continue
-        d_out, d_in = weight.shape if layout == "out_in" else weight.shape[::-1]
-        found.append(Projection(name, int(d_in), int(d_out), layout, getattr(child, "bias", None) is not None))
-    return found
-
-
-def ffn_of(projs: list[Projection], d: int) -> tuple[tuple[Projection, ...], Projection, int] | None:
-    """(in projections, out projection, d_ff) when ``projs`` read d -> d_ff (one; two alike; one fused [gate; up])
-    and then d_ff -> d, the last registered writing; None for anything else (attention's q/k/v/o)."""
-    if len(projs) not in (2, 3):
-        return None
-    *ins, out = projs
-    width = out.d_in
-    if out.d_out != d or any(p.d_in != d for p in ins):
-        return None
-    if len(ins) == 2 and all(p.d_out == width for p in ins) or len(ins) == 1 and ins[0].d_out in (width, 2 * width):
-        return tuple(ins), out, width
-    return None
-
-
-def find_ffn(layer: nn.Module, d: int) -> FFN | None:
-    """The layer's FFN: the child that is one (holding an activation, when two children read alike), else the
-    layer's own projections with the activation between them (OPT)."""
-    found = []
-    for name, child in layer.named_children():
-        shape = ffn_of(projections(child), d)
-        if shape is not None:
-            found.append(FFN(name, child, *shape))
-    if len(found) > 1:
-        found = [f for f in found if activation_module(f.module) is not None]
-    if len(found) == 1:
-        return found[0]
-    shape = ffn_of(projections(layer, direct=True), d)
-    act = activation_module(layer)
-    if found or shape is None or act is None or len(shape[0]) != 1:
-        return None
-    act_name = next(name for name, child in layer.named_children() if child is act)
-    return FFN("", layer, *shape, inline=(shape[0][0].name, act_name, shape[1].name))
 
 
 def has_experts(layer: nn.Module, d: int) -> bool:
@@ -281,22 +192,11 @@ def uniform_ffn(layers: list[nn.Module], indices: list[int], d: int, model_type:
         raise refused(model_type, f"layer {missing[0]} of transformers' {type(layers[0]).__name__} holds no module "
                       "whose projections read d -> d_ff -> d with an activation between them (an FFN, as parity reads "
                       "one)")
-    first = ffns[0]
-    takes = [name for name, p in inspect.signature(first.module.forward).parameters.items()
-             if p.default is inspect.Parameter.empty and p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
-    if not first.inline and len(takes) != 1:
-        raise refused(model_type, f"transformers' {type(first.module).__name__}.forward takes ({', '.join(takes)}), "
-                      "not the FFN's input alone (it does more than the FFN, e.g. adds the residual), and checking "
-                      "such a module is not built yet")
-    buffers = [name for name, _ in first.module.named_buffers()
-               if not first.inline or name.split(".")[0] in first.inline]
-    if buffers:
-        raise refused(model_type, f"transformers' {type(first.module).__name__} holds buffers ({', '.join(buffers)}: "
-                      "values its parameters do not carry), and reading them into the reference is not built yet")
+    first = usable_alone(ffns[0], model_type)
     shape = [(p.d_in, p.d_out) for p in (*first.ins, first.out)]
     for i, f in zip(indices, ffns, strict=True):
-        if (f.path, type(f.module), [(p.d_in, p.d_out) for p in (*f.ins, f.out)]) != \
-                (first.path, type(first.module), shape):
+        if (f.path, type(f.module), f.inline, [(p.d_in, p.d_out) for p in (*f.ins, f.out)]) != \
+                (first.path, type(first.module), first.inline, shape):
             raise refused(model_type, f"layer {i}'s FFN ({type(f.module).__name__}, d_ff {f.width}) differs from "
                           f"layer {indices[0]}'s ({type(first.module).__name__}, d_ff {first.width}), and per-layer "
                           "layouts are not derived yet")
@@ -314,8 +214,7 @@ def checkpoint_names(model: nn.Module, ckpt: Checkpoint, paths: list[str], ffn: 
     renamings = [c for c in conversions if isinstance(c, WeightRenaming)]
     converters = [c for c in conversions if isinstance(c, WeightConverter)]
     state = model.state_dict()
-    wanted = {f"{path}.{name}" for path in paths for name, _ in ffn.module.named_parameters()
-              if not ffn.inline or name.split(".")[0] in ffn.inline}
+    wanted = {f"{path}.{name}" for path in paths for name in ffn.module.state_dict()}  # saved buffers too
     found: dict[str, str] = {}
     for key in ckpt.weight_map:
         own, converter = rename_source_key(key, renamings, converters, model.base_model_prefix, state)
@@ -353,26 +252,6 @@ def checkpoint_layout(names: dict[str, str], module_path: str, model_type: str |
                       f"{'.'.join(second)}) differ in more or less than the layer number", "for its names ")
     stem = ".".join(first) + "."
     return ".".join(template), {own: key[len(stem):] for own, key in keys[one].items()}
-
-
-def activation_of(module: nn.Module) -> str | None:
-    """The function of the FFN's activation as parity.ffn names it ('silu', 'gelu', 'gelu_tanh', 'relu'), read off
-    its class through transformers' ACT2CLS (torch's nn.GELU by its ``approximate``); None: none of those."""
-    from transformers.activations import ACT2CLS
-
-    act = activation_module(module)
-    if act is None:
-        return None
-    if type(act) is nn.GELU:
-        return "gelu_tanh" if act.approximate == "tanh" else "gelu"
-    names = {name for name, entry in ACT2CLS.items() if (entry[0] if isinstance(entry, tuple) else entry) is type(act)}
-    kinds = {_SAME_FUNCTION[name] for name in names if name in _SAME_FUNCTION}
-    return kinds.pop() if len(kinds) == 1 else None
-
-
-def activation_label(module: nn.Module) -> str:
-    act = activation_module(module)
-    return type(act).__name__ if act is not None else "no activation module"
 
 
 ROLE_TARGETS = {"gate": "_gate", "up": "_up", "down": "_down", "fc_in": "_layer1", "fc_out": "_layer2"}
@@ -415,22 +294,29 @@ def target_routes(ffn: FFN, roles: dict[str, str], sources: dict[str, str]) -> l
 
 
 def repository_gap(ffn: FFN, d: int, unsaid: str | None) -> str | None:
-    """What parity.ffn's modules lack to express this FFN (None: one does)."""
+    """What parity.ffn's modules lack to express this FFN (None: one does); its activation said first, as what
+    the FFN computes (xIELU's own parameters are its activation's)."""
     act, label = activation_of(ffn.module), activation_label(ffn.module)
-    projected = {f"{p.name}.{leaf}" for p in (*ffn.ins, ffn.out) for leaf in ("weight", "bias")}
-    others = [name for name, _ in ffn.module.named_parameters() if name not in projected] if not ffn.inline else []
+    gated = len(ffn.ins) == 2 or ffn.fused
+    if gated and act not in GATED:
+        return (f"it is a gated FFN running {label}, and parity.ffn's gated modules run SiLU (SwiGLU) or tanh GELU "
+                "(GeGLU)")
+    if not gated and act not in CLASSIC:
+        return f"it runs {label}, and parity.ffn.FeedForward runs ReLU, exact GELU or tanh GELU"
+    others = own_parameters(ffn)
     if others:
         return f"it holds parameters besides its projections ({', '.join(others[:3])})"
     if unsaid:
         return unsaid
-    if len(ffn.ins) == 2 or ffn.fused:
-        return None if act in GATED else (f"it is a gated FFN running {label}, and parity.ffn's gated modules run "
-                                           "SiLU (SwiGLU) or tanh GELU (GeGLU)")
-    if act not in CLASSIC:
-        return f"it runs {label}, and parity.ffn.FeedForward runs ReLU, exact GELU or tanh GELU"
-    if ffn.width != 4 * d:
+    if not gated and ffn.width != 4 * d:
         return f"its d_ff is {ffn.width}, and parity.ffn.FeedForward's d_ff is always 4·d ({4 * d})"
     return None
+
+
+def own_parameters(ffn: FFN) -> list[str]:
+    """The FFN's parameters that belong to no projection (xIELU's alpha_p, alpha_n)."""
+    projected = {f"{p.name}.{leaf}" for p in (*ffn.ins, ffn.out) for leaf in ("weight", "bias")}
+    return [name for name, _ in ffn.module.named_parameters() if name not in projected]
 
 
 def default_target(ffn: FFN, d: int, sources: dict[str, str]) -> tuple[str, dict[str, Any], list[TensorRoute]]:
@@ -438,14 +324,16 @@ def default_target(ffn: FFN, d: int, sources: dict[str, str]) -> tuple[str, dict
     does, a target that refuses in one line when built (exit 2), and the same routes for ``--target``."""
     roles, unsaid = projection_roles(ffn)
     routes = target_routes(ffn, roles, sources)
+    if own_parameters(ffn):  # no parity.ffn module holds them: a --target port holds transformers' names
+        routes = [TensorRoute(name, sources[name]) for name, _ in ffn.module.named_parameters()]
     gap = repository_gap(ffn, d, unsaid)
     bias = any(p.bias for p in (*ffn.ins, ffn.out))
     gated = len(ffn.ins) == 2 or ffn.fused
     args: dict[str, Any] = {"emb_size": d, "hidden_dim": ffn.width, "bias": bias, "dropout": 0.0} if gated else \
         {"emb_size": d, "activation": activation_of(ffn.module) or "relu", "dropout": 0.0}
     if gap is not None:
-        return refusing_target(type(ffn.module).__name__ if not ffn.inline else "+".join(ffn.inline), gap), args, \
-            routes
+        what = type(ffn.module).__name__ if not ffn.inline else f"{ffn.module.layer_class}'s {'+'.join(ffn.inline)}"
+        return refusing_target(what, gap), args, routes
     return (GATED[activation_of(ffn.module)] if gated else "parity.ffn:FeedForward"), args, routes
 
 
