@@ -69,7 +69,10 @@ def derive_mapping(ckpt: Checkpoint, load_config: Callable[[Checkpoint], Any]) -
     config = load_config(ckpt)
     model = ModelSkeleton(config).skeleton
     layers_path, layers = decoder_layers(model, config)
-    d = int(config.hidden_size)
+    d = getattr(config.get_text_config() if hasattr(config, "get_text_config") else config, "hidden_size", None)
+    if not isinstance(d, int) or isinstance(d, bool):  # a multimodal wrapper's width is its text model's
+        raise refused(model_type, f"transformers' {type(config).__name__} states no hidden_size (nor does its text "
+                      "config), so the FFN's input width is not known")
     decoder = Decoder(layers_path, layers, model, ckpt, d, model_type)
     moe = [i for i, layer in enumerate(layers) if has_experts(layer, d)]
     dense = [i for i in range(len(layers)) if i not in moe]
