@@ -234,3 +234,28 @@ def test_a_dense_fused_gate_up_with_its_halves_exchanged_is_named(capsys, tmp_pa
         code, report, err = run_json(capsys, "compare", folder, broken)
         assert code == 1, err
         assert [(r["layer"], r["diagnosis"]["id"]) for r in report["layers"] if not r["passed"]] == [(1, named)]
+
+
+def test_a_hub_id_from_the_cache_is_derived_like_a_folder(capsys, monkeypatch, tmp_path, moe_families):
+    """A derived MoE family named by hub id, read through huggingface_hub's offline cache (laid out as the hub lays
+    it), compares unit for unit against the same model as a local folder, and checks with the default target."""
+    import os
+
+    from .support import use_hf_home
+
+    folder = moe_families["deepseek_v3"][0]
+    commit = "0123456789abcdef0123456789abcdef01234567"
+    repo = tmp_path / "hf_home" / "hub" / "models--tiny-org--deepseek"
+    snapshot = repo / "snapshots" / commit
+    snapshot.mkdir(parents=True)
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text(commit)
+    (repo / "blobs").mkdir()
+    for file in folder.iterdir():
+        shutil.copy(file, repo / "blobs" / file.name)
+        (snapshot / file.name).symlink_to(os.path.relpath(repo / "blobs" / file.name, snapshot))
+    use_hf_home(monkeypatch, tmp_path / "hf_home")
+    code, report, err = run_json(capsys, "compare", "tiny-org/deepseek", folder)
+    assert code == 0 and report["passed"] and units(report) == FAMILIES["deepseek_v3"][1], err
+    code, report, err = run_json(capsys, "tiny-org/deepseek", "--layers", "0-1")
+    assert code == 0 and report["passed"] and report["weights"] == "real", err
