@@ -9,8 +9,10 @@ that expresses the FFN as the default target, chosen from the module's structure
 family's name.  A mapping file stays the override: this runs only where none serves the model type.
 
 Where the FFN is (the decoder layers, a layer's FFN: a child, or the layer's own modules in order; a forward that
-also takes the residual, run with a zero one) is read off the modules in ``layout.structure``.  Mixture-of-experts
-layers are refused here (each expert is a later slice).
+also takes the residual, run with a zero one) is read off the modules in ``layout.structure``; where a mixture of
+experts keeps each expert, in ``layout.experts``.  A model whose layers are not all alike (dense layers before MoE
+ones, a shared expert beside the routed ones, FFNs of different widths) gets one layout per kind of unit: the first
+is the mapping, the others its ``parts``.
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ from torch import nn
 
 from parity.definitions.aliases import load_aliases
 from parity.definitions.mapping import Mapping, TensorRoute
-from parity.engine.layout.experts import ExpertsModule, expert_layout, find_experts
+from parity.engine.layout.experts import ExpertsModule, expert_layout, find_experts, has_experts
 from parity.engine.layout.structure import (
     FFN,
     activation_label,
@@ -150,27 +152,6 @@ def spans(indices: list[int]) -> str:
         else:
             runs.append([i])
     return ", ".join(f"{r[0]}-{r[-1]}" if len(r) > 1 else str(r[0]) for r in runs)
-
-
-def has_experts(layer: nn.Module, d: int) -> bool:
-    """Whether the layer holds a mixture of experts: a ModuleList of FFNs, or parameters stacked over E experts
-    (3-D, not a convolution's) beside a router that scores them (a 2-D weight [E, d] or [d, E]).  A 3-D parameter
-    alone is no expert stack (RWKV's [1, 1, d] mixes, RecurrentGemma's block-diagonal gates)."""
-    matrices = {tuple(p.shape) for p in layer.parameters() if p.dim() == 2}
-    for module in layer.modules():
-        if isinstance(module, nn.ModuleList) and any(ffn_of(projections(m), _width_in(m)) for m in module):
-            return True
-        if isinstance(module, nn.modules.conv._ConvNd):
-            continue
-        stacks = {p.shape[0] for p in module.parameters(recurse=False) if p.dim() == 3}
-        if any((count, d) in matrices or (d, count) in matrices for count in stacks):
-            return True
-    return False
-
-
-def _width_in(module: nn.Module) -> int:
-    projs = projections(module)
-    return projs[-1].d_out if projs else -1
 
 
 def ffn_groups(layers: list[nn.Module], indices: list[int], d: int) -> list[list[int]]:
