@@ -99,6 +99,12 @@ class Report:
     # mapping file; identity routes for a checkpoint under transformers' own names
     reference_routes: dict | None = None
     framework: str = "torch"  # what the target is written in: torch, mlx, flax.nnx, numpy, onnx (parity.targets)
+    units: list[str] = field(default_factory=list)  # the named units a layer may hold beside routed experts
+
+    @property
+    def unit_width(self) -> int:
+        """The width of the text table's expert column: an expert number, or the longest unit name."""
+        return max([6, *(len(unit) for unit in self.units)])
 
     @property
     def low_precision(self) -> bool:

@@ -6,11 +6,10 @@ from __future__ import annotations
 
 from parity.engine.results import LayerResult, Report, register_renderers, units_noun
 from parity.outputs.baseline import compared_sides
-from parity.outputs.text import SYNTHETIC_WARNING, TextWriter, unit_cell, unit_label, units_label
+from parity.outputs.text import SYNTHETIC_WARNING, TextWriter, expert_header, unit_cell, unit_label, units_label
 
 HEADER = (f"{'layer':>5}  {'max|Δ|':>9}  {'rel':>9}  {'noise':>9}  {'conv Δ':>9}  {'tol':>9}  {'×noise':>8}  "
           f"{'×conv':>6}  {'stored as':<22}  verdict")
-EXPERT_HEADER = f"{'layer':>5}  {'expert':>6}" + HEADER[5:]  # a mixture of experts: one row per (layer, expert)
 
 
 def _sci(value: float | None) -> str:
@@ -39,7 +38,7 @@ def header_lines(report: Report) -> list[str]:
         *(f"  note: {note}" for note in report.notes),
         *synthetic_lines(report, a, b),
         "",
-        EXPERT_HEADER if experts_of(report) else HEADER,
+        expert_header(HEADER, report.unit_width) if experts_of(report) else HEADER,
     ]
 
 
@@ -52,7 +51,7 @@ def synthetic_lines(report: Report, a: dict, b: dict) -> list[str]:
     return [f"  !! SYNTHETIC weights ({' and '.join(sides)}): {why}"]
 
 
-def layer_line(result: LayerResult) -> str:
+def layer_line(result: LayerResult, width: int = 6) -> str:
     conv = getattr(result, "conversion", None) or {}
     ratio = ("-" if result.ratio_to_noise is None else f"{result.ratio_to_noise:.1f}" if result.ratio_to_noise < 1e5
              else f"{result.ratio_to_noise:.2e}")
@@ -64,7 +63,7 @@ def layer_line(result: LayerResult) -> str:
     if result.regressed:
         verdict += f" (baseline: {result.baseline['message']})"
     stored = str(conv.get("kind", "-")).removeprefix("quantized ").removeprefix("cast ")
-    cell = unit_cell(result)
+    cell = unit_cell(result, width)
     return (f"{cell}  {_sci(result.max_abs_diff):>9}  {_sci(result.max_rel_diff):>9}  "
             f"{_sci(result.noise_floor):>9}  {_sci(conv.get('conversion_deviation')):>9}  "
             f"{_sci(result.tolerance):>9}  {ratio:>8}  {'-' if to_conv is None else f'{to_conv:.2f}':>6}  "
@@ -148,7 +147,8 @@ def verdict_line(report: Report) -> str:
 
 
 def render_compare(report: Report) -> str:
-    lines = [*header_lines(report), *(layer_line(r) for r in report.layers), "", *diagnosis_lines(report),
+    lines = [*header_lines(report), *(layer_line(r, report.unit_width) for r in report.layers), "",
+             *diagnosis_lines(report),
              *inventory_lines(report), summary_line(report)]
     return "\n".join(lines)
 
@@ -162,7 +162,7 @@ class SuiteWriter(TextWriter):
             super().layer(report, result)
             return
         self._begin(report)
-        self.say(layer_line(result))
+        self.say(layer_line(result, report.unit_width))
 
     def finish(self, report: Report, summary: bool = True) -> None:
         if compared_sides(report) is None:

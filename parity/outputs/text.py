@@ -27,16 +27,20 @@ HEADER = (f"{'layer':>5}  {'max|Δ|':>9}  {'rel':>9}  {'mean|Δ|':>9}  {'noise':
           f"{'×noise':>7}  {'z range':>15}  verdict")
 
 
-EXPERT_HEADER = f"{'layer':>5}  {'expert':>6}" + HEADER[5:]
+
+
+def expert_header(header: str, width: int = 6) -> str:
+    """A table's header with the expert column (``width`` wide) after the layer's."""
+    return f"{'layer':>5}  {'expert':>{width}}" + header[5:]
 # A low-precision run (--dtype bfloat16 / float16): the noise columns hold the reference's own error in that
 # dtype and the ratio to it (LayerResult.reference_error, ratio_to_reference_error).
 LOW_COLUMNS = (f"{'noise':>9}  {'tol':>9}  {'×noise':>7}", f"{'ref err':>9}  {'tol':>9}  {'×ref':>7}")
 
 
-def table_header(result: LayerResult | None, low_precision: bool = False) -> str:
+def table_header(result: LayerResult | None, low_precision: bool = False, width: int = 6) -> str:
     """The column header for a table whose rows look like ``result`` (an expert column for MoE, where a layer
-    has several units)."""
-    header = HEADER if result is None or units_noun([result]) == "layer" else EXPERT_HEADER
+    has several units: ``width`` wide, the longest unit name's)."""
+    header = HEADER if result is None or units_noun([result]) == "layer" else expert_header(HEADER, width)
     return header.replace(*LOW_COLUMNS) if low_precision else header
 
 
@@ -85,7 +89,7 @@ def routes_line(routes: dict) -> str:
     return f"{route_arrows(routes['tensors'])} ({origin})"
 
 
-def layer_line(result: LayerResult) -> str:
+def layer_line(result: LayerResult, width: int = 6) -> str:
     zrange = "-" if result.preactivation_range is None else "[{:.1f}, {:.1f}]".format(*result.preactivation_range)
     low = result.reference_error is not None  # a low-precision row: its noise is the reference's own error
     noise, ratio = ((result.reference_error, result.ratio_to_reference_error) if low
@@ -97,7 +101,7 @@ def layer_line(result: LayerResult) -> str:
         verdict += f" (baseline: {result.baseline['message']})"
     if result.diagnosis:
         verdict += f" — {result.diagnosis.id}"
-    cell = unit_cell(result)
+    cell = unit_cell(result, width)
     return (f"{cell}  {_sci(result.max_abs_diff):>9}  {_sci(result.max_rel_diff):>9}  "
             f"{_sci(result.mean_abs_diff):>9}  {_sci(noise):>9}  {_sci(result.tolerance):>9}  "
             f"{ratio:>7}  {zrange:>15}  {verdict}")
@@ -109,11 +113,11 @@ def unit_label(result: LayerResult) -> str:
     return str(result.layer) if part is None else f"{result.layer}/{part}"
 
 
-def unit_cell(result: LayerResult) -> str:
-    """The layer (and expert) columns of a row; a named unit in the expert column."""
+def unit_cell(result: LayerResult, width: int = 6) -> str:
+    """The layer (and expert) columns of a row; a named unit in the expert column, ``width`` wide."""
     if result.expert is None and result.unit is None:
         return f"{result.layer:>5}"
-    return f"{result.layer:>5}  {result.expert if result.expert is not None else result.unit:>6}"
+    return f"{result.layer:>5}  {result.expert if result.expert is not None else result.unit:>{width}}"
 
 
 def diagnosis_lines(report: Report) -> list[str]:
@@ -303,7 +307,7 @@ class TextWriter:
 
     def layer(self, report: Report, result: LayerResult) -> None:
         self._start(report, result)
-        self.say(layer_line(result))
+        self.say(layer_line(result, report.unit_width))
 
     def finish(self, report: Report, summary: bool = True) -> None:
         self._start(report, report.layers[0] if report.layers else None)
@@ -325,7 +329,7 @@ class TextWriter:
             self.say("")
         self.started.append(id(report))
         self.noted[id(report)] = len(report.notes)
-        for line in [*header_lines(report), "", table_header(first, report.low_precision)]:
+        for line in [*header_lines(report), "", table_header(first, report.low_precision, report.unit_width)]:
             self.say(line)
 
 

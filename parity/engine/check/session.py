@@ -268,7 +268,12 @@ class Session:
             dtype=self.dtype_name,
             atol=self.atol,
             reference_routes=reference_routes(self.reader.reference_routes(self.mapping.first_layer)),
+            units=self.unit_names(),
         )
+
+    def unit_names(self) -> list[str]:
+        """The names of the units beside routed experts (a shared expert, dense layers before MoE ones), in order."""
+        return list(dict.fromkeys(s.mapping.unit for s in (self, *self.parts) if s.mapping.unit))
 
     def describe_framework(self, report: Report) -> None:
         """The report names the target's framework and its version once the target is built (parity.targets)."""

@@ -413,6 +413,7 @@ class Comparison:
         weights = "synthetic" if "synthetic" in (a.weights, b.weights) else "real"
         return CompareReport(
             model=self.labels[0], checkpoint=a.location, weights=weights, mapping=self.a.mapping.name,
+            units=self.a.unit_names(),
             target=b.location, reference=f"{type(probe).__module__}.{type(probe).__name__}",
             reference_activation=activation_name(probe, configured_activation(self.a.config)),
             versions={"parity": __version__, "transformers": transformers.__version__, "torch": torch.__version__},
