@@ -134,7 +134,7 @@ def compute_names(device: Any, dtype: Any) -> tuple[str, str]:
 
 def load_ffn(model: str, *, layer: int = 0, target: str | Any | None = None, checkpoint: str | None = None,
              mapping: str | None = None, revision: str | None = None, allow_pickle: bool = False,
-             expert: int | None = None) -> nn.Module:
+             expert: int | None = None, unit: str | None = None) -> nn.Module:
     """The target module (default: the mapping's, e.g. ``FeedForward`` for gpt2) holding one layer's weights.
 
     Args:
@@ -143,6 +143,8 @@ def load_ffn(model: str, *, layer: int = 0, target: str | Any | None = None, che
         target, checkpoint, mapping, revision, allow_pickle: as for ``check`` (an instance target: a filled deep
             copy is returned, the instance is not modified).
         expert: MoE models: which expert of the layer (required for them).
+        unit: where a layer holds several kinds of unit (a derived layout: ``"shared_experts"``, or a dense
+            ``"mlp"`` before the MoE layers), which one; a layer's one dense FFN needs none.
 
     Returns:
         The filled module, in eval mode.
@@ -158,9 +160,27 @@ def load_ffn(model: str, *, layer: int = 0, target: str | Any | None = None, che
         session = open_session(model, checkpoint=checkpoint, mapping=mapping, revision=revision, target=target,
                                allow_pickle=allow_pickle)
         (layer,) = parse_selection(int(layer), session.num_layers)
+        session = unit_session(session, model, layer, expert, unit)
         if session.num_experts is not None and expert is None:
             raise LayerRangeError(f"'{model}' is a mixture of experts ({session.num_experts} per layer): "
                                   "pass expert=N")
         (expert,) = session.expert_indices(None if expert is None else [int(expert)])
         module, _ = session.build_target(session.read_layer(layer, expert))
     return module
+
+
+def unit_session(session: Any, model: str, layer: int, expert: int | None, unit: str | None) -> Any:
+    """The layout (the session, or one of its parts) of the unit of ``layer`` asked for: the named ``unit``, else
+    the routed experts when an expert is given, else the layer's dense FFN (or its experts, if it has no other)."""
+    units = [s for s in (session, *session.parts) if s.mapping.serves(layer)]
+    names = ", ".join(s.mapping.unit or "routed experts (expert=N)" for s in units)
+    if unit is None and expert is None and len(units) > 1:
+        raise LayerRangeError(f"layer {layer} of '{model}' holds {names}: pass expert=N or unit=NAME")
+    if unit is not None:
+        chosen = [s for s in units if s.mapping.unit == unit]
+    else:
+        chosen = [s for s in units if (s.num_experts is not None) == (expert is not None)] or units
+    if not chosen:
+        raise LayerRangeError(f"layer {layer} of '{model}' has no unit {unit!r}; its units: {names}")
+    return chosen[0]
+

@@ -259,3 +259,20 @@ def test_a_hub_id_from_the_cache_is_derived_like_a_folder(capsys, monkeypatch, t
     assert code == 0 and report["passed"] and units(report) == FAMILIES["deepseek_v3"][1], err
     code, report, err = run_json(capsys, "tiny-org/deepseek", "--layers", "0-1")
     assert code == 0 and report["passed"] and report["weights"] == "real", err
+
+
+def test_load_ffn_takes_each_unit_of_a_layer(moe_families):
+    """parity.load_ffn: an expert (expert=N), a named unit (unit='shared_experts'), a dense leading layer's FFN; a
+    layer of several units without either is refused, naming them."""
+    import parity
+    from parity.errors import LayerRangeError
+
+    folder = str(moe_families["deepseek_v3"][0])
+    widths = {(0, None, None): 72, (1, 2, None): 24, (1, None, "shared_experts"): 24}
+    for (layer, expert, unit), width in widths.items():
+        module = parity.load_ffn(folder, layer=layer, expert=expert, unit=unit)
+        assert module._gate.weight.shape == (width, 32)
+    with pytest.raises(LayerRangeError, match="routed experts .expert=N., shared_experts: pass expert=N or unit"):
+        parity.load_ffn(folder, layer=1)
+    with pytest.raises(LayerRangeError, match="has no unit 'mlp'"):
+        parity.load_ffn(folder, layer=1, unit="mlp")
