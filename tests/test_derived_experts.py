@@ -276,3 +276,18 @@ def test_load_ffn_takes_each_unit_of_a_layer(moe_families):
         parity.load_ffn(folder, layer=1)
     with pytest.raises(LayerRangeError, match="has no unit 'mlp'"):
         parity.load_ffn(folder, layer=1, unit="mlp")
+
+
+def test_per_expert_and_fused_stores_of_one_model_compare_equal(capsys, tmp_path, moe_families):
+    """transformers' own fused layout on disk (save_pretrained(save_original_format=False): gate_up_proj
+    [E, 2ff, d]) is read as such, and judged unit for unit against the per-expert store of the same model."""
+    from transformers import AutoModelForCausalLM
+
+    folder = moe_families["qwen3_moe"][0]
+    fused = tmp_path / "qwen3_moe-fused"
+    AutoModelForCausalLM.from_pretrained(folder).save_pretrained(fused, save_original_format=False)
+    code, report, err = run_json(capsys, "compare", folder, fused)
+    assert code == 0 and report["passed"] and units(report) == EXPERTS, err
+    assert all(r["conversion"]["identical"] for r in report["layers"])
+    code, report, err = run_json(capsys, fused)
+    assert code == 0 and report["passed"] and units(report) == EXPERTS, err
