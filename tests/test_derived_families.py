@@ -55,6 +55,10 @@ FAMILIES = {
     "codegen": (dict(rotary_dim=8), "gptj_port", "mlp.fc_out", "sign_flipped"),
     "biogpt": (dict(intermediate_size=128), "biogpt_port", "fc2", "sign_flipped"),  # fc1/fc2 on the layer
     "xglm": (dict(ffn_dim=128), "xglm_port", "fc2", "sign_flipped"),  # fc1/fc2 on the layer
+    # its recurrent block reads d -> width -> d too (with a conv and gates of its own): the MLP is the one that holds
+    # nothing but projections and an activation
+    "recurrent_gemma": (dict(intermediate_size=72, num_key_value_heads=2, head_dim=16), "recurrent_gemma_port",
+                        ("mlp_block.gate_proj", "mlp_block.up_proj"), "gate_up_exchanged"),
 }
 # no module of parity.ffn expresses these: the default target is exit 2, naming what parity.ffn lacks
 REFUSED = {"nemotron": "it runs ReLUSquaredActivation, and parity.ffn.FeedForward runs ReLU, exact GELU or tanh GELU"}
@@ -132,6 +136,22 @@ def tanh_gelu(x):
 
 def gated_port(config):
     return GatedPort(config)
+
+
+class BiasedGeGLU(nn.Module):
+    """RecurrentGemma's MLP as a port writes it: biased gate/up/down, tanh GELU on the gate, d_ff half the config's."""
+
+    def __init__(self, config):
+        super().__init__()
+        d, f = config.hidden_size, config.intermediate_size // 2
+        self.gate_proj, self.up_proj, self.down_proj = nn.Linear(d, f), nn.Linear(d, f), nn.Linear(f, d)
+
+    def forward(self, x):
+        return self.down_proj(tanh_gelu(self.gate_proj(x)) * self.up_proj(x))
+
+
+def recurrent_gemma_port(config):
+    return BiasedGeGLU(config)
 
 
 def gptj_port(config):

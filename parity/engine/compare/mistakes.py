@@ -26,11 +26,11 @@ class Hypothesis:
     tensors: Callable[[dict[str, torch.Tensor]], dict[str, torch.Tensor]]
 
 
-def _swap(t: dict, a: str, b: str) -> dict:
+def _swap(t: dict, a: str, b: str, biases: bool = True) -> dict:
     out = dict(t)
     if a in t and b in t:  # one MoE expert's tensors: gate, up, down (parity.engine.experts)
         out[a], out[b] = t[b], t[a]
-    for suffix in ("weight", "bias"):
+    for suffix in ("weight", "bias") if biases else ("weight",):
         if f"{a}.{suffix}" in t and f"{b}.{suffix}" in t:
             out[f"{a}.{suffix}"], out[f"{b}.{suffix}"] = t[f"{b}.{suffix}"], t[f"{a}.{suffix}"]
     return out
@@ -61,6 +61,9 @@ def hypotheses(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor], storage: 
         if names <= set(a) and names & set(differing):
             found.append(Hypothesis(MistakeId.GATE_UP_EXCHANGED, f"B's {gate} is A's {up} and the reverse",
                                     lambda t, gate=gate, up=up: _swap(t, gate, up)))
+            if {f"{gate}.bias", f"{up}.bias"} <= set(a):  # a converter may exchange the weights and keep the biases
+                found.append(Hypothesis(MistakeId.GATE_UP_EXCHANGED, f"B's {gate} weight is A's {up}'s and the "
+                                        "reverse, the biases in place", lambda t, g=gate, u=up: _swap(t, g, u, False)))
             weights = (f"{gate}.weight", f"{up}.weight") if gate.endswith("_proj") else (gate, up)
             pairs = [weights, (f"{gate}_bias", f"{up}_bias"), (f"{gate}.bias", f"{up}.bias")]
             for interleaved, how in ((True, "[gate; up] halves read as alternate rows"),

@@ -28,7 +28,7 @@ from torch import nn
 
 from parity.definitions.aliases import load_aliases
 from parity.definitions.mapping import Mapping, TensorRoute
-from parity.engine.layout.experts import ExpertsModule, expert_layout, find_experts, has_experts
+from parity.engine.layout.experts import ExpertsModule, expert_layout, find_experts
 from parity.engine.layout.structure import (
     FFN,
     activation_label,
@@ -36,6 +36,8 @@ from parity.engine.layout.structure import (
     decoder_layers,
     ffn_of,
     find_ffn,
+    has_experts,
+    own_parameters,
     projections,
     refused,
     usable_alone,
@@ -295,12 +297,6 @@ def repository_gap(ffn: FFN, d: int, unsaid: str | None) -> str | None:
     if not gated and ffn.width != 4 * d:
         return f"its d_ff is {ffn.width}, and parity.ffn.FeedForward's d_ff is always 4·d ({4 * d})"
     return None
-
-
-def own_parameters(ffn: FFN) -> list[str]:
-    """The FFN's parameters that belong to no projection (xIELU's alpha_p, alpha_n)."""
-    projected = {f"{p.name}.{leaf}" for p in (*ffn.ins, ffn.out) for leaf in ("weight", "bias")}
-    return [name for name, _ in ffn.module.named_parameters() if name not in projected]
 
 
 def default_target(ffn: FFN, d: int, sources: dict[str, str]) -> tuple[str, dict[str, Any], list[TensorRoute]]:

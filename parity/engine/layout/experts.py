@@ -22,7 +22,6 @@ from typing import Any
 from torch import nn
 
 from parity.definitions.mapping import Experts, TensorRoute
-from parity.engine.layout.structure import ffn_of, projections
 from parity.sources.checkpoint import Checkpoint
 
 FUSED = ("gate_up_proj", "down_proj")  # transformers 5's fused experts module: its two stacked parameters
@@ -73,27 +72,6 @@ def find_experts(layer: nn.Module, d: int) -> ExpertsModule | None:
             width = int(down[1] if transposed else down[2])
             return ExpertsModule(path, module, int(down[0]), width, transposed)
     return None
-
-
-def has_experts(layer: nn.Module, d: int) -> bool:
-    """Whether the layer holds a mixture of experts: a ModuleList of FFNs, or parameters stacked over E experts
-    (3-D, not a convolution's) beside a router that scores them (a 2-D weight [E, d] or [d, E]).  A 3-D parameter
-    alone is no expert stack (RWKV's [1, 1, d] mixes, RecurrentGemma's block-diagonal gates)."""
-    matrices = {tuple(p.shape) for p in layer.parameters() if p.dim() == 2}
-    for module in layer.modules():
-        if isinstance(module, nn.ModuleList) and any(ffn_of(projections(m), _width_in(m)) for m in module):
-            return True
-        if isinstance(module, nn.modules.conv._ConvNd):
-            continue
-        stacks = {p.shape[0] for p in module.parameters(recurse=False) if p.dim() == 3}
-        if any((count, d) in matrices or (d, count) in matrices for count in stacks):
-            return True
-    return False
-
-
-def _width_in(module: nn.Module) -> int:
-    projs = projections(module)
-    return projs[-1].d_out if projs else -1
 
 
 def expert_layout(model: nn.Module, ckpt: Checkpoint, experts_path: str, experts: ExpertsModule,

@@ -128,9 +128,17 @@ def find_ffn(layer: nn.Module, d: int) -> FFN | None:
             found.append(FFN(name, child, *shape))
     if len(found) > 1:
         found = [f for f in found if activation_module(f.module) is not None]
+    if len(found) > 1:  # an FFN is its projections and an activation: a recurrent block holds more (a conv, gates)
+        found = [f for f in found if not own_parameters(f)]
     if len(found) == 1:
         return found[0]
     return None if found else inline_ffn(layer, d)
+
+
+def own_parameters(ffn: FFN) -> list[str]:
+    """The FFN module's parameters that are none of its projections' (xIELU's alpha_p; a recurrent block's conv)."""
+    projected = {f"{p.name}.{leaf}" for p in (*ffn.ins, ffn.out) for leaf in ("weight", "bias")}
+    return [name for name, _ in ffn.module.named_parameters() if name not in projected]
 
 
 def inline_ffn(layer: nn.Module, d: int) -> FFN | None:
@@ -257,3 +265,24 @@ def activation_of(module: nn.Module) -> str | None:
 def activation_label(module: nn.Module) -> str:
     act = activation_module(module)
     return type(act).__name__ if act is not None else "no activation module"
+
+
+def has_experts(layer: nn.Module, d: int) -> bool:
+    """Whether the layer holds a mixture of experts: a ModuleList of FFNs, or parameters stacked over E experts
+    (3-D, not a convolution's) beside a router that scores them (a 2-D weight [E, d] or [d, E]).  A 3-D parameter
+    alone is no expert stack (RWKV's [1, 1, d] mixes, RecurrentGemma's block-diagonal gates)."""
+    matrices = {tuple(p.shape) for p in layer.parameters() if p.dim() == 2}
+    for module in layer.modules():
+        if isinstance(module, nn.ModuleList) and any(ffn_of(projections(m), _width_in(m)) for m in module):
+            return True
+        if isinstance(module, nn.modules.conv._ConvNd):
+            continue
+        stacks = {p.shape[0] for p in module.parameters(recurse=False) if p.dim() == 3}
+        if any((count, d) in matrices or (d, count) in matrices for count in stacks):
+            return True
+    return False
+
+
+def _width_in(module: nn.Module) -> int:
+    projs = projections(module)
+    return projs[-1].d_out if projs else -1
