@@ -1,0 +1,164 @@
+"""GGUF files of mixture-of-experts architectures no mapping file names: the layout derived from transformers' own
+model, each unit (routed experts, a shared expert, dense layers before MoE ones) spelled in gguf's own tensor names
+for the architecture (parity/engine/derive_gguf.py, parity/engine/derive_gguf_experts.py).
+
+Each file is written with gguf's GGUFWriter from a tiny checkpoint built with transformers' own classes, its experts
+stacked the way llama.cpp's converter stacks them (spelled out here per family, not looked up in gguf): per-expert
+tensors stacked along a new first dim (Qwen2-MoE, Qwen3-MoE, DeepSeek V3), GPT-OSS's fused, interleaved, x @ W
+gate_up_proj transposed to [out, in] and split into its even rows (gate) and odd rows (up).  ``parity compare HF
+FILE.gguf`` passes on every unit, F32 and Q8_0; a broken export fails on the broken units only and is named; ``parity
+FILE.gguf`` checks every unit with the default target.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from .gguf_files import Q, moe_gguf_of_folder
+from .support import run_json, run_main
+from .test_derived_experts import in_report_order
+from .test_derived_families import build
+
+# widths that Q8_0's 32-value blocks divide (an expert's down_proj rows are moe_intermediate_size long)
+VALUES = dict(intermediate_size=64, num_key_value_heads=2, head_dim=16, num_experts=4, num_local_experts=4,
+              n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=64,
+              n_shared_experts=1)
+EXPERTS = {"gate_proj.weight": "ffn_gate_exps.weight", "up_proj.weight": "ffn_up_exps.weight",
+           "down_proj.weight": "ffn_down_exps.weight"}
+
+
+def per_expert(shared: str | None = None, dense_before: int = 0):
+    """layer_tensors for moe_gguf_of_folder: each projection's per-expert tensors stacked over the experts (the
+    converter's merge), a shared expert's as ffn_*_shexp, the dense layers' as ffn_gate/ffn_up/ffn_down."""
+    def layer_tensors(state: dict, layer: int) -> dict[str, np.ndarray]:
+        stem = f"model.layers.{layer}.mlp."
+        if layer < dense_before:
+            return {f"ffn_{p}.weight": state[f"{stem}{p}_proj.weight"] for p in ("gate", "up", "down")}
+        count = len({k for k in state if k.startswith(f"{stem}experts.") and k.endswith(".down_proj.weight")})
+        out = {gg: np.stack([state[f"{stem}experts.{e}.{hf}"] for e in range(count)]) for hf, gg in EXPERTS.items()}
+        if shared:
+            out |= {f"ffn_{p}_shexp.weight": state[f"{stem}{shared}.{p}_proj.weight"] for p in ("gate", "up", "down")}
+        return out
+    return layer_tensors
+
+
+def gpt_oss(state: dict, layer: int) -> dict[str, np.ndarray]:
+    """GPT-OSS as llama.cpp's converter writes it: gate_up_proj [E, d, 2ff] (x @ W, gate and up interleaved) to
+    [E, 2ff, d], its rows 0::2 the gate and 1::2 the up, each with its bias; down_proj [E, ff, d] to [E, d, ff]."""
+    stem = f"model.layers.{layer}.mlp.experts."
+    gate_up, bias = state[stem + "gate_up_proj"].transpose(0, 2, 1), state[stem + "gate_up_proj_bias"]
+    return {"ffn_gate_exps.weight": gate_up[:, 0::2], "ffn_up_exps.weight": gate_up[:, 1::2],
+            "ffn_down_exps.weight": state[stem + "down_proj"].transpose(0, 2, 1),
+            "ffn_gate_exps.bias": bias[:, 0::2], "ffn_up_exps.bias": bias[:, 1::2],
+            "ffn_down_exps.bias": state[stem + "down_proj_bias"]}
+
+
+def routed(layers=(0, 1)) -> list[tuple]:
+    return [(layer, expert, None) for layer in layers for expert in range(4)]
+
+
+# GGUF architecture -> (transformers model_type, config values, layer_tensors, every unit a compare judges, the
+# default target (None: no module of parity.ffn expresses the experts))
+FAMILIES = {
+    "qwen3moe": ("qwen3_moe", VALUES, per_expert(), routed(), "parity.ffn:SwiGLU"),
+    "qwen2moe": ("qwen2_moe", VALUES, per_expert("shared_expert"),
+                 in_report_order(routed() + [(0, None, "shared_expert"), (1, None, "shared_expert")]),
+                 "parity.ffn:SwiGLU"),
+    "gpt-oss": ("gpt_oss", dict(VALUES, intermediate_size=32), gpt_oss, routed(), None),
+}
+
+
+def exchange_experts(layer: int, tensors: dict) -> dict:
+    """Layer 1's experts 1 and 2 exchanged in every stacked tensor."""
+    if layer == 1:
+        for name, values in tensors.items():
+            if "_exps" in name:
+                values = values.copy()
+                values[[1, 2]] = values[[2, 1]]
+                tensors[name] = values
+    return tensors
+
+
+def exchange_gate_up(layer: int, tensors: dict) -> dict:
+    """Layer 1's expert 2: its gate and up exchanged (weights and biases)."""
+    if layer == 1:
+        for leaf in ("weight", "bias"):
+            gate, up = f"ffn_gate_exps.{leaf}", f"ffn_up_exps.{leaf}"
+            if gate in tensors:
+                tensors[gate], tensors[up] = tensors[gate].copy(), tensors[up].copy()
+                tensors[gate][2], tensors[up][2] = tensors[up][2].copy(), tensors[gate][2].copy()
+    return tensors
+
+
+BROKEN = {"experts": (exchange_experts, {(1, 1, None), (1, 2, None)}, "expert_shifted"),
+          "gate_up": (exchange_gate_up, {(1, 2, None)}, "gate_up_exchanged")}
+
+
+@pytest.fixture(scope="session")
+def files(tmp_path_factory) -> dict[str, dict[str, Path]]:
+    """arch -> {'hf': the tiny checkpoint, 'F32'/'Q8_0': its GGUF, 'experts'/'gate_up': a broken Q8_0 GGUF}."""
+    root = tmp_path_factory.mktemp("gguf-moe")
+    built = {}
+    for seed, (arch, (model_type, values, layer_tensors, _, _)) in enumerate(FAMILIES.items()):
+        hf = build(model_type, root / model_type, 60 + seed, **values)
+        built[arch] = {"hf": hf, **{q.name: moe_gguf_of_folder(hf, root / f"{arch}-{q.name}.gguf", arch, layer_tensors,
+                                                                q) for q in (Q.F32, Q.Q8_0)},
+                       **{kind: moe_gguf_of_folder(hf, root / f"{arch}-{kind}.gguf", arch, layer_tensors, Q.Q8_0,
+                                                   edit) for kind, (edit, _, _) in BROKEN.items()}}
+    return built
+
+
+def units(report: dict) -> list[tuple]:
+    return [(r["layer"], r["expert"], r["unit"]) for r in report["layers"]]
+
+
+@pytest.mark.parametrize("qtype", ["F32", "Q8_0"])
+@pytest.mark.parametrize("arch", FAMILIES)
+def test_compare_hf_against_its_gguf_judges_every_unit(capsys, files, arch, qtype):
+    code, report, err = run_json(capsys, "compare", files[arch]["hf"], files[arch][qtype])
+    assert code == 0 and report["passed"], err
+    assert units(report) == FAMILIES[arch][3]
+    candidate = report["comparison"]["candidate"]["mapping"]
+    assert candidate.startswith("derived from transformers ") and candidate.endswith(f"'{arch}' map")
+
+
+@pytest.mark.parametrize("kind", BROKEN)
+@pytest.mark.parametrize("arch", FAMILIES)
+def test_broken_gguf_fails_on_the_broken_units_only_and_is_named(capsys, files, arch, kind):
+    code, report, err = run_json(capsys, "compare", files[arch]["hf"], files[arch][kind])
+    assert code == 1, err
+    _, failing, named = BROKEN[kind]
+    assert {u for u, r in zip(units(report), report["layers"], strict=True) if not r["passed"]} == failing
+    assert {r["diagnosis"]["id"] for r in report["layers"] if not r["passed"]} == {named}
+
+
+@pytest.mark.parametrize("arch", FAMILIES)
+def test_check_with_the_default_target(capsys, files, arch):
+    """SwiGLU at each unit's own width (an expert's expert_feed_forward_length, the shared expert's); GPT-OSS's
+    clamped experts: exit 2 in one line, as for its Hugging Face folder."""
+    if FAMILIES[arch][4] is None:
+        code, out, err = run_main(capsys, files[arch]["Q8_0"])
+        lines = [line for line in err.splitlines() if line.strip()]
+        assert code == 2 and len(lines) == 1 and "GptOssExperts" in lines[0] and "--target" in lines[0], out + err
+        return
+    code, report, err = run_json(capsys, files[arch]["Q8_0"], "--layers", "all")
+    assert code == 0 and report["passed"], err
+    assert units(report) == FAMILIES[arch][3] and report["target"] == FAMILIES[arch][4]
+    assert report["mapping"].endswith(f"'{arch}' map")
+
+
+def test_the_experts_are_read_from_ggufs_stacked_tensors(files):
+    """The derived layout names gguf's own stacked tensors, each expert read as stored ([out, in], gate and up
+    apart: llama.cpp's converter de-interleaves GPT-OSS's), biases where transformers' experts have them."""
+    from parity.engine.resolve import resolve
+
+    for arch, biased in (("qwen3moe", False), ("gpt-oss", True)):
+        experts = resolve(str(files[arch]["F32"])).mapping.experts
+        assert [r.source for r in experts.routes[:3]] == ["ffn_gate_exps.weight", "ffn_up_exps.weight",
+                                                          "ffn_down_exps.weight"]
+        assert not experts.transposed and not any(r.interleaved or r.chunk for r in experts.routes)
+        assert [r.source for r in experts.biases] == (["ffn_gate_exps.bias", "ffn_up_exps.bias",
+                                                       "ffn_down_exps.bias"] if biased else [])
