@@ -162,3 +162,69 @@ def test_the_experts_are_read_from_ggufs_stacked_tensors(files):
         assert not experts.transposed and not any(r.interleaved or r.chunk for r in experts.routes)
         assert [r.source for r in experts.biases] == (["ffn_gate_exps.bias", "ffn_up_exps.bias",
                                                        "ffn_down_exps.bias"] if biased else [])
+
+
+# -- dense layers before MoE ones: DeepSeek V2/V3 ('deepseek2'), GLM-4.5 ('glm4moe') -----------------------------------
+# transformers' GGUF tables (transformers.integrations.ggml.GGUF_CONFIG_MAPPING) read neither architecture, so their
+# config cannot come from the file: a file of either is exit 2 in one line.  The layout itself is derived all the
+# same: below, the config the file stands for is given as the Hugging Face folder's own, and every unit of DeepSeek
+# V3 (the dense layer 0, the routed and shared experts of layers 1 and 2) is read from gguf's 'deepseek2' names.
+
+DEEPSEEK = dict(VALUES, num_hidden_layers=3, first_k_dense_replace=1)
+DEEPSEEK_UNITS = in_report_order([(0, None, "mlp"), *routed((1, 2)), (1, None, "shared_experts"),
+                                  (2, None, "shared_experts")])
+
+
+@pytest.fixture(scope="session")
+def deepseek(tmp_path_factory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("gguf-deepseek")
+    hf = build("deepseek_v3", root / "deepseek_v3", 70, **DEEPSEEK)
+    tensors = per_expert("shared_experts", dense_before=1)
+    return {"hf": hf, "Q8_0": moe_gguf_of_folder(hf, root / "deepseek2.gguf", "deepseek2", tensors, Q.Q8_0),
+            "broken": moe_gguf_of_folder(hf, root / "deepseek2-broken.gguf", "deepseek2", tensors, Q.Q8_0,
+                                         exchange_experts)}
+
+
+@pytest.mark.parametrize("arch", ["deepseek2", "glm4moe"])
+def test_an_architecture_transformers_gguf_tables_do_not_read_is_exit_2(capsys, deepseek, tmp_path, arch):
+    path = moe_gguf_of_folder(deepseek["hf"], tmp_path / f"{arch}.gguf", arch, per_expert("shared_experts", 1))
+    code, out, err = run_main(capsys, "compare", deepseek["hf"], path)
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert code == 2 and len(lines) == 1, out + err
+    assert f"GGUF architecture '{arch}' is not supported" in lines[0] and "transformers' GGUF loader" in lines[0]
+
+
+@pytest.fixture
+def config_of_the_folder(monkeypatch, deepseek):
+    """The GGUF's config given as the Hugging Face folder's (the step transformers' tables cannot do for deepseek2)."""
+    import json
+
+    import parity.sources.gguf as gguf_source
+
+    config = json.loads((deepseek["hf"] / "config.json").read_text())
+    monkeypatch.setattr(gguf_source, "config_from_metadata", lambda header: (dict(config), []))
+
+
+def test_dense_layers_before_moe_ones_are_units_in_gguf_names(capsys, deepseek, config_of_the_folder):
+    code, report, err = run_json(capsys, "compare", deepseek["hf"], deepseek["Q8_0"])
+    assert code == 0 and report["passed"], err
+    assert units(report) == DEEPSEEK_UNITS
+    code, report, err = run_json(capsys, "compare", deepseek["hf"], deepseek["broken"])
+    assert code == 1, err
+    assert {u for u, r in zip(units(report), report["layers"], strict=True) if not r["passed"]} == {(1, 1, None),
+                                                                                                    (1, 2, None)}
+    assert {r["diagnosis"]["id"] for r in report["layers"] if not r["passed"]} == {"expert_shifted"}
+    code, report, err = run_json(capsys, deepseek["Q8_0"], "--layers", "all")
+    assert code == 0 and report["passed"] and units(report) == DEEPSEEK_UNITS, err
+
+
+def test_each_unit_is_named_in_ggufs_own_names(deepseek, config_of_the_folder):
+    from parity.engine.resolve import resolve
+
+    mapping = resolve(str(deepseek["Q8_0"])).mapping
+    layouts = {unit.unit: unit for unit in (mapping, *mapping.parts)}
+    assert layouts[None].layers == (1, 2) and layouts[None].experts.stacked[0] == "ffn_gate_exps.weight"
+    assert layouts["mlp"].layers == (0,) and {r.source for r in layouts["mlp"].tensors} == {
+        "ffn_gate.weight", "ffn_up.weight", "ffn_down.weight"}
+    assert layouts["shared_experts"].layers == (1, 2) and {r.source for r in layouts["shared_experts"].tensors} == {
+        "ffn_gate_shexp.weight", "ffn_up_shexp.weight", "ffn_down_shexp.weight"}
