@@ -228,3 +228,27 @@ def test_each_unit_is_named_in_ggufs_own_names(deepseek, config_of_the_folder):
         "ffn_gate.weight", "ffn_up.weight", "ffn_down.weight"}
     assert layouts["shared_experts"].layers == (1, 2) and {r.source for r in layouts["shared_experts"].tensors} == {
         "ffn_gate_shexp.weight", "ffn_up_shexp.weight", "ffn_down_shexp.weight"}
+
+
+def drop_up(layer: int, tensors: dict) -> dict:
+    if layer == 1:
+        tensors.pop("ffn_up_exps.weight")
+    return tensors
+
+
+def three_experts(layer: int, tensors: dict) -> dict:
+    if layer == 1:
+        tensors["ffn_up_exps.weight"] = tensors["ffn_up_exps.weight"][:3]
+    return tensors
+
+
+@pytest.mark.parametrize("edit, said", [
+    (drop_up, "layer 1's FFN tensors are missing"),
+    (three_experts, "'blk.1.ffn_up_exps.weight' (shape [3, 32, 32]) stacks 3 experts, the config says 4"),
+])
+def test_a_stacked_tensor_missing_or_short_is_named(capsys, files, tmp_path, edit, said):
+    """Exit 2 in one line naming the file's tensor, not a traceback or a mismatch of every expert."""
+    path = moe_gguf_of_folder(files["qwen3moe"]["hf"], tmp_path / "bad.gguf", "qwen3moe", per_expert(), Q.Q8_0, edit)
+    code, out, err = run_main(capsys, path)
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert code == 2 and len(lines) == 1 and said in lines[0] and "blk.1.ffn_up_exps.weight" in lines[0], out + err

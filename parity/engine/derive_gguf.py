@@ -41,7 +41,8 @@ def derive_gguf_mapping(ckpt: Any, load_config: Callable[[Checkpoint], Any]) -> 
     table = gguf.get_tensor_name_map(arch_id, count)
     in_file = {f"{hf}{suffix}": f"{name}{suffix}" for hf, (kind, name) in table.mapping.items()
                if kind not in EXPERT_TENSORS for suffix in (".weight", ".bias")}  # the file says if it holds each
-    fused = [name for name, _ in ModelSkeleton(config).skeleton.named_parameters()
+    skeleton = ModelSkeleton(config)
+    fused = [name for name, _ in skeleton.skeleton.named_parameters()
              if name.rsplit(".", 1)[-1] in FUSED + BIASES]  # transformers' own experts: derive finds them as they are
     proxy = Checkpoint(f"{ckpt.location} (its tensors as gguf's '{arch}' map names them in Hugging Face's spelling)",
                        None, ckpt.raw_config, dict.fromkeys([*in_file, *fused], ckpt.header.path.name),
@@ -50,8 +51,9 @@ def derive_gguf_mapping(ckpt: Any, load_config: Callable[[Checkpoint], Any]) -> 
     import transformers
 
     suffix = f", GGUF names from gguf {_gguf_version()}'s '{arch}' map"
-    units = [gguf_experts(unit, ckpt, arch_id, arch) if unit.experts is not None
-             else _dense(unit, config, in_file, count) for unit in (hf, *hf.parts)]
+    model_type = hf.model_types[0]
+    units = [gguf_experts(unit, ckpt, arch_id, arch, lambda why, what: refused(model_type, why, what))
+             if unit.experts is not None else _dense(unit, skeleton, in_file, count) for unit in (hf, *hf.parts)]
     units = [dataclasses.replace(unit, name=unit.name + suffix, path=Path(unit.name + suffix), layer_key=LAYER_KEY,
                                  key_prefixes=[""]) for unit in units]
     main, *parts = units
@@ -68,9 +70,9 @@ def describe(unit: Mapping) -> str:
     return "every layer" if unit.layers is None else f"layers {', '.join(map(str, unit.layers))}"
 
 
-def _dense(unit: Mapping, config: Any, in_file: dict[str, str], count: int) -> Mapping:
+def _dense(unit: Mapping, skeleton: ModelSkeleton, in_file: dict[str, str], count: int) -> Mapping:
     """A dense unit (every layer's FFN, the dense layers before MoE ones, a shared expert) in the file's names."""
-    module = ModelSkeleton(config).meta_module(unit.reference_path(unit.first_layer))
+    module = skeleton.meta_module(unit.reference_path(unit.first_layer))
     stored = {own: own for own, _ in module.named_parameters()} | {r.target: r.source for r in unit.reference_tensors}
     layers = [i for i in (unit.layers or range(count))][:2]
     names = {source: gguf_name(unit, in_file, source, layers) for source in stored.values()}

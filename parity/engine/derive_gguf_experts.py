@@ -19,7 +19,6 @@ import dataclasses
 from typing import Any
 
 from parity.definitions.mapping import Experts, Mapping, TensorRoute
-from parity.engine.derive import refused
 
 LAYER_KEY = "blk.{layer}"  # every block tensor of gguf.constants.TENSOR_NAMES is 'blk.{bid}.NAME'
 
@@ -35,9 +34,10 @@ def _expert_tensors() -> dict[Any, str]:
 EXPERT_TENSORS = _expert_tensors()
 
 
-def gguf_experts(unit: Mapping, ckpt: Any, arch_id: Any, arch: str) -> Mapping:
+def gguf_experts(unit: Mapping, ckpt: Any, arch_id: Any, arch: str, refuse: Any) -> Mapping:
     """The experts unit of a layout derived in Hugging Face's names, in the file's stacked tensors: the same experts
-    (count, biases) and the same target parameters, each expert read as stored ([out, in], gate and up apart)."""
+    (count, biases) and the same target parameters, each expert read as stored ([out, in], gate and up apart).
+    ``refuse(why, what)`` makes the exit-2 error where gguf names no stacked experts for the architecture."""
     from gguf.constants import MODEL_TENSORS, TENSOR_NAMES
 
     block = LAYER_KEY.format(layer=unit.first_layer) + "."
@@ -47,7 +47,7 @@ def gguf_experts(unit: Mapping, ckpt: Any, arch_id: Any, arch: str) -> Mapping:
     fused = "gate_up" in held and not {"gate", "up"} & held
     wanted = ("gate_up", "down") if fused else ("gate", "up", "down")
     if not set(wanted) <= set(names):
-        raise refused(unit.model_types[0], f"gguf {_version()} names no stacked {'/'.join(wanted)} expert tensors for "
+        raise refuse(f"gguf {_version()} names no stacked {'/'.join(wanted)} expert tensors for "
                       f"architecture '{arch}' (its MODEL_TENSORS), so where the file keeps transformers' "
                       f"{unit.reference_module} is not said", "with an [experts] table ")
     experts = unit.experts
