@@ -252,3 +252,56 @@ def test_a_stacked_tensor_missing_or_short_is_named(capsys, files, tmp_path, edi
     code, out, err = run_main(capsys, path)
     lines = [line for line in err.splitlines() if line.strip()]
     assert code == 2 and len(lines) == 1 and said in lines[0] and "blk.1.ffn_up_exps.weight" in lines[0], out + err
+
+
+# -- gate and up fused in one stacked tensor: gguf's FFN_GATE_UP_EXP ('ffn_gate_up_exps', [E, 2·ff, d], gate rows
+# first), which gguf lists for Qwen3-Next among others.  transformers' GGUF tables do not read 'qwen3next' either: the
+# config is given as the folder's, as for DeepSeek above.
+
+NEXT = dict(VALUES, linear_num_key_heads=2, linear_num_value_heads=2, linear_key_head_dim=16, linear_value_head_dim=16)
+
+
+def fused_gate_up(state: dict, layer: int) -> dict[str, np.ndarray]:
+    out = per_expert("shared_expert")(state, layer)
+    out["ffn_gate_up_exps.weight"] = np.concatenate([out.pop("ffn_gate_exps.weight"),
+                                                     out.pop("ffn_up_exps.weight")], axis=1)
+    return out
+
+
+def halves_exchanged(layer: int, tensors: dict) -> dict:
+    """Layer 1's fused gate_up written up first: every expert's gate and up exchanged."""
+    if layer == 1:
+        gate, up = np.split(tensors["ffn_gate_up_exps.weight"], 2, axis=1)
+        tensors["ffn_gate_up_exps.weight"] = np.concatenate([up, gate], axis=1)
+    return tensors
+
+
+@pytest.fixture
+def qwen3_next(tmp_path_factory, monkeypatch) -> dict[str, Path]:
+    import json
+
+    import parity.sources.gguf as gguf_source
+
+    root = tmp_path_factory.mktemp("gguf-qwen3next")
+    hf = build("qwen3_next", root / "qwen3_next", 80, **NEXT)
+    config = json.loads((hf / "config.json").read_text())
+    monkeypatch.setattr(gguf_source, "config_from_metadata", lambda header: (dict(config), []))
+    return {"hf": hf, "Q8_0": moe_gguf_of_folder(hf, root / "next.gguf", "qwen3next", fused_gate_up, Q.Q8_0),
+            "broken": moe_gguf_of_folder(hf, root / "next-broken.gguf", "qwen3next", fused_gate_up, Q.Q8_0,
+                                         halves_exchanged)}
+
+
+def test_a_fused_gate_up_exps_is_read_as_its_halves(capsys, qwen3_next):
+    from parity.engine.resolve import resolve
+
+    experts = resolve(str(qwen3_next["Q8_0"])).mapping.experts
+    assert [(r.source, r.chunk) for r in (experts.gate, experts.up)] == [("ffn_gate_up_exps.weight", (0, 2)),
+                                                                         ("ffn_gate_up_exps.weight", (1, 2))]
+    every = in_report_order(routed() + [(0, None, "shared_expert"), (1, None, "shared_expert")])
+    code, report, err = run_json(capsys, "compare", qwen3_next["hf"], qwen3_next["Q8_0"])
+    assert code == 0 and report["passed"] and units(report) == every, err
+    code, report, err = run_json(capsys, "compare", qwen3_next["hf"], qwen3_next["broken"])
+    assert code == 1, err
+    failed = [r for u, r in zip(units(report), report["layers"], strict=True) if not r["passed"]]
+    assert {(r["layer"], r["expert"]) for r in failed} == {(1, e) for e in range(4)}
+    assert {r["diagnosis"]["id"] for r in failed} == {"gate_up_exchanged"}

@@ -8,8 +8,9 @@ holds, the file says.  Experts with biases (GPT-OSS) keep them beside, ``ffn_gat
 
 GPT-OSS: transformers' GptOssExperts interleaves gate and up along gate_up_proj's output (rows 0::2 and 1::2) and
 computes ``x @ W`` ([E, d, 2·ff]); llama.cpp's converter transposes each expert to [out, in] and splits the rows
-0::2 / 1::2 into ``ffn_gate_exps`` and ``ffn_up_exps`` (or concatenates them, gate first, into
-``ffn_gate_up_exps``).  So no GGUF stores gate and up interleaved or transposed: each expert is read as stored, and
+0::2 / 1::2 into ``ffn_gate_exps`` and ``ffn_up_exps`` (its option to concatenate them, gate first, into
+``ffn_gate_up_exps`` needs an architecture whose MODEL_TENSORS list FFN_GATE_UP_EXP, which gguf 0.19's 'gpt-oss' does
+not).  So no GGUF stores gate and up interleaved or transposed: each expert is read as stored, and
 parity.engine.experts puts it back into transformers' own layout for the reference.
 """
 
