@@ -4,8 +4,9 @@ for the architecture (parity/engine/derive_gguf.py, parity/engine/derive_gguf_ex
 
 Each file is written with gguf's GGUFWriter from a tiny checkpoint built with transformers' own classes, its experts
 stacked the way llama.cpp's converter stacks them (spelled out here per family, not looked up in gguf): per-expert
-tensors stacked along a new first dim (Qwen2-MoE, Qwen3-MoE, DeepSeek V3), GPT-OSS's fused, interleaved, x @ W
-gate_up_proj transposed to [out, in] and split into its even rows (gate) and odd rows (up).  ``parity compare HF
+tensors stacked along a new first dim (Qwen2-MoE, Qwen3-MoE, MiniMax-M2's w1/w3/w2, DeepSeek V3), GPT-OSS's fused,
+interleaved, x @ W gate_up_proj transposed to [out, in] and split into its even rows (gate) and odd rows (up), gate
+and up stacked as one [gate; up] tensor (Qwen3-Next's ffn_gate_up_exps).  ``parity compare HF
 FILE.gguf`` passes on every unit, F32 and Q8_0; a broken export fails on the broken units only and is named; ``parity
 FILE.gguf`` checks every unit with the default target.
 """
@@ -30,15 +31,19 @@ EXPERTS = {"gate_proj.weight": "ffn_gate_exps.weight", "up_proj.weight": "ffn_up
            "down_proj.weight": "ffn_down_exps.weight"}
 
 
-def per_expert(shared: str | None = None, dense_before: int = 0):
-    """layer_tensors for moe_gguf_of_folder: each projection's per-expert tensors stacked over the experts (the
-    converter's merge), a shared expert's as ffn_*_shexp, the dense layers' as ffn_gate/ffn_up/ffn_down."""
+def per_expert(shared: str | None = None, dense_before: int = 0, experts_at: str = "mlp.experts",
+               names: dict[str, str] = EXPERTS):
+    """layer_tensors for moe_gguf_of_folder: each projection's per-expert tensors (``experts_at.{e}.NAME``) stacked
+    over the experts (the converter's merge), a shared expert's as ffn_*_shexp, the dense layers' as ffn_gate/ffn_up/
+    ffn_down."""
     def layer_tensors(state: dict, layer: int) -> dict[str, np.ndarray]:
         stem = f"model.layers.{layer}.mlp."
         if layer < dense_before:
             return {f"ffn_{p}.weight": state[f"{stem}{p}_proj.weight"] for p in ("gate", "up", "down")}
-        count = len({k for k in state if k.startswith(f"{stem}experts.") and k.endswith(".down_proj.weight")})
-        out = {gg: np.stack([state[f"{stem}experts.{e}.{hf}"] for e in range(count)]) for hf, gg in EXPERTS.items()}
+        at = f"model.layers.{layer}.{experts_at}."
+        down = next(hf for hf, gg in names.items() if gg.startswith("ffn_down"))
+        count = len({k for k in state if k.startswith(at) and k.endswith(f".{down}")})
+        out = {gg: np.stack([state[f"{at}{e}.{hf}"] for e in range(count)]) for hf, gg in names.items()}
         if shared:
             out |= {f"ffn_{p}_shexp.weight": state[f"{stem}{shared}.{p}_proj.weight"] for p in ("gate", "up", "down")}
         return out
@@ -68,6 +73,10 @@ FAMILIES = {
                  in_report_order(routed() + [(0, None, "shared_expert"), (1, None, "shared_expert")]),
                  "parity.ffn:SwiGLU"),
     "gpt-oss": ("gpt_oss", dict(VALUES, intermediate_size=32), gpt_oss, routed(), None),
+    "minimax-m2": ("minimax_m2", dict(VALUES, intermediate_size=32),  # Mixtral's w1/w3/w2 per expert
+                   per_expert(experts_at="block_sparse_moe.experts", names={
+                       "w1.weight": "ffn_gate_exps.weight", "w3.weight": "ffn_up_exps.weight",
+                       "w2.weight": "ffn_down_exps.weight"}), routed(), "parity.ffn:SwiGLU"),
 }
 
 
