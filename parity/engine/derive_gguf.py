@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from parity.definitions.mapping import Mapping, TensorRoute
-from parity.engine.derive import derive_mapping, projections, refused
+from parity.engine.derive import derive_mapping, describe_layers, projections, refused
 from parity.engine.derive_experts import BIASES, FUSED
 from parity.engine.derive_gguf_experts import EXPERT_TENSORS, LAYER_KEY, gguf_experts
 from parity.sources.checkpoint import Checkpoint
@@ -63,11 +63,7 @@ def derive_gguf_mapping(ckpt: Any, load_config: Callable[[Checkpoint], Any]) -> 
     return dataclasses.replace(
         main, parts=parts, notes=notes,
         description=f"GGUF '{arch}': layout derived from transformers {transformers.__version__} and gguf's name map"
-                    + "".join(f"; {part.unit}: {describe(part)}" for part in parts))
-
-
-def describe(unit: Mapping) -> str:
-    return "every layer" if unit.layers is None else f"layers {', '.join(map(str, unit.layers))}"
+                    + "".join(f"; {part.unit}: {describe_layers(part)}" for part in parts))
 
 
 def _dense(unit: Mapping, skeleton: ModelSkeleton, in_file: dict[str, str], count: int) -> Mapping:
