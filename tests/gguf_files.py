@@ -292,3 +292,50 @@ def gguf_of_folder(folder: Path, path: Path, arch: str, names: dict[str, str], q
     writer.write_tensors_to_file()
     writer.close()
     return path
+
+
+# -- mixture of experts: a tiny HF checkpoint's FFN tensors stacked over experts, as llama.cpp's converter does ------
+
+def moe_gguf_of_folder(folder: Path, path: Path, arch: str, layer_tensors, qtype: Q = Q.F32, edit=None) -> Path:
+    """A GGUF file of ``arch`` holding the FFN tensors of a saved tiny MoE checkpoint: ``layer_tensors(state, layer)``
+    gives one layer's {GGUF name under 'blk.N.': values} (the test spells out, per family, how llama.cpp's converter
+    stacks and names them); 2-D and 3-D weights as ``qtype``, biases F32.  The metadata says the expert widths and
+    counts the converter writes (expert_feed_forward_length, expert_shared_feed_forward_length, expert_count).
+    ``edit(layer, tensors)`` may change a layer's tensors before they are written (a broken export)."""
+    import json
+
+    from safetensors.numpy import load_file
+
+    config = json.loads((folder / "config.json").read_text())
+    state = load_file(str(folder / "model.safetensors"))
+    meta = {"block_count": config["num_hidden_layers"], "embedding_length": config["hidden_size"],
+            "context_length": 64, "feed_forward_length": config["intermediate_size"],
+            "attention.head_count": config["num_attention_heads"],
+            "attention.head_count_kv": config["num_key_value_heads"],
+            "expert_count": config.get("num_experts") or config["num_local_experts"],
+            "expert_used_count": config["num_experts_per_tok"]}
+    for key, attr in (("attention.key_length", "head_dim"), ("expert_feed_forward_length", "moe_intermediate_size"),
+                      ("expert_shared_feed_forward_length", "shared_expert_intermediate_size")):
+        if config.get(attr):
+            meta[key] = config[attr]
+    rng = np.random.default_rng(0)
+    writer = GGUFWriter(str(path), arch)
+    for key, value in meta.items():
+        writer.add_uint32(f"{arch}.{key}", value)
+    writer.add_token_list([f"tok{i}" for i in range(config["vocab_size"])])
+    writer.add_pad_token_id(0)
+    writer.add_bos_token_id(1)
+    writer.add_eos_token_id(2)
+    for layer in range(config["num_hidden_layers"]):
+        found = layer_tensors(state, layer)
+        if edit is not None:
+            found = edit(layer, dict(found))
+        for name, values in found.items():
+            kind = qtype if values.ndim > 1 and name.endswith(".weight") else Q.F32
+            data = encode(np.ascontiguousarray(values, dtype=np.float32), kind, rng)
+            writer.add_tensor(f"blk.{layer}.{name}", data, raw_dtype=kind if data.dtype == np.uint8 else None)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path

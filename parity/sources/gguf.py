@@ -4,7 +4,7 @@ the metadata stands for.
 
 GGUF names no activation and no transformers class: both follow from ``general.architecture``, which
 ``gguf_config`` translates into a transformers config.  The header itself is read by ``gguf_header``; the names of a
-layer's FFN tensors come from gguf's own name map (``engine.derive_gguf``) or a mapping file.
+layer's FFN tensors come from gguf's own name map (``engine.layout.gguf``) or a mapping file.
 """
 
 from __future__ import annotations

@@ -51,6 +51,13 @@ BEYOND_TRANSFORMERS = {
     "gemma": "gemma",  # GemmaForCausalLM is converted as architecture 'gemma'; transformers reads gemma2 onwards only
     "llama+experts": "mixtral",  # MixtralForCausalLM is converted as 'llama' with expert_count > 0
 }
+# What llama.cpp's converter writes from a Hugging Face config's expert widths (its Qwen2-MoE / Qwen3-MoE /
+# DeepSeek converters: gguf.Keys.LLM.EXPERT_FEED_FORWARD_LENGTH from moe_intermediate_size,
+# EXPERT_SHARED_FEED_FORWARD_LENGTH from shared_expert_intermediate_size), which transformers' GGUF tables leave
+# out for some architectures (qwen3_moe): read back where the config class has that attribute and transformers'
+# table says nothing of the key.
+_EXPERT_KEYS = {"expert_feed_forward_length": "moe_intermediate_size",
+                "expert_shared_feed_forward_length": "shared_expert_intermediate_size"}
 _INT_KEYS = ("block_count", "embedding_length", "feed_forward_length", "head_count", "head_count_kv",
              "context_length", "key_length", "value_length", "dimension_count", "vocab_size")
 
@@ -85,8 +92,18 @@ def translation(header: GGUFHeader, arch: str) -> Translation:
     model_type = f"{name}_text" if f"{name}_text" in CONFIG_MAPPING_NAMES else name
     keys = {**{f"{arch}.{key}": attr for key, attr in GGUF_CONFIG_MAPPING[name].items()},
             **{f"tokenizer.{key}": attr for key, attr in GGUF_CONFIG_MAPPING["tokenizer"].items()}}
+    keys |= {f"{arch}.{key}": attr for key, attr in _expert_keys(model_type).items()
+             if key not in GGUF_CONFIG_MAPPING[name]}
     return Translation(model_type, keys, f"transformers {transformers.__version__}'s GGUF tables",
                        dict(GGUF_CONFIG_DEFAULTS_MAPPING.get(name, {})))
+
+
+def _expert_keys(model_type: str) -> dict[str, str]:
+    """_EXPERT_KEYS whose attribute the model type's config class has (a dense family's has none of them)."""
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+    attributes = set(vars(CONFIG_MAPPING[model_type]()))
+    return {key: attr for key, attr in _EXPERT_KEYS.items() if attr in attributes}
 
 
 def _plain(name: str) -> str:

@@ -27,12 +27,16 @@ class Hypothesis:
 
 
 def _swap(t: dict, a: str, b: str, biases: bool = True) -> dict:
+    """A's tensors with a and b exchanged, their biases with them unless ``biases`` is False: an MoE expert's
+    (parity.engine.experts: gate, up, down, gate_bias, up_bias: GPT-OSS's) or a dense FFN's (gate_proj.weight,
+    gate_proj.bias)."""
     out = dict(t)
-    if a in t and b in t:  # one MoE expert's tensors: gate, up, down (parity.engine.experts)
-        out[a], out[b] = t[b], t[a]
-    for suffix in ("weight", "bias") if biases else ("weight",):
-        if f"{a}.{suffix}" in t and f"{b}.{suffix}" in t:
-            out[f"{a}.{suffix}"], out[f"{b}.{suffix}"] = t[f"{b}.{suffix}"], t[f"{a}.{suffix}"]
+    pairs = [(a, b), *((f"{a}.{suffix}", f"{b}.{suffix}") for suffix in ("weight", "bias"))]
+    if biases:
+        pairs.append((f"{a}_bias", f"{b}_bias"))
+    for first, second in pairs:
+        if first in t and second in t and (biases or not first.endswith("bias")):
+            out[first], out[second] = t[second], t[first]
     return out
 
 

@@ -160,8 +160,8 @@ def _is_gguf(ckpt: Checkpoint) -> bool:
 
 
 def derived_mapping(ckpt: Checkpoint) -> Mapping:
-    """The layout transformers' own model implies (``engine.derive``); for a GGUF file, spelled in the names gguf's
-    own map gives its architecture (``engine.derive_gguf``)."""
+    """The layout transformers' own model implies (``layout.derive``); for a GGUF file, spelled in the names gguf's
+    own map gives its architecture (``layout.gguf``)."""
     if _is_gguf(ckpt):
         from parity.engine.layout.gguf import derive_gguf_mapping
 
