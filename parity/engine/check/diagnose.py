@@ -98,9 +98,11 @@ def hypotheses(reference: nn.Module, tensors: dict[str, torch.Tensor], config) -
     if "gate_proj.weight" in tensors and "up_proj.weight" in tensors:
         found.append(Hypothesis(MistakeId.GATE_UP_SWAPPED, "gate_proj <-> up_proj",
                                 tensors=_swap("gate_proj", "up_proj")))
-    if "gate" in tensors and "up" in tensors:  # one MoE expert (parity.engine.experts)
+    if "gate" in tensors and "up" in tensors:  # one MoE expert (parity.engine.experts), its biases with it
         found.append(Hypothesis(MistakeId.GATE_UP_SWAPPED, "expert gate <-> up",
-                                tensors=lambda t: {**t, "gate": t["up"], "up": t["gate"]}))
+                                tensors=lambda t: {**t, "gate": t["up"], "up": t["gate"],
+                                                   **({"gate_bias": t["up_bias"], "up_bias": t["gate_bias"]}
+                                                      if "gate_bias" in t and "up_bias" in t else {})}))
     for name in tensors:
         if name.endswith("gate_up_proj.weight") or name.endswith("gate_up_proj"):
             found.append(Hypothesis(MistakeId.GATE_UP_SWAPPED, f"halves of {name}", tensors=_swap_halves(name)))

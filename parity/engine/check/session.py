@@ -237,7 +237,8 @@ class Session:
     def layer_held(self, native: Any, layer: int, reach: int = 8) -> int | None:
         """The layer whose checkpoint tensors a target that holds its own weights (an ONNX graph) holds, searched
         nearest first within ``reach`` layers of the one checked; None when none is."""
-        nearest = sorted((j for j in range(self.num_layers) if j != layer and abs(j - layer) <= reach),
+        nearest = sorted((j for j in range(self.num_layers)
+                          if j != layer and abs(j - layer) <= reach and self.mapping.serves(j)),
                          key=lambda j: abs(j - layer))
         return next((j for j in nearest if self.framework.verify(native, self.read_layer(j, None, dtype=None))[1]),
                     None)

@@ -51,7 +51,15 @@ from parity.engine.reference import activation_name
 from parity.engine.results import LayerResult, Report
 from parity.engine.upcast import compute_in
 from parity.engine.verdict import Runs, judge, parity_tolerance
-from parity.errors import LayerRangeError, MissingTensorError, SyntheticWeightsError, UsageError, WeightDefectError
+from parity.errors import (
+    LayerRangeError,
+    MappingError,
+    MissingTensorError,
+    ParityError,
+    SyntheticWeightsError,
+    UsageError,
+    WeightDefectError,
+)
 
 QUANT_FACTOR = 2.0  # a quantized B passes within this x the deviation re-quantizing A's tensors causes
 CAST_FACTOR = 4.0  # a cast B within this x the deviation rounding A's tensors to B's dtype causes
@@ -137,8 +145,11 @@ class Comparison:
         require_values(model=a, revision=revision)
         require_values(model=b, revision=revision_b)
         self.a = Session(resolve(a, revision=revision, allow_pickle=allow_pickle), seed=seed)
-        self.b = Session(resolve(b, revision=revision_b, allow_pickle=allow_pickle, revision_option="--revision-b"),
-                         seed=seed)
+        try:
+            resolved_b = resolve(b, revision=revision_b, allow_pickle=allow_pickle, revision_option="--revision-b")
+        except MappingError as exc:  # B lacks what its own layout needs: read B as A is, naming what B lacks
+            resolved_b = resolve_like(self.a, b, exc, revision=revision_b, allow_pickle=allow_pickle)
+        self.b = Session(resolved_b, seed=seed)
         self.labels = (a, b)
         if require_real:
             require_real_sides(self.a, self.b, self.labels)
@@ -379,7 +390,7 @@ class Comparison:
         layer, expert = unit
         found = []
         for other in range(max(0, layer - NEIGHBOURS), min(self.a.num_layers, layer + NEIGHBOURS + 1)):
-            if other == layer:
+            if other == layer or not self.a.mapping.serves(other):  # a layer of another kind holds no such unit
                 continue
             mine, theirs = (f"layer {layer}", f"layer {other}") if expert is None else (
                 f"layer {layer} expert {expert}", f"layer {other} expert {expert}")
@@ -536,6 +547,28 @@ def open_comparison(spec: CompareSpec) -> Comparison:
     return Comparison(spec.a, spec.b, revision=spec.revision, revision_b=spec.revision_b,
                       allow_pickle=spec.allow_pickle, seed=spec.seed, experts=spec.experts,
                       require_real=spec.require_real)
+
+
+def resolve_like(a: Session, b: str, refused: MappingError, *, revision: str | None, allow_pickle: bool) -> Any:
+    """B resolved through A's derived layout, where B's own could not be derived (a conversion that dropped a
+    tensor, a shared expert): B is then judged unit by unit, each tensor it lacks a finding on its layer
+    (tensor_missing), instead of the whole compare stopping.  Only for B of A's model type and storage (not a GGUF
+    file beside a folder); else the derivation's own error stands."""
+    from parity.engine.layout.resolve import is_gguf
+
+    if not a.mapping.derived:
+        raise refused
+    try:
+        resolved = resolve(b, mapping=a.mapping, revision=revision, allow_pickle=allow_pickle,
+                           revision_option="--revision-b")
+    except ParityError:
+        raise refused from None
+    same = (resolved.checkpoint.raw_config.get("model_type") == a.checkpoint.raw_config.get("model_type")
+            and is_gguf(resolved.checkpoint) == is_gguf(a.checkpoint))
+    if not same:
+        raise refused
+    resolved.notes.append(f"B's own layout could not be derived ({refused}); B is read through A's")
+    return resolved
 
 
 def require_real_sides(a: Session, b: Session, labels: tuple[str, str]) -> None:

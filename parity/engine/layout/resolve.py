@@ -98,12 +98,12 @@ EMPTY_HINTS = {"model": "give a mapping name (see `parity list`), a hub id (owne
                "revision": "give a branch, tag or commit, or leave it out for the default branch"}
 
 
-def resolve(model: str, checkpoint: str | None = None, mapping: str | Path | None = None,
+def resolve(model: str, checkpoint: str | None = None, mapping: str | Path | Mapping | None = None,
             revision: str | None = None, allow_pickle: bool = False, *, revision_option: str = "--revision"
             ) -> Resolved:
     require_values(model=model, checkpoint=checkpoint, mapping=mapping, revision=revision)
     mappings = builtin_mappings()
-    chosen = load_mapping(mapping) if mapping is not None else None
+    chosen = mapping if isinstance(mapping, Mapping) else load_mapping(mapping) if mapping is not None else None
     notes: list[str] = []
     named = mappings.get(model) if not path_exists(Path(model).expanduser()) else None
     if named is None and model in mappings and checkpoint is None:  # a folder here bears a mapping's name
@@ -125,14 +125,14 @@ def resolve(model: str, checkpoint: str | None = None, mapping: str | Path | Non
     check_raw_config(ckpt)
     model_type = ckpt.raw_config.get("model_type")
     served = mappings_for_model_type(model_type)
-    if chosen is None and (not served or _is_gguf(ckpt) and not any(fits(m, ckpt.has) for m in served)):
+    if chosen is None and (not served or is_gguf(ckpt) and not any(fits(m, ckpt.has) for m in served)):
         chosen = derived_mapping(ckpt)  # no mapping file (that fits a GGUF): transformers' own model says
     if chosen is None:
         chosen = mapping_for_model_type(model_type, ckpt.has)
     elif mapping is None and not fits(chosen, ckpt.has):
         # `parity llama --checkpoint x.gguf`: the family's GGUF mapping, or the layout derived in GGUF names
         sibling = _fitting_mapping(model_type, ckpt)
-        if sibling is None and _is_gguf(ckpt):
+        if sibling is None and is_gguf(ckpt):
             sibling = derived_mapping(ckpt)
         if sibling is not None:
             notes.append(f"this checkpoint stores mapping '{chosen.name}''s tensors under other names; "
@@ -153,7 +153,7 @@ def resolve(model: str, checkpoint: str | None = None, mapping: str | Path | Non
     return Resolved(model, chosen, ckpt, config, notes)
 
 
-def _is_gguf(ckpt: Checkpoint) -> bool:
+def is_gguf(ckpt: Checkpoint) -> bool:
     from parity.sources.gguf import GGUFCheckpoint
 
     return isinstance(ckpt, GGUFCheckpoint)
@@ -162,7 +162,7 @@ def _is_gguf(ckpt: Checkpoint) -> bool:
 def derived_mapping(ckpt: Checkpoint) -> Mapping:
     """The layout transformers' own model implies (``layout.derive``); for a GGUF file, spelled in the names gguf's
     own map gives its architecture (``layout.gguf``)."""
-    if _is_gguf(ckpt):
+    if is_gguf(ckpt):
         from parity.engine.layout.gguf import derive_gguf_mapping
 
         return derive_gguf_mapping(ckpt, load_config)
