@@ -22,28 +22,40 @@ from parity.errors import MappingError
 
 
 class GateInput(nn.Identity):
-    """Stands where an activation module would be, for experts that compute their activation in their own code:
-    called on the gate's pre-activation only while parity's input probe listens (engine.inputs.preactivation)."""
+    """Stands where an activation module would be, for experts that compute their activation in their own code
+    (GPT-OSS clamps the gate above and up on both sides at swiglu_limit): called only while parity's input probe
+    listens (engine.inputs.preactivation), on what each token drives both branches to: the smaller of the gate's
+    largest positive pre-activation and up's largest magnitude.  Inputs scaled to reach 8 on it drive the gate
+    past 8 and up past ±8 on some token of the last row, past any limit below that on either branch."""
+
+    @staticmethod
+    def reach(tokens: torch.Tensor, branches: dict[str, torch.Tensor]) -> torch.Tensor:
+        """[tokens, 1]: min(max over units of the gate's positive part, max over units of |up|)."""
+        def pre(role: str) -> torch.Tensor:
+            bias = branches.get(f"{role}_bias")
+            return nn.functional.linear(tokens, branches[role].to(tokens.dtype),
+                                        None if bias is None else bias.to(tokens.dtype))
+        gate, up = pre("gate"), pre("up")
+        return torch.minimum(gate.clamp(min=0).amax(-1, keepdim=True), up.abs().amax(-1, keepdim=True))
 
 
 class ExpertReference(nn.Module):
     """One expert of a transformers experts module, as a plain [batch, tokens, d] -> same module."""
 
-    def __init__(self, experts: nn.Module, gate: tuple[torch.Tensor, torch.Tensor | None]):
+    def __init__(self, experts: nn.Module, branches: dict[str, torch.Tensor]):
         super().__init__()
         self.experts = experts
         # the activation, where parity's input probe looks for it; experts computing theirs in their own code
-        # (GPT-OSS's clamped one) get a stand-in that sees the gate's pre-activation, so the inputs sweep its range
+        # (GPT-OSS's clamped one) get a stand-in that sees both branches' pre-activations (GateInput)
         self.act_fn = getattr(experts, "act_fn", None) or GateInput()
-        self.gate = None if hasattr(experts, "act_fn") else gate
+        self.branches = None if hasattr(experts, "act_fn") else branches
         # Llama 4's experts take the tokens already sorted by expert (and scaled); the others take the choice
         self.routed = len(inspect.signature(experts.forward).parameters) > 1
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         tokens = x.reshape(-1, x.shape[-1])
-        if self.gate is not None and self.act_fn._forward_pre_hooks:  # the input probe asks what the gate sees
-            weight, bias = (t.to(tokens.dtype) if t is not None else None for t in self.gate)
-            self.act_fn(nn.functional.linear(tokens, weight, bias))
+        if self.branches is not None and self.act_fn._forward_pre_hooks:  # the input probe asks what they see
+            self.act_fn(GateInput.reach(tokens, self.branches))
         if not self.routed:
             return self.experts(tokens).reshape(x.shape)
         index = torch.zeros(tokens.shape[0], 1, dtype=torch.long, device=x.device)  # every token to expert 0 ...
@@ -102,4 +114,5 @@ def expert_reference(meta_experts: nn.Module, config: Any, routed: dict[str, tor
                                      f"transformers expects {list(expected.get(name, ()))} for one expert "
                                      "(is the config's intermediate_size right for this checkpoint?)")
     module.load_state_dict(given, strict=True, assign=True)
-    return ExpertReference(module, (routed["gate"], routed.get("gate_bias"))).eval()
+    return ExpertReference(module, {role: routed[role] for role in ("gate", "up", "gate_bias", "up_bias")
+                                    if role in routed}).eval()
