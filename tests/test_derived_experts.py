@@ -290,3 +290,24 @@ def test_per_expert_and_fused_stores_of_one_model_compare_equal(capsys, tmp_path
     assert all(r["conversion"]["identical"] for r in report["layers"])
     code, report, err = run_json(capsys, fused)
     assert code == 0 and report["passed"] and units(report) == EXPERTS, err
+
+
+class ConfigMLP(nn.Module):
+    """A port with transformers' own signature, MLP(config, intermediate_size=None): the config's width by default."""
+
+    def __init__(self, config, intermediate_size=None):
+        super().__init__()
+        d, f = config.hidden_size, intermediate_size or config.intermediate_size
+        self.gate_proj, self.up_proj = nn.Linear(d, f, bias=False), nn.Linear(d, f, bias=False)
+        self.down_proj = nn.Linear(f, d, bias=False)
+
+    def forward(self, x):
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+def test_a_port_taking_the_config_gets_each_units_width(capsys, moe_families):
+    """Built as transformers builds its MLPs: the config, and intermediate_size where a unit's differs (an expert's
+    moe_intermediate_size, the shared expert's); the dense leading layer keeps the config's."""
+    code, report, err = run_json(capsys, moe_families["deepseek_v3"][0], "--target",
+                                 "tests.test_derived_experts:ConfigMLP")
+    assert code == 0 and report["passed"] and units(report) == FAMILIES["deepseek_v3"][1], err

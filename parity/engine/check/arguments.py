@@ -63,6 +63,16 @@ def unit_width(mapping: Mapping) -> int | None:
     return width if isinstance(width, int) and not isinstance(width, bool) else None
 
 
+def unit_widths(named: list[inspect.Parameter], mapping: Mapping, config: Any) -> dict[str, int]:
+    """For a constructor that takes the config (transformers' own ``MLP(config, intermediate_size=None)``): its
+    optional d_ff parameters, set to a derived unit's own width where the config's field of that name says another
+    (an expert's, a shared expert's); empty otherwise."""
+    width = unit_width(mapping)
+    facts = load_aliases().config_fields.facts
+    return {p.name: width for p in named if width is not None and facts.get(p.name) == "ffn_width"
+            and p.default is not inspect.Parameter.empty and getattr(config, p.name, None) != width}
+
+
 def config_class(factory: Any, parameter: str) -> type | None:
     """The class ``factory``'s config parameter is annotated with, when it is the project's own (a dataclass, an
     attrs or pydantic model, a plain class); None for a transformers config, a dict, Any, or no annotation."""
@@ -385,6 +395,11 @@ def _constructor_args(factory: Any, signature: inspect.Signature | None, extras:
         named = [p for p in signature.parameters.values() if p.kind in NAMED and p.name not in extras]
         taker = next((p.name for p in named if p.name in names), None)
         if taker is not None and binds({taker: config}):
+            widths = unit_widths(named, mapping, config)  # MLP(config, intermediate_size=None) for an expert
+            if widths and binds({taker: config, **widths}):
+                return ({taker: "config", **widths}, {taker: config, **widths},
+                        [f"target constructor: {key}={width} (this unit's d_ff in transformers' module)"
+                         for key, width in widths.items()])
             return {taker: "config"}, {taker: config}, []
         if not (raw and binds(raw)):
             required = [p.name for p in named if p.default is inspect.Parameter.empty]
