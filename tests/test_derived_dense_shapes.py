@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .support import run_main
+from .support import run_json, run_main
 from .test_derived_families import TwoLayer, broken_copy, build, one_line, tanh_gelu
 
 KV = dict(num_key_value_heads=2, head_dim=16)
@@ -347,3 +347,27 @@ def test_bloom_port_with_exact_gelu_is_named(capsys, shapes):
                               "tests.test_derived_dense_shapes:bloom_exact_gelu_port")
     assert code == 1 and "gelu_exact_instead_of_tanh" in out, out + err
     assert "(activation: gelu_pytorch_tanh)" in out
+
+
+GEMMA3N = dict(num_hidden_layers=4, intermediate_size=[64, 96, 64, 96], num_key_value_heads=2, head_dim=16,
+               layer_types=["sliding_attention", "full_attention"] * 2,
+               activation_sparsity_pattern=[0.95, 0.0, 0.0, 0.0],
+               hidden_size_per_layer_input=8, vocab_size_per_layer_input=64, num_kv_shared_layers=0, laurel_rank=4,
+               altup_num_inputs=2)
+
+
+def test_gemma3n_widths_and_activation_sparsity(capsys, tmp_path):
+    """Gemma 3n: d_ff differs layer by layer and its first layer keeps only the largest gate activations.  Each kind
+    of layer is a unit of its own (compare judges every one, a broken layer 1 fails alone); no repository module
+    computes the sparsity, measured on transformers' module: the default target is exit 2 in one line, never a
+    false alarm on a correct checkpoint."""
+    folder = build("gemma3n_text", tmp_path / "gemma3n", 3, **GEMMA3N)
+    code, report, err = run_json(capsys, "compare", folder, folder)
+    assert code == 0 and [(r["layer"], r["unit"]) for r in report["layers"]] == [(i, "mlp") for i in range(4)], err
+    broken = broken_copy(folder, tmp_path / "gemma3n-broken", "mlp.down_proj")
+    code, report, err = run_json(capsys, "compare", folder, broken)
+    assert code == 1 and [(r["layer"], r["diagnosis"]["id"]) for r in report["layers"] if not r["passed"]] == \
+        [(1, "sign_flipped")], err
+    code, out, err = run_main(capsys, folder)
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert code == 2 and len(lines) == 1 and "activation sparsity" in lines[0] and "--target" in lines[0], out + err

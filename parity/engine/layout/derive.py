@@ -29,6 +29,7 @@ from torch import nn
 from parity.definitions.aliases import load_aliases
 from parity.definitions.mapping import Mapping, TensorRoute
 from parity.engine.layout.experts import ExpertsModule, expert_layout, find_experts
+from parity.engine.layout.measured import gated_formula_gap
 from parity.engine.layout.structure import (
     FFN,
     activation_label,
@@ -162,10 +163,17 @@ def ffn_groups(layers: list[nn.Module], indices: list[int], d: int) -> list[list
     groups: dict[str, list[int]] = {}
     for index, layer in zip(indices, layers, strict=True):
         ffn = find_ffn(layer, d)
-        key = None if ffn is None else (ffn.path, type(ffn.module), [(p.d_in, p.d_out) for p in (*ffn.ins, ffn.out)])
+        key = None if ffn is None else (ffn.path, type(ffn.module), [(p.d_in, p.d_out) for p in (*ffn.ins, ffn.out)],
+                                        settings(ffn.module))
         key = repr(key)
         groups.setdefault(key, []).append(index)
     return sorted(groups.values(), key=lambda group: (group is not groups.get("None"), group[0]))
+
+
+def settings(module: nn.Module) -> list[tuple[str, float]]:
+    """The module's own real-valued settings (Gemma 3n's per-layer activation_sparsity): modules of one class set
+    differently compute differently, and are units of their own (an integer is more often a layer's index)."""
+    return sorted((k, v) for k, v in vars(module).items() if not k.startswith("_") and type(v) is float)
 
 
 def uniform_ffn(layers: list[nn.Module], indices: list[int], d: int, model_type: str | None,
@@ -296,6 +304,8 @@ def repository_gap(ffn: FFN, d: int, unsaid: str | None) -> str | None:
         return unsaid
     if not gated and ffn.width != 4 * d:
         return f"its d_ff is {ffn.width}, and parity.ffn.FeedForward's d_ff is always 4·d ({4 * d})"
+    if gated and not ffn.inline and not ffn.residual:
+        return gated_formula_gap(ffn.module, ffn.ins, ffn.out, act, d)
     return None
 
 
