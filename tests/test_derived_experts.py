@@ -311,3 +311,10 @@ def test_a_port_taking_the_config_gets_each_units_width(capsys, moe_families):
     code, report, err = run_json(capsys, moe_families["deepseek_v3"][0], "--target",
                                  "tests.test_derived_experts:ConfigMLP")
     assert code == 0 and report["passed"] and units(report) == FAMILIES["deepseek_v3"][1], err
+
+
+def test_inspect_shows_a_layout_whose_default_target_no_module_expresses(capsys, moe_families):
+    """GPT-OSS: inspect shows the layout and tensors, and the target's one-line refusal where a check would stop."""
+    code, out, err = run_main(capsys, "inspect", moe_families["gpt_oss"][0])
+    assert code == 2 and "model.layers.0.mlp.experts.gate_up_proj" in out and "cannot be built" in out, out + err
+    assert out.splitlines()[0].count("derived from transformers") == 1

@@ -154,13 +154,13 @@ def target_routes(session, prefix: str, rows: list[dict[str, Any]]) -> dict[str,
     import torch
 
     from parity.engine.check.fill import fill_target
-    from parity.errors import ParityError, ShapeMismatchError, TargetError
+    from parity.errors import MappingError, ParityError, ShapeMismatchError, TargetError
 
     built: dict[str, Any] = {"args": None, "routes": None, "notes": [], "error": None, "error_details": None,
                              "problem": None}
     try:
         module, built["args"], built_notes = _build_on_meta(session)
-    except TargetError as exc:
+    except (TargetError, MappingError) as exc:  # MappingError: a derived layout's default target no module expresses
         built["error"] = f"cannot be built: {exc}"
         return built
     if session.num_experts is not None:
@@ -227,7 +227,8 @@ def render_inspection(info: dict[str, Any]) -> str:
     act = info["activation"]
     said = ", ".join(f"{k}={v!r}" for k, v in act["config"].items()) or "none named"
     lines = [
-        f"parity inspect: {info['model']} — family '{info['family']}' ({info['mapping_file']})",
+        f"parity inspect: {info['model']} — family '{info['family']}'"
+        + (f" ({info['mapping_file']})" if info["mapping_file"] != info["family"] else ""),
         f"  checkpoint   {info['checkpoint']} ({info['weights']} weights)",
     ]
     if info["weights_note"]:
