@@ -121,3 +121,15 @@ def _transformers_version() -> str:
     import transformers
 
     return transformers.__version__
+
+
+def reference_label(module: nn.Module) -> str:
+    """transformers' class a reference module is, as reports name it: the MLP a ZeroResidual runs, the layer an
+    InlineFFN takes its modules from ('OPTDecoderLayer's fc1+activation_fn+fc2'); else the module's own class."""
+    if isinstance(module, ZeroResidual):
+        inner = module.inner
+        return f"{type(inner).__module__}.{type(inner).__name__} (residual = 0)"
+    if isinstance(module, InlineFFN):
+        return f"{module.layer_class}'s {'+'.join(module.steps)}"
+    return f"{type(module).__module__}.{type(module).__name__}"
+

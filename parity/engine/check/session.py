@@ -42,6 +42,7 @@ from parity.engine.sliced import SlicedMLP
 from parity.engine.upcast import compute_in
 from parity.engine.verdict import LOW_PRECISION_FACTOR, Runs, judge, own_tolerance, shape_failure
 from parity.errors import CheckpointError, LayerRangeError, ShapeMismatchError, TargetError
+from parity.sources.skeleton import reference_label
 
 if TYPE_CHECKING:  # the session is given what resolve found; it never resolves anything itself
     from parity.engine.layout.resolve import Resolved
@@ -260,7 +261,7 @@ class Session:
             weights_note=self.checkpoint.weights_note,
             mapping=self.mapping.name,
             target=self.target_name(),
-            reference=f"{type(probe).__module__}.{type(probe).__name__}",
+            reference=reference_label(probe),
             reference_activation=activation_name(probe, configured_activation(self.config)),
             versions={"parity": __version__, "transformers": transformers.__version__, "torch": torch.__version__},
             seed=self.seed,

@@ -60,6 +60,7 @@ from parity.errors import (
     UsageError,
     WeightDefectError,
 )
+from parity.sources.skeleton import reference_label
 
 QUANT_FACTOR = 2.0  # a quantized B passes within this x the deviation re-quantizing A's tensors causes
 CAST_FACTOR = 4.0  # a cast B within this x the deviation rounding A's tensors to B's dtype causes
@@ -425,7 +426,7 @@ class Comparison:
         return CompareReport(
             model=self.labels[0], checkpoint=a.location, weights=weights, mapping=self.a.mapping.name,
             units=self.a.unit_names(),
-            target=b.location, reference=f"{type(probe).__module__}.{type(probe).__name__}",
+            target=b.location, reference=reference_label(probe),
             reference_activation=activation_name(probe, configured_activation(self.a.config)),
             versions={"parity": __version__, "transformers": transformers.__version__, "torch": torch.__version__},
             seed=self.seed, notes=notes,
