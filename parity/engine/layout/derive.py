@@ -363,12 +363,13 @@ def experts_mappings(decoder: Decoder, moe: list[int]) -> list[Mapping]:
         hidden_size=decoder.d, experts=experts, derived=True, layers=decoder.layers_note(moe),
         description=f"{decoder.model_type}: {first.count} experts per layer{where}, layout derived from "
                     f"transformers' {shown_class}")
-    shared = shared_path(decoder.layers[moe[0]], first, decoder.d)
-    if shared is None:
-        return [routed]
     layers = [decoder.layers[i] for i in moe]
-    ffn = uniform_ffn(layers, moe, decoder.d, decoder.model_type, find=lambda layer, d: ffn_at(layer, shared, d))
-    return [routed, dense_mapping(decoder, moe, ffn, unit=shared.rsplit(".", 1)[-1])]
+    units = [routed]
+    for shared in shared_paths(decoder.layers[moe[0]], first, decoder.d):  # each dense FFN beside them, a unit
+        ffn = uniform_ffn(layers, moe, decoder.d, decoder.model_type,
+                          find=lambda layer, d, shared=shared: ffn_at(layer, shared, d))
+        units.append(dense_mapping(decoder, moe, ffn, unit=shared.rsplit(".", 1)[-1]))
+    return units
 
 
 def experts_gap(experts: ExpertsModule) -> str:
@@ -381,14 +382,13 @@ def experts_gap(experts: ExpertsModule) -> str:
             "run SiLU (SwiGLU) or tanh GELU (GeGLU)")
 
 
-def shared_path(layer: nn.Module, experts: ExpertsModule, d: int) -> str | None:
-    """The path (relative to the layer) of a dense FFN beside the layer's experts: a shared expert; the outermost
-    where one holds another."""
+def shared_paths(layer: nn.Module, experts: ExpertsModule, d: int) -> list[str]:
+    """The paths (relative to the layer) of the dense FFNs beside the layer's experts (a shared expert; Gemma 4's
+    dense mlp beside its router and experts), each a unit; the outermost where one holds another."""
     found = [path for path, module in layer.named_modules()
              if path and not path.startswith(experts.path) and ffn_of(projections(module), d)
              and activation_module(module) is not None]
-    outer = [path for path in found if not any(path.startswith(other + ".") for other in found)]
-    return outer[0] if len(outer) == 1 else None
+    return [path for path in found if not any(path.startswith(other + ".") for other in found)]
 
 
 def ffn_at(layer: nn.Module, path: str, d: int) -> FFN | None:
