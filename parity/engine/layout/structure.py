@@ -124,7 +124,9 @@ def find_ffn(layer: nn.Module, d: int) -> FFN | None:
     found = []
     for name, child in layer.named_children():
         shape = ffn_of(projections(child), d)
-        if shape is not None:
+        fused_without_activation = shape is not None and len(shape[0]) == 1 and shape[0][0].d_out == 2 * shape[2] \
+            and activation_module(child) is None  # attention's fused qkv then its output (DBRX's Wqkv, out_proj)
+        if shape is not None and not fused_without_activation:
             found.append(FFN(name, child, *shape))
     if len(found) > 1:
         found = [f for f in found if activation_module(f.module) is not None]
