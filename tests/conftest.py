@@ -4,13 +4,12 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 from pathlib import Path
 
 import pytest
 import torch
 
-from .support import use_hf_home
+from .support import cache_repo, use_hf_home
 
 os.environ["HF_HUB_OFFLINE"] = "1"  # tests never touch the network
 
@@ -88,18 +87,8 @@ def llama_bias(tmp_path_factory):
 def hf_cache(tmp_path, tiny, monkeypatch):
     """A huggingface_hub cache (HF_HOME) holding tiny GPT-2 and LLaMA repos, laid out as the hub lays them."""
     home = tmp_path / "hf_home"
-    commit = "0123456789abcdef0123456789abcdef01234567"
     for repo, src in {"tiny-org/gpt2": tiny["gpt2"], "tiny-org/llama": tiny["llama"]}.items():
-        repo_dir = home / "hub" / ("models--" + repo.replace("/", "--"))
-        snapshot = repo_dir / "snapshots" / commit
-        snapshot.mkdir(parents=True)
-        (repo_dir / "refs").mkdir()
-        (repo_dir / "refs" / "main").write_text(commit)
-        (repo_dir / "blobs").mkdir()
-        for file in src.iterdir():
-            blob = repo_dir / "blobs" / f"{file.name}.blob"
-            shutil.copy(file, blob)
-            (snapshot / file.name).symlink_to(os.path.relpath(blob, snapshot))
+        cache_repo(home, repo, src)
     return use_hf_home(monkeypatch, home)  # the environment, and huggingface_hub's constants read at import
 
 

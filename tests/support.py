@@ -17,6 +17,7 @@ import contextlib
 import io
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -85,6 +86,21 @@ def run_captured(*args) -> tuple[int, str, str]:
     with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
         code = _main(args)
     return code, out.getvalue(), err.getvalue()
+
+
+def cache_repo(home: Path, repo: str, source: Path, commit: str = "0123456789abcdef0123456789abcdef01234567") -> None:
+    """``source``'s files laid out in the Hugging Face cache under ``home`` as the hub lays out ``repo`` (owner/name):
+    blobs, a snapshot of symlinks to them, refs/main naming the commit."""
+    repo_dir = home / "hub" / ("models--" + repo.replace("/", "--"))
+    snapshot = repo_dir / "snapshots" / commit
+    snapshot.mkdir(parents=True)
+    (repo_dir / "refs").mkdir()
+    (repo_dir / "refs" / "main").write_text(commit)
+    (repo_dir / "blobs").mkdir()
+    for file in source.iterdir():
+        blob = repo_dir / "blobs" / f"{file.name}.blob"
+        shutil.copy(file, blob)
+        (snapshot / file.name).symlink_to(os.path.relpath(blob, snapshot))
 
 
 def use_hf_home(monkeypatch, home: Path) -> Path:

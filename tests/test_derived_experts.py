@@ -21,7 +21,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .support import run_json, run_main
-from .test_derived_families import build
+from .test_derived_families import build, build_all
 
 MOE = dict(intermediate_size=72, num_key_value_heads=2, head_dim=16, num_experts=4, num_local_experts=4,
            n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=24, shared_expert_intermediate_size=24,
@@ -95,12 +95,7 @@ def broken_copy(folder: Path, dest: Path, how: tuple) -> Path:
 @pytest.fixture(scope="session")
 def moe_families(tmp_path_factory) -> dict[str, tuple[Path, Path]]:
     """model_type -> (its tiny checkpoint, a broken export of it)."""
-    root = tmp_path_factory.mktemp("derived-moe")
-    built = {}
-    for seed, (model_type, (values, _, how, _, _)) in enumerate(FAMILIES.items()):
-        folder = build(model_type, root / model_type, seed, **values)
-        built[model_type] = folder, broken_copy(folder, root / f"{model_type}-broken", how)
-    return built
+    return build_all(tmp_path_factory.mktemp("derived-moe"), FAMILIES, broken_copy)
 
 
 def units(report: dict) -> list[tuple]:
@@ -238,21 +233,10 @@ def test_a_dense_fused_gate_up_with_its_halves_exchanged_is_named(capsys, tmp_pa
 def test_a_hub_id_from_the_cache_is_derived_like_a_folder(capsys, monkeypatch, tmp_path, moe_families):
     """A derived MoE family named by hub id, read through huggingface_hub's offline cache (laid out as the hub lays
     it), compares unit for unit against the same model as a local folder, and checks with the default target."""
-    import os
-
-    from .support import use_hf_home
+    from .support import cache_repo, use_hf_home
 
     folder = moe_families["deepseek_v3"][0]
-    commit = "0123456789abcdef0123456789abcdef01234567"
-    repo = tmp_path / "hf_home" / "hub" / "models--tiny-org--deepseek"
-    snapshot = repo / "snapshots" / commit
-    snapshot.mkdir(parents=True)
-    (repo / "refs").mkdir()
-    (repo / "refs" / "main").write_text(commit)
-    (repo / "blobs").mkdir()
-    for file in folder.iterdir():
-        shutil.copy(file, repo / "blobs" / file.name)
-        (snapshot / file.name).symlink_to(os.path.relpath(repo / "blobs" / file.name, snapshot))
+    cache_repo(tmp_path / "hf_home", "tiny-org/deepseek", folder)
     use_hf_home(monkeypatch, tmp_path / "hf_home")
     code, report, err = run_json(capsys, "compare", "tiny-org/deepseek", folder)
     assert code == 0 and report["passed"] and units(report) == FAMILIES["deepseek_v3"][1], err

@@ -97,11 +97,16 @@ def broken_copy(folder: Path, dest: Path, change: str | tuple[str, str]) -> Path
 @pytest.fixture(scope="session")
 def families(tmp_path_factory) -> dict[str, tuple[Path, Path]]:
     """model_type -> (its tiny checkpoint, a broken export of it)."""
-    root = tmp_path_factory.mktemp("derived")
+    return build_all(tmp_path_factory.mktemp("derived"), FAMILIES, broken_copy)
+
+
+def build_all(root: Path, families: dict[str, tuple], breaker) -> dict[str, tuple[Path, Path]]:
+    """model_type -> (its tiny checkpoint, ``breaker(folder, dest, how)``'s broken export of it), for a table whose
+    rows hold the config values first and how a copy is broken third."""
     built = {}
-    for seed, (model_type, (values, _, change, _)) in enumerate(FAMILIES.items()):
+    for seed, (model_type, (values, _, how, *_)) in enumerate(families.items()):
         folder = build(model_type, root / model_type, seed, **values)
-        built[model_type] = folder, broken_copy(folder, root / f"{model_type}-broken", change)
+        built[model_type] = folder, breaker(folder, root / f"{model_type}-broken", how)
     return built
 
 
