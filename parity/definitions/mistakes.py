@@ -239,7 +239,7 @@ def diagnosis(mistake_id: MistakeId | str, distance: float | None, reference_dis
 # directly: the runs, the shapes, the state).  tests/test_architecture.py checks every id has an entry.
 PRODUCED_BY: dict[MistakeId, str] = {
     MistakeId.INPUT_MUTATED: "finding: compare.judge, the target's copy of the input changed",
-    MistakeId.GLOBAL_STATE_MODIFIED: "finding: session.run_layer, engine.guard saw torch's state change",
+    MistakeId.GLOBAL_STATE_MODIFIED: "finding: session.run_layer, engine.check.guard saw torch's state change",
     MistakeId.OTHER_LAYERS_WEIGHTS: "finding: session.run_layer, an ONNX graph's initializers are another layer's "
                                     "checkpoint tensors",
     MistakeId.NONFINITE_OUTPUT: "finding: compare.judge, NaN/Inf in the target's output",

@@ -41,7 +41,7 @@ class CheckRun:
         return self.spec.label
 
 
-# Opens a compare (``engine.checkpoint_compare.open_comparison``): passed in by the caller, since the compare sits
+# Opens a compare (``engine.compare.comparison.open_comparison``): passed in by the caller, since the compare sits
 # above a session, as this module does, and an import here would stack the two.
 CompareOpener = Callable[[CompareSpec], Any]
 
@@ -52,7 +52,7 @@ def plan_layers(spec: CheckSpec | CompareSpec, open_compare: CompareOpener | Non
     session (for a compare, the Comparison ``open_compare`` opened)."""
     if isinstance(spec, CompareSpec):
         if open_compare is None:
-            raise UsageError(f"{spec.label}: a compare needs open_compare (engine.checkpoint_compare.open_comparison)")
+            raise UsageError(f"{spec.label}: a compare needs open_compare (engine.compare.comparison.open_comparison)")
         comparison = open_compare(spec)
         return comparison.layers(spec.layers), [], comparison
     session = open_session(spec)

@@ -145,7 +145,7 @@ def inspect_model(model: str, checkpoint: str | None = None, mapping: str | None
 
 def target_routes(session, prefix: str, rows: list[dict[str, Any]]) -> dict[str, Any]:
     """The target built as a check builds it and the routes a check would fill it through: read off its parameter
-    names for a --target with a built-in mapping (engine.routes), else the mapping's.  Only the constructor runs,
+    names for a --target with a built-in mapping (engine.check.routes), else the mapping's.  Only the constructor runs,
     on the meta device (no memory for weights; on the CPU if it cannot run there); the routes are chosen and
     checked (fill_target) against stand-ins with the shapes the headers give: no tensor is read, nothing runs
     forward.  Returns args (as a mapping spells them), routes (the report's ``routes``), notes, and error (a check

@@ -137,7 +137,7 @@ class Session:
                      changes: list[str] | None = None, layer: int | None = None) -> tuple[nn.Module, str]:
         """The target, built on the run's device and cast to a low-precision compute dtype before it is filled
         (float32 runs leave the module's own dtype alone), then filled with the checkpoint's tensors.
-        ``changes``: what the target's code changed in torch's global state (restored; engine.guard)."""
+        ``changes``: what the target's code changed in torch's global state (restored; engine.check.guard)."""
         changes = [] if changes is None else changes
         where = f" on {self.device} in {self.dtype_name}" if self.device.type != "cpu" or self.low_precision else ""
         on_device = torch.device(self.device) if self.device.type != "cpu" else contextlib.nullcontext()

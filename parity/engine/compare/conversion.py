@@ -1,5 +1,5 @@
 """What a conversion can honestly change in one tensor, and what it did: the tensor-level half of
-``parity compare A B`` (``checkpoint_compare.py`` holds the function-level half and the order).
+``parity compare A B`` (``comparison.py`` holds the function-level half and the order).
 
 Each of a layer's FFN tensors is read as its checkpoint stores it and routed to transformers' own
 parameter names by that checkpoint's mapping (GGUF names, Conv1D transposes, fused halves), so A's and
