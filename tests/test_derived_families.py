@@ -59,6 +59,8 @@ FAMILIES = {
     # nothing but projections and an activation
     "recurrent_gemma": (dict(intermediate_size=72, num_key_value_heads=2, head_dim=16), "recurrent_gemma_port",
                         ("mlp_block.gate_proj", "mlp_block.up_proj"), "gate_up_exchanged"),
+    # its FFNs are a list of their own beside the attentions' (transformer.ffns.{layer}: lin1, act, lin2)
+    "xlm": (dict(), "xlm_port", "lin2", "sign_flipped"),
 }
 # no module of parity.ffn expresses these: the default target is exit 2, naming what parity.ffn lacks
 REFUSED = {"nemotron": "it runs ReLUSquaredActivation, and parity.ffn.FeedForward runs ReLU, exact GELU or tanh GELU"}
@@ -153,6 +155,10 @@ class BiasedGeGLU(nn.Module):
 
     def forward(self, x):
         return self.down_proj(tanh_gelu(self.gate_proj(x)) * self.up_proj(x))
+
+
+def xlm_port(config):
+    return TwoLayer(config.emb_dim, 4 * config.emb_dim, ("lin1", "lin2"), F.gelu)
 
 
 def recurrent_gemma_port(config):

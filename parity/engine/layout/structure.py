@@ -70,13 +70,17 @@ class FFN:
 
 def decoder_layers(model: nn.Module, config: Any) -> tuple[str, nn.ModuleList]:
     """The decoder layers: the ModuleList whose items all hold projections.  Where several do, the first
-    ``num_hidden_layers`` long (the config's count); where none is that long, the one such list outside any other
-    (a seq2seq family's ForCausalLM holds its decoder alone, counted by ``decoder_layers``; num_hidden_layers
-    counts the encoder's).  Several, none of the config's count: refused, naming them."""
+    ``num_hidden_layers`` long (the config's count) whose items each hold an FFN, else the first of that length;
+    where none is that long, the one such list outside any other (a seq2seq family's ForCausalLM holds its decoder
+    alone, counted by ``decoder_layers``; num_hidden_layers counts the encoder's).  Several, none of the config's
+    count: refused, naming them."""
     count = getattr(config, "num_hidden_layers", None)
     lists = [(path, module) for path, module in model.named_modules() if isinstance(module, nn.ModuleList)
              and len(module) and all(projections(layer) for layer in module)]
     counted = [(path, module) for path, module in lists if len(module) == count]
+    if len(counted) > 1:  # XLM keeps its attentions and its FFNs in lists of their own: the FFNs' is the one
+        d = getattr(config.get_text_config() if hasattr(config, "get_text_config") else config, "hidden_size", None)
+        counted = [c for c in counted if isinstance(d, int) and all(find_ffn(item, d) for item in c[1])] or counted
     if counted:
         return counted[0]
     outer = [(path, module) for path, module in lists if not any(path.startswith(f"{p}.") for p, _ in lists)]
