@@ -169,6 +169,11 @@ def save_mapping(path: str, report, *, force: bool = False) -> None:
     if report is None or not report.routes:
         raise UsageError(f"--save-mapping {path}: no layer was built, so no routes were used; nothing written")
     routes = report.routes
+    if routes["extends"].startswith("derived from "):  # a file extending it could not be read back by --mapping
+        raise UsageError(f"--save-mapping {path}: this run's layout was derived from transformers (no mapping file), "
+                         "and a derived layout cannot be written as a mapping file yet: nothing written. The routes "
+                         "it used are the report's `routes` (--json); a mapping file written out in full "
+                         "(docs/own-module.md) takes them")
     how = "read off the target's parameter names" if routes["inferred"] else "of the mapping it extends"
     header = (f"Written by `parity {report.model} --save-mapping`: target {report.target}, routes {how}.\n"
               f"The same run: parity {report.model} --mapping {path}")

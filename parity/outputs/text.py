@@ -84,7 +84,9 @@ def reference_filled(routes: dict) -> str:
 
 def routes_line(routes: dict) -> str:
     """The routes that filled the target, 'param ← tensor' ('.T': transposed), and where they came from."""
-    origin = ("inferred from parameter names; --save-mapping FILE writes them" if routes.get("inferred")
+    derived = routes["extends"].startswith("derived from ")  # a derived layout: no file for --save-mapping to extend
+    origin = ("inferred from parameter names" + ("" if derived else "; --save-mapping FILE writes them")
+              if routes.get("inferred")
               else f"mapping {routes['extends'].rsplit('/', 1)[-1]}")
     return f"{route_arrows(routes['tensors'])} ({origin})"
 
