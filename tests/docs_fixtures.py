@@ -117,8 +117,7 @@ def mixtral_tiny(destination: Path, workspace: Workspace) -> Path:
 
 def deepseek_tiny(destination: Path, workspace: Workspace) -> Path:
     """DeepSeek V3 at a tiny size: layer 0 dense, layers 1-2 four routed experts and a shared one (formats.md)."""
-    from .test_derived_experts import MOE
-    from .test_derived_families import build
+    from .derived_checkpoints import MOE, build
 
     return build("deepseek_v3", destination, 43, **dict(MOE, num_hidden_layers=3, first_k_dense_replace=1))
 

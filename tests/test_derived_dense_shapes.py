@@ -24,8 +24,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .derived_checkpoints import TwoLayer, broken_copy, build, one_line, tanh_gelu
 from .support import run_json, run_main
-from .test_derived_families import TwoLayer, broken_copy, build, one_line, tanh_gelu
 
 KV = dict(num_key_value_heads=2, head_dim=16)
 # model_type -> (config values beyond test_derived_families.COMMON, the port --target names, layer 1's output

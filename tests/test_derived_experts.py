@@ -20,18 +20,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .derived_checkpoints import MOE, build, build_all, in_report_order
 from .support import run_json, run_main
-from .test_derived_families import build, build_all
 
-MOE = dict(intermediate_size=72, num_key_value_heads=2, head_dim=16, num_experts=4, num_local_experts=4,
-           n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=24, shared_expert_intermediate_size=24,
-           n_shared_experts=1)
 EXPERTS = [(layer, expert, None) for layer in (0, 1) for expert in range(4)]
-
-
-def in_report_order(units: list[tuple]) -> list[tuple]:
-    """(layer, expert, unit) as a report lists them: by layer; the routed experts, then the named units."""
-    return sorted(units, key=lambda u: (u[0], u[1] is None, u[1] or 0, u[2] or ""))
 
 
 def with_unit(unit: str, layers=(0, 1), experts_in=(0, 1)) -> list[tuple]:

@@ -14,15 +14,11 @@ import shutil
 from pathlib import Path
 
 import pytest
-import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .derived_checkpoints import KV, TwoLayer, broken_copy, build, build_all, one_line, tanh_gelu
 from .support import run_main
-
-COMMON = dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=2, vocab_size=64, pad_token_id=0,
-              bos_token_id=1, eos_token_id=2)
-KV = dict(num_key_value_heads=2, head_dim=16)
 
 # model_type -> (config values beyond COMMON, the port --target names, the tensor a broken export changes in
 # layer 1 (a pair: exchanged; one name: negated), the diagnosis compare must name)
@@ -66,50 +62,10 @@ FAMILIES = {
 REFUSED = {"nemotron": "it runs ReLUSquaredActivation, and parity.ffn.FeedForward runs ReLU, exact GELU or tanh GELU"}
 
 
-def build(model_type: str, folder: Path, seed: int, **values) -> Path:
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    config = AutoConfig.for_model(model_type, **{**COMMON, **values})
-    torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(config)
-    with torch.no_grad():  # distinct random values everywhere, biases included
-        for param in model.parameters():
-            param.normal_(0.0, 0.05)
-    model.save_pretrained(folder)
-    return folder
-
-
-def broken_copy(folder: Path, dest: Path, change: str | tuple[str, str]) -> Path:
-    """A copy whose layer 1 has two FFN tensors exchanged, or one negated, written with safetensors."""
-    from safetensors.torch import load_file, save_file
-
-    shutil.copytree(folder, dest)
-    tensors = load_file(dest / "model.safetensors")
-    names = {name for name in tensors if ".1." in name}
-    if isinstance(change, tuple):
-        first, second = (next(n for n in names if n.endswith(f".1.{part}.weight")) for part in change)
-        tensors[first], tensors[second] = tensors[second].clone(), tensors[first].clone()
-    else:
-        name = next(n for n in names if n.endswith(f".1.{change}.weight"))
-        tensors[name] = -tensors[name]
-    save_file(tensors, dest / "model.safetensors", metadata={"format": "pt"})
-    return dest
-
-
 @pytest.fixture(scope="session")
 def families(tmp_path_factory) -> dict[str, tuple[Path, Path]]:
     """model_type -> (its tiny checkpoint, a broken export of it)."""
     return build_all(tmp_path_factory.mktemp("derived"), FAMILIES, broken_copy)
-
-
-def build_all(root: Path, families: dict[str, tuple], breaker) -> dict[str, tuple[Path, Path]]:
-    """model_type -> (its tiny checkpoint, ``breaker(folder, dest, how)``'s broken export of it), for a table whose
-    rows hold the config values first and how a copy is broken third."""
-    built = {}
-    for seed, (model_type, (values, _, how, *_)) in enumerate(families.items()):
-        folder = build(model_type, root / model_type, seed, **values)
-        built[model_type] = folder, breaker(folder, root / f"{model_type}-broken", how)
-    return built
 
 
 # -- ports, written each family's way (the names its own ports use) ------------------------------------------------
@@ -122,23 +78,6 @@ class GatedPort(nn.Module):
 
     def forward(self, x):
         return self.down(F.silu(self.gate(x)) * self.up(x))
-
-
-class TwoLayer(nn.Module):
-    """A classic FFN whose two projections carry a family's names."""
-
-    def __init__(self, d: int, f: int, names: tuple[str, str], act, bias: bool = True):
-        super().__init__()
-        self.names, self.act = names, act
-        setattr(self, names[0], nn.Linear(d, f, bias=bias))
-        setattr(self, names[1], nn.Linear(f, d, bias=bias))
-
-    def forward(self, x):
-        return getattr(self, self.names[1])(self.act(getattr(self, self.names[0])(x)))
-
-
-def tanh_gelu(x):
-    return F.gelu(x, approximate="tanh")
 
 
 def gated_port(config):
@@ -286,12 +225,6 @@ def refused(tmp_path_factory) -> dict[str, Path]:
         "jetmoe": build("jetmoe", root / "jetmoe", 2, intermediate_size=72, num_local_experts=4,
                         num_experts_per_tok=2, num_key_value_heads=2, kv_channels=16),
     }
-
-
-def one_line(err: str) -> str:
-    lines = [line for line in err.splitlines() if line.strip()]
-    assert len(lines) == 1, err
-    return lines[0]
 
 
 @pytest.mark.parametrize("case, port, said", [

@@ -18,10 +18,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from .derived_checkpoints import build, in_report_order
 from .gguf_files import Q, moe_gguf_of_folder
 from .support import run_json, run_main
-from .test_derived_experts import in_report_order
-from .test_derived_families import build
 
 # widths that Q8_0's 32-value blocks divide (an expert's down_proj rows are moe_intermediate_size long)
 VALUES = dict(intermediate_size=64, num_key_value_heads=2, head_dim=16, num_experts=4, num_local_experts=4,

@@ -1,0 +1,89 @@
+"""Tiny checkpoints of transformers' families for the derived-layout tests: built with transformers' own classes
+(``AutoConfig.for_model`` + ``from_config`` + ``save_pretrained``), their broken copies written with safetensors, and
+the small ports and helpers several of those test modules share."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+COMMON = dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=2, vocab_size=64, pad_token_id=0,
+              bos_token_id=1, eos_token_id=2)
+KV = dict(num_key_value_heads=2, head_dim=16)
+
+MOE = dict(intermediate_size=72, num_key_value_heads=2, head_dim=16, num_experts=4, num_local_experts=4,
+           n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=24, shared_expert_intermediate_size=24,
+           n_shared_experts=1)
+
+
+def build(model_type: str, folder: Path, seed: int, **values) -> Path:
+    """A tiny checkpoint of ``model_type`` (COMMON's sizes, then ``values``), every parameter drawn afresh."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.for_model(model_type, **{**COMMON, **values})
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config)
+    with torch.no_grad():  # distinct random values everywhere, biases included
+        for param in model.parameters():
+            param.normal_(0.0, 0.05)
+    model.save_pretrained(folder)
+    return folder
+
+
+def broken_copy(folder: Path, dest: Path, change: str | tuple[str, str]) -> Path:
+    """A copy whose layer 1 has two FFN tensors exchanged, or one negated, written with safetensors."""
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(folder, dest)
+    tensors = load_file(dest / "model.safetensors")
+    names = {name for name in tensors if ".1." in name}
+    if isinstance(change, tuple):
+        first, second = (next(n for n in names if n.endswith(f".1.{part}.weight")) for part in change)
+        tensors[first], tensors[second] = tensors[second].clone(), tensors[first].clone()
+    else:
+        name = next(n for n in names if n.endswith(f".1.{change}.weight"))
+        tensors[name] = -tensors[name]
+    save_file(tensors, dest / "model.safetensors", metadata={"format": "pt"})
+    return dest
+
+
+def build_all(root: Path, families: dict[str, tuple], breaker) -> dict[str, tuple[Path, Path]]:
+    """model_type -> (its tiny checkpoint, ``breaker(folder, dest, how)``'s broken export of it), for a table whose
+    rows hold the config values first and how a copy is broken third."""
+    built = {}
+    for seed, (model_type, (values, _, how, *_)) in enumerate(families.items()):
+        folder = build(model_type, root / model_type, seed, **values)
+        built[model_type] = folder, breaker(folder, root / f"{model_type}-broken", how)
+    return built
+
+
+class TwoLayer(nn.Module):
+    """A classic FFN whose two projections carry a family's names."""
+
+    def __init__(self, d: int, f: int, names: tuple[str, str], act, bias: bool = True):
+        super().__init__()
+        self.names, self.act = names, act
+        setattr(self, names[0], nn.Linear(d, f, bias=bias))
+        setattr(self, names[1], nn.Linear(f, d, bias=bias))
+
+    def forward(self, x):
+        return getattr(self, self.names[1])(self.act(getattr(self, self.names[0])(x)))
+
+
+def tanh_gelu(x):
+    return F.gelu(x, approximate="tanh")
+
+
+def one_line(err: str) -> str:
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert len(lines) == 1, err
+    return lines[0]
+
+
+def in_report_order(units: list[tuple]) -> list[tuple]:
+    """(layer, expert, unit) as a report lists them: by layer; the routed experts, then the named units."""
+    return sorted(units, key=lambda u: (u[0], u[1] is None, u[1] or 0, u[2] or ""))
