@@ -4,12 +4,15 @@ the small ports and helpers several of those test modules share."""
 
 from __future__ import annotations
 
+import json
 import shutil
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from .support import run_main
 
 COMMON = dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=2, vocab_size=64, pad_token_id=0,
               bos_token_id=1, eos_token_id=2)
@@ -87,3 +90,16 @@ def one_line(err: str) -> str:
 def in_report_order(units: list[tuple]) -> list[tuple]:
     """(layer, expert, unit) as a report lists them: by layer; the routed experts, then the named units."""
     return sorted(units, key=lambda u: (u[0], u[1] is None, u[1] or 0, u[2] or ""))
+
+
+def assert_layer_one_named(capsys, good: Path, broken: Path, named: str) -> None:
+    """``parity compare good broken`` of a two-layer derived layout whose layer 1 was broken: exit 1, layer 0 passes,
+    layer 1 fails and is named ``named``, and the mapping says it was derived."""
+    code, out, err = run_main(capsys, "compare", good, broken, "--json", "-")
+    assert code == 1, out + err
+    report = json.loads(out)
+    verdicts = {layer["layer"]: layer for layer in report["layers"]}
+    assert verdicts[0]["passed"] and not verdicts[1]["passed"]
+    assert verdicts[1]["diagnosis"]["id"] == named
+    assert report["mapping"].startswith("derived from transformers ")
+

@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .derived_checkpoints import TwoLayer, broken_copy, build, one_line, tanh_gelu
+from .derived_checkpoints import TwoLayer, assert_layer_one_named, broken_copy, build, one_line, tanh_gelu
 from .support import run_json, run_main
 
 KV = dict(num_key_value_heads=2, head_dim=16)
@@ -153,14 +153,7 @@ def test_port_with_target(capsys, shapes, model_type):
 @pytest.mark.parametrize("model_type", sorted(SHAPES))
 def test_compare_broken_export(capsys, shapes, model_type):
     """B with layer 1's output projection negated: layer 0 passes, layer 1 fails and is named."""
-    good, broken = shapes[model_type]
-    code, out, err = run_main(capsys, "compare", good, broken, "--json", "-")
-    assert code == 1, out + err
-    report = json.loads(out)
-    verdicts = {layer["layer"]: layer for layer in report["layers"]}
-    assert verdicts[0]["passed"] and not verdicts[1]["passed"]
-    assert verdicts[1]["diagnosis"]["id"] == "sign_flipped"
-    assert report["mapping"].startswith("derived from transformers ")
+    assert_layer_one_named(capsys, *shapes[model_type], "sign_flipped")
 
 
 @pytest.mark.parametrize("model_type", sorted(SHAPES))

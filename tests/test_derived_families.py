@@ -17,7 +17,16 @@ import pytest
 import torch.nn.functional as F
 from torch import nn
 
-from .derived_checkpoints import KV, TwoLayer, broken_copy, build, build_all, one_line, tanh_gelu
+from .derived_checkpoints import (
+    KV,
+    TwoLayer,
+    assert_layer_one_named,
+    broken_copy,
+    build,
+    build_all,
+    one_line,
+    tanh_gelu,
+)
 from .support import run_main
 
 # model_type -> (config values beyond COMMON, the port --target names, the tensor a broken export changes in
@@ -183,14 +192,7 @@ def test_port_with_target_alone(capsys, families, model_type):
 @pytest.mark.parametrize("model_type", sorted(FAMILIES))
 def test_compare_broken_export(capsys, families, model_type):
     """B with layer 1 broken: layer 0 passes, layer 1 fails and is named."""
-    good, broken = families[model_type]
-    code, out, err = run_main(capsys, "compare", good, broken, "--json", "-")
-    assert code == 1, out + err
-    report = json.loads(out)
-    verdicts = {layer["layer"]: layer for layer in report["layers"]}
-    assert verdicts[0]["passed"] and not verdicts[1]["passed"]
-    assert verdicts[1]["diagnosis"]["id"] == FAMILIES[model_type][3]
-    assert report["mapping"].startswith("derived from transformers ")
+    assert_layer_one_named(capsys, *families[model_type], FAMILIES[model_type][3])
 
 
 @pytest.mark.parametrize("model_type", sorted(FAMILIES))
