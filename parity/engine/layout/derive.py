@@ -21,6 +21,7 @@ import dataclasses
 import re
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import cached_property
 from pathlib import Path
 from typing import Any
 
@@ -30,6 +31,7 @@ from parity.definitions.aliases import load_aliases
 from parity.definitions.mapping import Mapping, TensorRoute
 from parity.engine.layout.experts import ExpertsModule, expert_layout, find_experts
 from parity.engine.layout.measured import gated_formula_gap
+from parity.engine.layout.renaming import Renamed, renamed_keys
 from parity.engine.layout.structure import (
     FFN,
     activation_label,
@@ -112,6 +114,11 @@ class Decoder:
     d: int
     model_type: str | None
 
+    @cached_property
+    def renamed(self) -> Renamed:
+        """The checkpoint's keys as transformers' load-time conversion names them: asked once for every unit."""
+        return renamed_keys(self.model, list(self.ckpt.weight_map))
+
     def module_path(self, within: str) -> str:
         return ".".join(p for p in (f"{self.path}.{{layer}}", within) if p)
 
@@ -126,8 +133,7 @@ def dense_mapping(decoder: Decoder, indices: list[int], ffn: FFN, unit: str | No
 
     module_path = decoder.module_path(ffn.path)
     pair = tuple(indices[:2])
-    names = checkpoint_names(decoder.model, decoder.ckpt, [module_path.format(layer=i) for i in pair], ffn,
-                             decoder.model_type)
+    names = checkpoint_names(decoder, [module_path.format(layer=i) for i in pair], ffn)
     layer_key, sources = checkpoint_layout(names, module_path, decoder.model_type, pair)
     shown_class = type(ffn.module).__name__ if not ffn.inline else f"{type(decoder.layers[0]).__name__}'s " \
         + "+".join(ffn.inline)
@@ -197,21 +203,13 @@ def uniform_ffn(layers: list[nn.Module], indices: list[int], d: int, model_type:
     return first
 
 
-def checkpoint_names(model: nn.Module, ckpt: Checkpoint, paths: list[str], ffn: FFN,
-                     model_type: str | None) -> dict[str, str]:
+def checkpoint_names(decoder: Decoder, paths: list[str], ffn: FFN) -> dict[str, str]:
     """Model parameter name -> the checkpoint tensor that fills it, for the FFN parameters under ``paths``:
-    transformers' own load-time renaming (``rename_source_key``) applied to every checkpoint key."""
-    from transformers.conversion_mapping import get_model_conversion_mapping
-    from transformers.core_model_loading import WeightConverter, WeightRenaming, rename_source_key
-
-    conversions = get_model_conversion_mapping(model)
-    renamings = [c for c in conversions if isinstance(c, WeightRenaming)]
-    converters = [c for c in conversions if isinstance(c, WeightConverter)]
-    state = model.state_dict()
+    transformers' own load-time renaming applied to every checkpoint key (``decoder.renamed``)."""
+    model, ckpt, model_type = decoder.model, decoder.ckpt, decoder.model_type
     wanted = {f"{path}.{name}" for path in paths for name in ffn.module.state_dict()}  # saved buffers too
     found: dict[str, str] = {}
-    for key in ckpt.weight_map:
-        own, converter = rename_source_key(key, renamings, converters, model.base_model_prefix, state)
+    for key, (own, converter) in decoder.renamed.keys.items():
         if own in wanted and converter is None:
             found.setdefault(own, key)
     lacking = sorted(wanted - set(found))
@@ -347,7 +345,7 @@ def experts_mappings(decoder: Decoder, moe: list[int]) -> list[Mapping]:
                       "are not one fused module (gate_up_proj and down_proj stacked over experts) of the same shape "
                       "in every layer with experts", "with an [experts] table ")
     module_path = decoder.module_path(first.path)
-    layer_key, experts = expert_layout(decoder.model, decoder.ckpt, module_path, first, tuple(moe[:2]),
+    layer_key, experts = expert_layout(decoder.renamed, module_path, first, tuple(moe[:2]),
                                        lambda why, what="": refused(decoder.model_type, why, what))
     shown_class = type(first.module).__name__
     target = GATED.get(activation_of(first.module)) or refusing_target(shown_class, experts_gap(first))

@@ -22,7 +22,7 @@ from typing import Any
 from torch import nn
 
 from parity.definitions.mapping import Experts, TensorRoute
-from parity.sources.checkpoint import Checkpoint
+from parity.engine.layout.renaming import Renamed
 
 FUSED = ("gate_up_proj", "down_proj")  # transformers 5's fused experts module: its two stacked parameters
 BIASES = ("gate_up_proj_bias", "down_proj_bias")  # and their biases, where it has them (GPT-OSS)
@@ -74,22 +74,14 @@ def find_experts(layer: nn.Module, d: int) -> ExpertsModule | None:
     return None
 
 
-def expert_layout(model: nn.Module, ckpt: Checkpoint, experts_path: str, experts: ExpertsModule,
+def expert_layout(renamed: Renamed, experts_path: str, experts: ExpertsModule,
                   layers: tuple[int, ...], refuse: Any) -> tuple[str, Experts]:
     """(layer_key, [experts]) for the checkpoint: per-expert tensors that transformers' conversion merges, or the
     fused tensors themselves.  ``experts_path``: the module's path with '{layer}'; ``layers``: the first one or
     two layers with experts, read to tell the layer number in the names; ``refuse(why, what)`` makes the exit-2
-    error."""
-    from transformers.conversion_mapping import get_model_conversion_mapping
-    from transformers.core_model_loading import WeightConverter, WeightRenaming, rename_source_key
-
-    conversions = get_model_conversion_mapping(model)
-    renamings = [c for c in conversions if isinstance(c, WeightRenaming)]
-    converters = [c for c in conversions if isinstance(c, WeightConverter)]
-    state = model.state_dict()
+    error; ``renamed``: the checkpoint's keys as transformers' load-time conversion names them."""
     found: dict[int, dict[str, list[tuple[str, str | None]]]] = defaultdict(lambda: defaultdict(list))
-    for key in ckpt.weight_map:
-        own, pattern = rename_source_key(key, renamings, converters, model.base_model_prefix, state)
+    for key, (own, pattern) in renamed.keys.items():
         for layer in layers:
             prefix = experts_path.format(layer=layer) + "."
             if own.startswith(prefix) and own[len(prefix):] in FUSED + BIASES:
@@ -104,7 +96,7 @@ def expert_layout(model: nn.Module, ckpt: Checkpoint, experts_path: str, experts
         raise refuse(f"transformers' {type(experts.module).__name__} has biased experts that this checkpoint keeps "
                      "per expert, and reading per-expert biases is not built yet", "with an [experts] table ")
     if per_expert:
-        return _per_expert(found, converters, experts, layers, refuse)
+        return _per_expert(found, renamed.converters, experts, layers, refuse)
     return _fused(found, experts, layers, refuse)
 
 
