@@ -21,6 +21,11 @@ from torch import nn
 from parity.errors import MappingError
 
 
+def interleave_rows(first: torch.Tensor, second: torch.Tensor) -> torch.Tensor:
+    """Their rows alternating, first's at 0::2 and second's at 1::2: how GPT-OSS's gate_up_proj holds gate and up."""
+    return torch.stack([first, second], dim=1).flatten(0, 1)
+
+
 class GateInput(nn.Identity):
     """Stands where an activation module would be, for experts that compute their activation in their own code
     (GPT-OSS clamps the gate above and up on both sides at swiglu_limit): called only while parity's input probe
@@ -95,7 +100,7 @@ def expert_reference(meta_experts: nn.Module, config: Any, routed: dict[str, tor
     interleaved = getattr(meta_experts, "is_concatenated", True) is False
 
     def joined(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:  # [gate; up], or their rows alternating
-        return torch.stack([gate, up], dim=1).flatten(0, 1) if interleaved else torch.cat([gate, up], dim=0)
+        return interleave_rows(gate, up) if interleaved else torch.cat([gate, up], dim=0)
 
     gate_up, down_proj = joined(routed["gate"], routed["up"]), routed["down"]
     if transposed:

@@ -15,6 +15,7 @@ import torch
 
 from parity.definitions.mistakes import MistakeId
 from parity.engine.compare import conversion
+from parity.engine.experts import interleave_rows
 
 
 @dataclass
@@ -50,7 +51,7 @@ def _refused_layout(t: dict, pairs: list[tuple[str, str]], interleaved: bool) ->
                 fused = torch.cat([t[gate], t[up]])
                 out[gate], out[up] = fused[0::2], fused[1::2]
             else:
-                fused = torch.stack([t[gate], t[up]], dim=1).flatten(0, 1)
+                fused = interleave_rows(t[gate], t[up])
                 out[gate], out[up] = fused.chunk(2)
     return out
 
@@ -89,7 +90,7 @@ def fused_hypotheses(name: str, a: torch.Tensor) -> list[Hypothesis]:
     if a.dim() == 0 or a.shape[0] % 2 or "gate_up" not in {role for role, _ in load_aliases().roles_of(name)}:
         return []
     first, second = a.float().chunk(2)
-    alternate = a.float().reshape(2, -1, *a.shape[1:]).transpose(0, 1).reshape(a.shape)  # [g; u] -> g0 u0 g1 u1
+    alternate = interleave_rows(first, second)  # [g; u] -> g0 u0 g1 u1
     halves = torch.cat([a.float()[0::2], a.float()[1::2]])  # g0 u0 g1 u1 -> [g; u]
     return [Hypothesis(MistakeId.GATE_UP_EXCHANGED, f"{name}: its halves exchanged (up first, then gate)",
                        _replace(name, torch.cat([second, first]))),
