@@ -30,7 +30,7 @@ from torch import nn
 from parity.definitions.aliases import load_aliases
 from parity.definitions.mapping import Mapping, TensorRoute
 from parity.engine.layout.experts import ExpertsModule, expert_layout, find_experts
-from parity.engine.layout.measured import gated_formula_gap
+from parity.engine.layout.measured import gated_formula_gap, settings
 from parity.engine.layout.renaming import Renamed, renamed_keys
 from parity.engine.layout.structure import (
     FFN,
@@ -174,12 +174,6 @@ def ffn_groups(layers: list[nn.Module], indices: list[int], d: int) -> list[list
         key = repr(key)
         groups.setdefault(key, []).append(index)
     return sorted(groups.values(), key=lambda group: (group is not groups.get("None"), group[0]))
-
-
-def settings(module: nn.Module) -> list[tuple[str, float]]:
-    """The module's own real-valued settings (Gemma 3n's per-layer activation_sparsity): modules of one class set
-    differently compute differently, and are units of their own (an integer is more often a layer's index)."""
-    return sorted((k, v) for k, v in vars(module).items() if not k.startswith("_") and type(v) is float)
 
 
 def uniform_ffn(layers: list[nn.Module], indices: list[int], d: int, model_type: str | None,

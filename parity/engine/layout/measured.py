@@ -25,9 +25,26 @@ FUNCTIONS = {"silu": F.silu, "gelu_tanh": lambda z: F.gelu(z, approximate="tanh"
 def gated_formula_gap(module: nn.Module, ins: tuple, out, act: str, d: int) -> str | None:
     """Why transformers' gated ``module`` is not ``out(act(gate(x)) * up(x))`` on random values (None: it is, or
     it is too large to probe).  ``ins``: its input projections (gate, up; or one fused [gate; up]), ``out`` the
-    down projection, as ``layout.structure.Projection``s; ``act``: 'silu' or 'gelu_tanh'."""
+    down projection, as ``layout.structure.Projection``s; ``act``: 'silu' or 'gelu_tanh'.  Measured once per kind
+    of module (its class, structure and settings): a compare derives A's layout and B's, of one model."""
     if sum(p.numel() for p in module.parameters()) > PROBE_PARAMETERS or act not in FUNCTIONS:
         return None
+    key = (type(module), repr(module), repr(settings(module)), tuple(p.name for p in (*ins, out)), act, d)
+    if key not in _MEASURED:
+        _MEASURED[key] = _measure(module, ins, out, act, d)
+    return _MEASURED[key]
+
+
+_MEASURED: dict[tuple, str | None] = {}
+
+
+def settings(module: nn.Module) -> list[tuple[str, float]]:
+    """The module's own real-valued settings (Gemma 3n's per-layer activation_sparsity): modules of one class set
+    differently compute differently, and are units of their own (an integer is more often a layer's index)."""
+    return sorted((k, v) for k, v in vars(module).items() if not k.startswith("_") and type(v) is float)
+
+
+def _measure(module: nn.Module, ins: tuple, out, act: str, d: int) -> str | None:
     generator = torch.Generator().manual_seed(0)
     probe = copy.deepcopy(module).to_empty(device="cpu").float().eval()
     with torch.no_grad():
