@@ -82,9 +82,28 @@ def _one_expert_config(config: Any, count: int) -> Any:
 
 def expert_reference(meta_experts: nn.Module, config: Any, routed: dict[str, torch.Tensor], where: str) -> nn.Module:
     """transformers' experts module holding one expert's weights, in eval mode.  ``routed``: the expert's gate, up
-    and down ([out, in] each) and, where the module has them, gate_bias, up_bias and down_bias; they are put back
-    into the module's own layout as transformers' decorator describes it (gate and up concatenated or interleaved,
-    each matrix [out, in] or transposed)."""
+    and down ([out, in] each) and, where the module has them, gate_bias, up_bias and down_bias (see
+    ``one_expert_tensors``)."""
+    given = one_expert_tensors(meta_experts, routed, where)
+    with torch.device("meta"):
+        module = type(meta_experts)(_one_expert_config(config, meta_experts.down_proj.shape[0]))
+    expected = {n: tuple(p.shape) for n, p in module.named_parameters()}
+    for name, tensor in given.items():
+        if tuple(tensor.shape) != expected.get(name):
+            from parity.errors import ShapeMismatchError
+
+            raise ShapeMismatchError(f"expert tensors give {where}.{name} the shape {list(tensor.shape)}, but "
+                                     f"transformers expects {list(expected.get(name, ()))} for one expert "
+                                     "(is the config's intermediate_size right for this checkpoint?)")
+    module.load_state_dict(given, strict=True, assign=True)
+    return ExpertReference(module, {role: routed[role] for role in ("gate", "up", "gate_bias", "up_bias")
+                                    if role in routed}).eval()
+
+
+def one_expert_tensors(meta_experts: nn.Module, routed: dict[str, torch.Tensor], where: str) -> dict[str, torch.Tensor]:
+    """One expert's tensors in the experts module's own layout, each [1, ...]: ``routed`` (gate, up, down as
+    [out, in], and gate_bias, up_bias, down_bias where the module has them) put back as transformers' decorator
+    describes the module (gate and up concatenated or interleaved, each matrix [out, in] or transposed)."""
     from parity.engine.layout.experts import experts_transposed
 
     if not hasattr(meta_experts, "gate_up_proj") or not hasattr(meta_experts, "down_proj"):
@@ -95,8 +114,6 @@ def expert_reference(meta_experts: nn.Module, config: Any, routed: dict[str, tor
         raise MappingError(f"{type(meta_experts).__name__} holds biases (gate_up_proj_bias, down_proj_bias): the "
                            "mapping's [experts] must route gate_bias, up_bias and down_bias")
     transposed = experts_transposed(meta_experts, routed["gate"].shape[1])
-    with torch.device("meta"):
-        module = type(meta_experts)(_one_expert_config(config, meta_experts.down_proj.shape[0]))
     interleaved = getattr(meta_experts, "is_concatenated", True) is False
 
     def joined(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:  # [gate; up], or their rows alternating
@@ -109,15 +126,4 @@ def expert_reference(meta_experts: nn.Module, config: Any, routed: dict[str, tor
     if biased:
         given |= {"gate_up_proj_bias": joined(routed["gate_bias"], routed["up_bias"]),
                   "down_proj_bias": routed["down_bias"]}
-    given = {name: tensor.unsqueeze(0) for name, tensor in given.items()}
-    expected = {n: tuple(p.shape) for n, p in module.named_parameters()}
-    for name, tensor in given.items():
-        if tuple(tensor.shape) != expected.get(name):
-            from parity.errors import ShapeMismatchError
-
-            raise ShapeMismatchError(f"expert tensors give {where}.{name} the shape {list(tensor.shape)}, but "
-                                     f"transformers expects {list(expected.get(name, ()))} for one expert "
-                                     "(is the config's intermediate_size right for this checkpoint?)")
-    module.load_state_dict(given, strict=True, assign=True)
-    return ExpertReference(module, {role: routed[role] for role in ("gate", "up", "gate_bias", "up_bias")
-                                    if role in routed}).eval()
+    return {name: tensor.unsqueeze(0) for name, tensor in given.items()}

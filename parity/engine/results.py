@@ -51,6 +51,9 @@ class LayerResult:
     # against a stored baseline (--baseline): {key, status: ok|regressed|other_weights|not_compared, max_abs_diff,
     # passed, target, message}; null when the run had no baseline
     baseline: dict | None = None
+    # a whole MoE block (unit 'block'): {tokens, tokens_per_expert, never_chosen, set_aside, set_aside_agree}:
+    # how much of the routing the inputs exercised, and the near-tie tokens judged apart; null for other units
+    coverage: dict | None = None
 
     def __post_init__(self):
         """A diagnosis or separability rows given as plain dicts (a report read back from JSON) become records."""

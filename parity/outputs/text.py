@@ -82,13 +82,20 @@ def reference_filled(routes: dict) -> str:
     return route_arrows(routes)
 
 
+ROUTES_SHOWN = 8  # routes the header lists; a block's many more are in the JSON
+
+
 def routes_line(routes: dict) -> str:
     """The routes that filled the target, 'param ← tensor' ('.T': transposed), and where they came from."""
     derived = routes["extends"].startswith("derived from ")  # a derived layout: no file for --save-mapping to extend
     origin = ("inferred from parameter names" + ("" if derived else "; --save-mapping FILE writes them")
               if routes.get("inferred")
               else f"mapping {routes['extends'].rsplit('/', 1)[-1]}")
-    return f"{route_arrows(routes['tensors'])} ({origin})"
+    tensors = routes["tensors"]
+    if len(tensors) > ROUTES_SHOWN:  # a whole MoE block: one route per expert's projection; the JSON has them all
+        shown = dict(list(tensors.items())[:ROUTES_SHOWN])
+        return f"{route_arrows(shown)}, ... {len(tensors) - ROUTES_SHOWN} more in the JSON ({origin})"
+    return f"{route_arrows(tensors)} ({origin})"
 
 
 def layer_line(result: LayerResult, width: int = 6) -> str:

@@ -27,6 +27,7 @@ from parity.definitions.reference_routes import check_reference_roles, reference
 from parity.definitions.registry import builtin_mappings
 from parity.definitions.selection import Selection, parse_selection
 from parity.definitions.values import check_atol, check_compute
+from parity.engine.check.block_check import BlockCheck, holds_block
 from parity.engine.check.build import build_target, target_label
 from parity.engine.check.diagnose import diagnose, separability
 from parity.engine.check.fill import fill_target, route_tensor
@@ -365,21 +366,42 @@ def run_target_twice(truth: Truth, target: nn.Module, target_name: str, x: torch
 
 
 def run_session(session: Session, layers: Selection = None,
-                on_layer: Callable[[Report, LayerResult], None] | None = None, experts: Selection = None) -> Report:
-    """Check the selected layers (default: all; first, middle and last of a large synthetic model)."""
+                on_layer: Callable[[Report, LayerResult], None] | None = None, experts: Selection = None,
+                block: bool | None = None) -> Report:
+    """Check the selected layers (default: all; first, middle and last of a large synthetic model).  ``block``:
+    each MoE layer's whole sparse block is the unit (engine.check.block_check); None: when the target holds more
+    than one expert's tensors (it is a block, not an expert's FFN)."""
     report = session.report()
     if layers is None and session.checkpoint.weights == "synthetic":
         layers = session.synthetic_layers(report.notes)
     session.expert_indices(experts)  # a selection of experts a dense model lacks: refused before any layer runs
+    blocks = block_check(session, block, report)
     with young_objects_only():  # the per-layer gc.collect() then costs milliseconds, not 0.5 s
         for layer in parse_selection(layers, session.num_layers):
-            for unit, expert in session.units(layer, experts):
+            units = session.units(layer, experts) if blocks is None else blocks.units(layer)
+            for unit, expert in units:
                 result, report.target = unit.run_layer(layer, expert)
-                result.unit = unit.mapping.unit
-                report.routes = session.routes.describe()
+                result.unit = result.unit or unit.mapping.unit
+                report.routes = session.routes.describe() if blocks is None else blocks.describe()
                 unit.describe_framework(report)
                 report.notes.extend(n for n in unit.target_notes if n not in report.notes)
                 report.layers.append(result)
                 if on_layer is not None:
                     on_layer(report, result)
+    if blocks is not None:
+        blocks.note_skipped(report)
     return report
+
+
+def block_check(session: Session, block: bool | None, report: Report) -> Any:
+    """The block units' check (engine.check.block_check.BlockCheck) where the run checks whole blocks, else None."""
+    routed = next((s for s in (session, *session.parts) if s.num_experts is not None), None)
+    if block is None:
+        block = routed is not None and session.target_spec is not None and holds_block(routed)
+    if not block:
+        return None
+    if routed is None:
+        raise LayerRangeError(f"--block: {session.mapping.name} describes no mixture-of-experts layer (no experts)")
+    blocks = BlockCheck(routed)
+    blocks.describe_report(report)
+    return blocks

@@ -1,0 +1,223 @@
+"""A mixture-of-experts layer's whole sparse block, as transformers computes it: the oracle of a block check.
+
+A per-expert check forces every token to one expert, so it is blind to what happens around the experts: the
+router's scoring (softmax or sigmoid), the top-k, renormalisation, a selection bias, a scaling factor, where the
+routing weight is applied, the shared experts and their gate.  Here the oracle is transformers' own block for the
+layer (``MixtralSparseMoeBlock``, ``DeepseekV3MoE``, ``GptOssMLP``, ``Llama4TextMoe``, ...), taken from the model's
+module tree, filled with the layer's tensors and run with its experts' eager loop (the grouped kernels do not all run
+in float64).  Nothing of its routing is re-implemented: which experts each token chose is read where the block hands
+the tokens to its experts module.
+
+The inputs make the routing visible: every expert is aimed at by some token, and tokens whose choice of experts is
+decided by less than float32 noise (near-ties) are found by re-running the router on the float32 copy and on inputs
+moved by a few float32 steps; they are judged apart (``BlockInputs.tied``).
+"""
+
+from __future__ import annotations
+
+import copy
+import inspect
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from parity.engine.experts import one_expert_tensors
+from parity.errors import MappingError
+
+BLOCK_UNIT = "block"  # the unit name reports give a whole sparse block
+ROW_TARGETS = (1.0, 3.0, 8.0)  # max |gate pre-activation| over experts aimed at by each batch row (engine.inputs)
+MIN_TOKENS = 16  # tokens per row, at least; more where many experts must each be chosen by some token
+NUDGE = 2.0 ** -21  # relative size of the input moves that find near-ties: a few float32 steps
+NUDGES = 3  # how many such moves are tried (besides the float32 copy of the block)
+
+
+@dataclass(frozen=True)
+class BlockSite:
+    """Where a layer's sparse block sits: its module path and its experts child (relative to it)."""
+
+    path: str
+    experts: str
+
+    @classmethod
+    def of(cls, experts_path: str) -> BlockSite:
+        """The block holding the fused experts module at ``experts_path`` (its parent)."""
+        path, _, experts = experts_path.rpartition(".")
+        if not path:
+            raise MappingError(f"the experts module '{experts_path}' has no parent block")
+        return cls(path, experts)
+
+    def at(self, layer: int) -> BlockSite:
+        """This site in layer ``layer`` ('model.layers.{layer}.mlp' -> 'model.layers.3.mlp')."""
+        return BlockSite(self.path.format(layer=layer), self.experts)
+
+
+def block_tensors(checkpoint: Any, skeleton: nn.Module, site: BlockSite, layer: int) -> dict[str, str]:
+    """The block's own tensors beside its experts (router, selection bias, shared experts and their gate):
+    the block's parameter name -> the checkpoint key that transformers' load-time conversion renames to it."""
+    from parity.engine.layout.renaming import renamed_keys
+
+    keys = [key for key in checkpoint.weight_map if f".{layer}." in key]
+    found = {}
+    for key, (name, merged) in renamed_keys(skeleton, keys).keys.items():
+        relative = name.removeprefix(site.path + ".")
+        if relative != name and merged is None and not relative.startswith(site.experts + "."):
+            found[relative] = key
+    return found
+
+
+def fused_experts(meta_experts: nn.Module, experts: Iterable[dict[str, torch.Tensor]], where: str
+                  ) -> dict[str, torch.Tensor]:
+    """Every expert's tensors (gate, up, down, biases as [out, in]) stacked into the experts module's own layout."""
+    parts = [one_expert_tensors(meta_experts, routed, where) for routed in experts]
+    return {name: torch.cat([part[name] for part in parts]) for name in parts[0]}
+
+
+def filled_block(meta_block: nn.Module, site: BlockSite, tensors: dict[str, torch.Tensor],
+                 dtype: torch.dtype) -> nn.Module:
+    """A copy of transformers' block holding ``tensors`` (its own names) in ``dtype``, experts run by the eager loop."""
+    block = copy.deepcopy(meta_block)
+    experts = block.get_submodule(site.experts)
+    if hasattr(experts, "config"):  # transformers' experts decorator dispatches on the config's implementation
+        experts.config = copy.deepcopy(experts.config)
+        experts.config._experts_implementation = "eager"
+    expected = block.state_dict()
+    missing = sorted(set(expected) - set(tensors))
+    if missing:
+        raise MappingError(f"{type(block).__name__} at {site.path} needs {', '.join(missing)}, which the checkpoint "
+                           "does not hold under any name transformers' conversion gives it")
+    for name, tensor in tensors.items():
+        if name in expected and tuple(tensor.shape) != tuple(expected[name].shape):
+            from parity.errors import ShapeMismatchError
+
+            raise ShapeMismatchError(f"{site.path}.{name}: the checkpoint gives {list(tensor.shape)}, transformers "
+                                     f"expects {list(expected[name].shape)} (does config.json fit this checkpoint?)")
+    block.load_state_dict({n: t.to(dtype) for n, t in tensors.items() if n in expected}, strict=True, assign=True)
+    still = [n for n, t in [*block.named_parameters(), *block.named_buffers()] if t.is_meta]
+    if still:
+        raise MappingError(f"{type(block).__name__} at {site.path}: {', '.join(still)} has no value after filling")
+    return block.eval()
+
+
+def block_output(block: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """The block's hidden output shaped like ``x``: a tuple's first element ((hidden, router_logits)), and Llama 4's
+    [batch·tokens, d] put back as [batch, tokens, d]."""
+    with torch.no_grad():
+        out = block(x)
+    if isinstance(out, tuple):
+        out = out[0]
+    return out.reshape(x.shape)
+
+
+class _Stop(Exception):
+    """Raised where the block hands its tokens to the experts: the choice is known, the rest is not needed."""
+
+
+def chosen_experts(block: nn.Module, site: BlockSite, x: torch.Tensor, count: int) -> torch.Tensor:
+    """[tokens, count] bool: which experts the block routes each token of ``x`` to, read off the call into its
+    experts module (an index per token, or Llama 4's tokens repeated per expert, zero where not routed)."""
+    experts = block.get_submodule(site.experts)
+    seen: list[torch.Tensor] = []
+    tokens = x.reshape(-1, x.shape[-1]).shape[0]
+
+    def grab(_module, args, kwargs):
+        given = [*args, *kwargs.values()]
+        index = next((a for a in given[1:] if isinstance(a, torch.Tensor) and not a.is_floating_point()), None)
+        if index is not None:
+            chosen = torch.zeros(tokens, count, dtype=torch.bool)
+            chosen[torch.arange(tokens).unsqueeze(1).expand_as(index), index.long()] = True
+        else:  # every token once per expert, scaled by its routing weight: zero where the expert was not chosen
+            chosen = given[0].reshape(count, tokens, -1).ne(0).any(-1).t()
+        seen.append(chosen)
+        raise _Stop
+
+    handle = experts.register_forward_pre_hook(grab, with_kwargs=True)
+    try:
+        with torch.no_grad():
+            block(x)
+    except _Stop:
+        pass
+    finally:
+        handle.remove()
+    if not seen:
+        raise MappingError(f"{type(block).__name__} at {site.path} never called its experts module {site.experts}")
+    return seen[0]
+
+
+def takes_choice(experts: nn.Module) -> bool:
+    """Whether the experts module is called with each token's chosen experts (most families) rather than with every
+    token once per expert (Llama 4's)."""
+    return len(inspect.signature(experts.forward).parameters) > 1
+
+
+@dataclass
+class BlockInputs:
+    """What a block is checked on, and how much of its routing that exercises."""
+
+    x: torch.Tensor  # [rows, tokens, d] float32
+    chosen: torch.Tensor  # [rows·tokens, E] bool: each token's experts, as the float64 block chose them
+    tied: torch.Tensor  # [rows·tokens] bool: tokens whose choice moves within float32 noise (judged apart)
+
+    def coverage(self) -> dict[str, Any]:
+        """Tokens per expert (over the tokens judged), the experts no token chose, and the near-ties set aside."""
+        kept = self.chosen[~self.tied]
+        per_expert = [int(n) for n in kept.sum(0)]
+        return {"tokens": int(self.chosen.shape[0]), "tokens_per_expert": per_expert,
+                "never_chosen": [e for e, n in enumerate(per_expert) if n == 0], "set_aside": int(self.tied.sum())}
+
+
+def block_inputs(block64: nn.Module, block32: nn.Module, site: BlockSite, gates: list[torch.Tensor], *, seed: int,
+                 layer: int) -> BlockInputs:
+    """Seeded inputs [3, tokens, d]: unit-RMS tokens, each row scaled so some expert's gate pre-activation reaches
+    ROW_TARGETS; experts no token chose are then aimed at with tokens along their router row; near-ties found."""
+    count, d = len(gates), gates[0].shape[1]
+    top_k = int(chosen_experts(block64, site, torch.zeros(1, 1, d, dtype=torch.float64), count).sum())
+    per_row = max(MIN_TOKENS, -(-2 * count // max(top_k, 1)))
+    generator = torch.Generator().manual_seed(seed * 100_003 + layer + 104_729)
+    x = torch.randn(len(ROW_TARGETS), per_row, d, generator=generator, dtype=torch.float64)
+    x = _scaled_rows(x, gates)
+    router = _router_rows(block64, site, count, d)
+    for attempt in range(4):
+        chosen = chosen_experts(block64, site, x, count)
+        missing = [e for e in range(count) if not bool(chosen[:, e].any())]
+        if not missing or router is None:
+            break
+        x = _aim(x, router, missing, generator, attempt)
+    x = x.float()
+    chosen = chosen_experts(block64, site, x.double(), count)
+    tied = (chosen != chosen_experts(block32, site, x, count)).any(-1)
+    for _ in range(NUDGES):
+        moved = x.double() * (1 + NUDGE * torch.randn(x.shape, generator=generator, dtype=torch.float64))
+        tied |= (chosen != chosen_experts(block64, site, moved, count)).any(-1)
+    return BlockInputs(x, chosen, tied)
+
+
+def _scaled_rows(x: torch.Tensor, gates: list[torch.Tensor]) -> torch.Tensor:
+    """Unit-RMS rows scaled so the largest gate pre-activation over experts reaches each row's target."""
+    x = x / x.pow(2).mean(-1, keepdim=True).sqrt()
+    reach = torch.stack([(x @ gate.double().t()).abs().flatten(1).amax(1) for gate in gates]).amax(0)
+    return x * (torch.tensor(ROW_TARGETS, dtype=x.dtype) / reach.clamp_min(1e-12)).view(-1, 1, 1)
+
+
+def _router_rows(block: nn.Module, site: BlockSite, count: int, d: int) -> torch.Tensor | None:
+    """[E, d]: the router's weight (the block's one [E, d] parameter outside its experts), None where not one."""
+    found = [p for name, p in block.named_parameters()
+             if not name.startswith(site.experts + ".") and tuple(p.shape) == (count, d)]
+    return found[0].detach().double() if len(found) == 1 else None
+
+
+def _aim(x: torch.Tensor, router: torch.Tensor, missing: list[int], generator: torch.Generator,
+         attempt: int) -> torch.Tensor:
+    """``x`` with tokens replaced, from the end of each row back, by tokens along each missing expert's router row
+    (plus some noise), at the row's own scale."""
+    x = x.clone()
+    rows, per_row, _ = x.shape
+    scale = x.pow(2).mean(-1).sqrt().mean(-1)  # each row's RMS
+    for i, expert in enumerate(missing):
+        row, slot = i % rows, per_row - 1 - (attempt * len(missing) + i // rows) % per_row
+        direction = router[expert] / router[expert].pow(2).mean().sqrt()
+        noise = torch.randn(x.shape[-1], generator=generator, dtype=x.dtype) * (0.5 / (attempt + 1))
+        x[row, slot] = (direction * (1 + attempt) + noise) * scale[row]
+    return x

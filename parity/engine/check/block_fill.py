@@ -1,0 +1,102 @@
+"""Filling a user's whole MoE block with a layer's tensors, under whichever names its port uses.
+
+A port of a sparse block holds the router, the experts and the shared experts under names of its own.  Three
+spellings of the same tensors are offered, each exact: transformers' own block (``gate.weight``,
+``experts.gate_up_proj``, ``shared_expert.up_proj.weight``), the checkpoint's names relative to the block
+(``block_sparse_moe.experts.3.w1.weight`` -> ``experts.3.w1.weight``), and one module per expert whose projections
+carry a role name from aliases.toml (``experts.3.gate_proj.weight``, ``experts.3.w3.weight``).  A parameter none of
+them names is the router (the block's one [E, d] matrix) or its bias only where exactly one tensor of that shape
+exists; anything else is an error listing what the port holds and what the layer offers.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+
+from parity.errors import MappingError, ShapeMismatchError
+
+_EXPERT = re.compile(r"(?:^|\.)(\d+)\.(.+)$")  # '...experts.3.w1.weight' -> ('3', 'w1.weight')
+
+
+def fill_block(module: nn.Module, spellings: dict[str, dict[str, torch.Tensor]],
+               experts: Callable[[int], dict[str, torch.Tensor]], count: int, where: str) -> dict[str, str]:
+    """Copy into every parameter and persistent buffer of ``module`` its tensor; returns target name -> where it came
+    from.  ``spellings``: label -> {name: tensor} (transformers' names first); ``experts(e)``: expert e's gate, up,
+    down (and biases), [out, in]."""
+    from parity.definitions.aliases import load_aliases
+
+    aliases = load_aliases()
+    state = module.state_dict()
+    offered = dict(spellings)
+    whole = next((label for label, names in offered.items() if set(state) <= set(names)), None)
+    sources: dict[str, str] = {}
+    values: dict[str, torch.Tensor] = {}
+    for name in state:
+        if whole is not None:
+            values[name], sources[name] = offered[whole][name], name
+            continue
+        found = _by_name(name, offered) or _by_role(name, aliases, experts, count, offered) \
+            or _by_shape(name, state[name], offered)
+        if found is None:
+            raise MappingError(_unfilled(name, state, offered, where))
+        values[name], sources[name] = found
+    with torch.no_grad():
+        for name, target in state.items():
+            value = values[name]
+            if tuple(value.shape) != tuple(target.shape):
+                raise ShapeMismatchError(f"{where}: parameter '{name}' is {list(target.shape)}, but its tensor "
+                                         f"({sources[name]}) is {list(value.shape)}")
+            target.copy_(value.to(target.dtype))
+    return sources
+
+
+def _by_name(name: str, offered: dict[str, dict[str, torch.Tensor]]) -> tuple[torch.Tensor, str] | None:
+    for names in offered.values():
+        if name in names:
+            return names[name], name
+    return None
+
+
+def _by_role(name: str, aliases: Any, experts: Callable[[int], dict[str, torch.Tensor]], count: int,
+             offered: dict[str, dict[str, torch.Tensor]]) -> tuple[torch.Tensor, str] | None:
+    """An expert's projection (``experts.3.w1.weight``: expert 3's gate) or a shared expert's, by its role name."""
+    match = _EXPERT.search(name)
+    if match is not None and int(match.group(1)) < count and "shared" not in name:
+        roles = aliases.roles_of(match.group(2))
+        if len(roles) == 1:
+            role, kind = next(iter(roles))
+            key = role if kind == "weight" else f"{role}_bias"
+            tensors = experts(int(match.group(1)))
+            if key in tensors:
+                return tensors[key], f"expert {match.group(1)}'s {key}"
+    if "shared" in name:
+        roles = aliases.roles_of(name)
+        names = offered[next(iter(offered))]
+        found = [n for n in names if "shared" in n and roles and aliases.roles_of(n) == roles]
+        if len(found) == 1:
+            return names[found[0]], f"transformers: {found[0]}"
+    return None
+
+
+def _by_shape(name: str, target: torch.Tensor, offered: dict[str, dict[str, torch.Tensor]]
+              ) -> tuple[torch.Tensor, str] | None:
+    """The router's weight or bias, the shared experts' gate: the one tensor outside the experts of its shape."""
+    names = offered[next(iter(offered))]
+    found = [n for n, t in names.items() if not n.startswith("experts.") and tuple(t.shape) == tuple(target.shape)]
+    return (names[found[0]], f"transformers: {found[0]} (the one tensor of shape {list(target.shape)})") \
+        if len(found) == 1 else None
+
+
+def _unfilled(name: str, state: dict[str, torch.Tensor], offered: dict[str, dict[str, torch.Tensor]],
+              where: str) -> str:
+    transformers_names = ", ".join(f"{n} {list(t.shape)}" for n, t in offered[next(iter(offered))].items())
+    return (f"{where}: parity cannot tell which of the layer's tensors fills your block's '{name}' "
+            f"{list(state[name].shape)}. It fills a block whose parameters carry transformers' names "
+            f"({transformers_names}), the checkpoint's names relative to the block, or one module per expert "
+            "(experts.N.gate_proj/up_proj/down_proj, w1/w3/w2, ...); rename the parameter, or write a factory that "
+            "loads your block (--target mymodel:make_block)")
