@@ -30,7 +30,8 @@ def check(model: str, *, layers: str | int | Iterable[int] | None = None, target
           checkpoint: str | None = None, mapping: str | None = None, revision: str | None = None, seed: int = 0,
           atol: float | None = None, on_layer: Callable[[Report, LayerResult], None] | None = None,
           logits: bool = False, allow_pickle: bool = False, experts: str | int | Iterable[int] | None = None,
-          require_real: bool = False, device: str | Any = "cpu", dtype: str | Any = "float32") -> Report:
+          require_real: bool = False, device: str | Any = "cpu", dtype: str | Any = "float32",
+          block: bool | None = None) -> Report:
     """Check the selected layers, one at a time, against transformers' own MLP.
 
     The options build the same CheckSpec as ``parity MODEL`` and a project file's ``[[checks]]`` entry; every
@@ -49,6 +50,9 @@ def check(model: str, *, layers: str | int | Iterable[int] | None = None, target
         logits: also substitute the target into the full model and compare its final logits.
         allow_pickle: open pickle-based files, with ``torch.load(weights_only=True)``.
         experts: MoE models: which experts of each layer (default all).
+        block: MoE models: each layer's whole sparse block (router, top-k, weights, experts, shared experts) is one
+            unit, checked against transformers' own block; default: so when ``target`` holds more than one
+            expert's tensors and ``experts`` is not given.
         require_real: refuse the synthetic stand-in (SyntheticWeightsError) instead of checking random weights.
         device, dtype: where and in what the target computes (``"cuda:0"`` or ``torch.device``; ``"bfloat16"`` or
             ``torch.bfloat16``): a low precision is held to the reference's own error in that dtype.
@@ -67,10 +71,10 @@ def check(model: str, *, layers: str | int | Iterable[int] | None = None, target
     device, dtype = compute_names(device, dtype)
     spec = CheckSpec(model=model, checkpoint=checkpoint, layers=layers, target=target, mapping=mapping,
                      revision=revision, seed=seed, atol=atol, logits=logits, allow_pickle=allow_pickle,
-                     experts=experts, require_real=require_real, device=device, dtype=dtype)
+                     experts=experts, block=block, require_real=require_real, device=device, dtype=dtype)
     with cwd_importable():
         session = open_session(spec)
-        report = run_session(session, spec.layers, on_layer, spec.experts)
+        report = run_session(session, spec.layers, on_layer, spec.experts, spec.block_choice)
         if spec.logits:
             report.logits = logits_impact(session, sorted({r.layer for r in report.layers}))
     return report

@@ -34,14 +34,15 @@ def assert_parity(model: str, *, target: str | Any | None = None, layers: str | 
                   checkpoint: str | None = None, mapping: str | None = None, revision: str | None = None,
                   seed: int = 0, atol: float | None = None, require_real: bool | None = None,
                   allow_pickle: bool = False, experts: str | int | Iterable[int] | None = None,
-                  logits: bool = False, device: str = "cpu", dtype: str = "float32") -> Report:
+                  logits: bool = False, device: str = "cpu", dtype: str = "float32",
+                  block: bool | None = None) -> Report:
     """Check ``target`` against transformers and fail the test unless every checked layer matches.
 
     Args:
         model: a mapping name (``"gpt2"``), a hub id, a local folder or file, as ``parity MODEL``.
         target: a class, a factory, an ``nn.Module`` instance (not modified) or ``"pkg.module:Name"``.
-        layers, checkpoint, mapping, revision, seed, atol, allow_pickle, experts, logits, device, dtype:
-            as for ``parity.check``.
+        layers, checkpoint, mapping, revision, seed, atol, allow_pickle, experts, logits, device, dtype, block:
+            as for ``parity.check`` (``block=True``: each MoE layer's whole sparse block is one unit).
         require_real: ``None`` (default) skips the test when only synthetic weights are available, unless
             ``pytest --parity-require-real`` or ``PARITY_REQUIRE_REAL=1`` make that a failure; ``True`` fails
             it; ``False`` checks the synthetic weights (a pass then proves the module's shapes and code path).
@@ -69,7 +70,7 @@ def assert_parity(model: str, *, target: str | Any | None = None, layers: str | 
     try:
         report = check(model, layers=layers, target=target, checkpoint=checkpoint, mapping=mapping,
                        revision=revision, seed=seed, atol=atol, allow_pickle=allow_pickle, experts=experts,
-                       logits=logits, device=device, dtype=dtype, require_real=action != "check")
+                       logits=logits, device=device, dtype=dtype, require_real=action != "check", block=block)
     except SyntheticWeightsError as exc:
         why = getattr(exc, "reason", str(exc))
         if action == "refuse":

@@ -227,8 +227,8 @@ def run_check(args: argparse.Namespace) -> int:
     layers = args.layer if args.layer is not None else args.layers
     spec = CheckSpec(model=args.model, checkpoint=args.checkpoint, layers=layers, target=args.target,
                      mapping=args.mapping, revision=args.revision, seed=args.seed, atol=args.atol, logits=args.logits,
-                     allow_pickle=args.allow_pickle, experts=args.experts, require_real=args.require_real,
-                     device=args.device, dtype=args.dtype)
+                     allow_pickle=args.allow_pickle, experts=args.experts, block=args.block,
+                     require_real=args.require_real, device=args.device, dtype=args.dtype)
     try:
         return with_error_outputs(args, spec.label, True, lambda: run_specs([spec], args, single=True))
     except MappingError as exc:

@@ -108,6 +108,9 @@ def build_parser() -> argparse.ArgumentParser:
                              "torch.load(weights_only=True); only for files you trust")
     parser.add_argument("--experts", metavar="SPEC",
                         help="MoE models: all | 0,3 | 2-5 experts of each layer (default: all)")
+    parser.add_argument("--block", action="store_true", default=None,
+                        help="MoE models: check each layer's whole sparse block (router, top-k, experts, shared "
+                             "experts) as one unit; the default when --target holds more than one expert")
     parser.add_argument("--require-real", action="store_true",
                         help="exit 2 instead of checking synthetic weights when the default checkpoint is unreachable "
                              "(`parity check` requires real weights by default)")

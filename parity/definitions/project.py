@@ -31,7 +31,7 @@ PROJECT_FILES = ("parity.toml", "pyproject.toml")
 
 _TOP_KEYS = {"checks", "compares", "baseline", "baseline_factor", "baseline_slack", "junit", "html", "defaults"}
 _CHECK_KEYS = {"name", "model", "checkpoint", "layers", "layer", "target", "mapping", "revision", "seed", "atol",
-               "tolerance", "logits", "experts", "allow_pickle", "require_real", "device", "dtype"}
+               "tolerance", "logits", "experts", "block", "allow_pickle", "require_real", "device", "dtype"}
 # [[compares]]: `parity compare A B` run by `parity check`; [defaults] keys of this set apply to compares too
 _COMPARE_KEYS = {"name", "a", "b", "revision", "revision_b", "layers", "layer", "experts", "seed", "allow_pickle",
                  "require_real"}
@@ -53,6 +53,9 @@ class CheckSpec:
     logits: bool = False
     allow_pickle: bool = False
     experts: Any = None  # MoE: None | "all" | "0,3" | list[int]
+    # MoE: True checks each layer's whole sparse block as one unit; False one expert at a time; None: a block when
+    # the target holds more than one expert and no experts were selected
+    block: bool | None = None
     require_real: bool = False  # synthetic weights are an error (exit 2), not a check; project files default to true
     device: str = "cpu"  # where the target runs: cpu, cuda, cuda:N, mps
     dtype: str = "float32"  # the target's compute dtype: float32, bfloat16, float16
@@ -68,6 +71,11 @@ class CheckSpec:
         if self.target:
             parts.append(f"[{self.target}]")
         return " ".join(parts)
+
+    @property
+    def block_choice(self) -> bool | None:
+        """``block`` as the run takes it: experts selected (``--experts``) mean one expert at a time."""
+        return self.block if self.block is not None or self.experts is None else False
 
     def inputs(self) -> list[tuple[str, str | None]]:
         """What the check reads (no output may be written over one of them)."""
@@ -271,6 +279,9 @@ def _parse_check(entry: dict, where: str, base: Path) -> CheckSpec:
     require_real = entry.get("require_real", synthetic_action("parity check") == "refuse")  # CI: definitions/policy.py
     if not all(isinstance(flag, bool) for flag in (logits, allow_pickle, require_real)):
         raise fail("'logits', 'allow_pickle' and 'require_real' must be true or false")
+    block = entry.get("block")
+    if block is not None and not isinstance(block, bool):
+        raise fail("'block' must be true or false")
     experts = _experts(entry, fail)
     mapping = entry.get("mapping")
     if mapping is not None and not Path(mapping).is_absolute():
@@ -284,7 +295,7 @@ def _parse_check(entry: dict, where: str, base: Path) -> CheckSpec:
     return CheckSpec(model=model, checkpoint=checkpoint, layers=layers, target=entry.get("target"), mapping=mapping,
                      revision=entry.get("revision"), seed=seed, atol=None if atol is None else float(atol),
                      name=entry.get("name"), logits=logits, allow_pickle=allow_pickle, experts=experts,
-                     require_real=require_real, where=where, **compute)
+                     block=block, require_real=require_real, where=where, **compute)
 
 
 def _layers_and_seed(entry: dict, fail: Callable[[str], ProjectConfigError]) -> tuple[Any, int]:

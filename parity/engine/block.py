@@ -28,7 +28,7 @@ from parity.engine.experts import one_expert_tensors
 from parity.errors import MappingError
 
 BLOCK_UNIT = "block"  # the unit name reports give a whole sparse block
-ROW_TARGETS = (1.0, 3.0, 8.0)  # max |gate pre-activation| over experts aimed at by each batch row (engine.inputs)
+ROW_TARGETS = (1.0, 3.0, 8.0)  # largest gate pre-activation over chosen experts aimed at by each batch row
 MIN_TOKENS = 16  # tokens per row, at least; more where many experts must each be chosen by some token
 NUDGE = 2.0 ** -21  # relative size of the input moves that find near-ties: a few float32 steps
 NUDGES = 3  # how many such moves are tried (besides the float32 copy of the block)
@@ -177,7 +177,7 @@ def block_inputs(block64: nn.Module, block32: nn.Module, site: BlockSite, gates:
     per_row = max(MIN_TOKENS, -(-2 * count // max(top_k, 1)))
     generator = torch.Generator().manual_seed(seed * 100_003 + layer + 104_729)
     x = torch.randn(len(ROW_TARGETS), per_row, d, generator=generator, dtype=torch.float64)
-    x = _scaled_rows(x, gates)
+    x = _scaled_rows(x / x.pow(2).mean(-1, keepdim=True).sqrt(), gates)
     router = _router_rows(block64, site, count, d)
     for attempt in range(4):
         chosen = chosen_experts(block64, site, x, count)
@@ -185,6 +185,8 @@ def block_inputs(block64: nn.Module, block32: nn.Module, site: BlockSite, gates:
         if not missing or router is None:
             break
         x = _aim(x, router, missing, generator, attempt)
+    for _ in range(2):  # the reach that matters is on the experts each token is routed to (GPT-OSS's clamp)
+        x = _scaled_rows(x, gates, chosen_experts(block64, site, x, count))
     x = x.float()
     chosen = chosen_experts(block64, site, x.double(), count)
     tied = (chosen != chosen_experts(block32, site, x, count)).any(-1)
@@ -194,10 +196,13 @@ def block_inputs(block64: nn.Module, block32: nn.Module, site: BlockSite, gates:
     return BlockInputs(x, chosen, tied)
 
 
-def _scaled_rows(x: torch.Tensor, gates: list[torch.Tensor]) -> torch.Tensor:
-    """Unit-RMS rows scaled so the largest gate pre-activation over experts reaches each row's target."""
-    x = x / x.pow(2).mean(-1, keepdim=True).sqrt()
-    reach = torch.stack([(x @ gate.double().t()).abs().flatten(1).amax(1) for gate in gates]).amax(0)
+def _scaled_rows(x: torch.Tensor, gates: list[torch.Tensor], chosen: torch.Tensor | None = None) -> torch.Tensor:
+    """Rows scaled so the largest positive gate pre-activation, over each token's chosen experts (every expert
+    where ``chosen`` is None), reaches each row's target (where GPT-OSS clamps: above, at swiglu_limit)."""
+    pre = torch.stack([(x @ gate.double().t()).clamp(min=0).amax(-1) for gate in gates])  # [E, rows, tokens]
+    if chosen is not None:
+        pre = pre * chosen.t().reshape(pre.shape)
+    reach = pre.permute(1, 0, 2).flatten(1).amax(1)
     return x * (torch.tensor(ROW_TARGETS, dtype=x.dtype) / reach.clamp_min(1e-12)).view(-1, 1, 1)
 
 

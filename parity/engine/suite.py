@@ -107,7 +107,8 @@ def execute(runs: list[CheckRun], on_layer: Callable[[CheckRun, Report, LayerRes
             if isinstance(spec, CompareSpec):
                 report = run.session.run(run.layers, on_layer=record)  # a Comparison (open_compare's)
             else:
-                report = run_session(run.session, run.layers, on_layer=record, experts=spec.experts)
+                report = run_session(run.session, run.layers, on_layer=record, experts=spec.experts,
+                                     block=spec.block_choice)
             if getattr(spec, "logits", False):
                 report.logits = logits_impact(run.session, sorted({r.layer for r in report.layers}))
         except ParityError as exc:

@@ -129,6 +129,24 @@ def unit_cell(result: LayerResult, width: int = 6) -> str:
     return f"{result.layer:>5}  {result.expert if result.expert is not None else result.unit:>{width}}"
 
 
+def coverage_lines(report: Report) -> list[str]:
+    """Per whole-MoE-block unit: how much of the routing its inputs exercised, and the near-ties set aside."""
+    lines = []
+    for result in report.layers:
+        c = result.coverage
+        if c is None:
+            continue
+        never = c["never_chosen"]
+        chosen = ("every expert chosen by some token" if not never
+                  else f"experts {', '.join(map(str, never))} chosen by no token (not exercised)")
+        aside = (f"; {c['set_aside']} near-tie token(s) set aside (their choice of experts moves within float32 "
+                 f"noise), {c['set_aside_agree']} of them matching one of transformers' choices"
+                 if c["set_aside"] else "; no near-ties")
+        lines.append(f"coverage (layer {unit_label(result)}): {c['tokens']} tokens, {chosen} (tokens per expert "
+                     f"{min(c['tokens_per_expert'])} to {max(c['tokens_per_expert'])}){aside}")
+    return [*lines, ""] if lines else []
+
+
 def diagnosis_lines(report: Report) -> list[str]:
     """One block per distinct diagnosis: the evidence and the fix; then why layers could not be verified."""
     lines, seen = [], set()
@@ -326,7 +344,7 @@ class TextWriter:
             self.say(f"note: {note}")
         if later:
             self.say("")
-        for line in [*diagnosis_lines(report), *logits_lines(report)]:
+        for line in [*coverage_lines(report), *diagnosis_lines(report), *logits_lines(report)]:
             self.say(line)
         if summary:
             self.say(summary_line(report))

@@ -34,8 +34,8 @@ from parity.engine.check.fill import route_tensor
 from parity.engine.check.guard import guarded
 from parity.engine.check.run import place, run_module, skip_init, user_code
 from parity.engine.results import LayerResult
-from parity.engine.verdict import Runs, judge
-from parity.errors import TargetError
+from parity.engine.verdict import Runs, judge, shape_failure
+from parity.errors import ShapeMismatchError, TargetError
 
 
 class BlockCheck:
@@ -118,7 +118,12 @@ class BlockCheck:
         out64 = block_output(block64, inputs.x.double())
         out32 = block_output(block32, inputs.x).double()
         changes: list[str] = []
-        target, name = self.build(layer, own, disk, experts, changes)
+        try:
+            target, name = self.build(layer, own, disk, experts, changes)
+        except ShapeMismatchError as exc:  # the block's own sizes do not hold the layer: its mistake, not bad input
+            result = shape_failure(layer, None, exc, session.checkpoint.weights)
+            result.unit = BLOCK_UNIT
+            return result, session.target_name()
         got, again = (self.run_target(target, name, inputs.x, changes) for _ in range(2))
         del target, block32
         gc.collect()
@@ -202,4 +207,8 @@ def holds_block(session: Any) -> bool:
             module, _, _, _ = build_target(session.mapping, session.config, session.target_spec)
     except Exception:  # its own errors surface where the target is built for real, in the user's terms
         return False
-    return isinstance(module, nn.Module) and sum(p.numel() for p in module.parameters()) > 1.5 * one_expert
+    if not isinstance(module, nn.Module):
+        return False
+    count, d = session.num_experts, session.hidden_size
+    router = any(tuple(p.shape) in ((count, d), (d, count)) for p in module.parameters())  # an [E, d] router
+    return router or sum(p.numel() for p in module.parameters()) > 1.5 * one_expert

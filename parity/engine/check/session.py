@@ -402,6 +402,11 @@ def block_check(session: Session, block: bool | None, report: Report) -> Any:
         return None
     if routed is None:
         raise LayerRangeError(f"--block: {session.mapping.name} describes no mixture-of-experts layer (no experts)")
+    if session.target_spec is None:
+        from parity.errors import UsageError
+
+        raise UsageError("--block checks your own MoE block: pass it with --target mymodel:MoEBlock (parity's own "
+                         "modules hold one expert's FFN, not a whole block)")
     blocks = BlockCheck(routed)
     blocks.describe_report(report)
     return blocks

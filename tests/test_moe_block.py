@@ -1,0 +1,143 @@
+"""A whole MoE block as one unit (issue 28): a user's block against transformers' own sparse block for the layer.
+
+Checkpoints are tiny ones built with transformers' own classes; the blocks under test are written from scratch in
+tests/moe_block_ports.py (correct, and each with one real mistake), or are transformers' own block built from the
+config (which must pass: same function)."""
+
+from __future__ import annotations
+
+import copy
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from parity.api import check
+
+from . import moe_block_ports as ports
+from .derived_checkpoints import MOE, build
+from .support import run_json, run_main
+
+HERE = Path(__file__).resolve().parent
+
+FAMILIES = {  # model_type -> config values beyond MOE's
+    "mixtral": {},
+    "qwen2_moe": {},
+    "deepseek_v3": dict(first_k_dense_replace=1, n_group=2, topk_group=1, q_lora_rank=16, kv_lora_rank=16,
+                        qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=16, routed_scaling_factor=2.5,
+                        norm_topk_prob=True),
+    "gpt_oss": {},
+    "llama4_text": dict(intermediate_size_mlp=72, interleave_moe_layer_step=1),
+    "olmoe": {},
+    "qwen3_moe": {},
+}
+
+
+@pytest.fixture(scope="module")
+def blocks(tmp_path_factory) -> dict[str, Path]:
+    """model_type -> a tiny checkpoint; DeepSeek's selection bias (a buffer, zero when built) set to values that
+    change the choice, so a port that puts it into the weights differs."""
+    from safetensors.torch import load_file, save_file
+
+    root = tmp_path_factory.mktemp("moe_blocks")
+    built = {mt: build(mt, root / mt, seed, **{**MOE, **values}) for seed, (mt, values) in enumerate(FAMILIES.items())}
+    weights = built["deepseek_v3"] / "model.safetensors"
+    tensors = load_file(weights)
+    for name in [n for n in tensors if n.endswith("e_score_correction_bias")]:
+        tensors[name] = torch.linspace(-0.2, 0.3, tensors[name].numel())
+    save_file(tensors, weights, metadata={"format": "pt"})
+    return built
+
+
+def own_block(model_type: str):
+    """transformers' own block for the checkpoint's config, as a user's factory would build it."""
+    def make(config):
+        from transformers import AutoModelForCausalLM
+
+        layer = AutoModelForCausalLM.from_config(copy.deepcopy(config)).model.layers[-1]
+        return getattr(layer, "feed_forward", None) or layer.mlp
+    return make
+
+
+CORRECT = [("mixtral", ports.MixtralBlock), ("qwen2_moe", ports.QwenSharedBlock), ("deepseek_v3", ports.DeepSeekBlock),
+           ("gpt_oss", ports.GptOssBlock), ("llama4_text", ports.Llama4Block), ("qwen3_moe", ports.SoftmaxTopK)]
+
+
+@pytest.mark.parametrize(("model_type", "port"), CORRECT, ids=[mt for mt, _ in CORRECT])
+def test_a_correct_block_written_from_scratch_passes_on_every_moe_layer(blocks, model_type, port):
+    report = check(str(blocks[model_type]), target=port)
+    assert report.passed, report
+    moe_layers = [r for r in report.layers]
+    assert moe_layers and all(r.unit == "block" and r.expert is None for r in moe_layers)
+    for result in moe_layers:
+        coverage = result.coverage
+        assert coverage["never_chosen"] == [] and len(coverage["tokens_per_expert"]) == 4
+        # every token judged picks top-k experts: the counts add up to k per token judged
+        assert sum(coverage["tokens_per_expert"]) == 2 * (coverage["tokens"] - coverage["set_aside"])
+
+
+@pytest.mark.parametrize("model_type", sorted(FAMILIES))
+def test_transformers_own_block_passes_as_a_target(blocks, model_type):
+    report = check(str(blocks[model_type]), target=own_block(model_type))
+    assert report.passed, report
+    assert "whole sparse block" in report.reference
+
+
+MISTAKEN = [("mixtral", ports.MixtralNoRenorm), ("qwen2_moe", ports.QwenSharedMissing),
+            ("qwen2_moe", ports.QwenSharedGateAfterSum), ("deepseek_v3", ports.DeepSeekBiasInWeights),
+            ("deepseek_v3", ports.DeepSeekScalingDropped), ("gpt_oss", ports.GptOssHalves),
+            ("gpt_oss", ports.GptOssNoClamp), ("llama4_text", ports.Llama4ScoreOnOutput)]
+
+
+@pytest.mark.parametrize(("model_type", "port"), MISTAKEN, ids=[p.__name__ for _, p in MISTAKEN])
+def test_a_block_with_a_routing_mistake_fails_on_every_moe_layer(blocks, model_type, port):
+    report = check(str(blocks[model_type]), target=port)
+    assert not report.passed
+    assert report.layers and all(not r.passed and r.unverifiable is None for r in report.layers)
+    assert all(r.max_abs_diff > 100 * r.tolerance for r in report.layers)
+
+
+def test_dense_layers_before_moe_ones_are_said_not_checked(blocks):
+    report = check(str(blocks["deepseek_v3"]), target=ports.DeepSeekBlock)
+    assert [r.layer for r in report.layers] == [1]
+    assert any("layers 0 hold no sparse block" in note for note in report.notes)
+
+
+def test_every_view_names_the_block_unit_and_its_coverage(blocks, capsys, monkeypatch, tmp_path):
+    monkeypatch.chdir(HERE)
+    junit, html = tmp_path / "r.xml", tmp_path / "r.html"
+    code, report, _ = run_json(capsys, blocks["qwen2_moe"], "--target", "moe_block_ports:QwenSharedBlock",
+                               "--junit", junit, "--html", html)
+    assert code == 0 and report["units"] == ["block"]
+    assert [layer["unit"] for layer in report["layers"]] == ["block", "block"]
+    assert all(layer["coverage"]["never_chosen"] == [] for layer in report["layers"])
+    assert "block" in junit.read_text() and "block" in html.read_text()
+    code, out, _ = run_main(capsys, blocks["qwen2_moe"], "--target", "moe_block_ports:QwenSharedMissing")
+    assert code == 1 and "coverage (layer 1/block): 48 tokens, every expert chosen" in out
+    assert "whole sparse block" in out
+
+
+def test_the_json_report_validates_against_the_shipped_schema(blocks, capsys, monkeypatch):
+    jsonschema = pytest.importorskip("jsonschema")
+    from parity.engine.results import SCHEMA_FILE
+
+    monkeypatch.chdir(HERE)
+    code, report, _ = run_json(capsys, blocks["gpt_oss"], "--target", "moe_block_ports:GptOssBlock")
+    assert code == 0
+    jsonschema.validate(report, json.loads(SCHEMA_FILE.read_text()))
+
+
+def test_experts_selected_mean_one_expert_at_a_time(blocks):
+    report = check(str(blocks["qwen2_moe"]), target="parity.ffn:SwiGLU", experts="0,1", layers=0)
+    assert {r.expert for r in report.layers if r.unit is None} == {0, 1}
+
+
+def test_block_without_a_target_is_refused_in_one_line(blocks, capsys):
+    code, _, err = run_main(capsys, blocks["qwen2_moe"], "--block")
+    assert code == 2 and "--block checks your own MoE block" in err and "Traceback" not in err
+
+
+def test_a_block_of_the_wrong_width_fails_with_the_shape_named(blocks):
+    report = check(str(blocks["olmoe"]), target=ports.SoftmaxTopK)  # OLMoE's experts are intermediate_size wide
+    assert not report.passed and all(r.diagnosis.id == "shape_mismatch" for r in report.layers)
