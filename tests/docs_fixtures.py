@@ -119,7 +119,8 @@ def deepseek_tiny(destination: Path, workspace: Workspace) -> Path:
     """DeepSeek V3 at a tiny size: layer 0 dense, layers 1-2 four routed experts and a shared one (formats.md)."""
     from .derived_checkpoints import MOE, build
 
-    return build("deepseek_v3", destination, 43, **dict(MOE, num_hidden_layers=3, first_k_dense_replace=1))
+    return build("deepseek_v3", destination, 43, **dict(MOE, num_hidden_layers=3, first_k_dense_replace=1, n_group=2,
+                                                         topk_group=1))
 
 
 def onnx_layer0(destination: Path, workspace: Workspace) -> Path:
@@ -149,6 +150,7 @@ FIXTURES = {
     "ffn_layer0.onnx": lambda dest, ws: (ws.fixture("hub"), onnx_layer0(dest, ws))[1],
     "mlx_port": port("mlx_ports", "MLP"),
     "nnx_port": port("nnx_ports", "GPT2MLP as MLP"),  # frameworks.md checks it on GPT-2
+    "moe_port": port("moe_block_ports", "DeepSeekBlock, DeepSeekScalingDropped"),  # formats.md: whole blocks
 }
 assert TINY["llama"]["intermediate_size"] == 88  # own-module.md shows llama-checkpoint's [88, 32]
 

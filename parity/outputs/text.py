@@ -92,6 +92,8 @@ def routes_line(routes: dict) -> str:
               if routes.get("inferred")
               else f"mapping {routes['extends'].rsplit('/', 1)[-1]}")
     tensors = routes["tensors"]
+    if len(tensors) > ROUTES_SHOWN and all(spelled == target for target, spelled in tensors.items()):
+        return f"each of {len(tensors)} parameters from the tensor of its own name ({origin})"
     if len(tensors) > ROUTES_SHOWN:  # a whole MoE block: one route per expert's projection; the JSON has them all
         shown = dict(list(tensors.items())[:ROUTES_SHOWN])
         return f"{route_arrows(shown)}, ... {len(tensors) - ROUTES_SHOWN} more in the JSON ({origin})"

@@ -61,6 +61,7 @@ class BlockCheck:
         probe = self.session.reference.meta_module(self.site.path.format(layer=self.mapping.first_layer))
         report.reference = f"{type(probe).__name__} (whole sparse block)"
         report.units = [BLOCK_UNIT]
+        report.reference_routes = None  # one expert's routes into the experts module: not how the block is filled
         report.notes.append("each MoE layer's whole sparse block is checked as one unit 'block' (router, top-k, "
                             "routing weights, experts, shared experts and their gate) against transformers' "
                             f"{type(probe).__name__}; --experts checks one expert at a time instead")
