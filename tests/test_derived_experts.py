@@ -43,7 +43,7 @@ FAMILIES = {
                     {(1, e, None) for e in range(4)}, "gate_up_exchanged"),
     "qwen2_moe": (MOE, with_unit("shared_expert"), ("negate", "shared_expert.down_proj"),
                   {(1, None, "shared_expert")}, "sign_flipped"),
-    "deepseek_v3": (dict(MOE, num_hidden_layers=3, first_k_dense_replace=1),  # layer 0 dense, 1 and 2 MoE
+    "deepseek_v3": (dict(MOE, num_hidden_layers=3, first_k_dense_replace=1, n_group=2, topk_group=1),  # 0 dense
                     in_report_order([(0, None, "mlp"), *with_unit("shared_experts", (1, 2), (1, 2))]),
                     ("negate", "experts.1.down_proj"), {(1, 1, None)}, "sign_flipped"),
     "gpt_oss": (MOE, EXPERTS, ("interleaving", "experts.gate_up_proj"), {(1, e, None) for e in range(4)},
@@ -91,7 +91,13 @@ def moe_families(tmp_path_factory) -> dict[str, tuple[Path, Path]]:
 
 
 def units(report: dict) -> list[tuple]:
-    return [(r["layer"], r["expert"], r["unit"]) for r in report["layers"]]
+    """The report's units but the whole blocks (tests/test_moe_block.py and blocks_of judge those)."""
+    return [(r["layer"], r["expert"], r["unit"]) for r in report["layers"] if r["unit"] != "block"]
+
+
+def blocks_of(report: dict) -> set[int]:
+    """The layers whose whole MoE block a compare judged."""
+    return {r["layer"] for r in report["layers"] if r["unit"] == "block"}
 
 
 @pytest.mark.parametrize("model_type", FAMILIES)
@@ -101,6 +107,7 @@ def test_compare_against_itself_judges_every_unit(capsys, moe_families, model_ty
     code, report, err = run_json(capsys, "compare", folder, folder)
     assert code == 0 and report["passed"], err
     assert units(report) == FAMILIES[model_type][1]
+    assert blocks_of(report) == {layer for layer, expert, _ in units(report) if expert is not None}
     assert report["mapping"].startswith("derived from transformers")
 
 
@@ -111,7 +118,8 @@ def test_broken_export_fails_on_the_broken_units_only_and_is_named(capsys, moe_f
     code, report, err = run_json(capsys, "compare", folder, broken)
     assert code == 1, err
     failed = {(r["layer"], r["expert"], r["unit"]) for r in report["layers"] if not r["passed"]}
-    assert failed == failing
+    # a whole block holding a broken unit fails too, named by that unit's finding
+    assert failed == failing | {(layer, None, "block") for layer, _, _ in failing if layer in blocks_of(report)}
     assert {r["diagnosis"]["id"] for r in report["layers"] if not r["passed"]} == {named}
 
 

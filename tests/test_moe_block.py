@@ -141,3 +141,15 @@ def test_block_without_a_target_is_refused_in_one_line(blocks, capsys):
 def test_a_block_of_the_wrong_width_fails_with_the_shape_named(blocks):
     report = check(str(blocks["olmoe"]), target=ports.SoftmaxTopK)  # OLMoE's experts are intermediate_size wide
     assert not report.passed and all(r.diagnosis.id == "shape_mismatch" for r in report.layers)
+
+
+def test_a_config_transformers_block_cannot_run_is_one_line_and_compare_goes_on(tmp_path, capsys):
+    """DeepSeek V3's default n_group (8) over four experts: transformers' own block fails on it. A block check is exit
+    2 in one line; a compare judges every expert and says why the blocks are not compared."""
+    folder = build("deepseek_v3", tmp_path / "ds", 5, **dict(MOE, first_k_dense_replace=1))
+    code, _, err = run_main(capsys, folder, "--target", "tests.moe_block_ports:DeepSeekBlock", "--block")
+    assert code == 2 and "cannot run layer 1's whole block with this config.json" in err and "internal" not in err
+    code, report, err = run_json(capsys, "compare", folder, folder)
+    assert code == 0 and report["passed"], err
+    assert not any(r["unit"] == "block" for r in report["layers"])
+    assert any("whole MoE blocks are not compared" in note for note in report["notes"])

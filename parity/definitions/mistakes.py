@@ -38,6 +38,8 @@ class MistakeId(StrEnum):
     TENSOR_TRANSPOSED = "tensor_transposed"
     LAYER_SHIFTED = "layer_shifted"
     EXPERT_SHIFTED = "expert_shifted"
+    ROUTER_ROWS_PERMUTED = "router_rows_permuted"
+    BLOCK_TENSOR_CHANGED = "block_tensor_changed"
     TENSOR_SCALED = "tensor_scaled"
     SIGN_FLIPPED = "sign_flipped"
     TENSOR_TRUNCATED = "tensor_truncated"
@@ -124,6 +126,12 @@ MISTAKES = {m.id: m for m in [
     Mistake(MistakeId.EXPERT_SHIFTED, "checkpoint B's expert holds another expert of A's same layer (experts "
             "exchanged, shifted or repeated)", "fix the converter's expert index (the order it numbers or stacks "
             "a layer's experts in, e.g. GGUF's *_exps tensors)"),
+    Mistake(MistakeId.ROUTER_ROWS_PERMUTED, "checkpoint B's router rows are A's in another order, but its experts "
+            "are not reordered alike: tokens reach other experts than A sends them to",
+            "permute the router's rows and the experts with one order (or neither) in the converter"),
+    Mistake(MistakeId.BLOCK_TENSOR_CHANGED, "a tensor of checkpoint B's MoE block outside its experts (the router, its "
+            "selection bias, a shared expert's gate) is not A's as B's storage would hold it",
+            "write that tensor unchanged (its name, orientation and dtype) in the converter"),
     Mistake(MistakeId.TENSOR_SCALED, "a tensor of checkpoint B is A's multiplied by a constant",
             "remove the extra scale in the converter (a norm folded in twice, a scale applied on the wrong side)"),
     Mistake(MistakeId.SIGN_FLIPPED, "a tensor of checkpoint B is A's with its sign flipped",
@@ -261,6 +269,10 @@ PRODUCED_BY: dict[MistakeId, str] = {
     MistakeId.TENSOR_TRANSPOSED: "replay (compare): A's tensor transposed; finding: B's shape is A's reversed",
     MistakeId.LAYER_SHIFTED: "replay (compare): A's neighbouring layers, each in turn",
     MistakeId.EXPERT_SHIFTED: "replay (compare): A's other experts of the same layer, each in turn",
+    MistakeId.ROUTER_ROWS_PERMUTED: "finding (compare, whole block): B's router rows match A's permuted; its experts "
+                                    "do not",
+    MistakeId.BLOCK_TENSOR_CHANGED: "finding (compare, whole block): B's tensor outside the experts differs from A's "
+                                    "as stored in B's dtype",
     MistakeId.TENSOR_SCALED: "replay (compare): A's tensor times the least-squares factor fitted to B's",
     MistakeId.SIGN_FLIPPED: "replay (compare): A's tensor negated",
     MistakeId.TENSOR_TRUNCATED: "replay (compare): A's tensor with B's zero tail; finding: B's shape is smaller",

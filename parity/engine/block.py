@@ -15,9 +15,10 @@ moved by a few float32 steps; they are judged apart (``BlockInputs.tied``).
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import inspect
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -25,7 +26,7 @@ import torch
 from torch import nn
 
 from parity.engine.experts import one_expert_tensors
-from parity.errors import MappingError
+from parity.errors import CheckpointError, MappingError, ParityError
 
 BLOCK_UNIT = "block"  # the unit name reports give a whole sparse block
 ROW_TARGETS = (1.0, 3.0, 8.0)  # largest gate pre-activation over chosen experts aimed at by each batch row
@@ -109,6 +110,19 @@ def block_output(block: nn.Module, x: torch.Tensor) -> torch.Tensor:
     if isinstance(out, tuple):
         out = out[0]
     return out.reshape(x.shape)
+
+
+@contextlib.contextmanager
+def reference_block(name: str, layer: int) -> Iterator[None]:
+    """transformers' own block failing on the checkpoint's config (DeepSeek's n_group larger than its experts) is the
+    checkpoint's problem, said in one line (exit 2), never an internal error."""
+    try:
+        yield
+    except ParityError:
+        raise
+    except Exception as exc:
+        raise CheckpointError(f"transformers' {name} cannot run layer {layer}'s whole block with this config.json "
+                              f"({type(exc).__name__}: {exc}); check one expert at a time (--experts all)") from None
 
 
 class _Stop(Exception):
@@ -207,10 +221,17 @@ def _scaled_rows(x: torch.Tensor, gates: list[torch.Tensor], chosen: torch.Tenso
 
 
 def _router_rows(block: nn.Module, site: BlockSite, count: int, d: int) -> torch.Tensor | None:
-    """[E, d]: the router's weight (the block's one [E, d] parameter outside its experts), None where not one."""
-    found = [p for name, p in block.named_parameters()
-             if not name.startswith(site.experts + ".") and tuple(p.shape) == (count, d)]
-    return found[0].detach().double() if len(found) == 1 else None
+    """[E, d]: the router's weight, None where the block holds not exactly one such matrix (``router_name``)."""
+    tensors = dict(block.named_parameters())
+    name = router_name(tensors, site, count, d)
+    return None if name is None else tensors[name].detach().double()
+
+
+def router_name(tensors: dict[str, torch.Tensor], site: BlockSite, count: int, d: int) -> str | None:
+    """The router's weight among a block's tensors: its one [E, d] matrix outside the experts; None if not one."""
+    found = [name for name, t in tensors.items()
+             if not name.startswith(site.experts + ".") and tuple(t.shape) == (count, d)]
+    return found[0] if len(found) == 1 else None
 
 
 def _aim(x: torch.Tensor, router: torch.Tensor, missing: list[int], generator: torch.Generator,

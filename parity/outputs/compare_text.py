@@ -6,7 +6,15 @@ from __future__ import annotations
 
 from parity.engine.results import LayerResult, Report, register_renderers, units_noun
 from parity.outputs.baseline import compared_sides
-from parity.outputs.text import SYNTHETIC_WARNING, TextWriter, expert_header, unit_cell, unit_label, units_label
+from parity.outputs.text import (
+    SYNTHETIC_WARNING,
+    TextWriter,
+    coverage_lines,
+    expert_header,
+    unit_cell,
+    unit_label,
+    units_label,
+)
 
 HEADER = (f"{'layer':>5}  {'max|Δ|':>9}  {'rel':>9}  {'noise':>9}  {'conv Δ':>9}  {'tol':>9}  {'×noise':>8}  "
           f"{'×conv':>6}  {'stored as':<22}  verdict")
@@ -148,7 +156,7 @@ def verdict_line(report: Report) -> str:
 
 def render_compare(report: Report) -> str:
     lines = [*header_lines(report), *(layer_line(r, report.unit_width) for r in report.layers), "",
-             *diagnosis_lines(report),
+             *coverage_lines(report), *diagnosis_lines(report),
              *inventory_lines(report), summary_line(report)]
     return "\n".join(lines)
 
@@ -170,7 +178,9 @@ class SuiteWriter(TextWriter):
             return
         self._begin(report)
         self.say("")
-        for line in [*diagnosis_lines(report), *inventory_lines(report)]:
+        later = report.notes[self.noted.get(id(report), len(report.notes)):]
+        for line in [*(f"note: {note}" for note in later), *([""] if later else []), *coverage_lines(report),
+                     *diagnosis_lines(report), *inventory_lines(report)]:
             self.say(line)
         if summary:
             self.say(summary_line(report))
@@ -181,6 +191,7 @@ class SuiteWriter(TextWriter):
         if self.started:
             self.say("")
         self.started.append(id(report))
+        self.noted[id(report)] = len(report.notes)  # notes found later (a layer's experts permuted) follow the rows
         for line in header_lines(report):
             self.say(line)
 

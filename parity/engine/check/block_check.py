@@ -27,6 +27,7 @@ from parity.engine.block import (
     block_tensors,
     filled_block,
     fused_experts,
+    reference_block,
 )
 from parity.engine.check.block_fill import fill_block
 from parity.engine.check.build import build_target
@@ -47,6 +48,7 @@ class BlockCheck:
         self.site = BlockSite.of(session.mapping.reference_module)
         self.sources: dict[str, str] = {}  # how the user's block was filled (its first layer), for the report
         self.target_notes: list[str] = []
+        self.stored: dict[str, torch.dtype] = {}  # the last layer read: each tensor's dtype as stored
         self.skipped: list[int] = []  # layers selected that hold no sparse block (dense ones before MoE ones)
 
     def units(self, layer: int) -> list[tuple[BlockCheck, None]]:
@@ -84,27 +86,27 @@ class BlockCheck:
     def layer_tensors(self, layer: int) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor],
                                                  list[dict[str, torch.Tensor]]]:
         """(transformers' names -> tensor, the checkpoint's names relative to the block -> tensor, each expert's
-        gate/up/down/biases [out, in]), all float64."""
+        gate/up/down/biases [out, in]), all float64; ``self.stored`` then holds each of transformers' names' stored
+        dtype (an expert's: its gate's)."""
         session = self.session
-        skeleton = session.reference.skeleton
-        keys = block_tensors(session.checkpoint, skeleton, self.site.at(layer), layer)
+        keys = block_tensors(session.checkpoint, session.reference.skeleton, self.site.at(layer), layer)
         stored = session.checkpoint.read(list(keys.values()))
+        self.stored = {name: stored[key].dtype for name, key in keys.items()}
         own = {name: stored[key].double() for name, key in keys.items()}
-        disk = {}
         prefix = _disk_prefix(keys)
-        for name, key in keys.items():
-            disk[key.removeprefix(prefix)] = own[name]
+        disk = {key.removeprefix(prefix): own[name] for name, key in keys.items()}
         experts = []
         for expert in range(session.num_experts):
-            tensors = session.read_layer(layer, expert, dtype=torch.float64)
-            experts.append({r.target: route_tensor(r, tensors[r.source])
-                            for r in session.reader.reference_routes(layer)})
+            tensors = session.read_layer(layer, expert, dtype=None)
+            routed = {r.target: route_tensor(r, tensors[r.source]) for r in session.reader.reference_routes(layer)}
+            experts.append({role: tensor.double() for role, tensor in routed.items()})
             if not session.mapping.experts.stacked and prefix:
                 base = session.mapping.layer_prefix(layer, expert).removeprefix(prefix)
-                disk |= {f"{base}.{source}": tensor for source, tensor in tensors.items()}
+                disk |= {f"{base}.{source}": tensor.double() for source, tensor in tensors.items()}
         meta = session.reference.meta_module(f"{self.site.path}.{self.site.experts}".format(layer=layer))
-        own |= {f"{self.site.experts}.{n}": t
-                for n, t in fused_experts(meta, experts, self.site.path.format(layer=layer)).items()}
+        fused = fused_experts(meta, experts, self.site.path.format(layer=layer))
+        own |= {f"{self.site.experts}.{n}": t for n, t in fused.items()}
+        self.stored |= {f"{self.site.experts}.{n}": routed["gate"].dtype for n in fused}
         return own, disk, experts
 
     def run_layer(self, layer: int, expert: None = None) -> tuple[LayerResult, str]:
@@ -112,12 +114,13 @@ class BlockCheck:
         own, disk, experts = self.layer_tensors(layer)
         path = self.site.path.format(layer=layer)
         meta_block = session.reference.meta_module(path)
-        block64 = filled_block(meta_block, self.site, own, torch.float64)
-        block32 = filled_block(meta_block, self.site, own, torch.float32)
-        inputs = block_inputs(block64, block32, self.site, [e["gate"] for e in experts], seed=session.seed,
-                              layer=layer)
-        out64 = block_output(block64, inputs.x.double())
-        out32 = block_output(block32, inputs.x).double()
+        with reference_block(type(meta_block).__name__, layer):
+            block64 = filled_block(meta_block, self.site, own, torch.float64)
+            block32 = filled_block(meta_block, self.site, own, torch.float32)
+            inputs = block_inputs(block64, block32, self.site, [e["gate"] for e in experts], seed=session.seed,
+                                  layer=layer)
+            out64 = block_output(block64, inputs.x.double())
+            out32 = block_output(block32, inputs.x).double()
         changes: list[str] = []
         try:
             target, name = self.build(layer, own, disk, experts, changes)

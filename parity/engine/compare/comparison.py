@@ -37,9 +37,11 @@ from parity.definitions.families import configured_activation
 from parity.definitions.mistakes import Candidate, Diagnosis, MistakeId, diagnosis
 from parity.definitions.project import CompareSpec
 from parity.definitions.selection import Selection, parse_selection
+from parity.engine.block import BLOCK_UNIT
 from parity.engine.check.fill import route_tensor
 from parity.engine.check.session import Session, run_reference
 from parity.engine.compare import conversion
+from parity.engine.compare.blocks import BlockComparison
 from parity.engine.compare.findings import activations_differ, beyond_finding, block_finding, grid_finding
 from parity.engine.compare.inventory import inventory
 from parity.engine.compare.mistakes import Hypothesis, hypotheses
@@ -159,6 +161,10 @@ class Comparison:
         self.require_same_ffn()
         self.experts = self.a.expert_indices(experts)  # [None] for a dense model; the selected experts for MoE
         self.parts = [self.part(a, b, experts) for a, b in self.paired_parts()]
+        routed = [(c.a, c.b) for c in (self, *self.parts) if c.a.num_experts is not None]
+        # MoE: each layer's whole block too, unless the run selects experts (then those experts are what it judges)
+        self.blocks = BlockComparison(*routed[0]) if routed and experts in (None, "all") else None
+        self.expert_map: dict[int, list[int]] = {}  # layer -> B's expert e holds A's expert map[e] (a permutation)
         self.same_files = same_files(self.a, self.b)
         self.notes = self.config_notes() + ([
             f"A and B are the same files ({self.a.checkpoint.location}): a pass shows only that parity reads them; it "
@@ -262,7 +268,8 @@ class Comparison:
 
     def compare_layer(self, layer: int, expert: int | None = None) -> CompareLayer:
         """One layer (one expert of it, for MoE) of B judged against A's."""
-        a = read_side(self.a, layer, truth=True, expert=expert)
+        a_expert = expert if expert is None else self.expert_map.get(layer, range(expert + 1))[expert]
+        a = read_side(self.a, layer, truth=True, expert=a_expert)
         try:
             b = read_side(self.b, layer, truth=False, expert=expert)
         except MissingTensorError as exc:  # a conversion that dropped a tensor: B's finding, not bad input
@@ -600,13 +607,57 @@ def run_comparison(comparison: Comparison, layers: Selection = None,
     chosen = comparison.layers(layers)
     with young_objects_only():  # the per-layer gc.collect() then costs milliseconds, not 0.2-0.5 s
         for layer in chosen:
+            held = comparison.b.num_layers
+            blocks = comparison.blocks if comparison.blocks is not None and layer < held else None
+            if blocks is not None and blocks.serves(layer):
+                permuted(comparison, report, layer, blocks.expert_order(layer))
             for unit, expert in comparison.units(layer):
-                held = comparison.b.num_layers
                 result = (unit.compare_layer(layer, expert) if layer < held else unit.missing(
                     layer, expert, MistakeId.LAYER_MISSING, f"B has {held} layers, A's layer {layer} is not in B"))
                 result.unit = unit.a.mapping.unit
                 report.layers.append(result)
                 if on_layer is not None:
                     on_layer(report, result)
+            whole = blocks.compare(layer, CompareLayer) if blocks is not None and blocks.serves(layer) else None
+            if whole is not None:
+                held_by_units(whole, [r for r in report.layers if r.layer == layer and r is not whole])
+                report.layers.append(whole)
+                if on_layer is not None:
+                    on_layer(report, whole)
+    if comparison.blocks is not None:
+        blocks_note(comparison.blocks, report)
     report.comparison["inventory"] = inventory(comparison.a, comparison.b, chosen)
     return report
+
+
+def permuted(comparison: Comparison, report: CompareReport, layer: int, order: list[int] | None) -> None:
+    """B's experts of ``layer`` are A's permuted, with the router's rows alike: each is judged against the expert
+    of A it holds, and the report says so."""
+    if order is None:
+        return
+    comparison.expert_map[layer] = order
+    pairs = ", ".join(f"B's {e} = A's {a}" for e, a in enumerate(order) if e != a)
+    report.notes.append(f"layer {layer}: B's experts are A's in another order, the router's rows permuted alike "
+                        f"({pairs}): the same function; each expert of B is judged against the one of A it holds")
+
+
+def held_by_units(whole: CompareLayer, units: list[LayerResult]) -> None:
+    """A block that fails because an expert (or shared expert) of it does is named by that unit's finding."""
+    failing = [r for r in units if not r.passed and r.diagnosis is not None]
+    if whole.passed or not failing:
+        return
+    first = failing[0]
+    which = ", ".join(f"{r.layer}/{'e' + str(r.expert) if r.expert is not None else r.unit}" for r in failing)
+    whole.diagnosis = diagnosis(first.diagnosis.id, None, whole.max_abs_diff,
+                                f"the block holds units that fail on their own: {which}")
+
+
+def blocks_note(blocks: BlockComparison, report: CompareReport) -> None:
+    """What the block units covered, or why there are none."""
+    if blocks.unreadable is not None:
+        report.notes.append(f"the whole MoE blocks are not compared: {blocks.unreadable}")
+    elif any(r.unit == BLOCK_UNIT for r in report.layers):
+        report.units = list(dict.fromkeys([*report.units, BLOCK_UNIT]))
+        report.notes.append("each MoE layer's whole sparse block (router, top-k, experts, shared experts) is also "
+                            "compared as one unit 'block', transformers' block from A's config holding each side's "
+                            "tensors")

@@ -1,0 +1,174 @@
+"""`parity compare A B` on a mixture of experts: B's whole sparse block judged against A's, beside each expert.
+
+Each expert compared on its own proves the experts; the block (transformers' own, built from A's config) adds the
+router, its selection bias and the shared experts' gate, which no expert unit reads.  A conversion that permutes the
+experts and the router's rows alike computes the same function: the block passes, and the permutation is read off
+the router's rows (``expert_order``) so that each of B's experts is judged against the expert of A it holds.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import torch
+
+from parity.definitions.mistakes import Diagnosis, MistakeId, diagnosis
+from parity.engine.block import (
+    BLOCK_UNIT,
+    block_inputs,
+    block_output,
+    chosen_experts,
+    filled_block,
+    reference_block,
+    router_name,
+)
+from parity.engine.check.block_check import BlockCheck
+from parity.engine.results import LayerResult
+from parity.engine.verdict import Runs, judge, parity_tolerance
+from parity.errors import CheckpointError, MappingError, ParityError
+
+CAST_FACTOR = 4.0  # as a cast B's expert units: within this x the deviation rounding A's tensors to B's dtypes causes
+
+
+class BlockComparison:
+    """The block units of a comparison whose layout has routed experts (both sides' sessions)."""
+
+    def __init__(self, a: Any, b: Any):
+        self.a, self.b = BlockCheck(a), BlockCheck(b)
+        self.site = self.a.site
+        self.unreadable: str | None = None  # why B's block could not be read (a GGUF file's router), once
+        self.read: tuple[int, tuple | None] | None = None  # the last layer's sides, read once for both uses
+
+    def serves(self, layer: int) -> bool:
+        return self.a.mapping.serves(layer) and self.unreadable is None
+
+    def sides(self, layer: int) -> tuple[dict, dict, list] | None:
+        """A's and B's block tensors under transformers' names (float64), and A's experts' gate/up/down; None where
+        B's cannot be read."""
+        if self.read is not None and self.read[0] == layer:
+            return self.read[1]
+        self.read = (layer, self._sides(layer))
+        return self.read[1]
+
+    def _sides(self, layer: int) -> tuple[dict, dict, list] | None:
+        own_a, _, experts = self.a.layer_tensors(layer)
+        try:
+            own_b, _, _ = self.b.layer_tensors(layer)
+        except (MappingError, ParityError) as exc:
+            self.unreadable = str(exc)
+            return None
+        if set(own_a) != set(own_b):
+            self.unreadable = (f"B's block of layer {layer} holds {sorted(set(own_b) ^ set(own_a))} where A's does "
+                               "not, or lacks them")
+            return None
+        return own_a, own_b, experts
+
+    def router_order(self, layer: int) -> list[int] | None:
+        """B's router row e -> A's row it equals, where B's rows are A's permuted (else None)."""
+        found = self.sides(layer)
+        if found is None:
+            return None
+        own_a, own_b, _ = found
+        name = router_name(own_a, self.site, self.a.session.num_experts, self.a.session.hidden_size)
+        return None if name is None else expert_order(own_a[name], own_b[name])
+
+    def expert_order(self, layer: int) -> list[int] | None:
+        """B's expert e -> A's expert it holds, where B's router rows AND experts are A's permuted alike."""
+        order = self.router_order(layer)
+        if order is None:
+            return None
+        own_a, own_b, _ = self.sides(layer)
+        fused = [name for name in own_a if name.startswith(self.site.experts + ".")]
+        alike = all(torch.allclose(own_b[n][e], own_a[n][a], rtol=1e-2, atol=0.0)
+                    for n in fused for e, a in enumerate(order))
+        return order if alike else None
+
+    def explain(self, layer: int) -> Diagnosis | None:
+        """Why B's block computes another function when its experts do not: the router's rows permuted alone, or a
+        tensor outside the experts changed beyond B's own rounding of A's."""
+        own_a, own_b, _ = self.sides(layer)
+        order = self.router_order(layer)
+        if order is not None and self.expert_order(layer) is None:
+            pairs = ", ".join(f"row {e} is A's row {a}" for e, a in enumerate(order) if e != a)
+            return diagnosis(MistakeId.ROUTER_ROWS_PERMUTED, None, None, f"B's router ({pairs}); its experts are in "
+                             "A's order")
+        changed = []
+        for name, a in own_a.items():
+            if name.startswith(self.site.experts + "."):
+                continue
+            expected = a.to(self.b.stored.get(name, a.dtype)).double()
+            moved = float((own_b[name] - expected).abs().max())
+            if moved > 0:
+                changed.append(f"{name} (max |B - A| {moved:.3g}, A's largest {float(a.abs().max()):.3g})")
+        if not changed:
+            return None
+        return diagnosis(MistakeId.BLOCK_TENSOR_CHANGED, None, None, "B's " + "; ".join(changed))
+
+    def compare(self, layer: int, result_type: type) -> LayerResult | None:
+        """B's block of ``layer`` against A's, as one unit ``block`` (``result_type``: the comparison's row type);
+        None where the blocks cannot be compared (``unreadable`` says why)."""
+        name = type(self.a.session.reference.meta_module(self.site.path.format(layer=layer))).__name__
+        try:
+            with reference_block(name, layer):
+                return self._compare(layer, result_type)
+        except CheckpointError as exc:
+            self.unreadable = str(exc).split("; check one expert")[0]
+            return None
+
+    def _compare(self, layer: int, result_type: type) -> LayerResult | None:
+        found = self.sides(layer)
+        if found is None:
+            return None
+        own_a, own_b, experts = found
+        meta = self.a.session.reference.meta_module(self.site.path.format(layer=layer))
+        site = self.site
+        block64, block32 = (filled_block(meta, site, own_a, dtype) for dtype in (torch.float64, torch.float32))
+        converted = {n: t.to(self.b.stored.get(n, t.dtype)).double() for n, t in own_a.items()}
+        block_conv, block_b = (filled_block(meta, site, tensors, torch.float64) for tensors in (converted, own_b))
+        gates = [expert["gate"] for expert in experts]
+        inputs = block_inputs(block64, block32, site, gates, seed=self.a.session.seed, layer=layer)
+        x = inputs.x.double()
+        count = self.a.session.num_experts
+        inputs.tied |= (inputs.chosen != chosen_experts(block_conv, site, x, count)).any(-1)  # the cast's own ties
+        outs = [block_output(module, x) for module in (block64, block_conv, block_b)]
+        out32 = block_output(block32, inputs.x).double()
+        kept = ~inputs.tied
+        out64, out_conv, out_b = (o.reshape(-1, o.shape[-1])[kept].unsqueeze(0) for o in outs)
+        out32 = out32.reshape(-1, out32.shape[-1])[kept].unsqueeze(0)
+        conv_dev = float((out_conv - out64).abs().max()) if out64.numel() else 0.0
+        noise, scale = float((out32 - out64).abs().max()), float(out64.abs().max())
+        tolerance = max(parity_tolerance(noise, scale, None), CAST_FACTOR * conv_dev)
+        result = judge(layer, None, Runs(out64, out32, out_b, out_b), own_a, None, tolerance,
+                       self.a.session.checkpoint.weights)
+        row = result_type(**{f.name: getattr(result, f.name) for f in dataclasses.fields(LayerResult)})
+        row.unit, row.coverage = BLOCK_UNIT, inputs.coverage() | {"set_aside_agree": _agreeing(outs, inputs.tied,
+                                                                                                tolerance)}
+        if not row.passed and row.unverifiable is None and row.diagnosis is None:
+            row.diagnosis = self.explain(layer) or diagnosis(MistakeId.UNEXPLAINED, None, row.max_abs_diff)
+        row.conversion = {"kind": "whole block", "tolerance_rule": f"{CAST_FACTOR:g} x conversion deviation",
+                          "conversion_deviation": conv_dev, "ratio_to_conversion": None,
+                          "identical": all(torch.equal(own_a[n], own_b[n]) for n in own_a),
+                          "tensors": []}
+        return row
+
+
+def _agreeing(outs: list[torch.Tensor], tied: torch.Tensor, tolerance: float) -> int:
+    """Set-aside tokens on which B's block (``outs[2]``) computes what A's does, in float64 or as B stores it."""
+    flat = [o.reshape(-1, o.shape[-1])[tied] for o in outs]
+    best = torch.minimum((flat[2] - flat[0]).abs().amax(-1), (flat[2] - flat[1]).abs().amax(-1))
+    return int((best <= tolerance).sum())
+
+
+def expert_order(a_router: torch.Tensor, b_router: torch.Tensor) -> list[int] | None:
+    """B's expert e -> the expert of A whose router row B's row e equals (within the rows' own rounding), where
+    that is a permutation other than the identity; None otherwise."""
+    if a_router.shape != b_router.shape or a_router.dim() != 2:
+        return None
+    distance = torch.cdist(b_router.double(), a_router.double())
+    order = [int(i) for i in distance.argmin(1)]
+    scale = float(a_router.abs().max()) or 1.0
+    close = bool((distance.min(1).values <= 1e-2 * scale).all())
+    if not close or sorted(order) != list(range(len(order))) or order == list(range(len(order))):
+        return None
+    return order
