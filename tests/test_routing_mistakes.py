@@ -309,3 +309,20 @@ def test_a_setting_decides_which_replay_applies():
     assert MistakeId.ROUTER_RENORMALIZATION_ADDED in off and MistakeId.ROUTER_RENORMALIZATION_MISSING not in off
     assert MistakeId.ROUTED_SCALING_DROPPED in ids("deepseek_v3")
     assert MistakeId.ROUTED_SCALING_DROPPED not in ids("deepseek_v3", routed_scaling_factor=1.0)
+
+
+def test_experts_exchanged_in_a_large_block_are_found_from_the_tokens():
+    """Past MAX_PAIRWISE experts no pair is replayed blindly: the pairs come from the experts only the
+    mismatching tokens use, and the exchanged pair is named."""
+    from parity.engine.routing_mistakes import MAX_PAIRWISE
+
+    values = dict(num_local_experts=16, num_experts=16)
+    block, config = tiny_block("mixtral", values)
+    assert config.num_local_experts > MAX_PAIRWISE
+    assert not any(r.id == MistakeId.EXPERTS_EXCHANGED for r in replays(block))
+    x = inputs("mixtral")
+    with torch.no_grad():
+        reference, got = transformers_out(block, x), port(block, config, "mixtral", x, "experts_exchanged:3,11")
+    named = name_mistake(block, x, got, tolerance=tolerance_for(reference))
+    assert [mistake_id for mistake_id, _ in named] == [MistakeId.EXPERTS_EXCHANGED]
+    assert "experts 3 and 11 exchanged" in named[0][1]
