@@ -35,6 +35,7 @@ from parity.engine.experts import interleave_rows
 CLEARLY = 4.0  # a replay names the mistake when the block is at least this x farther from the correct block
 MAX_PAIRWISE = 8  # blocks with at most this many experts replay every pair of them without evidence
 MAX_SUSPECTS = 12  # at most this many suspect experts are replayed pairwise (66 pairs)
+PROBE_TOKENS = 4  # what a router and its experts call is seen on a few tokens: k experts each, not every expert
 DIVISIONS = {"__itruediv__", "__truediv__", "div", "div_", "true_divide"}
 ADDITIONS = {"__add__", "__radd__", "add", "__iadd__", "add_"}
 
@@ -187,8 +188,7 @@ def _probe(parts: Parts) -> None:
     routing weights."""
     param = next(parts.experts.parameters())
     generator = torch.Generator().manual_seed(0)
-    tokens = max(4 * parts.num_experts, 16)
-    x = torch.randn(1, tokens, parts.router.weight.shape[1], generator=generator, dtype=torch.float64)
+    x = torch.randn(1, PROBE_TOKENS, parts.router.weight.shape[1], generator=generator, dtype=torch.float64)
     captured: list = []
     hook = parts.router.register_forward_hook(lambda module, args, out: captured.append(out))
     try:
@@ -519,49 +519,57 @@ def _reference(parts: Parts, x: torch.Tensor, width: int) -> tuple[torch.Tensor,
     return out, (_routing_mask(captured[-1], parts) if captured else None)
 
 
-def _suspect_pairs(uses: torch.Tensor | None, wrong: torch.Tensor) -> list[tuple[int, int]] | None:
+def _suspect_pairs(uses: torch.Tensor | None, wrong: torch.Tensor,
+                   judged: torch.Tensor) -> list[tuple[int, int]] | None:
     """Pairs among the experts only mismatching tokens use (and experts no token uses): a token routed to
     neither of two exchanged experts comes out right.  None: no evidence narrows it (replay the default)."""
     if uses is None or not bool(wrong.any()):
         return None
-    clean = uses[~wrong].any(0)
+    clean = uses[judged & ~wrong].any(0)
     suspects = ((uses[wrong].any(0) & ~clean) | ~uses.any(0)).nonzero().flatten().tolist()
     if not 2 <= len(suspects) <= MAX_SUSPECTS:
         return None
     return list(itertools.combinations(suspects, 2))
 
 
-def _distance(block: nn.Module, replay: Replay, x: torch.Tensor, got: torch.Tensor, width: int) -> float | None:
+def _distance(block: nn.Module, replay: Replay, x: torch.Tensor, got: torch.Tensor, width: int,
+              judged: torch.Tensor) -> float | None:
+    """How far ``got`` is from the block run under ``replay``, over the judged tokens."""
     try:
         with replay.apply():
             out = _flat(block(x), width)
     except Exception:  # noqa: BLE001 - a replay the block cannot run (a top-k its router refuses) is not the mistake
         return None
-    distance = (out - got).abs().max()
+    distance = (out - got)[judged].abs().max()
     return float(distance) if bool(torch.isfinite(distance)) else None
 
 
-def name_mistake(block: nn.Module, x: torch.Tensor, got: torch.Tensor, *,
-                 tolerance: float) -> list[tuple[MistakeId, str]]:
+def name_mistake(block: nn.Module, x: torch.Tensor, got: torch.Tensor, *, tolerance: float,
+                 tokens: torch.Tensor | None = None) -> list[tuple[MistakeId, str]]:
     """The routing mistakes whose replay on ``block`` (transformers' block for the layer, filled with its tensors)
     reproduces ``got``, the user's block's output on ``x``: within ``tolerance`` (max abs) and at least CLEARLY
     times closer than the correct block is.  Closest first; those that fit equally (within CLEARLY of the closest,
-    or all within tolerance / CLEARLY) are all returned, each with its evidence.  [] when the block agrees or no
-    replay fits."""
+    or all within tolerance / CLEARLY) are all returned, each with its evidence.  [] when the block agrees, no
+    replay fits, or ``got`` is not the block's shape.  ``tokens``: a bool mask over the flattened tokens, the ones
+    judged (near-tied tokens, whose choice of experts may flip legitimately, set aside)."""
     parts = find_parts(block)
     if parts is None:
         return []
     width = parts.router.weight.shape[1]
-    got = _flat(got, width)
+    got = _flat(got, width) if got.numel() == x.numel() else None
+    if got is None:
+        return []
     with torch.no_grad():
         reference, uses = _reference(parts, x, width)
+        judged = torch.ones(len(got), dtype=torch.bool) if tokens is None else tokens.reshape(-1).cpu()
+        got = torch.where(judged[:, None], got, reference)  # a token set aside counts as agreeing
         wrong = (reference - got).abs().amax(-1) > tolerance
         reference_distance = float((reference - got).abs().max())
         if not reference_distance > tolerance:
             return []
         fits = []
-        for replay in _replays(parts, _suspect_pairs(uses, wrong)):
-            distance = _distance(block, replay, x, got, width)
+        for replay in _replays(parts, _suspect_pairs(uses, wrong, judged)):
+            distance = _distance(block, replay, x, got, width, judged)
             if distance is not None and distance <= tolerance and distance * CLEARLY <= reference_distance:
                 fits.append((distance, replay))
     fits.sort(key=lambda fit: fit[0])
