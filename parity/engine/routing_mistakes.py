@@ -65,6 +65,11 @@ class Parts:
     expert_calls: list[str] = field(default_factory=list)
     weights_at: int | None = None  # which of the router's outputs holds the routing weights
 
+    @property
+    def width(self) -> int:
+        """The block's hidden size d, from the router's [E, d] weight."""
+        return _router_weight(self.router).shape[1]
+
 
 # -- torch functions, seen or rewritten inside one module's forward ---------------------------------------------
 
@@ -168,7 +173,7 @@ def find_parts(block: nn.Module) -> Parts | None:
     run once on a probe input to see what its router and experts call."""
     children = dict(block.named_children())
     router = next((c for c in children.values() if isinstance(getattr(c, "top_k", None), int)
-                   and isinstance(getattr(c, "weight", None), torch.Tensor) and c.weight.dim() == 2), None)
+                   and _router_weight(c) is not None), None)
     experts = next((c for c in children.values() if c is not router
                     and isinstance(getattr(c, "num_experts", None), int)
                     and any(p.dim() == 3 for p in c.parameters(recurse=False))), None)
@@ -183,12 +188,22 @@ def find_parts(block: nn.Module) -> Parts | None:
     return parts
 
 
+def _router_weight(router: nn.Module) -> torch.Tensor | None:
+    """The router's [E, d] weight: its own (a Linear, or a parameter named weight), or its one Linear's
+    (HunYuan's gate.wg)."""
+    weight = getattr(router, "weight", None)
+    if isinstance(weight, torch.Tensor) and weight.dim() == 2:
+        return weight
+    linears = [c for c in router.children() if isinstance(c, nn.Linear)]
+    return linears[0].weight if len(linears) == 1 else None
+
+
 def _probe(parts: Parts) -> None:
     """Run the block once on seeded values: what its router and experts call, which router output holds the
     routing weights."""
     param = next(parts.experts.parameters())
     generator = torch.Generator().manual_seed(0)
-    x = torch.randn(1, PROBE_TOKENS, parts.router.weight.shape[1], generator=generator, dtype=torch.float64)
+    x = torch.randn(1, PROBE_TOKENS, parts.width, generator=generator, dtype=torch.float64)
     captured: list = []
     hook = parts.router.register_forward_hook(lambda module, args, out: captured.append(out))
     try:
@@ -268,7 +283,7 @@ def _biased(bias: torch.Tensor) -> Rule:
     def gather(func, args, kwargs):
         out = func(*args, **kwargs)
         index = args[2] if len(args) > 2 else kwargs["index"]
-        return out + bias.to(out.dtype)[index]
+        return out + bias.reshape(-1).to(out.dtype)[index]
     return gather
 
 
@@ -415,8 +430,9 @@ def _router_settings(parts: Parts) -> list[Replay]:
     if scaled is not None:
         found.append(Replay(MistakeId.ROUTED_SCALING_DROPPED, f"routed_scaling_factor {scaled.routed_scaling_factor} "
                             "-> 1", lambda: _setting(scaled, "routed_scaling_factor", 1.0)))
-    bias = next(((name, b) for name, b in parts.router.named_buffers(recurse=False)
-                 if b.is_floating_point() and tuple(b.shape) == (parts.num_experts,)), None)
+    held = [*parts.router.named_buffers(), *((n, p) for n, p in parts.router.named_parameters() if not p.requires_grad)]
+    bias = next(((name, b) for name, b in held  # a buffer (DeepSeek), or a frozen parameter (Ernie 4.5's statics)
+                 if b.is_floating_point() and b.numel() == parts.num_experts), None)
     if bias is not None and "gather" in parts.router_calls:
         found.append(Replay(MistakeId.SELECTION_BIAS_IN_WEIGHTS, f"{bias[0]} added to the weights",
                             lambda: _inside(parts.router, {"gather": _biased(bias[1])})))
@@ -555,7 +571,7 @@ def name_mistake(block: nn.Module, x: torch.Tensor, got: torch.Tensor, *, tolera
     parts = find_parts(block)
     if parts is None:
         return []
-    width = parts.router.weight.shape[1]
+    width = parts.width
     got = _flat(got, width) if got.numel() == x.numel() else None
     if got is None:
         return []
