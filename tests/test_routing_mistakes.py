@@ -32,7 +32,8 @@ QWEN_SHARED = ["shared_expert_missing", "shared_expert_gate_missing", "shared_ex
 # model_type -> (config values, the block's attribute on a decoder layer, how it routes, the mistakes a port of it
 # is tested with: "id", or "id:variant")
 FAMILIES = {
-    "mixtral": ({}, "mlp", "softmax", SOFTMAX_ROUTER + ["router_renormalization_missing"]),
+    "mixtral": ({}, "mlp", "softmax", SOFTMAX_ROUTER + ["router_renormalization_missing",
+                                                        "gate_up_interleaving_misread"]),
     "qwen2_moe": ({}, "mlp", "softmax", SOFTMAX_ROUTER + QWEN_SHARED
                   + ["router_renormalization_added", "router_topk_before_softmax"]),
     "qwen3_moe": (dict(norm_topk_prob=True), "mlp", "softmax", SOFTMAX_ROUTER + ["router_renormalization_missing"]),
@@ -40,13 +41,14 @@ FAMILIES = {
     "qwen3_next": (NEXT, "mlp", "softmax", SOFTMAX_ROUTER + QWEN_SHARED + ["router_renormalization_missing"]),
     "granitemoe": ({}, "block_sparse_moe", "topk", SOFTMAX_ROUTER + ["router_softmax_before_topk"]),
     "gpt_oss": ({}, "mlp", "topk", SOFTMAX_ROUTER + ["router_softmax_before_topk", "swiglu_clamp_missing",
+                                                      "swiglu_clamp_missing:0",
                                                       "swiglu_alpha_missing", "swiglu_up_plus_one_missing",
                                                       "gate_up_interleaving_misread"]),
     "deepseek_v3": (DEEPSEEK, "mlp", "sigmoid", ["router_softmax_instead_of_sigmoid", "router_score_on_input",
                                                  "router_wrong_top_k:-1", "router_wrong_top_k:+1",
                                                  "experts_exchanged:2,5", "router_renormalization_missing",
                                                  "routed_scaling_dropped", "selection_bias_in_weights",
-                                                 "shared_expert_missing"]),
+                                                 "shared_expert_missing", "gate_up_interleaving_misread"]),
     "llama4_text": (dict(interleave_moe_layer_step=1), "feed_forward", "llama4",
                     ["router_softmax_instead_of_sigmoid", "router_score_on_output", "router_wrong_top_k:-1",
                      "router_wrong_top_k:+1", "experts_exchanged:1,2", "router_renormalization_added",
@@ -104,7 +106,7 @@ def tensors_of(block, model_type: str) -> dict[str, torch.Tensor]:
         out.update(gate=gate.transpose(1, 2), up=up.transpose(1, 2), down=down.transpose(1, 2))
     else:  # [E, 2ff, d] as halves
         gate, up = fused.chunk(2, dim=1)
-        out.update(gate=gate, up=up, down=down)
+        out.update(gate=gate, up=up, down=down, rows=fused)
     for prefix in ("shared_expert.", "shared_experts."):
         if f"{prefix}gate_proj.weight" in p:
             out.update({f"shared_{n}_proj": p[f"{prefix}{n}_proj.weight"] for n in ("gate", "up", "down")})
@@ -161,8 +163,9 @@ def experts_on(t: dict, per_expert: torch.Tensor, config, mistake: str) -> torch
     gate = torch.einsum("ted,eid->tei", per_expert, t["gate"]) + t.get("gate_bias", 0)
     up = torch.einsum("ted,eid->tei", per_expert, t["up"]) + t.get("up_bias", 0)
     if "fused" in t:  # GPT-OSS's clamped SwiGLU
+        limit = 0.0 if mistake == "swiglu_clamp_missing:0" else config.swiglu_limit
         if mistake != "swiglu_clamp_missing":
-            gate, up = gate.clamp(max=config.swiglu_limit), up.clamp(-config.swiglu_limit, config.swiglu_limit)
+            gate, up = gate.clamp(max=limit), up.clamp(-limit, limit)
         alpha = 1.0 if mistake == "swiglu_alpha_missing" else config.swiglu_alpha
         act = (up if mistake == "swiglu_up_plus_one_missing" else up + 1) * gate * torch.sigmoid(alpha * gate)
     else:
@@ -179,10 +182,12 @@ def misread(t: dict, mistake: str) -> dict:
             if name in t:
                 t[name] = t[name].clone()
                 t[name][[first, second]] = t[name][[second, first]]
-    if mistake == "gate_up_interleaving_misread":  # halves of the interleaved [E, d, 2ff]
+    if mistake == "gate_up_interleaving_misread" and "fused" in t:  # halves of the interleaved [E, d, 2ff]
         gate, up = t["fused"].chunk(2, dim=-1)
         gate_bias, up_bias = t["fused_bias"].chunk(2, dim=-1)
         t.update(gate=gate.transpose(1, 2), up=up.transpose(1, 2), gate_bias=gate_bias, up_bias=up_bias)
+    elif mistake == "gate_up_interleaving_misread":  # alternate rows of the [gate; up] halves [E, 2ff, d]
+        t.update(gate=t["rows"][:, 0::2], up=t["rows"][:, 1::2])
     return t
 
 

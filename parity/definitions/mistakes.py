@@ -235,17 +235,19 @@ MISTAKES = {m.id: m for m in [
     Mistake(MistakeId.EXPERTS_EXCHANGED, "two experts are exchanged: a token the router sends to one runs the "
             "other's weights", "load expert e's weights into slot e, the one router row e scores (check the order "
             "the port numbers or stacks the experts in)"),
-    Mistake(MistakeId.SWIGLU_CLAMP_MISSING, "the experts' gate and up are not clamped at swiglu_limit",
-            "clamp the gate to at most limit and up to [-limit, limit] before the activation (GPT-OSS: "
-            "swiglu_limit = 7); inputs below the limit never show it"),
+    Mistake(MistakeId.SWIGLU_CLAMP_MISSING, "the experts' gate and up are not clamped at swiglu_limit (no clamp, "
+            "or a limit of 0)", "clamp the gate to at most limit and up to [-limit, limit] before the activation "
+            "(GPT-OSS: swiglu_limit = 7, read from the config); inputs below the limit never show a missing clamp"),
     Mistake(MistakeId.SWIGLU_ALPHA_MISSING, "the experts' gate activation drops alpha: gate * sigmoid(gate) where "
             "the block computes gate * sigmoid(alpha * gate)", "use gate * sigmoid(config.swiglu_alpha * gate) "
             "(GPT-OSS: alpha = 1.702)"),
     Mistake(MistakeId.SWIGLU_UP_PLUS_ONE_MISSING, "the experts multiply the activation by up where the block "
             "multiplies it by (up + 1)", "compute (up + 1) * glu after clamping up (GPT-OSS)"),
-    Mistake(MistakeId.GATE_UP_INTERLEAVING_MISREAD, "the experts' fused gate/up, stored interleaved (gate = rows "
-            "0::2, up = rows 1::2), is read as two concatenated halves",
-            "read gate_up[..., ::2] as gate and gate_up[..., 1::2] as up (GPT-OSS), its bias the same way"),
+    Mistake(MistakeId.GATE_UP_INTERLEAVING_MISREAD, "the experts' fused gate/up is read in the other layout: "
+            "stored interleaved (GPT-OSS: gate = rows 0::2, up = rows 1::2) and read as two concatenated halves, or "
+            "stored as halves and read interleaved",
+            "read the fused tensor the way the block stores it (GPT-OSS: gate_up[..., ::2] is gate, "
+            "gate_up[..., 1::2] is up, its bias the same way; Mixtral-style [gate; up] halves elsewhere)"),
 ]}
 
 
@@ -378,9 +380,9 @@ PRODUCED_BY: dict[MistakeId, str] = {
     MistakeId.ROUTER_WRONG_TOP_K: "replay: engine.routing_mistakes, the router's top_k set to k - 1 and k + 1",
     MistakeId.EXPERTS_EXCHANGED: "replay: engine.routing_mistakes, two experts' weights exchanged (the pairs "
                                  "among the experts the mismatching tokens use)",
-    MistakeId.SWIGLU_CLAMP_MISSING: "replay: engine.routing_mistakes, the experts' limit set to infinity",
+    MistakeId.SWIGLU_CLAMP_MISSING: "replay: engine.routing_mistakes, the experts' limit set to infinity, and to 0",
     MistakeId.SWIGLU_ALPHA_MISSING: "replay: engine.routing_mistakes, the experts' alpha set to 1",
     MistakeId.SWIGLU_UP_PLUS_ONE_MISSING: "replay: engine.routing_mistakes, the experts' (up + 1) computed as up",
-    MistakeId.GATE_UP_INTERLEAVING_MISREAD: "replay: engine.routing_mistakes, the experts' fused gate/up halves "
-                                            "interleaved into the layout the block reads",
+    MistakeId.GATE_UP_INTERLEAVING_MISREAD: "replay: engine.routing_mistakes, the experts' fused gate/up rearranged "
+                                            "into the other layout (halves interleaved, or the reverse)",
 }

@@ -352,19 +352,23 @@ def _settings(pairs: list[tuple[nn.Module, str, object]]) -> Iterator[None]:
 
 
 @contextmanager
-def _halves_interleaved(experts: nn.Module) -> Iterator[None]:
-    """The fused gate/up's halves [gate; up] interleaved (gate at 0::2): what the block reads is then what a
-    port reading the stored tensor as halves computes; its bias the same way."""
-    def interleaved(tensor: torch.Tensor, axis: int) -> torch.Tensor:
-        first, second = tensor.detach().movedim(axis, 0).chunk(2, dim=0)
-        return interleave_rows(first, second).movedim(0, axis)
+def _layout_misread(experts: nn.Module, stored_interleaved: bool) -> Iterator[None]:
+    """The fused gate/up (and its bias) rearranged so that the block, reading its own layout, computes what a port
+    reading the stored tensor in the other layout computes: halves [gate; up] interleaved (gate at 0::2) for a
+    block that reads interleaved rows, interleaved rows gathered into halves for one that reads halves."""
+    def rearranged(tensor: torch.Tensor, axis: int) -> torch.Tensor:
+        rows = tensor.detach().movedim(axis, 0)
+        if stored_interleaved:
+            first, second = rows.chunk(2, dim=0)
+            return interleave_rows(first, second).movedim(0, axis)
+        return torch.cat([rows[0::2], rows[1::2]], dim=0).movedim(0, axis)
 
     axis = -1 if getattr(experts, "is_transposed", False) else 1
     with ExitStack() as stack:
-        stack.enter_context(_values(experts.gate_up_proj, interleaved(experts.gate_up_proj, axis)))
+        stack.enter_context(_values(experts.gate_up_proj, rearranged(experts.gate_up_proj, axis)))
         bias = getattr(experts, "gate_up_proj_bias", None)
         if isinstance(bias, torch.Tensor):
-            stack.enter_context(_values(bias, interleaved(bias, -1)))
+            stack.enter_context(_values(bias, rearranged(bias, -1)))
         yield
 
 
@@ -476,22 +480,26 @@ def _top_k(parts: Parts) -> list[Replay]:
 
 
 def _swiglu(parts: Parts) -> list[Replay]:
-    """GPT-OSS's experts: the clamp at ``limit``, ``alpha``, ``(up + 1)``, the interleaved gate/up."""
+    """GPT-OSS's experts: the clamp at ``limit`` (missing, or at 0), ``alpha``, ``(up + 1)``; a fused gate/up
+    read in the other layout (interleaved as halves, halves as interleaved)."""
     experts, found = parts.experts, []
     limit, alpha = getattr(experts, "limit", None), getattr(experts, "alpha", None)
     if isinstance(limit, (int, float)) and "clamp" in parts.expert_calls:
-        found.append(Replay(MistakeId.SWIGLU_CLAMP_MISSING, f"limit {limit} -> inf",
-                            lambda: _setting(experts, "limit", float("inf"))))
+        found += [Replay(MistakeId.SWIGLU_CLAMP_MISSING, f"limit {limit} -> {to}", lambda to=to: _setting(experts,
+                                                                                                      "limit", to))
+                  for to in (float("inf"), 0.0)]  # no clamp, or a limit read as 0
     if isinstance(alpha, (int, float)) and alpha != 1:
         found.append(Replay(MistakeId.SWIGLU_ALPHA_MISSING, f"alpha {alpha} -> 1",
                             lambda: _setting(experts, "alpha", 1.0)))
     if "+1" in parts.expert_calls:
         found.append(Replay(MistakeId.SWIGLU_UP_PLUS_ONE_MISSING, "(up + 1) computed as up",
                             lambda: _inside(experts, dict.fromkeys(ADDITIONS, _one_dropped))))
-    if getattr(experts, "is_concatenated", True) is False and isinstance(getattr(experts, "gate_up_proj", None),
-                                                                          torch.Tensor):
-        found.append(Replay(MistakeId.GATE_UP_INTERLEAVING_MISREAD, "gate_up_proj's halves read as gate and up",
-                            lambda: _halves_interleaved(experts)))
+    concatenated = getattr(experts, "is_concatenated", None)  # set by transformers' experts decorator
+    if isinstance(concatenated, bool) and isinstance(getattr(experts, "gate_up_proj", None), torch.Tensor):
+        detail = "gate_up_proj's rows 0::2, 1::2 read as gate and up" if concatenated \
+            else "gate_up_proj's halves read as gate and up"
+        found.append(Replay(MistakeId.GATE_UP_INTERLEAVING_MISREAD, detail,
+                            lambda: _layout_misread(experts, stored_interleaved=not concatenated)))
     return found
 
 
