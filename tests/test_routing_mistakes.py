@@ -50,7 +50,8 @@ FAMILIES = {
                                                  "routed_scaling_dropped", "selection_bias_in_weights",
                                                  "shared_expert_missing", "gate_up_interleaving_misread"]),
     "llama4_text": (dict(interleave_moe_layer_step=1), "feed_forward", "llama4",
-                    ["router_softmax_instead_of_sigmoid", "router_score_on_output", "router_wrong_top_k:-1",
+                    ["router_softmax_instead_of_sigmoid", "router_softmax_instead_of_sigmoid:every",
+                     "router_score_on_output", "router_wrong_top_k:-1",
                      "router_wrong_top_k:+1", "experts_exchanged:1,2", "router_renormalization_added",
                      "shared_expert_missing"]),
 }
@@ -135,6 +136,8 @@ def route(t: dict, h: torch.Tensor, config, style: str, mistake: str, k: int) ->
         else:
             values, index = logits.topk(k, dim=-1)
             values = values.sigmoid() if mistake == "router_sigmoid_instead_of_softmax" else values.softmax(-1)
+    elif mistake == "router_softmax_instead_of_sigmoid:every":  # llama4 scored as Mixtral, not renormalised
+        values, index = logits.softmax(-1).topk(k, dim=-1)
     else:  # llama4: sigmoid of the top-k logits
         values, index = logits.topk(k, dim=-1)
         values = values.softmax(-1) if mistake == "router_softmax_instead_of_sigmoid" else values.sigmoid()
@@ -354,3 +357,14 @@ def test_tokens_set_aside_are_not_judged():
 def test_an_output_of_another_shape_is_named_as_nothing(families):
     (block, _), x = families["mixtral"], inputs("mixtral")
     assert name_mistake(block, x, torch.zeros(3, 5, dtype=torch.float64), tolerance=1e-6) == []
+
+
+def test_a_block_returning_hidden_and_router_logits_is_named(families):
+    """transformers' own blocks return (hidden, router_logits) in some families: a port may too."""
+    (block, config), x = families["mixtral"], inputs("mixtral")
+    with torch.no_grad():
+        reference = transformers_out(block, x)
+        got = port(block, config, "mixtral", x, "router_renormalization_missing")
+    named = name_mistake(block, x, (got.reshape(x.shape), torch.zeros(len(got), 4)),
+                         tolerance=tolerance_for(reference))
+    assert [mistake_id for mistake_id, _ in named] == [MistakeId.ROUTER_RENORMALIZATION_MISSING]

@@ -258,6 +258,22 @@ def _as_softmax(func, args, kwargs):
     return torch.softmax(args[0], dim=-1)
 
 
+def _softmax_of_every_logit() -> dict[str, Rule]:
+    """A sigmoid taken after the top-k (Llama 4: of the chosen logits, -inf elsewhere) computed as the softmax
+    over every expert's logit, kept for the chosen: a port scoring as Mixtral does, without renormalising."""
+    seen: dict[str, torch.Tensor] = {}
+
+    def linear(func, args, kwargs):
+        seen["logits"] = out = func(*args, **kwargs)
+        return out
+
+    def sigmoid(func, args, kwargs):
+        scores = args[0]
+        every = torch.softmax(seen["logits"].to(scores.dtype), dim=-1)
+        return torch.where(torch.isneginf(scores), torch.zeros_like(every), every)
+    return {"linear": linear, "sigmoid": sigmoid}
+
+
 def _passed(func, args, kwargs):
     return _cast(args, kwargs).clone()
 
@@ -397,7 +413,10 @@ def _scoring(parts: Parts) -> list[Replay]:
                             lambda: _inside(router, {"softmax": _as_sigmoid})))
     elif score == "sigmoid":
         found.append(Replay(MistakeId.ROUTER_SOFTMAX_INSTEAD_OF_SIGMOID, "the router's sigmoid computed as a softmax "
-                            "over the experts", lambda: _inside(router, {"sigmoid": _as_softmax})))
+                            "over its input", lambda: _inside(router, {"sigmoid": _as_softmax})))
+        if "topk" in calls and calls.index("topk") < calls.index("sigmoid") and "linear" in calls:
+            found.append(Replay(MistakeId.ROUTER_SOFTMAX_INSTEAD_OF_SIGMOID, "a softmax over every expert's logit, "
+                                "the chosen kept", lambda: _inside(router, _softmax_of_every_logit)))
     if "softmax" in calls and "topk" in calls:
         if calls.index("softmax") < calls.index("topk"):
             found.append(Replay(MistakeId.ROUTER_TOPK_BEFORE_SOFTMAX, "top-k of the logits, softmax over the k",
@@ -568,7 +587,7 @@ def _distance(block: nn.Module, replay: Replay, x: torch.Tensor, got: torch.Tens
     return float(distance) if bool(torch.isfinite(distance)) else None
 
 
-def name_mistake(block: nn.Module, x: torch.Tensor, got: torch.Tensor, *, tolerance: float,
+def name_mistake(block: nn.Module, x: torch.Tensor, got: torch.Tensor | tuple, *, tolerance: float,
                  tokens: torch.Tensor | None = None) -> list[tuple[MistakeId, str]]:
     """The routing mistakes whose replay on ``block`` (transformers' block for the layer, filled with its tensors)
     reproduces ``got``, the user's block's output on ``x``: within ``tolerance`` (max abs) and at least CLEARLY
@@ -579,8 +598,8 @@ def name_mistake(block: nn.Module, x: torch.Tensor, got: torch.Tensor, *, tolera
     parts = find_parts(block)
     if parts is None:
         return []
-    width = parts.width
-    got = _flat(got, width) if got.numel() == x.numel() else None
+    width, got = parts.width, _outputs(got)[0]  # a block may return (hidden, router_logits)
+    got = _flat(got, width) if isinstance(got, torch.Tensor) and got.numel() == x.numel() else None
     if got is None:
         return []
     with torch.no_grad():
