@@ -57,6 +57,26 @@ class MistakeId(StrEnum):
     ZEROED_TENSOR = "zeroed_tensor"
     NONFINITE_SCALE = "nonfinite_scale"
     CONVERSION_UNEXPLAINED = "conversion_unexplained"
+    # routing mistakes of a whole mixture-of-experts block (engine.routing_mistakes replays each on transformers' block)
+    ROUTER_SIGMOID_INSTEAD_OF_SOFTMAX = "router_sigmoid_instead_of_softmax"
+    ROUTER_SOFTMAX_INSTEAD_OF_SIGMOID = "router_softmax_instead_of_sigmoid"
+    ROUTER_TOPK_BEFORE_SOFTMAX = "router_topk_before_softmax"
+    ROUTER_SOFTMAX_BEFORE_TOPK = "router_softmax_before_topk"
+    ROUTER_RENORMALIZATION_MISSING = "router_renormalization_missing"
+    ROUTER_RENORMALIZATION_ADDED = "router_renormalization_added"
+    SELECTION_BIAS_IN_WEIGHTS = "selection_bias_in_weights"
+    ROUTED_SCALING_DROPPED = "routed_scaling_dropped"
+    ROUTER_SCORE_ON_OUTPUT = "router_score_on_output"
+    ROUTER_SCORE_ON_INPUT = "router_score_on_input"
+    SHARED_EXPERT_MISSING = "shared_expert_missing"
+    SHARED_EXPERT_GATE_MISSING = "shared_expert_gate_missing"
+    SHARED_EXPERT_GATE_AFTER_SUM = "shared_expert_gate_after_sum"
+    ROUTER_WRONG_TOP_K = "router_wrong_top_k"
+    EXPERTS_EXCHANGED = "experts_exchanged"
+    SWIGLU_CLAMP_MISSING = "swiglu_clamp_missing"
+    SWIGLU_ALPHA_MISSING = "swiglu_alpha_missing"
+    SWIGLU_UP_PLUS_ONE_MISSING = "swiglu_up_plus_one_missing"
+    GATE_UP_INTERLEAVING_MISREAD = "gate_up_interleaving_misread"
 
 
 @dataclass(frozen=True)
@@ -180,6 +200,62 @@ MISTAKES = {m.id: m for m in [
     Mistake(MistakeId.CONVERSION_UNEXPLAINED, "checkpoint B's layer computes another function than A's, and no "
             "known conversion mistake explains it",
             "compare the layer's tensors one by one (the report lists which differ beyond the conversion's bound)"),
+    Mistake(MistakeId.ROUTER_SIGMOID_INSTEAD_OF_SOFTMAX, "the router scores experts with a sigmoid where the "
+            "block takes a softmax over them", "score with softmax(router_logits, dim=-1) as transformers' router "
+            "does (the sigmoid belongs to DeepSeek-V3-style and Llama 4 routers)"),
+    Mistake(MistakeId.ROUTER_SOFTMAX_INSTEAD_OF_SIGMOID, "the router scores experts with a softmax where the "
+            "block takes a sigmoid of each logit", "score with sigmoid(router_logits) (DeepSeek V3, Llama 4), "
+            "each expert on its own, not a softmax across experts"),
+    Mistake(MistakeId.ROUTER_TOPK_BEFORE_SOFTMAX, "the router takes the top-k of the raw logits and a softmax "
+            "over those k, where the block takes the softmax over all experts first",
+            "softmax over every expert's logit, then top-k of the probabilities (renormalise only where the "
+            "block does: norm_topk_prob)"),
+    Mistake(MistakeId.ROUTER_SOFTMAX_BEFORE_TOPK, "the router takes a softmax over all experts and then the top-k, "
+            "where the block takes the top-k of the logits and a softmax over those k",
+            "top-k of the router logits first, then softmax over the k chosen (GPT-OSS, Granite MoE)"),
+    Mistake(MistakeId.ROUTER_RENORMALIZATION_MISSING, "the top-k routing weights are not renormalised to sum to 1 "
+            "where the block renormalises them", "divide the k chosen weights by their sum (norm_topk_prob = true "
+            "in the config; Mixtral always does)"),
+    Mistake(MistakeId.ROUTER_RENORMALIZATION_ADDED, "the top-k routing weights are renormalised to sum to 1 where "
+            "the block keeps them as scored", "keep the k chosen weights as the router scored them "
+            "(norm_topk_prob = false in the config)"),
+    Mistake(MistakeId.SELECTION_BIAS_IN_WEIGHTS, "the expert-selection bias (e_score_correction_bias) is added "
+            "into the routing weights; it only chooses the experts",
+            "choose experts by score + bias, but weight each chosen expert by its score alone "
+            "(scores.gather(1, topk_indices))"),
+    Mistake(MistakeId.ROUTED_SCALING_DROPPED, "the routed experts' weights are not multiplied by "
+            "routed_scaling_factor", "multiply the (renormalised) top-k weights by config.routed_scaling_factor"),
+    Mistake(MistakeId.ROUTER_SCORE_ON_OUTPUT, "the router score multiplies the expert's output where the block "
+            "multiplies it into the expert's input", "scale each token's input to an expert by its router score "
+            "before the expert (Llama 4), not the expert's output after it"),
+    Mistake(MistakeId.ROUTER_SCORE_ON_INPUT, "the router score multiplies the expert's input where the block "
+            "multiplies the expert's output", "run each expert on the unscaled token and multiply its output by the "
+            "routing weight"),
+    Mistake(MistakeId.SHARED_EXPERT_MISSING, "the shared expert's output is not added to the routed experts'",
+            "add the shared expert (applied to every token) to the sum of the routed experts"),
+    Mistake(MistakeId.SHARED_EXPERT_GATE_MISSING, "the shared expert's sigmoid gate is not applied: its output is "
+            "added ungated", "multiply the shared expert's output by sigmoid(shared_expert_gate(x)) before adding it"),
+    Mistake(MistakeId.SHARED_EXPERT_GATE_AFTER_SUM, "the shared expert's sigmoid gate multiplies the sum of the "
+            "routed and shared experts instead of the shared expert alone",
+            "gate only the shared expert: routed + sigmoid(shared_expert_gate(x)) * shared_expert(x)"),
+    Mistake(MistakeId.ROUTER_WRONG_TOP_K, "each token is routed to another number of experts than the block's "
+            "top-k", "route each token to config.num_experts_per_tok experts"),
+    Mistake(MistakeId.EXPERTS_EXCHANGED, "two experts are exchanged: a token the router sends to one runs the "
+            "other's weights", "load expert e's weights into slot e, the one router row e scores (check the order "
+            "the port numbers or stacks the experts in)"),
+    Mistake(MistakeId.SWIGLU_CLAMP_MISSING, "the experts' gate and up are not clamped at swiglu_limit (no clamp, "
+            "or a limit of 0)", "clamp the gate to at most limit and up to [-limit, limit] before the activation "
+            "(GPT-OSS: swiglu_limit = 7, read from the config); inputs below the limit never show a missing clamp"),
+    Mistake(MistakeId.SWIGLU_ALPHA_MISSING, "the experts' gate activation drops alpha: gate * sigmoid(gate) where "
+            "the block computes gate * sigmoid(alpha * gate)", "use gate * sigmoid(config.swiglu_alpha * gate) "
+            "(GPT-OSS: alpha = 1.702)"),
+    Mistake(MistakeId.SWIGLU_UP_PLUS_ONE_MISSING, "the experts multiply the activation by up where the block "
+            "multiplies it by (up + 1)", "compute (up + 1) * glu after clamping up (GPT-OSS)"),
+    Mistake(MistakeId.GATE_UP_INTERLEAVING_MISREAD, "the experts' fused gate/up is read in the other layout: "
+            "stored interleaved (GPT-OSS: gate = rows 0::2, up = rows 1::2) and read as two concatenated halves, or "
+            "stored as halves and read interleaved",
+            "read the fused tensor the way the block stores it (GPT-OSS: gate_up[..., ::2] is gate, "
+            "gate_up[..., 1::2] is up, its bias the same way; Mixtral-style [gate; up] halves elsewhere)"),
 ]}
 
 
@@ -292,4 +368,33 @@ PRODUCED_BY: dict[MistakeId, str] = {
     MistakeId.ZEROED_TENSOR: "finding (compare): every code of B's quantized tensor is zero, read from its blocks",
     MistakeId.NONFINITE_SCALE: "finding (compare): a NaN/Inf block scale in B's quantized tensor, read from its blocks",
     MistakeId.CONVERSION_UNEXPLAINED: "finding (compare): no conversion replay within the tolerance",
+    MistakeId.ROUTER_SIGMOID_INSTEAD_OF_SOFTMAX: "replay: engine.routing_mistakes, the router's softmax computed "
+                                                 "as a sigmoid",
+    MistakeId.ROUTER_SOFTMAX_INSTEAD_OF_SIGMOID: "replay: engine.routing_mistakes, the router's sigmoid computed "
+                                                 "as a softmax",
+    MistakeId.ROUTER_TOPK_BEFORE_SOFTMAX: "replay: engine.routing_mistakes, the router's top-k taken of its logits",
+    MistakeId.ROUTER_SOFTMAX_BEFORE_TOPK: "replay: engine.routing_mistakes, the router's top-k taken of a softmax",
+    MistakeId.ROUTER_RENORMALIZATION_MISSING: "replay: engine.routing_mistakes, the router's division by the top-k "
+                                              "sum skipped (or norm_topk_prob off)",
+    MistakeId.ROUTER_RENORMALIZATION_ADDED: "replay: engine.routing_mistakes, the router's weights divided by their "
+                                            "sum (or norm_topk_prob on)",
+    MistakeId.SELECTION_BIAS_IN_WEIGHTS: "replay: engine.routing_mistakes, the router's selection bias added to "
+                                         "the gathered weights",
+    MistakeId.ROUTED_SCALING_DROPPED: "replay: engine.routing_mistakes, routed_scaling_factor set to 1",
+    MistakeId.ROUTER_SCORE_ON_OUTPUT: "replay: engine.routing_mistakes, the block's experts run on unscaled "
+                                      "input, their outputs scaled",
+    MistakeId.ROUTER_SCORE_ON_INPUT: "replay: engine.routing_mistakes, the block's experts run on scaled input, "
+                                     "one top-k rank at a time",
+    MistakeId.SHARED_EXPERT_MISSING: "replay: engine.routing_mistakes, the shared expert's output zeroed",
+    MistakeId.SHARED_EXPERT_GATE_MISSING: "replay: engine.routing_mistakes, the shared expert's gate fully open",
+    MistakeId.SHARED_EXPERT_GATE_AFTER_SUM: "replay: engine.routing_mistakes, the routed output times the shared "
+                                            "expert's gate",
+    MistakeId.ROUTER_WRONG_TOP_K: "replay: engine.routing_mistakes, the router's top_k set to k - 1 and k + 1",
+    MistakeId.EXPERTS_EXCHANGED: "replay: engine.routing_mistakes, two experts' weights exchanged (the pairs "
+                                 "among the experts the mismatching tokens use)",
+    MistakeId.SWIGLU_CLAMP_MISSING: "replay: engine.routing_mistakes, the experts' limit set to infinity, and to 0",
+    MistakeId.SWIGLU_ALPHA_MISSING: "replay: engine.routing_mistakes, the experts' alpha set to 1",
+    MistakeId.SWIGLU_UP_PLUS_ONE_MISSING: "replay: engine.routing_mistakes, the experts' (up + 1) computed as up",
+    MistakeId.GATE_UP_INTERLEAVING_MISREAD: "replay: engine.routing_mistakes, the experts' fused gate/up rearranged "
+                                            "into the other layout (halves interleaved, or the reverse)",
 }
