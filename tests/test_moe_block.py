@@ -84,18 +84,23 @@ def test_transformers_own_block_passes_as_a_target(blocks, model_type):
     assert "whole sparse block" in report.reference
 
 
-MISTAKEN = [("mixtral", ports.MixtralNoRenorm), ("qwen2_moe", ports.QwenSharedMissing),
-            ("qwen2_moe", ports.QwenSharedGateAfterSum), ("deepseek_v3", ports.DeepSeekBiasInWeights),
-            ("deepseek_v3", ports.DeepSeekScalingDropped), ("gpt_oss", ports.GptOssHalves),
-            ("gpt_oss", ports.GptOssNoClamp), ("llama4_text", ports.Llama4ScoreOnOutput)]
+MISTAKEN = [("mixtral", ports.MixtralNoRenorm, "router_renormalization_missing"),
+            ("qwen2_moe", ports.QwenSharedMissing, "shared_expert_missing"),
+            ("qwen2_moe", ports.QwenSharedGateAfterSum, "shared_expert_gate_after_sum"),
+            ("deepseek_v3", ports.DeepSeekBiasInWeights, "selection_bias_in_weights"),
+            ("deepseek_v3", ports.DeepSeekScalingDropped, "routed_scaling_dropped"),
+            ("gpt_oss", ports.GptOssHalves, "gate_up_interleaving_misread"),
+            ("gpt_oss", ports.GptOssNoClamp, "swiglu_clamp_missing"),
+            ("llama4_text", ports.Llama4ScoreOnOutput, "router_score_on_output")]
 
 
-@pytest.mark.parametrize(("model_type", "port"), MISTAKEN, ids=[p.__name__ for _, p in MISTAKEN])
-def test_a_block_with_a_routing_mistake_fails_on_every_moe_layer(blocks, model_type, port):
+@pytest.mark.parametrize(("model_type", "port", "named"), MISTAKEN, ids=[p.__name__ for _, p, _ in MISTAKEN])
+def test_a_block_with_a_routing_mistake_fails_on_every_moe_layer_and_is_named(blocks, model_type, port, named):
     report = check(str(blocks[model_type]), target=port)
     assert not report.passed
     assert report.layers and all(not r.passed and r.unverifiable is None for r in report.layers)
     assert all(r.max_abs_diff > 100 * r.tolerance for r in report.layers)
+    assert {r.diagnosis.id for r in report.layers} == {named}, report
 
 
 def test_dense_layers_before_moe_ones_are_said_not_checked(blocks):

@@ -17,6 +17,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from parity.definitions.mistakes import Candidate, Diagnosis, MistakeId, diagnosis
 from parity.engine.block import (
     BLOCK_UNIT,
     NUDGE,
@@ -35,6 +36,7 @@ from parity.engine.check.fill import route_tensor
 from parity.engine.check.guard import guarded
 from parity.engine.check.run import place, run_module, skip_init, user_code
 from parity.engine.results import LayerResult
+from parity.engine.routing_mistakes import name_mistake
 from parity.engine.verdict import Runs, judge, shape_failure
 from parity.errors import ShapeMismatchError, TargetError
 
@@ -141,9 +143,9 @@ class BlockCheck:
             result.passed = False
             result.unverifiable = ("every token's choice of experts moves within float32 noise: no token decides "
                                    "the routing, so no output can be judged")
+        if not result.passed and result.unverifiable is None and result.diagnosis is None and session.diagnose:
+            result.diagnosis = named_mistake(block64, inputs.x.double(), got, result, kept)
         if changes:
-            from parity.definitions.mistakes import MistakeId, diagnosis
-
             result.passed = False
             result.diagnosis = diagnosis(MistakeId.GLOBAL_STATE_MODIFIED, None, None, "; ".join(changes[:6]))
         return result, name
@@ -216,3 +218,16 @@ def holds_block(session: Any) -> bool:
     count, d = session.num_experts, session.hidden_size
     router = any(tuple(p.shape) in ((count, d), (d, count)) for p in module.parameters())  # an [E, d] router
     return router or sum(p.numel() for p in module.parameters()) > 1.5 * one_expert
+
+
+def named_mistake(block64: nn.Module, x: torch.Tensor, got: torch.Tensor, result: LayerResult,
+                  kept: torch.Tensor) -> Diagnosis:
+    """The routing mistake whose replay on transformers' block reproduces the user's output (engine.routing_mistakes);
+    replays that fit equally are all said; none fitting is ``unexplained``."""
+    found = name_mistake(block64, x, got, tolerance=result.tolerance, tokens=kept)
+    if not found:
+        return diagnosis(MistakeId.UNEXPLAINED, None, result.max_abs_diff)
+    first, detail = found[0]
+    equally = "; ".join(f"equally {other}: {why}" for other, why in found[1:])
+    return diagnosis(first, None, result.max_abs_diff, detail + (f"; {equally}" if equally else ""),
+                     [Candidate(str(mistake), why, math.nan) for mistake, why in found])
