@@ -172,5 +172,6 @@ def wrap(checkpoint: Checkpoint, folder: Path | str) -> Checkpoint:
     quantized = sum(1 for n in scales if n[:-len(SCALE_SUFFIX)] in weights)
     wrapped.notes.append(f"{scheme.describe()} (config.json quantization_config): {quantized} quantized matrices, "
                          "dequantized with compressed-tensors in the stated blocks (partial edge blocks included)"
-                         + (f"; left unquantized: {', '.join(scheme.not_converted)}" if scheme.not_converted else ""))
+                         + (f"; left unquantized: {', '.join(scheme.not_converted)}" if scheme.not_converted else "")
+                         + "; target and reference both get the same dequantized float32 weights")
     return wrapped
