@@ -45,18 +45,21 @@ def quantize(weight: torch.Tensor, block: tuple[int, int]) -> tuple[torch.Tensor
     return codes.reshape(grid[0] * block[0], grid[1] * block[1])[:rows, :cols].contiguous(), scale.float()
 
 
-def fp8_export(a: Path, dest: Path, breaks: dict[str, str] | None = None) -> Path:
+def fp8_export(a: Path, dest: Path, breaks: dict[str, str] | None = None, keep: tuple[str, ...] = (),
+               fields: dict | None = None) -> Path:
     """A's folder written as an FP8 block-quantized release (every linear weight of the decoder layers), the
     tensors named in ``breaks`` written with that mistake: inverted (1 / weight_scale_inv stored), transposed (the
     scale grid transposed), even (quantized in blocks splitting each side evenly, stated as 128x128), block64
-    (quantized in 64x64 blocks, stated as 128x128)."""
+    (quantized in 64x64 blocks, stated as 128x128).  Modules named in ``keep`` stay unquantized, cast to bfloat16
+    and listed in modules_to_not_convert; ``fields`` replace quantization_config's own."""
     breaks = breaks or {}
     shutil.copytree(a, dest)
     tensors = load_file(a / "model.safetensors")
     out = {}
     for name, value in tensors.items():
-        if ".layers." not in name or value.dim() != 2:
-            out[name] = value
+        kept = any(f".{module}." in name for module in keep)
+        if ".layers." not in name or value.dim() != 2 or kept:
+            out[name] = value.bfloat16() if kept else value
             continue
         how = breaks.get(name)
         rows, cols = value.shape
@@ -68,7 +71,8 @@ def fp8_export(a: Path, dest: Path, breaks: dict[str, str] | None = None) -> Pat
     save_file(out, dest / "model.safetensors", metadata={"format": "pt"})
     config = json.loads((dest / "config.json").read_text())
     config["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
-                                     "weight_block_size": list(BLOCK)}
+                                     "weight_block_size": list(BLOCK), "modules_to_not_convert": list(keep) or None,
+                                     **(fields or {})}
     (dest / "config.json").write_text(json.dumps(config, indent=2))
     return dest
 
@@ -157,6 +161,31 @@ def test_transformers_dequantizer_misreads_partial_edge_blocks_where_compressed_
         theirs = Fp8Dequantize(None).convert({"weight": codes, "weight_scale_inv": scales})["weight"].double()
         assert float(((library - a).abs() / step).max()) <= 0.5 * 1.01, name
         assert float(((theirs - a).abs() / step).max()) > 2.0, name  # measured 2.4 to 4.9 steps
+
+
+def test_modules_left_unquantized_are_judged_by_their_own_storage(model_a, root, capsys):
+    """A release that keeps down_proj in bfloat16 (modules_to_not_convert): down_proj judged as a cast, gate and up
+    by their FP8 steps; every layer passes."""
+    mixed = fp8_export(model_a, root / "mixed", keep=("down_proj",))
+    code, report = compare(capsys, model_a, mixed)
+    assert code == 0, report
+    for layer in report["layers"]:
+        storage = {row["name"]: row["storage"] for row in layer["conversion"]["tensors"]}
+        assert storage == {"gate_proj.weight": "float8_e4m3fn", "up_proj.weight": "float8_e4m3fn",
+                           "down_proj.weight": "bfloat16"}
+    assert any("left unquantized: down_proj" in note for note in report["notes"])
+
+
+@pytest.mark.parametrize(("fields", "said"), [
+    ({"weight_block_size": None}, "weight_block_size is None"),
+    ({"weight_block_size": [128]}, "weight_block_size is [128]"),
+    ({"fmt": "e5m2"}, "quantization_config.fmt is 'e5m2'"),
+])
+def test_an_fp8_config_parity_cannot_read_is_exit_2_naming_the_field(model_a, root, capsys, fields, said):
+    b = fp8_export(model_a, root / f"config-{len(list(root.iterdir()))}", fields=fields)
+    code, out, err = run_main(capsys, "compare", model_a, b)
+    assert code == 2, out + err
+    assert said in err and "config.json" in err and "Traceback" not in err
 
 
 def test_without_compressed_tensors_an_fp8_b_is_exit_2_naming_the_extra(model_a, faithful, capsys, monkeypatch):

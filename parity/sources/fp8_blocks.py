@@ -128,6 +128,7 @@ class FP8Checkpoint(Checkpoint):
 
     scheme: FP8Scheme
     scale_map: dict[str, str]
+    as_stored: dict[str, str]  # tensor name -> its dtype in the file, for the tensors the last read returned
 
     def quantized(self, name: str) -> BlockQuantized | None:
         """How tensor ``name`` is stored, when it is block-quantized: its codes, scales and the stated block."""
@@ -138,8 +139,15 @@ class FP8Checkpoint(Checkpoint):
         scales = self.reader(self.scale_map[scale_name], [scale_name])[scale_name]
         return BlockQuantized(codes, scales, self.scheme.block, scale_name)
 
+    def stored_dtype(self, name: str) -> str | None:
+        """The dtype tensor ``name`` had in its file when last read (torch's name: ``bfloat16``), None if not read:
+        a layer mixing dequantized float32 with a tensor left in bfloat16 is upcast to one dtype when read, and a
+        compare must judge the bfloat16 one as the cast it is."""
+        return self.as_stored.get(name)
+
     def read(self, names: list[str]):
         out = super().read(names)
+        self.as_stored = {name: str(out[name].dtype).removeprefix("torch.") for name in names}
         for name in names:
             scale_name = name + SCALE_SUFFIX
             if scale_name in self.scale_map and out[name].dtype.itemsize == 1:
@@ -168,7 +176,7 @@ def wrap(checkpoint: Checkpoint, folder: Path | str) -> Checkpoint:
     weights = {n: f for n, f in checkpoint.weight_map.items() if n not in scales}
     fields = {f.name: getattr(checkpoint, f.name) for f in dataclasses.fields(Checkpoint)}
     wrapped = FP8Checkpoint(**{**fields, "weight_map": weights, "notes": list(checkpoint.notes)})
-    wrapped.scheme, wrapped.scale_map = scheme, scales
+    wrapped.scheme, wrapped.scale_map, wrapped.as_stored = scheme, scales, {}
     quantized = sum(1 for n in scales if n[:-len(SCALE_SUFFIX)] in weights)
     wrapped.notes.append(f"{scheme.describe()} (config.json quantization_config): {quantized} quantized matrices, "
                          "dequantized with compressed-tensors in the stated blocks (partial edge blocks included)"

@@ -91,7 +91,8 @@ def storage_of(checkpoint, key: str, stored: torch.Tensor, route: TensorRoute, e
     header = getattr(checkpoint, "header", None)
     info = header.tensors.get(key) if header is not None else None
     if info is None:
-        return block_storage(checkpoint, key, route) or Storage(dtype_name(stored.dtype), route=route)
+        as_stored = getattr(checkpoint, "stored_dtype", lambda _: None)(key)  # before a read's upcast to one dtype
+        return block_storage(checkpoint, key, route) or Storage(as_stored or dtype_name(stored.dtype), route=route)
     from parity.sources.gguf_header import qtype_name
 
     name = qtype_name(info.qtype)
