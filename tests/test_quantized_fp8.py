@@ -196,3 +196,23 @@ def test_without_compressed_tensors_an_fp8_b_is_exit_2_naming_the_extra(model_a,
     assert code == 2, out + err
     assert "compressed-tensors" in err and "'quant'" in err and "FP8 block-quantized" in err
     assert "Traceback" not in err
+
+
+def test_fp8_experts_are_judged_one_by_one_and_a_broken_one_is_named(root, capsys):
+    """A mixture of experts (Qwen3-MoE, DeepSeek V3's per-expert layout: each expert's matrices with their own
+    weight_scale_inv; sides 160 and 136, no multiple of the block), the router left unquantized: every expert of a
+    faithful export passes; one expert whose scale was written inverted fails alone, named."""
+    from .derived_checkpoints import MOE
+
+    moe = build("qwen3_moe", root / "moe", 5, **{**MOE, "hidden_size": 160, "moe_intermediate_size": 136})
+    faithful = fp8_export(moe, root / "moe-fp8", keep=("gate",))
+    code, report = compare(capsys, moe, faithful)
+    assert code == 0, report
+    assert len(report["layers"]) == 2 * MOE["num_experts"]
+    broken = fp8_export(moe, root / "moe-fp8-broken", {"model.layers.1.mlp.experts.2.up_proj.weight": "inverted"},
+                        keep=("gate",))
+    code, report = compare(capsys, moe, broken)
+    assert code == 1, report
+    failed = [(unit["layer"], unit["expert"], unit["diagnosis"]["id"]) for unit in report["layers"]
+              if not unit["passed"]]
+    assert failed == [(1, 2, "fp8_scale_inverted")]
