@@ -32,15 +32,19 @@ FP8_MAX = torch.finfo(torch.float8_e4m3fn).max
 FFN = ("gate_proj", "up_proj", "down_proj")
 
 
-def quantize(weight: torch.Tensor, block: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor]:
+def quantize(weight: torch.Tensor, block: tuple[int, int], power_of_two: bool = False
+             ) -> tuple[torch.Tensor, torch.Tensor]:
     """``weight`` [out, in] in FP8 blocks as transformers' FP8 layout stores it: codes (float8_e4m3fn) and each
-    block's weight_scale_inv (float32 [ceil(out / block[0]), ceil(in / block[1])]; partial edge blocks included)."""
+    block's weight_scale_inv (float32 [ceil(out / block[0]), ceil(in / block[1])]; partial edge blocks included);
+    ``power_of_two``: each scale rounded up to a power of two (scale_fmt "ue8m0")."""
     rows, cols = weight.shape
     grid = math.ceil(rows / block[0]), math.ceil(cols / block[1])
     padded = torch.nn.functional.pad(weight.float(), (0, grid[1] * block[1] - cols, 0, grid[0] * block[0] - rows))
     tiles = padded.reshape(grid[0], block[0], grid[1], block[1])
     scale = tiles.abs().amax(dim=(1, 3)) / FP8_MAX
     scale = torch.where(scale > 0, scale, torch.ones_like(scale))
+    if power_of_two:
+        scale = torch.exp2(torch.ceil(torch.log2(scale)))
     codes = (tiles / scale[:, None, :, None]).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
     return codes.reshape(grid[0] * block[0], grid[1] * block[1])[:rows, :cols].contiguous(), scale.float()
 
@@ -65,8 +69,11 @@ def fp8_export(a: Path, dest: Path, breaks: dict[str, str] | None = None, keep: 
         rows, cols = value.shape
         block = {"even": (math.ceil(rows / math.ceil(rows / BLOCK[0])), math.ceil(cols / math.ceil(cols / BLOCK[1]))),
                  "block64": (64, 64)}.get(how, BLOCK)
-        codes, scale = quantize(value, block)
+        power_of_two = (fields or {}).get("scale_fmt") == "ue8m0"
+        codes, scale = quantize(value, block, power_of_two)
         scale = {"inverted": 1.0 / scale, "transposed": scale.t().contiguous()}.get(how, scale)
+        if power_of_two:  # stored as UE8M0 exponents, as transformers writes them
+            scale = scale.to(torch.float8_e8m0fnu)
         out[name], out[name.removesuffix("weight") + "weight_scale_inv"] = codes, scale
     save_file(out, dest / "model.safetensors", metadata={"format": "pt"})
     config = json.loads((dest / "config.json").read_text())
@@ -112,6 +119,18 @@ def test_a_faithful_fp8_export_passes_on_every_layer(model_a, faithful, capsys):
             assert row["steps"]["max_steps"] <= 0.5 + 1e-3  # round to nearest: at most half the code's step
             assert "compressed-tensors" in row["conversion"]
     assert any("FP8 e4m3, 128x128 blocks" in note for note in report["notes"])
+
+
+def test_a_faithful_export_with_power_of_two_scales_passes(model_a, root, capsys):
+    """scale_fmt "ue8m0" (DeepSeek V3.1): each scale the power of two at or above amax / 448, stored as
+    float8_e8m0fnu; A is re-quantized the same way, so the export is A's conversion exactly."""
+    b = fp8_export(model_a, root / "ue8m0", fields={"scale_fmt": "ue8m0"})
+    code, report = compare(capsys, model_a, b)
+    assert code == 0, report
+    for layer in report["layers"]:
+        assert layer["conversion"]["ratio_to_conversion"] == pytest.approx(1.0, abs=1e-6)
+        assert all("power of two" in row["conversion"] for row in layer["conversion"]["tensors"])
+        assert all(row["steps"]["values_beyond_step"] == 0 for row in layer["conversion"]["tensors"])
 
 
 @pytest.mark.parametrize(("tensor", "how", "named"), [

@@ -43,9 +43,11 @@ class FP8Scheme:
 
     block: tuple[int, int]
     not_converted: tuple[str, ...] = ()
+    power_of_two: bool = False  # scale_fmt "ue8m0": each scale a power of two (DeepSeek V3.1's UE8M0 scales)
 
     def describe(self) -> str:
-        return f"FP8 e4m3, {self.block[0]}x{self.block[1]} blocks"
+        return (f"FP8 e4m3, {self.block[0]}x{self.block[1]} blocks"
+                + (", power-of-two (ue8m0) scales" if self.power_of_two else ""))
 
 
 @dataclass
@@ -57,6 +59,7 @@ class BlockQuantized:
     scales: object  # torch.Tensor, float32 [ceil(out / block[0]), ceil(in / block[1])]
     block: tuple[int, int]
     scale_name: str
+    power_of_two: bool = False
 
 
 def scheme_of(raw_config: dict, where: str) -> FP8Scheme | None:
@@ -75,8 +78,13 @@ def scheme_of(raw_config: dict, where: str) -> FP8Scheme | None:
         raise CheckpointError(f"{where}: config.json's quantization_config.weight_block_size is {block!r}; expected "
                               "two positive integers such as [128, 128] (the rows and columns each weight_scale_inv "
                               "covers)")
+    scale_fmt = config.get("scale_fmt") or "float"
+    if scale_fmt not in ("float", "ue8m0"):
+        raise CheckpointError(f"{where}: config.json's quantization_config.scale_fmt is {scale_fmt!r}; parity reads "
+                              "'float' (float32 scales) and 'ue8m0' (power-of-two scales)")
     skipped = config.get("modules_to_not_convert") or []
-    return FP8Scheme((block[0], block[1]), tuple(str(s) for s in skipped if isinstance(s, str)))
+    return FP8Scheme((block[0], block[1]), tuple(str(s) for s in skipped if isinstance(s, str)),
+                     scale_fmt == "ue8m0")
 
 
 def require_library(where: str):
@@ -137,7 +145,7 @@ class FP8Checkpoint(Checkpoint):
             return None
         codes = self.reader(self.weight_map[name], [name])[name]
         scales = self.reader(self.scale_map[scale_name], [scale_name])[scale_name]
-        return BlockQuantized(codes, scales, self.scheme.block, scale_name)
+        return BlockQuantized(codes, scales.float(), self.scheme.block, scale_name, self.scheme.power_of_two)
 
     def stored_dtype(self, name: str) -> str | None:
         """The dtype tensor ``name`` had in its file when last read (torch's name: ``bfloat16``), None if not read:

@@ -79,6 +79,7 @@ class Storage:
     nonfinite_scale: str | None = None  # the first block whose scale is NaN/Inf, in words (read from the file)
     zeroed: bool = False  # every quantization code of the tensor (this expert's blocks) is zero
     block: tuple[int, int] | None = None  # FP8 block quantization: the block each weight_scale_inv covers
+    power_of_two: bool = False  # FP8 block quantization with power-of-two (ue8m0) scales
 
 
 def dtype_name(dtype: torch.dtype) -> str:
@@ -126,7 +127,8 @@ def block_storage(checkpoint, key: str, route: TensorRoute) -> Storage | None:
         problem = (f"block {first} ({held.scale_name} = {float(held.scales[tuple(first)])}): {int(bad.sum())} of "
                    f"{bad.numel()} blocks have a NaN/Inf scale")
     return Storage(dtype_name(held.codes.dtype), True, route_tensor(route, steps), "file", route,
-                   nonfinite_scale=problem, zeroed=not bool(held.codes.float().any()), block=held.block)
+                   nonfinite_scale=problem, zeroed=not bool(held.codes.float().any()), block=held.block,
+                   power_of_two=held.power_of_two)
 
 
 def lattice_steps(values: torch.Tensor) -> torch.Tensor:
@@ -169,10 +171,11 @@ def reference_conversion(a: torch.Tensor, storage: Storage) -> tuple[torch.Tenso
         return a.to(target).float(), f"rounded to {storage.dtype}", None
     stored = stored_layout(storage.route, a.float())
     if stored is not None and storage.block is not None:
-        values, steps = fp8_grid.requantize(stored, storage.block)
+        values, steps = fp8_grid.requantize(stored, storage.block, power_of_two=storage.power_of_two)
+        scale = "the power of two at or above " if storage.power_of_two else ""
         return (unstored(storage.route, values), f"re-quantized to {storage.dtype} in {storage.block[0]}x"
-                f"{storage.block[1]} blocks with compressed-tensors (scale: the block's largest magnitude / 448)",
-                steps)
+                f"{storage.block[1]} blocks with compressed-tensors (scale: {scale}the block's largest magnitude / "
+                "448)", steps)
     if stored is not None and storage.dtype in K_QUANTS and stored.shape[-1] % SUPER_BLOCK == 0:
         values, steps = k_requantize(stored, storage.dtype)
         return (unstored(storage.route, values), f"re-quantized to {storage.dtype} by rounding to the nearest level "

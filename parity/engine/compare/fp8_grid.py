@@ -48,10 +48,12 @@ def library_args(block: tuple[int, int]):
                      dynamic=False)
 
 
-def quantize(x: torch.Tensor, block: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor]:
+def quantize(x: torch.Tensor, block: tuple[int, int], *, power_of_two: bool = False
+             ) -> tuple[torch.Tensor, torch.Tensor]:
     """A's matrix (stored layout) quantized the way the format does: each block's scale from its largest magnitude
-    (compressed-tensors' ``calculate_qparams``), the codes by compressed-tensors' ``quantize``.  Returns the codes (as
-    float32 values of e4m3) and the scales [ceil(rows / block[0]), ceil(cols / block[1])]."""
+    (compressed-tensors' ``calculate_qparams``; with ``power_of_two``, scale_fmt "ue8m0", the power of two at or
+    above it, as transformers' Fp8Quantize rounds it), the codes by compressed-tensors' ``quantize``.  Returns the
+    codes (as float32 values of e4m3) and the scales [ceil(rows / block[0]), ceil(cols / block[1])]."""
     from compressed_tensors.quantization.lifecycle.forward import quantize as ct_quantize
     from compressed_tensors.quantization.utils import calculate_qparams
 
@@ -61,13 +63,16 @@ def quantize(x: torch.Tensor, block: tuple[int, int]) -> tuple[torch.Tensor, tor
     padded = torch.nn.functional.pad(x.float(), (0, grid[1] * block[1] - cols, 0, grid[0] * block[0] - rows))
     tiles = padded.reshape(grid[0], block[0], grid[1], block[1])
     scales, zeros = calculate_qparams(tiles.amin(dim=(1, 3)), tiles.amax(dim=(1, 3)), args)
+    if power_of_two:
+        scales = torch.exp2(torch.ceil(torch.log2(scales.clamp_min(torch.finfo(torch.float32).tiny))))
     codes = ct_quantize(x.float(), scales, zeros, args, dtype=CODES)
     return codes.float(), scales.float()
 
 
-def requantize(x: torch.Tensor, block: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor]:
+def requantize(x: torch.Tensor, block: tuple[int, int], *, power_of_two: bool = False
+               ) -> tuple[torch.Tensor, torch.Tensor]:
     """A's matrix (stored layout) as a faithful FP8 export holds it, dequantized (float32), and each value's step."""
-    codes, scales = quantize(x, block)
+    codes, scales = quantize(x, block, power_of_two=power_of_two)
     return codes * expand(scales, block, codes.shape), steps(codes, scales, block)
 
 
@@ -79,11 +84,12 @@ def even_block(shape, block: tuple[int, int]) -> tuple[int, int]:
     return math.ceil(rows / grid[0]), math.ceil(cols / grid[1])
 
 
-def mistakes(x: torch.Tensor, block: tuple[int, int]) -> list[tuple[str, str, torch.Tensor]]:
+def mistakes(x: torch.Tensor, block: tuple[int, int], *, power_of_two: bool = False
+             ) -> list[tuple[str, str, torch.Tensor]]:
     """The FP8 conversion mistakes that keep B's grid the stated shape, each as (mistake id, detail, A's matrix as
     the broken export reads back; stored layout): the scale inverted; the scales transposed (a square grid: another
     shape is refused when the file is read); the codes quantized in blocks of another size than the stated one."""
-    codes, scales = quantize(x, block)
+    codes, scales = quantize(x, block, power_of_two=power_of_two)
     found = [("fp8_scale_inverted", "codes times 1 / weight_scale_inv (the scale stored inverted)",
               codes * expand(1.0 / scales, block, codes.shape))]
     if scales.shape[0] == scales.shape[1] and scales.shape[0] > 1:
@@ -91,13 +97,14 @@ def mistakes(x: torch.Tensor, block: tuple[int, int]) -> list[tuple[str, str, to
                       codes * expand(scales.t(), block, codes.shape)))
     other = even_block(x.shape, block)
     if other != tuple(block):
-        codes_other, scales_other = quantize(x, other)
+        codes_other, scales_other = quantize(x, other, power_of_two=power_of_two)
         found.append(("fp8_block_size_wrong", f"quantized in {other[0]}x{other[1]} blocks, read in the stated "
                       f"{block[0]}x{block[1]}", codes_other * expand(scales_other, block, codes.shape)))
     return found
 
 
-def replays(x: torch.Tensor, block: tuple[int, int], back: Callable[[torch.Tensor], torch.Tensor]
-            ) -> list[tuple[str, str, torch.Tensor]]:
+def replays(x: torch.Tensor, block: tuple[int, int], back: Callable[[torch.Tensor], torch.Tensor], *,
+            power_of_two: bool = False) -> list[tuple[str, str, torch.Tensor]]:
     """``mistakes`` with each result put into the reference's layout by ``back``."""
-    return [(mistake, detail, back(values)) for mistake, detail, values in mistakes(x, block)]
+    found = mistakes(x, block, power_of_two=power_of_two)
+    return [(mistake, detail, back(values)) for mistake, detail, values in found]
