@@ -213,7 +213,7 @@ def test_without_compressed_tensors_an_fp8_b_is_exit_2_naming_the_extra(model_a,
         monkeypatch.setitem(sys.modules, module, None)  # import of it raises ImportError
     code, out, err = run_main(capsys, "compare", model_a, faithful)
     assert code == 2, out + err
-    assert "compressed-tensors" in err and "'quant'" in err and "FP8 block-quantized" in err
+    assert "compressed-tensors" in err and "'quant'" in err and "FP8-quantized" in err and "'fp8'" in err
     assert "Traceback" not in err
 
 

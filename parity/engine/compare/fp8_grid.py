@@ -43,7 +43,7 @@ def library_args(block: tuple[int, int]):
     """compressed-tensors' description of FP8 e4m3 block quantization with ``block``."""
     from parity.sources.fp8_blocks import require_library
 
-    arguments, _ = require_library("FP8 block quantization")
+    arguments = require_library("FP8 block quantization").QuantizationArgs
     return arguments(num_bits=8, type="float", strategy="block", block_structure=list(block), symmetric=True,
                      dynamic=False)
 
