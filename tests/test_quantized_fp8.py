@@ -235,3 +235,60 @@ def test_fp8_experts_are_judged_one_by_one_and_a_broken_one_is_named(root, capsy
     failed = [(unit["layer"], unit["expert"], unit["diagnosis"]["id"]) for unit in report["layers"]
               if not unit["passed"]]
     assert failed == [(1, 2, "fp8_scale_inverted")]
+
+
+def ct_export(a: Path, dest: Path, preset: str, breaks: dict[str, str] | None = None, fmt: str = "float-quantized"
+              ) -> Path:
+    """A's folder in compressed-tensors' layout (what llm-compressor and vLLM write): every linear weight of the
+    decoder layers as X.weight (float8_e4m3fn) and X.weight_scale, the config compressed-tensors' own
+    QuantizationConfig of its preset scheme ``preset`` (FP8: one scale per tensor; FP8_DYNAMIC: per output channel;
+    FP8_BLOCK: per 128x128 block).  ``breaks``: as ``fp8_export``'s (inverted)."""
+    from compressed_tensors.quantization import QuantizationConfig, preset_name_to_scheme
+
+    scheme = preset_name_to_scheme(preset, ["Linear"])
+    shutil.copytree(a, dest)
+    out = {}
+    for name, value in load_file(a / "model.safetensors").items():
+        if ".layers." not in name or value.dim() != 2:
+            out[name] = value
+            continue
+        strategy = str(getattr(scheme.weights.strategy, "value", scheme.weights.strategy))
+        block = {"tensor": tuple(value.shape), "channel": (1, value.shape[1])}.get(strategy, BLOCK)
+        codes, scale = quantize(value, block)
+        scale = 1.0 / scale if (breaks or {}).get(name) == "inverted" else scale
+        out[name], out[name + "_scale"] = codes, scale.reshape(1) if strategy == "tensor" else scale
+    save_file(out, dest / "model.safetensors", metadata={"format": "pt"})
+    quantization = QuantizationConfig(config_groups={"group_0": scheme}, ignore=["lm_head"], format=fmt,
+                                      quantization_status="compressed").model_dump(mode="json")
+    config = json.loads((dest / "config.json").read_text())
+    config["quantization_config"] = {**quantization, "quant_method": "compressed-tensors"}
+    (dest / "config.json").write_text(json.dumps(config, indent=2))
+    return dest
+
+
+@pytest.mark.parametrize("preset", ["FP8_BLOCK", "FP8_DYNAMIC", "FP8"])
+def test_a_faithful_compressed_tensors_fp8_export_passes(model_a, root, capsys, preset):
+    b = ct_export(model_a, root / f"ct-{preset}", preset)
+    code, report = compare(capsys, model_a, b)
+    assert code == 0, report
+    assert any("compressed-tensors' float-quantized layout" in note for note in report["notes"])
+    for layer in report["layers"]:
+        assert layer["conversion"]["ratio_to_conversion"] == pytest.approx(1.0, abs=1e-6)
+        for row in layer["conversion"]["tensors"]:
+            assert row["storage"] == "float8_e4m3fn" and row["steps"]["values_beyond_step"] == 0
+
+
+def test_a_compressed_tensors_scale_inverted_fails_its_layer_named(model_a, root, capsys):
+    b = ct_export(model_a, root / "ct-inverted", "FP8_BLOCK", {"model.layers.1.mlp.down_proj.weight": "inverted"})
+    code, report = compare(capsys, model_a, b)
+    assert code == 1, report
+    assert [layer["passed"] for layer in report["layers"]] == [True, False]
+    assert report["layers"][1]["diagnosis"]["id"] == "fp8_scale_inverted"
+    assert "down_proj" in report["layers"][1]["diagnosis"]["message"]
+
+
+def test_a_compressed_tensors_format_parity_does_not_read_yet_is_exit_2_naming_it(model_a, root, capsys):
+    b = ct_export(model_a, root / "ct-w4a16", "W4A16", fmt="pack-quantized")
+    code, out, err = run_main(capsys, "compare", model_a, b)
+    assert code == 2, out + err
+    assert "format 'pack-quantized' with 4-bit int weights, strategy 'group'" in err and "Traceback" not in err
