@@ -271,7 +271,7 @@ def test_a_faithful_compressed_tensors_fp8_export_passes(model_a, root, capsys, 
     b = ct_export(model_a, root / f"ct-{preset}", preset)
     code, report = compare(capsys, model_a, b)
     assert code == 0, report
-    assert any("compressed-tensors' float-quantized layout" in note for note in report["notes"])
+    assert any(", compressed-tensors' float-quantized layout" in note for note in report["notes"])
     for layer in report["layers"]:
         assert layer["conversion"]["ratio_to_conversion"] == pytest.approx(1.0, abs=1e-6)
         for row in layer["conversion"]["tensors"]:

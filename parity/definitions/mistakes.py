@@ -172,11 +172,12 @@ MISTAKES = {m.id: m for m in [
     Mistake(MistakeId.NONFINITE_SCALE, "a block scale of checkpoint B's quantized tensor is NaN or Inf: every "
             "value of that block is NaN or Inf", "re-quantize the tensor from A's weights: the block's float16 scale "
             "overflowed or was written corrupt"),
-    Mistake(MistakeId.FP8_SCALE_INVERTED, "checkpoint B's FP8 block scales are inverted: weight_scale_inv holds "
-            "448 / block amax (the factor the quantizer multiplied A's values by) instead of its reciprocal, so "
-            "dequantizing multiplies the codes by what it should divide them by",
-            "write weight_scale_inv = block amax / 448 (the factor the codes are multiplied by to dequantize), not "
-            "448 / block amax"),
+    Mistake(MistakeId.FP8_SCALE_INVERTED, "checkpoint B's FP8 block scales are inverted: weight_scale_inv "
+            "(compressed-tensors: weight_scale) holds 448 / block amax (the factor the quantizer multiplied A's "
+            "values by) instead of its reciprocal, so dequantizing multiplies the codes by what it should divide "
+            "them by",
+            "write weight_scale_inv (weight_scale) = block amax / 448, the factor the codes are multiplied by to "
+            "dequantize, not 448 / block amax"),
     Mistake(MistakeId.FP8_SCALES_TRANSPOSED, "checkpoint B's FP8 block scales are transposed: weight_scale_inv[i, j] "
             "belongs to block (j, i) of the weight",
             "write weight_scale_inv as [ceil(out / block), ceil(in / block)], in the weight's own [out, in] order"),

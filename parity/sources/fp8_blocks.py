@@ -69,7 +69,7 @@ class FP8Scheme:
     def describe(self) -> str:
         how = (f"{self.block[0]}x{self.block[1]} blocks" if self.strategy == "block"
                else f"one scale per {self.strategy}")
-        layout = " (compressed-tensors' float-quantized layout)" if self.method == COMPRESSED else ""
+        layout = ", compressed-tensors' float-quantized layout" if self.method == COMPRESSED else ""
         return f"FP8 e4m3, {how}" + (", power-of-two (ue8m0) scales" if self.power_of_two else "") + layout
 
 
