@@ -32,17 +32,18 @@ FP8_MAX = torch.finfo(torch.float8_e4m3fn).max
 FFN = ("gate_proj", "up_proj", "down_proj")
 
 
-def quantize(weight: torch.Tensor, block: tuple[int, int], power_of_two: bool = False
+def quantize(weight: torch.Tensor, block: tuple[int, int], power_of_two: bool = False, coarser: float = 1.0
              ) -> tuple[torch.Tensor, torch.Tensor]:
     """``weight`` [out, in] in FP8 blocks as transformers' FP8 layout stores it: codes (float8_e4m3fn) and each
     block's weight_scale_inv (float32 [ceil(out / block[0]), ceil(in / block[1])]; partial edge blocks included);
-    ``power_of_two``: each scale rounded up to a power of two (scale_fmt "ue8m0")."""
+    ``power_of_two``: each scale rounded up to a power of two (scale_fmt "ue8m0"); ``coarser``: each scale that many
+    times the format's (fewer of e4m3's codes used)."""
     rows, cols = weight.shape
     grid = math.ceil(rows / block[0]), math.ceil(cols / block[1])
     padded = torch.nn.functional.pad(weight.float(), (0, grid[1] * block[1] - cols, 0, grid[0] * block[0] - rows))
     tiles = padded.reshape(grid[0], block[0], grid[1], block[1])
     scale = tiles.abs().amax(dim=(1, 3)) / FP8_MAX
-    scale = torch.where(scale > 0, scale, torch.ones_like(scale))
+    scale = torch.where(scale > 0, scale, torch.ones_like(scale)) * coarser
     if power_of_two:
         scale = torch.exp2(torch.ceil(torch.log2(scale)))
     codes = (tiles / scale[:, None, :, None]).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
@@ -54,8 +55,9 @@ def fp8_export(a: Path, dest: Path, breaks: dict[str, str] | None = None, keep: 
     """A's folder written as an FP8 block-quantized release (every linear weight of the decoder layers), the
     tensors named in ``breaks`` written with that mistake: inverted (1 / weight_scale_inv stored), transposed (the
     scale grid transposed), even (quantized in blocks splitting each side evenly, stated as 128x128), block64
-    (quantized in 64x64 blocks, stated as 128x128).  Modules named in ``keep`` stay unquantized, cast to bfloat16
-    and listed in modules_to_not_convert; ``fields`` replace quantization_config's own."""
+    (quantized in 64x64 blocks, stated as 128x128), coarse16 (every scale 16 x the format's).  Modules named in
+    ``keep`` stay unquantized, cast to bfloat16 and listed in modules_to_not_convert; ``fields`` replace
+    quantization_config's own."""
     breaks = breaks or {}
     shutil.copytree(a, dest)
     tensors = load_file(a / "model.safetensors")
@@ -70,7 +72,7 @@ def fp8_export(a: Path, dest: Path, breaks: dict[str, str] | None = None, keep: 
         block = {"even": (math.ceil(rows / math.ceil(rows / BLOCK[0])), math.ceil(cols / math.ceil(cols / BLOCK[1]))),
                  "block64": (64, 64)}.get(how, BLOCK)
         power_of_two = (fields or {}).get("scale_fmt") == "ue8m0"
-        codes, scale = quantize(value, block, power_of_two)
+        codes, scale = quantize(value, block, power_of_two, coarser=16.0 if how == "coarse16" else 1.0)
         scale = {"inverted": 1.0 / scale, "transposed": scale.t().contiguous()}.get(how, scale)
         if power_of_two:  # stored as UE8M0 exponents, as transformers writes them
             scale = scale.to(torch.float8_e8m0fnu)
@@ -144,6 +146,7 @@ def test_a_faithful_export_with_power_of_two_scales_passes(model_a, root, capsys
     ("down_proj", "transposed", "fp8_scales_transposed"),
     ("up_proj", "even", "fp8_block_size_wrong"),
     ("up_proj", "block64", "fp8_block_size_wrong"),
+    ("up_proj", "coarse16", "grid_too_coarse"),
 ])
 def test_an_fp8_conversion_mistake_fails_its_layer_only_and_is_named(model_a, root, capsys, tensor, how, named):
     broken = fp8_export(model_a, root / f"{how}-{tensor}", {f"model.layers.1.mlp.{tensor}.weight": how})
@@ -159,6 +162,8 @@ def test_an_fp8_conversion_mistake_fails_its_layer_only_and_is_named(model_a, ro
         assert found["distance"] <= 0.5 * found["reference_distance"]
     elif how == "block64":  # read from B's scale grid: its shape is the evidence
         assert "weight_scale_inv has shape [4, 3]" in found["message"] and "64x64" in found["message"]
+    elif how == "coarse16":  # within its tolerance and its own steps: each block's scale against A's amax / 448
+        assert "4 of 4 blocks" in found["message"] and "(16.00x" in found["message"]
     else:  # replayed value by value: every value of B within its step of the replay
         assert "every value of B lies within its step of this replay" in found["message"]
 

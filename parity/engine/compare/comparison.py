@@ -371,12 +371,14 @@ class Comparison:
                     best = shifted
         if best is not None and best[0] <= min(tolerance, EXPLAINS * reference_distance):
             return diagnosis(best[1], best[0], reference_distance, best[2], candidates)
+        replayed = block_replay_finding(beyond, a.routed, b.routed, b.storage, reference_distance, candidates)
+        if replayed is not None:  # an FP8 mistake B's every value reproduces: before what its grid shows
+            return replayed
         coarse = grid_finding(rows, b.storage, reference_distance, candidates)
         if coarse is not None:
             return coarse
         if beyond:
-            return (block_replay_finding(beyond, a.routed, b.routed, b.storage, reference_distance, candidates)
-                    or beyond_finding(beyond, reference_distance, candidates))
+            return beyond_finding(beyond, reference_distance, candidates)
         closest = f"closest: {best[1]}, {best[2]}, at {best[0]:.2e}; " if best else ""
         detail = f"{closest}tensors beyond the conversion's bound: {', '.join(differing) or 'none'}"
         return diagnosis(MistakeId.CONVERSION_UNEXPLAINED, best[0] if best else None, reference_distance, detail,

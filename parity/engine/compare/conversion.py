@@ -80,6 +80,7 @@ class Storage:
     zeroed: bool = False  # every quantization code of the tensor (this expert's blocks) is zero
     block: tuple[int, int] | None = None  # FP8 block quantization: the block each weight_scale_inv covers
     power_of_two: bool = False  # FP8 block quantization with power-of-two (ue8m0) scales
+    scales: torch.Tensor | None = None  # FP8 block quantization: each block's scale, read from the file
 
 
 def dtype_name(dtype: torch.dtype) -> str:
@@ -128,7 +129,7 @@ def block_storage(checkpoint, key: str, route: TensorRoute) -> Storage | None:
                    f"{bad.numel()} blocks have a NaN/Inf scale")
     return Storage(dtype_name(held.codes.dtype), True, route_tensor(route, steps), "file", route,
                    nonfinite_scale=problem, zeroed=not bool(held.codes.float().any()), block=held.block,
-                   power_of_two=held.power_of_two)
+                   power_of_two=held.power_of_two, scales=held.scales)
 
 
 def lattice_steps(values: torch.Tensor) -> torch.Tensor:
@@ -323,7 +324,9 @@ def quantized_bounds(a: torch.Tensor, b: torch.Tensor, storage: Storage, a_dtype
         allowed = allowed + unstored(storage.route, ends).float()  # 0 away from the grid's ends
         limit = K_GRID_FACTOR * (ideal + quantum / 2) + d_rounding
         return allowed, coarse_blocks(b_steps, ideal, limit, sub, x, a_dtype)
-    if a_steps is None or storage.block is not None:  # FP8 blocks: each value held to its own step only
+    if storage.block is not None and storage.scales is not None:  # FP8: each block's scale against A's amax / 448
+        return allowed, fp8_grid.coarse_blocks(x, storage.scales, storage.block)
+    if a_steps is None:
         return allowed, None
     group = block_values(storage)
     needed = a_steps.float().reshape(-1, group)[:, 0]

@@ -17,6 +17,13 @@ from collections.abc import Callable
 import torch
 
 CODES = torch.float8_e4m3fn
+# A block's scale in B's file may exceed the one the format chooses for A's values there (largest magnitude / 448) by
+# this before it is grid_too_coarse: scale_fmt "ue8m0" rounds it up to a power of two (up to 2x); a float scale is
+# amax / 448 exactly (compressed-tensors, DeepSeek's and transformers' quantizers).  A coarser e4m3 scale keeps each
+# normal value's relative precision but pushes the block's small values into e4m3's subnormals and to zero: measured on
+# the tests' fixture, up_proj of layer 1 with every scale x 4096 still passed on the function (1.16 x the conversion's
+# deviation), its values within their own (coarser) steps.
+GRID_FACTOR = 2.0
 
 
 def expand(scales: torch.Tensor, block: tuple[int, int], shape) -> torch.Tensor:
@@ -48,6 +55,36 @@ def library_args(block: tuple[int, int]):
                      dynamic=False)
 
 
+def block_tiles(x: torch.Tensor, block: tuple[int, int]) -> torch.Tensor:
+    """A matrix as its blocks [grid rows, block rows, grid columns, block columns], the partial edge blocks padded
+    with zeros (which change no block's largest magnitude)."""
+    rows, cols = x.shape[-2:]
+    grid = math.ceil(rows / block[0]), math.ceil(cols / block[1])
+    padded = torch.nn.functional.pad(x.float(), (0, grid[1] * block[1] - cols, 0, grid[0] * block[0] - rows))
+    return padded.reshape(grid[0], block[0], grid[1], block[1])
+
+
+def coarse_blocks(x: torch.Tensor, scales: torch.Tensor, block: tuple[int, int]) -> dict | None:
+    """Blocks whose scale in B's file exceeds ``GRID_FACTOR`` x the scale the format chooses for A's values there
+    (their largest magnitude / 448): None when no block does; else how many, and the worst, with evidence (the keys
+    ``findings.grid_finding`` words; a block's "step" here is its scale, the unit of its e4m3 grid)."""
+    needed = block_tiles(x, block).abs().amax(dim=(1, 3)) / torch.finfo(CODES).max
+    if scales.shape != needed.shape:
+        return None
+    limit = GRID_FACTOR * needed * (1 + 2.0 ** -20)  # the float32 rounding of B's scale
+    over = torch.where(needed > 0, scales.float() / limit, torch.zeros_like(limit)).nan_to_num(0.0)
+    if not bool((over > 1).any()):
+        return None
+    worst = int(over.argmax())
+    row, column = divmod(worst, scales.shape[1])
+    first = column * block[1]
+    return {"blocks_too_coarse": int((over > 1).sum()), "blocks": over.numel(), "worst_block": worst,
+            "row": row * block[0], "values": [first, min(first + block[1], x.shape[-1]) - 1],
+            "b_step": float(scales.reshape(-1)[worst]), "a_step": float(needed.reshape(-1)[worst]),
+            "limit": float(limit.reshape(-1)[worst]),
+            "times_coarser": float(scales.reshape(-1)[worst] / needed.reshape(-1)[worst])}
+
+
 def quantize(x: torch.Tensor, block: tuple[int, int], *, power_of_two: bool = False
              ) -> tuple[torch.Tensor, torch.Tensor]:
     """A's matrix (stored layout) quantized the way the format does: each block's scale from its largest magnitude
@@ -58,10 +95,7 @@ def quantize(x: torch.Tensor, block: tuple[int, int], *, power_of_two: bool = Fa
     from compressed_tensors.quantization.utils import calculate_qparams
 
     args = library_args(block)
-    rows, cols = x.shape[-2:]
-    grid = math.ceil(rows / block[0]), math.ceil(cols / block[1])
-    padded = torch.nn.functional.pad(x.float(), (0, grid[1] * block[1] - cols, 0, grid[0] * block[0] - rows))
-    tiles = padded.reshape(grid[0], block[0], grid[1], block[1])
+    tiles = block_tiles(x, block)
     scales, zeros = calculate_qparams(tiles.amin(dim=(1, 3)), tiles.amax(dim=(1, 3)), args)
     if power_of_two:
         scales = torch.exp2(torch.ceil(torch.log2(scales.clamp_min(torch.finfo(torch.float32).tiny))))
