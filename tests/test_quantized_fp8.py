@@ -303,3 +303,11 @@ def test_a_compressed_tensors_format_parity_does_not_read_yet_is_exit_2_naming_i
     code, out, err = run_main(capsys, "compare", model_a, b)
     assert code == 2, out + err
     assert "format 'pack-quantized' with 4-bit int weights, strategy 'group'" in err and "Traceback" not in err
+
+
+def test_a_check_of_an_fp8_release_runs_on_its_dequantized_weights(faithful, capsys):
+    """``parity B`` (a check, not a compare): target and reference both get B's weights as compressed-tensors
+    dequantizes them, and the report says so."""
+    code, out, err = run_main(capsys, faithful, "--layers", "all")
+    assert code == 0, out + err
+    assert "FP8 e4m3, 128x128 blocks" in out and "the same dequantized float32 weights" in out
