@@ -115,8 +115,9 @@ def block_replay_finding(beyond: list[dict], a: dict[str, torch.Tensor], b: dict
         stored = stored_layout(store.route, a[name].float())
         if store.block is None or stored is None or stored.dim() != 2:
             continue
-        for mistake, detail, values in fp8_grid.replays(stored, store.block, lambda t, s=store: unstored(s.route, t),
-                                                                power_of_two=store.power_of_two):
+        found = fp8_grid.replays(stored, store.block, lambda t, s=store: unstored(s.route, t),
+                                 power_of_two=store.power_of_two)
+        for mistake, detail, values in found:
             excess = step_excess(values, b[name].float(), store.steps)
             candidates.append(Candidate(mistake, f"{name}: {detail}", excess["max_steps"]))
             if excess["values_beyond_step"] == 0:
