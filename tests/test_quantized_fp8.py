@@ -311,3 +311,18 @@ def test_a_check_of_an_fp8_release_runs_on_its_dequantized_weights(faithful, cap
     code, out, err = run_main(capsys, faithful, "--layers", "all")
     assert code == 0, out + err
     assert "FP8 e4m3, 128x128 blocks" in out and "the same dequantized float32 weights" in out
+
+
+def test_an_fp8_release_from_the_hugging_face_cache_is_read_as_a_local_one(model_a, faithful, tmp_path, capsys,
+                                                                            monkeypatch):
+    """B given as a hub id, offline, from the Hugging Face cache (as DeepSeek's and Qwen's FP8 repos are): read
+    through the hub path, dequantized the same way, every layer passes."""
+    from .support import cache_repo, use_hf_home
+
+    home = use_hf_home(monkeypatch, tmp_path / "hf")
+    cache_repo(home, "someone/tiny-llama-fp8", faithful)
+    code, report = compare(capsys, model_a, "someone/tiny-llama-fp8")
+    assert code == 0, report
+    assert report["comparison"]["candidate"]["checkpoint"].startswith("someone/tiny-llama-fp8")
+    assert all(row["storage"] == "float8_e4m3fn" for layer in report["layers"]
+               for row in layer["conversion"]["tensors"])
