@@ -74,6 +74,15 @@ class WeightDefectError(CheckpointError):
     """The checkpoint's weights hold NaN or Inf: a checkpoint defect, not a module mismatch."""
 
 
+class QuantizedLayoutError(CheckpointError):
+    """A quantized tensor's scales do not have the layout its config states (transposed, another block size):
+    ``mistake_id`` names the conversion mistake, for a compare to report on the layer holding it."""
+
+    def __init__(self, message: str, mistake_id: str):
+        super().__init__(message)
+        self.mistake_id = mistake_id  # a parity.definitions.mistakes.MistakeId value (errors.py imports nothing)
+
+
 class PickleRefusedError(CheckpointError):
     """A pickle-based file was found and the user did not opt in with --allow-pickle."""
 

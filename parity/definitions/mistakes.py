@@ -56,6 +56,9 @@ class MistakeId(StrEnum):
     GRID_TOO_COARSE = "grid_too_coarse"
     ZEROED_TENSOR = "zeroed_tensor"
     NONFINITE_SCALE = "nonfinite_scale"
+    FP8_SCALE_INVERTED = "fp8_scale_inverted"
+    FP8_SCALES_TRANSPOSED = "fp8_scales_transposed"
+    FP8_BLOCK_SIZE_WRONG = "fp8_block_size_wrong"
     CONVERSION_UNEXPLAINED = "conversion_unexplained"
     # routing mistakes of a whole mixture-of-experts block (engine.routing_mistakes replays each on transformers' block)
     ROUTER_SIGMOID_INSTEAD_OF_SOFTMAX = "router_sigmoid_instead_of_softmax"
@@ -197,6 +200,20 @@ MISTAKES = {m.id: m for m in [
     Mistake(MistakeId.NONFINITE_SCALE, "a block scale of checkpoint B's quantized tensor is NaN or Inf: every "
             "value of that block is NaN or Inf", "re-quantize the tensor from A's weights: the block's float16 scale "
             "overflowed or was written corrupt"),
+    Mistake(MistakeId.FP8_SCALE_INVERTED, "checkpoint B's FP8 block scales are inverted: weight_scale_inv "
+            "(compressed-tensors: weight_scale) holds 448 / block amax (the factor the quantizer multiplied A's "
+            "values by) instead of its reciprocal, so dequantizing multiplies the codes by what it should divide "
+            "them by",
+            "write weight_scale_inv (weight_scale) = block amax / 448, the factor the codes are multiplied by to "
+            "dequantize, not 448 / block amax"),
+    Mistake(MistakeId.FP8_SCALES_TRANSPOSED, "checkpoint B's FP8 block scales are transposed: weight_scale_inv[i, j] "
+            "belongs to block (j, i) of the weight",
+            "write weight_scale_inv as [ceil(out / block), ceil(in / block)], in the weight's own [out, in] order"),
+    Mistake(MistakeId.FP8_BLOCK_SIZE_WRONG, "checkpoint B's FP8 codes were quantized in blocks of another size than "
+            "config.json's quantization_config.weight_block_size states: each scale is applied to other values "
+            "than it was computed for",
+            "quantize in the stated weight_block_size (partial edge blocks at the matrix's end, never an even "
+            "split of each side), or state the block the exporter used"),
     Mistake(MistakeId.CONVERSION_UNEXPLAINED, "checkpoint B's layer computes another function than A's, and no "
             "known conversion mistake explains it",
             "compare the layer's tensors one by one (the report lists which differ beyond the conversion's bound)"),
@@ -367,6 +384,11 @@ PRODUCED_BY: dict[MistakeId, str] = {
                                "quantizer chooses for A's values in that block",
     MistakeId.ZEROED_TENSOR: "finding (compare): every code of B's quantized tensor is zero, read from its blocks",
     MistakeId.NONFINITE_SCALE: "finding (compare): a NaN/Inf block scale in B's quantized tensor, read from its blocks",
+    MistakeId.FP8_SCALE_INVERTED: "replay (compare): A quantized to FP8 blocks, its codes times 1 / each scale",
+    MistakeId.FP8_SCALES_TRANSPOSED: "replay (compare): A quantized to FP8 blocks, the scale grid transposed "
+                                     "(square grids); finding: B's scale grid is the stated one reversed",
+    MistakeId.FP8_BLOCK_SIZE_WRONG: "replay (compare): A quantized in blocks splitting each side evenly, read in the "
+                                    "stated blocks; finding: B's scale grid is another block size's",
     MistakeId.CONVERSION_UNEXPLAINED: "finding (compare): no conversion replay within the tolerance",
     MistakeId.ROUTER_SIGMOID_INSTEAD_OF_SOFTMAX: "replay: engine.routing_mistakes, the router's softmax computed "
                                                  "as a sigmoid",

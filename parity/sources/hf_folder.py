@@ -8,6 +8,7 @@ from pathlib import Path
 
 from parity.definitions.files import shown
 from parity.errors import CheckpointError
+from parity.sources import fp8_blocks
 from parity.sources.checkpoint import Checkpoint
 from parity.sources.safetensors_files import (
     CONFIG,
@@ -51,4 +52,5 @@ def open_path(path: Path, allow_pickle: bool = False) -> Checkpoint:
             raise CheckpointError(f"{shown(file_path)}: listed in {INDEX} but missing on disk")
         return file_path
 
-    return Checkpoint(str(path), folder, raw_config, weight_map, fetch, reader=local_reader(fetch))
+    checkpoint = Checkpoint(str(path), folder, raw_config, weight_map, fetch, reader=local_reader(fetch))
+    return fp8_blocks.wrap(checkpoint, folder)  # FP8 block-quantized weights: dequantized on read

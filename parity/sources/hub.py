@@ -21,6 +21,7 @@ from parity.errors import (
     OfflineError,
     PickleRefusedError,
 )
+from parity.sources import fp8_blocks
 from parity.sources.checkpoint import Checkpoint
 from parity.sources.hub_errors import (
     describe_transport,
@@ -117,8 +118,9 @@ def open_hub(repo_id: str, revision: str | None = None) -> Checkpoint:
 
     location = repo_id + (f"@{revision}" if revision else "")
     reader = remote_reader(repo_id, commit, fetch, offline=offline)
-    return Checkpoint(location, config_path.parent, raw_config, weight_map, fetch, reader=reader,
-                      repo_id=repo_id, revision=revision)
+    checkpoint = Checkpoint(location, config_path.parent, raw_config, weight_map, fetch, reader=reader,
+                            repo_id=repo_id, revision=revision)
+    return fp8_blocks.wrap(checkpoint, f"'{repo_id}'")  # FP8 block-quantized weights: dequantized on read
 
 
 def _pinned(config_path: Path, revision: str | None) -> str | None:

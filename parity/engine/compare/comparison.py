@@ -42,7 +42,13 @@ from parity.engine.check.fill import route_tensor
 from parity.engine.check.session import Session, run_reference
 from parity.engine.compare import conversion
 from parity.engine.compare.blocks import BlockComparison
-from parity.engine.compare.findings import activations_differ, beyond_finding, block_finding, grid_finding
+from parity.engine.compare.findings import (
+    activations_differ,
+    beyond_finding,
+    block_finding,
+    block_replay_finding,
+    grid_finding,
+)
 from parity.engine.compare.inventory import inventory
 from parity.engine.compare.mistakes import Hypothesis, hypotheses
 from parity.engine.inputs import make_inputs
@@ -58,6 +64,7 @@ from parity.errors import (
     MappingError,
     MissingTensorError,
     ParityError,
+    QuantizedLayoutError,
     SyntheticWeightsError,
     UsageError,
     WeightDefectError,
@@ -259,11 +266,13 @@ class Comparison:
         with torch.no_grad():
             return compute_in(module, torch.float64)(x.double())
 
-    def missing(self, layer: int, expert: int | None, mistake: MistakeId, detail: str) -> CompareLayer:
-        """A unit of A that B lacks (a layer, or a tensor of it): failed, with the finding."""
+    def missing(self, layer: int, expert: int | None, mistake: MistakeId, detail: str,
+                kind: str = "missing in B") -> CompareLayer:
+        """A unit of A that B lacks (a layer, or a tensor of it), or holds in a layout that cannot be read as its
+        config states (``kind``): failed, with the finding."""
         result = unloadable(layer, diagnosis(mistake, None, None, detail), [], self.a.checkpoint.weights)
         result.expert = expert
-        result.conversion["kind"] = "missing in B"
+        result.conversion["kind"] = kind
         return result
 
     def compare_layer(self, layer: int, expert: int | None = None) -> CompareLayer:
@@ -274,6 +283,8 @@ class Comparison:
             b = read_side(self.b, layer, truth=False, expert=expert)
         except MissingTensorError as exc:  # a conversion that dropped a tensor: B's finding, not bad input
             return self.missing(layer, expert, MistakeId.TENSOR_MISSING, str(exc))
+        except QuantizedLayoutError as exc:  # B's scales in another layout than its config states: B's finding
+            return self.missing(layer, expert, MistakeId(exc.mistake_id), str(exc), kind="scales unreadable in B")
         rows, converted, exact = tensor_rows(a, b)
         shaped = shape_finding(a, b)
         if shaped is not None:
@@ -367,6 +378,9 @@ class Comparison:
                     best = shifted
         if best is not None and best[0] <= min(tolerance, EXPLAINS * reference_distance):
             return diagnosis(best[1], best[0], reference_distance, best[2], candidates)
+        replayed = block_replay_finding(beyond, a.routed, b.routed, b.storage, reference_distance, candidates)
+        if replayed is not None:  # an FP8 mistake B's every value reproduces: before what its grid shows
+            return replayed
         coarse = grid_finding(rows, b.storage, reference_distance, candidates)
         if coarse is not None:
             return coarse

@@ -32,6 +32,7 @@ import torch
 
 from parity.definitions.mapping import TensorRoute
 from parity.engine.check.fill import route_tensor
+from parity.engine.compare import fp8_grid
 from parity.engine.compare.gguf_blocks import (
     K_FORMAT,
     K_QUANTS,
@@ -77,6 +78,9 @@ class Storage:
     offsets: torch.Tensor | None = None  # where a K-quant's grid starts (-dmin x min), per value; None: at zero
     nonfinite_scale: str | None = None  # the first block whose scale is NaN/Inf, in words (read from the file)
     zeroed: bool = False  # every quantization code of the tensor (this expert's blocks) is zero
+    block: tuple[int, int] | None = None  # FP8 block quantization: the block each weight_scale_inv covers
+    power_of_two: bool = False  # FP8 block quantization with power-of-two (ue8m0) scales
+    scales: torch.Tensor | None = None  # FP8 block quantization: each block's scale, read from the file
 
 
 def dtype_name(dtype: torch.dtype) -> str:
@@ -89,7 +93,8 @@ def storage_of(checkpoint, key: str, stored: torch.Tensor, route: TensorRoute, e
     header = getattr(checkpoint, "header", None)
     info = header.tensors.get(key) if header is not None else None
     if info is None:
-        return Storage(dtype_name(stored.dtype), route=route)
+        as_stored = getattr(checkpoint, "stored_dtype", lambda _: None)(key)  # before a read's upcast to one dtype
+        return block_storage(checkpoint, key, route) or Storage(as_stored or dtype_name(stored.dtype), route=route)
     from parity.sources.gguf_header import qtype_name
 
     name = qtype_name(info.qtype)
@@ -106,6 +111,25 @@ def storage_of(checkpoint, key: str, stored: torch.Tensor, route: TensorRoute, e
                    None if offsets is None else route_tensor(route, offsets),
                    nonfinite_scale=scale_problem(scales, stored.numel() // len(raw), stored.shape[-1]),
                    zeroed=codes_zero(raw, name))
+
+
+def block_storage(checkpoint, key: str, route: TensorRoute) -> Storage | None:
+    """How an FP8 block-quantized checkpoint stores ``key`` (``parity.sources.fp8_blocks``): each value's step is the
+    e4m3 spacing at its code times its block's scale, read from the file; None for a tensor stored unquantized."""
+    quantized = getattr(checkpoint, "quantized", None)
+    held = quantized(key) if quantized is not None else None
+    if held is None:
+        return None
+    steps = fp8_grid.steps(held.codes, held.scales, held.block)
+    bad = ~torch.isfinite(held.scales)
+    problem = None
+    if bool(bad.any()):
+        first = [int(i) for i in bad.nonzero()[0]]
+        problem = (f"block {first} ({held.scale_name} = {float(held.scales[tuple(first)])}): {int(bad.sum())} of "
+                   f"{bad.numel()} blocks have a NaN/Inf scale")
+    return Storage(dtype_name(held.codes.dtype), True, route_tensor(route, steps), "file", route,
+                   nonfinite_scale=problem, zeroed=not bool(held.codes.float().any()), block=held.block,
+                   power_of_two=held.power_of_two, scales=held.scales)
 
 
 def lattice_steps(values: torch.Tensor) -> torch.Tensor:
@@ -147,6 +171,12 @@ def reference_conversion(a: torch.Tensor, storage: Storage) -> tuple[torch.Tenso
             return a.float(), "as stored", None
         return a.to(target).float(), f"rounded to {storage.dtype}", None
     stored = stored_layout(storage.route, a.float())
+    if stored is not None and storage.block is not None:
+        values, steps = fp8_grid.requantize(stored, storage.block, power_of_two=storage.power_of_two)
+        scale = "the power of two at or above " if storage.power_of_two else ""
+        return (unstored(storage.route, values), f"re-quantized to {storage.dtype} in {storage.block[0]}x"
+                f"{storage.block[1]} blocks with compressed-tensors (scale: {scale}the block's largest magnitude / "
+                "448)", steps)
     if stored is not None and storage.dtype in K_QUANTS and stored.shape[-1] % SUPER_BLOCK == 0:
         values, steps = k_requantize(stored, storage.dtype)
         return (unstored(storage.route, values), f"re-quantized to {storage.dtype} by rounding to the nearest level "
@@ -294,6 +324,8 @@ def quantized_bounds(a: torch.Tensor, b: torch.Tensor, storage: Storage, a_dtype
         allowed = allowed + unstored(storage.route, ends).float()  # 0 away from the grid's ends
         limit = K_GRID_FACTOR * (ideal + quantum / 2) + d_rounding
         return allowed, coarse_blocks(b_steps, ideal, limit, sub, x, a_dtype)
+    if storage.block is not None and storage.scales is not None:  # FP8: each block's scale against A's amax / 448
+        return allowed, fp8_grid.coarse_blocks(x, storage.scales, storage.block)
     if a_steps is None:
         return allowed, None
     group = block_values(storage)

@@ -11,7 +11,8 @@ import math
 import torch
 
 from parity.definitions.mistakes import Candidate, Diagnosis, MistakeId, diagnosis
-from parity.engine.compare.conversion import Storage
+from parity.engine.compare import fp8_grid
+from parity.engine.compare.conversion import Storage, step_excess, stored_layout, unstored
 
 ACTIVATION_GRID = (-20.0, 20.0, 4001)  # where two activations are compared, in float64
 SAME_FUNCTION = 1e-9  # two activations agreeing within this (relative to their largest output) are one function
@@ -100,3 +101,30 @@ def grid_finding(rows: list[dict], storage: dict[str, Storage], reference_distan
                        f"there call for {grid['a_step']:.4g} ({grid['times_coarser']:.2f}x; a quantizer of the format "
                        f"chooses at most {grid['limit']:.4g})")
     return diagnosis(MistakeId.GRID_TOO_COARSE, None, reference_distance, "; ".join(details), candidates)
+
+
+def block_replay_finding(beyond: list[dict], a: dict[str, torch.Tensor], b: dict[str, torch.Tensor],
+                         storage: dict[str, Storage], reference_distance: float, candidates: list[Candidate]
+                         ) -> Diagnosis | None:
+    """Values of an FP8 block-quantized tensor beyond their step from A's, every one of them within its step of a
+    conversion mistake replayed on A's tensor (``fp8_grid.mistakes``): that mistake, with the counts as evidence.
+    Judged value by value, since a mistake confined to the partial edge blocks (blocks of another size) may move the
+    layer's function less than FP8 itself does."""
+    for row in beyond:
+        name, store = row["name"], storage[row["name"]]
+        stored = stored_layout(store.route, a[name].float())
+        if store.block is None or stored is None or stored.dim() != 2:
+            continue
+        found = fp8_grid.replays(stored, store.block, lambda t, s=store: unstored(s.route, t),
+                                 power_of_two=store.power_of_two)
+        for mistake, detail, values in found:
+            excess = step_excess(values, b[name].float(), store.steps)
+            candidates.append(Candidate(mistake, f"{name}: {detail}", excess["max_steps"]))
+            if excess["values_beyond_step"] == 0:
+                from_a = row["steps"]
+                return diagnosis(mistake, None, reference_distance,
+                                 f"{named_in_b(row, storage)}: {detail}: every value of B lies within its step of this "
+                                 f"replay on A's (worst {excess['max_steps']:.2f} steps), where "
+                                 f"{from_a['values_beyond_step']} lie beyond their step from A's own (worst "
+                                 f"{from_a['max_steps']:.2f} steps at {from_a['at']})", candidates)
+    return None

@@ -1,0 +1,265 @@
+"""FP8 block-quantized safetensors (DeepSeek V3's and Qwen3's FP8 releases): an HF folder whose config.json says
+``quantization_config = {quant_method: "fp8", fmt: "e4m3", weight_block_size: [128, 128], ...}`` and whose quantized
+matrices are stored as ``X.weight`` (float8_e4m3fn) beside ``X.weight_scale_inv`` (float32, one per block:
+[ceil(out / 128), ceil(in / 128)]); the true weight is each code times its block's ``weight_scale_inv``.  Tensors the
+release leaves unquantized (``modules_to_not_convert``) have no scale and are read as stored.
+
+``read`` returns the dequantized float32 weight, dequantized by compressed-tensors (``dequantize`` with a block
+strategy of the config's ``weight_block_size``: the extra ``quant``), imported only when a checkpoint needs it.  Why
+not transformers' own FP8 dequantizer (``Fp8Dequantize``, what ``FineGrainedFP8Config(dequantize=True)`` runs on
+CPU): it infers the block from the scale grid (rows / grid rows) instead of reading ``weight_block_size``, so a matrix
+whose sides are not multiples of the block is read with other blocks: on tests/test_quantized_fp8.py's tiny LLaMA
+(gate_proj [200, 160], blocks 128x128, grid [2, 2], read as 100x80 blocks) its values lie 2.4 to 4.9 steps from the
+unquantized weight's (up to 0.071, on each of the six FFN matrices), where compressed-tensors' lie within half a step
+(0.0077 at most), as rounding to the nearest code does.  Where the two disagree, the one that follows the stated
+block size is trusted.
+
+The scale grid must be the one the stated block calls for: a grid of another shape is a conversion mistake
+(``QuantizedLayoutError``: the scales transposed, or written for another block size), which a compare reports on
+the layer that holds it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from types import SimpleNamespace
+
+from parity.definitions.distribution import install_command
+from parity.definitions.files import shown
+from parity.errors import CheckpointError, QuantizedLayoutError
+from parity.sources.checkpoint import Checkpoint
+
+QUANT_METHOD = "fp8"
+COMPRESSED = "compressed-tensors"
+# X.weight -> its scale: transformers' FP8 layout stores X.weight_scale_inv, compressed-tensors X.weight_scale (both the
+# factor the codes are multiplied by to dequantize)
+SCALE_SUFFIX = {QUANT_METHOD: "_scale_inv", COMPRESSED: "_scale"}
+# compressed-tensors' other per-module tensors beside a weight: part of its storage or of the activations' scheme
+COMPANIONS = (".weight_scale", ".weight_zero_point", ".input_scale", ".input_zero_point")
+EXTRA = "quant"  # pyproject.toml's extra that installs compressed-tensors
+
+
+@dataclass(frozen=True)
+class FP8Scheme:
+    """What config.json's quantization_config states: how each scale covers its weight (``strategy``: one per
+    ``block`` of (rows, columns), per output channel, or one per tensor), the scale's name, what is left
+    unquantized."""
+
+    block: tuple[int, int] | None
+    not_converted: tuple[str, ...] = ()
+    power_of_two: bool = False  # scale_fmt "ue8m0": each scale a power of two (DeepSeek V3.1's UE8M0 scales)
+    method: str = QUANT_METHOD  # quant_method: "fp8" (transformers' layout) or "compressed-tensors"
+    strategy: str = "block"  # compressed-tensors' strategy: "block", "channel" or "tensor"
+
+    def block_for(self, shape) -> tuple[int, int]:
+        """The block one scale covers in a matrix of ``shape``: a channel's is its row, a tensor's the matrix."""
+        if self.strategy == "channel":
+            return 1, shape[-1]
+        if self.strategy == "tensor":
+            return shape[-2], shape[-1]
+        return self.block
+
+    @property
+    def suffix(self) -> str:
+        return SCALE_SUFFIX[self.method]
+
+    def describe(self) -> str:
+        how = (f"{self.block[0]}x{self.block[1]} blocks" if self.strategy == "block"
+               else f"one scale per {self.strategy}")
+        layout = ", compressed-tensors' float-quantized layout" if self.method == COMPRESSED else ""
+        return f"FP8 e4m3, {how}" + (", power-of-two (ue8m0) scales" if self.power_of_two else "") + layout
+
+
+@dataclass
+class BlockQuantized:
+    """One quantized matrix as its file stores it: the e4m3 codes, each block's scale (``weight_scale_inv``), and
+    the block one scale covers.  Stored layout ([out, in])."""
+
+    codes: object  # torch.Tensor, float8_e4m3fn
+    scales: object  # torch.Tensor, float32 [ceil(out / block[0]), ceil(in / block[1])]
+    block: tuple[int, int]
+    scale_name: str
+    power_of_two: bool = False
+
+
+def scheme_of(raw_config: dict, where: str) -> FP8Scheme | None:
+    """The FP8 scheme config.json states, None for a checkpoint that is neither FP8 block-quantized nor in
+    compressed-tensors' layout; a quantization_config parity cannot read is a CheckpointError naming the field."""
+    config = raw_config.get("quantization_config")
+    if isinstance(config, dict) and config.get("quant_method") == COMPRESSED:
+        return compressed_scheme(config, where)
+    if not isinstance(config, dict) or config.get("quant_method") != QUANT_METHOD:
+        return None
+    fmt = config.get("fmt", "e4m3")
+    if fmt != "e4m3":
+        raise CheckpointError(f"{where}: config.json's quantization_config.fmt is {fmt!r}; parity reads FP8 block "
+                              "quantization in e4m3 (float8_e4m3fn) only")
+    block = config.get("weight_block_size")
+    if (not isinstance(block, list) or len(block) != 2
+            or not all(isinstance(b, int) and not isinstance(b, bool) and b > 0 for b in block)):
+        raise CheckpointError(f"{where}: config.json's quantization_config.weight_block_size is {block!r}; expected "
+                              "two positive integers such as [128, 128] (the rows and columns each weight_scale_inv "
+                              "covers)")
+    scale_fmt = config.get("scale_fmt") or "float"
+    if scale_fmt not in ("float", "ue8m0"):
+        raise CheckpointError(f"{where}: config.json's quantization_config.scale_fmt is {scale_fmt!r}; parity reads "
+                              "'float' (float32 scales) and 'ue8m0' (power-of-two scales)")
+    skipped = config.get("modules_to_not_convert") or []
+    return FP8Scheme((block[0], block[1]), tuple(str(s) for s in skipped if isinstance(s, str)),
+                     scale_fmt == "ue8m0")
+
+
+def compressed_scheme(config: dict, where: str) -> FP8Scheme:
+    """compressed-tensors' quantization_config, read by compressed-tensors itself (``QuantizationConfig``): FP8
+    weights (format float-quantized, 8-bit float, one weight scheme for every group) are read; any other is refused
+    naming what it is."""
+    library = require_library(where, COMPRESSED)
+    try:
+        parsed = library.QuantizationConfig.model_validate(config)
+    except Exception as exc:  # pydantic's ValidationError: the field and what was wrong
+        first = str(exc).splitlines()
+        raise CheckpointError(f"{where}: config.json's quantization_config is not one compressed-tensors reads: "
+                              f"{'; '.join(first[:3])}") from None
+    schemes = {g.weights.model_dump_json(): g.weights for g in parsed.config_groups.values() if g.weights is not None}
+    if len(schemes) != 1:
+        raise CheckpointError(f"{where}: config.json's quantization_config (compressed-tensors) has {len(schemes)} "
+                              "weight schemes across its config_groups; parity reads checkpoints with one so far")
+    args = next(iter(schemes.values()))
+    strategy = str(getattr(args.strategy, "value", args.strategy))
+    readable = (parsed.format in ("float-quantized", "naive-quantized") and str(getattr(args.type, "value", args.type))
+                == "float" and args.num_bits == 8 and args.symmetric and strategy in ("block", "channel", "tensor"))
+    if not readable:
+        raise CheckpointError(f"{where}: compressed-tensors format {parsed.format!r} with {args.num_bits}-bit "
+                              f"{getattr(args.type, 'value', args.type)} weights, strategy {strategy!r}: parity reads "
+                              "FP8 weights so far (format 'float-quantized': 8-bit float, symmetric, strategy block, "
+                              "channel or tensor)")
+    block = tuple(args.block_structure) if strategy == "block" else None
+    return FP8Scheme(block, tuple(str(n) for n in parsed.ignore or []), method=COMPRESSED, strategy=strategy)
+
+
+def require_library(where: str, method: str = QUANT_METHOD):
+    """compressed-tensors (its QuantizationArgs, QuantizationConfig and dequantize), or a CheckpointError (exit 2)
+    naming what to install."""
+    try:
+        from compressed_tensors.quantization import QuantizationArgs, QuantizationConfig
+        from compressed_tensors.quantization.lifecycle.forward import dequantize
+    except ImportError:
+        raise CheckpointError(
+            f"{where}: its weights are FP8-quantized (config.json: quantization_config.quant_method {method!r}), "
+            "which parity dequantizes with compressed-tensors, and that is not installed: "
+            f"{install_command(EXTRA, fallback='compressed-tensors')} (ffn-parity's extra '{EXTRA}')") from None
+    return SimpleNamespace(QuantizationArgs=QuantizationArgs, QuantizationConfig=QuantizationConfig,
+                           dequantize=dequantize)
+
+
+def expected_grid(shape, block: tuple[int, int]) -> tuple[int, int]:
+    """The scale grid the stated block calls for: one scale per block, partial edge blocks included."""
+    return math.ceil(shape[-2] / block[0]), math.ceil(shape[-1] / block[1])
+
+
+def implied_blocks(shape, grid) -> str:
+    """The power-of-two blocks a grid of this shape fits (ceil(side / block) == grid side), in words."""
+    fits = []
+    for side, cells in zip(shape[-2:], grid, strict=True):
+        fits.append([2 ** k for k in range(0, 16) if cells and math.ceil(side / 2 ** k) == cells])
+    if all(fits):
+        return f"{fits[0][0]}x{fits[1][0]}" + (" or larger" if len(fits[0]) > 1 or len(fits[1]) > 1 else "")
+    return "no power-of-two block"
+
+
+def as_grid(scales):
+    """A scale tensor as a grid [rows, columns]: a per-tensor scale ([1] or []) is [1, 1]."""
+    return scales.reshape(1, 1) if scales.dim() < 2 and scales.numel() == 1 else scales
+
+
+def check_grid(location: str, name: str, codes, scales, scheme: FP8Scheme) -> None:
+    """The scale grid is the one the stated scheme calls for, else a QuantizedLayoutError saying what it is."""
+    block = scheme.block_for(codes.shape)
+    grid = expected_grid(codes.shape, block)
+    found = tuple(scales.shape[-2:]) if scales.dim() >= 2 else tuple(scales.shape)
+    if found == grid:
+        return
+    stated = (f"weight_block_size {list(block)}" if scheme.strategy == "block" else f"strategy {scheme.strategy!r}")
+    said = (f"{location}: {name}{scheme.suffix} has shape {list(scales.shape)} for {name} {list(codes.shape)}; "
+            f"config.json's {stated} calls for one scale per block, {list(grid)}")
+    if found == tuple(reversed(grid)):
+        raise QuantizedLayoutError(f"{said}: it is that grid transposed", "fp8_scales_transposed")
+    raise QuantizedLayoutError(f"{said}: it is the grid of {implied_blocks(codes.shape, found)} blocks, not the "
+                               "stated ones", "fp8_block_size_wrong")
+
+
+class FP8Checkpoint(Checkpoint):
+    """An HF folder of FP8-quantized weights: ``read`` returns each quantized matrix dequantized (float32) by
+    compressed-tensors; the scale tensors (and compressed-tensors' other companions of a weight) are kept apart from
+    ``weight_map`` (they are part of their weight's storage, not tensors of the model)."""
+
+    scheme: FP8Scheme
+    scale_map: dict[str, str]
+    as_stored: dict[str, str]  # tensor name -> its dtype in the file, for the tensors the last read returned
+
+    def quantized(self, name: str) -> BlockQuantized | None:
+        """How tensor ``name`` is stored, when it is FP8-quantized: its codes, scales (as a grid) and block."""
+        scale_name = name + self.scheme.suffix
+        if scale_name not in self.scale_map or not self.has(name):
+            return None
+        codes = self.reader(self.weight_map[name], [name])[name]
+        if codes.dtype.itemsize != 1 or codes.dim() != 2:
+            return None
+        scales = self.reader(self.scale_map[scale_name], [scale_name])[scale_name]
+        return BlockQuantized(codes, as_grid(scales.float()), self.scheme.block_for(codes.shape), scale_name,
+                              self.scheme.power_of_two)
+
+    def stored_dtype(self, name: str) -> str | None:
+        """The dtype tensor ``name`` had in its file when last read (torch's name: ``bfloat16``), None if not read:
+        a layer mixing dequantized float32 with a tensor left in bfloat16 is upcast to one dtype when read, and a
+        compare must judge the bfloat16 one as the cast it is."""
+        return self.as_stored.get(name)
+
+    def read(self, names: list[str]):
+        out = super().read(names)
+        self.as_stored = {name: str(out[name].dtype).removeprefix("torch.") for name in names}
+        for name in names:
+            scale_name = name + self.scheme.suffix
+            if scale_name in self.scale_map and out[name].dtype.itemsize == 1:
+                scales = self.reader(self.scale_map[scale_name], [scale_name])[scale_name]
+                out[name] = self.dequantize(name, out[name], scales)
+        return out
+
+    def dequantize(self, name: str, codes, scales):
+        """compressed-tensors' dequantization (float32) in the block one scale covers; the grid checked first.  A
+        stacked (3-D) FP8 tensor is not read yet: refused, naming it."""
+        import torch
+
+        if codes.dim() != 2:
+            raise CheckpointError(f"{self.location}: {name} is an FP8 tensor of shape {list(codes.shape)}; parity "
+                                  "reads FP8 matrices (2-D), not stacked experts, so far")
+        scales = as_grid(scales.float())
+        check_grid(self.location, name, codes, scales, self.scheme)
+        library = require_library(self.location, self.scheme.method)
+        block = self.scheme.block_for(codes.shape)
+        args = library.QuantizationArgs(num_bits=8, type="float", strategy="block", block_structure=list(block),
+                                        symmetric=True, dynamic=False)
+        return library.dequantize(codes, scales, None, args=args, dtype=torch.float32)
+
+
+def wrap(checkpoint: Checkpoint, folder: Path | str) -> Checkpoint:
+    """``checkpoint`` as an FP8Checkpoint when its config states FP8 quantization, else unchanged."""
+    scheme = scheme_of(checkpoint.raw_config, shown(folder))
+    if scheme is None:
+        return checkpoint
+    require_library(shown(folder), scheme.method)  # before anything is computed: exit 2 naming the extra
+    aside = (scheme.suffix,) if scheme.method == QUANT_METHOD else COMPANIONS
+    scales = {n: f for n, f in checkpoint.weight_map.items() if n.endswith(aside)}
+    weights = {n: f for n, f in checkpoint.weight_map.items() if n not in scales}
+    fields = {f.name: getattr(checkpoint, f.name) for f in dataclasses.fields(Checkpoint)}
+    wrapped = FP8Checkpoint(**{**fields, "weight_map": weights, "notes": list(checkpoint.notes)})
+    wrapped.scheme, wrapped.scale_map, wrapped.as_stored = scheme, scales, {}
+    quantized = sum(1 for n in scales if n.endswith(scheme.suffix) and n[:-len(scheme.suffix)] in weights)
+    wrapped.notes.append(f"{scheme.describe()} (config.json quantization_config): {quantized} quantized matrices, "
+                         "dequantized with compressed-tensors in the stated blocks (partial edge blocks included)"
+                         + (f"; left unquantized: {', '.join(scheme.not_converted)}" if scheme.not_converted else "")
+                         + "; target and reference both get the same dequantized float32 weights")
+    return wrapped

@@ -1,0 +1,328 @@
+"""``parity compare A B`` where B is an FP8 block-quantized release (DeepSeek V3's and Qwen3's layout): each quantized
+matrix a float8_e4m3fn ``weight`` beside a float32 ``weight_scale_inv`` per block, config.json's
+``quantization_config = {quant_method: "fp8", fmt: "e4m3", weight_block_size: [128, 128]}``.
+
+A is a tiny LLaMA built with transformers' own classes whose FFN sides (160 and 200) are not multiples of the block,
+so every matrix has partial edge blocks.  B is written here with torch's float8_e4m3fn in transformers' FP8 layout
+(each block's scale its largest magnitude / 448, the codes A / scale rounded to e4m3): faithful, and with one of the
+conversion mistakes on layer 1 only.  B is read by compressed-tensors (the extra ``quant``); a test reads it with
+transformers' own FP8 dequantizer too, to hold the figure docs/compare.md gives for their disagreement.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import shutil
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from .derived_checkpoints import build
+from .support import run_main
+
+pytest.importorskip("compressed_tensors")
+
+BLOCK = (128, 128)
+SIZES = dict(hidden_size=160, intermediate_size=200, num_key_value_heads=2)
+FP8_MAX = torch.finfo(torch.float8_e4m3fn).max
+FFN = ("gate_proj", "up_proj", "down_proj")
+
+
+def quantize(weight: torch.Tensor, block: tuple[int, int], power_of_two: bool = False, coarser: float = 1.0
+             ) -> tuple[torch.Tensor, torch.Tensor]:
+    """``weight`` [out, in] in FP8 blocks as transformers' FP8 layout stores it: codes (float8_e4m3fn) and each
+    block's weight_scale_inv (float32 [ceil(out / block[0]), ceil(in / block[1])]; partial edge blocks included);
+    ``power_of_two``: each scale rounded up to a power of two (scale_fmt "ue8m0"); ``coarser``: each scale that many
+    times the format's (fewer of e4m3's codes used)."""
+    rows, cols = weight.shape
+    grid = math.ceil(rows / block[0]), math.ceil(cols / block[1])
+    padded = torch.nn.functional.pad(weight.float(), (0, grid[1] * block[1] - cols, 0, grid[0] * block[0] - rows))
+    tiles = padded.reshape(grid[0], block[0], grid[1], block[1])
+    scale = tiles.abs().amax(dim=(1, 3)) / FP8_MAX
+    scale = torch.where(scale > 0, scale, torch.ones_like(scale)) * coarser
+    if power_of_two:
+        scale = torch.exp2(torch.ceil(torch.log2(scale)))
+    codes = (tiles / scale[:, None, :, None]).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+    return codes.reshape(grid[0] * block[0], grid[1] * block[1])[:rows, :cols].contiguous(), scale.float()
+
+
+def fp8_export(a: Path, dest: Path, breaks: dict[str, str] | None = None, keep: tuple[str, ...] = (),
+               fields: dict | None = None) -> Path:
+    """A's folder written as an FP8 block-quantized release (every linear weight of the decoder layers), the
+    tensors named in ``breaks`` written with that mistake: inverted (1 / weight_scale_inv stored), transposed (the
+    scale grid transposed), even (quantized in blocks splitting each side evenly, stated as 128x128), block64
+    (quantized in 64x64 blocks, stated as 128x128), coarse16 (every scale 16 x the format's).  Modules named in
+    ``keep`` stay unquantized, cast to bfloat16 and listed in modules_to_not_convert; ``fields`` replace
+    quantization_config's own."""
+    breaks = breaks or {}
+    shutil.copytree(a, dest)
+    tensors = load_file(a / "model.safetensors")
+    out = {}
+    for name, value in tensors.items():
+        kept = any(f".{module}." in name for module in keep)
+        if ".layers." not in name or value.dim() != 2 or kept:
+            out[name] = value.bfloat16() if kept else value
+            continue
+        how = breaks.get(name)
+        rows, cols = value.shape
+        block = {"even": (math.ceil(rows / math.ceil(rows / BLOCK[0])), math.ceil(cols / math.ceil(cols / BLOCK[1]))),
+                 "block64": (64, 64)}.get(how, BLOCK)
+        power_of_two = (fields or {}).get("scale_fmt") == "ue8m0"
+        codes, scale = quantize(value, block, power_of_two, coarser=16.0 if how == "coarse16" else 1.0)
+        scale = {"inverted": 1.0 / scale, "transposed": scale.t().contiguous()}.get(how, scale)
+        if power_of_two:  # stored as UE8M0 exponents, as transformers writes them
+            scale = scale.to(torch.float8_e8m0fnu)
+        out[name], out[name.removesuffix("weight") + "weight_scale_inv"] = codes, scale
+    save_file(out, dest / "model.safetensors", metadata={"format": "pt"})
+    config = json.loads((dest / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
+                                     "weight_block_size": list(BLOCK), "modules_to_not_convert": list(keep) or None,
+                                     **(fields or {})}
+    (dest / "config.json").write_text(json.dumps(config, indent=2))
+    return dest
+
+
+@pytest.fixture(scope="module")
+def root(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("fp8")
+
+
+@pytest.fixture(scope="module")
+def model_a(root) -> Path:
+    return build("llama", root / "a", 3, **SIZES)
+
+
+@pytest.fixture(scope="module")
+def faithful(model_a, root) -> Path:
+    return fp8_export(model_a, root / "faithful")
+
+
+def compare(capsys, a: Path, b: Path) -> tuple[int, dict]:
+    """``parity compare A B --json -``: the exit code and the report, validated against the shipped schema."""
+    from parity.engine.results import SCHEMA_FILE
+
+    code, out, err = run_main(capsys, "compare", a, b, "--json", "-")
+    assert out.strip(), err
+    report = json.loads(out)
+    jsonschema = pytest.importorskip("jsonschema")
+    jsonschema.validate(report, json.loads(SCHEMA_FILE.read_text(encoding="utf-8")))
+    return code, report
+
+
+def test_a_faithful_fp8_export_passes_on_every_layer(model_a, faithful, capsys):
+    code, report = compare(capsys, model_a, faithful)
+    assert code == 0, report
+    assert [layer["passed"] for layer in report["layers"]] == [True, True]
+    for layer in report["layers"]:
+        conversion = layer["conversion"]
+        assert conversion["kind"] == "quantized float32 -> float8_e4m3fn"
+        assert conversion["conversion_deviation"] > 0  # FP8 moves the function: judged against that, not noise
+        for row in conversion["tensors"]:
+            assert row["storage"] == "float8_e4m3fn" and row["step_source"] == "file"
+            assert row["steps"]["values_beyond_step"] == 0
+            assert row["steps"]["max_steps"] <= 0.5 + 1e-3  # round to nearest: at most half the code's step
+            assert "compressed-tensors" in row["conversion"]
+    assert any("FP8 e4m3, 128x128 blocks" in note for note in report["notes"])
+
+
+def test_a_faithful_export_with_power_of_two_scales_passes(model_a, root, capsys):
+    """scale_fmt "ue8m0" (DeepSeek V3.1): each scale the power of two at or above amax / 448, stored as
+    float8_e8m0fnu; A is re-quantized the same way, so the export is A's conversion exactly."""
+    b = fp8_export(model_a, root / "ue8m0", fields={"scale_fmt": "ue8m0"})
+    code, report = compare(capsys, model_a, b)
+    assert code == 0, report
+    for layer in report["layers"]:
+        assert layer["conversion"]["ratio_to_conversion"] == pytest.approx(1.0, abs=1e-6)
+        assert all("power of two" in row["conversion"] for row in layer["conversion"]["tensors"])
+        assert all(row["steps"]["values_beyond_step"] == 0 for row in layer["conversion"]["tensors"])
+
+
+@pytest.mark.parametrize(("tensor", "how", "named"), [
+    ("gate_proj", "inverted", "fp8_scale_inverted"),
+    ("down_proj", "transposed", "fp8_scales_transposed"),
+    ("up_proj", "even", "fp8_block_size_wrong"),
+    ("up_proj", "block64", "fp8_block_size_wrong"),
+    ("up_proj", "coarse16", "grid_too_coarse"),
+])
+def test_an_fp8_conversion_mistake_fails_its_layer_only_and_is_named(model_a, root, capsys, tensor, how, named):
+    broken = fp8_export(model_a, root / f"{how}-{tensor}", {f"model.layers.1.mlp.{tensor}.weight": how})
+    code, report = compare(capsys, model_a, broken)
+    assert code == 1, report
+    verdicts = {layer["layer"]: layer for layer in report["layers"]}
+    assert verdicts[0]["passed"], verdicts[0]
+    assert not verdicts[1]["passed"]
+    found = verdicts[1]["diagnosis"]
+    assert found["id"] == named, found
+    assert tensor in found["message"]
+    if found["distance"] is not None:  # a replay of the function: B reproduces it far closer than it is to A
+        assert found["distance"] <= 0.5 * found["reference_distance"]
+    elif how == "block64":  # read from B's scale grid: its shape is the evidence
+        assert "weight_scale_inv has shape [4, 3]" in found["message"] and "64x64" in found["message"]
+    elif how == "coarse16":  # within its tolerance and its own steps: each block's scale against A's amax / 448
+        assert "4 of 4 blocks" in found["message"] and "(16.00x" in found["message"]
+    else:  # replayed value by value: every value of B within its step of the replay
+        assert "every value of B lies within its step of this replay" in found["message"]
+
+
+def test_transformers_dequantizer_misreads_partial_edge_blocks_where_compressed_tensors_follows_the_block(
+        model_a, faithful):
+    """The figures docs/compare.md and parity.sources.fp8_blocks give, per FFN matrix (every one [200, 160] or
+    [160, 200], grid [2, 2]): transformers' Fp8Dequantize infers 100x80 (80x100) blocks from the grid and lands 2.4 to
+    4.9 steps from A's values (up to 0.071); compressed-tensors reads the stated 128x128 and stays within half a step,
+    as round-to-nearest does.  A step: the e4m3 spacing at the value's code times its block's scale."""
+    from compressed_tensors.quantization import QuantizationArgs
+    from compressed_tensors.quantization.lifecycle.forward import dequantize
+    from transformers.integrations.finegrained_fp8 import Fp8Dequantize
+
+    from parity.engine.compare.fp8_grid import steps
+
+    args = QuantizationArgs(num_bits=8, type="float", strategy="block", block_structure=list(BLOCK), symmetric=True,
+                            dynamic=False)
+    original, stored = load_file(model_a / "model.safetensors"), load_file(faithful / "model.safetensors")
+    for name in (f"model.layers.{layer}.mlp.{t}.weight" for layer in (0, 1) for t in FFN):
+        codes, scales = stored[name], stored[name.removesuffix("weight") + "weight_scale_inv"]
+        assert scales.shape == (2, 2) and codes.shape[0] % BLOCK[0] and codes.shape[1] % BLOCK[1]
+        a, step = original[name].double(), steps(codes, scales, BLOCK).double()
+        library = dequantize(codes, scales, None, args=args, dtype=torch.float32).double()
+        theirs = Fp8Dequantize(None).convert({"weight": codes, "weight_scale_inv": scales})["weight"].double()
+        assert float(((library - a).abs() / step).max()) <= 0.5 * 1.01, name
+        assert float(((theirs - a).abs() / step).max()) > 2.0, name  # measured 2.4 to 4.9 steps
+
+
+def test_modules_left_unquantized_are_judged_by_their_own_storage(model_a, root, capsys):
+    """A release that keeps down_proj in bfloat16 (modules_to_not_convert): down_proj judged as a cast, gate and up
+    by their FP8 steps; every layer passes."""
+    mixed = fp8_export(model_a, root / "mixed", keep=("down_proj",))
+    code, report = compare(capsys, model_a, mixed)
+    assert code == 0, report
+    for layer in report["layers"]:
+        storage = {row["name"]: row["storage"] for row in layer["conversion"]["tensors"]}
+        assert storage == {"gate_proj.weight": "float8_e4m3fn", "up_proj.weight": "float8_e4m3fn",
+                           "down_proj.weight": "bfloat16"}
+    assert any("left unquantized: down_proj" in note for note in report["notes"])
+
+
+@pytest.mark.parametrize(("fields", "said"), [
+    ({"weight_block_size": None}, "weight_block_size is None"),
+    ({"weight_block_size": [128]}, "weight_block_size is [128]"),
+    ({"fmt": "e5m2"}, "quantization_config.fmt is 'e5m2'"),
+])
+def test_an_fp8_config_parity_cannot_read_is_exit_2_naming_the_field(model_a, root, capsys, fields, said):
+    b = fp8_export(model_a, root / f"config-{len(list(root.iterdir()))}", fields=fields)
+    code, out, err = run_main(capsys, "compare", model_a, b)
+    assert code == 2, out + err
+    assert said in err and "config.json" in err and "Traceback" not in err
+
+
+def test_without_compressed_tensors_an_fp8_b_is_exit_2_naming_the_extra(model_a, faithful, capsys, monkeypatch):
+    for module in ("compressed_tensors", "compressed_tensors.quantization",
+                   "compressed_tensors.quantization.lifecycle.forward"):
+        monkeypatch.setitem(sys.modules, module, None)  # import of it raises ImportError
+    code, out, err = run_main(capsys, "compare", model_a, faithful)
+    assert code == 2, out + err
+    assert "compressed-tensors" in err and "'quant'" in err and "FP8-quantized" in err and "'fp8'" in err
+    assert "Traceback" not in err
+
+
+def test_fp8_experts_are_judged_one_by_one_and_a_broken_one_is_named(root, capsys):
+    """A mixture of experts (Qwen3-MoE, DeepSeek V3's per-expert layout: each expert's matrices with their own
+    weight_scale_inv; sides 160 and 136, no multiple of the block), the router left unquantized: every expert of a
+    faithful export passes; one expert whose scale was written inverted fails alone, named."""
+    from .derived_checkpoints import MOE
+
+    moe = build("qwen3_moe", root / "moe", 5, **{**MOE, "hidden_size": 160, "moe_intermediate_size": 136})
+    faithful = fp8_export(moe, root / "moe-fp8", keep=("gate",))
+    code, report = compare(capsys, moe, faithful)
+    assert code == 0, report
+    assert len(report["layers"]) == 2 * MOE["num_experts"]
+    broken = fp8_export(moe, root / "moe-fp8-broken", {"model.layers.1.mlp.experts.2.up_proj.weight": "inverted"},
+                        keep=("gate",))
+    code, report = compare(capsys, moe, broken)
+    assert code == 1, report
+    failed = [(unit["layer"], unit["expert"], unit["diagnosis"]["id"]) for unit in report["layers"]
+              if not unit["passed"]]
+    assert failed == [(1, 2, "fp8_scale_inverted")]
+
+
+def ct_export(a: Path, dest: Path, preset: str, breaks: dict[str, str] | None = None, fmt: str = "float-quantized"
+              ) -> Path:
+    """A's folder in compressed-tensors' layout (what llm-compressor and vLLM write): every linear weight of the
+    decoder layers as X.weight (float8_e4m3fn) and X.weight_scale, the config compressed-tensors' own
+    QuantizationConfig of its preset scheme ``preset`` (FP8: one scale per tensor; FP8_DYNAMIC: per output channel;
+    FP8_BLOCK: per 128x128 block).  ``breaks``: as ``fp8_export``'s (inverted)."""
+    from compressed_tensors.quantization import QuantizationConfig, preset_name_to_scheme
+
+    scheme = preset_name_to_scheme(preset, ["Linear"])
+    shutil.copytree(a, dest)
+    out = {}
+    for name, value in load_file(a / "model.safetensors").items():
+        if ".layers." not in name or value.dim() != 2:
+            out[name] = value
+            continue
+        strategy = str(getattr(scheme.weights.strategy, "value", scheme.weights.strategy))
+        block = {"tensor": tuple(value.shape), "channel": (1, value.shape[1])}.get(strategy, BLOCK)
+        codes, scale = quantize(value, block)
+        scale = 1.0 / scale if (breaks or {}).get(name) == "inverted" else scale
+        out[name], out[name + "_scale"] = codes, scale.reshape(1) if strategy == "tensor" else scale
+    save_file(out, dest / "model.safetensors", metadata={"format": "pt"})
+    quantization = QuantizationConfig(config_groups={"group_0": scheme}, ignore=["lm_head"], format=fmt,
+                                      quantization_status="compressed").model_dump(mode="json")
+    config = json.loads((dest / "config.json").read_text())
+    config["quantization_config"] = {**quantization, "quant_method": "compressed-tensors"}
+    (dest / "config.json").write_text(json.dumps(config, indent=2))
+    return dest
+
+
+@pytest.mark.parametrize("preset", ["FP8_BLOCK", "FP8_DYNAMIC", "FP8"])
+def test_a_faithful_compressed_tensors_fp8_export_passes(model_a, root, capsys, preset):
+    b = ct_export(model_a, root / f"ct-{preset}", preset)
+    code, report = compare(capsys, model_a, b)
+    assert code == 0, report
+    assert any(", compressed-tensors' float-quantized layout" in note for note in report["notes"])
+    for layer in report["layers"]:
+        assert layer["conversion"]["ratio_to_conversion"] == pytest.approx(1.0, abs=1e-6)
+        for row in layer["conversion"]["tensors"]:
+            assert row["storage"] == "float8_e4m3fn" and row["steps"]["values_beyond_step"] == 0
+
+
+def test_a_compressed_tensors_scale_inverted_fails_its_layer_named(model_a, root, capsys):
+    b = ct_export(model_a, root / "ct-inverted", "FP8_BLOCK", {"model.layers.1.mlp.down_proj.weight": "inverted"})
+    code, report = compare(capsys, model_a, b)
+    assert code == 1, report
+    assert [layer["passed"] for layer in report["layers"]] == [True, False]
+    assert report["layers"][1]["diagnosis"]["id"] == "fp8_scale_inverted"
+    assert "down_proj" in report["layers"][1]["diagnosis"]["message"]
+
+
+def test_a_compressed_tensors_format_parity_does_not_read_yet_is_exit_2_naming_it(model_a, root, capsys):
+    b = ct_export(model_a, root / "ct-w4a16", "W4A16", fmt="pack-quantized")
+    code, out, err = run_main(capsys, "compare", model_a, b)
+    assert code == 2, out + err
+    assert "format 'pack-quantized' with 4-bit int weights, strategy 'group'" in err and "Traceback" not in err
+
+
+def test_a_check_of_an_fp8_release_runs_on_its_dequantized_weights(faithful, capsys):
+    """``parity B`` (a check, not a compare): target and reference both get B's weights as compressed-tensors
+    dequantizes them, and the report says so."""
+    code, out, err = run_main(capsys, faithful, "--layers", "all")
+    assert code == 0, out + err
+    assert "FP8 e4m3, 128x128 blocks" in out and "the same dequantized float32 weights" in out
+
+
+def test_an_fp8_release_from_the_hugging_face_cache_is_read_as_a_local_one(model_a, faithful, tmp_path, capsys,
+                                                                            monkeypatch):
+    """B given as a hub id, offline, from the Hugging Face cache (as DeepSeek's and Qwen's FP8 repos are): read
+    through the hub path, dequantized the same way, every layer passes."""
+    from .support import cache_repo, use_hf_home
+
+    home = use_hf_home(monkeypatch, tmp_path / "hf")
+    cache_repo(home, "someone/tiny-llama-fp8", faithful)
+    code, report = compare(capsys, model_a, "someone/tiny-llama-fp8")
+    assert code == 0, report
+    assert report["comparison"]["candidate"]["checkpoint"].startswith("someone/tiny-llama-fp8")
+    assert all(row["storage"] == "float8_e4m3fn" for layer in report["layers"]
+               for row in layer["conversion"]["tensors"])
