@@ -590,11 +590,21 @@ def _distance(block: nn.Module, replay: Replay, x: torch.Tensor, got: torch.Tens
 def name_mistake(block: nn.Module, x: torch.Tensor, got: torch.Tensor | tuple, *, tolerance: float,
                  tokens: torch.Tensor | None = None) -> list[tuple[MistakeId, str]]:
     """The routing mistakes whose replay on ``block`` (transformers' block for the layer, filled with its tensors)
-    reproduces ``got``, the user's block's output on ``x``: within ``tolerance`` (max abs) and at least CLEARLY
-    times closer than the correct block is.  Closest first; those that fit equally (within CLEARLY of the closest,
-    or all within tolerance / CLEARLY) are all returned, each with its evidence.  [] when the block agrees, no
-    replay fits, or ``got`` is not the block's shape.  ``tokens``: a bool mask over the flattened tokens, the ones
-    judged (near-tied tokens, whose choice of experts may flip legitimately, set aside)."""
+    reproduces ``got``, the user's block's output on ``x``, each with its evidence in words (``replay_fits``)."""
+    name = type(block).__name__
+    return [(mistake, f"{detail}: the block's output is {distance:.3g} from this replay and {reference:.3g} from "
+             f"transformers' {name} (tolerance {tolerance:.3g})")
+            for mistake, detail, distance, reference in replay_fits(block, x, got, tolerance=tolerance, tokens=tokens)]
+
+
+def replay_fits(block: nn.Module, x: torch.Tensor, got: torch.Tensor | tuple, *, tolerance: float,
+                tokens: torch.Tensor | None = None) -> list[tuple[MistakeId, str, float, float]]:
+    """(id, what the replay changes, the output's distance from the replay, its distance from the correct block) of
+    each replay reproducing ``got``: within ``tolerance`` (max abs) and at least CLEARLY times closer than the correct
+    block is.  Closest first; those that fit equally (within CLEARLY of the closest, or all within tolerance /
+    CLEARLY) are all returned.  [] when the block agrees, no replay fits, or ``got`` is not the block's shape.
+    ``tokens``: a bool mask over the flattened tokens, the ones judged (near-tied tokens, whose choice of experts
+    may flip legitimately, set aside)."""
     parts = find_parts(block)
     if parts is None:
         return []
@@ -617,7 +627,4 @@ def name_mistake(block: nn.Module, x: torch.Tensor, got: torch.Tensor | tuple, *
                 fits.append((distance, replay))
     fits.sort(key=lambda fit: fit[0])
     bound = max(fits[0][0] * CLEARLY, tolerance / CLEARLY) if fits else 0.0
-    name = type(block).__name__
-    return [(replay.id, f"{replay.detail}: the block's output is {distance:.3g} from this replay and "
-             f"{reference_distance:.3g} from transformers' {name} (tolerance {tolerance:.3g})")
-            for distance, replay in fits if distance <= bound]
+    return [(replay.id, replay.detail, distance, reference_distance) for distance, replay in fits if distance <= bound]

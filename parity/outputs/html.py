@@ -32,7 +32,14 @@ from parity.definitions.families import TANH_GELUS
 from parity.definitions.mapping import route_arrows
 from parity.engine.results import Diagnosis, LayerResult, Report, layer_status, units_noun
 from parity.outputs.atomic import write_output
-from parity.outputs.text import condition, framework_label, reference_filled, summary_line, unit_label
+from parity.outputs.text import (
+    condition,
+    coverage_lines,
+    framework_label,
+    reference_filled,
+    summary_line,
+    unit_label,
+)
 
 SVG = 'xmlns="http://www.w3.org/2000/svg"'
 COLOURS = {"pass": "#1a7f37", "fail": "#cf222e", "regressed": "#cf222e", "unverifiable": "#b35c00",
@@ -586,9 +593,18 @@ def report_section(report: Report, summary: bool = True) -> str:
     return "".join([
         context_block(report), line if summary else "", not_checked_block(report),
         f"<h3>max|Δ| per layer</h3>{layer_chart(report)}{CAPTION}" if report.layers else "",
-        diagnosis_blocks(report), logits_block(report),
+        coverage_block(report), diagnosis_blocks(report), logits_block(report),
         f"<details open=\"open\"><summary>the numbers, per layer</summary>{layer_table(report)}</details>",
     ])
+
+
+def coverage_block(report: Report) -> str:
+    """Whole MoE blocks: how much of the routing each one's inputs exercised (the text report's coverage lines)."""
+    lines = [line for line in coverage_lines(report) if line]
+    if not lines:
+        return ""
+    return "<h3>routing coverage</h3><ul class=\"coverage\">" + "".join(f"<li>{esc(line)}</li>" for line in lines) + \
+        "</ul>"
 
 
 def check_section(index: int, run, single: bool = False) -> str:

@@ -36,7 +36,7 @@ from parity.engine.check.fill import route_tensor
 from parity.engine.check.guard import guarded
 from parity.engine.check.run import place, run_module, skip_init, user_code
 from parity.engine.results import LayerResult
-from parity.engine.routing_mistakes import name_mistake
+from parity.engine.routing_mistakes import replay_fits
 from parity.engine.verdict import Runs, judge, shape_failure
 from parity.errors import ShapeMismatchError, TargetError
 
@@ -223,11 +223,11 @@ def holds_block(session: Any) -> bool:
 def named_mistake(block64: nn.Module, x: torch.Tensor, got: torch.Tensor, result: LayerResult,
                   kept: torch.Tensor) -> Diagnosis:
     """The routing mistake whose replay on transformers' block reproduces the user's output (engine.routing_mistakes);
-    replays that fit equally are all said; none fitting is ``unexplained``."""
-    found = name_mistake(block64, x, got, tolerance=result.tolerance, tokens=kept)
+    replays that fit equally are all said, each a candidate with its distance; none fitting is ``unexplained``."""
+    found = replay_fits(block64, x, got, tolerance=result.tolerance, tokens=kept)
     if not found:
         return diagnosis(MistakeId.UNEXPLAINED, None, result.max_abs_diff)
-    first, detail = found[0]
-    equally = "; ".join(f"equally {other}: {why}" for other, why in found[1:])
-    return diagnosis(first, None, result.max_abs_diff, detail + (f"; {equally}" if equally else ""),
-                     [Candidate(str(mistake), why, math.nan) for mistake, why in found])
+    first, detail, distance, reference = found[0]
+    equally = "; ".join(f"equally {other}: {why}" for other, why, _, _ in found[1:])
+    return diagnosis(first, distance, reference, detail + (f"; {equally}" if equally else ""),
+                     [Candidate(str(mistake), why, fit) for mistake, why, fit, _ in found])
