@@ -160,3 +160,35 @@ def test_a_config_transformers_block_cannot_run_is_one_line_and_compare_goes_on(
     assert code == 0 and report["passed"], err
     assert not any(r["unit"] == "block" for r in report["layers"])
     assert any("whole MoE blocks are not compared" in note for note in report["notes"])
+
+
+@pytest.mark.parametrize(("model_type", "port", "passes"), [
+    ("qwen2_moe", ports.QwenSharedBlock, True), ("llama4_text", ports.Llama4Block, True),
+    ("gpt_oss", ports.GptOssBlock, True), ("gpt_oss", ports.GptOssNoClamp, False),
+    ("deepseek_v3", ports.DeepSeekScalingDropped, False)], ids=lambda v: getattr(v, "__name__", str(v)))
+def test_a_block_too_large_to_hold_is_streamed_one_expert_at_a_time(blocks, monkeypatch, model_type, port, passes):
+    """Past HELD_BYTES transformers' block runs its own routing around experts computed one at a time; the verdicts
+    are those of the block held whole, and each expert is read once for both the float64 and float32 runs."""
+    from parity.engine.check import block_check
+
+    reads = []
+    held = check(str(blocks[model_type]), target=port)
+    monkeypatch.setattr(block_check, "HELD_BYTES", 0)
+    original = block_check.BlockCheck.stored_expert
+
+    def counted(self, layer, expert):
+        if self._last[0] != (layer, expert):
+            reads.append((layer, expert))
+        return original(self, layer, expert)
+
+    monkeypatch.setattr(block_check.BlockCheck, "stored_expert", counted)
+    streamed = check(str(blocks[model_type]), target=port)
+    assert held.passed is passes and streamed.passed is passes, streamed
+    for a, b in zip(held.layers, streamed.layers, strict=True):
+        assert b.coverage["never_chosen"] == [] and (a.passed, a.layer) == (b.passed, b.layer)
+        if passes:
+            assert b.max_abs_diff <= b.tolerance
+        else:
+            assert b.max_abs_diff > 100 * b.tolerance and b.diagnosis.id == "unexplained"
+    truth_reads = [r for r in reads if r[0] == streamed.layers[-1].layer]
+    assert len(truth_reads) <= 4 + 4 + 4 * 3 + 8  # the reach sample, the one streamed pass, the target's fill

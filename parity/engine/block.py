@@ -18,7 +18,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import inspect
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -77,9 +77,12 @@ def fused_experts(meta_experts: nn.Module, experts: Iterable[dict[str, torch.Ten
 
 
 def filled_block(meta_block: nn.Module, site: BlockSite, tensors: dict[str, torch.Tensor],
-                 dtype: torch.dtype) -> nn.Module:
-    """A copy of transformers' block holding ``tensors`` (its own names) in ``dtype``, experts run by the eager loop."""
+                 dtype: torch.dtype, *, experts: nn.Module | None = None) -> nn.Module:
+    """A copy of transformers' block holding ``tensors`` (its own names) in ``dtype``, experts run by the eager loop;
+    ``experts``: a stand-in for its experts module (``Precomputed``: a block too large to hold every expert)."""
     block = copy.deepcopy(meta_block)
+    if experts is not None:
+        block.set_submodule(site.experts, experts)
     experts = block.get_submodule(site.experts)
     if hasattr(experts, "config"):  # transformers' experts decorator dispatches on the config's implementation
         experts.config = copy.deepcopy(experts.config)
@@ -182,16 +185,20 @@ class BlockInputs:
                 "never_chosen": [e for e, n in enumerate(per_expert) if n == 0], "set_aside": int(self.tied.sum())}
 
 
-def block_inputs(block64: nn.Module, block32: nn.Module, site: BlockSite, gates: list[torch.Tensor], *, seed: int,
-                 layer: int) -> BlockInputs:
-    """Seeded inputs [3, tokens, d]: unit-RMS tokens, each row scaled so some expert's gate pre-activation reaches
-    ROW_TARGETS; experts no token chose are then aimed at with tokens along their router row; near-ties found."""
-    count, d = len(gates), gates[0].shape[1]
+Reach = Callable[[torch.Tensor, "torch.Tensor | None"], torch.Tensor]
+
+
+def block_inputs(block64: nn.Module, block32: nn.Module, site: BlockSite, reach: Reach, *, count: int, d: int,
+                 seed: int, layer: int) -> BlockInputs:
+    """Seeded inputs [3, tokens, d]: unit-RMS tokens, each row scaled so the largest gate pre-activation of its
+    tokens' experts reaches ROW_TARGETS (``reach(x, chosen)``: per row, ``gate_reach``); experts no token chose are
+    then aimed at with tokens along their router row; near-ties found."""
     top_k = int(chosen_experts(block64, site, torch.zeros(1, 1, d, dtype=torch.float64), count).sum())
     per_row = max(MIN_TOKENS, -(-2 * count // max(top_k, 1)))
     generator = torch.Generator().manual_seed(seed * 100_003 + layer + 104_729)
     x = torch.randn(len(ROW_TARGETS), per_row, d, generator=generator, dtype=torch.float64)
-    x = _scaled_rows(x / x.pow(2).mean(-1, keepdim=True).sqrt(), gates)
+    x = x / x.pow(2).mean(-1, keepdim=True).sqrt()
+    x = _scaled(x, reach(x, None))
     router = _router_rows(block64, site, count, d)
     for attempt in range(4):
         chosen = chosen_experts(block64, site, x, count)
@@ -200,7 +207,7 @@ def block_inputs(block64: nn.Module, block32: nn.Module, site: BlockSite, gates:
             break
         x = _aim(x, router, missing, generator, attempt)
     for _ in range(2):  # the reach that matters is on the experts each token is routed to (GPT-OSS's clamp)
-        x = _scaled_rows(x, gates, chosen_experts(block64, site, x, count))
+        x = _scaled(x, reach(x, chosen_experts(block64, site, x, count)))
     x = x.float()
     chosen = chosen_experts(block64, site, x.double(), count)
     tied = (chosen != chosen_experts(block32, site, x, count)).any(-1)
@@ -210,13 +217,22 @@ def block_inputs(block64: nn.Module, block32: nn.Module, site: BlockSite, gates:
     return BlockInputs(x, chosen, tied)
 
 
-def _scaled_rows(x: torch.Tensor, gates: list[torch.Tensor], chosen: torch.Tensor | None = None) -> torch.Tensor:
-    """Rows scaled so the largest positive gate pre-activation, over each token's chosen experts (every expert
-    where ``chosen`` is None), reaches each row's target (where GPT-OSS clamps: above, at swiglu_limit)."""
-    pre = torch.stack([(x @ gate.double().t()).clamp(min=0).amax(-1) for gate in gates])  # [E, rows, tokens]
-    if chosen is not None:
-        pre = pre * chosen.t().reshape(pre.shape)
-    reach = pre.permute(1, 0, 2).flatten(1).amax(1)
+def gate_reach(gates: Callable[[], Iterable[tuple[int, torch.Tensor]]]) -> Reach:
+    """``reach`` for ``block_inputs`` from experts' gate weights ([ff, d] each, with the expert's index; ``gates()``
+    may load them one at a time): per row, the largest positive gate pre-activation over each token's chosen experts
+    (every expert where ``chosen`` is None); positive, where GPT-OSS clamps (above, at swiglu_limit)."""
+    def reach(x: torch.Tensor, chosen: torch.Tensor | None) -> torch.Tensor:
+        best = torch.zeros(x.shape[0], dtype=x.dtype)
+        for expert, gate in gates():
+            pre = (x @ gate.to(x.dtype).t()).clamp(min=0).amax(-1)  # [rows, tokens]
+            if chosen is not None:
+                pre = pre * chosen[:, expert].reshape(pre.shape)
+            best = torch.maximum(best, pre.amax(-1))
+        return best
+    return reach
+
+
+def _scaled(x: torch.Tensor, reach: torch.Tensor) -> torch.Tensor:
     return x * (torch.tensor(ROW_TARGETS, dtype=x.dtype) / reach.clamp_min(1e-12)).view(-1, 1, 1)
 
 
@@ -247,3 +263,69 @@ def _aim(x: torch.Tensor, router: torch.Tensor, missing: list[int], generator: t
         noise = torch.randn(x.shape[-1], generator=generator, dtype=x.dtype) * (0.5 / (attempt + 1))
         x[row, slot] = (direction * (1 + attempt) + noise) * scale[row]
     return x
+
+
+class Precomputed(nn.Module):
+    """Stands where a block's experts module is: returns, call by call, outputs computed beforehand (``streamed``),
+    so that transformers' block runs its own routing and shared experts around experts it never holds at once."""
+
+    def __init__(self, outputs: list[torch.Tensor] | None = None):
+        super().__init__()
+        self.outputs = list(outputs or [])
+
+    def forward(self, *args: Any, **kwargs: Any) -> torch.Tensor:
+        if not self.outputs:
+            raise RuntimeError("the block called its experts more often than it did when its calls were read")
+        return self.outputs.pop(0)
+
+
+def experts_call(block: nn.Module, site: BlockSite, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """What the block hands its experts module for ``x``: (tokens, chosen experts, weights), or Llama 4's (tokens
+    repeated per expert and scaled,)."""
+    seen: list[tuple] = []
+
+    def grab(_module, args, kwargs):
+        seen.append(tuple(a.detach().clone() for a in [*args, *kwargs.values()] if isinstance(a, torch.Tensor)))
+        raise _Stop
+
+    handle = block.get_submodule(site.experts).register_forward_pre_hook(grab, with_kwargs=True)
+    try:
+        with torch.no_grad():
+            block(x)
+    except _Stop:
+        pass
+    finally:
+        handle.remove()
+    return seen[0]
+
+
+def streamed(calls: list[tuple[torch.Tensor, ...]], count: int, one: Callable[[int], nn.Module]
+             ) -> list[torch.Tensor]:
+    """Each call's experts output, every expert built once (``one(e)``: transformers' experts module holding expert
+    e alone) and applied to each call's tokens routed to it, in the call's dtype; then dropped."""
+    outs = [torch.zeros_like(call[0]) for call in calls]
+    for expert in range(count):
+        used = [i for i, call in enumerate(calls) if _uses(call, expert, count)]
+        if not used:
+            continue
+        module = one(expert)
+        for i in used:
+            hidden, *routing = calls[i]
+            part = module.to(hidden.dtype)
+            with torch.no_grad():
+                if routing:
+                    token, slot = (routing[0] == expert).nonzero(as_tuple=True)
+                    zero = torch.zeros(len(token), 1, dtype=torch.long)
+                    outs[i].index_add_(0, token, part(hidden[token], zero, routing[1][token, slot, None]))
+                else:
+                    rows = hidden.shape[0] // count
+                    outs[i][expert * rows:(expert + 1) * rows] = part(hidden[expert * rows:(expert + 1) * rows])
+        del module
+    return outs
+
+
+def _uses(call: tuple[torch.Tensor, ...], expert: int, count: int) -> bool:
+    if len(call) > 1:
+        return bool((call[1] == expert).any())
+    rows = call[0].shape[0] // count
+    return bool(call[0][expert * rows:(expert + 1) * rows].any())

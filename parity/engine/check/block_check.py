@@ -10,8 +10,11 @@ block's output on them matches one of the choices transformers' block makes ther
 
 from __future__ import annotations
 
+import functools
 import gc
 import math
+from collections.abc import Callable
+from collections.abc import Mapping as MappingABC
 from typing import Any
 
 import torch
@@ -23,22 +26,32 @@ from parity.engine.block import (
     NUDGE,
     BlockInputs,
     BlockSite,
+    Precomputed,
     block_inputs,
     block_output,
     block_tensors,
+    experts_call,
     filled_block,
     fused_experts,
+    gate_reach,
     reference_block,
+    streamed,
 )
 from parity.engine.check.block_fill import fill_block
 from parity.engine.check.build import build_target
 from parity.engine.check.fill import route_tensor
 from parity.engine.check.guard import guarded
 from parity.engine.check.run import place, run_module, skip_init, user_code
+from parity.engine.experts import expert_reference
 from parity.engine.results import LayerResult
 from parity.engine.routing_mistakes import replay_fits
 from parity.engine.verdict import Runs, judge, shape_failure
 from parity.errors import ShapeMismatchError, TargetError
+
+HELD_BYTES = 2 * 2**30  # a block whose experts take more in float64 is streamed: one expert held at a time
+REACH_SAMPLE = 4  # a streamed block's inputs are scaled on this many experts' gates
+LARGE_UNEXPLAINED = ("this block is too large to hold whole, so no routing mistake was replayed on it; check a smaller "
+                     "layer of the same family, or one expert at a time (--experts)")
 
 
 class BlockCheck:
@@ -51,6 +64,7 @@ class BlockCheck:
         self.sources: dict[str, str] = {}  # how the user's block was filled (its first layer), for the report
         self.target_notes: list[str] = []
         self.stored: dict[str, torch.dtype] = {}  # the last layer read: each tensor's dtype as stored
+        self._last: tuple = (None, {})  # the last expert read, as stored
         self.skipped: list[int] = []  # layers selected that hold no sparse block (dense ones before MoE ones)
 
     def units(self, layer: int) -> list[tuple[BlockCheck, None]]:
@@ -85,44 +99,63 @@ class BlockCheck:
     def describe_framework(self, report: Any) -> None:
         """Block targets are torch modules: nothing to add."""
 
-    def layer_tensors(self, layer: int) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor],
-                                                 list[dict[str, torch.Tensor]]]:
+    def layer_tensors(self, layer: int, *, wanted: bool = True) -> tuple[MappingABC, MappingABC, list[dict]]:
         """(transformers' names -> tensor, the checkpoint's names relative to the block -> tensor, each expert's
-        gate/up/down/biases [out, in]), all float64; ``self.stored`` then holds each of transformers' names' stored
-        dtype (an expert's: its gate's)."""
+        gate/up/down/biases [out, in] float64 (``wanted``; else [] and each expert read only when asked for));
+        ``self.stored`` then holds each of transformers' names' stored dtype (the fused experts': an expert's)."""
         session = self.session
         keys = block_tensors(session.checkpoint, session.reference.skeleton, self.site.at(layer), layer)
         stored = session.checkpoint.read(list(keys.values()))
         self.stored = {name: stored[key].dtype for name, key in keys.items()}
         own = {name: stored[key].double() for name, key in keys.items()}
         prefix = _disk_prefix(keys)
-        disk = {key.removeprefix(prefix): own[name] for name, key in keys.items()}
-        experts = []
-        for expert in range(session.num_experts):
-            tensors = session.read_layer(layer, expert, dtype=None)
-            routed = {r.target: route_tensor(r, tensors[r.source]) for r in session.reader.reference_routes(layer)}
-            experts.append({role: tensor.double() for role, tensor in routed.items()})
-            if not session.mapping.experts.stacked and prefix:
+        disk: dict[str, Callable[[], torch.Tensor]] = {key.removeprefix(prefix): _given(own[name])
+                                                       for name, key in keys.items()}
+        if not session.mapping.experts.stacked and prefix:  # a port may use the checkpoint's own per-expert names
+            for expert in range(session.num_experts):
                 base = session.mapping.layer_prefix(layer, expert).removeprefix(prefix)
-                disk |= {f"{base}.{source}": tensor.double() for source, tensor in tensors.items()}
+                for source in self.stored_expert(layer, 0):
+                    disk[f"{base}.{source}"] = functools.partial(self.stored_tensor, layer, expert, source)
         meta = session.reference.meta_module(f"{self.site.path}.{self.site.experts}".format(layer=layer))
-        fused = fused_experts(meta, experts, self.site.path.format(layer=layer))
-        own |= {f"{self.site.experts}.{n}": t for n, t in fused.items()}
-        self.stored |= {f"{self.site.experts}.{n}": routed["gate"].dtype for n in fused}
-        return own, disk, experts
+        where = self.site.path.format(layer=layer)
+        experts = [self.expert(layer, e) for e in range(session.num_experts)] if wanted else []
+        fused = {f"{self.site.experts}.{n}" for n in meta.state_dict()}
+        self.stored |= dict.fromkeys(fused, next(iter(self.stored_expert(layer, 0).values())).dtype)
+        if experts:
+            own |= {f"{self.site.experts}.{n}": t for n, t in fused_experts(meta, experts, where).items()}
+            return own, Lazy(disk), experts
+        every = functools.cache(functools.partial(self.fused, layer, meta, where))  # too large: only if asked for
+        return Lazy({**{n: _given(t) for n, t in own.items()},
+                     **{n: functools.partial(lambda n: every()[n.split(".")[-1]], n) for n in fused}}), Lazy(disk), []
+
+    def stored_expert(self, layer: int, expert: int) -> dict[str, torch.Tensor]:
+        """One expert's tensors as stored, under the checkpoint's names (the last one read is kept)."""
+        if self._last[0] != (layer, expert):
+            self._last = ((layer, expert), self.session.read_layer(layer, expert, dtype=None))
+        return self._last[1]
+
+    def stored_tensor(self, layer: int, expert: int, source: str) -> torch.Tensor:
+        return self.stored_expert(layer, expert)[source].double()
+
+    def expert(self, layer: int, expert: int) -> dict[str, torch.Tensor]:
+        """One expert's gate, up, down (and biases) [out, in], float64."""
+        tensors = self.stored_expert(layer, expert)
+        return {r.target: route_tensor(r, tensors[r.source]).double()
+                for r in self.session.reader.reference_routes(layer)}
+
+    def fused(self, layer: int, meta: nn.Module, where: str) -> dict[str, torch.Tensor]:
+        """Every expert stacked in transformers' fused layout (for a port holding them so)."""
+        return fused_experts(meta, (self.expert(layer, e) for e in range(self.session.num_experts)), where)
 
     def run_layer(self, layer: int, expert: None = None) -> tuple[LayerResult, str]:
         session = self.session
-        own, disk, experts = self.layer_tensors(layer)
         path = self.site.path.format(layer=layer)
         meta_block = session.reference.meta_module(path)
+        large = self.experts_bytes(layer) > HELD_BYTES
+        own, disk, experts = self.layer_tensors(layer, wanted=not large)
         with reference_block(type(meta_block).__name__, layer):
-            block64 = filled_block(meta_block, self.site, own, torch.float64)
-            block32 = filled_block(meta_block, self.site, own, torch.float32)
-            inputs = block_inputs(block64, block32, self.site, [e["gate"] for e in experts], seed=session.seed,
-                                  layer=layer)
-            out64 = block_output(block64, inputs.x.double())
-            out32 = block_output(block32, inputs.x).double()
+            truth = (self.streamed_truth if large else self.held_truth)(layer, meta_block, own, experts)
+        block64, inputs, out64, out32 = truth
         changes: list[str] = []
         try:
             target, name = self.build(layer, own, disk, experts, changes)
@@ -131,24 +164,63 @@ class BlockCheck:
             result.unit = BLOCK_UNIT
             return result, session.target_name()
         got, again = (self.run_target(target, name, inputs.x, changes) for _ in range(2))
-        del target, block32
+        del target
         gc.collect()
         kept = ~inputs.tied
         runs = Runs(*(t.reshape(-1, t.shape[-1])[kept].unsqueeze(0) for t in (out64, out32, got, again)))
-        result = judge(layer, None, runs, own, None, session.atol, session.checkpoint.weights)
+        # what the verdict checks for all-zero or identical weights: a streamed block's experts are not held
+        weights = {n: own[n] for n in own if not (large and n.startswith(self.site.experts + "."))}
+        result = judge(layer, None, runs, weights, None, session.atol, session.checkpoint.weights)
         result.unit = BLOCK_UNIT
-        result.coverage = inputs.coverage() | {"set_aside_agree": self.agreeing(block64, inputs, got,
-                                                                                result.tolerance)}
+        agree = 0 if large else self.agreeing(block64, inputs, got, result.tolerance)
+        result.coverage = inputs.coverage() | {"set_aside_agree": agree}
         if not bool(kept.any()):
             result.passed = False
             result.unverifiable = ("every token's choice of experts moves within float32 noise: no token decides "
                                    "the routing, so no output can be judged")
         if not result.passed and result.unverifiable is None and result.diagnosis is None and session.diagnose:
-            result.diagnosis = named_mistake(block64, inputs.x.double(), got, result, kept)
+            result.diagnosis = (diagnosis(MistakeId.UNEXPLAINED, None, result.max_abs_diff, LARGE_UNEXPLAINED)
+                                if large else named_mistake(block64, inputs.x.double(), got, result, kept))
         if changes:
             result.passed = False
             result.diagnosis = diagnosis(MistakeId.GLOBAL_STATE_MODIFIED, None, None, "; ".join(changes[:6]))
         return result, name
+
+    def experts_bytes(self, layer: int) -> int:
+        """The float64 size of the layer's experts held at once (transformers' fused parameters)."""
+        meta = self.session.reference.meta_module(f"{self.site.path}.{self.site.experts}".format(layer=layer))
+        return 8 * sum(t.numel() for t in meta.state_dict().values())
+
+    def held_truth(self, layer: int, meta_block: nn.Module, own: dict, experts: list) -> tuple:
+        """(block64, inputs, out64, out32): transformers' block holding every expert, run whole."""
+        block64, block32 = (filled_block(meta_block, self.site, own, dtype) for dtype in (torch.float64, torch.float32))
+        reach = gate_reach(lambda: enumerate(e["gate"] for e in experts))
+        inputs = block_inputs(block64, block32, self.site, reach, count=len(experts), d=self.session.hidden_size,
+                              seed=self.session.seed, layer=layer)
+        return block64, inputs, block_output(block64, inputs.x.double()), block_output(block32, inputs.x).double()
+
+    def streamed_truth(self, layer: int, meta_block: nn.Module, own: dict, _experts: list) -> tuple:
+        """(block64, inputs, out64, out32) of a block too large to hold: transformers' block runs its routing and
+        shared experts around a ``Precomputed`` stand-in; each expert is read and run once, for both dtypes
+        (engine.block.streamed), the inputs' scale measured on a few of them."""
+        session, count = self.session, self.session.num_experts
+        block64, block32 = (filled_block(meta_block, self.site, own, dtype, experts=Precomputed())
+                            for dtype in (torch.float64, torch.float32))
+        first = list(range(min(REACH_SAMPLE, count)))
+        reach = gate_reach(lambda: ((e, self.expert(layer, e)["gate"]) for e in first))
+        inputs = block_inputs(block64, block32, self.site, reach, count=count, d=session.hidden_size,
+                              seed=session.seed, layer=layer)
+        x64 = inputs.x.double()
+        calls = [experts_call(block64, self.site, x64), experts_call(block32, self.site, inputs.x)]
+        meta = session.reference.meta_module(f"{self.site.path}.{self.site.experts}".format(layer=layer))
+        where = self.site.path.format(layer=layer)
+        outs = streamed(calls, count, lambda e: expert_reference(meta, session.config, self.expert(layer, e),
+                                                                 where).experts)
+        out = []
+        for block, x, call_out in ((block64, x64, outs[0]), (block32, inputs.x, outs[1])):
+            block.get_submodule(self.site.experts).outputs = [call_out]
+            out.append(block_output(block, x).double())
+        return block64, inputs, out[0], out[1]
 
     def build(self, layer: int, own: dict, disk: dict, experts: list, changes: list[str]) -> tuple[nn.Module, str]:
         """The user's block, built from the checkpoint's config and filled with the layer's tensors (float32)."""
@@ -158,10 +230,9 @@ class BlockCheck:
             place(module, torch.device("cpu"), None)
         with guarded(changes), user_code(f"target {name} could not be filled with layer {layer}'s block",
                                          exceptions=False):
-            spellings = {"transformers": {n: t.float() for n, t in own.items()},
-                         "checkpoint": {n: t.float() for n, t in disk.items()}}
-            sources = fill_block(module, spellings, lambda e: {k: v.float() for k, v in experts[e].items()},
-                                 len(experts), f"target {name}")
+            sources = fill_block(module, {"transformers": own, "checkpoint": disk},
+                                 lambda e: experts[e] if experts else self.expert(layer, e),
+                                 self.session.num_experts, f"target {name}")
         self.sources = self.sources or sources
         return module.eval(), name
 
@@ -231,3 +302,23 @@ def named_mistake(block64: nn.Module, x: torch.Tensor, got: torch.Tensor, result
     equally = "; ".join(f"equally {other}: {why}" for other, why, _, _ in found[1:])
     return diagnosis(first, distance, reference, detail + (f"; {equally}" if equally else ""),
                      [Candidate(str(mistake), why, fit) for mistake, why, fit, _ in found])
+
+
+class Lazy(MappingABC):
+    """Tensors by name, each read only when asked for (a large block's experts)."""
+
+    def __init__(self, loaders: dict[str, Callable[[], torch.Tensor]]):
+        self.loaders = loaders
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        return self.loaders[name]()
+
+    def __iter__(self):
+        return iter(self.loaders)
+
+    def __len__(self) -> int:
+        return len(self.loaders)
+
+
+def _given(tensor: torch.Tensor) -> Callable[[], torch.Tensor]:
+    return lambda: tensor

@@ -87,14 +87,14 @@ def _by_shape(name: str, target: torch.Tensor, offered: dict[str, dict[str, torc
               ) -> tuple[torch.Tensor, str] | None:
     """The router's weight or bias, the shared experts' gate: the one tensor outside the experts of its shape."""
     names = offered[next(iter(offered))]
-    found = [n for n, t in names.items() if not n.startswith("experts.") and tuple(t.shape) == tuple(target.shape)]
+    found = [n for n in names if not n.startswith("experts.") and tuple(names[n].shape) == tuple(target.shape)]
     return (names[found[0]], f"transformers: {found[0]} (the one tensor of shape {list(target.shape)})") \
         if len(found) == 1 else None
 
 
 def _unfilled(name: str, state: dict[str, torch.Tensor], offered: dict[str, dict[str, torch.Tensor]],
               where: str) -> str:
-    transformers_names = ", ".join(f"{n} {list(t.shape)}" for n, t in offered[next(iter(offered))].items())
+    transformers_names = ", ".join(offered[next(iter(offered))])
     return (f"{where}: parity cannot tell which of the layer's tensors fills your block's '{name}' "
             f"{list(state[name].shape)}. It fills a block whose parameters carry transformers' names "
             f"({transformers_names}), the checkpoint's names relative to the block, or one module per expert "

@@ -20,6 +20,7 @@ from parity.engine.block import (
     block_output,
     chosen_experts,
     filled_block,
+    gate_reach,
     reference_block,
     router_name,
 )
@@ -127,7 +128,8 @@ class BlockComparison:
         converted = {n: t.to(self.b.stored.get(n, t.dtype)).double() for n, t in own_a.items()}
         block_conv, block_b = (filled_block(meta, site, tensors, torch.float64) for tensors in (converted, own_b))
         gates = [expert["gate"] for expert in experts]
-        inputs = block_inputs(block64, block32, site, gates, seed=self.a.session.seed, layer=layer)
+        inputs = block_inputs(block64, block32, site, gate_reach(lambda: enumerate(gates)), count=len(gates),
+                              d=gates[0].shape[1], seed=self.a.session.seed, layer=layer)
         x = inputs.x.double()
         count = self.a.session.num_experts
         inputs.tied |= (inputs.chosen != chosen_experts(block_conv, site, x, count)).any(-1)  # the cast's own ties
