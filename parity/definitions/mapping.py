@@ -95,6 +95,8 @@ class Experts:
     ``stacked`` names checkpoint tensors holding every expert along dim 0 (transformers' fused
     layout, GGUF's ``ffn_*_exps``); one expert's slice is taken from them on read.  ``transposed``: each
     expert's slice is stored [in, out] (a module computing ``x @ W``, Llama 4's), read as nn.Linear's [out, in].
+    ``flat``: the stacked tensors hold every expert's rows one after another ([E·ff, d], DBRX's), not along a
+    dim of their own; one expert's slice is then its ff rows.
     """
 
     count: Any
@@ -104,6 +106,7 @@ class Experts:
     stacked: tuple[str, ...] = ()
     transposed: bool = False
     biases: tuple[TensorRoute, ...] = ()  # gate_bias, up_bias, down_bias: each expert's biases, where it has them
+    flat: bool = False
 
     @property
     def routes(self) -> list[TensorRoute]:

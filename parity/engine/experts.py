@@ -47,13 +47,15 @@ class GateInput(nn.Identity):
 class ExpertReference(nn.Module):
     """One expert of a transformers experts module, as a plain [batch, tokens, d] -> same module."""
 
-    def __init__(self, experts: nn.Module, branches: dict[str, torch.Tensor]):
+    def __init__(self, experts: nn.Module, branches: dict[str, torch.Tensor], act: nn.Module | None = None):
         super().__init__()
         self.experts = experts
-        # the activation, where parity's input probe looks for it; experts computing theirs in their own code
-        # (GPT-OSS's clamped one) get a stand-in that sees both branches' pre-activations (GateInput)
-        self.act_fn = getattr(experts, "act_fn", None) or GateInput()
-        self.branches = None if hasattr(experts, "act_fn") else branches
+        # the activation, where parity's input probe looks for it (``act``: one deeper in the module, DBRX's);
+        # experts computing theirs in their own code (GPT-OSS's clamped one) get a stand-in that sees both
+        # branches' pre-activations (GateInput)
+        act = act or getattr(experts, "act_fn", None)
+        self.act_fn = act or GateInput()
+        self.branches = None if act is not None else branches
         # Llama 4's experts take the tokens already sorted by expert (and scaled); the others take the choice
         self.routed = len(inspect.signature(experts.forward).parameters) > 1
 
@@ -87,6 +89,8 @@ def expert_reference(meta_experts: nn.Module, config: Any, routed: dict[str, tor
     each matrix [out, in] or transposed)."""
     from parity.engine.layout.experts import experts_transposed
 
+    if not hasattr(meta_experts, "gate_up_proj") and not hasattr(meta_experts, "down_proj"):
+        return flat_expert_reference(meta_experts, routed, where)
     if not hasattr(meta_experts, "gate_up_proj") or not hasattr(meta_experts, "down_proj"):
         raise MappingError(f"reference.module '{where}' is {type(meta_experts).__name__}, not a fused experts module "
                            "with gate_up_proj / down_proj (mapping key 'reference.module')")
@@ -121,3 +125,21 @@ def expert_reference(meta_experts: nn.Module, config: Any, routed: dict[str, tor
     module.load_state_dict(given, strict=True, assign=True)
     return ExpertReference(module, {role: routed[role] for role in ("gate", "up", "gate_bias", "up_bias")
                                     if role in routed}).eval()
+
+
+def flat_expert_reference(meta_experts: nn.Module, routed: dict[str, torch.Tensor], where: str) -> nn.Module:
+    """transformers' experts module that keeps its matrices flattened over experts (DBRX's [E·ff, d] w1, v1, w2),
+    holding one expert's: each matrix is given the role and orientation measured on the module itself
+    (parity.engine.layout.flat_experts)."""
+    from parity.engine.layout.flat_experts import one_expert, reference_roles
+    from parity.engine.reference import activation_module
+
+    width, d = routed["gate"].shape
+    holder, roles = reference_roles(meta_experts, d, width)
+    if isinstance(roles, str):
+        raise MappingError(f"reference.module '{where}' is {type(meta_experts).__name__}, neither a fused experts "
+                           f"module with gate_up_proj / down_proj nor one parity reads flattened: {roles} (mapping "
+                           "key 'reference.module')")
+    module = one_expert(meta_experts, holder, {name: routed[role].t() if transposed else routed[role]
+                                               for name, role, transposed in roles})
+    return ExpertReference(module, {}, act=activation_module(module.get_submodule(holder))).eval()

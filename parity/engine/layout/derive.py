@@ -28,8 +28,9 @@ from typing import Any
 from torch import nn
 
 from parity.definitions.aliases import load_aliases
-from parity.definitions.mapping import Mapping, TensorRoute
+from parity.definitions.mapping import Experts, Mapping, TensorRoute
 from parity.engine.layout.experts import ExpertsModule, expert_layout, find_experts
+from parity.engine.layout.flat_experts import FlatExperts, find_flat_experts, holds_flat_experts
 from parity.engine.layout.measured import gated_formula_gap, settings
 from parity.engine.layout.renaming import Renamed, renamed_keys
 from parity.engine.layout.structure import (
@@ -133,7 +134,7 @@ def dense_mapping(decoder: Decoder, indices: list[int], ffn: FFN, unit: str | No
 
     module_path = decoder.module_path(ffn.path)
     pair = tuple(indices[:2])
-    names = checkpoint_names(decoder, [module_path.format(layer=i) for i in pair], ffn)
+    names = checkpoint_names(decoder, [module_path.format(layer=i) for i in pair], ffn.module)
     layer_key, sources = checkpoint_layout(names, module_path, decoder.model_type, pair)
     shown_class = type(ffn.module).__name__ if not ffn.inline else f"{type(decoder.layers[0]).__name__}'s " \
         + "+".join(ffn.inline)
@@ -197,11 +198,12 @@ def uniform_ffn(layers: list[nn.Module], indices: list[int], d: int, model_type:
     return first
 
 
-def checkpoint_names(decoder: Decoder, paths: list[str], ffn: FFN) -> dict[str, str]:
-    """Model parameter name -> the checkpoint tensor that fills it, for the FFN parameters under ``paths``:
-    transformers' own load-time renaming applied to every checkpoint key (``decoder.renamed``)."""
+def checkpoint_names(decoder: Decoder, paths: list[str], module: nn.Module) -> dict[str, str]:
+    """Model parameter name -> the checkpoint tensor that fills it, for the parameters of ``module`` (the FFN, or
+    the module holding experts) under ``paths``: transformers' own load-time renaming applied to every checkpoint
+    key (``decoder.renamed``)."""
     model, ckpt, model_type = decoder.model, decoder.ckpt, decoder.model_type
-    wanted = {f"{path}.{name}" for path in paths for name in ffn.module.state_dict()}  # saved buffers too
+    wanted = {f"{path}.{name}" for path in paths for name in module.state_dict()}  # saved buffers too
     found: dict[str, str] = {}
     for key, (own, converter) in decoder.renamed.keys.items():
         if own in wanted and converter is None:
@@ -331,18 +333,8 @@ def experts_mappings(decoder: Decoder, moe: list[int]) -> list[Mapping]:
     parity.engine.layout.experts), then each dense FFN beside them (a shared expert) as a unit of its own."""
     import transformers
 
-    found = [find_experts(decoder.layers[i], decoder.d) for i in moe]
-    first = found[0]
-    if first is None or any(f is None or (f.path, type(f.module), f.count, f.width) !=
-                            (first.path, type(first.module), first.count, first.width) for f in found):
-        raise refused(decoder.model_type, f"transformers' {type(decoder.layers[moe[0]]).__name__} holds experts that "
-                      "are not one fused module (gate_up_proj and down_proj stacked over experts) of the same shape "
-                      "in every layer with experts", "with an [experts] table ")
-    module_path = decoder.module_path(first.path)
-    layer_key, experts = expert_layout(decoder.renamed, module_path, first, tuple(moe[:2]),
-                                       lambda why, what="": refused(decoder.model_type, why, what))
+    first, module_path, layer_key, experts, target = routed_experts(decoder, moe)
     shown_class = type(first.module).__name__
-    target = GATED.get(activation_of(first.module)) or refusing_target(shown_class, experts_gap(first))
     tensors = [dataclasses.replace(route, target=f"{ROLE_TARGETS[role.removesuffix('_bias')]}."
                                                  f"{'bias' if role.endswith('_bias') else 'weight'}")
                for role, route in ((r.target, r) for r in experts.routes)]
@@ -351,7 +343,7 @@ def experts_mappings(decoder: Decoder, moe: list[int]) -> list[Mapping]:
     routed = Mapping(
         name=name, path=Path(name), model_types=[decoder.model_type], layer_key=layer_key,
         reference_module=module_path, target_class=target, tensors=tensors, num_layers=len(decoder.layers),
-        target_args={"emb_size": decoder.d, "hidden_dim": first.width, "bias": first.biased, "dropout": 0.0},
+        target_args={"emb_size": decoder.d, "hidden_dim": first.width, "bias": bool(experts.biases), "dropout": 0.0},
         hidden_size=decoder.d, experts=experts, derived=True, layers=decoder.layers_note(moe),
         description=f"{decoder.model_type}: {first.count} experts per layer{where}, layout derived from "
                     f"transformers' {shown_class}")
@@ -364,6 +356,63 @@ def experts_mappings(decoder: Decoder, moe: list[int]) -> list[Mapping]:
     return units
 
 
+def routed_experts(decoder: Decoder, moe: list[int]) -> tuple[Any, str, str, Experts, str]:
+    """(transformers' experts module, its path with '{layer}', the layer_key, [experts], the default target) of the
+    layers with experts: one fused module (layout.experts), else matrices flattened over experts (flat_experts)."""
+    found = [find_experts(decoder.layers[i], decoder.d) for i in moe]
+    first = found[0]
+    if first is None and all(f is None for f in found):
+        return flat_routed(decoder, moe)
+    if first is None or any(f is None or (f.path, type(f.module), f.count, f.width) !=
+                            (first.path, type(first.module), first.count, first.width) for f in found):
+        raise refused(decoder.model_type, f"transformers' {type(decoder.layers[moe[0]]).__name__} holds experts that "
+                      "are not one fused module (gate_up_proj and down_proj stacked over experts) of the same shape "
+                      "in every layer with experts", "with an [experts] table ")
+    module_path = decoder.module_path(first.path)
+    layer_key, experts = expert_layout(decoder.renamed, module_path, first, tuple(moe[:2]),
+                                       lambda why, what="": refused(decoder.model_type, why, what))
+    target = GATED.get(activation_of(first.module)) or refusing_target(type(first.module).__name__, experts_gap(first))
+    return first, module_path, layer_key, experts, target
+
+
+def flat_routed(decoder: Decoder, moe: list[int]) -> tuple[FlatExperts, str, str, Experts, str]:
+    """``routed_experts`` for experts kept as matrices flattened over experts (DBRX's [E·ff, d] w1, v1, w2): each
+    matrix's role and orientation measured on transformers' module, its tensors found through its renaming."""
+    first = find_flat_experts(decoder.layers[moe[0]], decoder.d)
+    layer_class = type(decoder.layers[moe[0]]).__name__
+    if not isinstance(first, FlatExperts):
+        why = f" ({first})" if isinstance(first, str) else ""
+        raise refused(decoder.model_type, f"transformers' {layer_class} holds experts that are neither one fused "
+                      "module (gate_up_proj and down_proj stacked over experts) nor three matrices flattened over "
+                      f"experts that read as a gated FFN{why}", "with an [experts] table ")
+    holder = ".".join(p for p in (first.path, first.holder) if p)
+    others = [i for i in moe if type(_at(decoder.layers[i], holder)) is not type(first.module.get_submodule(
+        first.holder)) or not holds_flat_experts(decoder.layers[i], decoder.d)]
+    if others:
+        raise refused(decoder.model_type, f"layer {others[0]} of transformers' {layer_class} does not hold its "
+                      f"experts as layer {moe[0]} does ({holder})", "with an [experts] table ")
+    holder_path = decoder.module_path(holder)
+    names = checkpoint_names(decoder, [holder_path.format(layer=i) for i in moe[:2]],
+                             first.module.get_submodule(first.holder))
+    layer_key, sources = checkpoint_layout(names, holder_path, decoder.model_type, tuple(moe[:2]))
+    routes = {role: TensorRoute(role, sources[name], "transpose" if flipped else "none")
+              for name, role, flipped in first.roles}
+    experts = Experts(first.count, routes["gate"], routes["up"], routes["down"],
+                      stacked=tuple(sources[name] for name, _, _ in first.roles), flat=True)
+    act = activation_of(first.module.get_submodule(first.holder))
+    target = GATED.get(act) or refusing_target(type(first.module).__name__, (
+        f"its experts are gated FFNs running {activation_label(first.module.get_submodule(first.holder))}, and "
+        "parity.ffn's gated modules run SiLU (SwiGLU) or tanh GELU (GeGLU)"))
+    return first, decoder.module_path(first.path), layer_key, experts, target
+
+
+def _at(layer: nn.Module, path: str) -> nn.Module | None:
+    try:
+        return layer.get_submodule(path)
+    except AttributeError:
+        return None
+
+
 def experts_gap(experts: ExpertsModule) -> str:
     """What parity.ffn's gated modules lack to express these experts."""
     if activation_module(experts.module) is None:
@@ -374,7 +423,7 @@ def experts_gap(experts: ExpertsModule) -> str:
             "run SiLU (SwiGLU) or tanh GELU (GeGLU)")
 
 
-def shared_paths(layer: nn.Module, experts: ExpertsModule, d: int) -> list[str]:
+def shared_paths(layer: nn.Module, experts: ExpertsModule | FlatExperts, d: int) -> list[str]:
     """The paths (relative to the layer) of the dense FFNs beside the layer's experts (a shared expert; Gemma 4's
     dense mlp beside its router and experts), each a unit; the outermost where one holds another."""
     found = [path for path, module in layer.named_modules()
