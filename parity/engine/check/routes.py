@@ -126,10 +126,11 @@ def family_roles(family: Mapping, aliases: Aliases) -> dict[Role, TensorRoute]:
             raise MappingError(f"{family.path}: [tensors] key '{route.target}' plays no single role in "
                                f"{aliases.path}; routes cannot be inferred with this mapping: give --mapping FILE")
         canon[roles.pop()] = route
-    gate, up = canon.get(("gate", "weight")), canon.get(("up", "weight"))
-    if gate is not None and up is not None and gate.source == up.source and (gate.chunk, up.chunk) == ((0, 2), (1, 2)) \
-            and not gate.interleaved:
-        canon[("gate_up", "weight")] = TensorRoute("", gate.source, gate.transform)  # stored fused, [gate; up]
+    for kind in ("weight", "bias"):  # stored fused: a fused parameter takes it whole, as transformers lays it out
+        gate, up = canon.get(("gate", kind)), canon.get(("up", kind))
+        if gate is not None and up is not None and gate.source == up.source \
+                and (gate.chunk, up.chunk) == ((0, 2), (1, 2)) and gate.interleaved == up.interleaved:
+            canon[("gate_up", kind)] = TensorRoute("", gate.source, gate.transform if kind == "weight" else "none")
     return canon
 
 
