@@ -135,7 +135,7 @@ def flat_expert_reference(meta_experts: nn.Module, routed: dict[str, torch.Tenso
     from parity.engine.reference import activation_module
 
     width, d = routed["gate"].shape
-    holder, roles = reference_roles(meta_experts, d, width)
+    holder, roles = reference_roles(meta_experts, d, width, activation_module)
     if isinstance(roles, str):
         raise MappingError(f"reference.module '{where}' is {type(meta_experts).__name__}, neither a fused experts "
                            f"module with gate_up_proj / down_proj nor one parity reads flattened: {roles} (mapping "

@@ -378,7 +378,7 @@ def routed_experts(decoder: Decoder, moe: list[int]) -> tuple[Any, str, str, Exp
 def flat_routed(decoder: Decoder, moe: list[int]) -> tuple[FlatExperts, str, str, Experts, str]:
     """``routed_experts`` for experts kept as matrices flattened over experts (DBRX's [E·ff, d] w1, v1, w2): each
     matrix's role and orientation measured on transformers' module, its tensors found through its renaming."""
-    first = find_flat_experts(decoder.layers[moe[0]], decoder.d)
+    first = find_flat_experts(decoder.layers[moe[0]], decoder.d, activation_module)
     layer_class = type(decoder.layers[moe[0]]).__name__
     if not isinstance(first, FlatExperts):
         why = f" ({first})" if isinstance(first, str) else ""

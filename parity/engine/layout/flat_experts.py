@@ -15,12 +15,11 @@ from __future__ import annotations
 
 import copy
 import itertools
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 from torch import nn
-
-from parity.engine.reference import activation_module
 
 AGREES = 1e-9  # of the output, float64: the way transformers' module reads its matrices, not a near miss
 PROBE_ROWS = 1 << 22  # one expert's matrices larger than this are probed at a small d and d_ff (see shrunk)
@@ -61,9 +60,12 @@ def holds_flat_experts(layer: nn.Module, d: int) -> bool:
                for count in router_counts(layer, d) for m in layer.modules())
 
 
-def find_flat_experts(layer: nn.Module, d: int) -> FlatExperts | None | str:
+def find_flat_experts(layer: nn.Module, d: int, activation: Callable[[nn.Module], nn.Module | None]
+                      ) -> FlatExperts | None | str:
     """The layer's flattened experts (None: it holds none), their roles measured; a string: why they cannot be read
-    (no way of reading them reproduces transformers' module, or more than one does)."""
+    (no way of reading them reproduces transformers' module, or more than one does).  ``activation``: the
+    activation module of a module (parity.engine.reference.activation_module; passed in, so that this module,
+    which structure.has_experts reads, imports no other of parity's)."""
     for count in sorted(router_counts(layer, d)):
         for holder_path, holder in layer.named_modules():
             stacks = flat_stacks(holder, count, d)
@@ -72,7 +74,8 @@ def find_flat_experts(layer: nn.Module, d: int) -> FlatExperts | None | str:
             owner_path = holder_path.rpartition(".")[0]  # the experts module that routes tokens to the holder
             owner = layer.get_submodule(owner_path)
             width = next(iter(stacks.values())).shape[0] // count
-            roles = measured_roles(owner, holder_path[len(owner_path):].lstrip("."), stacks, d, width)
+            roles = measured_roles(owner, holder_path[len(owner_path):].lstrip("."), stacks, d, width,
+                                   activation(holder))
             if isinstance(roles, str):
                 return roles
             return FlatExperts(owner_path, owner, holder_path[len(owner_path):].lstrip("."), count, width, roles)
@@ -94,12 +97,11 @@ def routed_call(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
     return module(x, index, torch.ones(x.shape[0], 1, dtype=x.dtype)).reshape(x.shape)
 
 
-def measured_roles(owner: nn.Module, holder: str, stacks: dict[str, nn.Parameter], d: int, width: int
-                   ) -> tuple[tuple[str, str, bool], ...] | str:
+def measured_roles(owner: nn.Module, holder: str, stacks: dict[str, nn.Parameter], d: int, width: int,
+                   act: nn.Module | None) -> tuple[tuple[str, str, bool], ...] | str:
     """Each matrix's role and orientation: the one reading of them as a gated FFN that transformers' module
     computes, measured in float64 on random values (at d = 8, d_ff = 24 for a large module; its own size
-    attributes with them)."""
-    act = activation_module(owner.get_submodule(holder))
+    attributes with them).  ``act``: the holder's activation module."""
     if act is None:
         return f"its experts' {type(owner.get_submodule(holder)).__name__} holds no activation module"
     probe, d, width = shrunk(owner, d, width)
@@ -145,7 +147,8 @@ def shrunk(owner: nn.Module, d: int, width: int) -> tuple[nn.Module, int, int]:
 _MEASURED: dict[tuple, tuple[tuple[str, str, bool], ...] | str] = {}
 
 
-def reference_roles(owner: nn.Module, d: int, width: int) -> tuple[str, tuple[tuple[str, str, bool], ...] | str]:
+def reference_roles(owner: nn.Module, d: int, width: int, activation: Callable[[nn.Module], nn.Module | None]
+                    ) -> tuple[str, tuple[tuple[str, str, bool], ...] | str]:
     """(holder path, roles) of a flattened experts module as a reference is built from it: measured once per kind
     of module and size (every expert of every layer asks)."""
     for holder_path, holder in owner.named_modules():
@@ -154,6 +157,6 @@ def reference_roles(owner: nn.Module, d: int, width: int) -> tuple[str, tuple[tu
         if len(stacks) == 3:
             key = (type(owner), holder_path, tuple(stacks), d, width)
             if key not in _MEASURED:
-                _MEASURED[key] = measured_roles(owner, holder_path, stacks, d, width)
+                _MEASURED[key] = measured_roles(owner, holder_path, stacks, d, width, activation(holder))
             return holder_path, _MEASURED[key]
     return "", f"{type(owner).__name__} holds no three matrices of {width}-row experts, each {d} wide"
