@@ -100,7 +100,7 @@ class Experts:
     """
 
     count: Any
-    gate: TensorRoute
+    gate: TensorRoute | None  # None: experts without a gate, down(act(up(x))) (NemotronH's; derived only)
     up: TensorRoute
     down: TensorRoute
     stacked: tuple[str, ...] = ()
@@ -111,7 +111,7 @@ class Experts:
     @property
     def routes(self) -> list[TensorRoute]:
         """What one expert reads: its gate, up and down projections, then its biases."""
-        return [self.gate, self.up, self.down, *self.biases]
+        return [route for route in (self.gate, self.up, self.down, *self.biases) if route is not None]
 
 
 def route_spelling(route: TensorRoute) -> str | dict[str, Any]:

@@ -86,21 +86,42 @@ def expert_reference(meta_experts: nn.Module, config: Any, routed: dict[str, tor
     """transformers' experts module holding one expert's weights, in eval mode.  ``routed``: the expert's gate, up
     and down ([out, in] each) and, where the module has them, gate_bias, up_bias and down_bias; they are put back
     into the module's own layout as transformers' decorator describes it (gate and up concatenated or interleaved,
-    each matrix [out, in] or transposed)."""
-    from parity.engine.layout.experts import experts_transposed
-
+    each matrix [out, in] or transposed; experts without a gate: up_proj and down_proj)."""
     if not hasattr(meta_experts, "gate_up_proj") and not hasattr(meta_experts, "down_proj"):
         return flat_expert_reference(meta_experts, routed, where)
-    if not hasattr(meta_experts, "gate_up_proj") or not hasattr(meta_experts, "down_proj"):
+    gated = hasattr(meta_experts, "gate_up_proj")
+    ungated_ok = hasattr(meta_experts, "up_proj") and "gate" not in routed  # no gate: its routes say none either
+    if not hasattr(meta_experts, "down_proj") or not gated and not ungated_ok:
         raise MappingError(f"reference.module '{where}' is {type(meta_experts).__name__}, not a fused experts module "
                            "with gate_up_proj / down_proj (mapping key 'reference.module')")
     biased = hasattr(meta_experts, "gate_up_proj_bias")
     if biased and not {"gate_bias", "up_bias", "down_bias"} <= set(routed):
         raise MappingError(f"{type(meta_experts).__name__} holds biases (gate_up_proj_bias, down_proj_bias): the "
                            "mapping's [experts] must route gate_bias, up_bias and down_bias")
-    transposed = experts_transposed(meta_experts, routed["gate"].shape[1])
     with torch.device("meta"):
         module = type(meta_experts)(_one_expert_config(config, meta_experts.down_proj.shape[0]))
+    given = {name: tensor.unsqueeze(0) for name, tensor in own_layout(meta_experts, routed, biased).items()}
+    expected = {n: tuple(p.shape) for n, p in module.named_parameters()}
+    for name, tensor in given.items():
+        if tuple(tensor.shape) != expected.get(name):
+            from parity.errors import ShapeMismatchError
+
+            raise ShapeMismatchError(f"expert tensors give {where}.{name} the shape {list(tensor.shape)}, but "
+                                     f"transformers expects {list(expected.get(name, ()))} for one expert "
+                                     "(is the config's intermediate_size right for this checkpoint?)")
+    module.load_state_dict(given, strict=True, assign=True)
+    return ExpertReference(module, {role: routed[role] for role in ("gate", "up", "gate_bias", "up_bias")
+                                    if role in routed}).eval()
+
+
+def own_layout(meta_experts: nn.Module, routed: dict[str, torch.Tensor], biased: bool) -> dict[str, torch.Tensor]:
+    """One expert's tensors as the experts module holds them (without the experts dim)."""
+    from parity.engine.layout.experts import experts_transposed
+
+    transposed = experts_transposed(meta_experts, routed["up"].shape[1])
+    if not hasattr(meta_experts, "gate_up_proj"):  # no gate: down(act(up(x)))
+        up, down = routed["up"], routed["down"]
+        return {"up_proj": up.t() if transposed else up, "down_proj": down.t() if transposed else down}
     interleaved = getattr(meta_experts, "is_concatenated", True) is False
 
     def joined(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:  # [gate; up], or their rows alternating
@@ -113,18 +134,7 @@ def expert_reference(meta_experts: nn.Module, config: Any, routed: dict[str, tor
     if biased:
         given |= {"gate_up_proj_bias": joined(routed["gate_bias"], routed["up_bias"]),
                   "down_proj_bias": routed["down_bias"]}
-    given = {name: tensor.unsqueeze(0) for name, tensor in given.items()}
-    expected = {n: tuple(p.shape) for n, p in module.named_parameters()}
-    for name, tensor in given.items():
-        if tuple(tensor.shape) != expected.get(name):
-            from parity.errors import ShapeMismatchError
-
-            raise ShapeMismatchError(f"expert tensors give {where}.{name} the shape {list(tensor.shape)}, but "
-                                     f"transformers expects {list(expected.get(name, ()))} for one expert "
-                                     "(is the config's intermediate_size right for this checkpoint?)")
-    module.load_state_dict(given, strict=True, assign=True)
-    return ExpertReference(module, {role: routed[role] for role in ("gate", "up", "gate_bias", "up_bias")
-                                    if role in routed}).eval()
+    return given
 
 
 def flat_expert_reference(meta_experts: nn.Module, routed: dict[str, torch.Tensor], where: str) -> nn.Module:

@@ -85,9 +85,9 @@ def derive_mapping(ckpt: Checkpoint, load_config: Callable[[Checkpoint], Any]) -
     moe = [i for i, layer in enumerate(layers) if has_experts(layer, d)]
     dense = [i for i in range(len(layers)) if i not in moe]
     units = experts_mappings(decoder, moe) if moe else []
-    for group in ffn_groups([layers[i] for i in dense], dense, d):  # Gemma 3n's widths differ layer by layer
-        units.append(dense_mapping(decoder, group, uniform_ffn([layers[i] for i in group], group, d, model_type)))
+    skipped = dense_units(decoder, dense, units)
     main, *parts = units
+    main.notes = [skipped] if skipped else []
     if not parts:
         return main
     for unit in units:  # every row of a report names its unit where a layer has several, or layers differ
@@ -95,9 +95,31 @@ def derive_mapping(ckpt: Checkpoint, load_config: Callable[[Checkpoint], Any]) -
     main.parts = parts
     main.description += "; " + "; ".join(part.description for part in parts)
     others = "; ".join(f"{part.unit} ({describe_layers(part)}): {part.name}" for part in parts)
-    main.notes = [f"each layer's units are not all alike: {main.unit or 'routed experts'} ({describe_layers(main)}) as "
-                  f"the mapping above says, and {others}"]
+    main.notes += [f"each layer's units are not all alike: {main.unit or 'routed experts'} ({describe_layers(main)}) "
+                   f"as the mapping above says, and {others}"]
     return main
+
+
+def dense_units(decoder: Decoder, dense: list[int], units: list[Mapping]) -> str | None:
+    """Appends to ``units`` the dense FFNs of these layers, one unit per kind (Gemma 3n's widths differ layer by
+    layer).  Layers holding no FFN at all (a hybrid's Mamba or attention-only blocks: NemotronH's) are skipped where
+    other layers hold one, and said so (returned: the note); where none does, the derivation is refused."""
+    skipped = None
+    groups = ffn_groups([decoder.layers[i] for i in dense], dense, decoder.d)
+    for group in groups:
+        if (units or len(groups) > 1) and find_ffn(decoder.layers[group[0]], decoder.d) is None:
+            kinds = sorted({type(child).__name__ for i in group for child in decoder.layers[i].children()
+                            if next(child.parameters(), None) is not None and not _is_norm(child)})
+            skipped = (f"layers {spans(group)} hold no FFN ({', '.join(kinds) or 'no module with weights'}): not "
+                       "checked, and not counted as a failure")
+            continue
+        units.append(dense_mapping(decoder, group, uniform_ffn([decoder.layers[i] for i in group], group, decoder.d,
+                                                               decoder.model_type)))
+    return skipped
+
+
+def _is_norm(module: nn.Module) -> bool:
+    return all(p.dim() == 1 for p in module.parameters())
 
 
 def describe_layers(mapping: Mapping) -> str:
@@ -335,7 +357,8 @@ def experts_mappings(decoder: Decoder, moe: list[int]) -> list[Mapping]:
 
     first, module_path, layer_key, experts, target = routed_experts(decoder, moe)
     shown_class = type(first.module).__name__
-    tensors = [dataclasses.replace(route, target=f"{ROLE_TARGETS[role.removesuffix('_bias')]}."
+    names = ROLE_TARGETS if experts.gate is not None else {"up": "_layer1", "down": "_layer2"}  # ungated: classic
+    tensors = [dataclasses.replace(route, target=f"{names[role.removesuffix('_bias')]}."
                                                  f"{'bias' if role.endswith('_bias') else 'weight'}")
                for role, route in ((r.target, r) for r in experts.routes)]
     name = f"derived from transformers {transformers.__version__} {shown_class} at {module_path}"
@@ -343,7 +366,9 @@ def experts_mappings(decoder: Decoder, moe: list[int]) -> list[Mapping]:
     routed = Mapping(
         name=name, path=Path(name), model_types=[decoder.model_type], layer_key=layer_key,
         reference_module=module_path, target_class=target, tensors=tensors, num_layers=len(decoder.layers),
-        target_args={"emb_size": decoder.d, "hidden_dim": first.width, "bias": bool(experts.biases), "dropout": 0.0},
+        target_args={"emb_size": decoder.d, "hidden_dim": first.width, "bias": bool(experts.biases), "dropout": 0.0}
+        if experts.gate is not None else {"emb_size": decoder.d, "activation": activation_of(first.module) or "relu",
+                                          "dropout": 0.0},
         hidden_size=decoder.d, experts=experts, derived=True, layers=decoder.layers_note(moe),
         description=f"{decoder.model_type}: {first.count} experts per layer{where}, layout derived from "
                     f"transformers' {shown_class}")
@@ -371,8 +396,23 @@ def routed_experts(decoder: Decoder, moe: list[int]) -> tuple[Any, str, str, Exp
     module_path = decoder.module_path(first.path)
     layer_key, experts = expert_layout(decoder.renamed, module_path, first, tuple(moe[:2]),
                                        lambda why, what="": refused(decoder.model_type, why, what))
-    target = GATED.get(activation_of(first.module)) or refusing_target(type(first.module).__name__, experts_gap(first))
+    if not first.gated:  # down(act(up(x))): a classic FFN per expert
+        gap = classic_gap(first.module, first.width, decoder.d)
+        target = refusing_target(type(first.module).__name__, gap) if gap else "parity.ffn:FeedForward"
+    else:
+        target = GATED.get(activation_of(first.module)) or refusing_target(type(first.module).__name__,
+                                                                           experts_gap(first))
     return first, module_path, layer_key, experts, target
+
+
+def classic_gap(module: nn.Module, width: int, d: int) -> str | None:
+    """What parity.ffn.FeedForward lacks to express experts without a gate (None: it expresses them)."""
+    if activation_of(module) not in CLASSIC:
+        return (f"its experts are ungated FFNs running {activation_label(module)}, and parity.ffn.FeedForward runs "
+                "ReLU, exact GELU or tanh GELU")
+    if width != 4 * d:
+        return f"its experts' d_ff is {width}, and parity.ffn.FeedForward's d_ff is always 4·d ({4 * d})"
+    return None
 
 
 def flat_routed(decoder: Decoder, moe: list[int]) -> tuple[FlatExperts, str, str, Experts, str]:
