@@ -247,7 +247,7 @@ def test_classic_ffn_wider_or_narrower_than_4d(capsys, refused, case, port, said
 
 
 @pytest.mark.parametrize("case, said", [
-    ("jetmoe", "holds experts that are not one fused module"),
+    ("jetmoe", "holds experts that are neither one fused module"),
 ])
 def test_derivation_refused(capsys, refused, case, said):
     """Layouts this slice does not derive: exit 2, one line, for a check and a compare alike."""

@@ -67,6 +67,7 @@ class Mapping:
     layers: tuple[int, ...] | None = None
     unit: str | None = None
     parts: list[Mapping] = field(default_factory=list)
+    width: int | None = None  # a derived unit's d_ff (an expert's, a shared expert's), which the config need not say
 
     def where(self, key: str) -> str:
         """'FILE:LINE' of a key, for errors found only once the target or reference exists."""

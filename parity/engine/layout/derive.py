@@ -169,7 +169,7 @@ def dense_mapping(decoder: Decoder, indices: list[int], ffn: FFN, unit: str | No
     return Mapping(
         name=name, path=Path(name), model_types=[decoder.model_type], layer_key=layer_key, reference_module=reference,
         target_class=target_class, target_args=args, tensors=tensors, num_layers=len(decoder.layers),
-        hidden_size=decoder.d, derived=True, layers=decoder.layers_note(indices), unit=unit,
+        hidden_size=decoder.d, derived=True, layers=decoder.layers_note(indices), unit=unit, width=ffn.width,
         description=f"{decoder.model_type}: layout derived from transformers' {shown_class}{where} (no mapping file)",
         reference_tensors=[TensorRoute(own, source) for own, source in sources.items() if own != source],
     )
@@ -369,7 +369,7 @@ def experts_mappings(decoder: Decoder, moe: list[int]) -> list[Mapping]:
         target_args={"emb_size": decoder.d, "hidden_dim": first.width, "bias": bool(experts.biases), "dropout": 0.0}
         if experts.gate is not None else {"emb_size": decoder.d, "activation": activation_of(first.module) or "relu",
                                           "dropout": 0.0},
-        hidden_size=decoder.d, experts=experts, derived=True, layers=decoder.layers_note(moe),
+        hidden_size=decoder.d, experts=experts, derived=True, layers=decoder.layers_note(moe), width=first.width,
         description=f"{decoder.model_type}: {first.count} experts per layer{where}, layout derived from "
                     f"transformers' {shown_class}")
     layers = [decoder.layers[i] for i in moe]
