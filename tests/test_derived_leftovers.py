@@ -188,3 +188,82 @@ def test_a_port_reading_halves_of_the_interleaved_gate_up_fails_named(capsys, gp
 def test_gpt_oss_default_target_stays_one_line(capsys, gpt_oss):
     code, out, err = run_main(capsys, gpt_oss["wide"])
     assert code == 2 and "GptOssExperts" in one_line(err) and "--target" in one_line(err), out + err
+
+
+# -- NemotronH: ungated experts, layers without an FFN, `backbone.` on disk -----------------------------------------
+NEMOTRON_H = dict(MOE, moe_shared_expert_intermediate_size=24)  # its four blocks: Mamba, MoE, attention, MLP
+NEMOTRON_H_UNITS = [(1, e, None) for e in range(EXPERTS)] + [(1, None, "shared_experts"), (3, None, "mixer")]
+
+
+def broken_nemotron_h(folder: Path, dest: Path, how: str) -> Path:
+    """Experts 1 and 2 of layer 1 exchanged (every tensor of each), or layer 3's MLP down projection negated."""
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(folder, dest)
+    tensors = load_file(dest / "model.safetensors")
+    if how == "experts":
+        for name in [n for n in tensors if ".layers.1.mixer.experts.1." in n]:
+            other = name.replace(".experts.1.", ".experts.2.")
+            tensors[name], tensors[other] = tensors[other].clone(), tensors[name].clone()
+    else:
+        tensors["backbone.layers.3.mixer.down_proj.weight"] = -tensors["backbone.layers.3.mixer.down_proj.weight"]
+    save_file(tensors, dest / "model.safetensors", metadata={"format": "pt"})
+    return dest
+
+
+@pytest.fixture(scope="session")
+def nemotron_h(tmp_path_factory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("nemotron-h")
+    good = build("nemotron_h", root / "nemotron_h", 0, **NEMOTRON_H)
+    return {"good": good, **{how: broken_nemotron_h(good, root / how, how) for how in ("experts", "down")}}
+
+
+def test_nemotron_h_compare_against_itself_skips_the_layers_without_an_ffn(capsys, nemotron_h):
+    from safetensors import safe_open
+
+    with safe_open(nemotron_h["good"] / "model.safetensors", "pt") as f:
+        assert all(key.startswith(("backbone.", "lm_head.")) for key in f.keys())  # what save_pretrained writes
+    code, report, err = run_json(capsys, "compare", nemotron_h["good"], nemotron_h["good"])
+    assert code == 0 and report["passed"], err
+    assert units(report) == NEMOTRON_H_UNITS
+    assert any("layers 0, 2 hold no FFN" in note and "not counted as a failure" in note for note in report["notes"])
+
+
+@pytest.mark.parametrize("how, failing, named", [
+    ("experts", {(1, 1, None), (1, 2, None)}, "expert_shifted"),
+    ("down", {(3, None, "mixer")}, "sign_flipped"),
+])
+def test_nemotron_h_broken_export_fails_on_the_broken_unit_only_and_is_named(capsys, nemotron_h, how, failing, named):
+    code, report, err = run_json(capsys, "compare", nemotron_h["good"], nemotron_h[how])
+    assert code == 1, err
+    assert {(r["layer"], r["expert"], r["unit"]) for r in report["layers"] if not r["passed"]} == failing
+    assert {r["diagnosis"]["id"] for r in report["layers"] if not r["passed"]} == {named}
+
+
+class Relu2Expert(nn.Module):
+    """An ungated expert (or MLP) with relu², its width by parameter name: built per unit by parity."""
+
+    def __init__(self, hidden_size: int, intermediate_size: int):
+        super().__init__()
+        self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
+        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
+
+    def forward(self, x):
+        return self.down_proj(F.relu(self.up_proj(x)) ** 2)
+
+
+class ReluExpert(Relu2Expert):
+    def forward(self, x):
+        return self.down_proj(F.relu(self.up_proj(x)))
+
+
+def test_nemotron_h_default_target_refuses_in_one_line_and_a_port_passes(capsys, nemotron_h):
+    """relu² is no activation of parity.ffn's: exit 2 in one line; a port passes every unit at its own width, one
+    without the square fails every unit."""
+    code, out, err = run_main(capsys, nemotron_h["good"])
+    line = one_line(err)
+    assert code == 2 and "NemotronH" in line and "ReLUSquaredActivation" in line and "--target" in line, out + err
+    code, report, err = run_json(capsys, nemotron_h["good"], "--target", "tests.test_derived_leftovers:Relu2Expert")
+    assert code == 0 and report["passed"] and units(report) == NEMOTRON_H_UNITS, err
+    code, report, err = run_json(capsys, nemotron_h["good"], "--target", "tests.test_derived_leftovers:ReluExpert")
+    assert code == 1 and not any(r["passed"] for r in report["layers"]), err
