@@ -88,6 +88,10 @@ def expert_reference(meta_experts: nn.Module, config: Any, routed: dict[str, tor
     into the module's own layout as transformers' decorator describes it (gate and up concatenated or interleaved,
     each matrix [out, in] or transposed; experts without a gate: up_proj and down_proj)."""
     if not hasattr(meta_experts, "gate_up_proj") and not hasattr(meta_experts, "down_proj"):
+        from parity.engine.layout.block_experts import takes_x_alone
+
+        if takes_x_alone(meta_experts):  # a block routing x itself (JetMoE's)
+            return block_expert_reference(meta_experts, config, routed, where)
         return flat_expert_reference(meta_experts, routed, where)
     gated = hasattr(meta_experts, "gate_up_proj")
     ungated_ok = hasattr(meta_experts, "up_proj") and "gate" not in routed  # no gate: its routes say none either
@@ -153,3 +157,28 @@ def flat_expert_reference(meta_experts: nn.Module, routed: dict[str, torch.Tenso
     module = one_expert(meta_experts, holder, {name: routed[role].t() if transposed else routed[role]
                                                for name, role, transposed in roles})
     return ExpertReference(module, {}, act=activation_module(module.get_submodule(holder))).eval()
+
+
+def block_expert_reference(meta_block: nn.Module, config: Any, routed: dict[str, torch.Tensor], where: str
+                           ) -> nn.Module:
+    """transformers' mixture-of-experts block built with one expert out of one, holding this expert's tensors where
+    the measured reading of its stacks says, everything else of the block zero (its router: one expert gets weight
+    1 whatever its score; its own bias: the whole block's, not an expert's) (parity.engine.layout.block_experts)."""
+    from parity.engine.layout.block_experts import (
+        OneExpertBlock,
+        fill,
+        one_expert_block,
+        reference_reading,
+        stacks_of,
+    )
+    from parity.engine.reference import activation_module
+
+    width, d = routed["gate"].shape
+    reading = reference_reading(meta_block, config, d, width, activation_module)
+    if isinstance(reading, str):
+        raise MappingError(f"reference.module '{where}' is {type(meta_block).__name__}, which parity cannot hold one "
+                           f"expert of: {reading} (mapping key 'reference.module')")
+    count = next(iter(stacks_of(meta_block).values())).shape[0]
+    block = one_expert_block(meta_block, config, int(count))
+    fill(block, reading, routed["gate"].float(), routed["up"].float(), routed["down"].float())
+    return ExpertReference(OneExpertBlock(block), {}, act=activation_module(block)).eval()

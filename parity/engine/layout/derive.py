@@ -29,6 +29,7 @@ from torch import nn
 
 from parity.definitions.aliases import load_aliases
 from parity.definitions.mapping import Experts, Mapping, TensorRoute
+from parity.engine.layout.block_experts import BlockExperts, find_block_experts
 from parity.engine.layout.experts import ExpertsModule, expert_layout, find_experts
 from parity.engine.layout.flat_experts import FlatExperts, find_flat_experts, holds_flat_experts
 from parity.engine.layout.measured import gated_formula_gap, settings
@@ -87,7 +88,7 @@ def derive_mapping(ckpt: Checkpoint, load_config: Callable[[Checkpoint], Any]) -
     units = experts_mappings(decoder, moe) if moe else []
     skipped = dense_units(decoder, dense, units)
     main, *parts = units
-    main.notes = [skipped] if skipped else []
+    main.notes += [skipped] if skipped else []
     if not parts:
         return main
     for unit in units:  # every row of a report names its unit where a layer has several, or layers differ
@@ -372,6 +373,9 @@ def experts_mappings(decoder: Decoder, moe: list[int]) -> list[Mapping]:
         hidden_size=decoder.d, experts=experts, derived=True, layers=decoder.layers_note(moe), width=first.width,
         description=f"{decoder.model_type}: {first.count} experts per layer{where}, layout derived from "
                     f"transformers' {shown_class}")
+    if isinstance(first, BlockExperts) and first.others:  # said, not silently left out
+        routed.notes = [f"{shown_class}'s own {', '.join(first.others)} belong to the whole block, not to an expert: "
+                        "each expert is checked with them zero, and they are not judged"]
     layers = [decoder.layers[i] for i in moe]
     units = [routed]
     for shared in shared_paths(decoder.layers[moe[0]], first, decoder.d):  # each dense FFN beside them, a unit
@@ -420,6 +424,10 @@ def flat_routed(decoder: Decoder, moe: list[int]) -> tuple[FlatExperts, str, str
     matrix's role and orientation measured on transformers' module, its tensors found through its renaming."""
     first = find_flat_experts(decoder.layers[moe[0]], decoder.d, activation_module)
     layer_class = type(decoder.layers[moe[0]]).__name__
+    if first is None:
+        first = find_block_experts(decoder.layers[moe[0]], decoder.d, decoder.model.config, activation_module)
+        if isinstance(first, BlockExperts):
+            return block_routed(decoder, moe, first)
     if not isinstance(first, FlatExperts):
         why = f" ({first})" if isinstance(first, str) else ""
         raise refused(decoder.model_type, f"transformers' {layer_class} holds experts that are neither one fused "
@@ -444,6 +452,32 @@ def flat_routed(decoder: Decoder, moe: list[int]) -> tuple[FlatExperts, str, str
         f"its experts are gated FFNs running {activation_label(first.module.get_submodule(first.holder))}, and "
         "parity.ffn's gated modules run SiLU (SwiGLU) or tanh GELU (GeGLU)"))
     return first, decoder.module_path(first.path), layer_key, experts, target
+
+
+def block_routed(decoder: Decoder, moe: list[int], first: BlockExperts) -> tuple[BlockExperts, str, str, Experts, str]:
+    """``routed_experts`` for a block that routes x to its experts itself (JetMoE's): an expert's gate, up and down
+    where the measured reading of its two stacks says; the reference is the block with one expert."""
+    layer_class = type(decoder.layers[moe[0]]).__name__
+    others = [i for i in moe if type(_at(decoder.layers[i], first.path)) is not type(first.module)]
+    if others:
+        raise refused(decoder.model_type, f"layer {others[0]} of transformers' {layer_class} does not hold its "
+                      f"experts as layer {moe[0]} does ({first.path})", "with an [experts] table ")
+    block_path = decoder.module_path(first.path)
+    names = checkpoint_names(decoder, [block_path.format(layer=i) for i in moe[:2]], first.module)
+    layer_key, sources = checkpoint_layout(names, block_path, decoder.model_type, tuple(moe[:2]))
+    reading = first.reading
+    flip = reading.fused_transposed  # the reader turns both stacks' slices when the fused one is stored [in, out]
+    order = (0, 1) if reading.gate_first else (1, 0)
+    gate, up = (TensorRoute(role, sources[reading.fused], chunk=(index, 2), interleaved=reading.interleaved)
+                for role, index in zip(("gate", "up"), order, strict=True))
+    down = TensorRoute("down", sources[reading.down], "transpose" if reading.down_transposed != flip else "none")
+    experts = Experts(first.count, gate, up, down, stacked=(sources[reading.fused], sources[reading.down]),
+                      transposed=flip)
+    act = activation_of(first.module)
+    target = GATED.get(act) or refusing_target(type(first.module).__name__, (
+        f"its experts are gated FFNs running {activation_label(first.module)}, and parity.ffn's gated modules run "
+        "SiLU (SwiGLU) or tanh GELU (GeGLU)"))
+    return first, block_path, layer_key, experts, target
 
 
 def _at(layer: nn.Module, path: str) -> nn.Module | None:
