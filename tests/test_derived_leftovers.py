@@ -267,3 +267,66 @@ def test_nemotron_h_default_target_refuses_in_one_line_and_a_port_passes(capsys,
     assert code == 0 and report["passed"] and units(report) == NEMOTRON_H_UNITS, err
     code, report, err = run_json(capsys, nemotron_h["good"], "--target", "tests.test_derived_leftovers:ReluExpert")
     assert code == 1 and not any(r["passed"] for r in report["layers"]), err
+
+
+# -- JetMoE: a block that routes x to its experts itself ---------------------------------------------------------------
+JETMOE = dict(intermediate_size=FF, num_local_experts=EXPERTS, num_experts_per_tok=2, num_key_value_heads=2,
+              kv_channels=16)
+
+
+def broken_jetmoe(folder: Path, dest: Path, how: str) -> Path:
+    """Layer 1: experts 1 and 2 exchanged in both stacks, or expert 3's [gate; up] halves exchanged."""
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(folder, dest)
+    tensors = load_file(dest / "model.safetensors")
+    stem = "model.layers.1.mlp."
+    if how == "experts":
+        for name in ("input_linear.weight", "output_linear.weight"):
+            stack = tensors[stem + name].clone()
+            stack[[1, 2]] = stack[[2, 1]]
+            tensors[stem + name] = stack
+    else:
+        stack = tensors[stem + "input_linear.weight"].clone()
+        gate, up = stack[3].chunk(2)
+        stack[3] = torch.cat([up, gate])
+        tensors[stem + "input_linear.weight"] = stack
+    save_file(tensors, dest / "model.safetensors", metadata={"format": "pt"})
+    return dest
+
+
+@pytest.fixture(scope="session")
+def jetmoe(tmp_path_factory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("jetmoe")
+    good = build("jetmoe", root / "jetmoe", 0, **JETMOE)
+    return {"good": good, **{how: broken_jetmoe(good, root / how, how) for how in ("experts", "halves")}}
+
+
+def test_jetmoe_compare_against_itself_judges_every_expert_and_says_what_it_leaves(capsys, jetmoe):
+    code, report, err = run_json(capsys, "compare", jetmoe["good"], jetmoe["good"])
+    assert code == 0 and report["passed"], err
+    assert units(report) == DBRX_UNITS and report["mapping"].endswith("JetMoeMoE at model.layers.{layer}.mlp")
+    assert any("bias, router.layer.weight belong to the whole block" in note for note in report["notes"])
+
+
+@pytest.mark.parametrize("how, failing, named", [
+    ("experts", {(1, 1, None), (1, 2, None)}, "expert_shifted"),
+    ("halves", {(1, 3, None)}, "gate_up_exchanged"),
+])
+def test_jetmoe_broken_export_fails_on_the_broken_experts_only_and_is_named(capsys, jetmoe, how, failing, named):
+    code, report, err = run_json(capsys, "compare", jetmoe["good"], jetmoe[how])
+    assert code == 1, err
+    assert {(r["layer"], r["expert"], r["unit"]) for r in report["layers"] if not r["passed"]} == failing
+    assert {r["diagnosis"]["id"] for r in report["layers"] if not r["passed"]} == {named}
+
+
+def test_jetmoe_default_target_and_ports(capsys, jetmoe):
+    """The block's first half of input_linear is the gate (measured): SwiGLU passes, a port passes with --target
+    alone, one with gate and up exchanged is named."""
+    code, report, err = run_json(capsys, jetmoe["good"])
+    assert code == 0 and report["passed"] and report["target"] == "parity.ffn:SwiGLU", err
+    code, report, err = run_json(capsys, jetmoe["good"], "--target", "tests.test_derived_leftovers:LinearExpert")
+    assert code == 0 and report["passed"] and units(report) == DBRX_UNITS, err
+    code, report, err = run_json(capsys, jetmoe["good"], "--layers", "0", "--target",
+                                 "tests.test_derived_leftovers:swapped_expert")
+    assert code == 1 and {r["diagnosis"]["id"] for r in report["layers"]} == {"gate_up_swapped"}, err
