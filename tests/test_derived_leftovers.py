@@ -129,6 +129,26 @@ def test_dbrx_port_passes_with_target_alone_and_a_swapped_one_is_named(capsys, d
     assert code == 1 and {r["diagnosis"]["id"] for r in report["layers"]} == {"gate_up_swapped"}, err
 
 
+class DbrxStorageExpert(nn.Module):
+    """One DBRX expert written in DbrxExpertGLU's own storage: bare w1, v1, w2, each [ff, d], w2 read as h @ w2."""
+
+    def __init__(self, hidden_size: int, intermediate_size: int):
+        super().__init__()
+        self.w1 = nn.Parameter(torch.empty(intermediate_size, hidden_size))
+        self.v1 = nn.Parameter(torch.empty(intermediate_size, hidden_size))
+        self.w2 = nn.Parameter(torch.empty(intermediate_size, hidden_size))
+
+    def forward(self, x):
+        return (F.silu(x @ self.w1.t()) * (x @ self.v1.t())) @ self.w2
+
+
+def test_dbrx_port_in_its_own_storage_passes_with_target_alone(capsys, dbrx):
+    """v1 reads as up (aliases.toml); w2 is filled as DBRX stores it, [ff, d], not turned into nn.Linear's."""
+    code, report, err = run_json(capsys, dbrx["good"], "--target", "tests.test_derived_leftovers:DbrxStorageExpert")
+    assert code == 0 and report["passed"] and units(report) == DBRX_UNITS, err
+    assert report["routes"]["tensors"]["w2"] == "w2"
+
+
 # -- GPT-OSS: a port holding transformers' own fused, interleaved gate_up_proj -----------------------------------------
 class FusedOssExpert(nn.Module):
     """One GPT-OSS expert written from scratch in transformers' own storage: gate_up_proj [d, 2·ff] computed as
