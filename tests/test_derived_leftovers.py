@@ -100,6 +100,7 @@ def test_dbrx_default_target_checks_every_expert(capsys, dbrx):
     assert code == 0 and report["passed"], err
     assert units(report) == DBRX_UNITS and report["target"] == "parity.ffn:SwiGLU"
     assert report["routes"]["tensors"]["_down.weight"] == {"from": "w2", "transform": "transpose"}
+    assert report["reference_activation"] == "silu"  # DbrxExperts.mlp.activation_fn, one level down
 
 
 class LinearExpert(nn.Module):
