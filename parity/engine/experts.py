@@ -53,8 +53,8 @@ class ExpertReference(nn.Module):
         # the activation, where parity's input probe looks for it (``act``: one deeper in the module, DBRX's);
         # experts computing theirs in their own code (GPT-OSS's clamped one) get a stand-in that sees both
         # branches' pre-activations (GateInput)
-        act = act or getattr(experts, "act_fn", None)
-        self.act_fn = act or GateInput()
+        act = act if act is not None else getattr(experts, "act_fn", None)
+        self.act_fn = act if act is not None else GateInput()
         self.branches = None if act is not None else branches
         # Llama 4's experts take the tokens already sorted by expert (and scaled); the others take the choice
         self.routed = len(inspect.signature(experts.forward).parameters) > 1
