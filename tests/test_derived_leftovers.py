@@ -351,3 +351,48 @@ def test_jetmoe_default_target_and_ports(capsys, jetmoe):
     code, report, err = run_json(capsys, jetmoe["good"], "--layers", "0", "--target",
                                  "tests.test_derived_leftovers:swapped_expert")
     assert code == 1 and {r["diagnosis"]["id"] for r in report["layers"]} == {"gate_up_swapped"}, err
+
+
+# -- RoBERTa-PreLayerNorm: its intermediate normalises before its projection ------------------------------------------
+class BertStyleFFN(nn.Module):
+    """A port in BERT's own names (aliases.toml's group): intermediate.dense -> exact GELU -> output.dense."""
+
+    def __init__(self, hidden_size: int, intermediate_size: int):
+        super().__init__()
+        self.intermediate, self.output = nn.Module(), nn.Module()
+        self.intermediate.dense = nn.Linear(hidden_size, intermediate_size)
+        self.output.dense = nn.Linear(intermediate_size, hidden_size)
+
+    def forward(self, x):
+        return self.output.dense(F.gelu(self.intermediate.dense(x)))
+
+
+@pytest.fixture(scope="session")
+def prelayernorm(tmp_path_factory) -> dict[str, Path]:
+    from safetensors.torch import load_file, save_file
+
+    root = tmp_path_factory.mktemp("prelayernorm")
+    good = build("roberta-prelayernorm", root / "good", 0, intermediate_size=128, is_decoder=True)
+    broken = root / "broken"
+    shutil.copytree(good, broken)
+    tensors = load_file(broken / "model.safetensors")
+    name = next(n for n in tensors if ".layer.1.output.dense.weight" in n)
+    tensors[name] = -tensors[name]
+    save_file(tensors, broken / "model.safetensors", metadata={"format": "pt"})
+    return {"good": good, "broken": broken}
+
+
+def test_prelayernorm_ffn_is_cut_after_its_norm_and_said_so(capsys, prelayernorm):
+    """intermediate computes dense(LayerNorm(x)) then its activation: the LayerNorm is the FFN's pre-norm (measured),
+    outside the FFN as every layer's norms are; compare, the default target (FeedForward, d_ff = 4d, exact GELU) and a
+    port pass, and a negated output.dense fails on layer 1 only, named."""
+    code, report, err = run_json(capsys, "compare", prelayernorm["good"], prelayernorm["good"])
+    assert code == 0 and report["passed"] and [r["layer"] for r in report["layers"]] == [0, 1], err
+    assert any("intermediate.LayerNorm normalises the FFN's input" in note for note in report["notes"])
+    code, report, err = run_json(capsys, "compare", prelayernorm["good"], prelayernorm["broken"])
+    assert code == 1 and [r["passed"] for r in report["layers"]] == [True, False], err
+    assert report["layers"][1]["diagnosis"]["id"] == "sign_flipped"
+    code, report, err = run_json(capsys, prelayernorm["good"])
+    assert code == 0 and report["passed"] and report["target"] == "parity.ffn:FeedForward", err
+    code, report, err = run_json(capsys, prelayernorm["good"], "--target", "tests.test_derived_leftovers:BertStyleFFN")
+    assert code == 0 and report["passed"], err

@@ -173,6 +173,8 @@ def dense_mapping(decoder: Decoder, indices: list[int], ffn: FFN, unit: str | No
         hidden_size=decoder.d, derived=True, layers=decoder.layers_note(indices), unit=unit, width=ffn.width,
         description=f"{decoder.model_type}: layout derived from transformers' {shown_class}{where} (no mapping file)",
         reference_tensors=[TensorRoute(own, source) for own, source in sources.items() if own != source],
+        notes=[f"{ffn.prenorm} normalises the FFN's input inside transformers' module: it is the FFN's pre-norm, "
+               "outside the FFN as every layer's norms are, and not judged"] if ffn.prenorm else [],
     )
 
 
