@@ -224,8 +224,7 @@ def refused(tmp_path_factory) -> dict[str, Path]:
     return {
         "starcoder2": build("starcoder2", root / "starcoder2", 0, intermediate_size=72, num_key_value_heads=2),
         "gpt2": build("gpt2", root / "gpt2", 1, n_inner=72),  # served by mappings/gpt2.toml
-        "jetmoe": build("jetmoe", root / "jetmoe", 2, intermediate_size=72, num_local_experts=4,
-                        num_experts_per_tok=2, num_key_value_heads=2, kv_channels=16),
+        "mamba": build("mamba", root / "mamba", 2, intermediate_size=72),
     }
 
 
@@ -247,7 +246,7 @@ def test_classic_ffn_wider_or_narrower_than_4d(capsys, refused, case, port, said
 
 
 @pytest.mark.parametrize("case, said", [
-    ("jetmoe", "holds experts that are not one fused module"),
+    ("mamba", "MambaBlock holds no module whose projections read d -> d_ff -> d"),
 ])
 def test_derivation_refused(capsys, refused, case, said):
     """Layouts this slice does not derive: exit 2, one line, for a check and a compare alike."""

@@ -67,6 +67,7 @@ class Mapping:
     layers: tuple[int, ...] | None = None
     unit: str | None = None
     parts: list[Mapping] = field(default_factory=list)
+    width: int | None = None  # a derived unit's d_ff (an expert's, a shared expert's), which the config need not say
 
     def where(self, key: str) -> str:
         """'FILE:LINE' of a key, for errors found only once the target or reference exists."""
@@ -95,20 +96,23 @@ class Experts:
     ``stacked`` names checkpoint tensors holding every expert along dim 0 (transformers' fused
     layout, GGUF's ``ffn_*_exps``); one expert's slice is taken from them on read.  ``transposed``: each
     expert's slice is stored [in, out] (a module computing ``x @ W``, Llama 4's), read as nn.Linear's [out, in].
+    ``flat``: the stacked tensors hold every expert's rows one after another ([E·ff, d], DBRX's), not along a
+    dim of their own; one expert's slice is then its ff rows.
     """
 
     count: Any
-    gate: TensorRoute
+    gate: TensorRoute | None  # None: experts without a gate, down(act(up(x))) (NemotronH's; derived only)
     up: TensorRoute
     down: TensorRoute
     stacked: tuple[str, ...] = ()
     transposed: bool = False
     biases: tuple[TensorRoute, ...] = ()  # gate_bias, up_bias, down_bias: each expert's biases, where it has them
+    flat: bool = False
 
     @property
     def routes(self) -> list[TensorRoute]:
         """What one expert reads: its gate, up and down projections, then its biases."""
-        return [self.gate, self.up, self.down, *self.biases]
+        return [route for route in (self.gate, self.up, self.down, *self.biases) if route is not None]
 
 
 def route_spelling(route: TensorRoute) -> str | dict[str, Any]:

@@ -137,11 +137,11 @@ MISTAKES = {m.id: m for m in [
             "compare the module's forward with transformers' MLP line by line"),
     Mistake(MistakeId.GATE_UP_EXCHANGED, "checkpoint B holds A's gate projection as up and A's up as gate",
             "fix the converter's name map: HF gate_proj = Meta w1 = GGUF ffn_gate, up_proj = w3 = ffn_up"),
-    Mistake(MistakeId.GATE_UP_REORDERED, "checkpoint B stores its fused gate/up tensor in the other layout: "
-            "concatenated halves [gate; up] where transformers' module reads alternate rows (GPT-OSS: gate = rows "
-            "0::2, up = rows 1::2), or the reverse",
-            "write the fused tensor in the layout transformers' module reads (interleave gate and up for GPT-OSS's "
-            "gate_up_proj; concatenate them elsewhere)"),
+    Mistake(MistakeId.GATE_UP_REORDERED, "a fused gate/up tensor is in the other layout: concatenated halves "
+            "[gate; up] where transformers' module reads alternate rows (GPT-OSS: gate = rows 0::2, up = rows 1::2), "
+            "or the reverse (checkpoint B written so, or a module under test reading it so)",
+            "write and read the fused tensor in the layout transformers' module reads (interleave gate and up for "
+            "GPT-OSS's gate_up_proj; concatenate them elsewhere)"),
     Mistake(MistakeId.TENSOR_TRANSPOSED, "a tensor of checkpoint B is the transpose of A's",
             "transpose it back in the converter (Conv1D [in, out] vs nn.Linear [out, in]; GGUF stores [out, in])"),
     Mistake(MistakeId.LAYER_SHIFTED, "checkpoint B's layer holds another layer of A (a shifted or repeated layer)",
@@ -358,7 +358,8 @@ PRODUCED_BY: dict[MistakeId, str] = {
     MistakeId.SHAPE_MISMATCH: "finding: target.shape_message, another shape disagreement",
     MistakeId.UNEXPLAINED: "finding: diagnose.diagnose, no replay within the tolerance",
     MistakeId.GATE_UP_EXCHANGED: "replay (compare): A's layer with gate and up exchanged",
-    MistakeId.GATE_UP_REORDERED: "replay (compare): A's gate and up fused in one layout and read in the other",
+    MistakeId.GATE_UP_REORDERED: "replay (compare): A's gate and up fused in one layout and read in the other; "
+                                 "replay: diagnose.hypotheses, one expert's gate and up read in the other layout",
     MistakeId.TENSOR_TRANSPOSED: "replay (compare): A's tensor transposed; finding: B's shape is A's reversed",
     MistakeId.LAYER_SHIFTED: "replay (compare): A's neighbouring layers, each in turn",
     MistakeId.EXPERT_SHIFTED: "replay (compare): A's other experts of the same layer, each in turn",

@@ -47,13 +47,15 @@ class GateInput(nn.Identity):
 class ExpertReference(nn.Module):
     """One expert of a transformers experts module, as a plain [batch, tokens, d] -> same module."""
 
-    def __init__(self, experts: nn.Module, branches: dict[str, torch.Tensor]):
+    def __init__(self, experts: nn.Module, branches: dict[str, torch.Tensor], act: nn.Module | None = None):
         super().__init__()
         self.experts = experts
-        # the activation, where parity's input probe looks for it; experts computing theirs in their own code
-        # (GPT-OSS's clamped one) get a stand-in that sees both branches' pre-activations (GateInput)
-        self.act_fn = getattr(experts, "act_fn", None) or GateInput()
-        self.branches = None if hasattr(experts, "act_fn") else branches
+        # the activation, where parity's input probe looks for it (``act``: one deeper in the module, DBRX's);
+        # experts computing theirs in their own code (GPT-OSS's clamped one) get a stand-in that sees both
+        # branches' pre-activations (GateInput)
+        act = act if act is not None else getattr(experts, "act_fn", None)
+        self.act_fn = act if act is not None else GateInput()
+        self.branches = None if act is not None else branches
         # Llama 4's experts take the tokens already sorted by expert (and scaled); the others take the choice
         self.routed = len(inspect.signature(experts.forward).parameters) > 1
 
@@ -82,11 +84,27 @@ def _one_expert_config(config: Any, count: int) -> Any:
 
 def expert_reference(meta_experts: nn.Module, config: Any, routed: dict[str, torch.Tensor], where: str) -> nn.Module:
     """transformers' experts module holding one expert's weights, in eval mode.  ``routed``: the expert's gate, up
-    and down ([out, in] each) and, where the module has them, gate_bias, up_bias and down_bias (see
-    ``one_expert_tensors``)."""
-    given = one_expert_tensors(meta_experts, routed, where)
+    and down ([out, in] each) and, where the module has them, gate_bias, up_bias and down_bias; they are put back
+    into the module's own layout as transformers' decorator describes it (gate and up concatenated or interleaved,
+    each matrix [out, in] or transposed; experts without a gate: up_proj and down_proj)."""
+    if not hasattr(meta_experts, "gate_up_proj") and not hasattr(meta_experts, "down_proj"):
+        from parity.engine.layout.block_experts import takes_x_alone
+
+        if takes_x_alone(meta_experts):  # a block routing x itself (JetMoE's)
+            return block_expert_reference(meta_experts, config, routed, where)
+        return flat_expert_reference(meta_experts, routed, where)
+    gated = hasattr(meta_experts, "gate_up_proj")
+    ungated_ok = hasattr(meta_experts, "up_proj") and "gate" not in routed  # no gate: its routes say none either
+    if not hasattr(meta_experts, "down_proj") or not gated and not ungated_ok:
+        raise MappingError(f"reference.module '{where}' is {type(meta_experts).__name__}, not a fused experts module "
+                           "with gate_up_proj / down_proj (mapping key 'reference.module')")
+    biased = hasattr(meta_experts, "gate_up_proj_bias")
+    if biased and not {"gate_bias", "up_bias", "down_bias"} <= set(routed):
+        raise MappingError(f"{type(meta_experts).__name__} holds biases (gate_up_proj_bias, down_proj_bias): the "
+                           "mapping's [experts] must route gate_bias, up_bias and down_bias")
     with torch.device("meta"):
         module = type(meta_experts)(_one_expert_config(config, meta_experts.down_proj.shape[0]))
+    given = {name: tensor.unsqueeze(0) for name, tensor in own_layout(meta_experts, routed, biased).items()}
     expected = {n: tuple(p.shape) for n, p in module.named_parameters()}
     for name, tensor in given.items():
         if tuple(tensor.shape) != expected.get(name):
@@ -101,19 +119,23 @@ def expert_reference(meta_experts: nn.Module, config: Any, routed: dict[str, tor
 
 
 def one_expert_tensors(meta_experts: nn.Module, routed: dict[str, torch.Tensor], where: str) -> dict[str, torch.Tensor]:
-    """One expert's tensors in the experts module's own layout, each [1, ...]: ``routed`` (gate, up, down as
-    [out, in], and gate_bias, up_bias, down_bias where the module has them) put back as transformers' decorator
-    describes the module (gate and up concatenated or interleaved, each matrix [out, in] or transposed)."""
+    """One expert's tensors in a fused experts module's own layout, each [1, ...] (stacked over experts by
+    engine.block.fused_experts for a whole block)."""
+    if not hasattr(meta_experts, "down_proj"):
+        raise MappingError(f"reference.module '{where}' is {type(meta_experts).__name__}: a whole block needs a fused "
+                           "experts module (gate_up_proj or up_proj, and down_proj)")
+    biased = hasattr(meta_experts, "gate_up_proj_bias")
+    return {name: tensor.unsqueeze(0) for name, tensor in own_layout(meta_experts, routed, biased).items()}
+
+
+def own_layout(meta_experts: nn.Module, routed: dict[str, torch.Tensor], biased: bool) -> dict[str, torch.Tensor]:
+    """One expert's tensors as the experts module holds them (without the experts dim)."""
     from parity.engine.layout.experts import experts_transposed
 
-    if not hasattr(meta_experts, "gate_up_proj") or not hasattr(meta_experts, "down_proj"):
-        raise MappingError(f"reference.module '{where}' is {type(meta_experts).__name__}, not a fused experts module "
-                           "with gate_up_proj / down_proj (mapping key 'reference.module')")
-    biased = hasattr(meta_experts, "gate_up_proj_bias")
-    if biased and not {"gate_bias", "up_bias", "down_bias"} <= set(routed):
-        raise MappingError(f"{type(meta_experts).__name__} holds biases (gate_up_proj_bias, down_proj_bias): the "
-                           "mapping's [experts] must route gate_bias, up_bias and down_bias")
-    transposed = experts_transposed(meta_experts, routed["gate"].shape[1])
+    transposed = experts_transposed(meta_experts, routed["up"].shape[1])
+    if not hasattr(meta_experts, "gate_up_proj"):  # no gate: down(act(up(x)))
+        up, down = routed["up"], routed["down"]
+        return {"up_proj": up.t() if transposed else up, "down_proj": down.t() if transposed else down}
     interleaved = getattr(meta_experts, "is_concatenated", True) is False
 
     def joined(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:  # [gate; up], or their rows alternating
@@ -126,4 +148,47 @@ def one_expert_tensors(meta_experts: nn.Module, routed: dict[str, torch.Tensor],
     if biased:
         given |= {"gate_up_proj_bias": joined(routed["gate_bias"], routed["up_bias"]),
                   "down_proj_bias": routed["down_bias"]}
-    return {name: tensor.unsqueeze(0) for name, tensor in given.items()}
+    return given
+
+
+def flat_expert_reference(meta_experts: nn.Module, routed: dict[str, torch.Tensor], where: str) -> nn.Module:
+    """transformers' experts module that keeps its matrices flattened over experts (DBRX's [E·ff, d] w1, v1, w2),
+    holding one expert's: each matrix is given the role and orientation measured on the module itself
+    (parity.engine.layout.flat_experts)."""
+    from parity.engine.layout.flat_experts import one_expert, reference_roles
+    from parity.engine.reference import activation_module
+
+    width, d = routed["gate"].shape
+    holder, roles = reference_roles(meta_experts, d, width, activation_module)
+    if isinstance(roles, str):
+        raise MappingError(f"reference.module '{where}' is {type(meta_experts).__name__}, neither a fused experts "
+                           f"module with gate_up_proj / down_proj nor one parity reads flattened: {roles} (mapping "
+                           "key 'reference.module')")
+    module = one_expert(meta_experts, holder, {name: routed[role].t() if transposed else routed[role]
+                                               for name, role, transposed in roles})
+    return ExpertReference(module, {}, act=activation_module(module.get_submodule(holder))).eval()
+
+
+def block_expert_reference(meta_block: nn.Module, config: Any, routed: dict[str, torch.Tensor], where: str
+                           ) -> nn.Module:
+    """transformers' mixture-of-experts block built with one expert out of one, holding this expert's tensors where
+    the measured reading of its stacks says, everything else of the block zero (its router: one expert gets weight
+    1 whatever its score; its own bias: the whole block's, not an expert's) (parity.engine.layout.block_experts)."""
+    from parity.engine.layout.block_experts import (
+        OneExpertBlock,
+        fill,
+        one_expert_block,
+        reference_reading,
+        stacks_of,
+    )
+    from parity.engine.reference import activation_module
+
+    width, d = routed["gate"].shape
+    reading = reference_reading(meta_block, config, d, width, activation_module)
+    if isinstance(reading, str):
+        raise MappingError(f"reference.module '{where}' is {type(meta_block).__name__}, which parity cannot hold one "
+                           f"expert of: {reading} (mapping key 'reference.module')")
+    count = next(iter(stacks_of(meta_block).values())).shape[0]
+    block = one_expert_block(meta_block, config, int(count))
+    fill(block, reading, routed["gate"].float(), routed["up"].float(), routed["down"].float())
+    return ExpertReference(OneExpertBlock(block), {}, act=activation_module(block)).eval()

@@ -161,6 +161,9 @@ class LayerReader:
                 self._stacked = (prefix, self.checkpoint.read(wanted))
             for key in wanted:
                 tensor = self._stacked[1][key]
+                if self.mapping.experts.flat and tensor.dim() and self.num_experts \
+                        and tensor.shape[0] % self.num_experts == 0:  # [E·ff, d]: each expert's ff rows in turn
+                    tensor = tensor.view(self.num_experts, -1, *tensor.shape[1:])
                 if tensor.dim() == 0 or tensor.shape[0] != self.num_experts:
                     raise ShapeMismatchError(f"{self.checkpoint.location}: '{key}' (shape {list(tensor.shape)}) "
                                              f"stacks {tensor.shape[0] if tensor.dim() else 0} experts, the config "

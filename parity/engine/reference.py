@@ -153,6 +153,9 @@ def activation_name(module: nn.Module, configured: str | None) -> str:
     from transformers.activations import ACT2CLS
 
     act = activation_module(module)
+    if act is None:  # an experts module whose activation sits one level down (DbrxExperts.mlp.activation_fn)
+        inner = [activation_module(child) for child in module.children() if next(child.parameters(), None) is not None]
+        act = inner[0] if len(inner) == 1 else None
     if act is None:
         return "unknown"
     names = [k for k, v in ACT2CLS.items() if (v[0] if isinstance(v, tuple) else v) is type(act)]

@@ -59,7 +59,7 @@ def checkpoint_facts(mapping: Mapping, config: Any) -> dict[str, tuple[Any, str]
 def unit_width(mapping: Mapping) -> int | None:
     """The d_ff of a derived layout's unit (an expert, a shared expert, a dense layer of an MoE model), which the
     config's intermediate_size need not be; None for a mapping file's layout."""
-    width = mapping.target_args.get("hidden_dim") if mapping.derived else None
+    width = (mapping.width or mapping.target_args.get("hidden_dim")) if mapping.derived else None
     return width if isinstance(width, int) and not isinstance(width, bool) else None
 
 

@@ -72,6 +72,24 @@ def _swap_halves(name: str) -> Callable[[dict], dict]:
     return tensors
 
 
+def _reordered(interleaved: bool) -> Callable[[dict], dict]:
+    """One expert's gate and up (and their biases) fused in one layout and read in the other: a port that takes
+    the halves of GPT-OSS's interleaved gate_up_proj (``interleaved``), or alternate rows of [gate; up]."""
+    from parity.engine.experts import interleave_rows
+
+    def tensors(t: dict) -> dict:
+        out = dict(t)
+        for gate, up in (("gate", "up"), ("gate_bias", "up_bias")):
+            if gate in t and up in t:
+                if interleaved:
+                    out[gate], out[up] = interleave_rows(t[gate], t[up]).chunk(2, dim=0)
+                else:
+                    fused = torch.cat([t[gate], t[up]], dim=0)
+                    out[gate], out[up] = fused[0::2], fused[1::2]
+        return out
+    return tensors
+
+
 def _replace(name: str, fn: Callable[[torch.Tensor], torch.Tensor]) -> Callable[[dict], dict]:
     return lambda t: {**t, name: fn(t[name])}
 
@@ -103,6 +121,10 @@ def hypotheses(reference: nn.Module, tensors: dict[str, torch.Tensor], config) -
                                 tensors=lambda t: {**t, "gate": t["up"], "up": t["gate"],
                                                    **({"gate_bias": t["up_bias"], "up_bias": t["gate_bias"]}
                                                       if "gate_bias" in t and "up_bias" in t else {})}))
+        found += [Hypothesis(MistakeId.GATE_UP_REORDERED, "expert gate/up interleaved, read as [gate; up] halves",
+                             tensors=_reordered(interleaved=True)),
+                  Hypothesis(MistakeId.GATE_UP_REORDERED, "expert [gate; up] halves, read as alternate rows",
+                             tensors=_reordered(interleaved=False))]
     for name in tensors:
         if name.endswith("gate_up_proj.weight") or name.endswith("gate_up_proj"):
             found.append(Hypothesis(MistakeId.GATE_UP_SWAPPED, f"halves of {name}", tensors=_swap_halves(name)))

@@ -126,10 +126,11 @@ def family_roles(family: Mapping, aliases: Aliases) -> dict[Role, TensorRoute]:
             raise MappingError(f"{family.path}: [tensors] key '{route.target}' plays no single role in "
                                f"{aliases.path}; routes cannot be inferred with this mapping: give --mapping FILE")
         canon[roles.pop()] = route
-    gate, up = canon.get(("gate", "weight")), canon.get(("up", "weight"))
-    if gate is not None and up is not None and gate.source == up.source and (gate.chunk, up.chunk) == ((0, 2), (1, 2)) \
-            and not gate.interleaved:
-        canon[("gate_up", "weight")] = TensorRoute("", gate.source, gate.transform)  # stored fused, [gate; up]
+    for kind in ("weight", "bias"):  # stored fused: a fused parameter takes it whole, as transformers lays it out
+        gate, up = canon.get(("gate", kind)), canon.get(("up", kind))
+        if gate is not None and up is not None and gate.source == up.source \
+                and (gate.chunk, up.chunk) == ((0, 2), (1, 2)) and gate.interleaved == up.interleaved:
+            canon[("gate_up", kind)] = TensorRoute("", gate.source, gate.transform if kind == "weight" else "none")
     return canon
 
 
@@ -284,7 +285,8 @@ def infer_routes(module: nn.Module, family: Mapping, tensors: dict[str, torch.Te
             routes.append(dataclasses.replace(base, target=name, transform="none"))
             continue
         transform = orientation(base, stored_shape(base, tensors), params[name], aliases.roles[role].side,
-                                hidden_size, bare.get(name) or owner_layout(module, name, aliases))
+                                hidden_size, bare.get(name) or owner_layout(module, name, aliases)
+                                or experts_own_layout(family, name))
         if transform is None:
             transform = base.transform
             owner = type(owner_of(module, name)).__name__
@@ -292,6 +294,17 @@ def infer_routes(module: nn.Module, family: Mapping, tensors: dict[str, torch.Te
                          "nn.Linear nor Conv1D: its layout was taken as nn.Linear's [out, in]")
         routes.append(dataclasses.replace(base, target=name, transform=transform))
     return routes, notes
+
+
+def experts_own_layout(family: Mapping, name: str) -> str | None:
+    """How transformers' experts module stores its parameter ``name`` ('in_out' where it computes x @ W: its
+    is_transposed, read into [experts] transposed; or a flattened matrix read transposed, DBRX's w2), for a port's
+    bare parameter of that very name (GPT-OSS's gate_up_proj [d, 2·ff]); None for any other name."""
+    experts = family.experts
+    route = next((r for r in experts.routes if r.source == name), None) if experts is not None else None
+    if route is None:
+        return None
+    return "in_out" if experts.transposed != (route.transform == "transpose") else "out_in"
 
 
 def proposals(shape: tuple[int, ...], shapes: dict[str, tuple[int, ...]], stored_layouts: dict[str, str],

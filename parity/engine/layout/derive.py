@@ -28,8 +28,10 @@ from typing import Any
 from torch import nn
 
 from parity.definitions.aliases import load_aliases
-from parity.definitions.mapping import Mapping, TensorRoute
+from parity.definitions.mapping import Experts, Mapping, TensorRoute
+from parity.engine.layout.block_experts import BlockExperts, find_block_experts
 from parity.engine.layout.experts import ExpertsModule, expert_layout, find_experts
+from parity.engine.layout.flat_experts import FlatExperts, find_flat_experts, holds_flat_experts
 from parity.engine.layout.measured import gated_formula_gap, settings
 from parity.engine.layout.renaming import Renamed, renamed_keys
 from parity.engine.layout.structure import (
@@ -84,9 +86,9 @@ def derive_mapping(ckpt: Checkpoint, load_config: Callable[[Checkpoint], Any]) -
     moe = [i for i, layer in enumerate(layers) if has_experts(layer, d)]
     dense = [i for i in range(len(layers)) if i not in moe]
     units = experts_mappings(decoder, moe) if moe else []
-    for group in ffn_groups([layers[i] for i in dense], dense, d):  # Gemma 3n's widths differ layer by layer
-        units.append(dense_mapping(decoder, group, uniform_ffn([layers[i] for i in group], group, d, model_type)))
+    skipped = dense_units(decoder, dense, units)
     main, *parts = units
+    main.notes += [skipped] if skipped else []
     if not parts:
         return main
     for unit in units:  # every row of a report names its unit where a layer has several, or layers differ
@@ -94,9 +96,31 @@ def derive_mapping(ckpt: Checkpoint, load_config: Callable[[Checkpoint], Any]) -
     main.parts = parts
     main.description += "; " + "; ".join(part.description for part in parts)
     others = "; ".join(f"{part.unit} ({describe_layers(part)}): {part.name}" for part in parts)
-    main.notes = [f"each layer's units are not all alike: {main.unit or 'routed experts'} ({describe_layers(main)}) as "
-                  f"the mapping above says, and {others}"]
+    main.notes += [f"each layer's units are not all alike: {main.unit or 'routed experts'} ({describe_layers(main)}) "
+                   f"as the mapping above says, and {others}"]
     return main
+
+
+def dense_units(decoder: Decoder, dense: list[int], units: list[Mapping]) -> str | None:
+    """Appends to ``units`` the dense FFNs of these layers, one unit per kind (Gemma 3n's widths differ layer by
+    layer).  Layers holding no FFN at all (a hybrid's Mamba or attention-only blocks: NemotronH's) are skipped where
+    other layers hold one, and said so (returned: the note); where none does, the derivation is refused."""
+    skipped = None
+    groups = ffn_groups([decoder.layers[i] for i in dense], dense, decoder.d)
+    for group in groups:
+        if (units or len(groups) > 1) and find_ffn(decoder.layers[group[0]], decoder.d) is None:
+            kinds = sorted({type(child).__name__ for i in group for child in decoder.layers[i].children()
+                            if next(child.parameters(), None) is not None and not _is_norm(child)})
+            skipped = (f"layers {spans(group)} hold no FFN ({', '.join(kinds) or 'no module with weights'}): not "
+                       "checked, and not counted as a failure")
+            continue
+        units.append(dense_mapping(decoder, group, uniform_ffn([decoder.layers[i] for i in group], group, decoder.d,
+                                                               decoder.model_type)))
+    return skipped
+
+
+def _is_norm(module: nn.Module) -> bool:
+    return all(p.dim() == 1 for p in module.parameters())
 
 
 def describe_layers(mapping: Mapping) -> str:
@@ -133,7 +157,7 @@ def dense_mapping(decoder: Decoder, indices: list[int], ffn: FFN, unit: str | No
 
     module_path = decoder.module_path(ffn.path)
     pair = tuple(indices[:2])
-    names = checkpoint_names(decoder, [module_path.format(layer=i) for i in pair], ffn)
+    names = checkpoint_names(decoder, [module_path.format(layer=i) for i in pair], ffn.module)
     layer_key, sources = checkpoint_layout(names, module_path, decoder.model_type, pair)
     shown_class = type(ffn.module).__name__ if not ffn.inline else f"{type(decoder.layers[0]).__name__}'s " \
         + "+".join(ffn.inline)
@@ -146,9 +170,11 @@ def dense_mapping(decoder: Decoder, indices: list[int], ffn: FFN, unit: str | No
     return Mapping(
         name=name, path=Path(name), model_types=[decoder.model_type], layer_key=layer_key, reference_module=reference,
         target_class=target_class, target_args=args, tensors=tensors, num_layers=len(decoder.layers),
-        hidden_size=decoder.d, derived=True, layers=decoder.layers_note(indices), unit=unit,
+        hidden_size=decoder.d, derived=True, layers=decoder.layers_note(indices), unit=unit, width=ffn.width,
         description=f"{decoder.model_type}: layout derived from transformers' {shown_class}{where} (no mapping file)",
         reference_tensors=[TensorRoute(own, source) for own, source in sources.items() if own != source],
+        notes=[f"{ffn.prenorm} normalises the FFN's input inside transformers' module: it is the FFN's pre-norm, "
+               "outside the FFN as every layer's norms are, and not judged"] if ffn.prenorm else [],
     )
 
 
@@ -197,11 +223,12 @@ def uniform_ffn(layers: list[nn.Module], indices: list[int], d: int, model_type:
     return first
 
 
-def checkpoint_names(decoder: Decoder, paths: list[str], ffn: FFN) -> dict[str, str]:
-    """Model parameter name -> the checkpoint tensor that fills it, for the FFN parameters under ``paths``:
-    transformers' own load-time renaming applied to every checkpoint key (``decoder.renamed``)."""
+def checkpoint_names(decoder: Decoder, paths: list[str], module: nn.Module) -> dict[str, str]:
+    """Model parameter name -> the checkpoint tensor that fills it, for the parameters of ``module`` (the FFN, or
+    the module holding experts) under ``paths``: transformers' own load-time renaming applied to every checkpoint
+    key (``decoder.renamed``)."""
     model, ckpt, model_type = decoder.model, decoder.ckpt, decoder.model_type
-    wanted = {f"{path}.{name}" for path in paths for name in ffn.module.state_dict()}  # saved buffers too
+    wanted = {f"{path}.{name}" for path in paths for name in module.state_dict()}  # saved buffers too
     found: dict[str, str] = {}
     for key, (own, converter) in decoder.renamed.keys.items():
         if own in wanted and converter is None:
@@ -331,8 +358,42 @@ def experts_mappings(decoder: Decoder, moe: list[int]) -> list[Mapping]:
     parity.engine.layout.experts), then each dense FFN beside them (a shared expert) as a unit of its own."""
     import transformers
 
+    first, module_path, layer_key, experts, target = routed_experts(decoder, moe)
+    shown_class = type(first.module).__name__
+    names = ROLE_TARGETS if experts.gate is not None else {"up": "_layer1", "down": "_layer2"}  # ungated: classic
+    tensors = [dataclasses.replace(route, target=f"{names[role.removesuffix('_bias')]}."
+                                                 f"{'bias' if role.endswith('_bias') else 'weight'}")
+               for role, route in ((r.target, r) for r in experts.routes)]
+    name = f"derived from transformers {transformers.__version__} {shown_class} at {module_path}"
+    where = "" if decoder.layers_note(moe) is None else f" (layers {spans(moe)})"
+    routed = Mapping(
+        name=name, path=Path(name), model_types=[decoder.model_type], layer_key=layer_key,
+        reference_module=module_path, target_class=target, tensors=tensors, num_layers=len(decoder.layers),
+        target_args={"emb_size": decoder.d, "hidden_dim": first.width, "bias": bool(experts.biases), "dropout": 0.0}
+        if experts.gate is not None else {"emb_size": decoder.d, "activation": activation_of(first.module) or "relu",
+                                          "dropout": 0.0},
+        hidden_size=decoder.d, experts=experts, derived=True, layers=decoder.layers_note(moe), width=first.width,
+        description=f"{decoder.model_type}: {first.count} experts per layer{where}, layout derived from "
+                    f"transformers' {shown_class}")
+    if isinstance(first, BlockExperts) and first.others:  # said, not silently left out
+        routed.notes = [f"{shown_class}'s own {', '.join(first.others)} belong to the whole block, not to an expert: "
+                        "each expert is checked with them zero, and they are not judged"]
+    layers = [decoder.layers[i] for i in moe]
+    units = [routed]
+    for shared in shared_paths(decoder.layers[moe[0]], first, decoder.d):  # each dense FFN beside them, a unit
+        ffn = uniform_ffn(layers, moe, decoder.d, decoder.model_type,
+                          find=lambda layer, d, shared=shared: ffn_at(layer, shared, d))
+        units.append(dense_mapping(decoder, moe, ffn, unit=shared.rsplit(".", 1)[-1]))
+    return units
+
+
+def routed_experts(decoder: Decoder, moe: list[int]) -> tuple[Any, str, str, Experts, str]:
+    """(transformers' experts module, its path with '{layer}', the layer_key, [experts], the default target) of the
+    layers with experts: one fused module (layout.experts), else matrices flattened over experts (flat_experts)."""
     found = [find_experts(decoder.layers[i], decoder.d) for i in moe]
     first = found[0]
+    if first is None and all(f is None for f in found):
+        return flat_routed(decoder, moe)
     if first is None or any(f is None or (f.path, type(f.module), f.count, f.width) !=
                             (first.path, type(first.module), first.count, first.width) for f in found):
         raise refused(decoder.model_type, f"transformers' {type(decoder.layers[moe[0]]).__name__} holds experts that "
@@ -341,27 +402,91 @@ def experts_mappings(decoder: Decoder, moe: list[int]) -> list[Mapping]:
     module_path = decoder.module_path(first.path)
     layer_key, experts = expert_layout(decoder.renamed, module_path, first, tuple(moe[:2]),
                                        lambda why, what="": refused(decoder.model_type, why, what))
-    shown_class = type(first.module).__name__
-    target = GATED.get(activation_of(first.module)) or refusing_target(shown_class, experts_gap(first))
-    tensors = [dataclasses.replace(route, target=f"{ROLE_TARGETS[role.removesuffix('_bias')]}."
-                                                 f"{'bias' if role.endswith('_bias') else 'weight'}")
-               for role, route in ((r.target, r) for r in experts.routes)]
-    name = f"derived from transformers {transformers.__version__} {shown_class} at {module_path}"
-    where = "" if decoder.layers_note(moe) is None else f" (layers {spans(moe)})"
-    routed = Mapping(
-        name=name, path=Path(name), model_types=[decoder.model_type], layer_key=layer_key,
-        reference_module=module_path, target_class=target, tensors=tensors, num_layers=len(decoder.layers),
-        target_args={"emb_size": decoder.d, "hidden_dim": first.width, "bias": first.biased, "dropout": 0.0},
-        hidden_size=decoder.d, experts=experts, derived=True, layers=decoder.layers_note(moe),
-        description=f"{decoder.model_type}: {first.count} experts per layer{where}, layout derived from "
-                    f"transformers' {shown_class}")
-    layers = [decoder.layers[i] for i in moe]
-    units = [routed]
-    for shared in shared_paths(decoder.layers[moe[0]], first, decoder.d):  # each dense FFN beside them, a unit
-        ffn = uniform_ffn(layers, moe, decoder.d, decoder.model_type,
-                          find=lambda layer, d, shared=shared: ffn_at(layer, shared, d))
-        units.append(dense_mapping(decoder, moe, ffn, unit=shared.rsplit(".", 1)[-1]))
-    return units
+    if not first.gated:  # down(act(up(x))): a classic FFN per expert
+        gap = classic_gap(first.module, first.width, decoder.d)
+        target = refusing_target(type(first.module).__name__, gap) if gap else "parity.ffn:FeedForward"
+    else:
+        target = GATED.get(activation_of(first.module)) or refusing_target(type(first.module).__name__,
+                                                                           experts_gap(first))
+    return first, module_path, layer_key, experts, target
+
+
+def classic_gap(module: nn.Module, width: int, d: int) -> str | None:
+    """What parity.ffn.FeedForward lacks to express experts without a gate (None: it expresses them)."""
+    if activation_of(module) not in CLASSIC:
+        return (f"its experts are ungated FFNs running {activation_label(module)}, and parity.ffn.FeedForward runs "
+                "ReLU, exact GELU or tanh GELU")
+    if width != 4 * d:
+        return f"its experts' d_ff is {width}, and parity.ffn.FeedForward's d_ff is always 4·d ({4 * d})"
+    return None
+
+
+def flat_routed(decoder: Decoder, moe: list[int]) -> tuple[FlatExperts, str, str, Experts, str]:
+    """``routed_experts`` for experts kept as matrices flattened over experts (DBRX's [E·ff, d] w1, v1, w2): each
+    matrix's role and orientation measured on transformers' module, its tensors found through its renaming."""
+    first = find_flat_experts(decoder.layers[moe[0]], decoder.d, activation_module)
+    layer_class = type(decoder.layers[moe[0]]).__name__
+    if first is None:
+        first = find_block_experts(decoder.layers[moe[0]], decoder.d, decoder.model.config, activation_module)
+        if isinstance(first, BlockExperts):
+            return block_routed(decoder, moe, first)
+    if not isinstance(first, FlatExperts):
+        why = f" ({first})" if isinstance(first, str) else ""
+        raise refused(decoder.model_type, f"transformers' {layer_class} holds experts that are neither one fused "
+                      "module (gate_up_proj and down_proj stacked over experts) nor three matrices flattened over "
+                      f"experts that read as a gated FFN{why}", "with an [experts] table ")
+    holder = ".".join(p for p in (first.path, first.holder) if p)
+    others = [i for i in moe if type(_at(decoder.layers[i], holder)) is not type(first.module.get_submodule(
+        first.holder)) or not holds_flat_experts(decoder.layers[i], decoder.d)]
+    if others:
+        raise refused(decoder.model_type, f"layer {others[0]} of transformers' {layer_class} does not hold its "
+                      f"experts as layer {moe[0]} does ({holder})", "with an [experts] table ")
+    holder_path = decoder.module_path(holder)
+    names = checkpoint_names(decoder, [holder_path.format(layer=i) for i in moe[:2]],
+                             first.module.get_submodule(first.holder))
+    layer_key, sources = checkpoint_layout(names, holder_path, decoder.model_type, tuple(moe[:2]))
+    routes = {role: TensorRoute(role, sources[name], "transpose" if flipped else "none")
+              for name, role, flipped in first.roles}
+    experts = Experts(first.count, routes["gate"], routes["up"], routes["down"],
+                      stacked=tuple(sources[name] for name, _, _ in first.roles), flat=True)
+    act = activation_of(first.module.get_submodule(first.holder))
+    target = GATED.get(act) or refusing_target(type(first.module).__name__, (
+        f"its experts are gated FFNs running {activation_label(first.module.get_submodule(first.holder))}, and "
+        "parity.ffn's gated modules run SiLU (SwiGLU) or tanh GELU (GeGLU)"))
+    return first, decoder.module_path(first.path), layer_key, experts, target
+
+
+def block_routed(decoder: Decoder, moe: list[int], first: BlockExperts) -> tuple[BlockExperts, str, str, Experts, str]:
+    """``routed_experts`` for a block that routes x to its experts itself (JetMoE's): an expert's gate, up and down
+    where the measured reading of its two stacks says; the reference is the block with one expert."""
+    layer_class = type(decoder.layers[moe[0]]).__name__
+    others = [i for i in moe if type(_at(decoder.layers[i], first.path)) is not type(first.module)]
+    if others:
+        raise refused(decoder.model_type, f"layer {others[0]} of transformers' {layer_class} does not hold its "
+                      f"experts as layer {moe[0]} does ({first.path})", "with an [experts] table ")
+    block_path = decoder.module_path(first.path)
+    names = checkpoint_names(decoder, [block_path.format(layer=i) for i in moe[:2]], first.module)
+    layer_key, sources = checkpoint_layout(names, block_path, decoder.model_type, tuple(moe[:2]))
+    reading = first.reading
+    flip = reading.fused_transposed  # the reader turns both stacks' slices when the fused one is stored [in, out]
+    order = (0, 1) if reading.gate_first else (1, 0)
+    gate, up = (TensorRoute(role, sources[reading.fused], chunk=(index, 2), interleaved=reading.interleaved)
+                for role, index in zip(("gate", "up"), order, strict=True))
+    down = TensorRoute("down", sources[reading.down], "transpose" if reading.down_transposed != flip else "none")
+    experts = Experts(first.count, gate, up, down, stacked=(sources[reading.fused], sources[reading.down]),
+                      transposed=flip)
+    act = activation_of(first.module)
+    target = GATED.get(act) or refusing_target(type(first.module).__name__, (
+        f"its experts are gated FFNs running {activation_label(first.module)}, and parity.ffn's gated modules run "
+        "SiLU (SwiGLU) or tanh GELU (GeGLU)"))
+    return first, block_path, layer_key, experts, target
+
+
+def _at(layer: nn.Module, path: str) -> nn.Module | None:
+    try:
+        return layer.get_submodule(path)
+    except AttributeError:
+        return None
 
 
 def experts_gap(experts: ExpertsModule) -> str:
@@ -374,7 +499,7 @@ def experts_gap(experts: ExpertsModule) -> str:
             "run SiLU (SwiGLU) or tanh GELU (GeGLU)")
 
 
-def shared_paths(layer: nn.Module, experts: ExpertsModule, d: int) -> list[str]:
+def shared_paths(layer: nn.Module, experts: ExpertsModule | FlatExperts, d: int) -> list[str]:
     """The paths (relative to the layer) of the dense FFNs beside the layer's experts (a shared expert; Gemma 4's
     dense mlp beside its router and experts), each a unit; the outermost where one holds another."""
     found = [path for path, module in layer.named_modules()

@@ -25,6 +25,7 @@ from parity.definitions.mapping import Experts, TensorRoute
 from parity.engine.layout.renaming import Renamed
 
 FUSED = ("gate_up_proj", "down_proj")  # transformers 5's fused experts module: its two stacked parameters
+UNGATED = ("up_proj", "down_proj")  # ... and where its experts have no gate (has_gate False: NemotronH's)
 BIASES = ("gate_up_proj_bias", "down_proj_bias")  # and their biases, where it has them (GPT-OSS)
 
 
@@ -47,6 +48,15 @@ class ExpertsModule:
     def biased(self) -> bool:
         return isinstance(getattr(self.module, "gate_up_proj_bias", None), nn.Parameter)
 
+    @property
+    def gated(self) -> bool:
+        """Its experts have a gate (gate_up_proj); an ungated one's are down(act(up(x))): has_gate False."""
+        return hasattr(self.module, "gate_up_proj")
+
+    @property
+    def stacks(self) -> tuple[str, str]:
+        return FUSED if self.gated else UNGATED
+
 
 def experts_transposed(module: nn.Module, d: int) -> bool | None:
     """Whether the module's ``gate_up_proj`` is [E, d, 2·ff] (x @ W): what transformers' experts decorator says
@@ -54,17 +64,19 @@ def experts_transposed(module: nn.Module, d: int) -> bool | None:
     said = getattr(module, "is_transposed", None)
     if isinstance(said, bool):
         return said
-    _, rows, cols = module.gate_up_proj.shape
+    _, rows, cols = (module.gate_up_proj if hasattr(module, "gate_up_proj") else module.up_proj).shape
     if (rows == d) == (cols == d):
         return None
     return rows == d
 
 
 def find_experts(layer: nn.Module, d: int) -> ExpertsModule | None:
-    """The layer's fused experts module: one holding ``gate_up_proj`` and ``down_proj`` stacked over experts."""
+    """The layer's fused experts module: one holding ``gate_up_proj`` and ``down_proj`` stacked over experts (or
+    ``up_proj`` and ``down_proj``, where transformers' decorator says its experts have no gate: has_gate False)."""
     for path, module in layer.named_modules():
         params = dict(module.named_parameters(recurse=False))
-        if all(name in params and params[name].dim() == 3 for name in FUSED):
+        names = UNGATED if getattr(module, "has_gate", True) is False else FUSED
+        if all(name in params and params[name].dim() == 3 for name in names):
             transposed = experts_transposed(module, d)
             if transposed is None:
                 return None
@@ -84,9 +96,9 @@ def expert_layout(renamed: Renamed, experts_path: str, experts: ExpertsModule,
     for key, (own, pattern) in renamed.keys.items():
         for layer in layers:
             prefix = experts_path.format(layer=layer) + "."
-            if own.startswith(prefix) and own[len(prefix):] in FUSED + BIASES:
+            if own.startswith(prefix) and own[len(prefix):] in experts.stacks + BIASES:
                 found[layer][own[len(prefix):]].append((key, pattern))
-    lacking = [name for layer in layers for name in FUSED if not found[layer].get(name)]
+    lacking = [name for layer in layers for name in experts.stacks if not found[layer].get(name)]
     if lacking:
         raise refuse(f"transformers' {type(experts.module).__name__} needs '{experts_path.format(layer=layers[0])}."
                      f"{lacking[0]}' (or the tensors transformers' load-time conversion merges into it), which this "
@@ -153,10 +165,11 @@ def _per_expert(found: dict, converters: list, experts: ExpertsModule, layers: t
                 if stems.setdefault(layer, stem) != stem:
                     raise refuse(f"the checkpoint keeps an expert's projections under two stems ({stems[layer]}, "
                                  f"{stem})", "for its names ")
-                role = ("gate", "up")[converter.source_patterns.index(pattern)] if param == "gate_up_proj" else "down"
+                role = ("gate", "up")[converter.source_patterns.index(pattern)] if param == "gate_up_proj" else \
+                    param.removesuffix("_proj")  # up, down
                 leaves.setdefault(role, ".".join(names[0].split(".")[at + 1:]))
     routes = {role: TensorRoute(role, leaf) for role, leaf in leaves.items()}
-    return _layer_key(stems, layers, refuse), Experts(experts.count, routes["gate"], routes["up"], routes["down"])
+    return _layer_key(stems, layers, refuse), Experts(experts.count, routes.get("gate"), routes["up"], routes["down"])
 
 
 def _fused(found: dict, experts: ExpertsModule, layers: tuple[int, ...], refuse: Any) -> tuple[str, Experts]:
@@ -172,7 +185,7 @@ def _fused(found: dict, experts: ExpertsModule, layers: tuple[int, ...], refuse:
         stems[layer] = ".".join(parts[0][:common])
         for param, keys in params.items():
             leaves.setdefault(param, keys[0][0][len(stems[layer]) + 1:])
-    gate_up, down = leaves["gate_up_proj"], leaves["down_proj"]
+    gate_up, down = leaves[experts.stacks[0]], leaves["down_proj"]
     biases = ()
     if experts.biased:
         missing = [name for name in BIASES if name not in leaves]
@@ -181,7 +194,8 @@ def _fused(found: dict, experts: ExpertsModule, layers: tuple[int, ...], refuse:
                          "does not hold beside its experts", "for its names ")
         biases = (*gate_and_up(leaves["gate_up_proj_bias"], experts, "_bias"),
                   TensorRoute("down_bias", leaves["down_proj_bias"]))
-    layout = Experts(experts.count, *gate_and_up(gate_up, experts), TensorRoute("down", down),
+    gate_up_routes = gate_and_up(gate_up, experts) if experts.gated else (None, TensorRoute("up", gate_up))
+    layout = Experts(experts.count, *gate_up_routes, TensorRoute("down", down),
                      stacked=tuple(leaves.values()), transposed=experts.transposed, biases=biases)
     return _layer_key(stems, layers, refuse), layout
 

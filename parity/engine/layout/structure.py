@@ -21,6 +21,7 @@ import torch
 from torch import nn
 
 from parity.definitions.aliases import load_aliases
+from parity.engine.layout.flat_experts import holds_flat_experts
 from parity.engine.reference import activation_module, measured_function
 from parity.errors import MappingError
 from parity.sources.skeleton import InlineFFN
@@ -62,6 +63,7 @@ class FFN:
     width: int
     inline: tuple[str, ...] = ()
     residual: bool = False
+    prenorm: str | None = None  # a norm the FFN's first child applies before its projection (not the FFN's own)
 
     @property
     def fused(self) -> bool:
@@ -167,10 +169,13 @@ def inline_ffn(layer: nn.Module, d: int) -> FFN | None:
         twins = [q for q in projections(parent, direct=True) if (q.d_in, q.d_out) == (d, first.d_out)]
         if len(twins) > 1:  # a gate beside it (gate, up, down on the layer): a gated FFN, not this cut
             continue
-        if parent_path and not runs_alone(parent, (first.name[len(parent_path) + 1:], act_name), d, first.d_out):
+        alone = runs_alone(parent, (first.name[len(parent_path) + 1:], act_name), d, first.d_out) \
+            if parent_path else True
+        if alone is False:
             continue
         steps = (first.name, ".".join(p for p in (parent_path, act_name) if p), second.name)
-        return FFN("", InlineFFN(layer, list(steps)), (first,), second, first.d_out, inline=steps)
+        prenorm = f"{parent_path}.{alone}" if isinstance(alone, str) else None
+        return FFN("", InlineFFN(layer, list(steps)), (first,), second, first.d_out, inline=steps, prenorm=prenorm)
     return None
 
 
@@ -210,19 +215,27 @@ def adds_second_input(module: nn.Module, d: int, width: int) -> bool:
     return bool(gap.abs().max() <= 1e-12 * r.abs().max())
 
 
-def runs_alone(parent: nn.Module, steps: tuple[str, str], d: int, width: int) -> bool:
+def runs_alone(parent: nn.Module, steps: tuple[str, str], d: int, width: int) -> bool | str:
     """Whether a child of the layer holding an FFN's first projection and activation computes just those two
     (BertIntermediate: act(dense(x))), checked as ``adds_second_input`` is; one whose forward does more (or
-    takes more than x) is not cut into an FFN."""
+    takes more than x) is not cut into an FFN.  A child that normalises first, with a norm of its own (a module
+    holding only vectors: RoBERTa-PreLayerNorm's intermediate.LayerNorm), computes the FFN on the normed input:
+    that norm is the FFN's pre-norm, outside the FFN as every layer's norms are; its name is returned."""
     probe, generator, d = random_probe(parent, d, width)
     x = torch.randn(2, 3, d, generator=generator, dtype=torch.float64)
-    try:
-        with torch.no_grad():
-            want = probe.get_submodule(steps[1])(probe.get_submodule(steps[0])(x))
-            gap = probe(x) - want
-    except Exception:  # a forward that cannot run on x alone
-        return False
-    return bool(gap.abs().max() <= 1e-12 * want.abs().max())
+    norms = [name for name, child in probe.named_children() if name not in steps
+             and next(child.parameters(), None) is not None and all(p.dim() == 1 for p in child.parameters())]
+    for norm in [None, *norms[:1]] if len(norms) == 1 else [None]:
+        try:
+            with torch.no_grad():
+                normed = x if norm is None else probe.get_submodule(norm)(x)
+                want = probe.get_submodule(steps[1])(probe.get_submodule(steps[0])(normed))
+                gap = probe(x) - want
+        except Exception:  # a forward that cannot run on x alone
+            return False
+        if gap.abs().max() <= 1e-12 * want.abs().max():
+            return norm or True
+    return False
 
 
 PROBE_ELEMENTS = 1 << 20  # a module with more parameters is probed at a small d and d_ff (a real Bloom's: 1.6e9 B)
@@ -276,7 +289,10 @@ def activation_label(module: nn.Module) -> str:
 def has_experts(layer: nn.Module, d: int) -> bool:
     """Whether the layer holds a mixture of experts: a ModuleList of FFNs, or parameters stacked over E experts
     (3-D, not a convolution's) beside a router that scores them (a 2-D weight [E, d] or [d, E]).  A 3-D parameter
-    alone is no expert stack (RWKV's [1, 1, d] mixes, RecurrentGemma's block-diagonal gates)."""
+    alone is no expert stack (RWKV's [1, 1, d] mixes, RecurrentGemma's block-diagonal gates).  Matrices holding
+    every expert's rows one after another (DBRX's [E·ff, d]) are a stack too (layout.flat_experts)."""
+    if holds_flat_experts(layer, d):
+        return True
     matrices = {tuple(p.shape) for p in layer.parameters() if p.dim() == 2}
     for module in layer.modules():
         if isinstance(module, nn.ModuleList) and any(ffn_of(projections(m), _width_in(m)) for m in module):
