@@ -206,7 +206,7 @@ def layer_subset(full: Path, folder: Path, layers: int) -> Path:
 
 
 # -- measuring ---------------------------------------------------------------------------
-def measure(cmd: list[str]) -> tuple[float, float]:
+def measure(cmd: list[str], cwd: Path | None = None) -> tuple[float, float]:
     """Run a whole process -> (wall seconds, its peak RSS in bytes).
 
     Through /usr/bin/time: a child forked from this (large) process would report this
@@ -215,7 +215,7 @@ def measure(cmd: list[str]) -> tuple[float, float]:
     env = dict(os.environ, PYTHONPATH=str(REPO), HF_HUB_OFFLINE="1", PYTHONDONTWRITEBYTECODE="1")
     with tempfile.NamedTemporaryFile("r", suffix=".time") as stats:
         started = time.perf_counter()
-        proc = subprocess.run(["/usr/bin/time", "-o", stats.name, "-f", "%M", *cmd], env=env,
+        proc = subprocess.run(["/usr/bin/time", "-o", stats.name, "-f", "%M", *cmd], env=env, cwd=cwd,
                               stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
         wall = time.perf_counter() - started
         if proc.returncode != 0:
@@ -229,12 +229,12 @@ def parity_cmd(*args: str) -> list[str]:
     return [sys.executable, "-m", "parity", *args]
 
 
-def run_all(commands: dict[str, list[str]], runs: int) -> dict[str, dict]:
+def run_all(commands: dict[str, list[str]], runs: int, cwd: Path | None = None) -> dict[str, dict]:
     """Every command ``runs`` times, interleaved, -> {name: {wall_s, peak_rss, ...}} (medians)."""
     samples: dict[str, list[tuple[float, float]]] = {name: [] for name in commands}
     for i in range(runs):
         for name, cmd in commands.items():
-            samples[name].append(measure(cmd))
+            samples[name].append(measure(cmd, cwd))
             print(f"  run {i + 1}/{runs} {name}: {samples[name][-1][0]:.2f} s, "
                   f"{samples[name][-1][1] / 2**20:.0f} MiB", file=sys.stderr)
     return {name: {"wall_s": statistics.median(w for w, _ in s), "peak_rss": statistics.median(r for _, r in s),
@@ -250,7 +250,8 @@ def main() -> int:
                         help="where the synthetic checkpoints are cached")
     parser.add_argument("--out", type=Path, help="write the results as JSON")
     parser.add_argument("--skip", action="append", default=[],
-                        choices=["compare", "sweep", "startup", "bf16", "405b", "floor", "checkpoints", "frameworks"])
+                        choices=["compare", "sweep", "startup", "bf16", "405b", "floor", "checkpoints", "frameworks",
+                                 "moe"])
     args = parser.parse_args()
     runs = 1 if args.quick else args.runs
 
@@ -300,6 +301,14 @@ def main() -> int:
             commands = {dtype: parity_cmd(str(big), "--layer", "0", "--dtype", dtype,
                                           "--json", f"{tmp}/405b-{dtype}.json") for dtype in ("float32", "bfloat16")}
             results["405b"] = run_all(commands, 1)
+        if "moe" not in args.skip:
+            print("(g) a whole MoE block of the DeepSeek-V3 shape (builds a 22.6 GB file once; one run: minutes)",
+                  file=sys.stderr)
+            from bench_moe import build_moe_layer, moe_commands
+
+            moe = build_moe_layer(args.root / "deepseek-v3-moe-layer")
+            os.environ["PARITY_BENCH_MOE"] = str(moe)
+            results["moe"] = run_all(moe_commands(moe, Path(tmp), sys.executable), 1, cwd=Path(tmp))
         if "checkpoints" not in args.skip:
             results["checkpoints"] = checkpoint_rows(args.root, llama, subsets, runs)
         if "frameworks" not in args.skip:
@@ -377,6 +386,10 @@ def print_table(results: dict) -> None:
               f"peak RSS x{results['bf16_vs_float32']['peak_rss']:.2f}")
     if "405b" in results:
         print_big_layer(results)
+    if "moe" in results:
+        from bench_moe import print_moe
+
+        print_moe(results)
     if "floor" in results:
         print_floor(results)
     if "checkpoints" in results:

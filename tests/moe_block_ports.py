@@ -245,3 +245,35 @@ class Llama4Block(nn.Module):
 
 class Llama4ScoreOnOutput(Llama4Block):
     MISTAKE = "score_on_output"
+
+
+class OwnNamesQwenBlock(nn.Module):
+    """Qwen2-MoE under a porter's own names: router, experts.N.w1/w3/w2, shared_mlp.w_gate/w_up/w_down."""
+
+    def __init__(self, config):
+        super().__init__()
+        d = config.hidden_size
+        self.k = config.num_experts_per_tok
+        self.router = nn.Linear(d, config.num_experts, bias=False)
+        self.experts = nn.ModuleList(Expert(d, config.moe_intermediate_size, ("w1", "w3", "w2"))
+                                     for _ in range(config.num_experts))
+        self.shared_mlp = Expert(d, config.shared_expert_intermediate_size, ("w_gate", "w_up", "w_down"))
+        self.shared_expert_gate = nn.Linear(d, 1, bias=False)
+
+    def forward(self, x):
+        shape = x.shape
+        x = x.reshape(-1, shape[-1])
+        weights, index = self.router(x).softmax(-1).topk(self.k, dim=-1)
+        routed = combine(x, self.experts, weights, index)
+        return (routed + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_mlp(x)).reshape(shape)
+
+
+class DeepSeekDropsExpert7(DeepSeekBlock):
+    """A port that silently leaves expert 7 out (a real class of bug: an off-by-one over the experts' list)."""
+
+    def forward(self, x):
+        shape = x.shape
+        x = x.reshape(-1, shape[-1])
+        weights, index = self.route(x)
+        weights = weights.masked_fill(index == 7, 0.0)
+        return (combine(x, self.experts, weights, index) + self.shared_experts(x)).reshape(shape)

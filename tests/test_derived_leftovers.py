@@ -72,7 +72,8 @@ def dbrx(tmp_path_factory) -> dict[str, Path]:
 
 
 def units(report: dict) -> list[tuple]:
-    return [(r["layer"], r["expert"], r["unit"]) for r in report["layers"]]
+    """The report's units but the whole MoE blocks (tests/test_moe_block.py judges those)."""
+    return [(r["layer"], r["expert"], r["unit"]) for r in report["layers"] if r["unit"] != "block"]
 
 
 def test_dbrx_compare_against_itself_judges_every_expert(capsys, dbrx):
@@ -90,7 +91,11 @@ def test_dbrx_compare_against_itself_judges_every_expert(capsys, dbrx):
 def test_dbrx_broken_export_fails_on_the_broken_experts_only_and_is_named(capsys, dbrx, how, failing, named):
     code, report, err = run_json(capsys, "compare", dbrx["good"], dbrx[how])
     assert code == 1, err
-    assert {(r["layer"], r["expert"], r["unit"]) for r in report["layers"] if not r["passed"]} == failing
+    failed = {(r["layer"], r["expert"], r["unit"]) for r in report["layers"] if not r["passed"]}
+    blocks = {r["layer"] for r in report["layers"] if r["unit"] == "block"}
+    # the whole block holding a broken expert fails too, named by that expert's finding
+    assert failed == failing | {(layer, None, "block") for layer, expert, _ in failing if expert is not None
+                                and layer in blocks}
     assert {r["diagnosis"]["id"] for r in report["layers"] if not r["passed"]} == {named}
 
 
@@ -257,7 +262,11 @@ def test_nemotron_h_compare_against_itself_skips_the_layers_without_an_ffn(capsy
 def test_nemotron_h_broken_export_fails_on_the_broken_unit_only_and_is_named(capsys, nemotron_h, how, failing, named):
     code, report, err = run_json(capsys, "compare", nemotron_h["good"], nemotron_h[how])
     assert code == 1, err
-    assert {(r["layer"], r["expert"], r["unit"]) for r in report["layers"] if not r["passed"]} == failing
+    failed = {(r["layer"], r["expert"], r["unit"]) for r in report["layers"] if not r["passed"]}
+    blocks = {r["layer"] for r in report["layers"] if r["unit"] == "block"}
+    # the whole block holding a broken expert fails too, named by that expert's finding
+    assert failed == failing | {(layer, None, "block") for layer, expert, _ in failing if expert is not None
+                                and layer in blocks}
     assert {r["diagnosis"]["id"] for r in report["layers"] if not r["passed"]} == {named}
 
 
@@ -337,7 +346,11 @@ def test_jetmoe_compare_against_itself_judges_every_expert_and_says_what_it_leav
 def test_jetmoe_broken_export_fails_on_the_broken_experts_only_and_is_named(capsys, jetmoe, how, failing, named):
     code, report, err = run_json(capsys, "compare", jetmoe["good"], jetmoe[how])
     assert code == 1, err
-    assert {(r["layer"], r["expert"], r["unit"]) for r in report["layers"] if not r["passed"]} == failing
+    failed = {(r["layer"], r["expert"], r["unit"]) for r in report["layers"] if not r["passed"]}
+    blocks = {r["layer"] for r in report["layers"] if r["unit"] == "block"}
+    # the whole block holding a broken expert fails too, named by that expert's finding
+    assert failed == failing | {(layer, None, "block") for layer, expert, _ in failing if expert is not None
+                                and layer in blocks}
     assert {r["diagnosis"]["id"] for r in report["layers"] if not r["passed"]} == {named}
 
 

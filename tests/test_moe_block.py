@@ -61,10 +61,11 @@ def own_block(model_type: str):
 
 
 CORRECT = [("mixtral", ports.MixtralBlock), ("qwen2_moe", ports.QwenSharedBlock), ("deepseek_v3", ports.DeepSeekBlock),
-           ("gpt_oss", ports.GptOssBlock), ("llama4_text", ports.Llama4Block), ("qwen3_moe", ports.SoftmaxTopK)]
+           ("gpt_oss", ports.GptOssBlock), ("llama4_text", ports.Llama4Block), ("qwen3_moe", ports.SoftmaxTopK),
+           ("qwen2_moe", ports.OwnNamesQwenBlock)]
 
 
-@pytest.mark.parametrize(("model_type", "port"), CORRECT, ids=[mt for mt, _ in CORRECT])
+@pytest.mark.parametrize(("model_type", "port"), CORRECT, ids=[p.__name__ for _, p in CORRECT])
 def test_a_correct_block_written_from_scratch_passes_on_every_moe_layer(blocks, model_type, port):
     report = check(str(blocks[model_type]), target=port)
     assert report.passed, report
@@ -192,3 +193,33 @@ def test_a_block_too_large_to_hold_is_streamed_one_expert_at_a_time(blocks, monk
             assert b.max_abs_diff > 100 * b.tolerance and b.diagnosis.id == "unexplained"
     truth_reads = [r for r in reads if r[0] == streamed.layers[-1].layer]
     assert len(truth_reads) <= 4 + 4 + 4 * 3 + 8  # the reach sample, the one streamed pass, the target's fill
+
+
+@pytest.fixture(scope="module")
+def many_experts(tmp_path_factory) -> Path:
+    """DeepSeek V3 with 64 experts in 8 groups (top-4 groups, top-8 experts), a random selection bias, and a shared
+    expert as wide as the expert count (its [64, d] gate_proj beside the router's [64, d] weight)."""
+    from safetensors.torch import load_file, save_file
+
+    folder = build("deepseek_v3", tmp_path_factory.mktemp("many") / "ds64", 3, hidden_size=256, num_hidden_layers=2,
+                   first_k_dense_replace=1, n_routed_experts=64, num_experts_per_tok=8, n_group=8, topk_group=4,
+                   moe_intermediate_size=64, n_shared_experts=1, intermediate_size=128, q_lora_rank=16,
+                   kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=16, **MOE_HEADS)
+    tensors = load_file(folder / "model.safetensors")
+    generator = torch.Generator().manual_seed(0)
+    for name in [n for n in tensors if n.endswith("e_score_correction_bias")]:
+        tensors[name] = torch.randn(tensors[name].shape, generator=generator) * 0.05
+    save_file(tensors, folder / "model.safetensors", metadata={"format": "pt"})
+    return folder
+
+
+MOE_HEADS = dict(num_attention_heads=2, num_key_value_heads=2)
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_every_expert_of_a_grouped_router_is_chosen_and_a_dropped_one_is_caught(many_experts, seed):
+    report = check(str(many_experts), target=ports.DeepSeekBlock, seed=seed)
+    assert report.passed, report
+    assert report.layers[0].coverage["never_chosen"] == []
+    dropped = check(str(many_experts), target=ports.DeepSeekDropsExpert7, seed=seed)
+    assert not dropped.passed and dropped.layers[0].unverifiable is None

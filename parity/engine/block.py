@@ -33,6 +33,7 @@ ROW_TARGETS = (1.0, 3.0, 8.0)  # largest gate pre-activation over chosen experts
 MIN_TOKENS = 16  # tokens per row, at least; more where many experts must each be chosen by some token
 NUDGE = 2.0 ** -21  # relative size of the input moves that find near-ties: a few float32 steps
 NUDGES = 3  # how many such moves are tried (besides the float32 copy of the block)
+AIM_ATTEMPTS = 8  # rounds of tokens aimed at the experts no token chose yet
 
 
 @dataclass(frozen=True)
@@ -92,13 +93,14 @@ def filled_block(meta_block: nn.Module, site: BlockSite, tensors: dict[str, torc
     if missing:
         raise MappingError(f"{type(block).__name__} at {site.path} needs {', '.join(missing)}, which the checkpoint "
                            "does not hold under any name transformers' conversion gives it")
-    for name, tensor in tensors.items():
-        if name in expected and tuple(tensor.shape) != tuple(expected[name].shape):
+    given = {name: tensors[name] for name in expected}  # only what the block holds (a stand-in's experts: none)
+    for name, tensor in given.items():
+        if tuple(tensor.shape) != tuple(expected[name].shape):
             from parity.errors import ShapeMismatchError
 
             raise ShapeMismatchError(f"{site.path}.{name}: the checkpoint gives {list(tensor.shape)}, transformers "
                                      f"expects {list(expected[name].shape)} (does config.json fit this checkpoint?)")
-    block.load_state_dict({n: t.to(dtype) for n, t in tensors.items() if n in expected}, strict=True, assign=True)
+    block.load_state_dict({n: t.to(dtype) for n, t in given.items()}, strict=True, assign=True)
     still = [n for n, t in [*block.named_parameters(), *block.named_buffers()] if t.is_meta]
     if still:
         raise MappingError(f"{type(block).__name__} at {site.path}: {', '.join(still)} has no value after filling")
@@ -200,14 +202,14 @@ def block_inputs(block64: nn.Module, block32: nn.Module, site: BlockSite, reach:
     x = x / x.pow(2).mean(-1, keepdim=True).sqrt()
     x = _scaled(x, reach(x, None))
     router = _router_rows(block64, site, count, d)
-    for attempt in range(4):
-        chosen = chosen_experts(block64, site, x, count)
+    for attempt in range(AIM_ATTEMPTS + 1):
+        for _ in range(2):  # the reach that matters is on the experts each token is routed to (GPT-OSS's clamp)
+            x = _scaled(x, reach(x, chosen_experts(block64, site, x, count)))
+        chosen = chosen_experts(block64, site, x, count)  # scaling moves a sigmoid router's choice: aimed after it
         missing = [e for e in range(count) if not bool(chosen[:, e].any())]
-        if not missing or router is None:
+        if not missing or router is None or attempt == AIM_ATTEMPTS:
             break
         x = _aim(x, router, missing, generator, attempt)
-    for _ in range(2):  # the reach that matters is on the experts each token is routed to (GPT-OSS's clamp)
-        x = _scaled(x, reach(x, chosen_experts(block64, site, x, count)))
     x = x.float()
     chosen = chosen_experts(block64, site, x.double(), count)
     tied = (chosen != chosen_experts(block32, site, x, count)).any(-1)
@@ -215,6 +217,11 @@ def block_inputs(block64: nn.Module, block32: nn.Module, site: BlockSite, reach:
         moved = x.double() * (1 + NUDGE * torch.randn(x.shape, generator=generator, dtype=torch.float64))
         tied |= (chosen != chosen_experts(block64, site, moved, count)).any(-1)
     return BlockInputs(x, chosen, tied)
+
+
+def first_projection(expert: dict[str, torch.Tensor]) -> torch.Tensor:
+    """The projection whose pre-activation the inputs are scaled on: the gate, or up where experts have no gate."""
+    return expert["gate"] if "gate" in expert else expert["up"]
 
 
 def gate_reach(gates: Callable[[], Iterable[tuple[int, torch.Tensor]]]) -> Reach:
@@ -238,31 +245,40 @@ def _scaled(x: torch.Tensor, reach: torch.Tensor) -> torch.Tensor:
 
 def _router_rows(block: nn.Module, site: BlockSite, count: int, d: int) -> torch.Tensor | None:
     """[E, d]: the router's weight, None where the block holds not exactly one such matrix (``router_name``)."""
-    tensors = dict(block.named_parameters())
-    name = router_name(tensors, site, count, d)
-    return None if name is None else tensors[name].detach().double()
+    name = router_name(block, site, count, d)
+    return None if name is None else block.get_parameter(name).detach().double()
 
 
-def router_name(tensors: dict[str, torch.Tensor], site: BlockSite, count: int, d: int) -> str | None:
-    """The router's weight among a block's tensors: its one [E, d] matrix outside the experts; None if not one."""
-    found = [name for name, t in tensors.items()
-             if not name.startswith(site.experts + ".") and tuple(t.shape) == (count, d)]
+def router_name(block: nn.Module, site: BlockSite, count: int, d: int) -> str | None:
+    """The router's weight in a block (the meta one will do): its one [E, d] matrix outside the experts and outside
+    any FFN (a module with an activation: a shared expert of width E); None if not one."""
+    from parity.engine.reference import activation_module
+
+    found = []
+    for name, tensor in block.named_parameters():
+        parts = name.split(".")[:-1]
+        owners = [block.get_submodule(".".join(parts[:i])) for i in range(1, len(parts) + 1)]
+        if (tuple(tensor.shape) == (count, d) and not name.startswith(site.experts + ".")
+                and all(activation_module(owner) is None for owner in owners)):
+            found.append(name)
     return found[0] if len(found) == 1 else None
 
 
 def _aim(x: torch.Tensor, router: torch.Tensor, missing: list[int], generator: torch.Generator,
          attempt: int) -> torch.Tensor:
-    """``x`` with tokens replaced, from the end of each row back, by tokens along each missing expert's router row
-    (plus some noise), at the row's own scale."""
-    x = x.clone()
-    rows, per_row, _ = x.shape
+    """``x`` with tokens appended to its rows, aimed at each missing expert: along its router row less the rows' mean
+    (its logit above the others'), stronger at each attempt, plus some noise, at the row's own scale (a row short of
+    aimed tokens gets an unaimed one)."""
+    rows, _, d = x.shape
     scale = x.pow(2).mean(-1).sqrt().mean(-1)  # each row's RMS
+    contrast = router - router.mean(0, keepdim=True)
+    added = torch.randn(rows, -(-len(missing) // rows), d, generator=generator, dtype=x.dtype)
+    added = added / added.pow(2).mean(-1, keepdim=True).sqrt()
     for i, expert in enumerate(missing):
-        row, slot = i % rows, per_row - 1 - (attempt * len(missing) + i // rows) % per_row
-        direction = router[expert] / router[expert].pow(2).mean().sqrt()
-        noise = torch.randn(x.shape[-1], generator=generator, dtype=x.dtype) * (0.5 / (attempt + 1))
-        x[row, slot] = (direction * (1 + attempt) + noise) * scale[row]
-    return x
+        direction = contrast[expert] / contrast[expert].pow(2).mean().sqrt().clamp_min(1e-12)
+        noise = torch.randn(d, generator=generator, dtype=x.dtype) * (0.5 / (attempt + 1))
+        added[i % rows, i // rows] = direction * (1 + attempt) + noise
+    return torch.cat([x, added * scale.view(-1, 1, 1)], dim=1)
 
 
 class Precomputed(nn.Module):

@@ -32,6 +32,7 @@ from parity.engine.block import (
     block_tensors,
     experts_call,
     filled_block,
+    first_projection,
     fused_experts,
     gate_reach,
     reference_block,
@@ -172,7 +173,7 @@ class BlockCheck:
         weights = {n: own[n] for n in own if not (large and n.startswith(self.site.experts + "."))}
         result = judge(layer, None, runs, weights, None, session.atol, session.checkpoint.weights)
         result.unit = BLOCK_UNIT
-        agree = 0 if large else self.agreeing(block64, inputs, got, result.tolerance)
+        agree = 0 if large else self.agreeing(block64, inputs, got, out32, result.tolerance)
         result.coverage = inputs.coverage() | {"set_aside_agree": agree}
         if not bool(kept.any()):
             result.passed = False
@@ -194,7 +195,7 @@ class BlockCheck:
     def held_truth(self, layer: int, meta_block: nn.Module, own: dict, experts: list) -> tuple:
         """(block64, inputs, out64, out32): transformers' block holding every expert, run whole."""
         block64, block32 = (filled_block(meta_block, self.site, own, dtype) for dtype in (torch.float64, torch.float32))
-        reach = gate_reach(lambda: enumerate(e["gate"] for e in experts))
+        reach = gate_reach(lambda: enumerate(first_projection(e) for e in experts))
         inputs = block_inputs(block64, block32, self.site, reach, count=len(experts), d=self.session.hidden_size,
                               seed=self.session.seed, layer=layer)
         return block64, inputs, block_output(block64, inputs.x.double()), block_output(block32, inputs.x).double()
@@ -206,8 +207,8 @@ class BlockCheck:
         session, count = self.session, self.session.num_experts
         block64, block32 = (filled_block(meta_block, self.site, own, dtype, experts=Precomputed())
                             for dtype in (torch.float64, torch.float32))
-        first = list(range(min(REACH_SAMPLE, count)))
-        reach = gate_reach(lambda: ((e, self.expert(layer, e)["gate"]) for e in first))
+        sample = [(e, first_projection(self.expert(layer, e)).float()) for e in range(min(REACH_SAMPLE, count))]
+        reach = gate_reach(lambda: sample)
         inputs = block_inputs(block64, block32, self.site, reach, count=count, d=session.hidden_size,
                               seed=session.seed, layer=layer)
         x64 = inputs.x.double()
@@ -247,19 +248,21 @@ class BlockCheck:
                               f"{list(out.shape)}; transformers' block returns {list(x.shape)}")
         return out.reshape(x.shape)
 
-    def agreeing(self, block64: nn.Module, inputs: BlockInputs, got: torch.Tensor, tolerance: float | None) -> int:
+    def agreeing(self, block64: nn.Module, inputs: BlockInputs, got: torch.Tensor, out32: torch.Tensor,
+                 tolerance: float | None) -> int:
         """How many set-aside tokens the user's block computes as transformers' block does for one of the choices
-        float32 noise allows (its output on the inputs nudged by NUDGE)."""
+        float32 noise allows: its float32 run's, or its float64 run's on the inputs nudged by NUDGE."""
         tied = inputs.tied
         if not bool(tied.any()) or tolerance is None:
             return 0
-        flat = got.reshape(-1, got.shape[-1])[tied]
+        width = got.shape[-1]
+        flat = got.reshape(-1, width)[tied]
+        best = (flat - out32.reshape(-1, width)[tied]).abs().amax(-1)
         generator = torch.Generator().manual_seed(7)
-        best = torch.full((int(tied.sum()),), float("inf"), dtype=torch.float64)
         for _ in range(4):
             moved = inputs.x.double() * (1 + NUDGE * torch.randn(inputs.x.shape, generator=generator,
                                                                   dtype=torch.float64))
-            out = block_output(block64, moved).reshape(-1, got.shape[-1])[tied]
+            out = block_output(block64, moved).reshape(-1, width)[tied]
             best = torch.minimum(best, (flat - out).abs().amax(-1))
         return int((best <= 2 * tolerance).sum())
 
@@ -278,7 +281,7 @@ def holds_block(session: Any) -> bool:
     """Whether the session's target holds more than one expert's tensors: a whole block, not an expert's FFN.  Its
     constructor runs once here on the meta device (nothing allocated)."""
     shapes = session.reference.tensor_shapes(session.mapping.reference_path(session.mapping.first_layer))
-    one_expert = sum(math.prod(shape[1:]) for shape in shapes.values())
+    one_expert = sum(math.prod(shape) for shape in shapes.values()) / session.num_experts  # fused or flattened
     try:
         with torch.device("meta"), skip_init():
             module, _, _, _ = build_target(session.mapping, session.config, session.target_spec)
@@ -287,8 +290,10 @@ def holds_block(session: Any) -> bool:
     if not isinstance(module, nn.Module):
         return False
     count, d = session.num_experts, session.hidden_size
-    router = any(tuple(p.shape) in ((count, d), (d, count)) for p in module.parameters())  # an [E, d] router
-    return router or sum(p.numel() for p in module.parameters()) > 1.5 * one_expert
+    params = list(module.parameters())
+    # an [E, d] router beside more parameters than one FFN's (three weights and their biases)
+    router = len(params) > 6 and any(tuple(p.shape) in ((count, d), (d, count)) for p in params)
+    return router or sum(p.numel() for p in params) > 1.5 * one_expert
 
 
 def named_mistake(block64: nn.Module, x: torch.Tensor, got: torch.Tensor, result: LayerResult,

@@ -62,22 +62,31 @@ def _by_name(name: str, offered: dict[str, dict[str, torch.Tensor]]) -> tuple[to
     return None
 
 
+EXPERT_ROLES = ("gate", "up", "down")  # what an expert holds: a name that may also be a classic FFN's is read so
+
+
+def _expert_role(name: str, aliases: Any) -> tuple[str, str] | None:
+    """(role, "weight" | "bias") of an expert's projection named ``name``, among an expert's roles only (``w1`` is a
+    gate here, never a classic FFN's fc_in); None unless exactly one."""
+    roles = {(role, kind) for role, kind in aliases.roles_of(name) if role in EXPERT_ROLES}
+    return next(iter(roles)) if len(roles) == 1 else None
+
+
 def _by_role(name: str, aliases: Any, experts: Callable[[int], dict[str, torch.Tensor]], count: int,
              offered: dict[str, dict[str, torch.Tensor]]) -> tuple[torch.Tensor, str] | None:
     """An expert's projection (``experts.3.w1.weight``: expert 3's gate) or a shared expert's, by its role name."""
     match = _EXPERT.search(name)
     if match is not None and int(match.group(1)) < count and "shared" not in name:
-        roles = aliases.roles_of(match.group(2))
-        if len(roles) == 1:
-            role, kind = next(iter(roles))
-            key = role if kind == "weight" else f"{role}_bias"
+        found = _expert_role(match.group(2), aliases)
+        if found is not None:
+            key = found[0] if found[1] == "weight" else f"{found[0]}_bias"
             tensors = experts(int(match.group(1)))
             if key in tensors:
                 return tensors[key], f"expert {match.group(1)}'s {key}"
     if "shared" in name:
-        roles = aliases.roles_of(name)
+        role = _expert_role(name, aliases)
         names = offered[next(iter(offered))]
-        found = [n for n in names if "shared" in n and roles and aliases.roles_of(n) == roles]
+        found = [n for n in names if "shared" in n and role is not None and _expert_role(n, aliases) == role]
         if len(found) == 1:
             return names[found[0]], f"transformers: {found[0]}"
     return None

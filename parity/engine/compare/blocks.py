@@ -20,6 +20,7 @@ from parity.engine.block import (
     block_output,
     chosen_experts,
     filled_block,
+    first_projection,
     gate_reach,
     reference_block,
     router_name,
@@ -53,8 +54,8 @@ class BlockComparison:
         return self.read[1]
 
     def _sides(self, layer: int) -> tuple[dict, dict, list] | None:
-        own_a, _, experts = self.a.layer_tensors(layer)
-        try:
+        try:  # experts transformers keeps otherwise than fused (DBRX's flattened ones), or B's file names
+            own_a, _, experts = self.a.layer_tensors(layer)
             own_b, _, _ = self.b.layer_tensors(layer)
         except (MappingError, ParityError) as exc:
             self.unreadable = str(exc)
@@ -71,7 +72,8 @@ class BlockComparison:
         if found is None:
             return None
         own_a, own_b, _ = found
-        name = router_name(own_a, self.site, self.a.session.num_experts, self.a.session.hidden_size)
+        meta = self.a.session.reference.meta_module(self.site.path.format(layer=layer))
+        name = router_name(meta, self.site, self.a.session.num_experts, self.a.session.hidden_size)
         return None if name is None else expert_order(own_a[name], own_b[name])
 
     def expert_order(self, layer: int) -> list[int] | None:
@@ -127,7 +129,7 @@ class BlockComparison:
         block64, block32 = (filled_block(meta, site, own_a, dtype) for dtype in (torch.float64, torch.float32))
         converted = {n: t.to(self.b.stored.get(n, t.dtype)).double() for n, t in own_a.items()}
         block_conv, block_b = (filled_block(meta, site, tensors, torch.float64) for tensors in (converted, own_b))
-        gates = [expert["gate"] for expert in experts]
+        gates = [first_projection(expert) for expert in experts]
         inputs = block_inputs(block64, block32, site, gate_reach(lambda: enumerate(gates)), count=len(gates),
                               d=gates[0].shape[1], seed=self.a.session.seed, layer=layer)
         x = inputs.x.double()
