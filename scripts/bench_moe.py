@@ -20,13 +20,42 @@ DEEPSEEK_V3_LAYER = dict(model_type="deepseek_v3", architectures=["DeepseekV3For
                          num_hidden_layers=1, first_k_dense_replace=0, num_attention_heads=128,
                          num_key_value_heads=128, vocab_size=129280, torch_dtype="bfloat16")
 
+READER = '''
+def read_header(path):
+    with open(path, "rb") as f:
+        n = int.from_bytes(f.read(8), "little")
+        return json.loads(f.read(n)), 8 + n
+
+def read_tensor(path, header, start, name):
+    """One bfloat16 tensor read with plain file reads (no mmap: its pages would count as this process's RSS)."""
+    info = header[name]
+    begin, end = info["data_offsets"]
+    with open(path, "rb") as f:
+        f.seek(start + begin)
+        raw = bytearray(f.read(end - begin))
+    return torch.frombuffer(raw, dtype=torch.bfloat16).reshape(info["shape"])
+'''
+
 # A user's block that does not hold its experts: DeepSeek V3's routing, each expert read from the checkpoint when a
 # token is routed to it (as an offloading inference engine does).
 LAZY_BLOCK = '''
 import json, os, torch
 import torch.nn.functional as F
 from torch import nn
-from safetensors import safe_open
+
+def read_header(path):
+    with open(path, "rb") as f:
+        n = int.from_bytes(f.read(8), "little")
+        return json.loads(f.read(n)), 8 + n
+
+def read_tensor(path, header, start, name):
+    """One bfloat16 tensor read with plain file reads (no mmap: its pages would count as this process's RSS)."""
+    info = header[name]
+    begin, end = info["data_offsets"]
+    with open(path, "rb") as f:
+        f.seek(start + begin)
+        raw = bytearray(f.read(end - begin))
+    return torch.frombuffer(raw, dtype=torch.bfloat16).reshape(info["shape"])
 
 class Expert(nn.Module):
     def __init__(self, d, f):
@@ -48,6 +77,7 @@ class LazyDeepSeekBlock(nn.Module):
         self.c, self.gate = config, Router(config)
         self.shared_experts = Expert(config.hidden_size, config.moe_intermediate_size * config.n_shared_experts)
         self.file = os.path.join(os.environ["PARITY_BENCH_MOE"], "model.safetensors")
+        self.header, self.start = read_header(self.file)
     def forward(self, x):
         c, shape = self.c, x.shape
         x = x.reshape(-1, shape[-1])
@@ -61,29 +91,29 @@ class LazyDeepSeekBlock(nn.Module):
         weights = scores.gather(1, index)
         weights = weights / (weights.sum(-1, keepdim=True) + 1e-20) * c.routed_scaling_factor
         out = torch.zeros_like(x)
-        with safe_open(self.file, "pt") as f:
-            for e in index.unique().tolist():
-                token, slot = (index == e).nonzero(as_tuple=True)
-                w = {p: f.get_tensor(f"model.layers.0.mlp.experts.{e}.{p}.weight").to(x.dtype)
-                     for p in ("gate_proj", "up_proj", "down_proj")}
-                h = x[token]
-                y = F.linear(F.silu(F.linear(h, w["gate_proj"])) * F.linear(h, w["up_proj"]), w["down_proj"])
-                out.index_add_(0, token, y * weights[token, slot, None].to(x.dtype))
+        for e in index.unique().tolist():
+            token, slot = (index == e).nonzero(as_tuple=True)
+            w = {p: read_tensor(self.file, self.header, self.start, f"model.layers.0.mlp.experts.{e}.{p}.weight"
+                                ).to(x.dtype) for p in ("gate_proj", "up_proj", "down_proj")}
+            h = x[token]
+            y = F.linear(F.silu(F.linear(h, w["gate_proj"])) * F.linear(h, w["up_proj"]), w["down_proj"])
+            out.index_add_(0, token, y * weights[token, slot, None].to(x.dtype))
         return (out + self.shared_experts(x)).reshape(shape)
 '''
 
 # The floor: every expert read once (bfloat16 -> float32) and applied to its share of parity's 3 x 128 tokens.
 FLOOR = '''
-import sys, torch
+import json, sys, torch
 import torch.nn.functional as F
-from safetensors import safe_open
+''' + READER + '''
 folder, count, d = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
 x = torch.randn(3 * 128 * 8 // count + 1, d)
-with safe_open(f"{folder}/model.safetensors", "pt") as f:
-    for e in range(count):
-        w = {p: f.get_tensor(f"model.layers.0.mlp.experts.{e}.{p}.weight").float()
-             for p in ("gate_proj", "up_proj", "down_proj")}
-        y = F.linear(F.silu(F.linear(x, w["gate_proj"])) * F.linear(x, w["up_proj"]), w["down_proj"])
+path = f"{folder}/model.safetensors"
+header, start = read_header(path)
+for e in range(count):
+    w = {p: read_tensor(path, header, start, f"model.layers.0.mlp.experts.{e}.{p}.weight").float()
+         for p in ("gate_proj", "up_proj", "down_proj")}
+    y = F.linear(F.silu(F.linear(x, w["gate_proj"])) * F.linear(x, w["up_proj"]), w["down_proj"])
 print(float(y.abs().max()))
 '''
 

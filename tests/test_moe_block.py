@@ -119,6 +119,7 @@ def test_every_view_names_the_block_unit_and_its_coverage(blocks, capsys, monkey
     assert [layer["unit"] for layer in report["layers"]] == ["block", "block"]
     assert all(layer["coverage"]["never_chosen"] == [] for layer in report["layers"])
     assert 'testcase name="layer 0 block"' in junit.read_text() and 'failures="0"' in junit.read_text()
+    assert "coverage (layer 1/block): 48 tokens, every expert chosen" in junit.read_text()
     page = html.read_text()
     assert "routing coverage" in page and "coverage (layer 1/block): 48 tokens, every expert chosen" in page
     code, out, _ = run_main(capsys, blocks["qwen2_moe"], "--target", "moe_block_ports:QwenSharedMissing")

@@ -12,7 +12,7 @@ from pathlib import Path
 
 from parity.engine.results import LayerResult, Report
 from parity.outputs.atomic import write_output
-from parity.outputs.text import layer_line, not_checked_summary, separability_lines
+from parity.outputs.text import coverage_line, layer_line, not_checked_summary, separability_lines
 
 
 def case_name(layer: LayerResult) -> str:
@@ -71,6 +71,8 @@ def build_junit(runs: Iterable, regressions: dict[int, str] | None = None, other
                 outcome = add_outcome(case, layer, baseline)
                 if outcome is not None:
                     counts[outcome] += 1
+                if layer.coverage is not None:  # a whole MoE block: what its inputs exercised, and what was set aside
+                    ET.SubElement(case, "system-out").text = coverage_line(layer)
         if run.error is not None:
             counts["tests"] += 1
             counts["errors"] += 1

@@ -133,20 +133,21 @@ def unit_cell(result: LayerResult, width: int = 6) -> str:
 
 def coverage_lines(report: Report) -> list[str]:
     """Per whole-MoE-block unit: how much of the routing its inputs exercised, and the near-ties set aside."""
-    lines = []
-    for result in report.layers:
-        c = result.coverage
-        if c is None:
-            continue
-        never = c["never_chosen"]
-        chosen = ("every expert chosen by some token" if not never
-                  else f"experts {', '.join(map(str, never))} chosen by no token (not exercised)")
-        aside = (f"; {c['set_aside']} near-tie token(s) set aside (their choice of experts moves within float32 "
-                 f"noise), {c['set_aside_agree']} of them matching one of transformers' choices"
-                 if c["set_aside"] else "; no near-ties")
-        lines.append(f"coverage (layer {unit_label(result)}): {c['tokens']} tokens, {chosen} (tokens per expert "
-                     f"{min(c['tokens_per_expert'])} to {max(c['tokens_per_expert'])}){aside}")
+    lines = [coverage_line(result) for result in report.layers if result.coverage is not None]
     return [*lines, ""] if lines else []
+
+
+def coverage_line(result: LayerResult) -> str:
+    """'coverage (layer 1/block): 48 tokens, every expert chosen by some token (...); no near-ties'."""
+    c = result.coverage
+    never = c["never_chosen"]
+    chosen = ("every expert chosen by some token" if not never
+              else f"experts {', '.join(map(str, never))} chosen by no token (not exercised)")
+    aside = (f"; {c['set_aside']} near-tie token(s) set aside (their choice of experts moves within float32 "
+             f"noise), {c['set_aside_agree']} of them matching one of transformers' choices"
+             if c["set_aside"] else "; no near-ties")
+    return (f"coverage (layer {unit_label(result)}): {c['tokens']} tokens, {chosen} (tokens per expert "
+            f"{min(c['tokens_per_expert'])} to {max(c['tokens_per_expert'])}){aside}")
 
 
 def diagnosis_lines(report: Report) -> list[str]:

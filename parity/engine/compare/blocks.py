@@ -92,10 +92,12 @@ class BlockComparison:
         tensor outside the experts changed beyond B's own rounding of A's."""
         own_a, own_b, _ = self.sides(layer)
         order = self.router_order(layer)
-        if order is not None and self.expert_order(layer) is None:
+        if order is not None:
             pairs = ", ".join(f"row {e} is A's row {a}" for e, a in enumerate(order) if e != a)
-            return diagnosis(MistakeId.ROUTER_ROWS_PERMUTED, None, None, f"B's router ({pairs}); its experts are in "
-                             "A's order")
+            why = ("its experts are in A's order" if self.expert_order(layer) is None else
+                   "its experts are permuted alike, but the block routes by the experts' positions (a router that "
+                   "picks groups of experts by index, DeepSeek's n_group), so the order changes which are chosen")
+            return diagnosis(MistakeId.ROUTER_ROWS_PERMUTED, None, None, f"B's router ({pairs}); {why}")
         changed = []
         for name, a in own_a.items():
             if name.startswith(self.site.experts + "."):

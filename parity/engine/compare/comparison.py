@@ -652,7 +652,9 @@ def permuted(comparison: Comparison, report: CompareReport, layer: int, order: l
     comparison.expert_map[layer] = order
     pairs = ", ".join(f"B's {e} = A's {a}" for e, a in enumerate(order) if e != a)
     report.notes.append(f"layer {layer}: B's experts are A's in another order, the router's rows permuted alike "
-                        f"({pairs}): the same function; each expert of B is judged against the one of A it holds")
+                        f"({pairs}): each expert of B is judged against the one of A it holds, and the block unit "
+                        "judges whether the order keeps the function (it does unless the router groups experts by "
+                        "position)")
 
 
 def held_by_units(whole: CompareLayer, units: list[LayerResult]) -> None:
