@@ -43,20 +43,7 @@ import json, os, torch
 import torch.nn.functional as F
 from torch import nn
 
-def read_header(path):
-    with open(path, "rb") as f:
-        n = int.from_bytes(f.read(8), "little")
-        return json.loads(f.read(n)), 8 + n
-
-def read_tensor(path, header, start, name):
-    """One bfloat16 tensor read with plain file reads (no mmap: its pages would count as this process's RSS)."""
-    info = header[name]
-    begin, end = info["data_offsets"]
-    with open(path, "rb") as f:
-        f.seek(start + begin)
-        raw = bytearray(f.read(end - begin))
-    return torch.frombuffer(raw, dtype=torch.bfloat16).reshape(info["shape"])
-
+''' + READER + '''
 class Expert(nn.Module):
     def __init__(self, d, f):
         super().__init__()

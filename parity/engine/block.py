@@ -137,32 +137,14 @@ class _Stop(Exception):
 def chosen_experts(block: nn.Module, site: BlockSite, x: torch.Tensor, count: int) -> torch.Tensor:
     """[tokens, count] bool: which experts the block routes each token of ``x`` to, read off the call into its
     experts module (an index per token, or Llama 4's tokens repeated per expert, zero where not routed)."""
-    experts = block.get_submodule(site.experts)
-    seen: list[torch.Tensor] = []
+    given = experts_call(block, site, x)
     tokens = x.reshape(-1, x.shape[-1]).shape[0]
-
-    def grab(_module, args, kwargs):
-        given = [*args, *kwargs.values()]
-        index = next((a for a in given[1:] if isinstance(a, torch.Tensor) and not a.is_floating_point()), None)
-        if index is not None:
-            chosen = torch.zeros(tokens, count, dtype=torch.bool)
-            chosen[torch.arange(tokens).unsqueeze(1).expand_as(index), index.long()] = True
-        else:  # every token once per expert, scaled by its routing weight: zero where the expert was not chosen
-            chosen = given[0].reshape(count, tokens, -1).ne(0).any(-1).t()
-        seen.append(chosen)
-        raise _Stop
-
-    handle = experts.register_forward_pre_hook(grab, with_kwargs=True)
-    try:
-        with torch.no_grad():
-            block(x)
-    except _Stop:
-        pass
-    finally:
-        handle.remove()
-    if not seen:
-        raise MappingError(f"{type(block).__name__} at {site.path} never called its experts module {site.experts}")
-    return seen[0]
+    index = next((a for a in given[1:] if not a.is_floating_point()), None)
+    if index is None:  # every token once per expert, scaled by its routing weight: zero where not chosen
+        return given[0].reshape(count, tokens, -1).ne(0).any(-1).t()
+    chosen = torch.zeros(tokens, count, dtype=torch.bool)
+    chosen[torch.arange(tokens).unsqueeze(1).expand_as(index), index.long()] = True
+    return chosen
 
 
 def takes_choice(experts: nn.Module) -> bool:
@@ -297,7 +279,7 @@ class Precomputed(nn.Module):
 
 def experts_call(block: nn.Module, site: BlockSite, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
     """What the block hands its experts module for ``x``: (tokens, chosen experts, weights), or Llama 4's (tokens
-    repeated per expert and scaled,)."""
+    repeated per expert and scaled,); the block stops there (what follows is not needed)."""
     seen: list[tuple] = []
 
     def grab(_module, args, kwargs):
@@ -312,6 +294,8 @@ def experts_call(block: nn.Module, site: BlockSite, x: torch.Tensor) -> tuple[to
         pass
     finally:
         handle.remove()
+    if not seen:
+        raise MappingError(f"{type(block).__name__} at {site.path} never called its experts module {site.experts}")
     return seen[0]
 
 
