@@ -302,7 +302,7 @@ def main() -> int:
                                           "--json", f"{tmp}/405b-{dtype}.json") for dtype in ("float32", "bfloat16")}
             results["405b"] = run_all(commands, 1)
         if "moe" not in args.skip:
-            print("(g) a whole MoE block of the DeepSeek-V3 shape (builds a 22.6 GB file once; one run: minutes)",
+            print("(i) a whole MoE block of the DeepSeek-V3 shape (builds a 22.6 GB file once; one run: minutes)",
                   file=sys.stderr)
             from bench_moe import build_moe_layer, moe_commands
 

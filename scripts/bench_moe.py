@@ -1,4 +1,4 @@
-"""Row (g) of scripts/bench.py: a whole MoE block of the DeepSeek-V3 shape checked in bounded memory.
+"""Row (i) of scripts/bench.py: a whole MoE block of the DeepSeek-V3 shape checked in bounded memory.
 
 One MoE layer of DeepSeek V3's shape (d = 7168, 256 routed experts of width 2048, top-8 of 8 groups, one shared
 expert; random bfloat16 values, 22.6 GB on disk, written once in row blocks) is checked as a whole block with a port
@@ -161,7 +161,7 @@ def print_moe(results: dict) -> None:
     expert = 3 * c["hidden_size"] * c["moe_intermediate_size"] * 4
     rows = results["moe"]
     parity, floor = rows["parity --block"], rows["floor"]
-    print(f"\n(g) one MoE block of the DeepSeek-V3 shape (256 experts, bfloat16 on disk: "
+    print(f"\n(i) one MoE block of the DeepSeek-V3 shape (256 experts, bfloat16 on disk: "
           f"{256 * expert / 2 / 1e9:.1f} GB); one expert in float32: {expert / GIB:.2f} GiB")
     for name, r in rows.items():
         print(f"{name:<16}{r['wall_s']:8.1f}s{r['peak_rss'] / GIB:9.2f} GiB  = {r['peak_rss'] / expert:.1f} x one "
