@@ -332,10 +332,10 @@ def test_two_exchanged_experts_are_named_expert_shifted(a_moe, root):
         found = unit.diagnosis
         assert found.id == "expert_shifted" and found.distance <= unit.tolerance < found.reference_distance
         assert f"B's expert {unit.expert} of layer 1 holds A's expert {other}" in found.message
-    blocks = {u.layer: u for u in report.layers if u.unit == "block"}
-    assert blocks[0].passed and not blocks[1].passed and blocks[1].diagnosis.id == "expert_shifted"
+    # the blocks judge what no expert unit reads (router, ...): B's experts in them, they pass
+    assert all(u.passed for u in report.layers if u.unit == "block")
     text = str(report)
-    assert "diagnosis expert_shifted (expert 1/e0" in text and "FAIL: 3 of 10 unit(s) of B" in text
+    assert "diagnosis expert_shifted (expert 1/e0" in text and "FAIL: 2 of 10 unit(s) of B" in text
 
 
 def test_experts_select_the_units_and_a_dense_b_is_no_conversion(a_moe, a_f32, tmp_path, capsys):

@@ -118,8 +118,8 @@ def test_broken_export_fails_on_the_broken_units_only_and_is_named(capsys, moe_f
     code, report, err = run_json(capsys, "compare", folder, broken)
     assert code == 1, err
     failed = {(r["layer"], r["expert"], r["unit"]) for r in report["layers"] if not r["passed"]}
-    # a whole block holding a broken unit fails too, named by that unit's finding
-    assert failed == failing | {(layer, None, "block") for layer, _, _ in failing if layer in blocks_of(report)}
+    # the whole blocks judge what no other unit reads (the router, ...): a broken expert or shared expert is its own
+    assert failed == failing
     assert {r["diagnosis"]["id"] for r in report["layers"] if not r["passed"]} == {named}
 
 

@@ -238,7 +238,11 @@ def test_fp8_experts_are_judged_one_by_one_and_a_broken_one_is_named(root, capsy
     faithful = fp8_export(moe, root / "moe-fp8", keep=("gate",))
     code, report = compare(capsys, moe, faithful)
     assert code == 0, report
-    assert len(report["layers"]) == 2 * MOE["num_experts"]
+    experts = [unit for unit in report["layers"] if unit["unit"] != "block"]
+    assert len(experts) == 2 * MOE["num_experts"]
+    # each layer's whole block too: B's dequantized experts in it, the unquantized router as A's (it passes)
+    assert [(unit["layer"], unit["passed"]) for unit in report["layers"] if unit["unit"] == "block"] == [(0, True),
+                                                                                                        (1, True)]
     broken = fp8_export(moe, root / "moe-fp8-broken", {"model.layers.1.mlp.experts.2.up_proj.weight": "inverted"},
                         keep=("gate",))
     code, report = compare(capsys, moe, broken)

@@ -36,9 +36,13 @@ CAST_FACTOR = 4.0  # as a cast B's expert units: within this x the deviation rou
 class BlockComparison:
     """The block units of a comparison whose layout has routed experts (both sides' sessions)."""
 
-    def __init__(self, a: Any, b: Any):
+    def __init__(self, a: Any, b: Any, *, units: list[str] = ()):
         self.a, self.b = BlockCheck(a), BlockCheck(b)
         self.site = self.a.site
+        # the block's children other units judge (shared experts), by their path in the block: ``units`` are the
+        # comparison's units' module paths ('model.layers.{layer}.mlp.shared_expert')
+        self.judged = tuple(f"{unit.removeprefix(self.site.path + '.')}." for unit in units
+                            if unit.startswith(self.site.path + "."))
         self.unreadable: str | None = None  # why B's block could not be read (a GGUF file's router), once
         self.read: tuple[int, tuple | None] | None = None  # the last layer's sides, read once for both uses
 
@@ -122,6 +126,10 @@ class BlockComparison:
             return None
 
     def _compare(self, layer: int, result_type: type) -> LayerResult | None:
+        """B's block against the block that holds what B's units hold (its experts, in A's order where they are
+        permuted; its shared experts) and A's tensors around them as B's dtypes store them: what no unit judges (the
+        router, its selection bias, the shared experts' gate) is judged here, and B's quantized experts, judged on
+        their own grid by their units, move neither side."""
         found = self.sides(layer)
         if found is None:
             return None
@@ -129,14 +137,14 @@ class BlockComparison:
         meta = self.a.session.reference.meta_module(self.site.path.format(layer=layer))
         site = self.site
         block64, block32 = (filled_block(meta, site, own_a, dtype) for dtype in (torch.float64, torch.float32))
-        converted = {n: t.to(self.b.stored.get(n, t.dtype)).double() for n, t in own_a.items()}
-        block_conv, block_b = (filled_block(meta, site, tensors, torch.float64) for tensors in (converted, own_b))
+        expected = self.expected(own_a, own_b, self.expert_order(layer))
+        block_conv, block_b = (filled_block(meta, site, tensors, torch.float64) for tensors in (expected, own_b))
         gates = [first_projection(expert) for expert in experts]
         inputs = block_inputs(block64, block32, site, gate_reach(lambda: enumerate(gates)), count=len(gates),
                               d=gates[0].shape[1], seed=self.a.session.seed, layer=layer)
         x = inputs.x.double()
         count = self.a.session.num_experts
-        inputs.tied |= (inputs.chosen != chosen_experts(block_conv, site, x, count)).any(-1)  # the cast's own ties
+        inputs.tied |= (inputs.chosen != chosen_experts(block_conv, site, x, count)).any(-1)  # the storage's ties
         outs = [block_output(module, x) for module in (block64, block_conv, block_b)]
         out32 = block_output(block32, inputs.x).double()
         kept = ~inputs.tied
@@ -144,20 +152,35 @@ class BlockComparison:
         out32 = out32.reshape(-1, out32.shape[-1])[kept].unsqueeze(0)
         conv_dev = float((out_conv - out64).abs().max()) if out64.numel() else 0.0
         noise, scale = float((out32 - out64).abs().max()), float(out64.abs().max())
-        tolerance = max(parity_tolerance(noise, scale, None), CAST_FACTOR * conv_dev)
-        result = judge(layer, None, Runs(out64, out32, out_b, out_b), own_a, None, tolerance,
+        tolerance = parity_tolerance(noise, scale, None)
+        result = judge(layer, None, Runs(out_conv, out32 - out64 + out_conv, out_b, out_b), own_a, None, tolerance,
                        self.a.session.checkpoint.weights)
         row = result_type(**{f.name: getattr(result, f.name) for f in dataclasses.fields(LayerResult)})
         row.unit, row.coverage = BLOCK_UNIT, inputs.coverage() | {"set_aside_agree": _agreeing(outs, inputs.tied,
                                                                                                 tolerance)}
         if not row.passed and row.unverifiable is None and row.diagnosis is None:
             row.diagnosis = self.explain(layer) or diagnosis(MistakeId.UNEXPLAINED, None, row.max_abs_diff)
-        row.conversion = {"kind": "whole block", "tolerance_rule": f"{CAST_FACTOR:g} x conversion deviation",
-                          "conversion_deviation": conv_dev, "ratio_to_conversion": None,
-                          "identical": all(torch.equal(own_a[n], own_b[n]) for n in own_a),
-                          "tensors": []}
+        row.conversion = {"kind": "whole block", "tolerance_rule": "the noise floor: B against A's block holding B's "
+                          "experts and shared experts (their units judge them)", "conversion_deviation": conv_dev,
+                          "ratio_to_conversion": None,
+                          "identical": all(torch.equal(own_a[n], own_b[n]) for n in own_a), "tensors": []}
         return row
 
+    def expected(self, own_a: dict, own_b: dict, order: list[int] | None) -> dict[str, torch.Tensor]:
+        """What B's block should hold: B's own tensors where another unit judges them (its experts, put in A's order
+        where B permutes them with the router's rows; its shared experts), A's cast to B's dtypes elsewhere."""
+        inverse = None if order is None else torch.empty(len(order), dtype=torch.long)
+        if inverse is not None:
+            inverse[torch.tensor(order)] = torch.arange(len(order))
+        expected = {}
+        for name, tensor in own_a.items():
+            if name.startswith(self.site.experts + "."):
+                expected[name] = own_b[name] if inverse is None else own_b[name][inverse]
+            elif name.startswith(self.judged):
+                expected[name] = own_b[name]
+            else:
+                expected[name] = tensor.to(self.b.stored.get(name, tensor.dtype)).double()
+        return expected
 
 def _agreeing(outs: list[torch.Tensor], tied: torch.Tensor, tolerance: float) -> int:
     """Set-aside tokens on which B's block (``outs[2]``) computes what A's does, in float64 or as B stores it."""

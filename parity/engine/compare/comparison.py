@@ -170,7 +170,8 @@ class Comparison:
         self.parts = [self.part(a, b, experts) for a, b in self.paired_parts()]
         routed = [(c.a, c.b) for c in (self, *self.parts) if c.a.num_experts is not None]
         # MoE: each layer's whole block too, unless the run selects experts (then those experts are what it judges)
-        self.blocks = BlockComparison(*routed[0]) if routed and experts in (None, "all") else None
+        units = [c.a.mapping.reference_module for c in (self, *self.parts)]
+        self.blocks = BlockComparison(*routed[0], units=units) if routed and experts in (None, "all") else None
         self.expert_map: dict[int, list[int]] = {}  # layer -> B's expert e holds A's expert map[e] (a permutation)
         self.same_files = same_files(self.a, self.b)
         self.notes = self.config_notes() + ([
