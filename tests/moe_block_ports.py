@@ -277,3 +277,33 @@ class DeepSeekDropsExpert7(DeepSeekBlock):
         weights, index = self.route(x)
         weights = weights.masked_fill(index == 7, 0.0)
         return (combine(x, self.experts, weights, index) + self.shared_experts(x)).reshape(shape)
+
+
+class StackedMixtralBlock(nn.Module):
+    """Mixtral with every expert's projections stacked per role under a porter's own names (as MLX-LM's SwitchGLU
+    keeps them): switch_mlp.gate_proj / up_proj [E, ff, d], down_proj [E, d, ff], router gate.weight."""
+
+    def __init__(self, config):
+        super().__init__()
+        d, f, count = config.hidden_size, config.intermediate_size, config.num_local_experts
+        self.k = config.num_experts_per_tok
+        self.gate = nn.Linear(d, count, bias=False)
+        self.switch_mlp = nn.Module()
+        self.switch_mlp.gate_proj = nn.Parameter(torch.empty(count, f, d))
+        self.switch_mlp.up_proj = nn.Parameter(torch.empty(count, f, d))
+        self.switch_mlp.down_proj = nn.Parameter(torch.empty(count, d, f))
+
+    def forward(self, x):
+        shape = x.shape
+        x = x.reshape(-1, shape[-1])
+        weights, index = self.gate(x).softmax(-1).topk(self.k, dim=-1)
+        weights = weights / weights.sum(-1, keepdim=True)
+        out = torch.zeros_like(x)
+        m = self.switch_mlp
+        for e in range(m.gate_proj.shape[0]):
+            token, slot = (index == e).nonzero(as_tuple=True)
+            if len(token):
+                h = x[token]
+                y = (F.silu(h @ m.gate_proj[e].t()) * (h @ m.up_proj[e].t())) @ m.down_proj[e].t()
+                out.index_add_(0, token, y * weights[token, slot, None])
+        return out.reshape(shape)

@@ -62,7 +62,7 @@ def own_block(model_type: str):
 
 CORRECT = [("mixtral", ports.MixtralBlock), ("qwen2_moe", ports.QwenSharedBlock), ("deepseek_v3", ports.DeepSeekBlock),
            ("gpt_oss", ports.GptOssBlock), ("llama4_text", ports.Llama4Block), ("qwen3_moe", ports.SoftmaxTopK),
-           ("qwen2_moe", ports.OwnNamesQwenBlock)]
+           ("qwen2_moe", ports.OwnNamesQwenBlock), ("mixtral", ports.StackedMixtralBlock)]
 
 
 @pytest.mark.parametrize(("model_type", "port"), CORRECT, ids=[p.__name__ for _, p in CORRECT])

@@ -41,7 +41,7 @@ def fill_block(module: nn.Module, spellings: dict[str, dict[str, torch.Tensor]],
             values[name], sources[name] = offered[whole][name], name
             continue
         found = _by_name(name, offered) or _by_role(name, aliases, experts, count, offered) \
-            or _by_shape(name, state[name], offered)
+            or _stacked(name, state[name], aliases, experts, count) or _by_shape(name, state[name], offered)
         if found is None:
             raise MappingError(_unfilled(name, state, offered, where))
         values[name], sources[name] = found
@@ -90,6 +90,27 @@ def _by_role(name: str, aliases: Any, experts: Callable[[int], dict[str, torch.T
         if len(found) == 1:
             return names[found[0]], f"transformers: {found[0]}"
     return None
+
+
+def _stacked(name: str, target: torch.Tensor, aliases: Any, experts: Callable[[int], dict[str, torch.Tensor]],
+             count: int) -> tuple[torch.Tensor, str] | None:
+    """Every expert's projection of one role stacked in one parameter ([E, out, in], or [E, in, out] for a module
+    computing x @ W: MLX's switch_mlp.gate_proj, a port's experts.w1), told apart by shape alone; None where the shape
+    fits neither or both (a square projection)."""
+    if target.dim() != 3 or target.shape[0] != count or "shared" in name:
+        return None
+    found = _expert_role(name, aliases)
+    if found is None:
+        return None
+    key = found[0] if found[1] == "weight" else f"{found[0]}_bias"
+    first = experts(0).get(key)
+    if first is None or first.dim() != 2:
+        return None
+    as_stored, transposed = tuple(target.shape[1:]) == tuple(first.shape), tuple(target.shape[1:]) == first.shape[::-1]
+    if as_stored == transposed:
+        return None
+    stack = torch.stack([experts(e)[key] if as_stored else experts(e)[key].t() for e in range(count)])
+    return stack, f"every expert's {key}" + ("" if as_stored else " (transposed: x @ W)")
 
 
 def _by_shape(name: str, target: torch.Tensor, offered: dict[str, dict[str, torch.Tensor]]
