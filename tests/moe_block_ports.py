@@ -307,3 +307,17 @@ class StackedMixtralBlock(nn.Module):
                 y = (F.silu(h @ m.gate_proj[e].t()) * (h @ m.up_proj[e].t())) @ m.down_proj[e].t()
                 out.index_add_(0, token, y * weights[token, slot, None])
         return out.reshape(shape)
+
+
+class StackedMixtralGateUpSwapped(StackedMixtralBlock):
+    """The stacked port with each expert's activation applied to the up branch."""
+
+    def forward(self, x):
+        m = self.switch_mlp
+        with torch.no_grad():
+            m.gate_proj, m.up_proj = m.up_proj, m.gate_proj
+        try:
+            return super().forward(x)
+        finally:
+            with torch.no_grad():
+                m.gate_proj, m.up_proj = m.up_proj, m.gate_proj

@@ -92,7 +92,8 @@ MISTAKEN = [("mixtral", ports.MixtralNoRenorm, "router_renormalization_missing")
             ("deepseek_v3", ports.DeepSeekScalingDropped, "routed_scaling_dropped"),
             ("gpt_oss", ports.GptOssHalves, "gate_up_interleaving_misread"),
             ("gpt_oss", ports.GptOssNoClamp, "swiglu_clamp_missing"),
-            ("llama4_text", ports.Llama4ScoreOnOutput, "router_score_on_output")]
+            ("llama4_text", ports.Llama4ScoreOnOutput, "router_score_on_output"),
+            ("mixtral", ports.StackedMixtralGateUpSwapped, "gate_up_swapped")]
 
 
 @pytest.mark.parametrize(("model_type", "port", "named"), MISTAKEN, ids=[p.__name__ for _, p, _ in MISTAKEN])

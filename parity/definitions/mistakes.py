@@ -350,7 +350,8 @@ PRODUCED_BY: dict[MistakeId, str] = {
     MistakeId.QUICK_GELU: "replay: diagnose.hypotheses, the activation swapped",
     MistakeId.SILU_INSTEAD_OF_GELU: "replay: diagnose.hypotheses, the activation swapped",
     MistakeId.GELU_INSTEAD_OF_SILU: "replay: diagnose.hypotheses, the activation swapped",
-    MistakeId.GATE_UP_SWAPPED: "replay: diagnose.hypotheses, gate and up weights exchanged",
+    MistakeId.GATE_UP_SWAPPED: "replay: diagnose.hypotheses, gate and up weights exchanged (a whole MoE block: "
+                               "routing_mistakes, every expert's gate and up exchanged in the fused gate_up_proj)",
     MistakeId.MISSING_TRANSPOSE: "replay: diagnose.hypotheses (square weights); finding: target.shape_message",
     MistakeId.BIAS_DROPPED: "replay: diagnose.hypotheses, biases zeroed",
     MistakeId.LOW_PRECISION_COMPUTE: "replay: diagnose._low_precision_signature, the reference in half precision",

@@ -522,6 +522,36 @@ def _swiglu(parts: Parts) -> list[Replay]:
     return found
 
 
+def _gate_up(parts: Parts) -> list[Replay]:
+    """Every expert's gate and up exchanged (the activation applied to the up branch), in the fused layout the
+    block holds them (halves, or interleaved rows)."""
+    experts = parts.experts
+    if not isinstance(getattr(experts, "gate_up_proj", None), torch.Tensor) or not getattr(experts, "has_gate", True):
+        return []
+    return [Replay(MistakeId.GATE_UP_SWAPPED, "every expert's gate and up exchanged", lambda: _swapped(experts))]
+
+
+@contextmanager
+def _swapped(experts: nn.Module) -> Iterator[None]:
+    """The fused gate/up (and its bias) with gate's rows and up's exchanged, in the module's own layout."""
+    interleaved = getattr(experts, "is_concatenated", True) is False
+
+    def exchanged(tensor: torch.Tensor, axis: int) -> torch.Tensor:
+        rows = tensor.detach().movedim(axis, 0)
+        if interleaved:
+            return interleave_rows(rows[1::2], rows[0::2]).movedim(0, axis)
+        first, second = rows.chunk(2, dim=0)
+        return torch.cat([second, first], dim=0).movedim(0, axis)
+
+    axis = -1 if getattr(experts, "is_transposed", False) else 1
+    with ExitStack() as stack:
+        stack.enter_context(_values(experts.gate_up_proj, exchanged(experts.gate_up_proj, axis)))
+        bias = getattr(experts, "gate_up_proj_bias", None)
+        if isinstance(bias, torch.Tensor):
+            stack.enter_context(_values(bias, exchanged(bias, -1)))
+        yield
+
+
 def _exchanges(parts: Parts, pairs: Iterable[tuple[int, int]] | None) -> list[Replay]:
     if pairs is None:
         pairs = itertools.combinations(range(parts.num_experts), 2) if parts.num_experts <= MAX_PAIRWISE else ()
@@ -531,7 +561,7 @@ def _exchanges(parts: Parts, pairs: Iterable[tuple[int, int]] | None) -> list[Re
 
 def _replays(parts: Parts, exchanged: Iterable[tuple[int, int]] | None) -> list[Replay]:
     return (_scoring(parts) + _renormalisation(parts) + _router_settings(parts) + _placement(parts)
-            + _shared(parts) + _top_k(parts) + _swiglu(parts) + _exchanges(parts, exchanged))
+            + _shared(parts) + _top_k(parts) + _swiglu(parts) + _gate_up(parts) + _exchanges(parts, exchanged))
 
 
 def replays(block: nn.Module, *, exchanged: Iterable[tuple[int, int]] | None = None) -> list[Replay]:
