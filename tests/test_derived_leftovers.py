@@ -76,6 +76,16 @@ def units(report: dict) -> list[tuple]:
     return [(r["layer"], r["expert"], r["unit"]) for r in report["layers"] if r["unit"] != "block"]
 
 
+def fails_only(capsys, good: Path, broken: Path, failing: set, named: str) -> None:
+    """`parity compare good broken` fails on exactly the ``failing`` units (layer, expert, unit), each named
+    ``named``."""
+    code, report, err = run_json(capsys, "compare", good, broken)
+    assert code == 1, err
+    failed = {(r["layer"], r["expert"], r["unit"]) for r in report["layers"] if not r["passed"]}
+    assert failed == failing  # the whole blocks judge the router and what else no unit reads: they pass
+    assert {r["diagnosis"]["id"] for r in report["layers"] if not r["passed"]} == {named}
+
+
 def test_dbrx_compare_against_itself_judges_every_expert(capsys, dbrx):
     code, report, err = run_json(capsys, "compare", dbrx["good"], dbrx["good"])
     assert code == 0 and report["passed"], err
@@ -89,11 +99,7 @@ def test_dbrx_compare_against_itself_judges_every_expert(capsys, dbrx):
     ("gate_up", {(1, 0, None)}, "gate_up_exchanged"),
 ])
 def test_dbrx_broken_export_fails_on_the_broken_experts_only_and_is_named(capsys, dbrx, how, failing, named):
-    code, report, err = run_json(capsys, "compare", dbrx["good"], dbrx[how])
-    assert code == 1, err
-    failed = {(r["layer"], r["expert"], r["unit"]) for r in report["layers"] if not r["passed"]}
-    assert failed == failing  # the whole blocks judge the router and what else no unit reads: they pass
-    assert {r["diagnosis"]["id"] for r in report["layers"] if not r["passed"]} == {named}
+    fails_only(capsys, dbrx["good"], dbrx[how], failing, named)
 
 
 def test_dbrx_default_target_checks_every_expert(capsys, dbrx):
@@ -257,11 +263,7 @@ def test_nemotron_h_compare_against_itself_skips_the_layers_without_an_ffn(capsy
     ("down", {(3, None, "mixer")}, "sign_flipped"),
 ])
 def test_nemotron_h_broken_export_fails_on_the_broken_unit_only_and_is_named(capsys, nemotron_h, how, failing, named):
-    code, report, err = run_json(capsys, "compare", nemotron_h["good"], nemotron_h[how])
-    assert code == 1, err
-    failed = {(r["layer"], r["expert"], r["unit"]) for r in report["layers"] if not r["passed"]}
-    assert failed == failing  # the whole blocks judge the router and what else no unit reads: they pass
-    assert {r["diagnosis"]["id"] for r in report["layers"] if not r["passed"]} == {named}
+    fails_only(capsys, nemotron_h["good"], nemotron_h[how], failing, named)
 
 
 class Relu2Expert(nn.Module):
@@ -338,11 +340,7 @@ def test_jetmoe_compare_against_itself_judges_every_expert_and_says_what_it_leav
     ("halves", {(1, 3, None)}, "gate_up_exchanged"),
 ])
 def test_jetmoe_broken_export_fails_on_the_broken_experts_only_and_is_named(capsys, jetmoe, how, failing, named):
-    code, report, err = run_json(capsys, "compare", jetmoe["good"], jetmoe[how])
-    assert code == 1, err
-    failed = {(r["layer"], r["expert"], r["unit"]) for r in report["layers"] if not r["passed"]}
-    assert failed == failing  # the whole blocks judge the router and what else no unit reads: they pass
-    assert {r["diagnosis"]["id"] for r in report["layers"] if not r["passed"]} == {named}
+    fails_only(capsys, jetmoe["good"], jetmoe[how], failing, named)
 
 
 def test_jetmoe_default_target_and_ports(capsys, jetmoe):

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import inspect
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -137,20 +136,19 @@ class _Stop(Exception):
 def chosen_experts(block: nn.Module, site: BlockSite, x: torch.Tensor, count: int) -> torch.Tensor:
     """[tokens, count] bool: which experts the block routes each token of ``x`` to, read off the call into its
     experts module (an index per token, or Llama 4's tokens repeated per expert, zero where not routed)."""
-    given = experts_call(block, site, x)
-    tokens = x.reshape(-1, x.shape[-1]).shape[0]
-    index = next((a for a in given[1:] if not a.is_floating_point()), None)
-    if index is None:  # every token once per expert, scaled by its routing weight: zero where not chosen
-        return given[0].reshape(count, tokens, -1).ne(0).any(-1).t()
+    return chosen_in(experts_call(block, site, x), count)
+
+
+def chosen_in(call: tuple[torch.Tensor, ...], count: int) -> torch.Tensor:
+    """[tokens, count] bool from what a block handed its experts (``experts_call``): each token's index of chosen
+    experts, or Llama 4's tokens once per expert, scaled by the routing weight (zero where not chosen)."""
+    index = next((a for a in call[1:] if not a.is_floating_point()), None)
+    if index is None:
+        return call[0].reshape(count, call[0].shape[0] // count, -1).ne(0).any(-1).t()
+    tokens = call[0].shape[0]
     chosen = torch.zeros(tokens, count, dtype=torch.bool)
     chosen[torch.arange(tokens).unsqueeze(1).expand_as(index), index.long()] = True
     return chosen
-
-
-def takes_choice(experts: nn.Module) -> bool:
-    """Whether the experts module is called with each token's chosen experts (most families) rather than with every
-    token once per expert (Llama 4's)."""
-    return len(inspect.signature(experts.forward).parameters) > 1
 
 
 @dataclass
@@ -304,8 +302,9 @@ def streamed(calls: list[tuple[torch.Tensor, ...]], count: int, one: Callable[[i
     """Each call's experts output, every expert built once (``one(e)``: transformers' experts module holding expert
     e alone) and applied to each call's tokens routed to it, in the call's dtype; then dropped."""
     outs = [torch.zeros_like(call[0]) for call in calls]
+    chosen = [chosen_in(call, count) for call in calls]
     for expert in range(count):
-        used = [i for i, call in enumerate(calls) if _uses(call, expert, count)]
+        used = [i for i in range(len(calls)) if bool(chosen[i][:, expert].any())]
         if not used:
             continue
         module = one(expert)
@@ -323,9 +322,3 @@ def streamed(calls: list[tuple[torch.Tensor, ...]], count: int, one: Callable[[i
         del module
     return outs
 
-
-def _uses(call: tuple[torch.Tensor, ...], expert: int, count: int) -> bool:
-    if len(call) > 1:
-        return bool((call[1] == expert).any())
-    rows = call[0].shape[0] // count
-    return bool(call[0][expert * rows:(expert + 1) * rows].any())

@@ -367,24 +367,28 @@ def _settings(pairs: list[tuple[nn.Module, str, object]]) -> Iterator[None]:
         yield
 
 
-@contextmanager
-def _layout_misread(experts: nn.Module, stored_interleaved: bool) -> Iterator[None]:
+def _layout_misread(experts: nn.Module, stored_interleaved: bool) -> AbstractContextManager:
     """The fused gate/up (and its bias) rearranged so that the block, reading its own layout, computes what a port
     reading the stored tensor in the other layout computes: halves [gate; up] interleaved (gate at 0::2) for a
     block that reads interleaved rows, interleaved rows gathered into halves for one that reads halves."""
-    def rearranged(tensor: torch.Tensor, axis: int) -> torch.Tensor:
-        rows = tensor.detach().movedim(axis, 0)
-        if stored_interleaved:
-            first, second = rows.chunk(2, dim=0)
-            return interleave_rows(first, second).movedim(0, axis)
-        return torch.cat([rows[0::2], rows[1::2]], dim=0).movedim(0, axis)
+    if stored_interleaved:
+        return _gate_up_rows(experts, lambda rows: interleave_rows(*rows.chunk(2, dim=0)))
+    return _gate_up_rows(experts, lambda rows: torch.cat([rows[0::2], rows[1::2]], dim=0))
+
+
+@contextmanager
+def _gate_up_rows(experts: nn.Module, rearranged: Callable[[torch.Tensor], torch.Tensor]) -> Iterator[None]:
+    """The experts' fused gate_up_proj (and its bias) holding its gate/up rows ``rearranged`` (rows along dim 0,
+    whichever axis the module keeps them on), put back after."""
+    def moved(tensor: torch.Tensor, axis: int) -> torch.Tensor:
+        return rearranged(tensor.detach().movedim(axis, 0)).movedim(0, axis)
 
     axis = -1 if getattr(experts, "is_transposed", False) else 1
     with ExitStack() as stack:
-        stack.enter_context(_values(experts.gate_up_proj, rearranged(experts.gate_up_proj, axis)))
+        stack.enter_context(_values(experts.gate_up_proj, moved(experts.gate_up_proj, axis)))
         bias = getattr(experts, "gate_up_proj_bias", None)
         if isinstance(bias, torch.Tensor):
-            stack.enter_context(_values(bias, rearranged(bias, -1)))
+            stack.enter_context(_values(bias, moved(bias, -1)))
         yield
 
 
@@ -531,25 +535,11 @@ def _gate_up(parts: Parts) -> list[Replay]:
     return [Replay(MistakeId.GATE_UP_SWAPPED, "every expert's gate and up exchanged", lambda: _swapped(experts))]
 
 
-@contextmanager
-def _swapped(experts: nn.Module) -> Iterator[None]:
+def _swapped(experts: nn.Module) -> AbstractContextManager:
     """The fused gate/up (and its bias) with gate's rows and up's exchanged, in the module's own layout."""
-    interleaved = getattr(experts, "is_concatenated", True) is False
-
-    def exchanged(tensor: torch.Tensor, axis: int) -> torch.Tensor:
-        rows = tensor.detach().movedim(axis, 0)
-        if interleaved:
-            return interleave_rows(rows[1::2], rows[0::2]).movedim(0, axis)
-        first, second = rows.chunk(2, dim=0)
-        return torch.cat([second, first], dim=0).movedim(0, axis)
-
-    axis = -1 if getattr(experts, "is_transposed", False) else 1
-    with ExitStack() as stack:
-        stack.enter_context(_values(experts.gate_up_proj, exchanged(experts.gate_up_proj, axis)))
-        bias = getattr(experts, "gate_up_proj_bias", None)
-        if isinstance(bias, torch.Tensor):
-            stack.enter_context(_values(bias, exchanged(bias, -1)))
-        yield
+    if getattr(experts, "is_concatenated", True) is False:  # interleaved: gate at 0::2, up at 1::2
+        return _gate_up_rows(experts, lambda rows: interleave_rows(rows[1::2], rows[0::2]))
+    return _gate_up_rows(experts, lambda rows: torch.cat(rows.chunk(2, dim=0)[::-1], dim=0))
 
 
 def _exchanges(parts: Parts, pairs: Iterable[tuple[int, int]] | None) -> list[Replay]:

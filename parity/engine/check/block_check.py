@@ -117,7 +117,7 @@ class BlockCheck:
                 base = session.mapping.layer_prefix(layer, expert).removeprefix(prefix)
                 for source in self.stored_expert(layer, 0):
                     disk[f"{base}.{source}"] = functools.partial(self.stored_tensor, layer, expert, source)
-        meta = session.reference.meta_module(f"{self.site.path}.{self.site.experts}".format(layer=layer))
+        meta = self.meta_experts(layer)
         where = self.site.path.format(layer=layer)
         experts = [self.expert(layer, e) for e in range(session.num_experts)] if wanted else []
         fused = {f"{self.site.experts}.{n}" for n in meta.state_dict()}
@@ -187,10 +187,13 @@ class BlockCheck:
             result.diagnosis = diagnosis(MistakeId.GLOBAL_STATE_MODIFIED, None, None, "; ".join(changes[:6]))
         return result, name
 
+    def meta_experts(self, layer: int) -> nn.Module:
+        """transformers' experts module of the layer's block, on the meta device."""
+        return self.session.reference.meta_module(f"{self.site.path}.{self.site.experts}".format(layer=layer))
+
     def experts_bytes(self, layer: int) -> int:
         """The float64 size of the layer's experts held at once (transformers' fused parameters)."""
-        meta = self.session.reference.meta_module(f"{self.site.path}.{self.site.experts}".format(layer=layer))
-        return 8 * sum(t.numel() for t in meta.state_dict().values())
+        return 8 * sum(t.numel() for t in self.meta_experts(layer).state_dict().values())
 
     def held_truth(self, layer: int, meta_block: nn.Module, own: dict, experts: list) -> tuple:
         """(block64, inputs, out64, out32): transformers' block holding every expert, run whole."""
@@ -213,7 +216,7 @@ class BlockCheck:
                               seed=session.seed, layer=layer)
         x64 = inputs.x.double()
         calls = [experts_call(block64, self.site, x64), experts_call(block32, self.site, inputs.x)]
-        meta = session.reference.meta_module(f"{self.site.path}.{self.site.experts}".format(layer=layer))
+        meta = self.meta_experts(layer)
         where = self.site.path.format(layer=layer)
         outs = streamed(calls, count, lambda e: expert_reference(meta, session.config, self.expert(layer, e),
                                                                  where).experts)
@@ -274,7 +277,6 @@ def _disk_prefix(keys: dict[str, str]) -> str:
         if key.endswith("." + name):
             return key[: -len(name)]
     return ""
-
 
 
 def holds_block(session: Any) -> bool:
