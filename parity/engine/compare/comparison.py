@@ -635,7 +635,6 @@ def run_comparison(comparison: Comparison, layers: Selection = None,
                     on_layer(report, result)
             whole = blocks.compare(layer, CompareLayer) if blocks is not None and blocks.serves(layer) else None
             if whole is not None:
-                held_by_units(whole, [r for r in report.layers if r.layer == layer and r is not whole])
                 report.layers.append(whole)
                 if on_layer is not None:
                     on_layer(report, whole)
@@ -656,17 +655,6 @@ def permuted(comparison: Comparison, report: CompareReport, layer: int, order: l
                         f"({pairs}): each expert of B is judged against the one of A it holds, and the block unit "
                         "judges whether the order keeps the function (it does unless the router groups experts by "
                         "position)")
-
-
-def held_by_units(whole: CompareLayer, units: list[LayerResult]) -> None:
-    """A block that fails because an expert (or shared expert) of it does is named by that unit's finding."""
-    failing = [r for r in units if not r.passed and r.diagnosis is not None]
-    if whole.passed or not failing:
-        return
-    first = failing[0]
-    which = ", ".join(f"{r.layer}/{'e' + str(r.expert) if r.expert is not None else r.unit}" for r in failing)
-    whole.diagnosis = diagnosis(first.diagnosis.id, None, whole.max_abs_diff,
-                                f"the block holds units that fail on their own: {which}")
 
 
 def blocks_note(blocks: BlockComparison, report: CompareReport) -> None:
