@@ -5,7 +5,6 @@ nothing verified, 130 interrupted."""
 from __future__ import annotations
 
 import argparse
-import contextlib
 import logging
 import os
 import signal
@@ -21,27 +20,10 @@ from parity.errors import ParityError
 def main(argv: list[str] | None = None) -> int:
     restore = [_lenient(stream) for stream in (sys.stdout, sys.stderr)]
     try:
-        code = _main(sys.argv[1:] if argv is None else argv)
+        return _main(sys.argv[1:] if argv is None else argv)
     finally:
         for undo in restore:
             undo()
-    if argv is None and code == 130:
-        _leave_native_work()
-    return code
-
-
-def _leave_native_work() -> None:
-    """After Ctrl-C, a native run that ignored its stop flag (an ONNX Runtime graph looping for ever, on parity's
-    worker thread) would abort the interpreter's exit ("terminate called without an active exception", SIGABRT):
-    the process of the command line leaves at once with 130 instead, its output flushed.  Never in-process
-    (``main(argv)``: the caller's process is not parity's to end)."""
-    import threading
-
-    if any(t.is_alive() and t.name.startswith("parity-") for t in threading.enumerate()):
-        for stream in (sys.stdout, sys.stderr):
-            with contextlib.suppress(Exception):
-                stream.flush()
-        os._exit(130)
 
 
 def _main(argv: list[str]) -> int:
