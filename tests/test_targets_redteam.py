@@ -98,6 +98,42 @@ def test_ctrl_c_stops_an_onnx_graph_that_runs_for_ever_with_exit_130(tiny, tmp_p
     assert err.strip().endswith("parity: interrupted") and "Traceback" not in err
 
 
+class _RunUntilTerminated:
+    """An ONNX Runtime session stand-in whose run holds its thread until the run's terminate flag is set, as a
+    graph that runs for ever does, and records when it has returned."""
+
+    def __init__(self):
+        self.returned = False
+
+    def run(self, names, feed, options):
+        deadline = time.monotonic() + 60  # a safety bound: the interrupt never came
+        while not options.terminate and time.monotonic() < deadline:
+            time.sleep(0.01)
+        time.sleep(0.2)  # ONNX Runtime takes a moment to leave the run
+        self.returned = True
+        raise RuntimeError("Exiting due to terminate flag being set to true")
+
+
+def test_an_interrupted_onnx_run_has_returned_before_the_interrupt_goes_on():
+    """The interrupt must not reach the interpreter's exit while the run is still on the worker thread: there the
+    worker is ended inside ONNX Runtime's C++ frames and the process aborts (SIGABRT instead of exit 130).  A
+    Thread.join broken by the KeyboardInterrupt marks the running worker as stopped and returns at once."""
+    import _thread
+    import threading
+
+    from parity.targets.onnx_graph import stoppable_run
+
+    session = _RunUntilTerminated()
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)  # a background job starts with it ignored
+    try:
+        threading.Timer(0.3, _thread.interrupt_main).start()
+        with pytest.raises(KeyboardInterrupt):
+            stoppable_run(session, {"x": np.zeros(1, np.float32)})
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    assert session.returned, "the interrupt went on while the run was still on the worker thread"
+
+
 def test_a_graph_fixed_to_2_to_the_26_tokens_is_exit_2_before_anything_is_allocated(tiny, tmp_path, capsys):
     graph = identity_graph(tmp_path / "huge.onnx", [1, 2**26, 32])  # fed padded, [1, 2^26, 32] is 8 GiB
     code, out, err = run_main(capsys, tiny["llama"], "--layer", "0", "--target", graph)

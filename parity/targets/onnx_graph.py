@@ -224,7 +224,14 @@ def stoppable_run(session: Any, feed: dict[str, Any]) -> list[Any]:
     """``session.run(None, feed)`` that Ctrl-C stops: run on a worker thread while this one waits (a wait that a
     KeyboardInterrupt reaches); on the interrupt the run's ``terminate`` flag is set, the worker given
     TERMINATE_WAIT_S to stop, and the interrupt raised on.  A daemon thread: a worker that never stops does not
-    hold the process open."""
+    hold the process open.
+
+    The wait is on an Event the worker sets when its run has returned, not on ``Thread.join``: a join that a
+    KeyboardInterrupt breaks marks a thread that is still running as stopped (CPython 3.11's ``_wait_for_tstate_lock``
+    releases the thread's own lock when it finds it locked), so the interrupted join returned at once, the interpreter
+    began to exit while ONNX Runtime's run was still on the worker, and when that run returned the worker was ended by
+    ``pthread_exit`` inside ONNX Runtime's C++ frames: "terminate called without an active exception", SIGABRT
+    (2 of 8 runs of tests/test_targets_redteam.py's Ctrl-C test under load; seen in the core's backtrace)."""
     import threading
 
     import onnxruntime
@@ -233,20 +240,23 @@ def stoppable_run(session: Any, feed: dict[str, Any]) -> list[Any]:
     options.log_severity_level = 4  # the terminated run's error is parity's doing, not the graph's: not logged
     result: dict[str, Any] = {}
 
+    returned = threading.Event()
+
     def work() -> None:
         try:
             result["outputs"] = session.run(None, feed, options)
         except BaseException as exc:  # noqa: BLE001 - handed to the waiting thread, raised there
             result["error"] = exc
+        finally:
+            returned.set()
 
-    worker = threading.Thread(target=work, name="parity-onnx-run", daemon=True)
-    worker.start()
+    threading.Thread(target=work, name="parity-onnx-run", daemon=True).start()
     try:
-        while worker.is_alive():
-            worker.join(0.25)
+        while not returned.wait(0.25):
+            pass
     except KeyboardInterrupt:
         options.terminate = True
-        worker.join(TERMINATE_WAIT_S)
+        returned.wait(TERMINATE_WAIT_S)
         raise
     if "error" in result:
         raise result["error"]
