@@ -296,12 +296,14 @@ def gguf_of_folder(folder: Path, path: Path, arch: str, names: dict[str, str], q
 
 # -- mixture of experts: a tiny HF checkpoint's FFN tensors stacked over experts, as llama.cpp's converter does ------
 
-def moe_gguf_of_folder(folder: Path, path: Path, arch: str, layer_tensors, qtype: Q = Q.F32, edit=None) -> Path:
+def moe_gguf_of_folder(folder: Path, path: Path, arch: str, layer_tensors, qtype: Q = Q.F32, edit=None,
+                       kinds: dict[str, Q] | None = None) -> Path:
     """A GGUF file of ``arch`` holding the FFN tensors of a saved tiny MoE checkpoint: ``layer_tensors(state, layer)``
     gives one layer's {GGUF name under 'blk.N.': values} (the test spells out, per family, how llama.cpp's converter
     stacks and names them); 2-D and 3-D weights as ``qtype``, biases F32.  The metadata says the expert widths and
     counts the converter writes (expert_feed_forward_length, expert_shared_feed_forward_length, expert_count).
-    ``edit(layer, tensors)`` may change a layer's tensors before they are written (a broken export)."""
+    ``edit(layer, tensors)`` may change a layer's tensors before they are written (a broken export); ``kinds``: the
+    type of a tensor (its name under 'blk.N.') written otherwise than ``qtype`` (a router kept in F32)."""
     import json
 
     from safetensors.numpy import load_file
@@ -331,7 +333,8 @@ def moe_gguf_of_folder(folder: Path, path: Path, arch: str, layer_tensors, qtype
         if edit is not None:
             found = edit(layer, dict(found))
         for name, values in found.items():
-            kind = qtype if values.ndim > 1 and name.endswith(".weight") else Q.F32
+            kind = (kinds[name] if kinds and name in kinds else
+                    qtype if values.ndim > 1 and name.endswith(".weight") else Q.F32)
             data = encode(np.ascontiguousarray(values, dtype=np.float32), kind, rng)
             writer.add_tensor(f"blk.{layer}.{name}", data, raw_dtype=kind if data.dtype == np.uint8 else None)
     writer.write_header_to_file()

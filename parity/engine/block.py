@@ -57,9 +57,18 @@ class BlockSite:
 
 def block_tensors(checkpoint: Any, skeleton: nn.Module, site: BlockSite, layer: int) -> dict[str, str]:
     """The block's own tensors beside its experts (router, selection bias, shared experts and their gate):
-    the block's parameter name -> the checkpoint key that transformers' load-time conversion renames to it."""
+    the block's parameter name -> the checkpoint key that transformers' load-time conversion renames to it (a GGUF
+    file: the key gguf's name map gives it)."""
     from parity.engine.layout.renaming import renamed_keys
+    from parity.sources.gguf import GGUFCheckpoint
 
+    if isinstance(checkpoint, GGUFCheckpoint):
+        from parity.engine.layout.gguf_names import gguf_keys
+
+        where = site.path + "."
+        own = [f"{where}{name}" for name in skeleton.get_submodule(site.path).state_dict()
+               if not name.startswith(site.experts + ".")]
+        return {name.removeprefix(where): key for name, key in gguf_keys(checkpoint, own, layer).items()}
     keys = [key for key in checkpoint.weight_map if f".{layer}." in key]
     found = {}
     for key, (name, merged) in renamed_keys(skeleton, keys).keys.items():
@@ -94,6 +103,8 @@ def filled_block(meta_block: nn.Module, site: BlockSite, tensors: dict[str, torc
                            "does not hold under any name transformers' conversion gives it")
     given = {name: tensors[name] for name in expected}  # only what the block holds (a stand-in's experts: none)
     for name, tensor in given.items():
+        if tensor.numel() == expected[name].numel() and tensor.squeeze().shape == expected[name].squeeze().shape:
+            given[name] = tensor = tensor.reshape(expected[name].shape)  # GGUF's [d] for a [1, d] gate: same values
         if tuple(tensor.shape) != tuple(expected[name].shape):
             from parity.errors import ShapeMismatchError
 

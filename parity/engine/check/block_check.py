@@ -65,6 +65,7 @@ class BlockCheck:
         self.sources: dict[str, str] = {}  # how the user's block was filled (its first layer), for the report
         self.target_notes: list[str] = []
         self.stored: dict[str, torch.dtype] = {}  # the last layer read: each tensor's dtype as stored
+        self.keys: dict[str, str] = {}  # the last layer read: the block's own names -> the checkpoint's keys
         self._last: tuple = (None, {})  # the last expert read, as stored
         self.skipped: list[int] = []  # layers selected that hold no sparse block (dense ones before MoE ones)
 
@@ -107,6 +108,7 @@ class BlockCheck:
         session = self.session
         keys = block_tensors(session.checkpoint, session.reference.skeleton, self.site.at(layer), layer)
         stored = session.checkpoint.read(list(keys.values()))
+        self.keys = keys
         self.stored = {name: stored[key].dtype for name, key in keys.items()}
         own = {name: stored[key].double() for name, key in keys.items()}
         prefix = _disk_prefix(keys)

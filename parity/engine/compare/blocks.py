@@ -13,6 +13,7 @@ from typing import Any
 
 import torch
 
+from parity.definitions.mapping import TensorRoute
 from parity.definitions.mistakes import Diagnosis, MistakeId, diagnosis
 from parity.engine.block import (
     BLOCK_UNIT,
@@ -41,7 +42,7 @@ class BlockComparison:
         # comparison's units' module paths ('model.layers.{layer}.mlp.shared_expert')
         self.judged = tuple(f"{unit.removeprefix(self.site.path + '.')}." for unit in units
                             if unit.startswith(self.site.path + "."))
-        self.unreadable: str | None = None  # why B's block could not be read (a GGUF file's router), once
+        self.unreadable: str | None = None  # why B's block could not be read (a GGUF file without its router)
         self.read: tuple[int, tuple | None] | None = None  # the last layer's sides, read once for both uses
 
     def serves(self, layer: int) -> bool:
@@ -102,10 +103,9 @@ class BlockComparison:
             return diagnosis(MistakeId.ROUTER_ROWS_PERMUTED, None, None, f"B's router ({pairs}); {why}")
         changed = []
         for name, a in own_a.items():
-            if name.startswith(self.site.experts + "."):
+            if name.startswith((self.site.experts + ".", *self.judged)):
                 continue
-            expected = a.to(self.b.stored.get(name, a.dtype)).double()
-            moved = float((own_b[name] - expected).abs().max())
+            moved = float((own_b[name] - self.as_b_stores(name, a, own_b[name])).abs().max())
             if moved > 0:
                 changed.append(f"{name} (max |B - A| {moved:.3g}, A's largest {float(a.abs().max()):.3g})")
         if not changed:
@@ -177,8 +177,18 @@ class BlockComparison:
             elif name.startswith(self.judged):
                 expected[name] = own_b[name]
             else:
-                expected[name] = tensor.to(self.b.stored.get(name, tensor.dtype)).double()
+                expected[name] = self.as_b_stores(name, tensor, own_b[name])
         return expected
+
+    def as_b_stores(self, name: str, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        """A's tensor ``name`` as B's storage would hold it (float64): cast to B's dtype, or re-quantized to B's
+        type where B's file quantizes it (a GGUF file's router), the way ``parity compare`` converts FFN tensors."""
+        from parity.engine.compare.conversion import reference_conversion, storage_of  # the compare's own rules
+
+        key = self.b.keys[name]
+        stored = b.to(self.b.stored.get(name, b.dtype))  # as read: B's dtype, or a GGUF tensor dequantized
+        storage = storage_of(self.b.session.checkpoint, key, stored, TensorRoute(name, key))
+        return reference_conversion(a, storage)[0].double()
 
 def _agreeing(outs: list[torch.Tensor], tied: torch.Tensor, tolerance: float) -> int:
     """Set-aside tokens on which B's block (``outs[2]``) computes what A's does, in float64 or as B stores it."""
@@ -194,8 +204,10 @@ def expert_order(a_router: torch.Tensor, b_router: torch.Tensor) -> list[int] | 
         return None
     distance = torch.cdist(b_router.double(), a_router.double())
     order = [int(i) for i in distance.argmin(1)]
-    scale = float(a_router.abs().max()) or 1.0
-    close = bool((distance.min(1).values <= 1e-2 * scale).all())
+    # each of B's rows far nearer one of A's than any other: B's own rounding or quantization of that row (a Q8_0
+    # router moves a row by ~1% of the distance between rows) and no other row
+    nearest = distance.topk(min(2, distance.shape[1]), dim=1, largest=False).values
+    close = nearest.shape[1] == 2 and bool((nearest[:, 0] <= 0.1 * nearest[:, 1]).all())
     if not close or sorted(order) != list(range(len(order))) or order == list(range(len(order))):
         return None
     return order

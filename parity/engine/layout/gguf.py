@@ -25,6 +25,7 @@ from parity.definitions.mapping import Mapping, TensorRoute
 from parity.engine.layout.derive import derive_mapping, describe_layers, projections, refused
 from parity.engine.layout.experts import BIASES, FUSED
 from parity.engine.layout.gguf_experts import EXPERT_TENSORS, LAYER_KEY, gguf_experts
+from parity.engine.layout.gguf_names import name_table
 from parity.sources.checkpoint import Checkpoint
 from parity.sources.skeleton import ModelSkeleton
 
@@ -32,13 +33,10 @@ from parity.sources.skeleton import ModelSkeleton
 def derive_gguf_mapping(ckpt: Any, load_config: Callable[[Checkpoint], Any]) -> Mapping:
     """The mapping transformers' model and gguf's name map imply for this GGUF checkpoint (a ``GGUFCheckpoint``);
     MappingError (exit 2) where either cannot say."""
-    import gguf
-
     config = load_config(ckpt)
     arch = ckpt.header.metadata["general.architecture"]
     count = int(config.num_hidden_layers)
-    arch_id = next(k for k, v in gguf.MODEL_ARCH_NAMES.items() if v == arch)
-    table = gguf.get_tensor_name_map(arch_id, count)
+    arch_id, table = name_table(ckpt, count)
     in_file = {f"{hf}{suffix}": f"{name}{suffix}" for hf, (kind, name) in table.mapping.items()
                if kind not in EXPERT_TENSORS for suffix in (".weight", ".bias")}  # the file says if it holds each
     skeleton = ModelSkeleton(config)
