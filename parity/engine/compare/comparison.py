@@ -308,6 +308,8 @@ class Comparison:
         scale = float(truth.out64.abs().max())
         quantized = any(s.quantized for s in b.storage.values())
         factor = QUANT_FACTOR if quantized else CAST_FACTOR
+        if any(s.levels is not None for s in b.storage.values()):  # a grid parity cannot read: B's own levels
+            factor = conversion.LEVELS_FACTOR
         tolerance = max(parity_tolerance(noise, scale, None), factor * conv_dev)
         runs = Runs(truth.out64, truth.out32, out_b, out_b)
         result = judge(layer, expert, runs, a.routed, truth.z, tolerance, self.a.checkpoint.weights, a.facts,

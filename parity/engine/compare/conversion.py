@@ -18,8 +18,8 @@ B's tensors are compared name by name in one layout.  How B stores a tensor deci
 
 ``reference_conversion`` makes A's tensor as B's storage would hold it, from A alone: cast, re-quantized with
 ``gguf.quants.quantize`` in B's stored layout, or for the K-quants (which gguf cannot write) quantized by
-round-to-nearest on the grid A's own blocks call for (``k_requantize``).  Only types with neither (IQ, TQ)
-fall back to A rounded onto B's estimated lattice.  The function-level deviation that conversion alone causes is
+round-to-nearest on the grid A's own blocks call for (``k_requantize``).  Types with neither (IQ1 to IQ4, NVFP4)
+have A rounded to the nearest value B's block holds (``on_levels``), and B judged by the function only.  The function-level deviation that conversion alone causes is
 what B is judged against.
 """
 
@@ -47,8 +47,19 @@ from parity.engine.compare.gguf_blocks import (
 )
 
 FLOAT_TYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
+# A grid parity cannot read (IQ1 to IQ4, NVFP4: no quantizer here, their grids codebooks): A is rounded to the nearest
+# value B holds among each LEVEL_GROUP values (the types scale their values in groups of 32 or 16: llama.cpp's
+# ggml-common.h), and B is judged by the function within LEVELS_FACTOR x what that rounding does.  Measured on a tiny
+# LLaMA (d 256, d_ff 512, Gaussian weights) quantized by ggml's own quantizers (ggml-python 0.0.45's
+# ggml_quantize_chunk, importance all ones): B's deviation over that rounding's was 1.00 to 1.01 for IQ4_NL and
+# IQ4_XS (they round each value to its nearest level: the rounding is B), 1.24 to 2.06 for IQ1_S, IQ1_M, IQ2_XXS,
+# IQ2_XS, IQ2_S, IQ3_XXS, IQ3_S (they choose 8 values at once from a codebook), so 3 x; groups of 256 (the whole
+# super-block) left those ratios at up to 5.3, groups of 8 at 1.0 to 1.4 with B's own values too near.  Their values
+# move farther than the levels around A's value (60 to 90 thousand of 131 thousand per matrix for IQ1 to IQ3, and
+# for IQ4_XS's search of its scales): each value's distance in steps is evidence, not a rule.
+LEVEL_GROUP = 32
+LEVELS_FACTOR = 3.0
 STEP_SLACK = 1.01  # a value may sit a step from A's (Q4_0's clamp at +8) plus the float16 rounding of d itself
-LATTICE_GROUP = 16  # values per group when a step is estimated from the dequantized values (K-quant sub-blocks)
 # A quantizer may search the scale (llama.cpp tries steps between range/(levels + 1) and range/(levels - 1), then
 # refits them by least squares): a value at the end of its block's grid may lie this many times the scale's
 # rounding farther from A's.
@@ -81,6 +92,7 @@ class Storage:
     block: tuple[int, int] | None = None  # FP8 block quantization: the block each weight_scale_inv covers
     power_of_two: bool = False  # FP8 block quantization with power-of-two (ue8m0) scales
     scales: torch.Tensor | None = None  # FP8 block quantization: each block's scale, read from the file
+    levels: torch.Tensor | None = None  # a grid parity cannot read (IQ, NVFP4): B's own values, stored layout
 
 
 def dtype_name(dtype: torch.dtype) -> str:
@@ -101,7 +113,9 @@ def storage_of(checkpoint, key: str, stored: torch.Tensor, route: TensorRoute, e
     if name in FLOAT_TYPES:
         return Storage(dtype_name(FLOAT_TYPES[name]), route=route)
     if name not in K_QUANTS and name not in SCALE_FIRST and name != "MXFP4":
-        return Storage(name, True, route_tensor(route, lattice_steps(stored)), "estimated", route, info.qtype)
+        group = min(qtype_block(info.qtype), LEVEL_GROUP)
+        return Storage(name, True, route_tensor(route, level_steps(stored, group)), "estimated", route, info.qtype,
+                       levels=stored.float() if stored.numel() % group == 0 else None)
     stacked = expert is not None and len(info.shape) == stored.dim() + 1  # this expert's blocks only
     raw = read_blocks(header.path, info, expert if stacked else None)
     steps, offsets, scales = block_grid(raw, name, tuple(stored.shape))
@@ -132,20 +146,40 @@ def block_storage(checkpoint, key: str, route: TensorRoute) -> Storage | None:
                    power_of_two=held.power_of_two, scales=held.scales)
 
 
-def lattice_steps(values: torch.Tensor) -> torch.Tensor:
-    """Each value's step estimated from its group of LATTICE_GROUP neighbours: the smallest gap between the
-    group's distinct values (a quantized block's values lie on its lattice); a group with one distinct value
+def level_steps(values: torch.Tensor, group: int) -> torch.Tensor:
+    """Each value's step on a grid parity cannot read, from the values its block holds (``group`` values, stored
+    layout): the larger gap from the value to the next distinct value its block holds below and above it, so that a
+    value of A rounded to either of the block's levels around it lies within one step; a block of one distinct value
     takes the tensor's median step."""
-    flat = values.float().reshape(-1, LATTICE_GROUP) if values.numel() % LATTICE_GROUP == 0 else None
-    if flat is None:
+    if values.numel() % group:
         return torch.zeros_like(values, dtype=torch.float32)
+    flat = values.float().reshape(-1, group)
     ordered = flat.sort(dim=1).values
-    gaps = ordered.diff(dim=1)
-    gaps = torch.where(gaps > 0, gaps, torch.full_like(gaps, math.inf)).amin(dim=1)
-    finite = gaps[torch.isfinite(gaps)]
+    above = torch.searchsorted(ordered, flat.contiguous(), right=True)  # the first level above each value
+    below = torch.searchsorted(ordered, flat.contiguous()) - 1  # the last level below it
+    up = torch.where(above < group, ordered.gather(1, above.clamp(max=group - 1)) - flat, 0.0)
+    down = torch.where(below >= 0, flat - ordered.gather(1, below.clamp(min=0)), 0.0)
+    gaps = torch.maximum(up, down)
+    finite = gaps[gaps > 0]
     fallback = float(finite.median()) if finite.numel() else 0.0
-    gaps = torch.where(torch.isfinite(gaps), gaps, torch.full_like(gaps, fallback))
-    return gaps.repeat_interleave(LATTICE_GROUP).reshape(values.shape)
+    return torch.where(gaps > 0, gaps, torch.full_like(gaps, fallback)).reshape(values.shape)
+
+
+def on_levels(a: torch.Tensor, levels: torch.Tensor, group: int) -> torch.Tensor:
+    """A's values (stored layout) each rounded to the nearest value B's block holds (``levels``: B's values, same
+    layout, blocks of ``group``): A as B's grid can hold it where no quantizer of the type is known here.  B's own value
+    is one of those levels, so each value of A moves no farther than B's does: for a format that rounds each value to
+    its nearest level (IQ4_NL, NVFP4) this is B exactly, for one that picks values jointly (IQ1 to IQ3's
+    lattices of 8 values) a lower bound of B's rounding."""
+    flat, ordered = a.float().reshape(-1, group), levels.float().reshape(-1, group).sort(dim=1).values
+    index = torch.searchsorted(ordered, flat.contiguous()).clamp(1, group - 1)
+    low, high = ordered.gather(1, index - 1), ordered.gather(1, index)
+    rounded = torch.where((flat - low).abs() <= (high - flat).abs(), low, high)
+    # a value farther outside its block's levels than the gap between the block's last two: not a value B's block
+    # could hold (B holds another tensor there, which is what the compare is to find), so A's own value is kept
+    below = flat < ordered[:, :1] - (ordered[:, 1:2] - ordered[:, :1])
+    above = flat > ordered[:, -1:] + (ordered[:, -1:] - ordered[:, -2:-1])
+    return torch.where(below | above, flat, rounded).reshape(a.shape)
 
 
 def stored_layout(route: TensorRoute | None, tensor: torch.Tensor) -> torch.Tensor | None:
@@ -184,6 +218,9 @@ def reference_conversion(a: torch.Tensor, storage: Storage) -> tuple[torch.Tenso
     quantized = requantize(a, storage)
     if quantized is not None:
         return quantized[0], f"re-quantized to {storage.dtype} with gguf.quants.quantize", quantized[1]
+    if stored is not None and storage.levels is not None:
+        return (unstored(storage.route, on_levels(stored, storage.levels, min(block_values(storage), LEVEL_GROUP))),
+                f"rounded to the nearest value B's {storage.dtype} block holds (no quantizer for it here)", None)
     return (on_lattice(a, storage.steps, storage.offsets),
             f"rounded onto B's {storage.dtype} block grid, read from the file (no quantizer for it here)", None)
 
@@ -308,6 +345,8 @@ def quantized_bounds(a: torch.Tensor, b: torch.Tensor, storage: Storage, a_dtype
     end of its block's grid (its code clamped, or in a zero-step block) may lie farther by as much as the rounding of
     the block's scale to a multiple of d (and of its minimum to a multiple of dmin) moves it: (levels x d + dmin) / 2,
     with d and dmin those A's values call for, plus the float16 rounding of d and dmin themselves (times ``SEARCH``)."""
+    if storage.levels is not None:  # a grid read off B's own values (LEVEL_GROUP): the steps are evidence only
+        return torch.full_like(storage.steps.float(), math.inf), None
     allowed = torch.maximum(STEP_SLACK * storage.steps.float(), spacing(a, a_dtype))
     x = stored_layout(storage.route, a.float())
     if x is None:
@@ -335,10 +374,14 @@ def quantized_bounds(a: torch.Tensor, b: torch.Tensor, storage: Storage, a_dtype
 
 
 def block_values(storage: Storage) -> int:
+    return qtype_block(storage.qtype)
+
+
+def qtype_block(qtype: int) -> int:
     """Values per block of a GGUF quantized type (gguf's own table)."""
     from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
 
-    return GGML_QUANT_SIZES[GGMLQuantizationType(storage.qtype)][0]
+    return GGML_QUANT_SIZES[GGMLQuantizationType(qtype)][0]
 
 
 def k_ends(b: torch.Tensor, steps: torch.Tensor, offsets: torch.Tensor | None, name: str,
