@@ -12,15 +12,15 @@ B's tensors are compared name by name in one layout.  How B stores a tensor deci
 * a GGUF quantized type: every value within its block's quantization step of A's value, never less than A's own
   storage rounding (``quantized_bounds``).  The step is read from the file: the float16 scale ``d`` in the first
   two bytes of Q4_0, Q4_1, Q5_0, Q5_1, Q8_0 blocks, MXFP4's E8M0 exponent, the K-quants' super-block scales; for
-  the other types it is estimated from the block's own values (the smallest gap between its distinct values).
+  the other types it is estimated from the levels the block holds (evidence only: the function judges them).
   Each block's step is also held to what a quantizer of the format chooses for A's values there
   (``coarse_blocks``: grid_too_coarse).
 
 ``reference_conversion`` makes A's tensor as B's storage would hold it, from A alone: cast, re-quantized with
 ``gguf.quants.quantize`` in B's stored layout, or for the K-quants (which gguf cannot write) quantized by
 round-to-nearest on the grid A's own blocks call for (``k_requantize``).  Types with neither (IQ1 to IQ4, NVFP4)
-have A rounded to the nearest value B's block holds (``on_levels``), and B judged by the function only.  The function-level deviation that conversion alone causes is
-what B is judged against.
+have A rounded to the nearest value B's block holds (``on_levels``), and B judged by the function only.  The
+function-level deviation that conversion alone causes is what B is judged against.
 """
 
 from __future__ import annotations
