@@ -105,14 +105,15 @@ print(float(y.abs().max()))
 '''
 
 
-def build_moe_layer(folder: Path) -> Path:
-    """config.json + one safetensors file holding layer 0's block: router, selection bias, 256 experts, the shared
-    expert (random bfloat16, written in row blocks: no more than a block in memory)."""
+def build_moe_layer(folder: Path, *, experts: int = 256) -> Path:
+    """config.json + one safetensors file holding layer 0's block: router, selection bias, ``experts`` experts (256:
+    DeepSeek V3's; fewer profiles the same width in less time), the shared expert (random bfloat16, written in row
+    blocks: no more than a block in memory).  A folder already holding one is reused (the file is written once)."""
     if (folder / "config.json").is_file():
         return folder
     import torch
 
-    c = DEEPSEEK_V3_LAYER
+    c = dict(DEEPSEEK_V3_LAYER, n_routed_experts=experts)
     d, f, count = c["hidden_size"], c["moe_intermediate_size"], c["n_routed_experts"]
     prefix = "model.layers.0.mlp."
     shapes = {f"{prefix}gate.weight": ("BF16", (count, d)), f"{prefix}gate.e_score_correction_bias": ("F32", (count,))}
@@ -149,7 +150,7 @@ def build_moe_layer(folder: Path) -> Path:
 def moe_commands(folder: Path, work: Path, python: str) -> dict[str, list[str]]:
     """parity's block check with the lazy port, and the floor, as whole processes."""
     (work / "lazy_block.py").write_text(LAZY_BLOCK)
-    c = DEEPSEEK_V3_LAYER
+    c = json.loads((folder / "config.json").read_text())
     return {"parity --block": [python, "-m", "parity", str(folder), "--target", "lazy_block:LazyDeepSeekBlock",
                                "--block", "--json", str(work / "moe.json")],
             "floor": [python, "-c", FLOOR, str(folder), str(c["n_routed_experts"]), str(c["hidden_size"])]}
