@@ -235,8 +235,8 @@ class BlockCheck:
         where = self.site.path.format(layer=layer)
         used = [e for e in range(count) if any(bool(chosen_in(call, count)[:, e].any()) for call in calls)]
         with ReadAhead(functools.partial(self.stored_expert, layer), used) as ahead:
-            outs = streamed(calls, count, lambda e, dtype: expert_reference(
-                meta, session.config, self.routed(layer, ahead(e), None), where).experts.to(dtype))
+            outs = streamed(calls, count, lambda e, dtype, last: expert_reference(
+                meta, session.config, self.routed(layer, ahead(e, last=last), None), where).experts.to(dtype))
         out = []
         for block, x, call_out in ((block64, x64, outs[0]), (block32, inputs.x, outs[1])):
             block.get_submodule(self.site.experts).outputs = [call_out]
@@ -290,7 +290,8 @@ class BlockCheck:
 class ReadAhead:
     """A streamed block's experts as stored, in the order they are used, each read by a worker thread while the one
     before it is computed: a block larger than memory waits on the disk for every expert, and that wait overlaps the
-    computing instead of adding to it (one expert ahead: one more expert's stored size in memory)."""
+    computing instead of adding to it.  The next read starts at an expert's last use (its float32 run: the float64
+    copy, the largest, is gone by then), so the peak grows by one expert's stored size at most."""
 
     def __init__(self, read: Callable[[int], dict[str, torch.Tensor]], order: list[int]):
         from concurrent.futures import ThreadPoolExecutor
@@ -306,15 +307,16 @@ class ReadAhead:
     def __exit__(self, *exc: object) -> None:
         self.pool.shutdown(wait=True, cancel_futures=True)
 
-    def __call__(self, expert: int) -> dict[str, torch.Tensor]:
-        """Expert ``expert``'s tensors (asked for again: the same ones); the next one's read is started."""
+    def __call__(self, expert: int, *, last: bool = True) -> dict[str, torch.Tensor]:
+        """Expert ``expert``'s tensors (asked for again: the same ones); at its ``last`` use the next one's read is
+        started."""
         if self.current[0] != expert:
             future = self.pending.pop(expert, None) or self.pool.submit(self.read, expert)
-            following = self.next.get(expert)
-            if following is not None and following not in self.pending:
-                self.pending[following] = self.pool.submit(self.read, following)
             self.current = (None, {})  # the previous expert's tensors are let go before this one's arrive
             self.current = (expert, future.result())
+        following = self.next.get(expert)
+        if last and following is not None and following not in self.pending:
+            self.pending[following] = self.pool.submit(self.read, following)
         return self.current[1]
 
 
