@@ -229,7 +229,7 @@ class BlockCheck:
         reach = gate_reach(lambda: sample)
         inputs = block_inputs(block64, block32, self.site, reach, count=count, d=session.hidden_size,
                               seed=session.seed, layer=layer)
-        del sample, reach  # REACH_SAMPLE experts' gates in float32: not held through the streamed pass
+        sample.clear()  # REACH_SAMPLE experts' gates in float32: not held through the streamed pass
         x64 = inputs.x.double()
         calls = [experts_call(block64, self.site, x64), experts_call(block32, self.site, inputs.x)]
         meta = self.meta_experts(layer)
