@@ -3,9 +3,16 @@
 One MoE layer of DeepSeek V3's shape (d = 7168, 256 routed experts of width 2048, top-8 of 8 groups, one shared
 expert; random bfloat16 values, 22.6 GB on disk, written once in row blocks) is checked as a whole block with a port
 that reads each expert from the checkpoint when a token needs it (a user's block of this size cannot hold 256
-experts either).  Against it: the floor of reading every expert once and computing its tokens, in one process.
-Goals (issue 28): parity's peak RSS <= a few x one expert's float32 size + 1 GiB; its time within 1.3 x the floor's
-per read of the experts (parity reads them twice: its reference, then the port's own reads).
+experts either).  Against it: the floor of reading every expert once (bfloat16 -> float32) and computing its share
+of parity's tokens, in one process.
+
+The goal (issue 28): parity's time within 1.3 x the floor of a check, which reads the experts twice: once for the
+reference, once for the port's own reads (a user's own check would too), so 1.3 x twice the floor.  The port's time
+inside parity's process (its one run on every token, and its two runs on a few tokens for determinism) is counted by
+the port itself and shown apart from parity's own: the reference (each expert read once, computed in float64, the
+truth, and in float32, the noise floor), the inputs, the verdict.  A second floor computes each expert in float64
+and float32 as the reference must: the floor of parity's own part.  Peak RSS: at most 4 x one expert's float32 size
++ 1 GiB.  Whether each goal is met is printed with the measured ratio (``moe_summary``).
 """
 
 from __future__ import annotations
@@ -39,7 +46,7 @@ def read_tensor(path, header, start, name):
 # A user's block that does not hold its experts: DeepSeek V3's routing, each expert read from the checkpoint when a
 # token is routed to it (as an offloading inference engine does).
 LAZY_BLOCK = '''
-import json, os, torch
+import atexit, json, os, time, torch
 import torch.nn.functional as F
 from torch import nn
 
@@ -58,6 +65,10 @@ class Router(nn.Module):
         self.weight = nn.Parameter(torch.empty(c.n_routed_experts, c.hidden_size))
         self.register_buffer("e_score_correction_bias", torch.zeros(c.n_routed_experts))
 
+SPENT = []  # this port's seconds per forward, written next to this file at exit (the bench reads them)
+atexit.register(lambda: open(os.path.join(os.path.dirname(os.path.abspath(__file__)), "port_seconds.json"), "w"
+                             ).write(json.dumps(SPENT)))
+
 class LazyDeepSeekBlock(nn.Module):
     def __init__(self, config):
         super().__init__()
@@ -66,6 +77,12 @@ class LazyDeepSeekBlock(nn.Module):
         self.file = os.path.join(os.environ["PARITY_BENCH_MOE"], "model.safetensors")
         self.header, self.start = read_header(self.file)
     def forward(self, x):
+        started = time.perf_counter()
+        try:
+            return self.routed(x)
+        finally:
+            SPENT.append(time.perf_counter() - started)
+    def routed(self, x):
         c, shape = self.c, x.shape
         x = x.reshape(-1, shape[-1])
         scores = F.linear(x.float(), self.gate.weight.float()).sigmoid()
@@ -88,31 +105,45 @@ class LazyDeepSeekBlock(nn.Module):
         return (out + self.shared_experts(x)).reshape(shape)
 '''
 
-# The floor: every expert read once (bfloat16 -> float32) and applied to its share of parity's 3 x 128 tokens.
+# The floor: every expert read once (bfloat16 -> float32) and applied to its share of parity's tokens; with "check",
+# computed in float64 and in float32 as parity's reference must (the truth and the noise floor).
 FLOOR = '''
 import json, sys, torch
 import torch.nn.functional as F
 ''' + READER + '''
-folder, count, d = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
-x = torch.randn(3 * 128 * 8 // count + 1, d)
+folder, count, d, tokens, dtypes = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]), sys.argv[5:]
+x = torch.randn(tokens, d)
 path = f"{folder}/model.safetensors"
 header, start = read_header(path)
 for e in range(count):
-    w = {p: read_tensor(path, header, start, f"model.layers.0.mlp.experts.{e}.{p}.weight").float()
-         for p in ("gate_proj", "up_proj", "down_proj")}
-    y = F.linear(F.silu(F.linear(x, w["gate_proj"])) * F.linear(x, w["up_proj"]), w["down_proj"])
+    stored = {p: read_tensor(path, header, start, f"model.layers.0.mlp.experts.{e}.{p}.weight")
+              for p in ("gate_proj", "up_proj", "down_proj")}
+    for dtype in dtypes:
+        w, h = {p: t.to(getattr(torch, dtype)) for p, t in stored.items()}, x.to(getattr(torch, dtype))
+        y = F.linear(F.silu(F.linear(h, w["gate_proj"])) * F.linear(h, w["up_proj"]), w["down_proj"])
 print(float(y.abs().max()))
 '''
 
 
-def build_moe_layer(folder: Path) -> Path:
-    """config.json + one safetensors file holding layer 0's block: router, selection bias, 256 experts, the shared
-    expert (random bfloat16, written in row blocks: no more than a block in memory)."""
+def tokens_per_expert(config: dict) -> int:
+    """How many tokens parity routes to each expert on average (engine.block.block_inputs: ROW_TARGETS rows of
+    max(MIN_TOKENS, 2·E/k) tokens, k experts each), at least one."""
+    from parity.engine.block import MIN_TOKENS, ROW_TARGETS
+
+    count, top_k = config["n_routed_experts"], config["num_experts_per_tok"]
+    rows = len(ROW_TARGETS) * max(MIN_TOKENS, -(-2 * count // top_k))
+    return max(1, round(rows * top_k / count))
+
+
+def build_moe_layer(folder: Path, *, experts: int = 256) -> Path:
+    """config.json + one safetensors file holding layer 0's block: router, selection bias, ``experts`` experts (256:
+    DeepSeek V3's; fewer profiles the same width in less time), the shared expert (random bfloat16, written in row
+    blocks: no more than a block in memory).  A folder already holding one is reused (the file is written once)."""
     if (folder / "config.json").is_file():
         return folder
     import torch
 
-    c = DEEPSEEK_V3_LAYER
+    c = dict(DEEPSEEK_V3_LAYER, n_routed_experts=experts)
     d, f, count = c["hidden_size"], c["moe_intermediate_size"], c["n_routed_experts"]
     prefix = "model.layers.0.mlp."
     shapes = {f"{prefix}gate.weight": ("BF16", (count, d)), f"{prefix}gate.e_score_correction_bias": ("F32", (count,))}
@@ -149,25 +180,47 @@ def build_moe_layer(folder: Path) -> Path:
 def moe_commands(folder: Path, work: Path, python: str) -> dict[str, list[str]]:
     """parity's block check with the lazy port, and the floor, as whole processes."""
     (work / "lazy_block.py").write_text(LAZY_BLOCK)
-    c = DEEPSEEK_V3_LAYER
+    c = json.loads((folder / "config.json").read_text())
+    floor = [python, "-c", FLOOR, str(folder), str(c["n_routed_experts"]), str(c["hidden_size"]),
+             str(tokens_per_expert(c))]
     return {"parity --block": [python, "-m", "parity", str(folder), "--target", "lazy_block:LazyDeepSeekBlock",
                                "--block", "--json", str(work / "moe.json")],
-            "floor": [python, "-c", FLOOR, str(folder), str(c["n_routed_experts"]), str(c["hidden_size"])]}
+            "floor": [*floor, "float32"], "floor float64+float32": [*floor, "float64", "float32"]}
+
+
+def port_seconds(work: Path) -> list[float]:
+    """The port's own seconds per forward in parity's last run (written by LAZY_BLOCK at exit)."""
+    path = work / "port_seconds.json"
+    return json.loads(path.read_text()) if path.is_file() else []
 
 
 def print_moe(results: dict) -> None:
-    """Peak RSS against one expert's float32 size, and time against the floor per read of the experts."""
+    """Peak RSS against one expert's float32 size, and time against the floor of a check (the experts read twice:
+    the reference's reads and the port's own), each goal said met or not with its measured ratio."""
     c = DEEPSEEK_V3_LAYER
     expert = 3 * c["hidden_size"] * c["moe_intermediate_size"] * 4
     rows = results["moe"]
     parity, floor = rows["parity --block"], rows["floor"]
+    port = sum(results.get("moe_port", []))
     print(f"\n(i) one MoE block of the DeepSeek-V3 shape (256 experts, bfloat16 on disk: "
           f"{256 * expert / 2 / 1e9:.1f} GB); one expert in float32: {expert / GIB:.2f} GiB")
     for name, r in rows.items():
-        print(f"{name:<16}{r['wall_s']:8.1f}s{r['peak_rss'] / GIB:9.2f} GiB  = {r['peak_rss'] / expert:.1f} x one "
+        print(f"{name:<24}{r['wall_s']:8.1f}s{r['peak_rss'] / GIB:9.2f} GiB  = {r['peak_rss'] / expert:.1f} x one "
               "expert's float32 size")
-    per_read = parity["wall_s"] / 2 / floor["wall_s"]
-    results["moe_summary"] = {"peak_rss_over_expert": parity["peak_rss"] / expert,
-                              "peak_within_goal": parity["peak_rss"] <= 4 * expert + GIB,
-                              "time_per_expert_read_over_floor": per_read}
-    print(f"parity per read of the experts (its reference, then the port's): {per_read:.2f} x the floor")
+    summary = {"peak_rss_over_expert": parity["peak_rss"] / expert,
+               "peak_within_goal": parity["peak_rss"] <= 4 * expert + GIB,
+               "time_over_check_floor": parity["wall_s"] / (2 * floor["wall_s"]),
+               "port_s": port, "parity_own_s": parity["wall_s"] - port,
+               "parity_own_over_floor": (parity["wall_s"] - port) / floor["wall_s"]}
+    summary["time_within_goal"] = summary["time_over_check_floor"] <= 1.3
+    if "floor float64+float32" in rows:
+        summary["parity_own_over_float64_floor"] = summary["parity_own_s"] / rows["floor float64+float32"]["wall_s"]
+    results["moe_summary"] = summary
+    print(f"goal: time <= 1.3 x twice the floor (the reference's reads and the port's): "
+          f"{summary['time_over_check_floor']:.2f} x, {'met' if summary['time_within_goal'] else 'NOT met'}")
+    print(f"  the port's own runs in parity's process: {port:.1f} s; parity's own part: "
+          f"{summary['parity_own_s']:.1f} s = {summary['parity_own_over_floor']:.2f} x the floor" + (
+              f", {summary['parity_own_over_float64_floor']:.2f} x the float64+float32 floor"
+              if "parity_own_over_float64_floor" in summary else ""))
+    print(f"goal: peak RSS <= 4 x one expert's float32 size + 1 GiB: {parity['peak_rss'] / GIB:.2f} GiB, "
+          f"{'met' if summary['peak_within_goal'] else 'NOT met'}")

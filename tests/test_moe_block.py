@@ -225,3 +225,88 @@ def test_every_expert_of_a_grouped_router_is_chosen_and_a_dropped_one_is_caught(
     assert report.layers[0].coverage["never_chosen"] == []
     dropped = check(str(many_experts), target=ports.DeepSeekDropsExpert7, seed=seed)
     assert not dropped.passed and dropped.layers[0].unverifiable is None
+
+
+def streamed_check(monkeypatch, folder: Path, port):
+    """``check`` with every block streamed (HELD_BYTES 0): each expert read, built and run one at a time."""
+    from parity.engine.check import block_check
+
+    with monkeypatch.context() as patched:
+        patched.setattr(block_check, "HELD_BYTES", 0)
+        return check(str(folder), target=port)
+
+
+@pytest.mark.parametrize(("model_type", "port"), [
+    ("qwen2_moe", ports.QwenSharedBlock), ("deepseek_v3", ports.DeepSeekBlock), ("gpt_oss", ports.GptOssBlock),
+    ("llama4_text", ports.Llama4Block)], ids=lambda v: getattr(v, "__name__", str(v)))
+def test_a_streamed_block_builds_each_expert_from_its_stored_values_with_the_held_truth_and_noise(
+        blocks, monkeypatch, model_type, port):
+    """A streamed block's float64 and float32 experts are copies made straight from the stored values (no float64
+    copy on the way to float32): its noise floor and its distance from the truth are the held block's, token for
+    token the same function."""
+    held = check(str(blocks[model_type]), target=port)
+    streamed = streamed_check(monkeypatch, blocks[model_type], port)
+    assert held.passed and streamed.passed, streamed
+    for a, b in zip(held.layers, streamed.layers, strict=True):
+        assert b.noise_floor > 0 and 0.5 <= b.noise_floor / a.noise_floor <= 2.0, (a.noise_floor, b.noise_floor)
+        assert b.max_abs_diff <= b.tolerance / 10 or b.max_abs_diff <= 2 * a.max_abs_diff
+
+
+class QwenDropoutAlways(ports.QwenSharedBlock):
+    """A correct block whose output goes through dropout even in eval mode (``training=True`` hard-coded); records
+    the shape of every input it is given."""
+
+    shapes: list = []
+
+    def forward(self, x):
+        QwenDropoutAlways.shapes.append(tuple(x.shape))
+        return torch.nn.functional.dropout(super().forward(x), 0.1, training=True)
+
+
+class QwenRecorded(ports.QwenSharedBlock):
+    shapes: list = []
+
+    def forward(self, x):
+        QwenRecorded.shapes.append(tuple(x.shape))
+        return super().forward(x)
+
+
+def test_a_streamed_block_is_run_once_on_every_token_and_twice_on_a_few_for_determinism(blocks, monkeypatch):
+    """A streamed block reads its experts at every run: its determinism is checked on REPEAT_TOKENS tokens run twice
+    (not a second run on every token); a block whose dropout is always on is still named, a correct one passes."""
+    from parity.engine.check.block_check import REPEAT_TOKENS
+
+    folder = blocks["qwen2_moe"]
+    QwenRecorded.shapes.clear()
+    report = streamed_check(monkeypatch, folder, QwenRecorded)
+    assert report.passed and all(r.deterministic for r in report.layers), report
+    full = report.layers[0].coverage["tokens"]
+    d = QwenRecorded.shapes[0][-1]
+    per_layer = [(3, full // 3, d), (1, REPEAT_TOKENS, d), (1, REPEAT_TOKENS, d)]
+    assert QwenRecorded.shapes == per_layer * len(report.layers)
+    dropout = streamed_check(monkeypatch, folder, QwenDropoutAlways)
+    assert not dropout.passed
+    assert all(not r.deterministic and r.diagnosis.id == "dropout_active" for r in dropout.layers), dropout
+    held = check(str(folder), target=QwenDropoutAlways)
+    assert all(r.diagnosis.id == "dropout_active" for r in held.layers)
+
+
+def test_a_defective_expert_read_ahead_in_a_streamed_block_is_one_line(blocks, monkeypatch, tmp_path, capsys):
+    """A streamed block's experts are read one ahead by a worker thread: a NaN in one of them is still the
+    checkpoint's defect said in one line (exit 2), raised where the expert is used, never a traceback."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    from parity.engine.check import block_check
+
+    folder = tmp_path / "qwen"
+    shutil.copytree(blocks["qwen2_moe"], folder)
+    tensors = load_file(folder / "model.safetensors")
+    name = next(n for n in tensors if ".experts.2." in n and n.endswith("down_proj.weight"))
+    tensors[name][0, 0] = float("nan")
+    save_file(tensors, folder / "model.safetensors", metadata={"format": "pt"})
+    monkeypatch.setattr(block_check, "HELD_BYTES", 0)
+    monkeypatch.chdir(HERE)
+    code, _, err = run_main(capsys, folder, "--target", "moe_block_ports:QwenSharedBlock", "--block")
+    assert code == 2 and "NaN/Inf" in err and name in err and "Traceback" not in err, err

@@ -308,20 +308,18 @@ def experts_call(block: nn.Module, site: BlockSite, x: torch.Tensor) -> tuple[to
     return seen[0]
 
 
-def streamed(calls: list[tuple[torch.Tensor, ...]], count: int, one: Callable[[int], nn.Module]
+def streamed(calls: list[tuple[torch.Tensor, ...]], count: int, one: Callable[[int, torch.dtype, bool], nn.Module]
              ) -> list[torch.Tensor]:
-    """Each call's experts output, every expert built once (``one(e)``: transformers' experts module holding expert
-    e alone) and applied to each call's tokens routed to it, in the call's dtype; then dropped."""
+    """Each call's experts output, every expert built (``one(e, dtype, last)``: transformers' experts module holding
+    expert e alone, in the call's dtype; ``last``: e's last use) and applied to each call's tokens routed to it; then
+    dropped."""
     outs = [torch.zeros_like(call[0]) for call in calls]
     chosen = [chosen_in(call, count) for call in calls]
     for expert in range(count):
-        used = [i for i in range(len(calls)) if bool(chosen[i][:, expert].any())]
-        if not used:
-            continue
-        module = one(expert)
-        for i in used:
+        using = [i for i in range(len(calls)) if bool(chosen[i][:, expert].any())]
+        for i in using:
             hidden, *routing = calls[i]
-            part = module.to(hidden.dtype)
+            part = one(expert, hidden.dtype, i == using[-1])
             with torch.no_grad():
                 if routing:
                     token, slot = (routing[0] == expert).nonzero(as_tuple=True)
@@ -330,6 +328,6 @@ def streamed(calls: list[tuple[torch.Tensor, ...]], count: int, one: Callable[[i
                 else:
                     rows = hidden.shape[0] // count
                     outs[i][expert * rows:(expert + 1) * rows] = part(hidden[expert * rows:(expert + 1) * rows])
-        del module
+            del part
     return outs
 

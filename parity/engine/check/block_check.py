@@ -30,6 +30,7 @@ from parity.engine.block import (
     block_inputs,
     block_output,
     block_tensors,
+    chosen_in,
     experts_call,
     filled_block,
     first_projection,
@@ -51,6 +52,7 @@ from parity.errors import ShapeMismatchError, TargetError
 
 HELD_BYTES = 2 * 2**30  # a block whose experts take more in float64 is streamed: one expert held at a time
 REACH_SAMPLE = 4  # a streamed block's inputs are scaled on this many experts' gates
+REPEAT_TOKENS = 2  # a streamed block's determinism is checked on this many tokens, run twice
 LARGE_UNEXPLAINED = ("this block is too large to hold whole, so no routing mistake was replayed on it; check a smaller "
                      "layer of the same family, or one expert at a time (--experts)")
 
@@ -140,11 +142,17 @@ class BlockCheck:
     def stored_tensor(self, layer: int, expert: int, source: str) -> torch.Tensor:
         return self.stored_expert(layer, expert)[source].double()
 
-    def expert(self, layer: int, expert: int) -> dict[str, torch.Tensor]:
-        """One expert's gate, up, down (and biases) [out, in], float64."""
-        tensors = self.stored_expert(layer, expert)
-        return {r.target: route_tensor(r, tensors[r.source]).double()
-                for r in self.session.reader.reference_routes(layer)}
+    def expert(self, layer: int, expert: int, *, dtype: torch.dtype | None = torch.float64) -> dict[str, torch.Tensor]:
+        """One expert's gate, up, down (and biases) [out, in], in ``dtype`` (``routed``)."""
+        return self.routed(layer, self.stored_expert(layer, expert), dtype)
+
+    def routed(self, layer: int, stored: dict[str, torch.Tensor], dtype: torch.dtype | None
+               ) -> dict[str, torch.Tensor]:
+        """An expert's tensors as stored -> its gate, up, down (and biases) [out, in] in ``dtype`` (None: as stored,
+        for a copy made in the dtype wanted straight from the stored values: one pass, no float64 copy on the way
+        to float32; exact either way, every stored float dtype converting exactly into float64)."""
+        return {r.target: route_tensor(r, stored[r.source]) if dtype is None else
+                route_tensor(r, stored[r.source]).to(dtype) for r in self.session.reader.reference_routes(layer)}
 
     def fused(self, layer: int, meta: nn.Module, where: str) -> dict[str, torch.Tensor]:
         """Every expert stacked in transformers' fused layout (for a port holding them so)."""
@@ -166,11 +174,17 @@ class BlockCheck:
             result = shape_failure(layer, None, exc, session.checkpoint.weights)
             result.unit = BLOCK_UNIT
             return result, session.target_name()
-        got, again = (self.run_target(target, name, inputs.x, changes) for _ in range(2))
+        got = self.run_target(target, name, inputs.x, changes)
+        # determinism: a second identical run; a streamed block's reads all its experts again, so it is two on a few
+        # tokens instead (what a dropout or a train-mode switch moves shows on any token)
+        few = inputs.x[:1, :REPEAT_TOKENS]
+        repeated = tuple(self.run_target(target, name, few, changes) for _ in range(2)) if large else None
+        again = got if large else self.run_target(target, name, inputs.x, changes)
         del target
         gc.collect()
         kept = ~inputs.tied
-        runs = Runs(*(t.reshape(-1, t.shape[-1])[kept].unsqueeze(0) for t in (out64, out32, got, again)))
+        runs = Runs(*(t.reshape(-1, t.shape[-1])[kept].unsqueeze(0) for t in (out64, out32, got, again)),
+                    repeated=repeated)
         # what the verdict checks for all-zero or identical weights: a streamed block's experts are not held
         weights = {n: own[n] for n in own if not (large and n.startswith(self.site.experts + "."))}
         result = judge(layer, None, runs, weights, None, session.atol, session.checkpoint.weights)
@@ -212,16 +226,20 @@ class BlockCheck:
         session, count = self.session, self.session.num_experts
         block64, block32 = (filled_block(meta_block, self.site, own, dtype, experts=Precomputed())
                             for dtype in (torch.float64, torch.float32))
-        sample = [(e, first_projection(self.expert(layer, e)).float()) for e in range(min(REACH_SAMPLE, count))]
+        sample = [(e, first_projection(self.expert(layer, e, dtype=torch.float32)))
+                  for e in range(min(REACH_SAMPLE, count))]
         reach = gate_reach(lambda: sample)
         inputs = block_inputs(block64, block32, self.site, reach, count=count, d=session.hidden_size,
                               seed=session.seed, layer=layer)
+        sample.clear()  # REACH_SAMPLE experts' gates in float32: not held through the streamed pass
         x64 = inputs.x.double()
         calls = [experts_call(block64, self.site, x64), experts_call(block32, self.site, inputs.x)]
         meta = self.meta_experts(layer)
         where = self.site.path.format(layer=layer)
-        outs = streamed(calls, count, lambda e: expert_reference(meta, session.config, self.expert(layer, e),
-                                                                 where).experts)
+        used = [e for e in range(count) if any(bool(chosen_in(call, count)[:, e].any()) for call in calls)]
+        with ReadAhead(functools.partial(self.stored_expert, layer), used) as ahead:
+            outs = streamed(calls, count, lambda e, dtype, last: expert_reference(
+                meta, session.config, self.routed(layer, ahead(e, last=last), None), where).experts.to(dtype))
         out = []
         for block, x, call_out in ((block64, x64, outs[0]), (block32, inputs.x, outs[1])):
             block.get_submodule(self.site.experts).outputs = [call_out]
@@ -270,6 +288,39 @@ class BlockCheck:
             out = block_output(block64, moved).reshape(-1, width)[tied]
             best = torch.minimum(best, (flat - out).abs().amax(-1))
         return int((best <= 2 * tolerance).sum())
+
+
+class ReadAhead:
+    """A streamed block's experts as stored, in the order they are used, each read by a worker thread while the one
+    before it is computed: a block larger than memory waits on the disk for every expert, and that wait overlaps the
+    computing instead of adding to it.  The next read starts at an expert's last use (its float32 run: the float64
+    copy, the largest, is gone by then), so the peak grows by one expert's stored size at most."""
+
+    def __init__(self, read: Callable[[int], dict[str, torch.Tensor]], order: list[int]):
+        from concurrent.futures import ThreadPoolExecutor
+
+        self.read, self.next = read, dict(zip(order, order[1:], strict=False))
+        self.pool = ThreadPoolExecutor(1, thread_name_prefix="parity-read-ahead")
+        self.pending: dict[int, Any] = {}
+        self.current: tuple[int | None, dict[str, torch.Tensor]] = (None, {})
+
+    def __enter__(self) -> ReadAhead:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.pool.shutdown(wait=True, cancel_futures=True)
+
+    def __call__(self, expert: int, *, last: bool = True) -> dict[str, torch.Tensor]:
+        """Expert ``expert``'s tensors (asked for again: the same ones); at its ``last`` use the next one's read is
+        started."""
+        if self.current[0] != expert:
+            future = self.pending.pop(expert, None) or self.pool.submit(self.read, expert)
+            self.current = (None, {})  # the previous expert's tensors are let go before this one's arrive
+            self.current = (expert, future.result())
+        following = self.next.get(expert)
+        if last and following is not None and following not in self.pending:
+            self.pending[following] = self.pool.submit(self.read, following)
+        return self.current[1]
 
 
 def _disk_prefix(keys: dict[str, str]) -> str:
