@@ -107,17 +107,17 @@ def block_replay_finding(beyond: list[dict], a: dict[str, torch.Tensor], b: dict
                          storage: dict[str, Storage], reference_distance: float, candidates: list[Candidate]
                          ) -> Diagnosis | None:
     """Values of an FP8 block-quantized (or bitsandbytes 4-bit) tensor beyond their step from A's, every one of them
-    within its step of a conversion mistake replayed on A's tensor (``fp8_grid.mistakes``, ``codebook_grid.mistakes``): that mistake, with the counts as evidence.
-    Judged value by value, since a mistake confined to the partial edge blocks (blocks of another size) may move the
-    layer's function less than FP8 itself does."""
+    within its step of a conversion mistake replayed on A's tensor (``fp8_grid.mistakes``, ``codebook_grid.mistakes``):
+    that mistake, with the counts as evidence.  Judged value by value, since a mistake confined to the partial edge
+    blocks (blocks of another size) may move the layer's function less than FP8 itself does."""
     for row in beyond:
         name, store = row["name"], storage[row["name"]]
         stored = stored_layout(store.route, a[name].float())
         if (store.block is None and store.codebook is None) or stored is None or stored.dim() != 2:
             continue
-        back = (lambda t, s=store: unstored(s.route, t))
-        found = (fp8_grid.replays(stored, store.block, back, power_of_two=store.power_of_two)
-                 if store.block is not None else codebook_grid.replays(stored, store.codebook, back))
+        found = (fp8_grid.replays(stored, store.block, lambda t, s=store: unstored(s.route, t),
+                                  power_of_two=store.power_of_two) if store.block is not None
+                 else codebook_grid.replays(stored, store.codebook, lambda t, s=store: unstored(s.route, t)))
         for mistake, detail, values in found:
             excess = step_excess(values, b[name].float(), store.steps)
             candidates.append(Candidate(mistake, f"{name}: {detail}", excess["max_steps"]))
