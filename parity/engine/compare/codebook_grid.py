@@ -22,8 +22,8 @@ import torch
 
 # A block's absmax in B's file may exceed its largest magnitude in A by this before the block is grid_too_coarse:
 # without double quant the absmax is A's largest magnitude exactly; with it, an 8-bit blockwise code of
-# (absmax - mean): measured on tests/test_quantized_bnb.py's tiny LLaMA, every decoder matrix: 0.9923 to 1.0087 x (NF4 and FP4 alike).
-# A block read with another's absmax or a scale twice too large exceeds it.
+# (absmax - mean): measured on tests/test_quantized_bnb.py's tiny LLaMA, every decoder matrix, 0.9923 to 1.0087 x
+# (NF4 and FP4 alike).  A block read with another's absmax or a scale twice too large exceeds it.
 GRID_FACTOR = 1.1
 
 
