@@ -224,7 +224,7 @@ def test_without_bitsandbytes_a_bnb_b_is_exit_2_naming_the_extra(model_a, faithf
 
 
 @pytest.mark.parametrize(("fields", "said"), [
-    ({"load_in_4bit": False, "_load_in_4bit": False, "load_in_8bit": True}, "not LLM.int8 (8-bit)"),
+    ({"load_in_4bit": False, "_load_in_4bit": False}, "bitsandbytes writes one of them true"),
     ({"bnb_4bit_quant_type": "int4"}, "bnb_4bit_quant_type is 'int4'"),
 ])
 def test_a_bnb_config_parity_cannot_read_is_exit_2_naming_the_field(model_a, faithful, root, capsys, fields, said):
@@ -242,3 +242,55 @@ def test_a_check_of_a_bnb_checkpoint_runs_on_its_dequantized_weights(faithful, c
     code, out, err = run_main(capsys, faithful, "--layers", "all")
     assert code == 0, out + err
     assert "bitsandbytes 4-bit NF4" in out and "the same dequantized float32 weights" in out
+
+
+def int8_export(a: Path, dest: Path, breaks: dict[str, str] | None = None) -> Path:
+    """A's folder as an LLM.int8 checkpoint, as ``Linear8bitLt._save_to_state_dict`` writes it: every linear weight of
+    the decoder layers int8 codes (bitsandbytes' ``int8_vectorwise_quant``) beside ``SCB`` and ``weight_format``; the
+    tensors in ``breaks``: scb127 (SCB stored divided by 127 once more), scb_cols (SCB of the transposed matrix, one
+    per column)."""
+    from transformers import BitsAndBytesConfig
+
+    shutil.copytree(a, dest)
+    out = {}
+    for name, value in load_file(a / "model.safetensors").items():
+        if ".layers." not in name or value.dim() != 2:
+            out[name] = value
+            continue
+        how = (breaks or {}).get(name)
+        codes, scb, _ = functional.int8_vectorwise_quant(value.float().contiguous())
+        if how == "scb_cols":
+            codes, scb, _ = functional.int8_vectorwise_quant(value.float().t().contiguous())
+            codes = codes.t().contiguous()
+        prefix = name.removesuffix("weight")
+        out[name], out[prefix + "SCB"] = codes, scb / 127 if how == "scb127" else scb
+        out[prefix + "weight_format"] = torch.tensor(0, dtype=torch.uint8)
+    save_file(out, dest / "model.safetensors", metadata={"format": "pt"})
+    config = json.loads((dest / "config.json").read_text())
+    config["quantization_config"] = json.loads(json.dumps(BitsAndBytesConfig(load_in_8bit=True).to_dict()))
+    (dest / "config.json").write_text(json.dumps(config, indent=2))
+    return dest
+
+
+def test_a_faithful_llm_int8_export_passes_on_every_layer(model_a, root, capsys):
+    b = int8_export(model_a, root / "int8")
+    code, report = compare(capsys, model_a, b)
+    assert code == 0, report
+    for layer in report["layers"]:
+        conversion = layer["conversion"]
+        assert conversion["ratio_to_conversion"] == pytest.approx(1.0, abs=1e-6)
+        for row in conversion["tensors"]:
+            assert row["storage"] == "int8" and "int8_vectorwise_quant" in row["conversion"]
+            assert row["steps"]["values_beyond_step"] == 0 and row["steps"]["max_steps"] <= 0.5 + 1e-3
+    assert any("bitsandbytes 8-bit (LLM.int8" in note for note in report["notes"])
+
+
+@pytest.mark.parametrize(("tensor", "how", "named"), [("up_proj", "scb127", "tensor_scaled"),
+                                                      ("down_proj", "scb_cols", "bnb_block_size_wrong")])
+def test_an_llm_int8_mistake_fails_its_layer_only_and_is_named(model_a, root, capsys, tensor, how, named):
+    b = int8_export(model_a, root / f"int8-{how}", {f"model.layers.1.mlp.{tensor}.weight": how})
+    code, report = compare(capsys, model_a, b)
+    assert code == 1, report
+    assert [layer["passed"] for layer in report["layers"]] == [True, False]
+    found = report["layers"][1]["diagnosis"]
+    assert found["id"] == named and tensor in found["message"], found

@@ -7,7 +7,11 @@ under ``X.weight.``: ``absmax`` (one per block of ``blocksize`` consecutive valu
 when double-quantized), ``quant_map`` (the 16 levels of the code book), ``nested_absmax`` / ``nested_quant_map``
 (double quant: the absmax codes' own blockwise 8-bit scale and map) and ``quant_state.bitsandbytes__nf4`` (or
 ``__fp4``): a JSON blob, as uint8, holding quant_type, blocksize, dtype, shape and the nested offset.  Modules in
-``llm_int8_skip_modules`` are stored unquantized and read as stored.
+``llm_int8_skip_modules`` are stored unquantized and read as stored.  An 8-bit checkpoint (LLM.int8, ``load_in_8bit``)
+stores ``X.weight`` (int8, [out, in]) beside ``X.SCB`` (float32, each row's largest magnitude) and ``X.weight_format``
+(uint8 0: row-major), as ``Linear8bitLt._save_to_state_dict`` writes them; each value is code x SCB / 127, read here as
+the same code book view (255 evenly spaced levels, one block per row) and dequantized by bitsandbytes'
+``int8_vectorwise_dequant``.
 
 ``read`` returns each quantized matrix dequantized (float32) by bitsandbytes itself (``QuantState.from_dict`` and
 ``dequantize_4bit``: the extra ``bnb``), imported only when a checkpoint needs it.  One thing is done differently from
@@ -43,17 +47,20 @@ EXTRA = "bnb"  # pyproject.toml's extra that installs bitsandbytes
 COMPANIONS = ("absmax", "quant_map", "nested_absmax", "nested_quant_map", "quant_state.bitsandbytes__nf4",
               "quant_state.bitsandbytes__fp4")
 BLOB = "quant_state.bitsandbytes__"
+INT8 = ("SCB", "weight_format")  # what Linear8bitLt writes beside X.weight (prefixed "X.")
 
 
 @dataclass(frozen=True)
 class BnbScheme:
     """What config.json's quantization_config states: the 4-bit code book, double quant, what stays unquantized."""
 
-    quant_type: str
+    quant_type: str  # "nf4", "fp4" or "int8" (LLM.int8)
     double_quant: bool
     not_converted: tuple[str, ...] = ()
 
     def describe(self) -> str:
+        if self.quant_type == "int8":
+            return "bitsandbytes 8-bit (LLM.int8, one scale per row)"
         return (f"bitsandbytes 4-bit {self.quant_type.upper()}" + (", double-quantized absmax" if self.double_quant
                                                                       else ""))
 
@@ -73,22 +80,23 @@ class Packed4bit:
 
 
 def scheme_of(raw_config: dict, where: str) -> BnbScheme | None:
-    """The 4-bit scheme config.json states, None for a checkpoint not quantized by bitsandbytes; an 8-bit one
-    (LLM.int8) or an unknown quant type is a CheckpointError naming the field."""
+    """The scheme config.json states (4-bit, or 8-bit LLM.int8), None for a checkpoint not quantized by bitsandbytes;
+    neither bit width, or an unknown quant type, is a CheckpointError naming the field."""
     config = raw_config.get("quantization_config")
     if not isinstance(config, dict) or config.get("quant_method") != QUANT_METHOD:
         return None
+    skipped = tuple(str(s) for s in config.get("llm_int8_skip_modules") or [] if isinstance(s, str))
     if not (config.get("load_in_4bit") or config.get("_load_in_4bit")):
+        if config.get("load_in_8bit") or config.get("_load_in_8bit"):
+            return BnbScheme("int8", False, skipped)
         raise CheckpointError(f"{where}: config.json's quantization_config (bitsandbytes) has load_in_4bit "
-                              f"{config.get('load_in_4bit')!r}, load_in_8bit {config.get('load_in_8bit')!r}; parity "
-                              "reads bitsandbytes' 4-bit checkpoints (NF4, FP4) so far, not LLM.int8 (8-bit)")
+                              f"{config.get('load_in_4bit')!r} and load_in_8bit {config.get('load_in_8bit')!r}; "
+                              "bitsandbytes writes one of them true")
     quant_type = config.get("bnb_4bit_quant_type", "fp4")
     if quant_type not in ("nf4", "fp4"):
         raise CheckpointError(f"{where}: config.json's quantization_config.bnb_4bit_quant_type is {quant_type!r}; "
                               "bitsandbytes writes 'nf4' or 'fp4'")
-    skipped = config.get("llm_int8_skip_modules") or []
-    return BnbScheme(quant_type, bool(config.get("bnb_4bit_use_double_quant")),
-                     tuple(str(s) for s in skipped if isinstance(s, str)))
+    return BnbScheme(quant_type, bool(config.get("bnb_4bit_use_double_quant")), skipped)
 
 
 def require_library(where: str):
@@ -165,10 +173,32 @@ class Bnb4bitCheckpoint(Checkpoint):
             raise CheckpointError(f"{self.location}: {name}'s bitsandbytes quant state is not one bitsandbytes reads "
                                   f"({type(exc).__name__}: {exc})") from None
 
+    def row_scales(self, name: str):
+        """LLM.int8: the SCB (each row's largest magnitude, float32) stored beside weight ``name``, None without."""
+        key = name.removesuffix("weight") + "SCB"
+        if not name.endswith(".weight") or key not in self.state_map:
+            return None
+        return self.reader(self.state_map[key], [key])[key].float()
+
+    def int8_checked(self, name: str, codes, scb):
+        """LLM.int8 codes whose SCB holds one scale per row, else a QuantizedLayoutError saying what it holds."""
+        if codes.dim() != 2 or scb.shape != codes.shape[:1]:
+            raise QuantizedLayoutError(f"{self.location}: {name.removesuffix('weight')}SCB has shape "
+                                       f"{list(scb.shape)} for {name} {list(codes.shape)}; LLM.int8 stores one scale "
+                                       "per row (output channel)", "bnb_block_size_wrong")
+        return codes
+
     def packed(self, name: str) -> Packed4bit | None:
-        """How tensor ``name`` is stored, when it is 4-bit quantized: its codes, absmax and code book."""
+        """How tensor ``name`` is stored, when it is quantized: its codes, absmax and code book (LLM.int8: 255 even
+        levels, one block per row)."""
         import torch
 
+        scb = self.row_scales(name) if self.has(name) else None
+        if scb is not None:
+            codes = self.int8_checked(name, self.reader(self.weight_map[name], [name])[name], scb)
+            levels = torch.arange(-128, 128, dtype=torch.float32) / 127
+            return Packed4bit((codes.long() + 128).reshape(-1), scb, levels, codes.shape[1], "int8",
+                              tuple(codes.shape), False)
         state = self.state_of(name) if self.has(name) else None
         if state is None:
             return None
@@ -197,6 +227,11 @@ class Bnb4bitCheckpoint(Checkpoint):
         out = super().read(names)
         self.as_stored = {name: str(out[name].dtype).removeprefix("torch.") for name in names}
         for name in names:
+            scb = self.row_scales(name) if out[name].dtype.itemsize == 1 else None
+            if scb is not None:
+                codes = self.int8_checked(name, out[name], scb)
+                out[name] = require_library(self.location).int8_vectorwise_dequant(codes, scb).float()
+                continue
             state = self.state_of(name)
             if state is not None:
                 out[name] = self.dequantize(name, out[name], state)
@@ -238,14 +273,16 @@ def wrap(checkpoint: Checkpoint, folder: Path | str) -> Checkpoint:
     if scheme is None:
         return checkpoint
     require_library(shown(folder))  # before anything is computed: exit 2 naming the extra
-    states = {n: f for n, f in checkpoint.weight_map.items() if n.endswith(tuple(f".{s}" for s in COMPANIONS))}
+    states = {n: f for n, f in checkpoint.weight_map.items() if n.endswith(tuple(f".{s}" for s in COMPANIONS + INT8))}
     weights = {n: f for n, f in checkpoint.weight_map.items() if n not in states}
     fields = {f.name: getattr(checkpoint, f.name) for f in dataclasses.fields(Checkpoint)}
     wrapped = Bnb4bitCheckpoint(**{**fields, "weight_map": weights, "notes": list(checkpoint.notes)})
     wrapped.scheme, wrapped.state_map, wrapped.as_stored = scheme, states, {}
-    quantized = sum(1 for n in states if BLOB in n)
+    quantized = sum(1 for n in states if BLOB in n or n.endswith(".SCB"))
     wrapped.notes.append(f"{scheme.describe()} (config.json quantization_config): {quantized} quantized matrices, "
-                         "dequantized with bitsandbytes (dequantize_4bit, each matrix read as one flat run of blocks)"
+                         "dequantized with bitsandbytes (" + ("int8_vectorwise_dequant" if scheme.quant_type == "int8"
+                                                              else "dequantize_4bit, each matrix read as one flat run "
+                                                              "of blocks") + ")"
                          + (f"; left unquantized: {', '.join(scheme.not_converted)}" if scheme.not_converted else "")
                          + "; target and reference both get the same dequantized float32 weights")
     return wrapped

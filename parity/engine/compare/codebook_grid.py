@@ -77,6 +77,10 @@ def absmax_of(state) -> torch.Tensor:
 def requantize(x: torch.Tensor, book) -> tuple[torch.Tensor, torch.Tensor]:
     """A's matrix (stored layout) as a faithful export holds it, dequantized by bitsandbytes (float32), and each
     value's step; ``book``: B's ``Packed4bit`` (its quant type, block size, double quant)."""
+    if book.quant_type == "int8":  # LLM.int8: each row's codes round(127 x / its largest magnitude)
+        codes, scb, _ = library().int8_vectorwise_quant(x.float().contiguous())
+        values = library().int8_vectorwise_dequant(codes, scb).float()
+        return values, steps((codes.long() + 128).reshape(-1), scb, book.levels, book.blocksize, x.shape)
     codes, packed, state = quantize(x, book.quant_type, book.blocksize, book.nested)
     flat = copy.copy(state)
     flat.dtype = torch.float32
@@ -112,6 +116,8 @@ def mistakes(x: torch.Tensor, book) -> list[tuple[str, str, torch.Tensor]]:
     double quant not undone (dequantized without its offset; its 8-bit codes taken for the absmax)."""
     from parity.sources.bnb_4bit import code_book
 
+    if book.quant_type == "int8":  # LLM.int8's scale mistakes (SCB not divided by 127, ...) are tensor_scaled's
+        return []
     other = {"nf4": "fp4", "fp4": "nf4"}[book.quant_type]
     numel, levels = x.numel(), code_book(book.quant_type)
     codes, _, state = quantize(x, other, book.blocksize, book.nested)

@@ -197,8 +197,9 @@ def reference_conversion(a: torch.Tensor, storage: Storage) -> tuple[torch.Tenso
     if stored is not None and storage.codebook is not None:
         values, steps = codebook_grid.requantize(stored, storage.codebook)
         book = storage.codebook
-        return (unstored(storage.route, values), f"re-quantized to {storage.dtype} in blocks of {book.blocksize} with "
-                "bitsandbytes' quantize_4bit" + (" (double quant)" if book.nested else ""), steps)
+        how = ("int8_vectorwise_quant (one scale per row)" if book.quant_type == "int8" else
+               f"quantize_4bit in blocks of {book.blocksize}" + (" (double quant)" if book.nested else ""))
+        return unstored(storage.route, values), f"re-quantized to {storage.dtype} with bitsandbytes' {how}", steps
     if stored is not None and storage.dtype in K_QUANTS and stored.shape[-1] % SUPER_BLOCK == 0:
         values, steps = k_requantize(stored, storage.dtype)
         return (unstored(storage.route, values), f"re-quantized to {storage.dtype} by rounding to the nearest level "
