@@ -294,3 +294,16 @@ def test_an_llm_int8_mistake_fails_its_layer_only_and_is_named(model_a, root, ca
     assert [layer["passed"] for layer in report["layers"]] == [True, False]
     found = report["layers"][1]["diagnosis"]
     assert found["id"] == named and tensor in found["message"], found
+
+
+def test_a_bnb_checkpoint_from_the_hugging_face_cache_is_read_as_a_local_one(model_a, faithful, tmp_path, capsys,
+                                                                             monkeypatch):
+    """B given as a hub id, offline, from the Hugging Face cache: read through the hub path, dequantized the same
+    way, every layer passes."""
+    from .support import cache_repo, use_hf_home
+
+    home = use_hf_home(monkeypatch, tmp_path / "hf")
+    cache_repo(home, "someone/tiny-llama-bnb-4bit", faithful)
+    code, report = compare(capsys, model_a, "someone/tiny-llama-bnb-4bit")
+    assert code == 0, report
+    assert all(row["storage"] == "nf4" for layer in report["layers"] for row in layer["conversion"]["tensors"])
