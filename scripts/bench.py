@@ -251,7 +251,7 @@ def main() -> int:
     parser.add_argument("--out", type=Path, help="write the results as JSON")
     parser.add_argument("--skip", action="append", default=[],
                         choices=["compare", "sweep", "startup", "bf16", "405b", "floor", "checkpoints", "frameworks",
-                                 "moe"])
+                                 "moe", "quantized"])
     args = parser.parse_args()
     runs = 1 if args.quick else args.runs
 
@@ -314,6 +314,8 @@ def main() -> int:
             results["checkpoints"] = checkpoint_rows(args.root, llama, subsets, runs)
         if "frameworks" not in args.skip:
             results["frameworks"] = framework_rows(llama, max(runs, 3))
+        if "quantized" not in args.skip:
+            results["quantized"] = quantized_rows(args.root, llama, subsets, runs)
         if "startup" not in args.skip:
             print("(c) start-up", file=sys.stderr)
             commands = {"parity --version": parity_cmd("--version"), "parity list": parity_cmd("list"),
@@ -397,6 +399,8 @@ def print_table(results: dict) -> None:
         print_checkpoints(results)
     if "frameworks" in results:
         print_frameworks(results)
+    if "quantized" in results:
+        print_quantized(results)
     if "startup" in results:
         print("\n(c) start-up")
         for name, r in results["startup"].items():
@@ -417,6 +421,77 @@ def checkpoint_rows(root: Path, llama: Path, subsets: dict[int, Path], runs: int
         commands[f"check/{n}"] = parity_cmd(str(subsets[n]), "--layers", "all", "--quiet")
         commands[f"compare/{n}"] = parity_cmd("compare", str(subsets[n]), str(casts[n]), "--quiet")
     return run_all(commands, runs)
+
+
+def fp8_checkpoint(full: Path, folder: Path, block: tuple[int, int] = (128, 128)) -> Path:
+    """``full`` (per-layer shards) as an FP8 block-quantized release (DeepSeek V3's layout: every matrix of the decoder
+    layers a float8_e4m3fn ``weight`` beside a float32 ``weight_scale_inv`` per 128 x 128 block), quantized shard by
+    shard by compressed-tensors (parity's own ``fp8_grid.quantize``), same index otherwise."""
+    if (folder / "config.json").is_file():
+        return folder
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    from parity.engine.compare.fp8_grid import quantize
+
+    folder.mkdir(parents=True, exist_ok=True)
+    index = json.loads((full / "model.safetensors.index.json").read_text())
+    weight_map = dict(index["weight_map"])
+    for file_name in sorted(set(index["weight_map"].values())):
+        out = {}
+        for name, tensor in load_file(full / file_name).items():
+            if not name.startswith("model.layers.") or tensor.dim() != 2:
+                out[name] = tensor
+                continue
+            codes, scales = quantize(tensor, block)
+            scale_name = name.removesuffix("weight") + "weight_scale_inv"
+            out[name], out[scale_name] = codes.to(torch.float8_e4m3fn), scales
+            weight_map[scale_name] = file_name
+        save_file(out, str(folder / file_name), metadata={"format": "pt"})
+    (folder / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map},
+                                                                    indent=1))
+    config = json.loads((full / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
+                                     "weight_block_size": list(block)}
+    (folder / "config.json").write_text(json.dumps(config, indent=1))  # last: a folder without it is rebuilt
+    return folder
+
+
+def quantized_rows(root: Path, llama: Path, subsets: dict[int, Path], runs: int) -> dict:
+    """(j) `parity compare A B` where B is an FP8 block-quantized release of the 1B shape (every decoder matrix
+    dequantized on read, one tensor at a time) against `parity A` alone, on 4 and on 22 layers, interleaved: B's
+    peak RSS stays flat over the sweep."""
+    print("(j) parity compare A B (B: A as an FP8 block-quantized release) vs a check of A, 4 and 22 layers of the "
+          "1B shape (builds a 1.2 GB FP8 copy once)", file=sys.stderr)
+    fp8 = fp8_checkpoint(llama, root / "llama-1b-fp8")
+    few, all_ = SWEEP[0], SWEEP[-1]
+    quantized = {few: layer_subset(fp8, root / f"llama-1b-fp8-{few}L", few), all_: fp8}
+    commands = {}
+    for n in (few, all_):
+        commands[f"check/{n}"] = parity_cmd(str(subsets[n]), "--layers", "all", "--quiet")
+        commands[f"compare-fp8/{n}"] = parity_cmd("compare", str(subsets[n]), str(quantized[n]), "--quiet")
+    return run_all(commands, runs)
+
+
+def print_quantized(results: dict) -> None:
+    """The FP8 compare against the check of A: wall and peak RSS paired run by run, and each route's peak RSS over
+    the sweep (22 layers against 4: flat when B is dequantized one tensor at a time)."""
+    q, few, all_ = results["quantized"], SWEEP[0], SWEEP[-1]
+    summary = {}
+    print("\n(j) parity compare A B (1B shape, B = A as FP8 e4m3 in 128x128 blocks) vs parity A, --layers all")
+    print(f"{'layers':>7}  {'route':<12}{'wall':>9}{'peak RSS':>14}")
+    for n in (few, all_):
+        for route in ("check", "compare-fp8"):
+            r = q[f"{route}/{n}"]
+            print(f"{n:>7}  {route:<12}{r['wall_s']:8.2f}s{r['peak_rss'] / 2**20:10.0f} MiB")
+        summary[f"rss_ratio_{n}"] = statistics.median(
+            a / b for a, b in zip(q[f"compare-fp8/{n}"]["rss_runs"], q[f"check/{n}"]["rss_runs"], strict=True))
+    for route in ("check", "compare-fp8"):
+        summary[f"{route}_rss_growth"] = q[f"{route}/{all_}"]["peak_rss"] / q[f"{route}/{few}"]["peak_rss"]
+    results["quantized_summary"] = summary
+    print(f"compare-fp8/check peak RSS: x{summary[f'rss_ratio_{few}']:.2f} ({few} layers), "
+          f"x{summary[f'rss_ratio_{all_}']:.2f} ({all_}); peak RSS {all_} vs {few} layers: compare-fp8 "
+          f"x{summary['compare-fp8_rss_growth']:.3f}, check x{summary['check_rss_growth']:.3f}")
 
 
 # (h) one layer of the 1B shape, the same SwiGLU written in each framework (the tests' ports, built from the config)

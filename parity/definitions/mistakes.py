@@ -59,6 +59,9 @@ class MistakeId(StrEnum):
     FP8_SCALE_INVERTED = "fp8_scale_inverted"
     FP8_SCALES_TRANSPOSED = "fp8_scales_transposed"
     FP8_BLOCK_SIZE_WRONG = "fp8_block_size_wrong"
+    BNB_CODE_BOOK_WRONG = "bnb_code_book_wrong"
+    BNB_BLOCK_SIZE_WRONG = "bnb_block_size_wrong"
+    BNB_DOUBLE_QUANT_NOT_UNDONE = "bnb_double_quant_not_undone"
     CONVERSION_UNEXPLAINED = "conversion_unexplained"
     # routing mistakes of a whole mixture-of-experts block (engine.routing_mistakes replays each on transformers' block)
     ROUTER_SIGMOID_INSTEAD_OF_SOFTMAX = "router_sigmoid_instead_of_softmax"
@@ -214,6 +217,20 @@ MISTAKES = {m.id: m for m in [
             "than it was computed for",
             "quantize in the stated weight_block_size (partial edge blocks at the matrix's end, never an even "
             "split of each side), or state the block the exporter used"),
+    Mistake(MistakeId.BNB_CODE_BOOK_WRONG, "checkpoint B's bitsandbytes 4-bit codes were written for one code book "
+            "and are read with the other: NF4 codes read as FP4, or FP4 codes as NF4 (the quant_state's quant_type, "
+            "or its quant_map, names the other table)",
+            "state the quant type the codes were quantized with (quant_state.bitsandbytes__nf4 / __fp4 and "
+            "quantization_config.bnb_4bit_quant_type), with that type's quant_map"),
+    Mistake(MistakeId.BNB_BLOCK_SIZE_WRONG, "checkpoint B's bitsandbytes 4-bit absmax holds one value per block of "
+            "another size than its quant_state's blocksize states: each absmax is applied to other values than it "
+            "was computed for",
+            "write the blocksize the weight was quantized with in its quant_state (bitsandbytes' default is 64)"),
+    Mistake(MistakeId.BNB_DOUBLE_QUANT_NOT_UNDONE, "checkpoint B's bitsandbytes 4-bit absmax was double-quantized "
+            "and written back without undoing it: its 8-bit codes dequantized without the stored offset, or the "
+            "codes themselves taken for the absmax",
+            "keep the nested_absmax, nested_quant_map and offset (QuantState.as_dict(packed=True)), or write "
+            "dequantize_blockwise(absmax, state2) + offset as a plain float32 absmax"),
     Mistake(MistakeId.CONVERSION_UNEXPLAINED, "checkpoint B's layer computes another function than A's, and no "
             "known conversion mistake explains it",
             "compare the layer's tensors one by one (the report lists which differ beyond the conversion's bound)"),
@@ -391,6 +408,12 @@ PRODUCED_BY: dict[MistakeId, str] = {
                                      "(square grids); finding: B's scale grid is the stated one reversed",
     MistakeId.FP8_BLOCK_SIZE_WRONG: "replay (compare): A quantized in blocks splitting each side evenly, read in the "
                                     "stated blocks; finding: B's scale grid is another block size's",
+    MistakeId.BNB_CODE_BOOK_WRONG: "replay (compare): A quantized by bitsandbytes to the other 4-bit type, its codes "
+                                   "read with B's code book; finding: B's quant_map is the other type's",
+    MistakeId.BNB_BLOCK_SIZE_WRONG: "finding (compare): B's absmax count is another block size's than its "
+                                    "quant_state's blocksize",
+    MistakeId.BNB_DOUBLE_QUANT_NOT_UNDONE: "replay (compare): A quantized by bitsandbytes with double quant, its "
+                                           "absmax dequantized without the offset, or its 8-bit codes as the absmax",
     MistakeId.CONVERSION_UNEXPLAINED: "finding (compare): no conversion replay within the tolerance",
     MistakeId.ROUTER_SIGMOID_INSTEAD_OF_SOFTMAX: "replay: engine.routing_mistakes, the router's softmax computed "
                                                  "as a sigmoid",

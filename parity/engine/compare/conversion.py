@@ -32,7 +32,7 @@ import torch
 
 from parity.definitions.mapping import TensorRoute
 from parity.engine.check.fill import route_tensor
-from parity.engine.compare import fp8_grid
+from parity.engine.compare import codebook_grid, fp8_grid
 from parity.engine.compare.gguf_blocks import (
     K_FORMAT,
     K_QUANTS,
@@ -93,6 +93,7 @@ class Storage:
     power_of_two: bool = False  # FP8 block quantization with power-of-two (ue8m0) scales
     scales: torch.Tensor | None = None  # FP8 block quantization: each block's scale, read from the file
     levels: torch.Tensor | None = None  # a grid parity cannot read (IQ, NVFP4): B's own values, stored layout
+    codebook: object | None = None  # bitsandbytes 4-bit: parity.sources.bnb_4bit.Packed4bit, read from the file
 
 
 def dtype_name(dtype: torch.dtype) -> str:
@@ -106,7 +107,8 @@ def storage_of(checkpoint, key: str, stored: torch.Tensor, route: TensorRoute, e
     info = header.tensors.get(key) if header is not None else None
     if info is None:
         as_stored = getattr(checkpoint, "stored_dtype", lambda _: None)(key)  # before a read's upcast to one dtype
-        return block_storage(checkpoint, key, route) or Storage(as_stored or dtype_name(stored.dtype), route=route)
+        return (block_storage(checkpoint, key, route) or codebook_storage(checkpoint, key, route)
+                or Storage(as_stored or dtype_name(stored.dtype), route=route))
     from parity.sources.gguf_header import qtype_name
 
     name = qtype_name(info.qtype)
@@ -144,6 +146,21 @@ def block_storage(checkpoint, key: str, route: TensorRoute) -> Storage | None:
     return Storage(dtype_name(held.codes.dtype), True, route_tensor(route, steps), "file", route,
                    nonfinite_scale=problem, zeroed=not bool(held.codes.float().any()), block=held.block,
                    power_of_two=held.power_of_two, scales=held.scales)
+
+
+def codebook_storage(checkpoint, key: str, route: TensorRoute) -> Storage | None:
+    """How a bitsandbytes 4-bit checkpoint stores ``key`` (``parity.sources.bnb_4bit``): each value's step is its
+    code's step in the code book times its block's absmax, read from the file; None for a tensor stored unquantized."""
+    packed = getattr(checkpoint, "packed", None)
+    held = packed(key) if packed is not None else None
+    if held is None:
+        return None
+    steps = codebook_grid.steps(held.codes, held.absmax, held.levels, held.blocksize, held.shape)
+    bad = ~torch.isfinite(held.absmax)
+    problem = (f"block {int(bad.nonzero()[0, 0])} ({key}.absmax): {int(bad.sum())} of {bad.numel()} blocks have a "
+               "NaN/Inf absmax") if bool(bad.any()) else None
+    return Storage(held.quant_type, True, route_tensor(route, steps), "file", route, nonfinite_scale=problem,
+                   zeroed=not bool(held.levels[held.codes].any()), codebook=held)
 
 
 def level_steps(values: torch.Tensor, group: int) -> torch.Tensor:
@@ -211,6 +228,12 @@ def reference_conversion(a: torch.Tensor, storage: Storage) -> tuple[torch.Tenso
         return (unstored(storage.route, values), f"re-quantized to {storage.dtype} in {storage.block[0]}x"
                 f"{storage.block[1]} blocks with compressed-tensors (scale: {scale}the block's largest magnitude / "
                 "448)", steps)
+    if stored is not None and storage.codebook is not None:
+        values, steps = codebook_grid.requantize(stored, storage.codebook)
+        book = storage.codebook
+        how = ("int8_vectorwise_quant (one scale per row)" if book.quant_type == "int8" else
+               f"quantize_4bit in blocks of {book.blocksize}" + (" (double quant)" if book.nested else ""))
+        return unstored(storage.route, values), f"re-quantized to {storage.dtype} with bitsandbytes' {how}", steps
     if stored is not None and storage.dtype in K_QUANTS and stored.shape[-1] % SUPER_BLOCK == 0:
         values, steps = k_requantize(stored, storage.dtype)
         return (unstored(storage.route, values), f"re-quantized to {storage.dtype} by rounding to the nearest level "
@@ -365,6 +388,8 @@ def quantized_bounds(a: torch.Tensor, b: torch.Tensor, storage: Storage, a_dtype
         return allowed, coarse_blocks(b_steps, ideal, limit, sub, x, a_dtype)
     if storage.block is not None and storage.scales is not None:  # FP8: each block's scale against A's amax / 448
         return allowed, fp8_grid.coarse_blocks(x, storage.scales, storage.block)
+    if storage.codebook is not None:  # bitsandbytes 4-bit: each block's absmax against A's largest magnitude
+        return allowed, codebook_grid.coarse_blocks(x, storage.codebook)
     if a_steps is None:
         return allowed, None
     group = block_values(storage)

@@ -11,7 +11,7 @@ import math
 import torch
 
 from parity.definitions.mistakes import Candidate, Diagnosis, MistakeId, diagnosis
-from parity.engine.compare import fp8_grid
+from parity.engine.compare import codebook_grid, fp8_grid
 from parity.engine.compare.conversion import Storage, step_excess, stored_layout, unstored
 
 ACTIVATION_GRID = (-20.0, 20.0, 4001)  # where two activations are compared, in float64
@@ -106,17 +106,18 @@ def grid_finding(rows: list[dict], storage: dict[str, Storage], reference_distan
 def block_replay_finding(beyond: list[dict], a: dict[str, torch.Tensor], b: dict[str, torch.Tensor],
                          storage: dict[str, Storage], reference_distance: float, candidates: list[Candidate]
                          ) -> Diagnosis | None:
-    """Values of an FP8 block-quantized tensor beyond their step from A's, every one of them within its step of a
-    conversion mistake replayed on A's tensor (``fp8_grid.mistakes``): that mistake, with the counts as evidence.
-    Judged value by value, since a mistake confined to the partial edge blocks (blocks of another size) may move the
-    layer's function less than FP8 itself does."""
+    """Values of an FP8 block-quantized (or bitsandbytes 4-bit) tensor beyond their step from A's, every one of them
+    within its step of a conversion mistake replayed on A's tensor (``fp8_grid.mistakes``, ``codebook_grid.mistakes``):
+    that mistake, with the counts as evidence.  Judged value by value, since a mistake confined to the partial edge
+    blocks (blocks of another size) may move the layer's function less than FP8 itself does."""
     for row in beyond:
         name, store = row["name"], storage[row["name"]]
         stored = stored_layout(store.route, a[name].float())
-        if store.block is None or stored is None or stored.dim() != 2:
+        if (store.block is None and store.codebook is None) or stored is None or stored.dim() != 2:
             continue
-        found = fp8_grid.replays(stored, store.block, lambda t, s=store: unstored(s.route, t),
-                                 power_of_two=store.power_of_two)
+        found = (fp8_grid.replays(stored, store.block, lambda t, s=store: unstored(s.route, t),
+                                  power_of_two=store.power_of_two) if store.block is not None
+                 else codebook_grid.replays(stored, store.codebook, lambda t, s=store: unstored(s.route, t)))
         for mistake, detail, values in found:
             excess = step_excess(values, b[name].float(), store.steps)
             candidates.append(Candidate(mistake, f"{name}: {detail}", excess["max_steps"]))

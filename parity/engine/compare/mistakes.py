@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from parity.definitions.mistakes import MistakeId
-from parity.engine.compare import conversion, fp8_grid
+from parity.engine.compare import codebook_grid, conversion, fp8_grid
 from parity.engine.experts import interleave_rows
 
 
@@ -80,6 +80,7 @@ def hypotheses(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor], storage: 
         found.extend(fused_hypotheses(name, a[name]))
         found.extend(tensor_hypotheses(name, a[name], b[name], storage[name]))
         found.extend(block_hypotheses(name, a[name], storage[name]))
+        found.extend(codebook_hypotheses(name, a[name], storage[name]))
     return found
 
 
@@ -93,6 +94,17 @@ def block_hypotheses(name: str, a: torch.Tensor, storage: conversion.Storage) ->
             for mistake, detail, values in fp8_grid.replays(stored, storage.block,
                                                             lambda t: conversion.unstored(storage.route, t),
                                                             power_of_two=storage.power_of_two)]
+
+
+def codebook_hypotheses(name: str, a: torch.Tensor, storage: conversion.Storage) -> list[Hypothesis]:
+    """A bitsandbytes 4-bit tensor's conversion mistakes (``codebook_grid.mistakes``): A quantized by bitsandbytes,
+    then read back the way the mistake reads it.  None for other storage or a chunk of a fused tensor."""
+    stored = conversion.stored_layout(storage.route, a.float())
+    if storage.codebook is None or stored is None or stored.dim() != 2:
+        return []
+    return [Hypothesis(MistakeId(mistake), f"{name}: {detail}", _replace(name, values))
+            for mistake, detail, values in codebook_grid.replays(stored, storage.codebook,
+                                                                 lambda t: conversion.unstored(storage.route, t))]
 
 
 def fused_hypotheses(name: str, a: torch.Tensor) -> list[Hypothesis]:
