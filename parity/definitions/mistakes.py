@@ -59,6 +59,11 @@ class MistakeId(StrEnum):
     FP8_SCALE_INVERTED = "fp8_scale_inverted"
     FP8_SCALES_TRANSPOSED = "fp8_scales_transposed"
     FP8_BLOCK_SIZE_WRONG = "fp8_block_size_wrong"
+    # MLX-LM affine-quantized safetensors (parity.sources.mlx_affine, engine.compare.affine_grid)
+    MLX_GROUP_SIZE_WRONG = "mlx_group_size_wrong"
+    MLX_BITS_MISMATCHED = "mlx_bits_mismatched"
+    MLX_SCALES_TRANSPOSED = "mlx_scales_transposed"
+    MLX_SCALES_BIASES_EXCHANGED = "mlx_scales_biases_exchanged"
     CONVERSION_UNEXPLAINED = "conversion_unexplained"
     # routing mistakes of a whole mixture-of-experts block (engine.routing_mistakes replays each on transformers' block)
     ROUTER_SIGMOID_INSTEAD_OF_SOFTMAX = "router_sigmoid_instead_of_softmax"
@@ -214,6 +219,23 @@ MISTAKES = {m.id: m for m in [
             "than it was computed for",
             "quantize in the stated weight_block_size (partial edge blocks at the matrix's end, never an even "
             "split of each side), or state the block the exporter used"),
+    Mistake(MistakeId.MLX_GROUP_SIZE_WRONG, "checkpoint B's MLX-quantized tensor was quantized in groups of another "
+            "size than config.json's quantization (group_size, or the module's own entry) states: one scale and bias "
+            "per group of that many input values, not the stated number",
+            "state the group_size the tensor was quantized with (quantization.group_size, or a per-module entry for "
+            "this module), or re-quantize it with the stated one (mlx_lm.convert -q --q-group-size)"),
+    Mistake(MistakeId.MLX_BITS_MISMATCHED, "checkpoint B's MLX-quantized tensor holds codes of another width than "
+            "config.json's quantization (bits, or the module's own entry) states (4-bit codes read as 8-bit or the "
+            "reverse): every uint32 is unpacked into the wrong number of codes",
+            "state the bits the tensor was quantized with (quantization.bits, or a per-module entry for this "
+            "module), or re-quantize it with the stated width (mlx_lm.convert -q --q-bits)"),
+    Mistake(MistakeId.MLX_SCALES_TRANSPOSED, "checkpoint B's MLX scales and biases are transposed: stored [in / "
+            "group_size, out] where MLX reads [out, in / group_size]",
+            "write X.scales and X.biases as mlx.core.quantize returns them: one row per output, one column per "
+            "group of group_size input values"),
+    Mistake(MistakeId.MLX_SCALES_BIASES_EXCHANGED, "checkpoint B's MLX X.scales holds the groups' biases and "
+            "X.biases their scales: every value dequantizes as bias x code + scale",
+            "write mlx.core.quantize's outputs in its order: (weight, scales, biases)"),
     Mistake(MistakeId.CONVERSION_UNEXPLAINED, "checkpoint B's layer computes another function than A's, and no "
             "known conversion mistake explains it",
             "compare the layer's tensors one by one (the report lists which differ beyond the conversion's bound)"),
@@ -391,6 +413,14 @@ PRODUCED_BY: dict[MistakeId, str] = {
                                      "(square grids); finding: B's scale grid is the stated one reversed",
     MistakeId.FP8_BLOCK_SIZE_WRONG: "replay (compare): A quantized in blocks splitting each side evenly, read in the "
                                     "stated blocks; finding: B's scale grid is another block size's",
+    MistakeId.MLX_GROUP_SIZE_WRONG: "finding (compare): B's packed weight and scales fit another group size than "
+                                    "the stated one at the stated bits",
+    MistakeId.MLX_BITS_MISMATCHED: "finding (compare): B's packed weight and scales fit another bit width than the "
+                                   "stated one at the stated group size",
+    MistakeId.MLX_SCALES_TRANSPOSED: "finding (compare): B's scales are the stated grid reversed; replay: A "
+                                     "quantized with mlx.core.quantize, a square grid transposed",
+    MistakeId.MLX_SCALES_BIASES_EXCHANGED: "replay (compare): A quantized with mlx.core.quantize, dequantized "
+                                           "with scales and biases exchanged",
     MistakeId.CONVERSION_UNEXPLAINED: "finding (compare): no conversion replay within the tolerance",
     MistakeId.ROUTER_SIGMOID_INSTEAD_OF_SOFTMAX: "replay: engine.routing_mistakes, the router's softmax computed "
                                                  "as a sigmoid",

@@ -21,7 +21,7 @@ from parity.errors import (
     OfflineError,
     PickleRefusedError,
 )
-from parity.sources import fp8_blocks
+from parity.sources import fp8_blocks, mlx_affine
 from parity.sources.checkpoint import Checkpoint
 from parity.sources.hub_errors import (
     describe_transport,
@@ -120,6 +120,7 @@ def open_hub(repo_id: str, revision: str | None = None) -> Checkpoint:
     reader = remote_reader(repo_id, commit, fetch, offline=offline)
     checkpoint = Checkpoint(location, config_path.parent, raw_config, weight_map, fetch, reader=reader,
                             repo_id=repo_id, revision=revision)
+    checkpoint = mlx_affine.wrap(checkpoint, f"'{repo_id}'")  # MLX affine-quantized weights: dequantized on read
     return fp8_blocks.wrap(checkpoint, f"'{repo_id}'")  # FP8 block-quantized weights: dequantized on read
 
 

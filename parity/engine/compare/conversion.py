@@ -32,7 +32,7 @@ import torch
 
 from parity.definitions.mapping import TensorRoute
 from parity.engine.check.fill import route_tensor
-from parity.engine.compare import fp8_grid
+from parity.engine.compare import affine_grid, fp8_grid
 from parity.engine.compare.gguf_blocks import (
     K_FORMAT,
     K_QUANTS,
@@ -81,6 +81,7 @@ class Storage:
     block: tuple[int, int] | None = None  # FP8 block quantization: the block each weight_scale_inv covers
     power_of_two: bool = False  # FP8 block quantization with power-of-two (ue8m0) scales
     scales: torch.Tensor | None = None  # FP8 block quantization: each block's scale, read from the file
+    affine: affine_grid.AffineStorage | None = None  # MLX affine quantization: codes, scales, biases (stored layout)
 
 
 def dtype_name(dtype: torch.dtype) -> str:
@@ -94,7 +95,8 @@ def storage_of(checkpoint, key: str, stored: torch.Tensor, route: TensorRoute, e
     info = header.tensors.get(key) if header is not None else None
     if info is None:
         as_stored = getattr(checkpoint, "stored_dtype", lambda _: None)(key)  # before a read's upcast to one dtype
-        return block_storage(checkpoint, key, route) or Storage(as_stored or dtype_name(stored.dtype), route=route)
+        return (block_storage(checkpoint, key, route) or affine_storage(checkpoint, key, route, expert)
+                or Storage(as_stored or dtype_name(stored.dtype), route=route))
     from parity.sources.gguf_header import qtype_name
 
     name = qtype_name(info.qtype)
@@ -130,6 +132,21 @@ def block_storage(checkpoint, key: str, route: TensorRoute) -> Storage | None:
     return Storage(dtype_name(held.codes.dtype), True, route_tensor(route, steps), "file", route,
                    nonfinite_scale=problem, zeroed=not bool(held.codes.float().any()), block=held.block,
                    power_of_two=held.power_of_two, scales=held.scales)
+
+
+def affine_storage(checkpoint, key: str, route: TensorRoute, expert: int | None) -> Storage | None:
+    """How an MLX affine-quantized checkpoint stores ``key`` (``parity.sources.mlx_affine``): each value's step is its
+    group's scale, read from the file; None for a tensor stored unquantized."""
+    held = affine_grid.held(checkpoint, key, expert)
+    if held is None:
+        return None
+    bad = ~(torch.isfinite(held.scales) & torch.isfinite(held.biases))
+    problem = None
+    if bool(bad.any()):
+        first = [int(i) for i in bad.nonzero()[0]]
+        problem = f"group {first}: {int(bad.sum())} of {bad.numel()} groups have a NaN/Inf scale or bias"
+    return Storage(held.name, True, route_tensor(route, held.steps()), "file", route, nonfinite_scale=problem,
+                   zeroed=not bool(held.codes.any()), affine=held)
 
 
 def lattice_steps(values: torch.Tensor) -> torch.Tensor:
@@ -177,6 +194,11 @@ def reference_conversion(a: torch.Tensor, storage: Storage) -> tuple[torch.Tenso
         return (unstored(storage.route, values), f"re-quantized to {storage.dtype} in {storage.block[0]}x"
                 f"{storage.block[1]} blocks with compressed-tensors (scale: {scale}the block's largest magnitude / "
                 "448)", steps)
+    if stored is not None and storage.affine is not None:
+        values, steps = affine_grid.requantize(stored, storage.affine)
+        held = storage.affine
+        return (unstored(storage.route, values), f"re-quantized with mlx.core.quantize ({held.bits}-bit, groups of "
+                f"{held.group_size}, A cast to {held.dtype} first)", steps)
     if stored is not None and storage.dtype in K_QUANTS and stored.shape[-1] % SUPER_BLOCK == 0:
         values, steps = k_requantize(stored, storage.dtype)
         return (unstored(storage.route, values), f"re-quantized to {storage.dtype} by rounding to the nearest level "
@@ -324,6 +346,9 @@ def quantized_bounds(a: torch.Tensor, b: torch.Tensor, storage: Storage, a_dtype
         allowed = allowed + unstored(storage.route, ends).float()  # 0 away from the grid's ends
         limit = K_GRID_FACTOR * (ideal + quantum / 2) + d_rounding
         return allowed, coarse_blocks(b_steps, ideal, limit, sub, x, a_dtype)
+    if storage.affine is not None:  # MLX: plus the scale's and bias's dtype rounding; each group's scale against A's
+        allowed = allowed + unstored(storage.route, affine_grid.rounding(x, storage.affine))
+        return allowed, affine_grid.coarse_groups(x, storage.affine)
     if storage.block is not None and storage.scales is not None:  # FP8: each block's scale against A's amax / 448
         return allowed, fp8_grid.coarse_blocks(x, storage.scales, storage.block)
     if a_steps is None:
