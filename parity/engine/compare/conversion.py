@@ -346,8 +346,8 @@ def quantized_bounds(a: torch.Tensor, b: torch.Tensor, storage: Storage, a_dtype
         allowed = allowed + unstored(storage.route, ends).float()  # 0 away from the grid's ends
         limit = K_GRID_FACTOR * (ideal + quantum / 2) + d_rounding
         return allowed, coarse_blocks(b_steps, ideal, limit, sub, x, a_dtype)
-    if storage.affine is not None:  # MLX: plus the scale's and bias's dtype rounding; each group's scale against A's
-        allowed = allowed + unstored(storage.route, affine_grid.rounding(x, storage.affine))
+    if storage.affine is not None:  # MLX: plus dtype rounding and clamped ends; each group's scale against A's range
+        allowed = allowed + unstored(storage.route, affine_grid.allowance(x, storage.affine))
         return allowed, affine_grid.coarse_groups(x, storage.affine)
     if storage.block is not None and storage.scales is not None:  # FP8: each block's scale against A's amax / 448
         return allowed, fp8_grid.coarse_blocks(x, storage.scales, storage.block)
