@@ -11,6 +11,7 @@ embeddings and lm_head included); faithful, and with one conversion mistake on l
 from __future__ import annotations
 
 import json
+import re
 import shutil
 import sys
 from pathlib import Path
@@ -44,9 +45,9 @@ def pack4(codes: np.ndarray) -> np.ndarray:
 
 
 def quantize(value: torch.Tensor, group: int, bits: int, dtype: str, how: str | None = None) -> dict:
-    """``value`` [out, in] as mlx_lm.convert stores it (weight, scales, biases), with mistake ``how``: exchanged
-    (scales and biases swapped), transposed (both stored [groups, out]), coarse (4 bits: every scale doubled and the
-    codes halved, rounded down)."""
+    """``value`` [out, in] (or experts stacked, [E, out, in]) as mlx_lm.convert stores it (weight, scales, biases),
+    with mistake ``how``: exchanged (scales and biases swapped; "exchanged@2": in expert 2 only), transposed (both
+    stored [groups, out]), coarse (4 bits: every scale doubled and the codes halved, rounded down)."""
     w = mx.array(value.float().numpy()).astype(getattr(mx, dtype))
     packed, scales, biases = mx.quantize(w, group_size=group, bits=bits)
     if how == "coarse":
@@ -56,6 +57,12 @@ def quantize(value: torch.Tensor, group: int, bits: int, dtype: str, how: str | 
         packed, scales = mx.array(pack4(codes // 2)), scales * 2
     if how == "exchanged":
         scales, biases = biases, scales
+    if how is not None and how.startswith("exchanged@"):
+        expert = int(how.split("@")[1])
+        scales, biases = mx.array(np.array(scales.astype(mx.float32))), mx.array(np.array(biases.astype(mx.float32)))
+        swapped = [mx.where(mx.arange(value.shape[0])[:, None, None] == expert, y, x)
+                   for x, y in ((scales, biases), (biases, scales))]
+        scales, biases = swapped
     if how == "transposed":
         scales, biases = scales.T, biases.T
     return {"weight": to_torch(packed), "scales": to_torch(scales, dtype), "biases": to_torch(biases, dtype)}
@@ -71,10 +78,10 @@ def mlx_export(a: Path, dest: Path, group: int = 64, bits: int = 4, dtype: str =
     breaks, modules, written = breaks or {}, modules or {}, written or {}
     shutil.copytree(a, dest)
     out = {}
-    for name, value in load_file(a / "model.safetensors").items():
+    for name, value in switch_mlp(load_file(a / "model.safetensors")).items():
         module = name.removesuffix(".weight")
         entry = written.get(module, modules.get(module, {"group_size": group, "bits": bits}))
-        if value.dim() != 2 or "norm" in name or entry is False or value.shape[-1] % entry["group_size"]:
+        if value.dim() not in (2, 3) or "norm" in name or entry is False or value.shape[-1] % entry["group_size"]:
             out[name] = value.to(getattr(torch, dtype))
             continue
         parts = quantize(value, entry["group_size"], entry["bits"], dtype, breaks.get(name))
@@ -85,6 +92,20 @@ def mlx_export(a: Path, dest: Path, group: int = 64, bits: int = 4, dtype: str =
     config["quantization_config"] = config["quantization"]
     (dest / "config.json").write_text(json.dumps(config, indent=2))
     return dest
+
+
+def switch_mlp(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Per-expert tensors (``mlp.experts.{e}.up_proj.weight``) stacked as MLX-LM's models' sanitize does: one
+    ``mlp.switch_mlp.up_proj.weight`` [E, out, in] per role."""
+    out, stacks = {}, {}
+    for name, value in tensors.items():
+        found = re.fullmatch(r"(.*)\.experts\.(\d+)\.(\w+)\.weight", name)
+        if found is None:
+            out[name] = value
+        else:
+            stacks.setdefault(f"{found[1]}.switch_mlp.{found[3]}.weight", {})[int(found[2])] = value
+    out.update({name: torch.stack([by[e] for e in sorted(by)]) for name, by in stacks.items()})
+    return out
 
 
 @pytest.fixture(scope="module")
@@ -220,3 +241,26 @@ def test_without_mlx_an_mlx_b_is_exit_2_naming_the_extra(model_a, root, capsys, 
     code, out, err = run_main(capsys, "compare", model_a, b)
     assert code == 2, out + err
     assert "MLX affine-quantized" in err and "'mlx'" in err and "Traceback" not in err
+
+
+def test_mlx_experts_in_switch_mlp_are_judged_one_by_one_and_a_broken_one_is_named(root, capsys):
+    """A Qwen2-MoE as MLX-LM stores it: each role's experts stacked in ``mlp.switch_mlp.{role}.weight`` [E, out, in]
+    and quantized as one tensor (router and shared expert quantized too, as mlx_lm.convert does for this family):
+    every expert and shared expert of a faithful export passes; scales and biases exchanged in expert 2 of layer 1's
+    up_proj fail that expert alone, named."""
+    from .derived_checkpoints import MOE
+
+    moe = build("qwen2_moe", root / "moe", 5, **{**MOE, **SIZES, "moe_intermediate_size": 64,
+                                                 "shared_expert_intermediate_size": 64})
+    code, report = compare(capsys, moe, mlx_export(moe, root / "moe-mlx"))
+    assert code == 0, report
+    units = [(unit["layer"], unit["expert"]) for unit in report["layers"] if unit["unit"] != "block"]
+    assert len(units) == 2 * (MOE["num_experts"] + 1)  # each expert and the shared expert, per layer
+    assert all(row["storage"] == "mlx affine 4-bit/64 (bfloat16 scales)" for unit in report["layers"]
+               for row in unit["conversion"].get("tensors", []))
+    broken = mlx_export(moe, root / "moe-mlx-broken", breaks={f"{LAYER1}.switch_mlp.up_proj.weight": "exchanged@2"})
+    code, report = compare(capsys, moe, broken)
+    assert code == 1, report
+    failed = [(unit["layer"], unit["expert"], unit["diagnosis"]["id"]) for unit in report["layers"]
+              if not unit["passed"]]
+    assert failed == [(1, 2, "mlx_scales_biases_exchanged")]
