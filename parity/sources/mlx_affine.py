@@ -208,6 +208,30 @@ class MLXCheckpoint(Checkpoint):
         return AffineQuantized(codes, scales.float(), biases.float(), params,
                                str(scales.dtype).removeprefix("torch."))
 
+    def describe(self, names: list[str]) -> dict[str, tuple[list[int], str]] | None:
+        """Shape and dtype of these tensors from the local safetensors headers, a quantized one as the matrix it
+        holds ([..., out, in], its scales' dtype: the model's) rather than its packed uint32 words, so that the
+        inventory outside the FFN does not report every quantized tensor as reshaped; None for a hub checkpoint."""
+        if self.repo_id is not None or self.weights != "real":
+            return None
+        from parity.sources.safetensors_files import describe_local
+
+        scales = {n: n.removesuffix("weight") + "scales" for n in names if n.endswith(".weight")}
+        scales = {n: s for n, s in scales.items() if s in self.companions}
+        wanted = {**{n: self.weight_map[n] for n in names}, **{s: self.companions[s] for s in scales.values()}}
+        found: dict[str, tuple[list[int], str]] = {}
+        try:
+            for file_name in sorted(set(wanted.values())):
+                found.update(describe_local(self.fetch(file_name), [n for n, f in wanted.items() if f == file_name]))
+        except CheckpointError:  # an unreadable header: the inventory says it cannot tell, the read says why
+            return None
+        for name, scale in scales.items():
+            params = self.scheme.params_for(name)
+            shape, _ = found[name]
+            if params is not None:
+                found[name] = ([*shape[:-1], shape[-1] * WORD // params.bits], found[scale][1])
+        return {name: found[name] for name in names}
+
     def stored_dtype(self, name: str) -> str | None:
         """The dtype tensor ``name`` had in its file when last read (a quantized one: its scales' dtype)."""
         return self.as_stored.get(name)
