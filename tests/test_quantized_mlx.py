@@ -29,6 +29,7 @@ mx = pytest.importorskip("mlx.core")
 SIZES = dict(hidden_size=128, intermediate_size=192, num_key_value_heads=2, head_dim=64)
 FFN = ("gate_proj", "up_proj", "down_proj")
 LAYER1 = "model.layers.1.mlp"
+DTYPES = {"bfloat16": "BF16", "float16": "F16"}  # safetensors' names
 
 
 def to_torch(array, dtype: str | None = None) -> torch.Tensor:
@@ -150,6 +151,9 @@ def test_a_faithful_mlx_export_passes_on_every_layer(model_a, root, capsys, grou
             assert row["steps"]["max_steps"] <= (2.0 if (bits, dtype) == (8, "bfloat16") else 1.1)
             assert "mlx.core.quantize" in row["conversion"]
     assert any(f"MLX affine {bits}-bit, groups of {group}" in note for note in report["notes"])
+    # outside the FFN a quantized tensor is inventoried as the matrix it holds, not as its packed uint32 words
+    inventory = report["comparison"]["inventory"]
+    assert inventory["shape_differs"] == [] and inventory["dtype_changes"] == {f"F32 -> {DTYPES[dtype]}": 15}
 
 
 def test_mixed_precision_modules_are_judged_by_their_own_storage(model_a, root, capsys):
@@ -264,3 +268,25 @@ def test_mlx_experts_in_switch_mlp_are_judged_one_by_one_and_a_broken_one_is_nam
     failed = [(unit["layer"], unit["expert"], unit["diagnosis"]["id"]) for unit in report["layers"]
               if not unit["passed"]]
     assert failed == [(1, 2, "mlx_scales_biases_exchanged")]
+
+
+def test_a_check_of_an_mlx_release_runs_on_its_dequantized_weights(model_a, root, capsys):
+    """``parity B`` (a check, not a compare): target and reference both get B's weights as mlx dequantizes them."""
+    b = mlx_export(model_a, root / "check")
+    code, out, err = run_main(capsys, b, "--layers", "all")
+    assert code == 0, out + err
+    assert "MLX affine 4-bit, groups of 64" in out and "the same dequantized float32 weights" in out
+
+
+def test_an_mlx_release_from_the_hugging_face_cache_is_read_as_a_local_one(model_a, root, tmp_path, capsys,
+                                                                           monkeypatch):
+    """B given as a hub id (mlx-community's repos), offline, from the Hugging Face cache: read through the hub path,
+    dequantized the same way, every layer passes."""
+    from .support import cache_repo, use_hf_home
+
+    home = use_hf_home(monkeypatch, tmp_path / "hf")
+    cache_repo(home, "mlx-community/tiny-llama-4bit", mlx_export(model_a, root / "hub"))
+    code, report = compare(capsys, model_a, "mlx-community/tiny-llama-4bit")
+    assert code == 0, report
+    assert all(row["storage"] == "mlx affine 4-bit/64 (bfloat16 scales)" for layer in report["layers"]
+               for row in layer["conversion"]["tensors"])
