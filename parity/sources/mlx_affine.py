@@ -198,12 +198,15 @@ class MLXCheckpoint(Checkpoint):
         check_shapes(self.location, name, packed, read[parts[0]], params, self.dims)
         return packed, read[parts[0]], read[parts[1]], params
 
-    def affine_quantized(self, name: str) -> AffineQuantized | None:
-        """How tensor ``name`` is stored, when it is MLX-quantized: its codes, scales, biases and parameters."""
+    def affine_quantized(self, name: str, expert: int | None = None) -> AffineQuantized | None:
+        """How tensor ``name`` is stored, when it is MLX-quantized: its codes, scales, biases and parameters;
+        ``expert``: that expert's slice of a stacked [E, out, in] tensor alone (only its codes are unpacked)."""
         held = self.held(name)
         if held is None:
             return None
         packed, scales, biases, params = held
+        if expert is not None and packed.dim() == 3:
+            packed, scales, biases = packed[expert], scales[expert], biases[expert]
         codes = unpack(require_mlx(self.location), packed, params)
         return AffineQuantized(codes, scales.float(), biases.float(), params,
                                str(scales.dtype).removeprefix("torch."))

@@ -52,13 +52,11 @@ def held(checkpoint, key: str, expert: int | None) -> AffineStorage | None:
     """How an MLX checkpoint stores ``key`` (``expert``'s slice of a stacked [E, out, in] tensor), None for a tensor
     stored unquantized or a checkpoint of another format."""
     quantized = getattr(checkpoint, "affine_quantized", None)
-    found = quantized(key) if quantized is not None else None
+    found = quantized(key, expert) if quantized is not None else None
     if found is None:
         return None
-    parts = [found.codes, found.scales, found.biases]
-    if expert is not None and found.codes.dim() == 3:
-        parts = [part[expert] for part in parts]
-    return AffineStorage(*parts, found.params.group_size, found.params.bits, found.scale_dtype)
+    return AffineStorage(found.codes, found.scales, found.biases, found.params.group_size, found.params.bits,
+                         found.scale_dtype)
 
 
 def expand(per_group: torch.Tensor, group: int) -> torch.Tensor:
