@@ -102,8 +102,8 @@ def scheme_of(raw_config: dict, where: str) -> MLXScheme | None:
     default = params_of(config, where, field_name)
     modules = {}
     for key, entry in config.items():
-        if key in ("group_size", "bits", "mode"):
-            continue
+        if key in ("group_size", "bits", "mode") or not (isinstance(entry, dict) or entry is False):
+            continue  # a module's entry is {group_size, bits} or false; another field is not one
         modules[key] = None if entry is False else params_of(entry, where, f"{field_name}[{key!r}]")
     return MLXScheme(default, modules)
 
