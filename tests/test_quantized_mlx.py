@@ -74,7 +74,7 @@ def quantize(value: torch.Tensor, group: int, bits: int, dtype: str, how: str | 
     return {"weight": to_torch(packed), "scales": to_torch(scales, dtype), "biases": to_torch(biases, dtype)}
 
 
-def mlx_export(a: Path, dest: Path, group: int = 64, bits: int = 4, dtype: str = "bfloat16",
+def mlx_export(a: Path, dest: Path, *, group: int = 64, bits: int = 4, dtype: str = "bfloat16",
                breaks: dict[str, str] | None = None, modules: dict | None = None, written: dict | None = None
                ) -> Path:
     """A's folder as mlx_lm.convert -q writes it: every 2-D weight whose input width is a multiple of the group
@@ -140,7 +140,7 @@ def compare(capsys, a: Path, b: Path) -> tuple[int, dict]:
     (64, 4, "bfloat16"), (32, 4, "bfloat16"), (64, 8, "bfloat16"), (32, 8, "float16"),
 ])
 def test_a_faithful_mlx_export_passes_on_every_layer(model_a, root, capsys, group, bits, dtype):
-    b = mlx_export(model_a, root / f"faithful-{group}-{bits}-{dtype}", group, bits, dtype)
+    b = mlx_export(model_a, root / f"faithful-{group}-{bits}-{dtype}", group=group, bits=bits, dtype=dtype)
     code, report = compare(capsys, model_a, b)
     assert code == 0, report
     assert [layer["passed"] for layer in report["layers"]] == [True, True]

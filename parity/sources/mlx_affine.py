@@ -198,7 +198,7 @@ class MLXCheckpoint(Checkpoint):
         check_shapes(self.location, name, packed, read[parts[0]], params, self.dims)
         return packed, read[parts[0]], read[parts[1]], params
 
-    def affine_quantized(self, name: str, expert: int | None = None) -> AffineQuantized | None:
+    def affine_quantized(self, name: str, *, expert: int | None = None) -> AffineQuantized | None:
         """How tensor ``name`` is stored, when it is MLX-quantized: its codes, scales, biases and parameters;
         ``expert``: that expert's slice of a stacked [E, out, in] tensor alone (only its codes are unpacked)."""
         held = self.held(name)

@@ -52,7 +52,7 @@ def held(checkpoint, key: str, expert: int | None) -> AffineStorage | None:
     """How an MLX checkpoint stores ``key`` (``expert``'s slice of a stacked [E, out, in] tensor), None for a tensor
     stored unquantized or a checkpoint of another format."""
     quantized = getattr(checkpoint, "affine_quantized", None)
-    found = quantized(key, expert) if quantized is not None else None
+    found = quantized(key, expert=expert) if quantized is not None else None
     if found is None:
         return None
     return AffineStorage(found.codes, found.scales, found.biases, found.params.group_size, found.params.bits,
