@@ -62,6 +62,11 @@ class MistakeId(StrEnum):
     BNB_CODE_BOOK_WRONG = "bnb_code_book_wrong"
     BNB_BLOCK_SIZE_WRONG = "bnb_block_size_wrong"
     BNB_DOUBLE_QUANT_NOT_UNDONE = "bnb_double_quant_not_undone"
+    # MLX-LM affine-quantized safetensors (parity.sources.mlx_affine, engine.compare.affine_grid)
+    MLX_GROUP_SIZE_WRONG = "mlx_group_size_wrong"
+    MLX_BITS_MISMATCHED = "mlx_bits_mismatched"
+    MLX_SCALES_TRANSPOSED = "mlx_scales_transposed"
+    MLX_SCALES_BIASES_EXCHANGED = "mlx_scales_biases_exchanged"
     CONVERSION_UNEXPLAINED = "conversion_unexplained"
     # routing mistakes of a whole mixture-of-experts block (engine.routing_mistakes replays each on transformers' block)
     ROUTER_SIGMOID_INSTEAD_OF_SOFTMAX = "router_sigmoid_instead_of_softmax"
@@ -231,6 +236,23 @@ MISTAKES = {m.id: m for m in [
             "codes themselves taken for the absmax",
             "keep the nested_absmax, nested_quant_map and offset (QuantState.as_dict(packed=True)), or write "
             "dequantize_blockwise(absmax, state2) + offset as a plain float32 absmax"),
+    Mistake(MistakeId.MLX_GROUP_SIZE_WRONG, "checkpoint B's MLX-quantized tensor was quantized in groups of another "
+            "size than config.json's quantization (group_size, or the module's own entry) states: one scale and bias "
+            "per group of that many input values, not the stated number",
+            "state the group_size the tensor was quantized with (quantization.group_size, or a per-module entry for "
+            "this module), or re-quantize it with the stated one (mlx_lm.convert -q --q-group-size)"),
+    Mistake(MistakeId.MLX_BITS_MISMATCHED, "checkpoint B's MLX-quantized tensor holds codes of another width than "
+            "config.json's quantization (bits, or the module's own entry) states (4-bit codes read as 8-bit or the "
+            "reverse): every uint32 is unpacked into the wrong number of codes",
+            "state the bits the tensor was quantized with (quantization.bits, or a per-module entry for this "
+            "module), or re-quantize it with the stated width (mlx_lm.convert -q --q-bits)"),
+    Mistake(MistakeId.MLX_SCALES_TRANSPOSED, "checkpoint B's MLX scales and biases are transposed: stored [in / "
+            "group_size, out] where MLX reads [out, in / group_size]",
+            "write X.scales and X.biases as mlx.core.quantize returns them: one row per output, one column per "
+            "group of group_size input values"),
+    Mistake(MistakeId.MLX_SCALES_BIASES_EXCHANGED, "checkpoint B's MLX X.scales holds the groups' biases and "
+            "X.biases their scales: every value dequantizes as bias x code + scale",
+            "write mlx.core.quantize's outputs in its order: (weight, scales, biases)"),
     Mistake(MistakeId.CONVERSION_UNEXPLAINED, "checkpoint B's layer computes another function than A's, and no "
             "known conversion mistake explains it",
             "compare the layer's tensors one by one (the report lists which differ beyond the conversion's bound)"),
@@ -414,6 +436,14 @@ PRODUCED_BY: dict[MistakeId, str] = {
                                     "quant_state's blocksize",
     MistakeId.BNB_DOUBLE_QUANT_NOT_UNDONE: "replay (compare): A quantized by bitsandbytes with double quant, its "
                                            "absmax dequantized without the offset, or its 8-bit codes as the absmax",
+    MistakeId.MLX_GROUP_SIZE_WRONG: "finding (compare): B's packed weight and scales fit another group size than "
+                                    "the stated one at the stated bits",
+    MistakeId.MLX_BITS_MISMATCHED: "finding (compare): B's packed weight and scales fit another bit width than the "
+                                   "stated one at the stated group size",
+    MistakeId.MLX_SCALES_TRANSPOSED: "finding (compare): B's scales are the stated grid reversed; replay: A "
+                                     "quantized with mlx.core.quantize, a square grid transposed",
+    MistakeId.MLX_SCALES_BIASES_EXCHANGED: "replay (compare): A quantized with mlx.core.quantize, dequantized "
+                                           "with scales and biases exchanged",
     MistakeId.CONVERSION_UNEXPLAINED: "finding (compare): no conversion replay within the tolerance",
     MistakeId.ROUTER_SIGMOID_INSTEAD_OF_SOFTMAX: "replay: engine.routing_mistakes, the router's softmax computed "
                                                  "as a sigmoid",

@@ -32,7 +32,7 @@ import torch
 
 from parity.definitions.mapping import TensorRoute
 from parity.engine.check.fill import route_tensor
-from parity.engine.compare import codebook_grid, fp8_grid
+from parity.engine.compare import affine_grid, codebook_grid, fp8_grid
 from parity.engine.compare.gguf_blocks import (
     K_FORMAT,
     K_QUANTS,
@@ -94,6 +94,7 @@ class Storage:
     scales: torch.Tensor | None = None  # FP8 block quantization: each block's scale, read from the file
     levels: torch.Tensor | None = None  # a grid parity cannot read (IQ, NVFP4): B's own values, stored layout
     codebook: object | None = None  # bitsandbytes 4-bit: parity.sources.bnb_4bit.Packed4bit, read from the file
+    affine: affine_grid.AffineStorage | None = None  # MLX affine quantization: codes, scales, biases (stored layout)
 
 
 def dtype_name(dtype: torch.dtype) -> str:
@@ -108,6 +109,7 @@ def storage_of(checkpoint, key: str, stored: torch.Tensor, route: TensorRoute, e
     if info is None:
         as_stored = getattr(checkpoint, "stored_dtype", lambda _: None)(key)  # before a read's upcast to one dtype
         return (block_storage(checkpoint, key, route) or codebook_storage(checkpoint, key, route)
+                or affine_storage(checkpoint, key, route, expert)
                 or Storage(as_stored or dtype_name(stored.dtype), route=route))
     from parity.sources.gguf_header import qtype_name
 
@@ -161,6 +163,21 @@ def codebook_storage(checkpoint, key: str, route: TensorRoute) -> Storage | None
                "NaN/Inf absmax") if bool(bad.any()) else None
     return Storage(held.quant_type, True, route_tensor(route, steps), "file", route, nonfinite_scale=problem,
                    zeroed=not bool(held.levels[held.codes].any()), codebook=held)
+
+
+def affine_storage(checkpoint, key: str, route: TensorRoute, expert: int | None) -> Storage | None:
+    """How an MLX affine-quantized checkpoint stores ``key`` (``parity.sources.mlx_affine``): each value's step is its
+    group's scale, read from the file; None for a tensor stored unquantized."""
+    held = affine_grid.held(checkpoint, key, expert)
+    if held is None:
+        return None
+    bad = ~(torch.isfinite(held.scales) & torch.isfinite(held.biases))
+    problem = None
+    if bool(bad.any()):
+        first = [int(i) for i in bad.nonzero()[0]]
+        problem = f"group {first}: {int(bad.sum())} of {bad.numel()} groups have a NaN/Inf scale or bias"
+    return Storage(held.name, True, route_tensor(route, held.steps()), "file", route, nonfinite_scale=problem,
+                   zeroed=not bool(held.codes.any()), affine=held)
 
 
 def level_steps(values: torch.Tensor, group: int) -> torch.Tensor:
@@ -234,6 +251,11 @@ def reference_conversion(a: torch.Tensor, storage: Storage) -> tuple[torch.Tenso
         how = ("int8_vectorwise_quant (one scale per row)" if book.quant_type == "int8" else
                f"quantize_4bit in blocks of {book.blocksize}" + (" (double quant)" if book.nested else ""))
         return unstored(storage.route, values), f"re-quantized to {storage.dtype} with bitsandbytes' {how}", steps
+    if stored is not None and storage.affine is not None:
+        values, steps = affine_grid.requantize(stored, storage.affine)
+        held = storage.affine
+        return (unstored(storage.route, values), f"re-quantized with mlx.core.quantize ({held.bits}-bit, groups of "
+                f"{held.group_size}, A cast to {held.dtype} first)", steps)
     if stored is not None and storage.dtype in K_QUANTS and stored.shape[-1] % SUPER_BLOCK == 0:
         values, steps = k_requantize(stored, storage.dtype)
         return (unstored(storage.route, values), f"re-quantized to {storage.dtype} by rounding to the nearest level "
@@ -386,6 +408,9 @@ def quantized_bounds(a: torch.Tensor, b: torch.Tensor, storage: Storage, a_dtype
         allowed = allowed + unstored(storage.route, ends).float()  # 0 away from the grid's ends
         limit = K_GRID_FACTOR * (ideal + quantum / 2) + d_rounding
         return allowed, coarse_blocks(b_steps, ideal, limit, sub, x, a_dtype)
+    if storage.affine is not None:  # MLX: plus dtype rounding and clamped ends; each group's scale against A's range
+        allowed = allowed + unstored(storage.route, affine_grid.allowance(x, storage.affine))
+        return allowed, affine_grid.coarse_groups(x, storage.affine)
     if storage.block is not None and storage.scales is not None:  # FP8: each block's scale against A's amax / 448
         return allowed, fp8_grid.coarse_blocks(x, storage.scales, storage.block)
     if storage.codebook is not None:  # bitsandbytes 4-bit: each block's absmax against A's largest magnitude

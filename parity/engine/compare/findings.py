@@ -11,7 +11,7 @@ import math
 import torch
 
 from parity.definitions.mistakes import Candidate, Diagnosis, MistakeId, diagnosis
-from parity.engine.compare import codebook_grid, fp8_grid
+from parity.engine.compare import affine_grid, codebook_grid, fp8_grid
 from parity.engine.compare.conversion import Storage, step_excess, stored_layout, unstored
 
 ACTIVATION_GRID = (-20.0, 20.0, 4001)  # where two activations are compared, in float64
@@ -113,11 +113,14 @@ def block_replay_finding(beyond: list[dict], a: dict[str, torch.Tensor], b: dict
     for row in beyond:
         name, store = row["name"], storage[row["name"]]
         stored = stored_layout(store.route, a[name].float())
-        if (store.block is None and store.codebook is None) or stored is None or stored.dim() != 2:
+        if store.affine is not None and stored is not None:  # MLX affine: its own replays
+            found = affine_grid.replays(stored, store.affine, lambda t, s=store: unstored(s.route, t))
+        elif (store.block is None and store.codebook is None) or stored is None or stored.dim() != 2:
             continue
-        found = (fp8_grid.replays(stored, store.block, lambda t, s=store: unstored(s.route, t),
-                                  power_of_two=store.power_of_two) if store.block is not None
-                 else codebook_grid.replays(stored, store.codebook, lambda t, s=store: unstored(s.route, t)))
+        else:
+            found = (fp8_grid.replays(stored, store.block, lambda t, s=store: unstored(s.route, t),
+                                      power_of_two=store.power_of_two) if store.block is not None
+                     else codebook_grid.replays(stored, store.codebook, lambda t, s=store: unstored(s.route, t)))
         for mistake, detail, values in found:
             excess = step_excess(values, b[name].float(), store.steps)
             candidates.append(Candidate(mistake, f"{name}: {detail}", excess["max_steps"]))

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from parity.definitions.mistakes import MistakeId
-from parity.engine.compare import codebook_grid, conversion, fp8_grid
+from parity.engine.compare import affine_grid, codebook_grid, conversion, fp8_grid
 from parity.engine.experts import interleave_rows
 
 
@@ -81,6 +81,7 @@ def hypotheses(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor], storage: 
         found.extend(tensor_hypotheses(name, a[name], b[name], storage[name]))
         found.extend(block_hypotheses(name, a[name], storage[name]))
         found.extend(codebook_hypotheses(name, a[name], storage[name]))
+        found.extend(affine_hypotheses(name, a[name], storage[name]))
     return found
 
 
@@ -105,6 +106,17 @@ def codebook_hypotheses(name: str, a: torch.Tensor, storage: conversion.Storage)
     return [Hypothesis(MistakeId(mistake), f"{name}: {detail}", _replace(name, values))
             for mistake, detail, values in codebook_grid.replays(stored, storage.codebook,
                                                                  lambda t: conversion.unstored(storage.route, t))]
+
+
+def affine_hypotheses(name: str, a: torch.Tensor, storage: conversion.Storage) -> list[Hypothesis]:
+    """An MLX affine-quantized tensor's conversion mistakes (``affine_grid.mistakes``): A quantized with
+    mlx.core.quantize, then read back the way the mistake reads it.  None for other storage."""
+    stored = conversion.stored_layout(storage.route, a.float())
+    if storage.affine is None or stored is None:
+        return []
+    return [Hypothesis(MistakeId(mistake), f"{name}: {detail}", _replace(name, values))
+            for mistake, detail, values in affine_grid.replays(stored, storage.affine,
+                                                               lambda t: conversion.unstored(storage.route, t))]
 
 
 def fused_hypotheses(name: str, a: torch.Tensor) -> list[Hypothesis]:

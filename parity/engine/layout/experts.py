@@ -99,6 +99,9 @@ def expert_layout(renamed: Renamed, experts_path: str, experts: ExpertsModule,
             if own.startswith(prefix) and own[len(prefix):] in experts.stacks + BIASES:
                 found[layer][own[len(prefix):]].append((key, pattern))
     lacking = [name for layer in layers for name in experts.stacks if not found[layer].get(name)]
+    switch = _switch_mlp(renamed, experts_path, experts, layers, refuse) if lacking else None
+    if switch is not None:
+        return switch
     if lacking:
         raise refuse(f"transformers' {type(experts.module).__name__} needs '{experts_path.format(layer=layers[0])}."
                      f"{lacking[0]}' (or the tensors transformers' load-time conversion merges into it), which this "
@@ -110,6 +113,30 @@ def expert_layout(renamed: Renamed, experts_path: str, experts: ExpertsModule,
     if per_expert:
         return _per_expert(found, renamed.converters, experts, layers, refuse)
     return _fused(found, experts, layers, refuse)
+
+
+SWITCH_MLP = ("gate_proj", "up_proj", "down_proj")  # MLX-LM's SwitchGLU: each role stacked [E, out, in]
+
+
+def _switch_mlp(renamed: Renamed, experts_path: str, experts: ExpertsModule, layers: tuple[int, ...],
+                refuse: Any) -> tuple[str, Experts] | None:
+    """MLX-LM's layout (what its models' ``sanitize`` and mlx_lm.convert write): each role's experts stacked in one
+    tensor beside the experts module, ``switch_mlp.{gate_proj,up_proj,down_proj}.weight`` [E, out, in] (SwitchGLU
+    computes x @ W.T per expert), under the names transformers' renaming gives the block (Mixtral's
+    block_sparse_moe is its mlp).  None where the checkpoint does not hold them."""
+    if not experts.gated or experts.biased:
+        return None
+    stems = {}
+    for layer in layers:
+        block = experts_path.format(layer=layer).rsplit(".", 1)[0]
+        wanted = {f"{block}.switch_mlp.{role}.weight": role for role in SWITCH_MLP}
+        held = {wanted[own]: key for key, (own, _) in renamed.keys.items() if own in wanted}
+        if len(held) != len(SWITCH_MLP):
+            return None
+        stems[layer] = held["gate_proj"].removesuffix(".gate_proj.weight")
+    leaves = [f"{role}.weight" for role in SWITCH_MLP]
+    routes = [TensorRoute(role.removesuffix("_proj"), leaf) for role, leaf in zip(SWITCH_MLP, leaves, strict=True)]
+    return _layer_key(stems, layers, refuse), Experts(experts.count, *routes, stacked=tuple(leaves))
 
 
 def _varying(keys: list[str], label: str, refuse: Any) -> int:

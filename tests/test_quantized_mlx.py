@@ -1,0 +1,302 @@
+"""``parity compare A B`` where B is an MLX-LM affine-quantized release (what ``mlx_lm.convert -q`` writes): each
+quantized matrix a uint32 ``weight`` packing 32 / bits codes per word beside ``scales`` and ``biases`` in the model's
+dtype (one per group of group_size input values), config.json's ``quantization = {group_size, bits}`` (copied to
+``quantization_config``), per-module entries for mixed precision.
+
+A is a tiny LLaMA (and Qwen2, and a Qwen2-MoE) built with transformers' own classes.  B is written here the way
+mlx_lm.convert does it: every weight cast to the model dtype, then ``mlx.core.quantize`` (every linear weight,
+embeddings and lm_head included); faithful, and with one conversion mistake on layer 1 only.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from .derived_checkpoints import build
+from .support import run_main
+
+mx = pytest.importorskip("mlx.core")
+
+SIZES = dict(hidden_size=128, intermediate_size=192, num_key_value_heads=2, head_dim=64)
+FFN = ("gate_proj", "up_proj", "down_proj")
+LAYER1 = "model.layers.1.mlp"
+DTYPES = {"bfloat16": "BF16", "float16": "F16"}  # safetensors' names
+
+
+def to_torch(array, dtype: str | None = None) -> torch.Tensor:
+    """An mlx array as torch (uint32 kept as its bit pattern; a float cast to ``dtype`` exactly, via float32)."""
+    if array.dtype == mx.uint32:
+        return torch.from_numpy(np.array(array).view(np.int32)).view(torch.uint32)
+    return torch.from_numpy(np.array(array.astype(mx.float32))).to(getattr(torch, dtype)).contiguous()
+
+
+def pack4(codes: np.ndarray) -> np.ndarray:
+    """4-bit codes [out, in] packed as MLX packs them: eight per uint32, the first in the lowest bits."""
+    words = codes.astype(np.uint32).reshape(codes.shape[0], -1, 8)
+    return sum(words[..., k] << np.uint32(4 * k) for k in range(8)).astype(np.uint32)
+
+
+def quantize(value: torch.Tensor, group: int, bits: int, dtype: str, how: str | None = None) -> dict:
+    """``value`` [out, in] (or experts stacked, [E, out, in]) as mlx_lm.convert stores it (weight, scales, biases),
+    with mistake ``how``: exchanged (scales and biases swapped; "exchanged@2": in expert 2 only), transposed (both
+    stored [groups, out]), coarse (4 bits: every scale doubled and the codes halved, rounded down), nan (row 3's
+    scales NaN), zeroed (every code zero)."""
+    w = mx.array(value.float().numpy()).astype(getattr(mx, dtype))
+    packed, scales, biases = mx.quantize(w, group_size=group, bits=bits)
+    if how == "coarse":
+        ones = mx.ones(scales.shape, dtype=mx.float32)
+        codes = np.array(mx.dequantize(packed, ones, ones * 0, group_size=group, bits=bits)).astype(np.uint32)
+        assert (pack4(codes) == np.array(packed)).all()  # the packing is MLX's own
+        packed, scales = mx.array(pack4(codes // 2)), scales * 2
+    if how == "exchanged":
+        scales, biases = biases, scales
+    if how == "nan":
+        scales = mx.where((mx.arange(scales.shape[0]) == 3)[:, None], mx.array(float("nan"), scales.dtype), scales)
+    if how == "zeroed":
+        packed = mx.zeros_like(packed)
+    if how is not None and how.startswith("exchanged@"):
+        expert = int(how.split("@")[1])
+        scales, biases = mx.array(np.array(scales.astype(mx.float32))), mx.array(np.array(biases.astype(mx.float32)))
+        swapped = [mx.where(mx.arange(value.shape[0])[:, None, None] == expert, y, x)
+                   for x, y in ((scales, biases), (biases, scales))]
+        scales, biases = swapped
+    if how == "transposed":
+        scales, biases = scales.T, biases.T
+    return {"weight": to_torch(packed), "scales": to_torch(scales, dtype), "biases": to_torch(biases, dtype)}
+
+
+def mlx_export(a: Path, dest: Path, *, group: int = 64, bits: int = 4, dtype: str = "bfloat16",
+               breaks: dict[str, str] | None = None, modules: dict | None = None, written: dict | None = None
+               ) -> Path:
+    """A's folder as mlx_lm.convert -q writes it: every 2-D weight whose input width is a multiple of the group
+    quantized, the rest cast to ``dtype``.  ``modules``: config.json's per-module entries ({group_size, bits} or
+    False), which the tensors follow unless ``written`` says what a module was really quantized with (a config that
+    misstates it); ``breaks``: tensor name -> a mistake of ``quantize``."""
+    breaks, modules, written = breaks or {}, modules or {}, written or {}
+    shutil.copytree(a, dest)
+    out = {}
+    for name, value in switch_mlp(load_file(a / "model.safetensors")).items():
+        module = name.removesuffix(".weight")
+        entry = written.get(module, modules.get(module, {"group_size": group, "bits": bits}))
+        if value.dim() not in (2, 3) or "norm" in name or entry is False or value.shape[-1] % entry["group_size"]:
+            out[name] = value.to(getattr(torch, dtype))
+            continue
+        parts = quantize(value, entry["group_size"], entry["bits"], dtype, breaks.get(name))
+        out.update({f"{module}.{part}": tensor for part, tensor in parts.items()})
+    save_file(out, dest / "model.safetensors", metadata={"format": "mlx"})
+    config = json.loads((dest / "config.json").read_text())
+    config["quantization"] = {"group_size": group, "bits": bits, **modules}
+    config["quantization_config"] = config["quantization"]
+    (dest / "config.json").write_text(json.dumps(config, indent=2))
+    return dest
+
+
+def switch_mlp(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Per-expert tensors (``mlp.experts.{e}.up_proj.weight``) stacked as MLX-LM's models' sanitize does: one
+    ``mlp.switch_mlp.up_proj.weight`` [E, out, in] per role."""
+    out, stacks = {}, {}
+    for name, value in tensors.items():
+        found = re.fullmatch(r"(.*)\.experts\.(\d+)\.(\w+)\.weight", name)
+        if found is None:
+            out[name] = value
+        else:
+            stacks.setdefault(f"{found[1]}.switch_mlp.{found[3]}.weight", {})[int(found[2])] = value
+    out.update({name: torch.stack([by[e] for e in sorted(by)]) for name, by in stacks.items()})
+    return out
+
+
+@pytest.fixture(scope="module")
+def root(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("mlx")
+
+
+@pytest.fixture(scope="module")
+def model_a(root) -> Path:
+    return build("llama", root / "a", 3, **SIZES)
+
+
+def compare(capsys, a: Path, b: Path) -> tuple[int, dict]:
+    """``parity compare A B --json -``: the exit code and the report, validated against the shipped schema."""
+    from parity.engine.results import SCHEMA_FILE
+
+    code, out, err = run_main(capsys, "compare", a, b, "--json", "-")
+    assert out.strip(), err
+    report = json.loads(out)
+    jsonschema = pytest.importorskip("jsonschema")
+    jsonschema.validate(report, json.loads(SCHEMA_FILE.read_text(encoding="utf-8")))
+    return code, report
+
+
+@pytest.mark.parametrize(("group", "bits", "dtype"), [
+    (64, 4, "bfloat16"), (32, 4, "bfloat16"), (64, 8, "bfloat16"), (32, 8, "float16"),
+])
+def test_a_faithful_mlx_export_passes_on_every_layer(model_a, root, capsys, group, bits, dtype):
+    b = mlx_export(model_a, root / f"faithful-{group}-{bits}-{dtype}", group=group, bits=bits, dtype=dtype)
+    code, report = compare(capsys, model_a, b)
+    assert code == 0, report
+    assert [layer["passed"] for layer in report["layers"]] == [True, True]
+    for layer in report["layers"]:
+        conversion = layer["conversion"]
+        assert conversion["conversion_deviation"] > 0  # quantizing moves the function: judged against that
+        assert conversion["ratio_to_conversion"] == pytest.approx(1.0, abs=1e-6)  # B is A's conversion exactly
+        for row in conversion["tensors"]:
+            assert row["storage"] == f"mlx affine {bits}-bit/{group} ({dtype} scales)"
+            assert row["step_source"] == "file" and row["steps"]["values_beyond_step"] == 0
+            # half a step, a step at a clamped end of the group (measured 1.04 at most), plus the scale's bfloat16
+            # rounding times codes up to 255 at 8 bits (measured 1.67)
+            assert row["steps"]["max_steps"] <= (2.0 if (bits, dtype) == (8, "bfloat16") else 1.1)
+            assert "mlx.core.quantize" in row["conversion"]
+    assert any(f"MLX affine {bits}-bit, groups of {group}" in note for note in report["notes"])
+    # outside the FFN a quantized tensor is inventoried as the matrix it holds, not as its packed uint32 words
+    inventory = report["comparison"]["inventory"]
+    assert inventory["shape_differs"] == [] and inventory["dtype_changes"] == {f"F32 -> {DTYPES[dtype]}": 15}
+
+
+def test_mixed_precision_modules_are_judged_by_their_own_storage(model_a, root, capsys):
+    """Per-module entries, as mlx_lm.convert's quant predicates write them: layer 1's down_proj at 8 bits in groups
+    of 32, layer 0's up_proj left unquantized (false: stored in bfloat16); every layer passes, each tensor judged by
+    the storage it has."""
+    modules = {f"{LAYER1}.down_proj": {"group_size": 32, "bits": 8}, "model.layers.0.mlp.up_proj": False}
+    b = mlx_export(model_a, root / "mixed", modules=modules)
+    code, report = compare(capsys, model_a, b)
+    assert code == 0, report
+    storage = [{row["name"]: row["storage"] for row in layer["conversion"]["tensors"]} for layer in report["layers"]]
+    four = "mlx affine 4-bit/64 (bfloat16 scales)"
+    assert storage == [{"gate_proj.weight": four, "up_proj.weight": "bfloat16", "down_proj.weight": four},
+                       {"gate_proj.weight": four, "up_proj.weight": four,
+                        "down_proj.weight": "mlx affine 8-bit/32 (bfloat16 scales)"}]
+    assert any("1 modules with their own, 1 left unquantized" in note for note in report["notes"])
+
+
+@pytest.mark.parametrize(("case", "export", "tensor", "named", "evidence"), [
+    ("bits-8-as-4", dict(written={f"{LAYER1}.up_proj": {"group_size": 64, "bits": 8}}), "up_proj",
+     "mlx_bits_mismatched", "fit 8-bit codes in the stated groups of 64"),
+    ("bits-4-as-8", dict(modules={f"{LAYER1}.down_proj": {"group_size": 64, "bits": 8}},
+                         written={f"{LAYER1}.down_proj": {"group_size": 64, "bits": 4}}), "down_proj",
+     "mlx_bits_mismatched", "fit 4-bit codes in the stated groups of 64"),
+    ("group-32-as-64", dict(written={f"{LAYER1}.gate_proj": {"group_size": 32, "bits": 4}}), "gate_proj",
+     "mlx_group_size_wrong", "fit groups of 32 at the stated 4 bits"),
+    ("transposed", dict(breaks={f"{LAYER1}.down_proj.weight": "transposed"}), "down_proj",
+     "mlx_scales_transposed", "that grid transposed"),
+    ("exchanged", dict(breaks={f"{LAYER1}.gate_proj.weight": "exchanged"}), "gate_proj",
+     "mlx_scales_biases_exchanged", "exchanged"),
+    ("coarse", dict(breaks={f"{LAYER1}.up_proj.weight": "coarse"}), "up_proj", "grid_too_coarse", "blocks"),
+    ("nan", dict(breaks={f"{LAYER1}.up_proj.weight": "nan"}), "up_proj", "nonfinite_scale",
+     "groups have a NaN/Inf scale or bias"),
+    ("zeroed", dict(breaks={f"{LAYER1}.down_proj.weight": "zeroed"}), "down_proj", "zeroed_tensor",
+     "every code is zero"),
+])
+def test_an_mlx_conversion_mistake_fails_its_layer_only_and_is_named(model_a, root, capsys, case, export, tensor,
+                                                                     named, evidence):
+    broken = mlx_export(model_a, root / f"broken-{case}", **export)
+    code, report = compare(capsys, model_a, broken)
+    assert code == 1, report
+    verdicts = {layer["layer"]: layer for layer in report["layers"]}
+    assert verdicts[0]["passed"], verdicts[0]
+    assert not verdicts[1]["passed"]
+    found = verdicts[1]["diagnosis"]
+    assert found["id"] == named, found
+    assert tensor in found["message"] and evidence in found["message"], found["message"]
+    if found["distance"] is not None:  # a replay of the function: B reproduces it far closer than it is to A
+        assert found["distance"] <= 0.5 * found["reference_distance"]
+
+
+def test_gate_and_up_exchanged_in_an_mlx_export_is_named(model_a, root, capsys):
+    """Today's mistakes hold for a quantized B too: layer 1's gate and up exchanged before quantizing."""
+    a = root / "a-swapped"
+    shutil.copytree(model_a, a)
+    tensors = load_file(a / "model.safetensors")
+    gate, up = f"{LAYER1}.gate_proj.weight", f"{LAYER1}.up_proj.weight"
+    tensors[gate], tensors[up] = tensors[up].clone(), tensors[gate].clone()
+    save_file(tensors, a / "model.safetensors", metadata={"format": "pt"})
+    code, report = compare(capsys, model_a, mlx_export(a, root / "swapped"))
+    assert code == 1, report
+    assert [layer["passed"] for layer in report["layers"]] == [True, False]
+    found = report["layers"][1]["diagnosis"]
+    assert found["id"] == "gate_up_exchanged" and found["distance"] <= 0.5 * found["reference_distance"]
+
+
+def test_a_faithful_qwen2_export_passes(root, capsys):
+    a = build("qwen2", root / "qwen2", 4, **SIZES)
+    code, report = compare(capsys, a, mlx_export(a, root / "qwen2-mlx", group=32))
+    assert code == 0, report
+    assert all(row["storage"] == "mlx affine 4-bit/32 (bfloat16 scales)" for layer in report["layers"]
+               for row in layer["conversion"]["tensors"])
+
+
+@pytest.mark.parametrize(("quantization", "said"), [
+    ({"group_size": 64, "bits": 7}, "config.json's quantization is"),
+    ({"group_size": 32, "bits": 4, "mode": "mxfp4"}, "quantization.mode is 'mxfp4'"),
+    ({"group_size": 64, "bits": 4, "model.layers.0.mlp.up_proj": {"bits": 4}}, "quantization['model.layers.0"),
+])
+def test_an_mlx_config_parity_cannot_read_is_exit_2_naming_the_field(model_a, root, capsys, quantization, said):
+    b = mlx_export(model_a, root / f"config-{len(list(root.iterdir()))}")
+    config = json.loads((b / "config.json").read_text())
+    config["quantization"] = config["quantization_config"] = quantization
+    (b / "config.json").write_text(json.dumps(config))
+    code, out, err = run_main(capsys, "compare", model_a, b)
+    assert code == 2, out + err
+    assert said in err and "Traceback" not in err
+
+
+def test_without_mlx_an_mlx_b_is_exit_2_naming_the_extra(model_a, root, capsys, monkeypatch):
+    b = mlx_export(model_a, root / "no-extra")
+    for module in ("mlx", "mlx.core"):
+        monkeypatch.setitem(sys.modules, module, None)  # import of it raises ImportError
+    code, out, err = run_main(capsys, "compare", model_a, b)
+    assert code == 2, out + err
+    assert "MLX affine-quantized" in err and "'mlx'" in err and "Traceback" not in err
+
+
+def test_mlx_experts_in_switch_mlp_are_judged_one_by_one_and_a_broken_one_is_named(root, capsys):
+    """A Qwen2-MoE as MLX-LM stores it: each role's experts stacked in ``mlp.switch_mlp.{role}.weight`` [E, out, in]
+    and quantized as one tensor (router and shared expert quantized too, as mlx_lm.convert does for this family):
+    every expert and shared expert of a faithful export passes; scales and biases exchanged in expert 2 of layer 1's
+    up_proj fail that expert alone, named."""
+    from .derived_checkpoints import MOE
+
+    moe = build("qwen2_moe", root / "moe", 5, **{**MOE, **SIZES, "moe_intermediate_size": 64,
+                                                 "shared_expert_intermediate_size": 64})
+    code, report = compare(capsys, moe, mlx_export(moe, root / "moe-mlx"))
+    assert code == 0, report
+    units = [(unit["layer"], unit["expert"]) for unit in report["layers"] if unit["unit"] != "block"]
+    assert len(units) == 2 * (MOE["num_experts"] + 1)  # each expert and the shared expert, per layer
+    assert all(row["storage"] == "mlx affine 4-bit/64 (bfloat16 scales)" for unit in report["layers"]
+               for row in unit["conversion"].get("tensors", []))
+    broken = mlx_export(moe, root / "moe-mlx-broken", breaks={f"{LAYER1}.switch_mlp.up_proj.weight": "exchanged@2"})
+    code, report = compare(capsys, moe, broken)
+    assert code == 1, report
+    failed = [(unit["layer"], unit["expert"], unit["diagnosis"]["id"]) for unit in report["layers"]
+              if not unit["passed"]]
+    assert failed == [(1, 2, "mlx_scales_biases_exchanged")]
+
+
+def test_a_check_of_an_mlx_release_runs_on_its_dequantized_weights(model_a, root, capsys):
+    """``parity B`` (a check, not a compare): target and reference both get B's weights as mlx dequantizes them."""
+    b = mlx_export(model_a, root / "check")
+    code, out, err = run_main(capsys, b, "--layers", "all")
+    assert code == 0, out + err
+    assert "MLX affine 4-bit, groups of 64" in out and "the same dequantized float32 weights" in out
+
+
+def test_an_mlx_release_from_the_hugging_face_cache_is_read_as_a_local_one(model_a, root, tmp_path, capsys,
+                                                                           monkeypatch):
+    """B given as a hub id (mlx-community's repos), offline, from the Hugging Face cache: read through the hub path,
+    dequantized the same way, every layer passes."""
+    from .support import cache_repo, use_hf_home
+
+    home = use_hf_home(monkeypatch, tmp_path / "hf")
+    cache_repo(home, "mlx-community/tiny-llama-4bit", mlx_export(model_a, root / "hub"))
+    code, report = compare(capsys, model_a, "mlx-community/tiny-llama-4bit")
+    assert code == 0, report
+    assert all(row["storage"] == "mlx affine 4-bit/64 (bfloat16 scales)" for layer in report["layers"]
+               for row in layer["conversion"]["tensors"])
