@@ -8,7 +8,7 @@ from pathlib import Path
 
 from parity.definitions.files import shown
 from parity.errors import CheckpointError
-from parity.sources import fp8_blocks
+from parity.sources import fp8_blocks, int_groups
 from parity.sources.checkpoint import Checkpoint
 from parity.sources.safetensors_files import (
     CONFIG,
@@ -53,4 +53,5 @@ def open_path(path: Path, allow_pickle: bool = False) -> Checkpoint:
         return file_path
 
     checkpoint = Checkpoint(str(path), folder, raw_config, weight_map, fetch, reader=local_reader(fetch))
-    return fp8_blocks.wrap(checkpoint, folder)  # FP8 block-quantized weights: dequantized on read
+    # integer group-quantized (GPTQ, AWQ, compressed-tensors pack-quantized), else FP8: dequantized on read
+    return int_groups.wrap(checkpoint, folder) or fp8_blocks.wrap(checkpoint, folder)

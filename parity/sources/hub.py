@@ -21,7 +21,7 @@ from parity.errors import (
     OfflineError,
     PickleRefusedError,
 )
-from parity.sources import fp8_blocks
+from parity.sources import fp8_blocks, int_groups
 from parity.sources.checkpoint import Checkpoint
 from parity.sources.hub_errors import (
     describe_transport,
@@ -120,7 +120,8 @@ def open_hub(repo_id: str, revision: str | None = None) -> Checkpoint:
     reader = remote_reader(repo_id, commit, fetch, offline=offline)
     checkpoint = Checkpoint(location, config_path.parent, raw_config, weight_map, fetch, reader=reader,
                             repo_id=repo_id, revision=revision)
-    return fp8_blocks.wrap(checkpoint, f"'{repo_id}'")  # FP8 block-quantized weights: dequantized on read
+    # integer group-quantized (GPTQ, AWQ, compressed-tensors pack-quantized), else FP8: dequantized on read
+    return int_groups.wrap(checkpoint, f"'{repo_id}'") or fp8_blocks.wrap(checkpoint, f"'{repo_id}'")
 
 
 def _pinned(config_path: Path, revision: str | None) -> str | None:

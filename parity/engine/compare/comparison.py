@@ -40,7 +40,7 @@ from parity.definitions.selection import Selection, parse_selection
 from parity.engine.block import BLOCK_UNIT
 from parity.engine.check.fill import route_tensor
 from parity.engine.check.session import Session, run_reference
-from parity.engine.compare import conversion
+from parity.engine.compare import conversion, group_grid
 from parity.engine.compare.blocks import BlockComparison
 from parity.engine.compare.findings import (
     activations_differ,
@@ -308,6 +308,8 @@ class Comparison:
         scale = float(truth.out64.abs().max())
         quantized = any(s.quantized for s in b.storage.values())
         factor = QUANT_FACTOR if quantized else CAST_FACTOR
+        if any(s.group is not None for s in b.storage.values()):  # integer groups: GPTQ judged by the function
+            factor = group_grid.FACTOR
         tolerance = max(parity_tolerance(noise, scale, None), factor * conv_dev)
         runs = Runs(truth.out64, truth.out32, out_b, out_b)
         result = judge(layer, expert, runs, a.routed, truth.z, tolerance, self.a.checkpoint.weights, a.facts,

@@ -32,7 +32,7 @@ import torch
 
 from parity.definitions.mapping import TensorRoute
 from parity.engine.check.fill import route_tensor
-from parity.engine.compare import fp8_grid
+from parity.engine.compare import fp8_grid, group_grid
 from parity.engine.compare.gguf_blocks import (
     K_FORMAT,
     K_QUANTS,
@@ -81,6 +81,7 @@ class Storage:
     block: tuple[int, int] | None = None  # FP8 block quantization: the block each weight_scale_inv covers
     power_of_two: bool = False  # FP8 block quantization with power-of-two (ue8m0) scales
     scales: torch.Tensor | None = None  # FP8 block quantization: each block's scale, read from the file
+    group: group_grid.Grid | None = None  # integer group quantization (GPTQ, AWQ, pack-quantized): B's own grid
 
 
 def dtype_name(dtype: torch.dtype) -> str:
@@ -94,7 +95,9 @@ def storage_of(checkpoint, key: str, stored: torch.Tensor, route: TensorRoute, e
     info = header.tensors.get(key) if header is not None else None
     if info is None:
         as_stored = getattr(checkpoint, "stored_dtype", lambda _: None)(key)  # before a read's upcast to one dtype
-        return block_storage(checkpoint, key, route) or Storage(as_stored or dtype_name(stored.dtype), route=route)
+        grouped = group_grid.stored(checkpoint, key, route)  # integer groups: each value's grid read from the file
+        return (block_storage(checkpoint, key, route) or (Storage(**grouped) if grouped else None)
+                or Storage(as_stored or dtype_name(stored.dtype), route=route))
     from parity.sources.gguf_header import qtype_name
 
     name = qtype_name(info.qtype)
@@ -171,6 +174,9 @@ def reference_conversion(a: torch.Tensor, storage: Storage) -> tuple[torch.Tenso
             return a.float(), "as stored", None
         return a.to(target).float(), f"rounded to {storage.dtype}", None
     stored = stored_layout(storage.route, a.float())
+    if stored is not None and storage.group is not None:  # integer groups: round to nearest on B's own grid
+        rounded = group_grid.round_to(stored, storage.group)
+        return unstored(storage.route, rounded), group_grid.describe(storage.group), None
     if stored is not None and storage.block is not None:
         values, steps = fp8_grid.requantize(stored, storage.block, power_of_two=storage.power_of_two)
         scale = "the power of two at or above " if storage.power_of_two else ""
@@ -308,6 +314,8 @@ def quantized_bounds(a: torch.Tensor, b: torch.Tensor, storage: Storage, a_dtype
     end of its block's grid (its code clamped, or in a zero-step block) may lie farther by as much as the rounding of
     the block's scale to a multiple of d (and of its minimum to a multiple of dmin) moves it: (levels x d + dmin) / 2,
     with d and dmin those A's values call for, plus the float16 rounding of d and dmin themselves (times ``SEARCH``)."""
+    if storage.group is not None:  # integer groups (GPTQ moves values by more than a step): the steps are evidence
+        return torch.full_like(storage.steps.float(), math.inf), None
     allowed = torch.maximum(STEP_SLACK * storage.steps.float(), spacing(a, a_dtype))
     x = stored_layout(storage.route, a.float())
     if x is None:

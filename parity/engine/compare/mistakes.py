@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from parity.definitions.mistakes import MistakeId
-from parity.engine.compare import conversion, fp8_grid
+from parity.engine.compare import conversion, fp8_grid, group_grid
 from parity.engine.experts import interleave_rows
 
 
@@ -80,6 +80,7 @@ def hypotheses(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor], storage: 
         found.extend(fused_hypotheses(name, a[name]))
         found.extend(tensor_hypotheses(name, a[name], b[name], storage[name]))
         found.extend(block_hypotheses(name, a[name], storage[name]))
+        found.extend(group_hypotheses(name, a[name], storage[name]))
     return found
 
 
@@ -93,6 +94,16 @@ def block_hypotheses(name: str, a: torch.Tensor, storage: conversion.Storage) ->
             for mistake, detail, values in fp8_grid.replays(stored, storage.block,
                                                             lambda t: conversion.unstored(storage.route, t),
                                                             power_of_two=storage.power_of_two)]
+
+
+def group_hypotheses(name: str, a: torch.Tensor, storage: conversion.Storage) -> list[Hypothesis]:
+    """An integer group-quantized tensor's conversion mistakes (``group_grid.mistakes``): A quantized on B's grid,
+    then read back the way the mistake reads it.  None for other storage or a chunk of a fused tensor."""
+    stored = conversion.stored_layout(storage.route, a.float())
+    if storage.group is None or stored is None or stored.dim() != 2:
+        return []
+    return [Hypothesis(MistakeId(mistake), f"{name}: {detail}", _replace(name, conversion.unstored(storage.route, v)))
+            for mistake, detail, v in group_grid.mistakes(stored, storage.group)]
 
 
 def fused_hypotheses(name: str, a: torch.Tensor) -> list[Hypothesis]:
