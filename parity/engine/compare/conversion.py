@@ -314,8 +314,10 @@ def quantized_bounds(a: torch.Tensor, b: torch.Tensor, storage: Storage, a_dtype
     end of its block's grid (its code clamped, or in a zero-step block) may lie farther by as much as the rounding of
     the block's scale to a multiple of d (and of its minimum to a multiple of dmin) moves it: (levels x d + dmin) / 2,
     with d and dmin those A's values call for, plus the float16 rounding of d and dmin themselves (times ``SEARCH``)."""
-    if storage.group is not None:  # integer groups (GPTQ moves values by more than a step): the steps are evidence
-        return torch.full_like(storage.steps.float(), math.inf), None
+    if storage.group is not None:  # integer groups (GPTQ moves values by more than a step): the steps are evidence,
+        x, held = stored_layout(storage.route, a.float()), stored_layout(storage.route, b.float())  # unless biased
+        biased = x is not None and abs(group_grid.bias(x, held, storage.group)) > group_grid.BIAS_LIMIT
+        return torch.full_like(storage.steps.float(), 0.0 if biased else math.inf), None
     allowed = torch.maximum(STEP_SLACK * storage.steps.float(), spacing(a, a_dtype))
     x = stored_layout(storage.route, a.float())
     if x is None:
