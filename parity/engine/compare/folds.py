@@ -19,10 +19,9 @@ import math
 import torch
 
 # A norm fold is read when A's and B's norm weights differ relatively by more than this (a bfloat16 round trip moves
-# them by 2^-8 at most); s2 is undone with it, or alone when some factor exceeds S2_LIMIT (no fold: 1 within the
-# quantization noise of a row, measured under 3% on the tests' GPTQ-like fixture).
+# them by 2^-8 at most); s2 is undone only with it (AWQ folds both, AutoAWQ and llm-compressor alike: without a norm
+# fold a least-squares factor of up's rows would be read off a quantization error, such as a zero point one off).
 NORM_DIFFERS = 2.0 ** -7
-S2_LIMIT = 0.2
 # the norm before the FFN, by the names transformers' decoder layers give it (LLaMA / Qwen2 / Mistral; Gemma 2 and 3)
 FFN_NORMS = ("pre_feedforward_layernorm", "post_attention_layernorm")
 
@@ -117,7 +116,7 @@ def undo(a_session, b_session, layer: int, a, b) -> str | None:
         denominator = (up_b * up_b).sum(1)
         c = torch.where(denominator > 0, (up_a * up_b).sum(1) / denominator.clamp_min(1e-300), 1.0).float()
         spread = float(c.clamp_min(1e-30).log().abs().max())
-        if (folded is not None or spread > S2_LIMIT) and math.isfinite(spread):
+        if folded is not None and math.isfinite(spread):
             rescale(b, ups[0], c[:, None])
             rescale(b, downs[0], 1.0 / c[None, :])
             said.append(f"up's rows divided by s2 and down's columns multiplied by it (s2 from {float(c.min()):.3g} "
