@@ -34,11 +34,16 @@ FFN = ("gate_proj", "up_proj", "down_proj")
 AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)  # AutoAWQ's WQLinear_GEMM.from_linear: field i holds column AWQ_ORDER[i]
 
 
-def group_params(w: torch.Tensor, bits: int = BITS) -> tuple[torch.Tensor, torch.Tensor]:
-    """Asymmetric min-max parameters of each row of ``w`` [rows, values]: the scale (float16-rounded, as the files
-    store it) and the zero point (a code)."""
+def group_params(w: torch.Tensor, bits: int = BITS, sym: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """Min-max parameters of each row of ``w`` [rows, values]: the scale (float16-rounded, as the files store it) and
+    the zero point (a code); ``sym``: the range symmetric about zero and the zero point the middle code, as GPTQ's
+    symmetric quantizer fixes it ((2^bits) / 2)."""
     top = (1 << bits) - 1
     low, high = w.amin(-1).clamp(max=0), w.amax(-1).clamp(min=0)
+    if sym:
+        high = torch.maximum(-low, high)
+        scale = (2 * high / top).clamp_min(1e-8).half().float()
+        return scale, torch.full_like(scale, (top + 1) // 2)
     scale = ((high - low) / top).clamp_min(1e-8).half().float()
     zero = torch.clamp(torch.round(-low / scale), 0, top)
     return scale, zero
@@ -66,7 +71,7 @@ def hessian(inputs: int, seed: int) -> torch.Tensor:
     return h + 0.01 * h.diagonal().mean() * torch.eye(inputs, dtype=torch.float64)
 
 
-def gptq(w: torch.Tensor, seed: int, act_order: bool = True) -> tuple[torch.Tensor, ...]:
+def gptq(w: torch.Tensor, seed: int, act_order: bool = True, sym: bool = False) -> tuple[torch.Tensor, ...]:
     """A GPTQ-like pass over ``w`` [out, in]: columns taken in act order (largest Hessian diagonal first), each group's
     parameters fitted when its first column comes up, each column rounded to nearest and its error spread over the
     columns not yet quantized (the inverse Hessian's Cholesky factor, as GPTQ does).  Returns the codes [out, in],
@@ -81,7 +86,7 @@ def gptq(w: torch.Tensor, seed: int, act_order: bool = True) -> tuple[torch.Tens
     scales, zeros = torch.zeros(w.shape[0], groups), torch.zeros(w.shape[0], groups)
     for i in range(w.shape[1]):
         if i % GROUP == 0:
-            scales[:, i // GROUP], zeros[:, i // GROUP] = group_params(work[:, i:i + GROUP].float())
+            scales[:, i // GROUP], zeros[:, i // GROUP] = group_params(work[:, i:i + GROUP].float(), sym=sym)
         scale, zero = scales[:, i // GROUP].double(), zeros[:, i // GROUP].double()
         codes[:, i] = torch.clamp(torch.round(work[:, i] / scale + zero), 0, (1 << BITS) - 1)
         error = (work[:, i] - (codes[:, i] - zero) * scale) / u[i, i]
@@ -112,7 +117,8 @@ def pack_cols(codes: torch.Tensor, bits: int, order=None) -> torch.Tensor:
     return words.apply_(lambda v: v - (1 << 32) if v >= 1 << 31 else v).to(torch.int32)
 
 
-def gptq_module(w: torch.Tensor, seed: int, how: str | None) -> dict[str, torch.Tensor]:
+def gptq_module(w: torch.Tensor, seed: int, how: str | None, act_order: bool = True, sym: bool = False
+                ) -> dict[str, torch.Tensor]:
     """One module's GPTQ tensors (v1: zeros stored minus one), written with mistake ``how``: zeros_plain (stored
     without the minus one), sequential_g_idx (act-order codes, g_idx by position), bits8 (stated 8 in the config:
     the config's business, the tensors as 4-bit), group16 (quantized in groups of 16), scales_t (scales [out,
@@ -125,7 +131,7 @@ def gptq_module(w: torch.Tensor, seed: int, how: str | None) -> dict[str, torch.
         finally:
             GROUP = saved
     else:
-        codes, scales, zeros, g_idx = gptq(w, seed)
+        codes, scales, zeros, g_idx = gptq(w, seed, act_order, sym)
     if how == "sequential_g_idx":
         g_idx = torch.arange(w.shape[1]) // GROUP
     stored_zeros = zeros if how == "zeros_plain" else zeros - 1
@@ -164,9 +170,16 @@ def awq_fold(tensors: dict[str, torch.Tensor], seed: int) -> dict[str, torch.Ten
 
 
 def int_export(a: Path, dest: Path, method: str, breaks: dict[str, str] | None = None, fields: dict | None = None,
-               fold: bool = False) -> Path:
+               fold: bool = False, keep: tuple[str, ...] = ()) -> Path:
     """A's folder as a GPTQ or AWQ release: every linear weight of the decoder layers quantized (int4, groups of
-    32), the modules named in ``breaks`` written with that mistake; ``fold``: AWQ's scales folded first."""
+    32), the modules named in ``breaks`` written with that mistake; ``fold``: AWQ's scales folded first; ``fields``
+    replace quantization_config's own (GPTQ's ``sym`` and ``desc_act`` are how it quantizes); modules named in
+    ``keep`` stay in float16, listed in modules_to_not_convert."""
+    stated = {"gptq": {"quant_method": "gptq", "bits": BITS, "group_size": GROUP, "desc_act": True, "sym": False,
+                       "checkpoint_format": "gptq"},
+              "awq": {"quant_method": "awq", "bits": BITS, "group_size": GROUP, "zero_point": True,
+                      "version": "gemm"}}[method]
+    stated = {**stated, **(fields or {}), "modules_to_not_convert": list(keep) or None}
     breaks = breaks or {}
     shutil.copytree(a, dest)
     tensors = load_file(a / "model.safetensors")
@@ -174,20 +187,17 @@ def int_export(a: Path, dest: Path, method: str, breaks: dict[str, str] | None =
         tensors = awq_fold(tensors, 7)
     out = {}
     for seed, (name, value) in enumerate(sorted(tensors.items())):
-        if ".layers." not in name or value.dim() != 2:
-            out[name] = value
+        if ".layers." not in name or value.dim() != 2 or any(f".{k}." in name for k in keep):
+            out[name] = value.half() if any(f".{k}." in name for k in keep) else value
             continue
         module = name.removesuffix(".weight")
         how = breaks.get(name)
-        parts = gptq_module(value, seed, how) if method == "gptq" else awq_module(value, how)
+        parts = (gptq_module(value, seed, how, stated.get("desc_act", True), stated.get("sym", False))
+                 if method == "gptq" else awq_module(value, how))
         out.update({f"{module}.{part}": tensor for part, tensor in parts.items()})
     save_file(out, dest / "model.safetensors", metadata={"format": "pt"})
     config = json.loads((dest / "config.json").read_text())
-    stated = {"gptq": {"quant_method": "gptq", "bits": BITS, "group_size": GROUP, "desc_act": True, "sym": False,
-                       "checkpoint_format": "gptq"},
-              "awq": {"quant_method": "awq", "bits": BITS, "group_size": GROUP, "zero_point": True,
-                      "version": "gemm"}}[method]
-    config["quantization_config"] = {**stated, **(fields or {})}
+    config["quantization_config"] = stated
     (dest / "config.json").write_text(json.dumps(config, indent=2))
     return dest
 
@@ -283,6 +293,52 @@ def test_a_faithful_gptq_export_passes_though_its_values_move_more_than_a_step(m
     assert max(steps) > 1.5, steps  # GPTQ's error compensation: more than a step from A's, as evidence only
     assert all(r > 1.0 for r in ratios(report)), ratios(report)  # farther than round-to-nearest, within the factor
     assert any("GPTQ (v1" in note for note in report["notes"])
+
+
+@pytest.mark.parametrize(("sym", "act_order"), [(True, False), (True, True), (False, False)])
+def test_a_faithful_gptq_export_passes_symmetric_or_in_order(model_a, root, capsys, sym, act_order):
+    """GPTQ's symmetric quantizer (the zero point the middle code, 8: stored as 7 in v1) and its column order
+    without act order (g_idx by position): every layer passes; a symmetric one's zero point stored without v1's
+    minus one fails on its layer, named."""
+    fields = {"sym": sym, "desc_act": act_order}
+    b = int_export(model_a, root / f"gptq-sym{sym}-act{act_order}", "gptq", fields=fields)
+    code, report = compare(capsys, model_a, b)
+    assert code == 0, report
+    if sym:
+        broken = int_export(model_a, root / f"gptq-sym-zp-{act_order}", "gptq",
+                            {"model.layers.1.mlp.up_proj.weight": "zeros_plain"}, fields=fields)
+        code, report = compare(capsys, model_a, broken)
+        assert code == 1, report
+        assert [layer["passed"] for layer in report["layers"]] == [True, False]
+        assert report["layers"][1]["diagnosis"]["id"] == "zero_point_off_by_one"
+
+
+def test_modules_left_unquantized_are_judged_by_their_own_storage(model_a, root, capsys):
+    """A GPTQ release keeping down_proj in float16 (modules_to_not_convert): down_proj judged as the cast it is,
+    gate and up on their int4 grids; every layer passes."""
+    b = int_export(model_a, root / "gptq-mixed", "gptq", keep=("down_proj",))
+    code, report = compare(capsys, model_a, b)
+    assert code == 0, report
+    for layer in report["layers"]:
+        storage = {row["name"]: row["storage"] for row in layer["conversion"]["tensors"]}
+        assert storage == {"gate_proj.weight": "int4", "up_proj.weight": "int4", "down_proj.weight": "float16"}
+    assert any("left unquantized: down_proj" in note for note in report["notes"])
+
+
+def test_a_check_and_a_hub_copy_of_a_gptq_release_read_it_dequantized(model_a, root, tmp_path, capsys, monkeypatch):
+    """``parity B`` (a check) runs on B's dequantized weights; B as a hub id, offline, from the Hugging Face cache,
+    is read through the hub path the same way and passes."""
+    from .support import cache_repo, use_hf_home
+
+    b = int_export(model_a, root / "gptq-check", "gptq")
+    code, out, err = run_main(capsys, b, "--layers", "all")
+    assert code == 0, out + err
+    assert "GPTQ (v1" in out and "the same dequantized float32 weights" in out
+    home = use_hf_home(monkeypatch, tmp_path / "hf")
+    cache_repo(home, "someone/tiny-llama-gptq", b)
+    code, report = compare(capsys, model_a, "someone/tiny-llama-gptq")
+    assert code == 0, report
+    assert all(row["storage"] == "int4" for layer in report["layers"] for row in layer["conversion"]["tensors"])
 
 
 @pytest.mark.parametrize(("tensor", "how", "named"), [
