@@ -293,6 +293,9 @@ def test_a_faithful_gptq_export_passes_though_its_values_move_more_than_a_step(m
     assert max(steps) > 1.5, steps  # GPTQ's error compensation: more than a step from A's, as evidence only
     assert all(r > 1.0 for r in ratios(report)), ratios(report)  # farther than round-to-nearest, within the factor
     assert any("GPTQ (v1" in note for note in report["notes"])
+    # outside the FFN: each attention projection inventoried as its [out, in] and int4, from the packed headers
+    assert report["comparison"]["inventory"]["dtype_changes"] == {"F32 -> INT4": 8}
+    assert report["comparison"]["inventory"]["shape_differs"] == []
 
 
 @pytest.mark.parametrize(("sym", "act_order"), [(True, False), (True, True), (False, False)])

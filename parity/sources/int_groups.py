@@ -346,6 +346,37 @@ class IntGroupCheckpoint(Checkpoint):
         grid = READERS[self.scheme.method](self.location, name, self.scheme, parts)
         return grid, grid.values()
 
+    def describe(self, names: list[str]) -> dict[str, tuple[list[int], str]] | None:
+        """Shape and stored type without dequantizing (an inventory's headers): a quantized module as its [out, in]
+        and ``INT<bits>``, from its packed tensors' headers; the rest from their own.  None where no quantized
+        module is asked for, or the headers cannot be read locally (the caller then reads them as usual)."""
+        from parity.sources.safetensors_files import describe_local
+
+        if self.repo_id is not None or self.weights != "real" or not any(n in self.modules for n in names):
+            return None
+        out: dict[str, tuple[list[int], str]] = {}
+        for file_name in sorted({self.weight_map[n] for n in names}):
+            members = [n for n in names if self.weight_map[n] == file_name]
+            codes = {n: f"{self.modules[n]}.{CODES_PART[self.scheme.method]}" for n in members if n in self.modules}
+            plain = [n for n in members if n not in codes]
+            described = describe_local(self.fetch(file_name), plain + list(codes.values()))
+            out.update({n: described[n] for n in plain})
+            out.update({n: (self.logical_shape(n, described[part][0]), f"INT{self.scheme.bits}")
+                        for n, part in codes.items()})
+        return out
+
+    def logical_shape(self, name: str, packed: list[int]) -> list[int]:
+        """A quantized module's [out, in] from its packed codes' shape (pack-quantized: its weight_shape)."""
+        per_word = 32 // self.scheme.bits
+        if self.scheme.method == "gptq":
+            return [packed[1], packed[0] * per_word]
+        if self.scheme.method == "awq":
+            return [packed[1] * per_word, packed[0]]
+        shape_name = f"{self.modules[name]}.weight_shape"
+        if shape_name not in self.part_map:
+            return list(packed)
+        return [int(v) for v in self.reader(self.part_map[shape_name], [shape_name])[shape_name].tolist()]
+
     def stored_dtype(self, name: str) -> str | None:
         """The dtype tensor ``name`` had in its file when last read (see FP8Checkpoint.stored_dtype)."""
         return self.as_stored.get(name)
