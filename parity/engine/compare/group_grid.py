@@ -30,10 +30,12 @@ from parity.engine.check.fill import route_tensor
 # B's function may deviate from A's by this many times what round-to-nearest on B's own grid does.  Measured on
 # tests/test_quantized_int.py's fixtures (tiny LLaMA, int4, groups of 32, parity's seeded inputs): the GPTQ-like export
 # (each column's rounding error compensated in the later columns through a Hessian of correlated inputs, act order)
-# at 1.01 to 1.15 x round-to-nearest, AWQ with its scales undone at 0.99 to 1.04 x; a zero point off by one on one
-# tensor at 3.0 x (round to nearest, pack-quantized) but 1.58 x under GPTQ's own error: that is caught by its bias
-# (BIAS_LIMIT), not by the function.
-FACTOR = 2.5
+# at 1.01 to 1.15 x round-to-nearest, AWQ with its scales undone at 0.99 to 1.04 x; an act-order g_idx ignored on one
+# tensor at 3.9 x, AWQ's packed order read linearly at 4.7 x.  A real GPTQ's Hessian (outlier channels) lets it trade
+# more error along the inputs its calibration rarely saw, which parity's inputs do not spare: hence 3 x, not 2 x.  A
+# zero point off by one on one tensor sits at 3.0 x (round to nearest) but 1.58 x under GPTQ's own error: that is
+# caught by its bias (BIAS_LIMIT), not by the function.
+FACTOR = 3.0
 MEASURED_GPTQ_STEPS = 2.1  # the farthest value of the GPTQ-like fixture from A's, in its group's steps (2.08)
 # A faithful export's values lie on either side of A's (round to nearest, or GPTQ's compensation, which spreads each
 # rounding error over later columns with both signs): the mean signed distance of a whole tensor from round-to-nearest
