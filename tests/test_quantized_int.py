@@ -411,3 +411,26 @@ def test_without_compressed_tensors_a_pack_quantized_b_is_exit_2_naming_the_extr
     code, out, err = run_main(capsys, "compare", model_a, b)
     assert code == 2, out + err
     assert "compressed-tensors" in err and "'quant'" in err and "pack-quantized" in err and "Traceback" not in err
+
+
+def test_gptq_experts_are_judged_one_by_one_and_a_broken_one_is_named(root, capsys):
+    """A mixture of experts (Qwen3-MoE: each expert's matrices their own GPTQ modules), the router left in float16
+    (modules_to_not_convert): every expert of a faithful export passes, and each layer's whole block; one expert
+    whose zero points were stored without v1's minus one fails alone, named."""
+    from .derived_checkpoints import MOE
+
+    moe = build("qwen3_moe", root / "moe", 5, **{**MOE, "hidden_size": 128, "moe_intermediate_size": 64})
+    faithful = int_export(moe, root / "moe-gptq", "gptq", keep=("gate",))
+    code, report = compare(capsys, moe, faithful)
+    assert code == 0, report
+    experts = [unit for unit in report["layers"] if unit["unit"] != "block"]
+    assert len(experts) == 2 * MOE["num_experts"]
+    assert [(unit["layer"], unit["passed"]) for unit in report["layers"] if unit["unit"] == "block"] == [(0, True),
+                                                                                                        (1, True)]
+    broken = int_export(moe, root / "moe-gptq-broken", "gptq",
+                        {"model.layers.1.mlp.experts.2.up_proj.weight": "zeros_plain"}, keep=("gate",))
+    code, report = compare(capsys, moe, broken)
+    assert code == 1, report
+    failed = [(unit["layer"], unit["expert"], unit["diagnosis"]["id"]) for unit in report["layers"]
+              if not unit["passed"]]
+    assert failed == [(1, 2, "zero_point_off_by_one")]
