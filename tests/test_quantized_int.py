@@ -142,11 +142,11 @@ def gptq_module(w: torch.Tensor, seed: int, how: str | None, act_order: bool = T
 
 def awq_module(w: torch.Tensor, how: str | None) -> dict[str, torch.Tensor]:
     """One module's AWQ GEMM tensors (round to nearest in sequential groups), packed in AWQ's order, or linearly
-    (``how`` "linear")."""
+    (``how`` "linear"); "scales_t": scales written [out, groups]."""
     codes, scales, zeros = rtn(w, torch.arange(w.shape[1]) // GROUP, w.shape[1] // GROUP)
     order = None if how == "linear" else AWQ_ORDER
     return {"qweight": pack_cols(codes.t().long(), BITS, order), "qzeros": pack_cols(zeros.t().long(), BITS, order),
-            "scales": scales.t().contiguous().half()}
+            "scales": (scales if how == "scales_t" else scales.t()).contiguous().half()}
 
 
 def awq_fold(tensors: dict[str, torch.Tensor], seed: int) -> dict[str, torch.Tensor]:
@@ -388,6 +388,19 @@ def test_awq_codes_packed_in_the_linear_order_fail_named(model_a, root, capsys):
     assert [layer["passed"] for layer in report["layers"]] == [True, False]
     found = report["layers"][1]["diagnosis"]
     assert found["id"] == "packed_order_wrong" and "gate_proj" in found["message"], found
+
+
+@pytest.mark.parametrize(("breaks", "fields", "named", "said"), [
+    ({"model.layers.1.mlp.down_proj.weight": "scales_t"}, None, "group_scales_transposed", "[128, 8]"),
+    ({}, {"bits": 8}, "group_bits_mismatched", "4 bits each"),
+])
+def test_an_awq_layout_mistake_is_named_from_its_packed_shapes(model_a, root, capsys, breaks, fields, named, said):
+    b = int_export(model_a, root / f"awq-{named}", "awq", breaks, fields=fields, fold=True)
+    code, report = compare(capsys, model_a, b)
+    assert code == 1, report
+    failing = [layer for layer in report["layers"] if not layer["passed"]]
+    assert [layer["layer"] for layer in failing] == ([1] if breaks else [0, 1])
+    assert all(layer["diagnosis"]["id"] == named and said in layer["diagnosis"]["message"] for layer in failing)
 
 
 @pytest.mark.parametrize(("fields", "said"), [

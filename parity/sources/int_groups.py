@@ -81,7 +81,6 @@ class GroupQuantized:
     low: int
     high: int
     method: str
-    names: tuple[str, ...] = ()  # the file's tensors it was read from
 
     def values(self):
         """The dequantized weight (float32): scale x (code - zero) of each value's group."""
@@ -108,8 +107,8 @@ def scheme_of(raw_config: dict, where: str) -> IntScheme | None:
         return packed_scheme(config, where)
     if method not in ("gptq", "awq"):
         return None
-    bits = _positive_int(config, "bits" if method == "gptq" else "bits" if "bits" in config else "w_bit", where,
-                         {2, 4, 8})
+    # transformers' GPTQConfig / AwqConfig say "bits"; AutoAWQ's own quant_config says "w_bit"
+    bits = _positive_int(config, "bits" if "bits" in config or method == "gptq" else "w_bit", where, {2, 4, 8})
     group = config.get("group_size", config.get("q_group_size"))
     if isinstance(group, bool) or not isinstance(group, int) or group == 0 or group < -1:
         raise CheckpointError(f"{where}: config.json's quantization_config.group_size is {group!r}; expected a "
@@ -264,11 +263,10 @@ def read_awq(where: str, name: str, scheme: IntScheme, parts: dict) -> GroupQuan
     import torch
 
     qweight, qzeros, scales = parts["qweight"], parts["qzeros"], parts["scales"]
-    inputs, outputs = qweight.shape[0], scales.shape[-1]
-    if qweight.shape[1] * 32 // scheme.bits != outputs:
-        if tuple(scales.shape) == (qweight.shape[1] * 32 // scheme.bits, -(-inputs // (scheme.group_size or inputs))):
-            check_groups(where, name, scheme, inputs, scales.shape[0], scales)
-        raise bits_error(where, name, scheme, qweight.shape[1], outputs, "outputs per input row (scales' columns)")
+    inputs, outputs = qweight.shape[0], qweight.shape[1] * 32 // scheme.bits
+    if outputs not in scales.shape:  # the packed words hold another count of outputs than the scales: other bits
+        raise bits_error(where, name, scheme, qweight.shape[1], scales.shape[-1],
+                         "outputs per input row (scales' columns)")
     check_groups(where, name, scheme, inputs, outputs, scales)
     if qzeros.shape[-1] * 32 // scheme.bits != outputs:
         raise bits_error(where, name, scheme, qzeros.shape[-1], outputs, "zero points per group (the outputs)")

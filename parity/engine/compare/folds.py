@@ -85,8 +85,8 @@ def rescale(side, name: str, factor: torch.Tensor) -> None:
     """B's tensor ``name`` (reference layout) and its grid multiplied by ``factor`` (broadcast over it)."""
     side.routed[name] = side.routed[name].float() * factor
     store = side.storage[name]
-    grid = store.group
-    if grid is not None and store.route is not None and store.route.transform != "transpose":
+    grid = store.group  # undo() reads only tensors stored as the reference holds them: the grid is in that layout
+    if grid is not None:
         grid = dataclasses.replace(grid, steps=grid.steps * factor, factor=grid.factor * factor)
     side.storage[name] = dataclasses.replace(store, steps=store.steps * factor.abs(), group=grid)
 
