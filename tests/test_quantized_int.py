@@ -237,6 +237,54 @@ def ct_export(a: Path, dest: Path, preset: str, breaks: dict[str, str] | None = 
     return dest
 
 
+def ct_act_order_export(a: Path, dest: Path, with_g_idx: bool = True) -> Path:
+    """A's folder in pack-quantized layout as llm-compressor's GPTQ with act order "group" wrote it: int4 symmetric
+    in groups of 32, each input column in the group its act order put it in (``weight_g_idx``; the order here: the
+    columns by their largest magnitude), the codes packed by compressed-tensors' ``pack_to_int32``; ``with_g_idx``
+    False: the same codes, weight_g_idx not written."""
+    from compressed_tensors.compressors.pack_quantized.helpers import pack_to_int32
+    from compressed_tensors.quantization import QuantizationArgs, QuantizationConfig, QuantizationScheme
+
+    scheme = QuantizationScheme(targets=["Linear"], weights=QuantizationArgs(num_bits=4, group_size=GROUP,
+                                                                               strategy="group", symmetric=True))
+    shutil.copytree(a, dest)
+    out = {}
+    for name, value in load_file(a / "model.safetensors").items():
+        if ".layers." not in name or value.dim() != 2:
+            out[name] = value
+            continue
+        order = torch.argsort(value.abs().amax(0), descending=True)  # act order: the loudest columns first
+        g_idx = torch.empty(value.shape[1], dtype=torch.int64)
+        g_idx[order] = torch.arange(value.shape[1]) // GROUP
+        scales = torch.stack([value[:, g_idx == g].abs().amax(-1) / 7.5 for g in range(value.shape[1] // GROUP)], 1)
+        codes = torch.clamp(torch.round(value / scales[:, g_idx]), -8, 7).to(torch.int8)
+        module = name.removesuffix(".weight")
+        out.update({f"{module}.weight_packed": pack_to_int32(codes, 4), f"{module}.weight_scale": scales,
+                    f"{module}.weight_shape": torch.tensor(value.shape)})
+        if with_g_idx:
+            out[f"{module}.weight_g_idx"] = g_idx.to(torch.int32)
+    save_file(out, dest / "model.safetensors", metadata={"format": "pt"})
+    quantization = QuantizationConfig(config_groups={"group_0": scheme}, ignore=["lm_head"], format="pack-quantized",
+                                      quantization_status="compressed").model_dump(mode="json")
+    config = json.loads((dest / "config.json").read_text())
+    config["quantization_config"] = {**quantization, "quant_method": "compressed-tensors"}
+    (dest / "config.json").write_text(json.dumps(config, indent=2))
+    return dest
+
+
+def uneven(a: Path, dest: Path) -> Path:
+    """A copy of A whose linear weights' input columns are scaled unevenly (e^-1.5 to e^1.5), as a trained model's
+    outlier channels make them: groups by position then mix loud and quiet columns, act-order groups do not."""
+    shutil.copytree(a, dest)
+    tensors = load_file(a / "model.safetensors")
+    generator = torch.Generator().manual_seed(11)
+    for name, value in tensors.items():
+        if ".layers." in name and value.dim() == 2:
+            tensors[name] = value * torch.exp(torch.empty(value.shape[1]).uniform_(-1.5, 1.5, generator=generator))
+    save_file(tensors, dest / "model.safetensors", metadata={"format": "pt"})
+    return dest
+
+
 @pytest.fixture(scope="module")
 def root(tmp_path_factory) -> Path:
     return tmp_path_factory.mktemp("int")
@@ -283,6 +331,23 @@ def test_a_pack_quantized_zero_point_off_by_one_fails_its_layer_named(model_a, r
     assert [layer["passed"] for layer in report["layers"]] == [True, False]
     found = report["layers"][1]["diagnosis"]
     assert found["id"] == "zero_point_off_by_one" and "up_proj" in found["message"], found
+
+
+def test_pack_quantized_act_order_groups_are_read_by_weight_g_idx_and_named_when_it_is_dropped(model_a, root, capsys):
+    """compressed-tensors 0.20 no longer applies a weight_g_idx: parity takes each column's scale from the group it
+    names, and the export passes at round to nearest exactly; the same codes without weight_g_idx are read in groups
+    by position and fail, named g_idx_ignored, on every layer."""
+    model_a = uneven(model_a, root / "a-uneven")
+    b = ct_act_order_export(model_a, root / "ct-act-order")
+    code, report = compare(capsys, model_a, b)
+    assert code == 0, report
+    assert all(ratio == pytest.approx(1.0, abs=1e-6) for ratio in ratios(report))
+    assert all("act-order g_idx" in row["conversion"] for layer in report["layers"]
+               for row in layer["conversion"]["tensors"])
+    dropped = ct_act_order_export(model_a, root / "ct-act-order-dropped", with_g_idx=False)
+    code, report = compare(capsys, model_a, dropped)
+    assert code == 1, report
+    assert [layer["diagnosis"]["id"] for layer in report["layers"]] == ["g_idx_ignored", "g_idx_ignored"]
 
 
 def test_a_faithful_gptq_export_passes_though_its_values_move_more_than_a_step(model_a, root, capsys):

@@ -175,8 +175,8 @@ def reference_conversion(a: torch.Tensor, storage: Storage) -> tuple[torch.Tenso
         return a.to(target).float(), f"rounded to {storage.dtype}", None
     stored = stored_layout(storage.route, a.float())
     if stored is not None and storage.group is not None:  # integer groups: round to nearest on B's own grid
-        rounded = group_grid.round_to(stored, storage.group)
-        return unstored(storage.route, rounded), group_grid.describe(storage.group), None
+        rounded, how = group_grid.reference(stored, storage.group)
+        return unstored(storage.route, rounded), how, None
     if stored is not None and storage.block is not None:
         values, steps = fp8_grid.requantize(stored, storage.block, power_of_two=storage.power_of_two)
         scale = "the power of two at or above " if storage.power_of_two else ""

@@ -42,6 +42,12 @@ MEASURED_GPTQ_STEPS = 2.1  # the farthest value of the GPTQ-like fixture from A'
 # on its grid stays near zero (the GPTQ-like fixture's 14 matrices: |mean| 0.007 steps at most), where a zero point one
 # code off moves every value a step the same way.  Beyond this mean a tensor is biased, whatever its function shows.
 BIAS_LIMIT = 0.5
+# B's own grid is the reference unless it rounds A this many times worse (root mean square) than min-max in B's groups
+# does: then it is no grid of A's (another group's scales, a g_idx lost) and the min-max one bounds the honest error.
+# Measured on the fixtures: GPTQ's, AWQ's (in the file's values, its scales folded) and pack-quantized's own grids
+# 0.99 to 1.01 x; act-order codes read without their g_idx 3.4 to 4.6 x.  A clipping quantizer (AWQ's auto_clip,
+# GPTQ's mse search) makes its own grid rounder than min-max, not rougher.
+SOUND = 2.5
 # AWQ's packing (int_groups.AWQ_ORDER): field i of each int32 holds column AWQ_ORDER[i] of its eight
 AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)
 
@@ -115,6 +121,41 @@ def bias(x: torch.Tensor, b: torch.Tensor, grid: Grid, reference: torch.Tensor |
     if not bool(live.any()):
         return 0.0
     return float(((b.float() - reference) / _safe(grid.steps))[live].mean())
+
+
+def minmax(x: torch.Tensor, grid: Grid) -> torch.Tensor:
+    """A's matrix (stored layout) quantized by min-max in B's groups (its g_idx, bits and code range): each group's
+    step its range over the codes (symmetric where B's zero points are one constant: its largest magnitude over half
+    the codes), the zero point the code of 0.  What a plain round-to-nearest quantizer makes of A in that layout,
+    in the file's values (``factor``, AWQ's scales, undone first and applied again after)."""
+    x = x.float() / grid.factor
+    index = grid.g_idx.expand(x.shape[0], -1)
+    shape = (x.shape[0], grid.scales.shape[1])
+    high = torch.zeros(shape).scatter_reduce(1, index, x, "amax", include_self=True)
+    low = torch.zeros(shape).scatter_reduce(1, index, x, "amin", include_self=True)
+    span = grid.high - grid.low
+    zeros = grid.group_zeros
+    if bool((zeros == zeros.reshape(-1)[0]).all()):  # symmetric: the zero point B's grid keeps
+        scales = torch.maximum(high, -low) / (span / 2)
+    else:
+        scales = (high - low) / span
+        zeros = torch.clamp(grid.low - torch.round(low / _safe(scales)), grid.low, grid.high)
+    steps, per_value = _safe(scales)[:, grid.g_idx], zeros[:, grid.g_idx]
+    codes = torch.clamp(torch.round(x / steps + per_value), grid.low, grid.high)
+    return (codes - per_value) * steps * grid.factor
+
+
+def reference(x: torch.Tensor, grid: Grid) -> tuple[torch.Tensor, str]:
+    """What a faithful export holds of A's matrix (stored layout), and how it was made: round to nearest on B's own
+    grid, unless that grid rounds A more than ``SOUND`` x worse (root mean square) than min-max in B's groups does
+    (a grid that is not A's: scales of other groups, a g_idx lost), then the min-max one, saying so."""
+    own = round_to(x, grid)
+    plain = minmax(x, grid)
+    errors = [float((values - x.float()).pow(2).mean().sqrt()) for values in (own, plain)]
+    if errors[0] > SOUND * errors[1]:
+        return plain, (f"quantized by min-max in B's groups (int{grid.bits}): B's own grid rounds A's values "
+                       f"{errors[0] / errors[1]:.1f} x worse (root mean square) than that, so it is no grid of A's")
+    return own, describe(grid)
 
 
 def describe(grid: Grid) -> str:
