@@ -183,7 +183,7 @@ def unpack_rows(packed, bits: int):
     return codes.reshape(-1, packed.shape[-1])
 
 
-def unpack_columns(packed, bits: int, order=None):
+def unpack_columns(packed, bits: int, *, order=None):
     """int32 words packed along their last axis, low bits first: [rows, columns x 32 / bits].  ``order``: the
     column each field holds within its word (AWQ_ORDER), None for the linear order GPTQ's qzeros use."""
     import torch
@@ -271,8 +271,8 @@ def read_awq(where: str, name: str, scheme: IntScheme, parts: dict) -> GroupQuan
     if qzeros.shape[-1] * 32 // scheme.bits != outputs:
         raise bits_error(where, name, scheme, qzeros.shape[-1], outputs, "zero points per group (the outputs)")
     order = AWQ_ORDER if scheme.bits == 4 else None
-    codes = unpack_columns(qweight, scheme.bits, order).t()
-    zeros = unpack_columns(qzeros, scheme.bits, order).float()
+    codes = unpack_columns(qweight, scheme.bits, order=order).t()
+    zeros = unpack_columns(qzeros, scheme.bits, order=order).float()
     g_idx = torch.arange(inputs) // (scheme.group_size or inputs)
     return GroupQuantized(codes, scales.float().t().contiguous(), zeros.t().contiguous(), g_idx, 0,
                           (1 << scheme.bits) - 1, "awq")

@@ -145,7 +145,7 @@ def group_replay_finding(beyond: list[dict], a: dict[str, torch.Tensor], b: dict
         held = stored_layout(store.route, b[name].float())
         from_a = group_grid.bias(x, held, store.group)
         for mistake, detail, values in group_grid.mistakes(x, store.group):
-            off = group_grid.bias(x, held, store.group, values)
+            off = group_grid.bias(x, held, store.group, reference=values)
             candidates.append(Candidate(mistake, f"{name}: {detail}", abs(off)))
             if abs(off) <= group_grid.BIAS_LIMIT / 2:
                 return diagnosis(mistake, None, reference_distance,

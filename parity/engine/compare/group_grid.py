@@ -74,7 +74,7 @@ class Grid:
         safe = torch.where(self.steps != 0, self.steps, torch.ones_like(self.steps))
         return torch.clamp(torch.round(x.float() / safe + self.zeros), self.low, self.high)
 
-    def values(self, codes: torch.Tensor, steps: torch.Tensor | None = None, zeros: torch.Tensor | None = None):
+    def values(self, codes: torch.Tensor, *, steps: torch.Tensor | None = None, zeros: torch.Tensor | None = None):
         """Codes dequantized on this grid (or on ``steps`` / ``zeros`` given per value)."""
         steps = self.steps if steps is None else steps
         return (codes - (self.zeros if zeros is None else zeros)) * steps
@@ -113,7 +113,7 @@ def round_to(x: torch.Tensor, grid: Grid) -> torch.Tensor:
     return grid.values(grid.codes(x))
 
 
-def bias(x: torch.Tensor, b: torch.Tensor, grid: Grid, reference: torch.Tensor | None = None) -> float:
+def bias(x: torch.Tensor, b: torch.Tensor, grid: Grid, *, reference: torch.Tensor | None = None) -> float:
     """The mean signed distance, in steps, of B's values (stored layout) from ``reference`` (default: A rounded to
     the nearest point of B's grid), over the values whose step is not zero."""
     reference = round_to(x, grid) if reference is None else reference
@@ -181,7 +181,7 @@ def _safe(steps: torch.Tensor) -> torch.Tensor:
     return torch.where(steps != 0, steps, torch.ones_like(steps))
 
 
-def linear_order(x: torch.Tensor, grid: Grid, zeros_too: bool) -> torch.Tensor | None:
+def linear_order(x: torch.Tensor, grid: Grid, *, zeros_too: bool) -> torch.Tensor | None:
     """A quantized as AWQ means it, its codes (and with ``zeros_too`` its zero points) packed in the linear order
     and read back in AWQ's: output row 8c + AWQ_ORDER[i] receives row 8c + i.  None where the rows are not
     whole words of eight."""
@@ -225,7 +225,7 @@ def mistakes(x: torch.Tensor, grid: Grid) -> list[tuple[str, str, torch.Tensor]]
     found = [("zero_point_off_by_one", f"zero points {'+1' if shift > 0 else '-1'} from the ones A was quantized "
               "with (GPTQ's v1 format stores them minus one)", zero_shift(x, grid, shift)) for shift in (1, -1)]
     for zeros_too in (True, False):
-        values = linear_order(x, grid, zeros_too)
+        values = linear_order(x, grid, zeros_too=zeros_too)
         if values is not None:
             found.append(("packed_order_wrong", "qweight" + (" and qzeros" if zeros_too else "") + " packed in the "
                           "linear order 0..7, read in AWQ's 0 2 4 6 1 3 5 7", values))
