@@ -303,10 +303,13 @@ def test_a_compressed_tensors_scale_inverted_fails_its_layer_named(model_a, root
 
 
 def test_a_compressed_tensors_format_parity_does_not_read_yet_is_exit_2_naming_it(model_a, root, capsys):
-    b = ct_export(model_a, root / "ct-w4a16", "W4A16", fmt="pack-quantized")
+    """NVFP4 (4-bit float groups): pack-quantized int weights are read by parity.sources.int_groups
+    (tests/test_quantized_int.py)."""
+    b = ct_export(model_a, root / "ct-nvfp4", "NVFP4", fmt="nvfp4-pack-quantized")
     code, out, err = run_main(capsys, "compare", model_a, b)
     assert code == 2, out + err
-    assert "format 'pack-quantized' with 4-bit int weights, strategy 'group'" in err and "Traceback" not in err
+    assert "format 'nvfp4-pack-quantized' with 4-bit float weights, strategy 'tensor_group'" in err
+    assert "Traceback" not in err
 
 
 def test_a_check_of_an_fp8_release_runs_on_its_dequantized_weights(faithful, capsys):

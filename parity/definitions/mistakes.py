@@ -67,6 +67,12 @@ class MistakeId(StrEnum):
     MLX_BITS_MISMATCHED = "mlx_bits_mismatched"
     MLX_SCALES_TRANSPOSED = "mlx_scales_transposed"
     MLX_SCALES_BIASES_EXCHANGED = "mlx_scales_biases_exchanged"
+    ZERO_POINT_OFF_BY_ONE = "zero_point_off_by_one"
+    PACKED_ORDER_WRONG = "packed_order_wrong"
+    G_IDX_IGNORED = "g_idx_ignored"
+    GROUP_BITS_MISMATCHED = "group_bits_mismatched"
+    GROUP_SIZE_WRONG = "group_size_wrong"
+    GROUP_SCALES_TRANSPOSED = "group_scales_transposed"
     CONVERSION_UNEXPLAINED = "conversion_unexplained"
     # routing mistakes of a whole mixture-of-experts block (engine.routing_mistakes replays each on transformers' block)
     ROUTER_SIGMOID_INSTEAD_OF_SOFTMAX = "router_sigmoid_instead_of_softmax"
@@ -253,6 +259,28 @@ MISTAKES = {m.id: m for m in [
     Mistake(MistakeId.MLX_SCALES_BIASES_EXCHANGED, "checkpoint B's MLX X.scales holds the groups' biases and "
             "X.biases their scales: every value dequantizes as bias x code + scale",
             "write mlx.core.quantize's outputs in its order: (weight, scales, biases)"),
+    Mistake(MistakeId.ZERO_POINT_OFF_BY_ONE, "checkpoint B's integer zero points are one code off the ones its "
+            "codes were quantized with: every value of a group moves by one step (GPTQ's v1 format stores each zero "
+            "point minus one and its readers add one; a writer that skips or repeats that)",
+            "write zero points as the format states: checkpoint_format 'gptq' (v1) stores zero - 1, 'gptq_v2' and "
+            "AWQ store the zero itself; state the checkpoint_format the exporter used"),
+    Mistake(MistakeId.PACKED_ORDER_WRONG, "checkpoint B's AWQ codes were packed in the linear order 0..7 within "
+            "each int32 where AWQ's GEMM layout packs output columns 0 2 4 6 1 3 5 7: each eight outputs' values are "
+            "read in other places", "pack qweight and qzeros in AWQ's order (AutoAWQ's WQLinear_GEMM.from_linear), "
+            "or state another format (GPTQ packs along the inputs, in linear order)"),
+    Mistake(MistakeId.G_IDX_IGNORED, "checkpoint B's codes were quantized with act-order groups (each input column "
+            "in the group GPTQ's ordering put it in), but its g_idx assigns each column the group of its position: "
+            "columns are read with another group's scale and zero point",
+            "store the g_idx the quantizer used (desc_act / act-order), or quantize without act-order"),
+    Mistake(MistakeId.GROUP_BITS_MISMATCHED, "checkpoint B's packed codes hold another number of bits than "
+            "config.json's quantization_config.bits states (4-bit codes read as 8, or the reverse)",
+            "state the bits the exporter packed, or re-export with the stated bits"),
+    Mistake(MistakeId.GROUP_SIZE_WRONG, "checkpoint B's scales were written for another group size than "
+            "config.json's quantization_config.group_size states: each scale is applied to other values than it "
+            "was computed for", "state the group_size the exporter used (-1: one group per row)"),
+    Mistake(MistakeId.GROUP_SCALES_TRANSPOSED, "checkpoint B's group scales are transposed: [out, groups] where the "
+            "format stores [groups, out] (compressed-tensors: the reverse)",
+            "write the scales in the format's own order (GPTQ and AWQ: [groups, out]; pack-quantized: [out, groups])"),
     Mistake(MistakeId.CONVERSION_UNEXPLAINED, "checkpoint B's layer computes another function than A's, and no "
             "known conversion mistake explains it",
             "compare the layer's tensors one by one (the report lists which differ beyond the conversion's bound)"),
@@ -444,6 +472,15 @@ PRODUCED_BY: dict[MistakeId, str] = {
                                      "quantized with mlx.core.quantize, a square grid transposed",
     MistakeId.MLX_SCALES_BIASES_EXCHANGED: "replay (compare): A quantized with mlx.core.quantize, dequantized "
                                            "with scales and biases exchanged",
+    MistakeId.ZERO_POINT_OFF_BY_ONE: "replay (compare): A quantized on B's grid with zero points one code off, "
+                                     "read with B's",
+    MistakeId.PACKED_ORDER_WRONG: "replay (compare): A quantized on B's AWQ grid, packed in the linear order and "
+                                  "read in AWQ's",
+    MistakeId.G_IDX_IGNORED: "replay (compare): A quantized in the groups that fit its columns best, read with B's "
+                             "g_idx",
+    MistakeId.GROUP_BITS_MISMATCHED: "finding (compare): B's packed word counts against the stated bits",
+    MistakeId.GROUP_SIZE_WRONG: "finding (compare): B's scale grid is another group size's",
+    MistakeId.GROUP_SCALES_TRANSPOSED: "finding (compare): B's scale grid is the stated one reversed",
     MistakeId.CONVERSION_UNEXPLAINED: "finding (compare): no conversion replay within the tolerance",
     MistakeId.ROUTER_SIGMOID_INSTEAD_OF_SOFTMAX: "replay: engine.routing_mistakes, the router's softmax computed "
                                                  "as a sigmoid",

@@ -21,7 +21,7 @@ from parity.errors import (
     OfflineError,
     PickleRefusedError,
 )
-from parity.sources import bnb_4bit, fp8_blocks, mlx_affine
+from parity.sources import bnb_4bit, fp8_blocks, int_groups, mlx_affine
 from parity.sources.checkpoint import Checkpoint
 from parity.sources.hub_errors import (
     describe_transport,
@@ -122,7 +122,8 @@ def open_hub(repo_id: str, revision: str | None = None) -> Checkpoint:
                             repo_id=repo_id, revision=revision)
     checkpoint = bnb_4bit.wrap(checkpoint, f"'{repo_id}'")  # bitsandbytes 4-bit weights: dequantized on read
     checkpoint = mlx_affine.wrap(checkpoint, f"'{repo_id}'")  # MLX affine-quantized weights: dequantized on read
-    return fp8_blocks.wrap(checkpoint, f"'{repo_id}'")  # FP8 block-quantized weights: dequantized on read
+    # integer group-quantized (GPTQ, AWQ, compressed-tensors pack-quantized), else FP8: dequantized on read
+    return int_groups.wrap(checkpoint, f"'{repo_id}'") or fp8_blocks.wrap(checkpoint, f"'{repo_id}'")
 
 
 def _pinned(config_path: Path, revision: str | None) -> str | None:

@@ -40,7 +40,7 @@ from parity.definitions.selection import Selection, parse_selection
 from parity.engine.block import BLOCK_UNIT
 from parity.engine.check.fill import route_tensor
 from parity.engine.check.session import Session, run_reference
-from parity.engine.compare import conversion
+from parity.engine.compare import conversion, folds, group_grid
 from parity.engine.compare.blocks import BlockComparison
 from parity.engine.compare.findings import (
     activations_differ,
@@ -48,6 +48,7 @@ from parity.engine.compare.findings import (
     block_finding,
     block_replay_finding,
     grid_finding,
+    group_replay_finding,
 )
 from parity.engine.compare.inventory import inventory
 from parity.engine.compare.mistakes import Hypothesis, hypotheses
@@ -286,6 +287,7 @@ class Comparison:
             return self.missing(layer, expert, MistakeId.TENSOR_MISSING, str(exc))
         except QuantizedLayoutError as exc:  # B's scales in another layout than its config states: B's finding
             return self.missing(layer, expert, MistakeId(exc.mistake_id), str(exc), kind="scales unreadable in B")
+        folds.undo(self.a, self.b, layer, a, b)  # AWQ's scales folded into the norm: B's FFN put back on A's input
         rows, converted, exact = tensor_rows(a, b)
         shaped = shape_finding(a, b)
         if shaped is not None:
@@ -310,6 +312,8 @@ class Comparison:
         factor = QUANT_FACTOR if quantized else CAST_FACTOR
         if any(s.levels is not None for s in b.storage.values()):  # a grid parity cannot read: B's own levels
             factor = conversion.LEVELS_FACTOR
+        if any(s.group is not None for s in b.storage.values()):  # integer groups: GPTQ judged by the function
+            factor = group_grid.FACTOR
         tolerance = max(parity_tolerance(noise, scale, None), factor * conv_dev)
         runs = Runs(truth.out64, truth.out32, out_b, out_b)
         result = judge(layer, expert, runs, a.routed, truth.z, tolerance, self.a.checkpoint.weights, a.facts,
@@ -383,6 +387,9 @@ class Comparison:
             return diagnosis(best[1], best[0], reference_distance, best[2], candidates)
         replayed = block_replay_finding(beyond, a.routed, b.routed, b.storage, reference_distance, candidates)
         if replayed is not None:  # an FP8 mistake B's every value reproduces: before what its grid shows
+            return replayed
+        replayed = group_replay_finding(beyond, a.routed, b.routed, b.storage, reference_distance, candidates)
+        if replayed is not None:  # an integer group mistake B's values are unbiased against
             return replayed
         coarse = grid_finding(rows, b.storage, reference_distance, candidates)
         if coarse is not None:

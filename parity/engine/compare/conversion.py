@@ -32,7 +32,7 @@ import torch
 
 from parity.definitions.mapping import TensorRoute
 from parity.engine.check.fill import route_tensor
-from parity.engine.compare import affine_grid, codebook_grid, fp8_grid
+from parity.engine.compare import affine_grid, codebook_grid, fp8_grid, group_grid
 from parity.engine.compare.gguf_blocks import (
     K_FORMAT,
     K_QUANTS,
@@ -95,6 +95,7 @@ class Storage:
     levels: torch.Tensor | None = None  # a grid parity cannot read (IQ, NVFP4): B's own values, stored layout
     codebook: object | None = None  # bitsandbytes 4-bit: parity.sources.bnb_4bit.Packed4bit, read from the file
     affine: affine_grid.AffineStorage | None = None  # MLX affine quantization: codes, scales, biases (stored layout)
+    group: group_grid.Grid | None = None  # integer group quantization (GPTQ, AWQ, pack-quantized): B's own grid
 
 
 def dtype_name(dtype: torch.dtype) -> str:
@@ -108,8 +109,9 @@ def storage_of(checkpoint, key: str, stored: torch.Tensor, route: TensorRoute, e
     info = header.tensors.get(key) if header is not None else None
     if info is None:
         as_stored = getattr(checkpoint, "stored_dtype", lambda _: None)(key)  # before a read's upcast to one dtype
+        grouped = group_grid.stored(checkpoint, key, route)  # integer groups: each value's grid read from the file
         return (block_storage(checkpoint, key, route) or codebook_storage(checkpoint, key, route)
-                or affine_storage(checkpoint, key, route, expert)
+                or affine_storage(checkpoint, key, route, expert) or (Storage(**grouped) if grouped else None)
                 or Storage(as_stored or dtype_name(stored.dtype), route=route))
     from parity.sources.gguf_header import qtype_name
 
@@ -239,6 +241,9 @@ def reference_conversion(a: torch.Tensor, storage: Storage) -> tuple[torch.Tenso
             return a.float(), "as stored", None
         return a.to(target).float(), f"rounded to {storage.dtype}", None
     stored = stored_layout(storage.route, a.float())
+    if stored is not None and storage.group is not None:  # integer groups: round to nearest on B's own grid
+        rounded, how = group_grid.reference(stored, storage.group)
+        return unstored(storage.route, rounded), how, None
     if stored is not None and storage.block is not None:
         values, steps = fp8_grid.requantize(stored, storage.block, power_of_two=storage.power_of_two)
         scale = "the power of two at or above " if storage.power_of_two else ""
@@ -392,6 +397,10 @@ def quantized_bounds(a: torch.Tensor, b: torch.Tensor, storage: Storage, a_dtype
     with d and dmin those A's values call for, plus the float16 rounding of d and dmin themselves (times ``SEARCH``)."""
     if storage.levels is not None:  # a grid read off B's own values (LEVEL_GROUP): the steps are evidence only
         return torch.full_like(storage.steps.float(), math.inf), None
+    if storage.group is not None:  # integer groups (GPTQ moves values by more than a step): the steps are evidence,
+        x, held = stored_layout(storage.route, a.float()), stored_layout(storage.route, b.float())  # unless biased
+        biased = x is not None and abs(group_grid.bias(x, held, storage.group)) > group_grid.BIAS_LIMIT
+        return torch.full_like(storage.steps.float(), 0.0 if biased else math.inf), None
     allowed = torch.maximum(STEP_SLACK * storage.steps.float(), spacing(a, a_dtype))
     x = stored_layout(storage.route, a.float())
     if x is None:

@@ -11,7 +11,7 @@ import math
 import torch
 
 from parity.definitions.mistakes import Candidate, Diagnosis, MistakeId, diagnosis
-from parity.engine.compare import affine_grid, codebook_grid, fp8_grid
+from parity.engine.compare import affine_grid, codebook_grid, fp8_grid, group_grid
 from parity.engine.compare.conversion import Storage, step_excess, stored_layout, unstored
 
 ACTIVATION_GRID = (-20.0, 20.0, 4001)  # where two activations are compared, in float64
@@ -131,4 +131,29 @@ def block_replay_finding(beyond: list[dict], a: dict[str, torch.Tensor], b: dict
                                  f"replay on A's (worst {excess['max_steps']:.2f} steps), where "
                                  f"{from_a['values_beyond_step']} lie beyond their step from A's own (worst "
                                  f"{from_a['max_steps']:.2f} steps at {from_a['at']})", candidates)
+    return None
+
+
+def group_replay_finding(beyond: list[dict], a: dict[str, torch.Tensor], b: dict[str, torch.Tensor],
+                         storage: dict[str, Storage], reference_distance: float, candidates: list[Candidate]
+                         ) -> Diagnosis | None:
+    """An integer group-quantized tensor whose values are biased (their mean signed distance from round-to-nearest
+    on B's grid beyond ``group_grid.BIAS_LIMIT`` steps, which no faithful export shows) and unbiased against a
+    conversion mistake replayed on A's tensor (``group_grid.mistakes``): that mistake, with both means as evidence.
+    Judged on the values, since a zero point one code off may move the function less than GPTQ's own error does."""
+    for row in beyond:
+        name, store = row["name"], storage[row["name"]]
+        x = stored_layout(store.route, a[name].float())
+        if store.group is None or x is None or x.dim() != 2:
+            continue
+        held = stored_layout(store.route, b[name].float())
+        from_a = group_grid.bias(x, held, store.group)
+        for mistake, detail, values in group_grid.mistakes(x, store.group):
+            off = group_grid.bias(x, held, store.group, reference=values)
+            candidates.append(Candidate(mistake, f"{name}: {detail}", abs(off)))
+            if abs(off) <= group_grid.BIAS_LIMIT / 2:
+                return diagnosis(mistake, None, reference_distance,
+                                 f"{named_in_b(row, storage)}: {detail}: B's values lie {from_a:+.2f} steps on "
+                                 f"average from A rounded to nearest on B's grid, {off:+.2f} from this replay",
+                                 candidates)
     return None

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from parity.definitions.mistakes import MistakeId
-from parity.engine.compare import affine_grid, codebook_grid, conversion, fp8_grid
+from parity.engine.compare import affine_grid, codebook_grid, conversion, fp8_grid, group_grid
 from parity.engine.experts import interleave_rows
 
 
@@ -82,6 +82,8 @@ def hypotheses(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor], storage: 
         found.extend(block_hypotheses(name, a[name], storage[name]))
         found.extend(codebook_hypotheses(name, a[name], storage[name]))
         found.extend(affine_hypotheses(name, a[name], storage[name]))
+    # integer groups: a zero point off by one moves each value a step, which the tensor's largest distance may not show
+    found.extend(group_hypotheses(a, storage))
     return found
 
 
@@ -117,6 +119,27 @@ def affine_hypotheses(name: str, a: torch.Tensor, storage: conversion.Storage) -
     return [Hypothesis(MistakeId(mistake), f"{name}: {detail}", _replace(name, values))
             for mistake, detail, values in affine_grid.replays(stored, storage.affine,
                                                                lambda t: conversion.unstored(storage.route, t))]
+
+
+def group_hypotheses(a: dict[str, torch.Tensor], storage: dict[str, conversion.Storage]) -> list[Hypothesis]:
+    """The integer group-quantized tensors' conversion mistakes (``group_grid.mistakes``): A quantized on B's grid,
+    then read back the way the mistake reads it; each for one tensor, and for every such tensor of the layer at once
+    (a writer's or reader's mistake is usually systematic).  None for other storage or a chunk of a fused tensor."""
+    found, joint = [], {}
+    for name, tensor in a.items():
+        store = storage.get(name)
+        stored = conversion.stored_layout(store.route, tensor.float()) if store is not None else None
+        if store is None or store.group is None or stored is None or stored.dim() != 2:
+            continue
+        for mistake, detail, values in group_grid.mistakes(stored, store.group):
+            value = conversion.unstored(store.route, values)
+            found.append(Hypothesis(MistakeId(mistake), f"{name}: {detail}", _replace(name, value)))
+            joint.setdefault((mistake, detail), {})[name] = value
+    for (mistake, detail), values in joint.items():
+        if len(values) > 1:
+            found.append(Hypothesis(MistakeId(mistake), f"{', '.join(values)}: {detail}",
+                                    lambda t, v=values: {**t, **v}))
+    return found
 
 
 def fused_hypotheses(name: str, a: torch.Tensor) -> list[Hypothesis]:

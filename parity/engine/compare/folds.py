@@ -1,0 +1,128 @@
+"""AWQ's folded activation scales, read and undone before B's FFN is judged (``parity compare``).
+
+AWQ (AutoAWQ's ``scale_ln_fcs`` and ``scale_fc_fc``, llm-compressor's AWQModifier) multiplies each input channel of
+the FFN's first projections by a scale s and divides the norm before them by it; and it divides each output row of
+the up projection by s2 and multiplies the matching input column of the down projection by it.  Norm plus FFN compute
+what they did, but the FFN alone computes another function of its own input, so a compare of the FFN on A's input
+would call a genuine export broken.  Here the scales are read from the checkpoints: s from the norm weights (A's over
+B's: the norm is the only place they are stored), s2 per intermediate channel as the least-squares factor of B's up
+row on A's.  B's tensors are then put back on A's input (its first projections' columns divided by s, up's rows
+times s2 and down's columns divided by s2) together with each value's grid (step times the same factor): B's FFN on
+A's input is exactly norm plus FFN of B, whatever s2's estimate, since up's rows and down's columns move together.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import torch
+
+# A norm fold is read when A's and B's norm weights differ relatively by more than this (a bfloat16 round trip moves
+# them by 2^-8 at most); s2 is undone only with it (AWQ folds both, AutoAWQ and llm-compressor alike: without a norm
+# fold a least-squares factor of up's rows would be read off a quantization error, such as a zero point one off).
+NORM_DIFFERS = 2.0 ** -7
+# the norm before the FFN, by the names transformers' decoder layers give it (LLaMA / Qwen2 / Mistral; Gemma 2 and 3)
+FFN_NORMS = ("pre_feedforward_layernorm", "post_attention_layernorm")
+
+
+def norm_offset(config) -> float:
+    """What transformers' RMSNorm of this model adds to its weight (Gemma: 1, ``x * (1 + w)``; LLaMA: 0), asked of
+    its own class: the norm built with a zero weight, run on ones."""
+    import importlib
+
+    kind = getattr(config, "model_type", "")
+    try:
+        module = importlib.import_module(f"transformers.models.{kind}.modeling_{kind}")
+    except ImportError:
+        return 0.0
+    norms = [getattr(module, n) for n in dir(module) if n.endswith("RMSNorm") and isinstance(getattr(module, n), type)]
+    if not norms:
+        return 0.0
+    try:
+        norm = norms[0](4)
+        with torch.no_grad():
+            norm.weight.zero_()
+            return float(norm(torch.ones(1, 4)).mean())
+    except Exception:  # a norm class of another signature: read as LLaMA's
+        return 0.0
+
+
+def norm_scales(a_session, b_session, layer: int) -> tuple[torch.Tensor, str] | None:
+    """s per hidden channel (A's norm weight over B's, with the model's offset) and the norm's name, where B's norm
+    before the FFN differs from A's; None where they agree or no such norm is stored."""
+    prefix = a_session.reader.layer_prefix(layer).rstrip(".").rsplit(".", 1)[0] + "."
+    for norm in FFN_NORMS:
+        name = f"{prefix}{norm}.weight"
+        if not (a_session.checkpoint.has(name) and b_session.checkpoint.has(name)):
+            continue
+        wa = a_session.checkpoint.read([name])[name].double()
+        wb = b_session.checkpoint.read([name])[name].double()
+        offset = norm_offset(a_session.config)
+        wa, wb = wa + offset, wb + offset
+        if wa.shape != wb.shape or float((wa - wb).abs().max()) <= NORM_DIFFERS * float(wa.abs().max()):
+            return None
+        safe = torch.where(wb != 0, wb, torch.ones_like(wb))
+        return torch.where(wb != 0, wa / safe, torch.ones_like(wa)).float(), name
+    return None
+
+
+def roles(names) -> dict[str, str]:
+    """gate / up / down of each tensor name of the layer (transformers' names; aliases.toml's roles)."""
+    from parity.definitions.aliases import load_aliases
+
+    found = {}
+    for name in names:
+        kinds = {role for role, kind in load_aliases().roles_of(name) if kind == "weight"}
+        for role in ("gate", "up", "down"):
+            if role in kinds:
+                found[name] = role
+                break
+    return found
+
+
+def rescale(side, name: str, factor: torch.Tensor) -> None:
+    """B's tensor ``name`` (reference layout) and its grid multiplied by ``factor`` (broadcast over it)."""
+    side.routed[name] = side.routed[name].float() * factor
+    store = side.storage[name]
+    grid = store.group  # undo() reads only tensors stored as the reference holds them: the grid is in that layout
+    if grid is not None:
+        grid = dataclasses.replace(grid, steps=grid.steps * factor, factor=grid.factor * factor)
+    side.storage[name] = dataclasses.replace(store, steps=store.steps * factor.abs(), group=grid)
+
+
+def undo(a_session, b_session, layer: int, a, b) -> str | None:
+    """B's FFN put back on A's input where AWQ's scales are folded into it (in place: ``b``'s tensors and grids);
+    what was undone, in words, or None."""
+    if not any(getattr(s, "group", None) is not None for s in b.storage.values()):
+        return None
+    named = roles(b.routed)
+    if any(b.routed[n].dim() != 2 or b.storage[n].route is None or b.storage[n].route.chunk is not None
+           or b.storage[n].route.transform == "transpose" for n in named):
+        return None  # fused or transposed tensors: not folded by AWQ's known mappings
+    said = []
+    folded = norm_scales(a_session, b_session, layer)
+    if folded is not None:
+        s, norm = folded
+        for name, role in named.items():
+            if role in ("gate", "up") and b.routed[name].shape[1] == s.numel():
+                rescale(b, name, 1.0 / s[None, :])
+        said.append(f"{norm} divided by s (from {float(s.min()):.3g} to {float(s.max()):.3g}), the FFN's input "
+                    "columns multiplied by it")
+    ups = [n for n, r in named.items() if r == "up"]
+    downs = [n for n, r in named.items() if r == "down"]
+    if len(ups) == 1 and len(downs) == 1 and b.routed[ups[0]].shape == a.routed[ups[0]].shape:
+        up_a, up_b = a.routed[ups[0]].double(), b.routed[ups[0]].double()
+        denominator = (up_b * up_b).sum(1)
+        c = torch.where(denominator > 0, (up_a * up_b).sum(1) / denominator.clamp_min(1e-300), 1.0).float()
+        spread = float(c.clamp_min(1e-30).log().abs().max())
+        if folded is not None and math.isfinite(spread):
+            rescale(b, ups[0], c[:, None])
+            rescale(b, downs[0], 1.0 / c[None, :])
+            said.append(f"up's rows divided by s2 and down's columns multiplied by it (s2 from {float(c.min()):.3g} "
+                        f"to {float(c.max()):.3g})")
+    text = "; ".join(said) or None
+    for name, store in list(b.storage.items()):
+        if text and store.group is not None and not isinstance(store.group.factor, float):
+            b.storage[name] = dataclasses.replace(store, group=dataclasses.replace(store.group, fold=text))
+    return text

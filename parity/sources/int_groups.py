@@ -1,0 +1,411 @@
+"""Integer group-quantized safetensors: compressed-tensors' ``pack-quantized`` (what llm-compressor's GPTQ and AWQ
+write), GPTQ (AutoGPTQ / GPTQModel: ``quant_method "gptq"``) and AWQ (AutoAWQ's GEMM layout: ``quant_method "awq"``).
+Each quantized matrix is stored as integer codes packed into int32 beside a scale (and a zero point) per group of
+``group_size`` input values; the true weight is ``scale x (code - zero)`` of the code's group (for act-order GPTQ,
+the group ``g_idx`` names for each input column).  Modules left unquantized (``modules_to_not_convert``, compressed-
+tensors' ``ignore``) have no codes and are read as stored.
+
+The wrapper presents each quantized module as its ``X.weight`` (float32, [out, in] as ``nn.Linear`` holds it),
+dequantized on read, one tensor at a time; ``grouped`` returns its codes, scales and zeros for a compare to judge it
+against its own grid (``parity.engine.compare.group_grid``).
+
+Who unpacks what, and why:
+
+* ``pack-quantized`` is unpacked and dequantized by compressed-tensors itself (``PackedQuantizationCompressor.
+  decompress``: the extra ``quant``).  compressed-tensors 0.20 no longer applies a ``weight_g_idx`` (its act-order
+  "group" mode was removed); a file that holds one is dequantized here with each column's scale taken from the group
+  it names, as the releases that wrote it did.
+* GPTQ and AWQ are unpacked by the small code below.  The ecosystem's libraries do not install here without
+  replacing the project's torch: ``pip install --dry-run gptqmodel==7.7.0`` (sdist, compiled on install) resolves to
+  torch 2.14.1 and the CUDA 13 wheels in place of the installed torch 2.13 (1m09s to resolve), and autoawq 0.2.9 (the
+  last release; the project is archived) failed in pip's resolver after 32 s in a scratch venv sharing the system's
+  packages.  transformers 5's GPTQ and AWQ integrations load through gptqmodel.  The layouts are pinned to those
+  libraries' own code, cited at each function.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from pathlib import Path
+from types import SimpleNamespace
+
+from parity.definitions.distribution import install_command
+from parity.definitions.files import shown
+from parity.errors import CheckpointError, QuantizedLayoutError
+from parity.sources.checkpoint import Checkpoint
+
+COMPRESSED = "compressed-tensors"
+PACKED = "pack-quantized"
+EXTRA = "quant"  # pyproject.toml's extra that installs compressed-tensors
+# AutoAWQ's GEMM packing (awq/modules/linear/gemm.py, WQLinear_GEMM.from_linear): nibble i of each int32 holds output
+# column 8 x col + AWQ_ORDER[i]
+AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)
+# the tensors each method stores for one quantized module X, beside which X.weight does not exist
+PARTS = {"gptq": ("qweight", "qzeros", "scales", "g_idx"), "awq": ("qweight", "qzeros", "scales"),
+         PACKED: ("weight_packed", "weight_scale", "weight_zero_point", "weight_shape", "weight_g_idx")}
+CODES_PART = {"gptq": "qweight", "awq": "qweight", PACKED: "weight_packed"}
+
+
+@dataclass(frozen=True)
+class IntScheme:
+    """What config.json's quantization_config states: the method (its packing), bits per code, values per group
+    (0: one group per row), whether the zero point is the middle code (sym), GPTQ's v1 checkpoint format (zero
+    points stored minus one) and what is left unquantized."""
+
+    method: str  # "gptq" | "awq" | "pack-quantized"
+    bits: int
+    group_size: int
+    sym: bool = True
+    v1: bool = True
+    not_converted: tuple[str, ...] = ()
+    library: object | None = None  # compressed-tensors' QuantizationScheme, for pack-quantized
+
+    def describe(self) -> str:
+        group = f"groups of {self.group_size}" if self.group_size else "one group per row"
+        how = {"gptq": f"GPTQ ({'v1: zero points stored minus one' if self.v1 else 'v2'})",
+               "awq": "AWQ GEMM (packed order 0 2 4 6 1 3 5 7)", PACKED: "compressed-tensors pack-quantized"}
+        return f"int{self.bits} {group}, {'symmetric' if self.sym else 'asymmetric'}, {how[self.method]}"
+
+
+@dataclass
+class GroupQuantized:
+    """One quantized matrix as its file stores it, unpacked, in ``nn.Linear``'s [out, in]: integer codes, each
+    group's scale and zero point ([out, groups], in code units), the group of each input column (``g_idx``), and the
+    codes' range."""
+
+    codes: object  # torch.Tensor int64 [out, in]
+    scales: object  # float32 [out, groups]
+    zeros: object  # float32 [out, groups]
+    g_idx: object  # int64 [in]
+    low: int
+    high: int
+    method: str
+
+    def values(self):
+        """The dequantized weight (float32): scale x (code - zero) of each value's group."""
+        return (self.codes.float() - self.zeros[:, self.g_idx]) * self.scales[:, self.g_idx]
+
+
+def _positive_int(config: dict, key: str, where: str, allowed=None) -> int:
+    value = config.get(key)
+    if isinstance(value, bool) or not isinstance(value, int) or (allowed is not None and value not in allowed):
+        wanted = f"one of {sorted(allowed)}" if allowed is not None else "an integer"
+        raise CheckpointError(f"{where}: config.json's quantization_config.{key} is {value!r}; parity reads "
+                              f"{wanted} here")
+    return value
+
+
+def scheme_of(raw_config: dict, where: str) -> IntScheme | None:
+    """The integer group scheme config.json states; None for a checkpoint of another quantization (or none).  A
+    field parity cannot read is a CheckpointError naming it."""
+    config = raw_config.get("quantization_config")
+    if not isinstance(config, dict):
+        return None
+    method = config.get("quant_method")
+    if method == COMPRESSED and config.get("format") == PACKED:
+        return packed_scheme(config, where)
+    if method not in ("gptq", "awq"):
+        return None
+    # transformers' GPTQConfig / AwqConfig say "bits"; AutoAWQ's own quant_config says "w_bit"
+    bits = _positive_int(config, "bits" if "bits" in config or method == "gptq" else "w_bit", where, {2, 4, 8})
+    group = config.get("group_size", config.get("q_group_size"))
+    if isinstance(group, bool) or not isinstance(group, int) or group == 0 or group < -1:
+        raise CheckpointError(f"{where}: config.json's quantization_config.group_size is {group!r}; expected a "
+                              "positive integer (values per group) or -1 (one group per row)")
+    skipped = config.get("modules_to_not_convert") or []
+    if method == "awq":
+        version = str(config.get("version", "gemm")).lower()
+        if version != "gemm":
+            raise CheckpointError(f"{where}: config.json's quantization_config.version is {version!r}; parity reads "
+                                  "AWQ's GEMM layout ('gemm') so far")
+        return IntScheme("awq", bits, max(group, 0), sym=not config.get("zero_point", True),
+                         not_converted=tuple(str(s) for s in skipped))
+    form = str(config.get("checkpoint_format", "gptq"))
+    if form not in ("gptq", "gptq_v2"):
+        raise CheckpointError(f"{where}: config.json's quantization_config.checkpoint_format is {form!r}; parity "
+                              "reads GPTQ's 'gptq' (v1) and 'gptq_v2'")
+    return IntScheme("gptq", bits, max(group, 0), sym=bool(config.get("sym", True)), v1=form == "gptq",
+                     not_converted=tuple(str(s) for s in skipped))
+
+
+def packed_scheme(config: dict, where: str) -> IntScheme:
+    """compressed-tensors' pack-quantized config, read by compressed-tensors itself: integer weights, strategy group
+    or channel, one weight scheme for every group; any other is refused naming what it is."""
+    library = require_library(where)
+    try:
+        parsed = library.QuantizationConfig.model_validate(config)
+    except Exception as exc:  # pydantic's ValidationError: the field and what was wrong
+        raise CheckpointError(f"{where}: config.json's quantization_config is not one compressed-tensors reads: "
+                              f"{'; '.join(str(exc).splitlines()[:3])}") from None
+    schemes = {g.weights.model_dump_json(): g for g in parsed.config_groups.values() if g.weights is not None}
+    if len(schemes) != 1:
+        raise CheckpointError(f"{where}: config.json's quantization_config (compressed-tensors) has {len(schemes)} "
+                              "weight schemes across its config_groups; parity reads checkpoints with one so far")
+    scheme = next(iter(schemes.values()))
+    args = scheme.weights
+    strategy = str(getattr(args.strategy, "value", args.strategy))
+    kind = str(getattr(args.type, "value", args.type))
+    if kind != "int" or strategy not in ("group", "channel") or not 1 <= args.num_bits <= 8:
+        raise CheckpointError(f"{where}: compressed-tensors format 'pack-quantized' with {args.num_bits}-bit {kind} "
+                              f"weights, strategy {strategy!r}: parity reads integer weights of 1 to 8 bits in groups "
+                              "or per channel")
+    group = args.group_size if strategy == "group" else 0
+    return IntScheme(PACKED, args.num_bits, group, sym=bool(args.symmetric),
+                     not_converted=tuple(str(n) for n in parsed.ignore or []), library=scheme)
+
+
+def require_library(where: str):
+    """compressed-tensors (its QuantizationConfig, the pack-quantized compressor and its unpacker), or a
+    CheckpointError (exit 2) naming what to install."""
+    try:
+        from compressed_tensors.compressors.pack_quantized.base import PackedQuantizationCompressor
+        from compressed_tensors.compressors.pack_quantized.helpers import unpack_from_int32
+        from compressed_tensors.quantization import QuantizationConfig
+    except ImportError:
+        raise CheckpointError(
+            f"{where}: its weights are integer-quantized in compressed-tensors' pack-quantized format, which parity "
+            f"reads with compressed-tensors, and that is not installed: "
+            f"{install_command(EXTRA, fallback='compressed-tensors')} (ffn-parity's extra '{EXTRA}')") from None
+    return SimpleNamespace(QuantizationConfig=QuantizationConfig, compressor=PackedQuantizationCompressor,
+                           unpack=unpack_from_int32)
+
+
+def unpack_rows(packed, bits: int):
+    """int32 words packed along their first axis, low bits first (GPTQModel's ``PackableQuantLinear.pack``:
+    ``qweight[row] |= code << (bits x j)`` for the j-th input of the row's 32 / bits): [rows x 32 / bits, columns]
+    of codes in [0, 2^bits)."""
+    import torch
+
+    shifts = torch.arange(0, 32, bits, dtype=torch.int64)
+    words = packed.to(torch.int64) & 0xFFFFFFFF
+    codes = (words.unsqueeze(1) >> shifts.view(1, -1, 1)) & ((1 << bits) - 1)
+    return codes.reshape(-1, packed.shape[-1])
+
+
+def unpack_columns(packed, bits: int, *, order=None):
+    """int32 words packed along their last axis, low bits first: [rows, columns x 32 / bits].  ``order``: the
+    column each field holds within its word (AWQ_ORDER), None for the linear order GPTQ's qzeros use."""
+    import torch
+
+    per_word = 32 // bits
+    shifts = torch.arange(0, 32, bits, dtype=torch.int64)
+    fields = ((packed.to(torch.int64) & 0xFFFFFFFF).unsqueeze(-1) >> shifts) & ((1 << bits) - 1)
+    if order is not None:  # field i holds column order[i]: put each back in its column
+        placed = torch.empty_like(fields)
+        placed[..., list(order)] = fields
+        fields = placed
+    return fields.reshape(packed.shape[0], packed.shape[1] * per_word)
+
+
+def layout_error(where: str, name: str, said: str, mistake: str) -> QuantizedLayoutError:
+    return QuantizedLayoutError(f"{where}: {name}: {said}", mistake)
+
+
+def check_groups(where: str, name: str, scheme: IntScheme, inputs: int, outputs: int, scales) -> None:
+    """The scales are [groups, out] (pack-quantized: [out, groups]) for the stated group size, else a
+    QuantizedLayoutError: the grid transposed, or one of another group size."""
+    groups = -(-inputs // scheme.group_size) if scheme.group_size else 1
+    expected = (outputs, groups) if scheme.method == PACKED else (groups, outputs)
+    found = tuple(scales.shape)
+    if found == expected:
+        return
+    said = (f"its scales have shape {list(found)} for a [{outputs}, {inputs}] weight; config.json's group_size "
+            f"{scheme.group_size or -1} calls for {list(expected)}")
+    if found == tuple(reversed(expected)):
+        raise layout_error(where, name, f"{said}: they are that grid transposed", "group_scales_transposed")
+    other = found[1] if scheme.method == PACKED else found[0]
+    if other and outputs in found:
+        size = -(-inputs // other)
+        raise layout_error(where, name, f"{said}: {other} groups, those of group_size {size}, not the stated "
+                           f"{scheme.group_size or -1}", "group_size_wrong")
+    raise layout_error(where, name, f"{said}", "group_size_wrong")
+
+
+def bits_error(where: str, name: str, scheme: IntScheme, packed: int, values: int, what: str) -> QuantizedLayoutError:
+    """``packed`` int32 words hold ``values`` codes: the bits they imply against the stated ones."""
+    implied = packed * 32 / values if values else float("nan")
+    return layout_error(where, name, f"{packed} packed int32 words hold {values} {what}: {implied:g} bits each, "
+                        f"where config.json's quantization_config states {scheme.bits}", "group_bits_mismatched")
+
+
+def read_gptq(where: str, name: str, scheme: IntScheme, parts: dict) -> GroupQuantized:
+    """GPTQ's layout (GPTQModel's ``PackableQuantLinear.pack`` and ``dequantize_weight``, AutoGPTQ's
+    ``QuantLinear``): ``qweight`` [in x bits / 32, out] packed along the inputs, ``qzeros`` [groups, out x bits / 32]
+    packed along the outputs, ``scales`` [groups, out], ``g_idx`` [in] (each input's group); checkpoint_format
+    "gptq" (v1) stores each zero point minus one and its readers add one (GPTQModel's
+    ``convert_gptq_v1_to_v2_format_module``)."""
+    import torch
+
+    qweight, qzeros, scales = parts["qweight"], parts["qzeros"], parts["scales"]
+    outputs, inputs = qweight.shape[1], qweight.shape[0] * 32 // scheme.bits
+    g_idx = parts.get("g_idx")
+    if g_idx is not None and g_idx.numel() != inputs:
+        raise bits_error(where, name, scheme, qweight.shape[0], g_idx.numel(), "input rows (g_idx's length)")
+    if qzeros.shape[-1] * 32 // scheme.bits != outputs:
+        raise bits_error(where, name, scheme, qzeros.shape[-1], outputs, "zero points per group (the outputs)")
+    check_groups(where, name, scheme, inputs, outputs, scales)
+    codes = unpack_rows(qweight, scheme.bits).t()
+    zeros = unpack_columns(qzeros, scheme.bits).float() + (1.0 if scheme.v1 else 0.0)
+    sequential = torch.arange(inputs) // (scheme.group_size or inputs)
+    g_idx = sequential if g_idx is None else g_idx.to(torch.int64)
+    if int(g_idx.min()) < 0 or int(g_idx.max()) >= scales.shape[0]:
+        raise layout_error(where, name, f"g_idx names groups {int(g_idx.min())} to {int(g_idx.max())}; its scales "
+                           f"hold {scales.shape[0]}", "group_size_wrong")
+    return GroupQuantized(codes, scales.float().t().contiguous(), zeros.t().contiguous(), g_idx, 0,
+                          (1 << scheme.bits) - 1, "gptq")
+
+
+def read_awq(where: str, name: str, scheme: IntScheme, parts: dict) -> GroupQuantized:
+    """AutoAWQ's GEMM layout (``WQLinear_GEMM.from_linear``; read back by ``awq.utils.packing_utils``'s
+    ``unpack_awq`` and ``reverse_awq_order``): ``qweight`` [in, out x bits / 32] and ``qzeros`` [groups, out x bits
+    / 32], both packed along the outputs in AWQ_ORDER, ``scales`` [groups, out]; the zero points as they are."""
+    import torch
+
+    qweight, qzeros, scales = parts["qweight"], parts["qzeros"], parts["scales"]
+    inputs, outputs = qweight.shape[0], qweight.shape[1] * 32 // scheme.bits
+    if outputs not in scales.shape:  # the packed words hold another count of outputs than the scales: other bits
+        raise bits_error(where, name, scheme, qweight.shape[1], scales.shape[-1],
+                         "outputs per input row (scales' columns)")
+    check_groups(where, name, scheme, inputs, outputs, scales)
+    if qzeros.shape[-1] * 32 // scheme.bits != outputs:
+        raise bits_error(where, name, scheme, qzeros.shape[-1], outputs, "zero points per group (the outputs)")
+    order = AWQ_ORDER if scheme.bits == 4 else None
+    codes = unpack_columns(qweight, scheme.bits, order=order).t()
+    zeros = unpack_columns(qzeros, scheme.bits, order=order).float()
+    g_idx = torch.arange(inputs) // (scheme.group_size or inputs)
+    return GroupQuantized(codes, scales.float().t().contiguous(), zeros.t().contiguous(), g_idx, 0,
+                          (1 << scheme.bits) - 1, "awq")
+
+
+def read_packed(where: str, name: str, scheme: IntScheme, parts: dict) -> tuple[GroupQuantized, object]:
+    """compressed-tensors' pack-quantized layout, unpacked by compressed-tensors (``unpack_from_int32``) for the grid
+    and dequantized by its ``PackedQuantizationCompressor.decompress`` (``weight_packed`` [out, in x bits / 32]
+    packed densely along the inputs, ``weight_scale`` [out, groups], ``weight_zero_point`` packed along the outputs,
+    ``weight_shape``); a ``weight_g_idx`` (which compressed-tensors 0.20 no longer applies) picks each column's group
+    here.  Returns the grid and the dequantized weight (float32)."""
+    import torch
+
+    library = require_library(where)
+    packed, scales = parts["weight_packed"], parts["weight_scale"]
+    outputs, inputs = (int(v) for v in parts["weight_shape"].tolist())
+    if packed.shape[-1] != -(-inputs * scheme.bits // 32):
+        raise bits_error(where, name, scheme, packed.shape[-1], inputs, "inputs per row (weight_shape)")
+    check_groups(where, name, scheme, inputs, outputs, scales)
+    codes = library.unpack(packed, scheme.bits, torch.Size([outputs, inputs])).to(torch.int64)
+    zeros = torch.zeros(scales.shape, dtype=torch.float32)
+    if "weight_zero_point" in parts and not scheme.library.weights.symmetric:
+        zeros = library.unpack(parts["weight_zero_point"], scheme.bits, torch.Size(scales.shape), packed_dim=0).float()
+    g_idx = parts.get("weight_g_idx")
+    sequential = torch.arange(inputs) // (scheme.group_size or inputs)
+    grid = GroupQuantized(codes, scales.float(), zeros, sequential if g_idx is None else g_idx.to(torch.int64),
+                          -(1 << (scheme.bits - 1)), (1 << (scheme.bits - 1)) - 1, PACKED)
+    if g_idx is not None:
+        return grid, grid.values()
+    state = {key: value for key, value in parts.items() if key != "weight_g_idx"}
+    weight = library.compressor.decompress(state, scheme.library)["weight"]
+    return grid, weight.float()
+
+
+READERS = {"gptq": read_gptq, "awq": read_awq}
+
+
+class IntGroupCheckpoint(Checkpoint):
+    """An HF folder of integer group-quantized weights: each quantized module X appears as ``X.weight`` (float32,
+    dequantized on read); its packed tensors are kept apart from ``weight_map``."""
+
+    scheme: IntScheme
+    modules: dict[str, str]  # X.weight -> X (the module prefix of its packed tensors)
+    part_map: dict[str, str]  # packed tensor name -> file
+    as_stored: dict[str, str]
+
+    def grouped(self, name: str) -> GroupQuantized | None:
+        """How tensor ``name`` is stored, when it is quantized here: its codes, scales, zeros and groups."""
+        if name not in self.modules:
+            return None
+        return self.unpack(name)[0]
+
+    def unpack(self, name: str) -> tuple[GroupQuantized, object]:
+        """The module's grid and its dequantized weight (float32)."""
+        prefix = self.modules[name]
+        names = [f"{prefix}.{part}" for part in PARTS[self.scheme.method] if f"{prefix}.{part}" in self.part_map]
+        files: dict[str, list[str]] = {}
+        for member in names:
+            files.setdefault(self.part_map[member], []).append(member)
+        parts = {}
+        for file_name, members in files.items():
+            parts.update({key[len(prefix) + 1:]: value for key, value in self.reader(file_name, members).items()})
+        if self.scheme.method == PACKED:
+            return read_packed(self.location, name, self.scheme, parts)
+        missing = [p for p in PARTS[self.scheme.method][:3] if p not in parts]
+        if missing:
+            raise CheckpointError(f"{self.location}: {prefix} has {CODES_PART[self.scheme.method]} but no "
+                                  f"{', '.join(prefix + '.' + m for m in missing)}")
+        grid = READERS[self.scheme.method](self.location, name, self.scheme, parts)
+        return grid, grid.values()
+
+    def describe(self, names: list[str]) -> dict[str, tuple[list[int], str]] | None:
+        """Shape and stored type without dequantizing (an inventory's headers): a quantized module as its [out, in]
+        and ``INT<bits>``, from its packed tensors' headers; the rest from their own.  None where no quantized
+        module is asked for, or the headers cannot be read locally (the caller then reads them as usual)."""
+        from parity.sources.safetensors_files import describe_local
+
+        if self.repo_id is not None or self.weights != "real" or not any(n in self.modules for n in names):
+            return None
+        out: dict[str, tuple[list[int], str]] = {}
+        for file_name in sorted({self.weight_map[n] for n in names}):
+            members = [n for n in names if self.weight_map[n] == file_name]
+            codes = {n: f"{self.modules[n]}.{CODES_PART[self.scheme.method]}" for n in members if n in self.modules}
+            plain = [n for n in members if n not in codes]
+            described = describe_local(self.fetch(file_name), plain + list(codes.values()))
+            out.update({n: described[n] for n in plain})
+            out.update({n: (self.logical_shape(n, described[part][0]), f"INT{self.scheme.bits}")
+                        for n, part in codes.items()})
+        return out
+
+    def logical_shape(self, name: str, packed: list[int]) -> list[int]:
+        """A quantized module's [out, in] from its packed codes' shape (pack-quantized: its weight_shape)."""
+        per_word = 32 // self.scheme.bits
+        if self.scheme.method == "gptq":
+            return [packed[1], packed[0] * per_word]
+        if self.scheme.method == "awq":
+            return [packed[1] * per_word, packed[0]]
+        shape_name = f"{self.modules[name]}.weight_shape"
+        if shape_name not in self.part_map:
+            return list(packed)
+        return [int(v) for v in self.reader(self.part_map[shape_name], [shape_name])[shape_name].tolist()]
+
+    def stored_dtype(self, name: str) -> str | None:
+        """The dtype tensor ``name`` had in its file when last read (see FP8Checkpoint.stored_dtype)."""
+        return self.as_stored.get(name)
+
+    def read(self, names: list[str]):
+        self.require(names)
+        out = super().read([n for n in names if n not in self.modules])
+        self.as_stored = {n: str(t.dtype).removeprefix("torch.") for n, t in out.items()}
+        for name in names:
+            if name in self.modules:
+                out[name] = self.unpack(name)[1]
+                self.as_stored[name] = f"int{self.scheme.bits}"
+        return out
+
+
+def wrap(checkpoint: Checkpoint, folder: Path | str) -> Checkpoint | None:
+    """``checkpoint`` as an IntGroupCheckpoint when its config states integer group quantization, else None."""
+    scheme = scheme_of(checkpoint.raw_config, shown(folder))
+    if scheme is None:
+        return None
+    codes = CODES_PART[scheme.method]
+    parts = {n: f for n, f in checkpoint.weight_map.items() if n.rsplit(".", 1)[-1] in PARTS[scheme.method]}
+    modules = {n.rsplit(".", 1)[0] + ".weight": n.rsplit(".", 1)[0] for n in parts if n.endswith("." + codes)}
+    weights = {n: f for n, f in checkpoint.weight_map.items() if n not in parts}
+    weights.update({name: parts[prefix + "." + codes] for name, prefix in modules.items()})
+    fields = {f.name: getattr(checkpoint, f.name) for f in dataclasses.fields(Checkpoint)}
+    wrapped = IntGroupCheckpoint(**{**fields, "weight_map": weights, "notes": list(checkpoint.notes)})
+    wrapped.scheme, wrapped.modules, wrapped.part_map, wrapped.as_stored = scheme, modules, parts, {}
+    reader = "compressed-tensors" if scheme.method == PACKED else "parity's unpacker (GPTQ/AWQ layouts)"
+    wrapped.notes.append(f"{scheme.describe()} (config.json quantization_config): {len(modules)} quantized matrices, "
+                         f"dequantized with {reader}"
+                         + (f"; left unquantized: {', '.join(scheme.not_converted)}" if scheme.not_converted else "")
+                         + "; target and reference both get the same dequantized float32 weights")
+    return wrapped

@@ -1,0 +1,514 @@
+"""``parity compare A B`` where B is an integer group-quantized release: compressed-tensors' ``pack-quantized`` (what
+llm-compressor's GPTQ and AWQ write), GPTQ (AutoGPTQ / GPTQModel: ``qweight`` packed along the inputs, ``qzeros``
+stored minus one in the v1 format, ``scales``, ``g_idx``) and AWQ (AutoAWQ's GEMM layout: packed along the outputs in
+the order 0 2 4 6 1 3 5 7, activation scales folded into the preceding norm).
+
+A is a tiny LLaMA built with transformers' own classes.  pack-quantized B is written by compressed-tensors' own
+compressor; GPTQ and AWQ B by the packers below, written from the layouts those libraries document (the libraries do
+not install here without replacing torch: parity.sources.int_groups).  The GPTQ export runs a GPTQ-like pass: each
+column's rounding error compensated in the columns not yet quantized through the Hessian of correlated inputs, in
+act order, so its values lie more than one step from A's, as a real GPTQ export's do.  Each mistake is written on
+layer 1 only.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from .derived_checkpoints import build
+from .support import run_main
+
+pytest.importorskip("compressed_tensors")
+
+SIZES = dict(hidden_size=128, intermediate_size=256, num_key_value_heads=2)
+GROUP = 32
+BITS = 4
+FFN = ("gate_proj", "up_proj", "down_proj")
+AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)  # AutoAWQ's WQLinear_GEMM.from_linear: field i holds column AWQ_ORDER[i]
+
+
+def group_params(w: torch.Tensor, bits: int = BITS, sym: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """Min-max parameters of each row of ``w`` [rows, values]: the scale (float16-rounded, as the files store it) and
+    the zero point (a code); ``sym``: the range symmetric about zero and the zero point the middle code, as GPTQ's
+    symmetric quantizer fixes it ((2^bits) / 2)."""
+    top = (1 << bits) - 1
+    low, high = w.amin(-1).clamp(max=0), w.amax(-1).clamp(min=0)
+    if sym:
+        high = torch.maximum(-low, high)
+        scale = (2 * high / top).clamp_min(1e-8).half().float()
+        return scale, torch.full_like(scale, (top + 1) // 2)
+    scale = ((high - low) / top).clamp_min(1e-8).half().float()
+    zero = torch.clamp(torch.round(-low / scale), 0, top)
+    return scale, zero
+
+
+def rtn(w: torch.Tensor, g_idx: torch.Tensor, groups: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``w`` [out, in] rounded to nearest in the groups ``g_idx`` names: codes [out, in], scales and zeros [out,
+    groups]."""
+    scales, zeros = torch.zeros(w.shape[0], groups), torch.zeros(w.shape[0], groups)
+    for g in range(groups):
+        scales[:, g], zeros[:, g] = group_params(w[:, g_idx == g])
+    codes = torch.clamp(torch.round(w / scales[:, g_idx] + zeros[:, g_idx]), 0, (1 << BITS) - 1)
+    return codes, scales, zeros
+
+
+def hessian(inputs: int, seed: int) -> torch.Tensor:
+    """The Hessian of correlated inputs (a few strong directions, uneven channel scales), as calibration data
+    gives GPTQ: X^T X / n, damped by 1% of its mean diagonal as GPTQ damps it."""
+    generator = torch.Generator().manual_seed(seed)
+    mix = torch.randn(inputs, 8, generator=generator, dtype=torch.float64)
+    x = torch.randn(512, 8, generator=generator, dtype=torch.float64) @ mix.t()
+    x = x + 0.3 * torch.randn(512, inputs, generator=generator, dtype=torch.float64)
+    x = x * torch.linspace(0.2, 2.0, inputs, dtype=torch.float64)[torch.randperm(inputs, generator=generator)]
+    h = x.t() @ x / x.shape[0]
+    return h + 0.01 * h.diagonal().mean() * torch.eye(inputs, dtype=torch.float64)
+
+
+def gptq(w: torch.Tensor, seed: int, act_order: bool = True, sym: bool = False) -> tuple[torch.Tensor, ...]:
+    """A GPTQ-like pass over ``w`` [out, in]: columns taken in act order (largest Hessian diagonal first), each group's
+    parameters fitted when its first column comes up, each column rounded to nearest and its error spread over the
+    columns not yet quantized (the inverse Hessian's Cholesky factor, as GPTQ does).  Returns the codes [out, in],
+    scales and zeros [out, groups] and g_idx [in]."""
+    h = hessian(w.shape[1], seed)
+    order = torch.argsort(h.diagonal(), descending=True) if act_order else torch.arange(w.shape[1])
+    h = h[order][:, order]
+    u = torch.linalg.cholesky(torch.cholesky_inverse(torch.linalg.cholesky(h)), upper=True)
+    work = w.double()[:, order].clone()
+    groups = w.shape[1] // GROUP
+    codes = torch.zeros_like(work)
+    scales, zeros = torch.zeros(w.shape[0], groups), torch.zeros(w.shape[0], groups)
+    for i in range(w.shape[1]):
+        if i % GROUP == 0:
+            scales[:, i // GROUP], zeros[:, i // GROUP] = group_params(work[:, i:i + GROUP].float(), sym=sym)
+        scale, zero = scales[:, i // GROUP].double(), zeros[:, i // GROUP].double()
+        codes[:, i] = torch.clamp(torch.round(work[:, i] / scale + zero), 0, (1 << BITS) - 1)
+        error = (work[:, i] - (codes[:, i] - zero) * scale) / u[i, i]
+        work[:, i + 1:] -= error[:, None] * u[i, i + 1:][None, :]
+    g_idx = torch.empty(w.shape[1], dtype=torch.int64)
+    g_idx[order] = torch.arange(w.shape[1]) // GROUP
+    back = torch.argsort(order)
+    return codes[:, back].long(), scales, zeros, g_idx
+
+
+def pack_rows(codes: torch.Tensor, bits: int) -> torch.Tensor:
+    """[rows, cols] codes packed along the rows, low bits first, 32 / bits per int32 (GPTQ's qweight)."""
+    per = 32 // bits
+    words = torch.zeros(codes.shape[0] // per, codes.shape[1], dtype=torch.int64)
+    for j in range(per):
+        words |= (codes[j::per].long() & ((1 << bits) - 1)) << (bits * j)
+    return words.to(torch.int64).apply_(lambda v: v - (1 << 32) if v >= 1 << 31 else v).to(torch.int32)
+
+
+def pack_cols(codes: torch.Tensor, bits: int, order=None) -> torch.Tensor:
+    """[rows, cols] codes packed along the columns, field i of each word holding column ``order[i]`` of its group
+    (linear when None): GPTQ's qzeros, AWQ's qweight and qzeros."""
+    per = 32 // bits
+    order = order or tuple(range(per))
+    words = torch.zeros(codes.shape[0], codes.shape[1] // per, dtype=torch.int64)
+    for i in range(per):
+        words |= (codes[:, order[i]::per].long() & ((1 << bits) - 1)) << (bits * i)
+    return words.apply_(lambda v: v - (1 << 32) if v >= 1 << 31 else v).to(torch.int32)
+
+
+def gptq_module(w: torch.Tensor, seed: int, how: str | None, act_order: bool = True, sym: bool = False
+                ) -> dict[str, torch.Tensor]:
+    """One module's GPTQ tensors (v1: zeros stored minus one), written with mistake ``how``: zeros_plain (stored
+    without the minus one), sequential_g_idx (act-order codes, g_idx by position), bits8 (stated 8 in the config:
+    the config's business, the tensors as 4-bit), group16 (quantized in groups of 16), scales_t (scales [out,
+    groups])."""
+    global GROUP
+    if how == "group16":
+        GROUP, saved = 16, GROUP
+        try:
+            codes, scales, zeros, g_idx = gptq(w, seed)
+        finally:
+            GROUP = saved
+    else:
+        codes, scales, zeros, g_idx = gptq(w, seed, act_order, sym)
+    if how == "sequential_g_idx":
+        g_idx = torch.arange(w.shape[1]) // GROUP
+    stored_zeros = zeros if how == "zeros_plain" else zeros - 1
+    scales_out = scales.half() if how == "scales_t" else scales.t().contiguous().half()
+    return {"qweight": pack_rows(codes.t(), BITS), "qzeros": pack_cols(stored_zeros.t().long() & 0xF, BITS),
+            "scales": scales_out, "g_idx": g_idx.to(torch.int32)}
+
+
+def awq_module(w: torch.Tensor, how: str | None) -> dict[str, torch.Tensor]:
+    """One module's AWQ GEMM tensors (round to nearest in sequential groups), packed in AWQ's order, or linearly
+    (``how`` "linear"); "scales_t": scales written [out, groups]."""
+    codes, scales, zeros = rtn(w, torch.arange(w.shape[1]) // GROUP, w.shape[1] // GROUP)
+    order = None if how == "linear" else AWQ_ORDER
+    return {"qweight": pack_cols(codes.t().long(), BITS, order), "qzeros": pack_cols(zeros.t().long(), BITS, order),
+            "scales": (scales if how == "scales_t" else scales.t()).contiguous().half()}
+
+
+def awq_fold(tensors: dict[str, torch.Tensor], seed: int) -> dict[str, torch.Tensor]:
+    """AWQ's scaling folded as AutoAWQ folds it for LLaMA (awq/quantize/scale.py: scale_ln_fcs, scale_fc_fc): each
+    input channel of gate and up multiplied by s and the post-attention norm divided by it; each output row of up
+    divided by s2 and the matching column of down multiplied by it.  Every layer's function (norm and FFN) is
+    unchanged; the FFN alone computes another function of its own input."""
+    out = dict(tensors)
+    generator = torch.Generator().manual_seed(seed)
+    for layer in range(2):
+        p = f"model.layers.{layer}."
+        hidden, inner = out[p + "mlp.gate_proj.weight"].shape[1], out[p + "mlp.up_proj.weight"].shape[0]
+        s = torch.exp(torch.empty(hidden).uniform_(-0.7, 0.7, generator=generator))
+        s2 = torch.exp(torch.empty(inner).uniform_(-0.7, 0.7, generator=generator))
+        out[p + "post_attention_layernorm.weight"] = out[p + "post_attention_layernorm.weight"] / s
+        for name in ("gate_proj", "up_proj"):
+            out[p + f"mlp.{name}.weight"] = out[p + f"mlp.{name}.weight"] * s
+        out[p + "mlp.up_proj.weight"] = out[p + "mlp.up_proj.weight"] / s2[:, None]
+        out[p + "mlp.down_proj.weight"] = out[p + "mlp.down_proj.weight"] * s2
+    return out
+
+
+def int_export(a: Path, dest: Path, method: str, breaks: dict[str, str] | None = None, fields: dict | None = None,
+               fold: bool = False, keep: tuple[str, ...] = ()) -> Path:
+    """A's folder as a GPTQ or AWQ release: every linear weight of the decoder layers quantized (int4, groups of
+    32), the modules named in ``breaks`` written with that mistake; ``fold``: AWQ's scales folded first; ``fields``
+    replace quantization_config's own (GPTQ's ``sym`` and ``desc_act`` are how it quantizes); modules named in
+    ``keep`` stay in float16, listed in modules_to_not_convert."""
+    stated = {"gptq": {"quant_method": "gptq", "bits": BITS, "group_size": GROUP, "desc_act": True, "sym": False,
+                       "checkpoint_format": "gptq"},
+              "awq": {"quant_method": "awq", "bits": BITS, "group_size": GROUP, "zero_point": True,
+                      "version": "gemm"}}[method]
+    stated = {**stated, **(fields or {}), "modules_to_not_convert": list(keep) or None}
+    breaks = breaks or {}
+    shutil.copytree(a, dest)
+    tensors = load_file(a / "model.safetensors")
+    if fold:
+        tensors = awq_fold(tensors, 7)
+    out = {}
+    for seed, (name, value) in enumerate(sorted(tensors.items())):
+        if ".layers." not in name or value.dim() != 2 or any(f".{k}." in name for k in keep):
+            out[name] = value.half() if any(f".{k}." in name for k in keep) else value
+            continue
+        module = name.removesuffix(".weight")
+        how = breaks.get(name)
+        parts = (gptq_module(value, seed, how, stated.get("desc_act", True), stated.get("sym", False))
+                 if method == "gptq" else awq_module(value, how))
+        out.update({f"{module}.{part}": tensor for part, tensor in parts.items()})
+    save_file(out, dest / "model.safetensors", metadata={"format": "pt"})
+    config = json.loads((dest / "config.json").read_text())
+    config["quantization_config"] = stated
+    (dest / "config.json").write_text(json.dumps(config, indent=2))
+    return dest
+
+
+def ct_export(a: Path, dest: Path, preset: str, breaks: dict[str, str] | None = None) -> Path:
+    """A's folder in compressed-tensors' pack-quantized layout, written by compressed-tensors itself: each weight's
+    scale and zero point from its ``calculate_qparams`` per group, packed by ``PackedQuantizationCompressor.compress``;
+    ``breaks``: zeros_plus1 (every zero point one code up)."""
+    from compressed_tensors.compressors.pack_quantized.base import PackedQuantizationCompressor
+    from compressed_tensors.quantization import QuantizationConfig, preset_name_to_scheme
+    from compressed_tensors.quantization.utils import calculate_qparams
+
+    scheme = preset_name_to_scheme(preset, ["Linear"])
+    args = scheme.weights
+    shutil.copytree(a, dest)
+    out = {}
+    for name, value in load_file(a / "model.safetensors").items():
+        if ".layers." not in name or value.dim() != 2:
+            out[name] = value
+            continue
+        tiles = value.float().reshape(value.shape[0], -1, args.group_size)
+        scale, zero = calculate_qparams(tiles.amin(-1), tiles.amax(-1), args)
+        state = {"weight": value.float(), "weight_scale": scale.float(), "weight_zero_point": zero}
+        compressed = PackedQuantizationCompressor.compress(state, scheme)
+        if (breaks or {}).get(name) == "zeros_plus1":  # the codes of the true zero point, stored one code up
+            high = (1 << (args.num_bits - 1)) - 1
+            shifted = {**state, "weight_zero_point": (zero + 1).clamp(max=high).to(zero.dtype)}
+            stored = PackedQuantizationCompressor.compress(shifted, scheme)
+            compressed["weight_zero_point"] = stored["weight_zero_point"]
+        out.update({f"{name.removesuffix('.weight')}.{key}": t for key, t in compressed.items()})
+    save_file(out, dest / "model.safetensors", metadata={"format": "pt"})
+    quantization = QuantizationConfig(config_groups={"group_0": scheme}, ignore=["lm_head"], format="pack-quantized",
+                                      quantization_status="compressed").model_dump(mode="json")
+    config = json.loads((dest / "config.json").read_text())
+    config["quantization_config"] = {**quantization, "quant_method": "compressed-tensors"}
+    (dest / "config.json").write_text(json.dumps(config, indent=2))
+    return dest
+
+
+def ct_act_order_export(a: Path, dest: Path, with_g_idx: bool = True) -> Path:
+    """A's folder in pack-quantized layout as llm-compressor's GPTQ with act order "group" wrote it: int4 symmetric
+    in groups of 32, each input column in the group its act order put it in (``weight_g_idx``; the order here: the
+    columns by their largest magnitude), the codes packed by compressed-tensors' ``pack_to_int32``; ``with_g_idx``
+    False: the same codes, weight_g_idx not written."""
+    from compressed_tensors.compressors.pack_quantized.helpers import pack_to_int32
+    from compressed_tensors.quantization import QuantizationArgs, QuantizationConfig, QuantizationScheme
+
+    scheme = QuantizationScheme(targets=["Linear"], weights=QuantizationArgs(num_bits=4, group_size=GROUP,
+                                                                               strategy="group", symmetric=True))
+    shutil.copytree(a, dest)
+    out = {}
+    for name, value in load_file(a / "model.safetensors").items():
+        if ".layers." not in name or value.dim() != 2:
+            out[name] = value
+            continue
+        order = torch.argsort(value.abs().amax(0), descending=True)  # act order: the loudest columns first
+        g_idx = torch.empty(value.shape[1], dtype=torch.int64)
+        g_idx[order] = torch.arange(value.shape[1]) // GROUP
+        scales = torch.stack([value[:, g_idx == g].abs().amax(-1) / 7.5 for g in range(value.shape[1] // GROUP)], 1)
+        codes = torch.clamp(torch.round(value / scales[:, g_idx]), -8, 7).to(torch.int8)
+        module = name.removesuffix(".weight")
+        out.update({f"{module}.weight_packed": pack_to_int32(codes, 4), f"{module}.weight_scale": scales,
+                    f"{module}.weight_shape": torch.tensor(value.shape)})
+        if with_g_idx:
+            out[f"{module}.weight_g_idx"] = g_idx.to(torch.int32)
+    save_file(out, dest / "model.safetensors", metadata={"format": "pt"})
+    quantization = QuantizationConfig(config_groups={"group_0": scheme}, ignore=["lm_head"], format="pack-quantized",
+                                      quantization_status="compressed").model_dump(mode="json")
+    config = json.loads((dest / "config.json").read_text())
+    config["quantization_config"] = {**quantization, "quant_method": "compressed-tensors"}
+    (dest / "config.json").write_text(json.dumps(config, indent=2))
+    return dest
+
+
+def uneven(a: Path, dest: Path) -> Path:
+    """A copy of A whose linear weights' input columns are scaled unevenly (e^-1.5 to e^1.5), as a trained model's
+    outlier channels make them: groups by position then mix loud and quiet columns, act-order groups do not."""
+    shutil.copytree(a, dest)
+    tensors = load_file(a / "model.safetensors")
+    generator = torch.Generator().manual_seed(11)
+    for name, value in tensors.items():
+        if ".layers." in name and value.dim() == 2:
+            tensors[name] = value * torch.exp(torch.empty(value.shape[1]).uniform_(-1.5, 1.5, generator=generator))
+    save_file(tensors, dest / "model.safetensors", metadata={"format": "pt"})
+    return dest
+
+
+@pytest.fixture(scope="module")
+def root(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("int")
+
+
+@pytest.fixture(scope="module")
+def model_a(root) -> Path:
+    return build("llama", root / "a", 3, **SIZES)
+
+
+def compare(capsys, a: Path, b: Path) -> tuple[int, dict]:
+    """``parity compare A B --json -``: the exit code and the report, validated against the shipped schema."""
+    from parity.engine.results import SCHEMA_FILE
+
+    code, out, err = run_main(capsys, "compare", a, b, "--json", "-")
+    assert out.strip(), err
+    report = json.loads(out)
+    jsonschema = pytest.importorskip("jsonschema")
+    jsonschema.validate(report, json.loads(SCHEMA_FILE.read_text(encoding="utf-8")))
+    return code, report
+
+
+def ratios(report: dict) -> list[float]:
+    return [layer["conversion"]["ratio_to_conversion"] for layer in report["layers"]]
+
+
+@pytest.mark.parametrize("preset", ["W4A16", "W4A16_ASYM", "W8A16"])
+def test_a_faithful_pack_quantized_export_passes_on_every_layer(model_a, root, capsys, preset):
+    b = ct_export(model_a, root / f"ct-{preset}", preset)
+    code, report = compare(capsys, model_a, b)
+    assert code == 0, report
+    assert any("compressed-tensors pack-quantized" in note for note in report["notes"])
+    for layer in report["layers"]:
+        assert layer["conversion"]["ratio_to_conversion"] == pytest.approx(1.0, abs=1e-6)
+        for row in layer["conversion"]["tensors"]:
+            assert row["storage"] == f"int{preset[1]}" and row["step_source"] == "file"
+            assert row["steps"]["max_steps"] <= 0.5 + 1e-3  # round to nearest on its own grid
+
+
+def test_a_pack_quantized_zero_point_off_by_one_fails_its_layer_named(model_a, root, capsys):
+    b = ct_export(model_a, root / "ct-zp", "W4A16_ASYM", {"model.layers.1.mlp.up_proj.weight": "zeros_plus1"})
+    code, report = compare(capsys, model_a, b)
+    assert code == 1, report
+    assert [layer["passed"] for layer in report["layers"]] == [True, False]
+    found = report["layers"][1]["diagnosis"]
+    assert found["id"] == "zero_point_off_by_one" and "up_proj" in found["message"], found
+
+
+def test_pack_quantized_act_order_groups_are_read_by_weight_g_idx_and_named_when_it_is_dropped(model_a, root, capsys):
+    """compressed-tensors 0.20 no longer applies a weight_g_idx: parity takes each column's scale from the group it
+    names, and the export passes at round to nearest exactly; the same codes without weight_g_idx are read in groups
+    by position and fail, named g_idx_ignored, on every layer."""
+    model_a = uneven(model_a, root / "a-uneven")
+    b = ct_act_order_export(model_a, root / "ct-act-order")
+    code, report = compare(capsys, model_a, b)
+    assert code == 0, report
+    assert all(ratio == pytest.approx(1.0, abs=1e-6) for ratio in ratios(report))
+    assert all("act-order g_idx" in row["conversion"] for layer in report["layers"]
+               for row in layer["conversion"]["tensors"])
+    dropped = ct_act_order_export(model_a, root / "ct-act-order-dropped", with_g_idx=False)
+    code, report = compare(capsys, model_a, dropped)
+    assert code == 1, report
+    assert [layer["diagnosis"]["id"] for layer in report["layers"]] == ["g_idx_ignored", "g_idx_ignored"]
+
+
+def test_a_faithful_gptq_export_passes_though_its_values_move_more_than_a_step(model_a, root, capsys):
+    b = int_export(model_a, root / "gptq", "gptq")
+    code, report = compare(capsys, model_a, b)
+    assert code == 0, report
+    steps = [row["steps"]["max_steps"] for layer in report["layers"] for row in layer["conversion"]["tensors"]]
+    assert max(steps) > 1.5, steps  # GPTQ's error compensation: more than a step from A's, as evidence only
+    assert all(r > 1.0 for r in ratios(report)), ratios(report)  # farther than round-to-nearest, within the factor
+    assert any("GPTQ (v1" in note for note in report["notes"])
+    # outside the FFN: each attention projection inventoried as its [out, in] and int4, from the packed headers
+    assert report["comparison"]["inventory"]["dtype_changes"] == {"F32 -> INT4": 8}
+    assert report["comparison"]["inventory"]["shape_differs"] == []
+
+
+@pytest.mark.parametrize(("sym", "act_order"), [(True, False), (True, True), (False, False)])
+def test_a_faithful_gptq_export_passes_symmetric_or_in_order(model_a, root, capsys, sym, act_order):
+    """GPTQ's symmetric quantizer (the zero point the middle code, 8: stored as 7 in v1) and its column order
+    without act order (g_idx by position): every layer passes; a symmetric one's zero point stored without v1's
+    minus one fails on its layer, named."""
+    fields = {"sym": sym, "desc_act": act_order}
+    b = int_export(model_a, root / f"gptq-sym{sym}-act{act_order}", "gptq", fields=fields)
+    code, report = compare(capsys, model_a, b)
+    assert code == 0, report
+    if sym:
+        broken = int_export(model_a, root / f"gptq-sym-zp-{act_order}", "gptq",
+                            {"model.layers.1.mlp.up_proj.weight": "zeros_plain"}, fields=fields)
+        code, report = compare(capsys, model_a, broken)
+        assert code == 1, report
+        assert [layer["passed"] for layer in report["layers"]] == [True, False]
+        assert report["layers"][1]["diagnosis"]["id"] == "zero_point_off_by_one"
+
+
+def test_modules_left_unquantized_are_judged_by_their_own_storage(model_a, root, capsys):
+    """A GPTQ release keeping down_proj in float16 (modules_to_not_convert): down_proj judged as the cast it is,
+    gate and up on their int4 grids; every layer passes."""
+    b = int_export(model_a, root / "gptq-mixed", "gptq", keep=("down_proj",))
+    code, report = compare(capsys, model_a, b)
+    assert code == 0, report
+    for layer in report["layers"]:
+        storage = {row["name"]: row["storage"] for row in layer["conversion"]["tensors"]}
+        assert storage == {"gate_proj.weight": "int4", "up_proj.weight": "int4", "down_proj.weight": "float16"}
+    assert any("left unquantized: down_proj" in note for note in report["notes"])
+
+
+def test_a_check_and_a_hub_copy_of_a_gptq_release_read_it_dequantized(model_a, root, tmp_path, capsys, monkeypatch):
+    """``parity B`` (a check) runs on B's dequantized weights; B as a hub id, offline, from the Hugging Face cache,
+    is read through the hub path the same way and passes."""
+    from .support import cache_repo, use_hf_home
+
+    b = int_export(model_a, root / "gptq-check", "gptq")
+    code, out, err = run_main(capsys, b, "--layers", "all")
+    assert code == 0, out + err
+    assert "GPTQ (v1" in out and "the same dequantized float32 weights" in out
+    home = use_hf_home(monkeypatch, tmp_path / "hf")
+    cache_repo(home, "someone/tiny-llama-gptq", b)
+    code, report = compare(capsys, model_a, "someone/tiny-llama-gptq")
+    assert code == 0, report
+    assert all(row["storage"] == "int4" for layer in report["layers"] for row in layer["conversion"]["tensors"])
+
+
+@pytest.mark.parametrize(("tensor", "how", "named"), [
+    ("down_proj", "zeros_plain", "zero_point_off_by_one"),
+    ("gate_proj", "sequential_g_idx", "g_idx_ignored"),
+    ("up_proj", "group16", "group_size_wrong"),
+    ("down_proj", "scales_t", "group_scales_transposed"),
+])
+def test_a_gptq_conversion_mistake_fails_its_layer_only_and_is_named(model_a, root, capsys, tensor, how, named):
+    broken = int_export(model_a, root / f"gptq-{how}", "gptq", {f"model.layers.1.mlp.{tensor}.weight": how})
+    code, report = compare(capsys, model_a, broken)
+    assert code == 1, report
+    verdicts = {layer["layer"]: layer for layer in report["layers"]}
+    assert verdicts[0]["passed"], verdicts[0]
+    assert not verdicts[1]["passed"]
+    found = verdicts[1]["diagnosis"]
+    assert found["id"] == named, found
+    assert tensor in found["message"]
+    if found["distance"] is not None:  # a replay of the function: B reproduces it far closer than it is to A
+        assert found["distance"] <= 0.5 * found["reference_distance"]
+
+
+def test_gptq_bits_stated_other_than_packed_is_named_on_every_layer(model_a, root, capsys):
+    b = int_export(model_a, root / "gptq-bits8", "gptq", fields={"bits": 8})
+    code, report = compare(capsys, model_a, b)
+    assert code == 1, report
+    for layer in report["layers"]:
+        assert layer["diagnosis"]["id"] == "group_bits_mismatched", layer["diagnosis"]
+        assert "4 bits each" in layer["diagnosis"]["message"] or "states 8" in layer["diagnosis"]["message"]
+
+
+def test_a_faithful_awq_export_with_its_scales_folded_passes(model_a, root, capsys):
+    b = int_export(model_a, root / "awq", "awq", fold=True)
+    code, report = compare(capsys, model_a, b)
+    assert code == 0, report
+    assert any("AWQ GEMM" in note for note in report["notes"])
+
+
+def test_awq_codes_packed_in_the_linear_order_fail_named(model_a, root, capsys):
+    b = int_export(model_a, root / "awq-linear", "awq", {"model.layers.1.mlp.gate_proj.weight": "linear"},
+                   fold=True)
+    code, report = compare(capsys, model_a, b)
+    assert code == 1, report
+    assert [layer["passed"] for layer in report["layers"]] == [True, False]
+    found = report["layers"][1]["diagnosis"]
+    assert found["id"] == "packed_order_wrong" and "gate_proj" in found["message"], found
+
+
+@pytest.mark.parametrize(("breaks", "fields", "named", "said"), [
+    ({"model.layers.1.mlp.down_proj.weight": "scales_t"}, None, "group_scales_transposed", "[128, 8]"),
+    ({}, {"bits": 8}, "group_bits_mismatched", "4 bits each"),
+])
+def test_an_awq_layout_mistake_is_named_from_its_packed_shapes(model_a, root, capsys, breaks, fields, named, said):
+    b = int_export(model_a, root / f"awq-{named}", "awq", breaks, fields=fields, fold=True)
+    code, report = compare(capsys, model_a, b)
+    assert code == 1, report
+    failing = [layer for layer in report["layers"] if not layer["passed"]]
+    assert [layer["layer"] for layer in failing] == ([1] if breaks else [0, 1])
+    assert all(layer["diagnosis"]["id"] == named and said in layer["diagnosis"]["message"] for layer in failing)
+
+
+@pytest.mark.parametrize(("fields", "said"), [
+    ({"bits": 3}, "quantization_config.bits is 3"),
+    ({"group_size": 0}, "quantization_config.group_size is 0"),
+    ({"checkpoint_format": "marlin"}, "checkpoint_format is 'marlin'"),
+])
+def test_a_gptq_config_parity_cannot_read_is_exit_2_naming_the_field(model_a, root, capsys, fields, said):
+    b = int_export(model_a, root / f"gptq-config-{len(list(root.iterdir()))}", "gptq", fields=fields)
+    code, out, err = run_main(capsys, "compare", model_a, b)
+    assert code == 2, out + err
+    assert said in err and "config.json" in err and "Traceback" not in err
+
+
+def test_without_compressed_tensors_a_pack_quantized_b_is_exit_2_naming_the_extra(model_a, root, capsys, monkeypatch):
+    b = ct_export(model_a, root / "ct-noextra", "W4A16")
+    for module in ("compressed_tensors", "compressed_tensors.quantization",
+                   "compressed_tensors.compressors.pack_quantized.base",
+                   "compressed_tensors.compressors.pack_quantized.helpers"):
+        monkeypatch.setitem(sys.modules, module, None)  # import of it raises ImportError
+    code, out, err = run_main(capsys, "compare", model_a, b)
+    assert code == 2, out + err
+    assert "compressed-tensors" in err and "'quant'" in err and "pack-quantized" in err and "Traceback" not in err
+
+
+def test_gptq_experts_are_judged_one_by_one_and_a_broken_one_is_named(root, capsys):
+    """A mixture of experts (Qwen3-MoE: each expert's matrices their own GPTQ modules), the router left in float16
+    (modules_to_not_convert): every expert of a faithful export passes, and each layer's whole block; one expert
+    whose zero points were stored without v1's minus one fails alone, named."""
+    from .derived_checkpoints import MOE
+
+    moe = build("qwen3_moe", root / "moe", 5, **{**MOE, "hidden_size": 128, "moe_intermediate_size": 64})
+    faithful = int_export(moe, root / "moe-gptq", "gptq", keep=("gate",))
+    code, report = compare(capsys, moe, faithful)
+    assert code == 0, report
+    experts = [unit for unit in report["layers"] if unit["unit"] != "block"]
+    assert len(experts) == 2 * MOE["num_experts"]
+    assert [(unit["layer"], unit["passed"]) for unit in report["layers"] if unit["unit"] == "block"] == [(0, True),
+                                                                                                        (1, True)]
+    broken = int_export(moe, root / "moe-gptq-broken", "gptq",
+                        {"model.layers.1.mlp.experts.2.up_proj.weight": "zeros_plain"}, keep=("gate",))
+    code, report = compare(capsys, moe, broken)
+    assert code == 1, report
+    failed = [(unit["layer"], unit["expert"], unit["diagnosis"]["id"]) for unit in report["layers"]
+              if not unit["passed"]]
+    assert failed == [(1, 2, "zero_point_off_by_one")]
