@@ -23,6 +23,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parent.parent
 PARITY = [sys.executable, "-m", "parity"]  # the command, as argv; tests never look it up on PATH
 OFFLINE = {"HF_HUB_OFFLINE": "1"}
@@ -77,6 +79,19 @@ def run_json(capsys, *args) -> tuple[int, dict | None, str]:
     """`parity ARGS... --json -` in this process: (exit code, the JSON report or None if none, stderr)."""
     code, out, err = run_main(capsys, *args, "--json", "-")
     return code, json.loads(out) if out.strip() else None, err
+
+
+def compare_json(capsys, a, b) -> tuple[int, dict]:
+    """``parity compare A B --json -`` in this process: the exit code and the report, validated against the shipped
+    schema."""
+    from parity.engine.results import SCHEMA_FILE
+
+    code, out, err = run_main(capsys, "compare", a, b, "--json", "-")
+    assert out.strip(), err
+    report = json.loads(out)
+    jsonschema = pytest.importorskip("jsonschema")
+    jsonschema.validate(report, json.loads(SCHEMA_FILE.read_text(encoding="utf-8")))
+    return code, report
 
 
 def run_captured(*args) -> tuple[int, str, str]:

@@ -23,6 +23,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from .derived_checkpoints import build
+from .support import compare_json as compare
 from .support import run_main
 
 pytest.importorskip("compressed_tensors")
@@ -295,16 +296,6 @@ def model_a(root) -> Path:
     return build("llama", root / "a", 3, **SIZES)
 
 
-def compare(capsys, a: Path, b: Path) -> tuple[int, dict]:
-    """``parity compare A B --json -``: the exit code and the report, validated against the shipped schema."""
-    from parity.engine.results import SCHEMA_FILE
-
-    code, out, err = run_main(capsys, "compare", a, b, "--json", "-")
-    assert out.strip(), err
-    report = json.loads(out)
-    jsonschema = pytest.importorskip("jsonschema")
-    jsonschema.validate(report, json.loads(SCHEMA_FILE.read_text(encoding="utf-8")))
-    return code, report
 
 
 def ratios(report: dict) -> list[float]:
