@@ -3,7 +3,11 @@ classes (from_config + save_pretrained), broken copies written with safetensors:
 
 - ``--save-mapping FILE`` of a run whose layout was derived (no mapping file) writes that layout in full as a
   mapping file; ``--mapping FILE`` then gives the same routes and the same verdicts (a dense family, experts fused on
-  disk, GPT-OSS's interleaved gate/up with biases); a layout the format cannot express is exit 2 naming the part.
+  disk, GPT-OSS's interleaved gate/up with biases); a layout the format cannot express is exit 2 naming the part;
+- GGUF files of 'deepseek2' (DeepSeek V2 and V3) and 'glm4moe' (GLM-4.5), whose metadata transformers' GGUF tables
+  do not read: their config comes from the keys llama.cpp's converter writes (dense leading layers, expert and
+  shared-expert counts and widths; V3 told from V2 by its selection bias), each written here with GGUFWriter's own
+  calls (tests/gguf_files.py: converted_moe_gguf); compare HF-vs-GGUF passes on every unit and names a broken one.
 """
 
 from __future__ import annotations
@@ -14,7 +18,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from .derived_checkpoints import COMMON, KV, MOE, build, one_line
+from .derived_checkpoints import COMMON, KV, MOE, build, in_report_order, one_line
+from .gguf_files import Q, converted_moe_gguf
 from .support import run_json, run_main
 
 
@@ -110,3 +115,69 @@ def test_the_json_report_holds_no_layout_object(capsys, saved_families):
     code, report, err = run_json(capsys, saved_families["qwen3"])
     assert code == 0 and "layout" not in report, err
     json.dumps(report)
+
+
+# -- GGUF: deepseek2 and glm4moe ------------------------------------------------------------------------------------
+# widths Q8_0's 32-value blocks divide; layer 0 dense, layers 1 and 2 routed experts and a shared expert
+GGUF_MOE = dict(intermediate_size=64, num_key_value_heads=2, head_dim=16, n_routed_experts=4, num_experts_per_tok=2,
+                moe_intermediate_size=32, n_shared_experts=1, num_hidden_layers=3, first_k_dense_replace=1)
+GGUF_FAMILIES = {"deepseek_v3": ("deepseek2", dict(n_group=2, topk_group=1)), "deepseek_v2": ("deepseek2", {}),
+                 "glm4_moe": ("glm4moe", {})}
+GGUF_UNITS = in_report_order([(0, None, "mlp"), *[(layer, e, None) for layer in (1, 2) for e in range(4)],
+                              (1, None, "shared_experts"), (2, None, "shared_experts")])
+
+
+def break_gguf(layer: int, tensors: dict) -> dict:
+    """Layer 1: experts 1 and 2 exchanged in every stacked tensor; layer 2: expert 0's gate and up exchanged."""
+    if layer == 1:
+        for name in ("ffn_gate_exps.weight", "ffn_up_exps.weight", "ffn_down_exps.weight"):
+            tensors[name] = tensors[name][[0, 2, 1, 3]]
+    if layer == 2:
+        gate, up = tensors["ffn_gate_exps.weight"].copy(), tensors["ffn_up_exps.weight"].copy()
+        gate[0], up[0] = up[0].copy(), gate[0].copy()
+        tensors["ffn_gate_exps.weight"], tensors["ffn_up_exps.weight"] = gate, up
+    return tensors
+
+
+@pytest.fixture(scope="session")
+def gguf_moe(tmp_path_factory) -> dict[str, tuple[Path, Path, Path]]:
+    """model_type -> (the Hugging Face folder, its Q8_0 GGUF, a broken Q8_0 GGUF)."""
+    root = tmp_path_factory.mktemp("gguf-moe-beyond")
+    built = {}
+    for seed, (model_type, (arch, values)) in enumerate(GGUF_FAMILIES.items()):
+        folder = build(model_type, root / model_type, 40 + seed, **GGUF_MOE, **values)
+        built[model_type] = (folder, converted_moe_gguf(folder, root / f"{model_type}.gguf", arch, Q.Q8_0),
+                             converted_moe_gguf(folder, root / f"{model_type}-broken.gguf", arch, Q.Q8_0, break_gguf))
+    return built
+
+
+def gguf_units(report: dict) -> list[tuple]:
+    return [(r["layer"], r.get("expert"), r.get("unit")) for r in report["layers"]]
+
+
+@pytest.mark.parametrize("model_type", sorted(GGUF_FAMILIES))
+def test_a_gguf_of_deepseek2_or_glm4moe_compares_unit_by_unit(capsys, gguf_moe, model_type):
+    folder, gguf, _ = gguf_moe[model_type]
+    code, report, err = run_json(capsys, "compare", folder, gguf)
+    assert code == 0 and report["passed"], err
+    assert gguf_units(report) == GGUF_UNITS
+    said = [note for note in report["notes"] if "GGUF architecture" in note]
+    assert said and f"model_type '{model_type}'" in said[0], report["notes"]
+
+
+@pytest.mark.parametrize("model_type", sorted(GGUF_FAMILIES))
+def test_a_broken_gguf_of_deepseek2_or_glm4moe_fails_on_the_broken_units_only(capsys, gguf_moe, model_type):
+    folder, _, broken = gguf_moe[model_type]
+    code, report, err = run_json(capsys, "compare", folder, broken)
+    assert code == 1, err
+    failed = {u: r["diagnosis"]["id"] for u, r in zip(gguf_units(report), report["layers"], strict=True)
+              if not r["passed"]}
+    assert failed == {(1, 1, None): "expert_shifted", (1, 2, None): "expert_shifted",
+                      (2, 0, None): "gate_up_exchanged"}, failed
+
+
+@pytest.mark.parametrize("model_type", sorted(GGUF_FAMILIES))
+def test_a_gguf_of_deepseek2_or_glm4moe_is_checked_with_the_default_target(capsys, gguf_moe, model_type):
+    code, report, err = run_json(capsys, gguf_moe[model_type][1], "--layers", "all")
+    assert code == 0 and report["passed"], err
+    assert gguf_units(report) == GGUF_UNITS and "GGUF names from gguf" in report["mapping"]
