@@ -77,8 +77,7 @@ def decoder_layers(model: nn.Module, config: Any) -> tuple[str, nn.ModuleList]:
     alone, counted by ``decoder_layers``; num_hidden_layers counts the encoder's).  Several, none of the config's
     count: refused, naming them."""
     count = getattr(config, "num_hidden_layers", None)
-    lists = [(path, module) for path, module in model.named_modules() if isinstance(module, nn.ModuleList)
-             and len(module) and all(projections(layer) for layer in module)]
+    lists = layer_lists(model)
     counted = [(path, module) for path, module in lists if len(module) == count]
     if len(counted) > 1:  # XLM keeps its attentions and its FFNs in lists of their own: the FFNs' is the one
         d = getattr(config.get_text_config() if hasattr(config, "get_text_config") else config, "hidden_size", None)
@@ -92,6 +91,27 @@ def decoder_layers(model: nn.Module, config: Any) -> tuple[str, nn.ModuleList]:
     raise refused(getattr(config, "model_type", None), f"transformers' {type(model).__name__} has no list of {count} "
                   f"decoder layers (config num_hidden_layers = {count}) to find the FFN in, and not one other list "
                   f"of layers holding projections (found: {found})")
+
+
+def layer_lists(model: nn.Module) -> list[tuple[str, nn.ModuleList]]:
+    """Every ModuleList of the model whose items all hold projections (decoder layers, attentions, FFNs, ...)."""
+    return [(path, module) for path, module in model.named_modules() if isinstance(module, nn.ModuleList)
+            and len(module) and all(projections(layer) for layer in module)]
+
+
+def decoder_stacks(model: nn.Module, config: Any) -> list[tuple[str, nn.ModuleList]]:
+    """The decoder layers (``decoder_layers``); or, where the model keeps them in several lists outside any other,
+    each of the same layer class and length and none ``num_hidden_layers`` long (HRM's H and L levels: two stacks
+    of the same decoder layer, run in cycles), every such list, each layer of each a layer of its own."""
+    try:
+        return [decoder_layers(model, config)]
+    except MappingError:
+        lists = layer_lists(model)
+        outer = [(path, module) for path, module in lists if not any(path.startswith(f"{p}.") for p, _ in lists)]
+        if len(outer) > 1 and len({(type(module[0]), len(module)) for _, module in outer}) == 1 \
+                and all(len({type(layer) for layer in module}) == 1 for _, module in outer):
+            return outer
+        raise
 
 
 def projections(module: nn.Module, direct: bool = False) -> list[Projection]:
