@@ -7,12 +7,16 @@ classes (from_config + save_pretrained), broken copies written with safetensors:
 - GGUF files of 'deepseek2' (DeepSeek V2 and V3) and 'glm4moe' (GLM-4.5), whose metadata transformers' GGUF tables
   do not read: their config comes from the keys llama.cpp's converter writes (dense leading layers, expert and
   shared-expert counts and widths; V3 told from V2 by its selection bias), each written here with GGUFWriter's own
-  calls (tests/gguf_files.py: converted_moe_gguf); compare HF-vs-GGUF passes on every unit and names a broken one.
+  calls (tests/gguf_files.py: converted_moe_gguf); compare HF-vs-GGUF passes on every unit and names a broken one;
+- HRM keeps its decoder layers in two lists (the H and L levels, each a stack of the same layer), each layer's MLP
+  a unit named after its list, its gate and up stored as one gate_up_proj that transformers' load-time conversion
+  cuts in two (Chunk(dim=0)): read as those chunks.
 """
 
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import pytest
@@ -181,3 +185,45 @@ def test_a_gguf_of_deepseek2_or_glm4moe_is_checked_with_the_default_target(capsy
     code, report, err = run_json(capsys, gguf_moe[model_type][1], "--layers", "all")
     assert code == 0 and report["passed"], err
     assert gguf_units(report) == GGUF_UNITS and "GGUF names from gguf" in report["mapping"]
+
+
+# -- HRM: two lists of decoder layers, a fused gate_up_proj on disk --------------------------------------------------
+HRM_UNITS = [(layer, None, unit) for layer in (0, 1) for unit in ("L_module.mlp", "H_module.mlp")]
+
+
+@pytest.fixture(scope="session")
+def hrm(tmp_path_factory) -> tuple[Path, Path]:
+    """A tiny HRM (two layers per level) and a copy whose H level's layer 1 has its gate and up halves exchanged."""
+    from safetensors.torch import load_file, save_file
+
+    root = tmp_path_factory.mktemp("hrm")
+    folder = build("hrm_text", root / "hrm_text", 21, intermediate_size=72, head_dim=16)
+    broken = root / "hrm-broken"
+    shutil.copytree(folder, broken)
+    tensors = load_file(broken / "model.safetensors")
+    name = "model.H_module.layers.1.mlp.gate_up_proj.weight"
+    gate, up = tensors[name].chunk(2)
+    tensors[name] = torch.cat([up, gate]).contiguous()
+    save_file(tensors, broken / "model.safetensors", metadata={"format": "pt"})
+    return folder, broken
+
+
+def test_hrm_compares_each_levels_mlp_as_a_unit(capsys, hrm):
+    code, report, err = run_json(capsys, "compare", hrm[0], hrm[0])
+    assert code == 0 and report["passed"], err
+    assert sorted(gguf_units(report)) == sorted(HRM_UNITS)
+
+
+def test_hrm_broken_export_fails_on_that_level_and_layer_only(capsys, hrm):
+    code, report, err = run_json(capsys, "compare", hrm[0], hrm[1])
+    assert code == 1, err
+    failed = {u: r["diagnosis"]["id"] for u, r in zip(gguf_units(report), report["layers"], strict=True)
+              if not r["passed"]}
+    assert failed == {(1, None, "H_module.mlp"): "gate_up_exchanged"}, failed
+
+
+def test_hrm_is_checked_with_the_default_target_reading_the_fused_tensors_halves(capsys, hrm):
+    code, report, err = run_json(capsys, hrm[0])
+    assert code == 0 and report["passed"] and sorted(gguf_units(report)) == sorted(HRM_UNITS), err
+    assert report["routes"]["tensors"]["_gate.weight"] == {"from": "gate_up_proj.weight", "chunk": [0, 2]}
+    assert report["routes"]["tensors"]["_up.weight"] == {"from": "gate_up_proj.weight", "chunk": [1, 2]}

@@ -92,7 +92,7 @@ def derive_mapping(ckpt: Checkpoint, load_config: Callable[[Checkpoint], Any]) -
     if not parts:
         return main
     for unit in units:  # every row of a report names its unit where a layer has several, or layers differ
-        unit.unit = unit.unit or (None if unit.experts else unit.reference_module.rsplit(".", 1)[-1])
+        unit.unit = unit.unit or (None if unit.experts else unit_name(unit.reference_module))
     main.parts = parts
     main.description += "; " + "; ".join(part.description for part in parts)
     others = "; ".join(f"{part.unit} ({describe_layers(part)}): {part.name}" for part in parts)
@@ -124,7 +124,7 @@ def named_after_stack(units: list[Mapping], path: str, paths: list[str], model_t
     own = ".".join(part for i, part in enumerate(path.split("."))
                    if len({s[i] if i < len(s) else None for s in split}) > 1)
     for unit in units:
-        unit.unit = f"{own}.{unit.unit or unit.reference_module.rsplit('.', 1)[-1]}"
+        unit.unit = f"{own}.{unit.unit or unit_name(unit.reference_module)}"
         unit.description = f"{unit.description} in {path}"
     return units
 
@@ -145,6 +145,13 @@ def dense_units(decoder: Decoder, dense: list[int], units: list[Mapping]) -> str
         units.append(dense_mapping(decoder, group, uniform_ffn([decoder.layers[i] for i in group], group, decoder.d,
                                                                decoder.model_type)))
     return skipped
+
+
+def unit_name(path: str) -> str:
+    """A unit's name in the report: the last part of its module's path ('shared_expert'), with the list it is an
+    item of where that part is a number (LongCat-Flash's 'mlps.0', 'mlps.1')."""
+    parts = path.split(".")
+    return ".".join(parts[-2:]) if parts[-1].isdigit() and len(parts) > 1 else parts[-1]
 
 
 def _is_norm(module: nn.Module) -> bool:
@@ -300,7 +307,9 @@ def checkpoint_layout(names: dict[str, str], module_path: str, model_type: str |
         stems[layer] = parts[0][:common]
     one, other = pair[0], pair[-1] if len(pair) > 1 else pair[0] + 1
     first = stems[one]
-    second = stems.get(other, [str(other) if part == str(one) else part for part in first])
+    places = module_path.split(".")  # one layer: its number where the module's path has it, if the stem is alike
+    at = {i for i, part in enumerate(places) if part == "{layer}"} if len(places) == len(first) else range(len(first))
+    second = stems.get(other, [str(other) if part == str(one) and i in at else part for i, part in enumerate(first)])
     template = [("{layer}" if (a, b) == (str(one), str(other)) else a) for a, b in zip(first, second, strict=False)]
     if len(first) != len(second) or template.count("{layer}") != 1 or [
             p for p, a, b in zip(template, first, second, strict=False) if p != "{layer}" and a != b]:
@@ -433,7 +442,7 @@ def experts_mappings(decoder: Decoder, moe: list[int]) -> list[Mapping]:
     for shared in shared_paths(decoder.layers[moe[0]], first, decoder.d):  # each dense FFN beside them, a unit
         ffn = uniform_ffn(layers, moe, decoder.d, decoder.model_type,
                           find=lambda layer, d, shared=shared: ffn_at(layer, shared, d))
-        units.append(dense_mapping(decoder, moe, ffn, unit=shared.rsplit(".", 1)[-1]))
+        units.append(dense_mapping(decoder, moe, ffn, unit=unit_name(shared)))
     return units
 
 

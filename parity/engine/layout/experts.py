@@ -155,11 +155,12 @@ def _per_expert(found: dict, converters: list, experts: ExpertsModule, layers: t
                 raise refuse(f"transformers fills '{param}' of {type(experts.module).__name__} with "
                              f"{' + '.join(operations) or 'no conversion'} (dim {joined}), and parity reads per-expert "
                              f"tensors merged with {' + '.join(wanted)} along the output dim", "for its names ")
+            stacked = stack_count(experts, param)
             for pattern in converter.source_patterns:
                 names = sorted(key for key, p in keys if p == pattern)
-                if len(names) != experts.count:
+                if len(names) != stacked:
                     raise refuse(f"the checkpoint holds {len(names)} tensors matching '{pattern}' in layer {layer}, "
-                                 f"and transformers' module has {experts.count} experts", "for its names ")
+                                 f"and transformers' module stacks {stacked} in '{param}'", "for its names ")
                 at = _varying(names, "expert", refuse)
                 stem = ".".join(_with(names[0], at, "expert").split(".")[:at + 1])
                 if stems.setdefault(layer, stem) != stem:
@@ -198,6 +199,14 @@ def _fused(found: dict, experts: ExpertsModule, layers: tuple[int, ...], refuse:
     layout = Experts(experts.count, *gate_up_routes, TensorRoute("down", down),
                      stacked=tuple(leaves.values()), transposed=experts.transposed, biases=biases)
     return _layer_key(stems, layers, refuse), layout
+
+
+def stack_count(experts: ExpertsModule, param: str) -> int:
+    """How many slices the module stacks in ``param``: its experts, or more where the module computes the experts
+    past down_proj's count as the identity (LongCat-Flash's zero-computation experts: gate_up_proj holds E + Z
+    slices, down_proj E, and only the first E are FFNs, the experts checked)."""
+    stack = getattr(experts.module, param, None)
+    return int(stack.shape[0]) if isinstance(stack, nn.Parameter) else experts.count
 
 
 def gate_and_up(fused: str, experts: ExpertsModule, suffix: str = "") -> tuple[TensorRoute, TensorRoute]:

@@ -78,7 +78,8 @@ def decoder_layers(model: nn.Module, config: Any) -> tuple[str, nn.ModuleList]:
     count: refused, naming them."""
     count = getattr(config, "num_hidden_layers", None)
     lists = layer_lists(model)
-    counted = [(path, module) for path, module in lists if len(module) == count]
+    counted = [(path, module) for path, module in lists if len(module) == count  # not a list inside a layer of
+               and not any(path.startswith(f"{p}.") for p, _ in lists)]  # another (LongCat-Flash's 2 attentions)
     if len(counted) > 1:  # XLM keeps its attentions and its FFNs in lists of their own: the FFNs' is the one
         d = getattr(config.get_text_config() if hasattr(config, "get_text_config") else config, "hidden_size", None)
         counted = [c for c in counted if isinstance(d, int) and all(find_ffn(item, d) for item in c[1])] or counted
