@@ -10,7 +10,10 @@ classes (from_config + save_pretrained), broken copies written with safetensors:
   calls (tests/gguf_files.py: converted_moe_gguf); compare HF-vs-GGUF passes on every unit and names a broken one;
 - HRM keeps its decoder layers in two lists (the H and L levels, each a stack of the same layer), each layer's MLP
   a unit named after its list, its gate and up stored as one gate_up_proj that transformers' load-time conversion
-  cuts in two (Chunk(dim=0)): read as those chunks.
+  cuts in two (Chunk(dim=0)): read as those chunks;
+- LongCat-Flash: each decoder layer holds two attentions and two MLPs in lists (``mlps.0``, ``mlps.1``, each a unit)
+  and a mixture whose gate_up_proj also stacks zero-computation (identity) experts past down_proj's count: the
+  routed experts are the units.
 """
 
 from __future__ import annotations
@@ -227,3 +230,60 @@ def test_hrm_is_checked_with_the_default_target_reading_the_fused_tensors_halves
     assert code == 0 and report["passed"] and sorted(gguf_units(report)) == sorted(HRM_UNITS), err
     assert report["routes"]["tensors"]["_gate.weight"] == {"from": "gate_up_proj.weight", "chunk": [0, 2]}
     assert report["routes"]["tensors"]["_up.weight"] == {"from": "gate_up_proj.weight", "chunk": [1, 2]}
+
+
+# -- LongCat-Flash: two dense MLPs in a list, routed experts beside zero-computation ones ---------------------------
+LONGCAT = dict(hidden_size=32, num_hidden_layers=4, num_attention_heads=2, n_routed_experts=4, num_experts_per_tok=2,
+               expert_ffn_hidden_size=24, intermediate_size=72, head_dim=16)  # 4 sublayers: 2 decoder layers
+LONGCAT_UNITS = [(layer, e, None) for layer in (0, 1) for e in range(4)] + [
+    (layer, None, unit) for layer in (0, 1) for unit in ("mlps.0", "mlps.1")]
+
+
+@pytest.fixture(scope="session")
+def longcat(tmp_path_factory) -> tuple[Path, Path]:
+    """A two-layer LongCat-Flash (zero_expert_num at its default: 256 identity experts beside the 4 routed ones)
+    and a copy whose layer 1 has experts 1 and 2 exchanged and mlps.1's gate and up exchanged."""
+    from safetensors.torch import load_file, save_file
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    root = tmp_path_factory.mktemp("longcat")
+    config = AutoConfig.for_model("longcat_flash", vocab_size=64, pad_token_id=0, bos_token_id=1, eos_token_id=2,
+                                  **LONGCAT)
+    torch.manual_seed(31)
+    model = AutoModelForCausalLM.from_config(config)
+    with torch.no_grad():
+        for param in model.parameters():
+            param.normal_(0.0, 0.05)
+    folder, broken = root / "longcat_flash", root / "longcat-broken"
+    model.save_pretrained(folder)
+    shutil.copytree(folder, broken)
+    tensors = load_file(broken / "model.safetensors")
+    stem = "model.layers.1."
+    for part in ("gate_proj", "up_proj", "down_proj"):
+        one, two = f"{stem}mlp.experts.1.{part}.weight", f"{stem}mlp.experts.2.{part}.weight"
+        tensors[one], tensors[two] = tensors[two].clone(), tensors[one].clone()
+    gate, up = f"{stem}mlps.1.gate_proj.weight", f"{stem}mlps.1.up_proj.weight"
+    tensors[gate], tensors[up] = tensors[up].clone(), tensors[gate].clone()
+    save_file(tensors, broken / "model.safetensors", metadata={"format": "pt"})
+    return folder, broken
+
+
+def test_longcat_compares_its_routed_experts_and_both_mlps(capsys, longcat):
+    code, report, err = run_json(capsys, "compare", longcat[0], longcat[0])
+    assert code == 0 and report["passed"], err
+    assert sorted(gguf_units(report), key=str) == sorted(LONGCAT_UNITS, key=str)
+
+
+def test_longcat_broken_export_fails_on_the_broken_units_only(capsys, longcat):
+    code, report, err = run_json(capsys, "compare", longcat[0], longcat[1])
+    assert code == 1, err
+    failed = {u: r["diagnosis"]["id"] for u, r in zip(gguf_units(report), report["layers"], strict=True)
+              if not r["passed"]}
+    assert failed == {(1, 1, None): "expert_shifted", (1, 2, None): "expert_shifted",
+                      (1, None, "mlps.1"): "gate_up_exchanged"}, failed
+
+
+def test_longcat_is_checked_with_the_default_target(capsys, longcat):
+    code, report, err = run_json(capsys, longcat[0], "--layers", "all")
+    assert code == 0 and report["passed"], err
+    assert sorted(gguf_units(report), key=str) == sorted(LONGCAT_UNITS, key=str)
