@@ -13,7 +13,9 @@ classes (from_config + save_pretrained), broken copies written with safetensors:
   cuts in two (Chunk(dim=0)): read as those chunks;
 - LongCat-Flash: each decoder layer holds two attentions and two MLPs in lists (``mlps.0``, ``mlps.1``, each a unit)
   and a mixture whose gate_up_proj also stacks zero-computation (identity) experts past down_proj's count: the
-  routed experts are the units.
+  routed experts are the units;
+- Inkling: a fused experts module whose router also scores its shared experts (its weight [E + S, d]), the shared
+  experts held as stacks, not projections (no unit of their own: said, and judged within the whole block).
 """
 
 from __future__ import annotations
@@ -287,3 +289,48 @@ def test_longcat_is_checked_with_the_default_target(capsys, longcat):
     code, report, err = run_json(capsys, longcat[0], "--layers", "all")
     assert code == 0 and report["passed"], err
     assert sorted(gguf_units(report), key=str) == sorted(LONGCAT_UNITS, key=str)
+
+
+# -- Inkling: routed experts whose router also scores the shared ones; shared experts as stacks ----------------------
+@pytest.fixture(scope="session")
+def inkling(tmp_path_factory) -> tuple[Path, Path]:
+    """A two-layer Inkling, both layers MoE, and a copy whose layer 1 has experts 1 and 2 exchanged (in both fused
+    stacks) and whose layer 0 has its shared experts' gate and up exchanged."""
+    from safetensors.torch import load_file, save_file
+
+    root = tmp_path_factory.mktemp("inkling")
+    folder = build("inkling_text", root / "inkling_text", 51, **dict(MOE, mlp_layer_types=["sparse", "sparse"]))
+    broken = root / "inkling-broken"
+    shutil.copytree(folder, broken)
+    tensors = load_file(broken / "model.safetensors")
+    for name in ("model.layers.1.mlp.experts.gate_up_proj", "model.layers.1.mlp.experts.down_proj"):
+        stack = tensors[name].clone()
+        stack[[1, 2]] = stack[[2, 1]]
+        tensors[name] = stack.contiguous()
+    gate, up = "model.layers.0.mlp.shared_experts.gate_proj", "model.layers.0.mlp.shared_experts.up_proj"
+    tensors[gate], tensors[up] = tensors[up].clone(), tensors[gate].clone()
+    save_file(tensors, broken / "model.safetensors", metadata={"format": "pt"})
+    return folder, broken
+
+
+def test_inkling_compares_its_experts_and_whole_blocks(capsys, inkling):
+    code, report, err = run_json(capsys, "compare", inkling[0], inkling[0])
+    assert code == 0 and report["passed"], err
+    assert gguf_units(report) == [unit for layer in (0, 1)
+                                  for unit in [*((layer, e, None) for e in range(4)), (layer, None, "block")]]
+
+
+def test_inkling_broken_export_fails_on_the_broken_units_only(capsys, inkling):
+    code, report, err = run_json(capsys, "compare", inkling[0], inkling[1])
+    assert code == 1, err
+    failed = {u: r["diagnosis"]["id"] for u, r in zip(gguf_units(report), report["layers"], strict=True)
+              if not r["passed"]}
+    assert failed == {(1, 1, None): "expert_shifted", (1, 2, None): "expert_shifted",
+                      (0, None, "block"): "block_tensor_changed"}, failed
+
+
+def test_inkling_check_says_its_shared_experts_are_not_a_unit(capsys, inkling):
+    code, report, err = run_json(capsys, inkling[0])
+    assert code == 0 and report["passed"] and len(report["layers"]) == 8, err
+    said = [note for note in report["notes"] if "shared_experts.gate_proj" in note]
+    assert said and "not checked on their own" in said[0] and "whole block" in said[0]

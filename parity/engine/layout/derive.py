@@ -439,11 +439,26 @@ def experts_mappings(decoder: Decoder, moe: list[int]) -> list[Mapping]:
                         "each expert is checked with them zero, and they are not judged"]
     layers = [decoder.layers[i] for i in moe]
     units = [routed]
-    for shared in shared_paths(decoder.layers[moe[0]], first, decoder.d):  # each dense FFN beside them, a unit
+    shared_units = shared_paths(decoder.layers[moe[0]], first, decoder.d)
+    for shared in shared_units:  # each dense FFN beside them, a unit
         ffn = uniform_ffn(layers, moe, decoder.d, decoder.model_type,
                           find=lambda layer, d, shared=shared: ffn_at(layer, shared, d))
         units.append(dense_mapping(decoder, moe, ffn, unit=unit_name(shared)))
+    unread = stacks_beside(decoder.layers[moe[0]], [first.path, *shared_units])
+    if unread:  # said, not silently left out
+        routed.notes = [*routed.notes, f"{', '.join(unread)} (stacked beside the routed experts, no projections) "
+                        "form no unit parity reads: not checked on their own; `parity compare` judges them within "
+                        "each MoE layer's whole block"]
     return units
+
+
+def stacks_beside(layer: nn.Module, covered: list[str]) -> list[str]:
+    """The layer's parameters stacked over experts (3-D) that no unit reads: InklingSharedExperts' gate_proj,
+    up_proj, down_proj [S, ff, d], shared experts held as stacks, not projections."""
+    return [f"{path}.{name}".lstrip(".") for path, module in layer.named_modules()
+            if not isinstance(module, nn.modules.conv._ConvNd)  # a convolution's 3-D kernel is no stack
+            for name, param in module.named_parameters(recurse=False) if param.dim() == 3
+            and not any(f"{path}.{name}".lstrip(".").startswith(f"{done}.") for done in covered if done)]
 
 
 def routed_experts(decoder: Decoder, moe: list[int]) -> tuple[Any, str, str, Experts, str]:

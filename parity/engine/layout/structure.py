@@ -21,6 +21,7 @@ import torch
 from torch import nn
 
 from parity.definitions.aliases import load_aliases
+from parity.engine.layout.experts import find_experts
 from parity.engine.layout.flat_experts import holds_flat_experts
 from parity.engine.reference import activation_module, measured_function
 from parity.errors import MappingError
@@ -312,8 +313,8 @@ def has_experts(layer: nn.Module, d: int) -> bool:
     (3-D, not a convolution's) beside a router that scores them (a 2-D weight [E, d] or [d, E]).  A 3-D parameter
     alone is no expert stack (RWKV's [1, 1, d] mixes, RecurrentGemma's block-diagonal gates).  Matrices holding
     every expert's rows one after another (DBRX's [E·ff, d]) are a stack too (layout.flat_experts)."""
-    if holds_flat_experts(layer, d):
-        return True
+    if holds_flat_experts(layer, d) or find_experts(layer, d) is not None:  # a fused experts module (transformers'
+        return True  # gate_up_proj and down_proj stacked over experts), whatever its router scores besides them
     matrices = {tuple(p.shape) for p in layer.parameters() if p.dim() == 2}
     for module in layer.modules():
         if isinstance(module, nn.ModuleList) and any(ffn_of(projections(m), _width_in(m)) for m in module):
