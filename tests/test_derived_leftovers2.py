@@ -15,7 +15,10 @@ classes (from_config + save_pretrained), broken copies written with safetensors:
   and a mixture whose gate_up_proj also stacks zero-computation (identity) experts past down_proj's count: the
   routed experts are the units;
 - Inkling: a fused experts module whose router also scores its shared experts (its weight [E + S, d]), the shared
-  experts held as stacks, not projections (no unit of their own: said, and judged within the whole block).
+  experts held as stacks, not projections (no unit of their own: said, and judged within the whole block);
+  Inkling 2 stores each layer's experts as one w13_weight whose gate and up rows alternate, which transformers'
+  conversion de-interleaves (Interleave(dim=1)): read as alternate rows; its softcapped SwiGLU has no repository
+  module (exit 2 in one line).
 """
 
 from __future__ import annotations
@@ -334,3 +337,45 @@ def test_inkling_check_says_its_shared_experts_are_not_a_unit(capsys, inkling):
     assert code == 0 and report["passed"] and len(report["layers"]) == 8, err
     said = [note for note in report["notes"] if "shared_experts.gate_proj" in note]
     assert said and "not checked on their own" in said[0] and "whole block" in said[0]
+
+
+@pytest.fixture(scope="session")
+def inkling2(tmp_path_factory) -> tuple[Path, Path]:
+    """A two-layer Inkling 2 (its config needs a vocabulary past its 200k special tokens) and a copy whose layer 1
+    expert 0 has gate and up exchanged (in w13_weight's alternate rows) and whose layer 0 has experts 2 and 3
+    exchanged."""
+    from safetensors.torch import load_file, save_file
+
+    root = tmp_path_factory.mktemp("inkling2")
+    folder = build("inkling2_text", root / "inkling2_text", 61, **dict(MOE, vocab_size=200_100))
+    broken = root / "inkling2-broken"
+    shutil.copytree(folder, broken)
+    tensors = load_file(broken / "model.safetensors")
+    name = "model.llm.layers.1.mlp.experts.w13_weight"
+    fused = tensors[name].clone()
+    fused[0, 0::2], fused[0, 1::2] = tensors[name][0, 1::2], tensors[name][0, 0::2]
+    tensors[name] = fused.contiguous()
+    for name in ("model.llm.layers.0.mlp.experts.w13_weight", "model.llm.layers.0.mlp.experts.w2_weight"):
+        stack = tensors[name].clone()
+        stack[[2, 3]] = stack[[3, 2]]
+        tensors[name] = stack.contiguous()
+    save_file(tensors, broken / "model.safetensors", metadata={"format": "pt"})
+    return folder, broken
+
+
+def test_inkling2_reads_its_interleaved_w13_expert_by_expert(capsys, inkling2):
+    code, report, err = run_json(capsys, "compare", inkling2[0], inkling2[0])
+    assert code == 0 and report["passed"], err
+    assert {u[:2] for u in gguf_units(report)} >= {(layer, e) for layer in (0, 1) for e in range(4)}
+    code, report, err = run_json(capsys, "compare", inkling2[0], inkling2[1])
+    assert code == 1, err
+    failed = {u: r["diagnosis"]["id"] for u, r in zip(gguf_units(report), report["layers"], strict=True)
+              if not r["passed"]}
+    assert failed == {(1, 0, None): "gate_up_exchanged", (0, 2, None): "expert_shifted",
+                      (0, 3, None): "expert_shifted"}, failed
+
+
+def test_inkling2_default_target_refuses_in_one_line(capsys, inkling2):
+    code, out, err = run_main(capsys, inkling2[0])
+    line = one_line(err)
+    assert code == 2 and "Inkling2Experts" in line and "--target" in line, out + err
