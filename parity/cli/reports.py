@@ -198,6 +198,8 @@ def derived_layout_text(path: str, report) -> str:
     how = "read off the target's parameter names" if routes["inferred"] else "of the derived layout"
     header = (f"Written by `parity {report.model} --save-mapping`: target {report.target}, routes {how}, layout "
               f"{layout.name}.\nThe same run: parity {report.model} --mapping {path}")
+    if routes["args"] is None:
+        header += "\nThe run checked a module instance: set [target].args to build its class as it was built."
     return layout_text(layout, report.target, routes["args"], routes["tensors"], header=header)
 
 
