@@ -342,3 +342,74 @@ def moe_gguf_of_folder(folder: Path, path: Path, arch: str, layer_tensors, qtype
     writer.write_tensors_to_file()
     writer.close()
     return path
+
+
+def converted_moe_gguf(folder: Path, path: Path, arch: str, qtype: Q = Q.F32, edit=None) -> Path:
+    """A 'deepseek2' or 'glm4moe' GGUF of a saved tiny DeepSeek V3 / GLM-4.5 checkpoint, its metadata written with
+    GGUFWriter's own calls as llama.cpp's converter makes them for these architectures (dense leading layers, expert
+    and shared-expert counts, the experts' width, routing scale and norm, sigmoid gating, MLA ranks where the config
+    has them), its tensors as the converter names them: the dense layers' ffn_gate/ffn_up/ffn_down, then per MoE
+    layer the router (ffn_gate_inp), the selection bias (exp_probs_b.bias), the experts stacked (ffn_*_exps) and the
+    shared expert (ffn_*_shexp); a DeepSeek V2 (no selection bias) with softmax gating.  ``edit(layer, tensors)``
+    may change a layer's tensors (a broken export)."""
+    import json
+
+    from gguf import ExpertGatingFuncType
+    from safetensors.numpy import load_file
+
+    config = json.loads((folder / "config.json").read_text())
+    state = load_file(str(folder / "model.safetensors"))
+    writer = GGUFWriter(str(path), arch)
+    writer.add_block_count(config["num_hidden_layers"])
+    writer.add_context_length(64)
+    writer.add_embedding_length(config["hidden_size"])
+    writer.add_feed_forward_length(config["intermediate_size"])
+    writer.add_head_count(config["num_attention_heads"])
+    writer.add_head_count_kv(config["num_key_value_heads"])
+    writer.add_layer_norm_rms_eps(config["rms_norm_eps"])
+    writer.add_leading_dense_block_count(config["first_k_dense_replace"])
+    writer.add_expert_count(config["n_routed_experts"])
+    writer.add_expert_used_count(config["num_experts_per_tok"])
+    writer.add_expert_shared_count(config["n_shared_experts"])
+    writer.add_expert_feed_forward_length(config["moe_intermediate_size"])
+    writer.add_expert_weights_scale(float(config["routed_scaling_factor"]))
+    writer.add_expert_weights_norm(bool(config["norm_topk_prob"]))
+    biased = any(name.endswith("gate.e_score_correction_bias") for name in state)  # V3, GLM-4.5: sigmoid gating
+    writer.add_expert_gating_func(ExpertGatingFuncType.SIGMOID if biased else ExpertGatingFuncType.SOFTMAX)
+    if config.get("n_group"):
+        writer.add_expert_group_count(config["n_group"])
+        writer.add_expert_group_used_count(config["topk_group"])
+    if config.get("kv_lora_rank"):  # DeepSeek's MLA
+        writer.add_kv_lora_rank(config["kv_lora_rank"])
+        writer.add_rope_dimension_count(config["qk_rope_head_dim"])
+        writer.add_key_length(config["kv_lora_rank"] + config["qk_rope_head_dim"])
+        writer.add_value_length(config["kv_lora_rank"])
+        writer.add_value_length_mla(config["v_head_dim"])
+    else:
+        writer.add_key_length(config["head_dim"])
+    writer.add_token_list([f"tok{i}" for i in range(config["vocab_size"])])
+    rng = np.random.default_rng(0)
+    for layer in range(config["num_hidden_layers"]):
+        stem = f"model.layers.{layer}.mlp."
+        if layer < config["first_k_dense_replace"]:
+            found = {f"ffn_{p}.weight": state[f"{stem}{p}_proj.weight"] for p in ("gate", "up", "down")}
+        else:
+            found = {"ffn_gate_inp.weight": state[f"{stem}gate.weight"]}
+            if biased:
+                found["exp_probs_b.bias"] = state[f"{stem}gate.e_score_correction_bias"]
+            found |= {f"ffn_{p}_exps.weight": np.stack([state[f"{stem}experts.{e}.{p}_proj.weight"]
+                                                        for e in range(config["n_routed_experts"])])
+                      for p in ("gate", "up", "down")}
+            found |= {f"ffn_{p}_shexp.weight": state[f"{stem}shared_experts.{p}_proj.weight"]
+                      for p in ("gate", "up", "down")}
+        if edit is not None:
+            found = edit(layer, dict(found))
+        for name, values in found.items():
+            kind = qtype if values.ndim > 1 and name != "ffn_gate_inp.weight" else Q.F32  # the router kept F32
+            data = encode(np.ascontiguousarray(values, dtype=np.float32), kind, rng)
+            writer.add_tensor(f"blk.{layer}.{name}", data, raw_dtype=kind if data.dtype == np.uint8 else None)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path

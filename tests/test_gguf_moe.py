@@ -173,10 +173,10 @@ def test_the_experts_are_read_from_ggufs_stacked_tensors(files):
 
 
 # -- dense layers before MoE ones: DeepSeek V2/V3 ('deepseek2'), GLM-4.5 ('glm4moe') -----------------------------------
-# transformers' GGUF tables (transformers.integrations.ggml.GGUF_CONFIG_MAPPING) read neither architecture, so their
-# config cannot come from the file: a file of either is exit 2 in one line.  The layout itself is derived all the
-# same: below, the config the file stands for is given as the Hugging Face folder's own, and every unit of DeepSeek
-# V3 (the dense layer 0, the routed and shared experts of layers 1 and 2) is read from gguf's 'deepseek2' names.
+# transformers' GGUF tables (transformers.integrations.ggml.GGUF_CONFIG_MAPPING) read neither architecture; parity
+# reads the keys llama.cpp's converter writes for them (parity/sources/gguf_config.py).  Below, the config the file
+# stands for is given as the Hugging Face folder's own, and every unit of DeepSeek V3 (the dense layer 0, the routed
+# and shared experts of layers 1 and 2) is read from gguf's 'deepseek2' names.
 
 DEEPSEEK = dict(VALUES, num_hidden_layers=3, first_k_dense_replace=1)
 DEEPSEEK_UNITS = in_report_order([(0, None, "mlp"), *routed((1, 2)), (1, None, "shared_experts"),
@@ -193,13 +193,8 @@ def deepseek(tmp_path_factory) -> dict[str, Path]:
                                          exchange_experts)}
 
 
-@pytest.mark.parametrize("arch", ["deepseek2", "glm4moe"])
-def test_an_architecture_transformers_gguf_tables_do_not_read_is_exit_2(capsys, deepseek, tmp_path, arch):
-    path = moe_gguf_of_folder(deepseek["hf"], tmp_path / f"{arch}.gguf", arch, per_expert("shared_experts", 1))
-    code, out, err = run_main(capsys, "compare", deepseek["hf"], path)
-    lines = [line for line in err.splitlines() if line.strip()]
-    assert code == 2 and len(lines) == 1, out + err
-    assert f"GGUF architecture '{arch}' is not supported" in lines[0] and "transformers' GGUF loader" in lines[0]
+# A file of either architecture, its config read from the keys llama.cpp's converter writes:
+# tests/test_derived_leftovers2.py
 
 
 @pytest.fixture

@@ -169,11 +169,9 @@ def save_mapping(path: str, report, *, force: bool = False) -> None:
     if report is None or not report.routes:
         raise UsageError(f"--save-mapping {path}: no layer was built, so no routes were used; nothing written")
     routes = report.routes
-    if routes["extends"].startswith("derived from "):  # a file extending it could not be read back by --mapping
-        raise UsageError(f"--save-mapping {path}: this run's layout was derived from transformers (no mapping file), "
-                         "and a derived layout cannot be written as a mapping file yet: nothing written. The routes "
-                         "it used are the report's `routes` (--json); a mapping file written out in full "
-                         "(docs/own-module.md) takes them")
+    if routes["extends"].startswith("derived from "):  # no file to extend: the derived layout, written in full
+        write_output(path, sealed(derived_layout_text(path, report)), "--save-mapping", create_folder=False)
+        return
     how = "read off the target's parameter names" if routes["inferred"] else "of the mapping it extends"
     header = (f"Written by `parity {report.model} --save-mapping`: target {report.target}, routes {how}.\n"
               f"The same run: parity {report.model} --mapping {path}")
@@ -183,6 +181,26 @@ def save_mapping(path: str, report, *, force: bool = False) -> None:
         header += f"\n{report.target} cannot be imported by name: put the factory in a module (module:function)."
     text = mapping_text(routes["extends"], report.target, routes["args"], routes["tensors"], header=header)
     write_output(path, sealed(text), "--save-mapping", create_folder=False)
+
+
+def derived_layout_text(path: str, report) -> str:
+    """--save-mapping of a run whose layout was derived from transformers: that layout as a mapping file of its
+    own, with the target and routes the run used; a layout the mapping format cannot express is exit 2, naming
+    the part, and nothing is written."""
+    from parity.definitions.layout_text import layout_text, unsaid_part
+
+    routes, layout = report.routes, report.layout
+    unsaid = unsaid_part(layout) if layout is not None else "the run kept no derived layout"
+    if unsaid is not None:
+        raise UsageError(f"--save-mapping {path}: this run's layout was derived from transformers (no mapping file), "
+                         f"and a mapping file cannot express part of it: {unsaid}; nothing written. The routes it "
+                         "used are the report's `routes` (--json)")
+    how = "read off the target's parameter names" if routes["inferred"] else "of the derived layout"
+    header = (f"Written by `parity {report.model} --save-mapping`: target {report.target}, routes {how}, layout "
+              f"{layout.name}.\nThe same run: parity {report.model} --mapping {path}")
+    if routes["args"] is None:
+        header += "\nThe run checked a module instance: set [target].args to build its class as it was built."
+    return layout_text(layout, report.target, routes["args"], routes["tensors"], header=header)
 
 
 def save_template(path: str, template: str, *, force: bool = False) -> None:

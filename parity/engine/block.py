@@ -82,7 +82,13 @@ def fused_experts(meta_experts: nn.Module, experts: Iterable[dict[str, torch.Ten
                   ) -> dict[str, torch.Tensor]:
     """Every expert's tensors (gate, up, down, biases as [out, in]) stacked into the experts module's own layout."""
     parts = [one_expert_tensors(meta_experts, routed, where) for routed in experts]
-    return {name: torch.cat([part[name] for part in parts]) for name in parts[0]}
+    stacked = {name: torch.cat([part[name] for part in parts]) for name in parts[0]}
+    for name, tensor in stacked.items():  # slices past the experts' count: experts the module computes as the
+        held = getattr(meta_experts, name, None)  # identity (LongCat-Flash's zero-computation experts), never read
+        if isinstance(held, nn.Parameter) and held.shape[1:] == tensor.shape[1:] and held.shape[0] > len(parts) \
+                and held.shape[0] > meta_experts.down_proj.shape[0] == len(parts):
+            stacked[name] = torch.cat([tensor, tensor.new_zeros((held.shape[0] - len(parts), *tensor.shape[1:]))])
+    return stacked
 
 
 def filled_block(meta_block: nn.Module, site: BlockSite, tensors: dict[str, torch.Tensor],

@@ -58,6 +58,7 @@ class ExpertReference(nn.Module):
         self.branches = None if act is not None else branches
         # Llama 4's experts take the tokens already sorted by expert (and scaled); the others take the choice
         self.routed = len(inspect.signature(experts.forward).parameters) > 1
+        self.slots = 1  # routing slots per token; 2 for a module whose loop cannot take one (LongCat-Flash's)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         tokens = x.reshape(-1, x.shape[-1])
@@ -65,18 +66,34 @@ class ExpertReference(nn.Module):
             self.act_fn(GateInput.reach(tokens, self.branches))
         if not self.routed:
             return self.experts(tokens).reshape(x.shape)
-        index = torch.zeros(tokens.shape[0], 1, dtype=torch.long, device=x.device)  # every token to expert 0 ...
-        weights = torch.ones(tokens.shape[0], 1, dtype=x.dtype, device=x.device)  # ... with routing weight 1
-        return self.experts(tokens, index, weights).reshape(x.shape)
+        if self.slots == 1:
+            try:
+                return self.chosen(tokens, 1).reshape(x.shape)
+            except ValueError:  # LongCat-Flash's loop squeezes the slot dim away when there is one: unpacking fails
+                self.slots = 2
+        return self.chosen(tokens, self.slots).reshape(x.shape)
+
+    def chosen(self, tokens: torch.Tensor, slots: int) -> torch.Tensor:
+        """Every token sent to expert 0 in each of ``slots`` slots, with routing weight 1 in all (one slot), or
+        1/2 in each of two (their sum, y/2 + y/2, is y exactly: halving is exact in binary floating point)."""
+        index = torch.zeros(tokens.shape[0], slots, dtype=torch.long, device=tokens.device)
+        weights = torch.full((tokens.shape[0], slots), 1.0 / slots, dtype=tokens.dtype, device=tokens.device)
+        return self.experts(tokens, index, weights)
 
 
-def _one_expert_config(config: Any, count: int) -> Any:
+def _one_expert_config(config: Any, count: int, extra: int = 0) -> Any:
     """The config with one expert: every attribute that counts the module's ``count`` experts set to 1 (its name
-    says experts and does not say per token: num_local_experts, num_experts, n_routed_experts, ...)."""
+    says experts and does not say per token: num_local_experts, num_experts, n_routed_experts, ...).  ``extra``:
+    the slices the module stacks in gate_up_proj beyond down_proj's, experts it computes as the identity
+    (LongCat-Flash's zero_expert_num): the attribute counting them set to 0, so the module holds the one expert."""
     single = copy.deepcopy(config)
     for attr, value in vars(config).items():
-        if value == count and not isinstance(value, bool) and "expert" in attr and "per_tok" not in attr:
+        if isinstance(value, bool) or "expert" not in attr or "per_tok" in attr:
+            continue
+        if value == count:
             setattr(single, attr, 1)
+        elif extra and value == extra:
+            setattr(single, attr, 0)
     # The eager path is transformers' reference loop; grouped kernels do not all run in float64.
     single._experts_implementation = "eager"
     return single
@@ -103,7 +120,9 @@ def expert_reference(meta_experts: nn.Module, config: Any, routed: dict[str, tor
         raise MappingError(f"{type(meta_experts).__name__} holds biases (gate_up_proj_bias, down_proj_bias): the "
                            "mapping's [experts] must route gate_bias, up_bias and down_bias")
     with torch.device("meta"):
-        module = type(meta_experts)(_one_expert_config(config, meta_experts.down_proj.shape[0]))
+        count = meta_experts.down_proj.shape[0]
+        extra = meta_experts.gate_up_proj.shape[0] - count if gated else 0
+        module = type(meta_experts)(_one_expert_config(config, count, extra))
     given = {name: tensor.unsqueeze(0) for name, tensor in own_layout(meta_experts, routed, biased).items()}
     expected = {n: tuple(p.shape) for n, p in module.named_parameters()}
     for name, tensor in given.items():

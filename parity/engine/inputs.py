@@ -64,6 +64,9 @@ def preactivation(module: nn.Module, x: torch.Tensor) -> torch.Tensor | None:
     if not seen:
         return None
     z = seen[0]
+    rows = x.numel() // x.shape[-1]
+    if z.dim() == 2 and z.shape[0] > rows and z.shape[0] % rows == 0:  # each token in several slots (an expert
+        z = z[:rows]  # routed twice: engine.experts.ExpertReference): the first slot's, every token in order
     if z.dim() == 2 and x.dim() == 3:  # experts see tokens flattened, in order: one row per batch item again
         z = z.reshape(x.shape[0], -1, z.shape[-1])
     return z

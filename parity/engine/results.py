@@ -8,7 +8,7 @@ from __future__ import annotations
 import json
 import math
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any, Literal
 
@@ -103,6 +103,9 @@ class Report:
     reference_routes: dict | None = None
     framework: str = "torch"  # what the target is written in: torch, mlx, flax.nnx, numpy, onnx (parity.targets)
     units: list[str] = field(default_factory=list)  # the named units a layer may hold beside routed experts
+    # the layout derived from transformers that this run used (no mapping file): --save-mapping writes it in full;
+    # not part of the JSON (its routes are)
+    layout: Any = field(default=None, repr=False, compare=False)
 
     @property
     def unit_width(self) -> int:
@@ -143,7 +146,8 @@ class Report:
         return "regressed" if self.regressed else "pass"
 
     def to_dict(self) -> dict[str, Any]:
-        data = asdict(self)
+        data = asdict(replace(self, layout=None))
+        del data["layout"]
         for layer, result in zip(data["layers"], self.layers, strict=True):
             layer["status"] = layer_status(result)
         data = {"schema_version": SCHEMA_VERSION, "passed": self.passed, "status": self.status, **data}

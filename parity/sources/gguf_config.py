@@ -11,7 +11,8 @@ gguf themselves know rather than from a table of families.
   262k-token file) to read a few numbers.
 * GGUF names no activation: the config keeps transformers' default for the model type, as its GGUF loader does.
 
-Two architectures llama.cpp writes that transformers' GGUF tables do not read stay here (``BEYOND_TRANSFORMERS``).
+Architectures llama.cpp writes that transformers' GGUF tables do not read stay here: ``BEYOND_TRANSFORMERS``, and the
+MoE architectures with dense leading layers and shared experts (``_MOE_BEYOND``: deepseek2, glm4moe).
 """
 
 from __future__ import annotations
@@ -51,6 +52,20 @@ BEYOND_TRANSFORMERS = {
     "gemma": "gemma",  # GemmaForCausalLM is converted as architecture 'gemma'; transformers reads gemma2 onwards only
     "llama+experts": "mixtral",  # MixtralForCausalLM is converted as 'llama' with expert_count > 0
 }
+# Two MoE architectures llama.cpp's converter writes with dense layers before the MoE ones and shared experts, which
+# transformers 5.24's GGUF tables do not read: 'deepseek2' (its DeepseekV2Model converter, DeepSeek V2 and V3 alike)
+# and 'glm4moe' (GLM-4.5).  The keys beyond _HF_KEYS it writes for them, and the config attribute each was written
+# from (gguf.Keys.LLM / .Attention / .Rope names; the converter's set_gguf_parameters reads them off config.json).
+_MOE_BEYOND = {"deepseek2", "glm4moe"}
+_MOE_KEYS = {
+    "leading_dense_block_count": "first_k_dense_replace", "expert_count": "n_routed_experts",
+    "expert_shared_count": "n_shared_experts", "expert_feed_forward_length": "moe_intermediate_size",
+    "expert_weights_scale": "routed_scaling_factor", "expert_weights_norm": "norm_topk_prob",
+    "expert_group_count": "n_group", "expert_group_used_count": "topk_group",
+    "attention.q_lora_rank": "q_lora_rank", "attention.kv_lora_rank": "kv_lora_rank",
+    "attention.value_length_mla": "v_head_dim",
+}
+_MLA_KEYS = {"rope.dimension_count": "qk_rope_head_dim"}  # deepseek2: key_length is the compressed MLA key's
 # What llama.cpp's converter writes from a Hugging Face config's expert widths (its Qwen2-MoE / Qwen3-MoE /
 # DeepSeek converters: gguf.Keys.LLM.EXPERT_FEED_FORWARD_LENGTH from moe_intermediate_size,
 # EXPERT_SHARED_FEED_FORWARD_LENGTH from shared_expert_intermediate_size), which transformers' GGUF tables leave
@@ -74,6 +89,8 @@ def translation(header: GGUFHeader, arch: str) -> Translation:
         raise CheckpointError(f"{shown(header.path)}: GGUF architecture {_short(arch)} is not supported: unknown to "
                               f"gguf ({versions}), so neither its tensor names nor its config can be read. Check the "
                               "Hugging Face folder it was converted from instead (parity FOLDER), or upgrade gguf")
+    if arch in _MOE_BEYOND:
+        return _moe_translation(header, arch)
     experts = header.metadata.get(f"{arch}.expert_count")
     beyond = BEYOND_TRANSFORMERS.get(f"{arch}+experts" if isinstance(experts, int) and experts > 0 else arch)
     if beyond is not None:
@@ -96,6 +113,25 @@ def translation(header: GGUFHeader, arch: str) -> Translation:
              if key not in GGUF_CONFIG_MAPPING[name]}
     return Translation(model_type, keys, f"transformers {transformers.__version__}'s GGUF tables",
                        dict(GGUF_CONFIG_DEFAULTS_MAPPING.get(name, {})))
+
+
+def _moe_translation(header: GGUFHeader, arch: str) -> Translation:
+    """deepseek2 and glm4moe (_MOE_BEYOND): the model type transformers names them (GLM-4.5 is glm4_moe; deepseek2
+    is DeepSeek V3 where the file holds V3's selection bias ('exp_probs_b', transformers' e_score_correction_bias)
+    or says its experts are gated by a sigmoid (expert_gating_func 2, V3's), else V2), and _HF_KEYS with the MoE
+    keys llama.cpp's converter writes for them (_MOE_KEYS)."""
+    import gguf
+
+    keys = {key: attr for key, attr in _HF_KEYS.items() if key != "expert_count"} | _MOE_KEYS
+    if arch == "deepseek2":
+        sigmoid = header.metadata.get(f"{arch}.expert_gating_func") == gguf.ExpertGatingFuncType.SIGMOID.value
+        biased = any(name.endswith((".exp_probs_b", ".exp_probs_b.bias")) for name in header.tensors)
+        model_type = "deepseek_v3" if sigmoid or biased else "deepseek_v2"
+        keys = {key: attr for key, attr in keys.items() if key != "attention.key_length"} | _MLA_KEYS
+    else:
+        model_type = "glm4_moe"
+    return Translation(model_type, {f"{arch}.{key}": attr for key, attr in keys.items()},
+                       "llama.cpp's converter, which transformers' GGUF loader does not read", {})
 
 
 def _expert_keys(model_type: str) -> dict[str, str]:
@@ -165,6 +201,8 @@ def _metadata_value(header: GGUFHeader, key: str, value: Any) -> int | float:
         why = int_problem(value, 0, MAX_EXPERTS if "expert" in key else MAX_LENGTH)
     elif key.endswith(_INT_KEYS):
         why = int_problem(value, 1, MAX_LENGTH if key.endswith("context_length") else MAX_WIDTH)
+    elif isinstance(value, bool):  # a flag only transformers reads (expert_weights_norm: norm_topk_prob)
+        why = None
     else:  # a value only transformers reads (not the FFN's): a finite number
         why = float_problem(value, -float("inf")) if isinstance(value, (int, float)) else "not a number"
     if why is not None:

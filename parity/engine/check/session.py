@@ -372,6 +372,7 @@ def run_session(session: Session, layers: Selection = None,
     each MoE layer's whole sparse block is the unit (engine.check.block_check); None: when the target holds more
     than one expert's tensors (it is a block, not an expert's FFN)."""
     report = session.report()
+    report.layout = session.mapping if session.mapping.derived else None  # --save-mapping writes it in full
     if layers is None and session.checkpoint.weights == "synthetic":
         layers = session.synthetic_layers(report.notes)
     session.expert_indices(experts)  # a selection of experts a dense model lacks: refused before any layer runs

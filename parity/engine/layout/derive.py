@@ -38,7 +38,7 @@ from parity.engine.layout.structure import (
     FFN,
     activation_label,
     activation_of,
-    decoder_layers,
+    decoder_stacks,
     ffn_of,
     find_ffn,
     has_experts,
@@ -77,28 +77,56 @@ def derive_mapping(ckpt: Checkpoint, load_config: Callable[[Checkpoint], Any]) -
             "it with --mapping FILE.toml (docs/own-module.md), or install a transformers that ships it")
     config = load_config(ckpt)
     model = ModelSkeleton(config).skeleton
-    layers_path, layers = decoder_layers(model, config)
+    stacks = decoder_stacks(model, config)
     d = getattr(config.get_text_config() if hasattr(config, "get_text_config") else config, "hidden_size", None)
     if not isinstance(d, int) or isinstance(d, bool):  # a multimodal wrapper's width is its text model's
         raise refused(model_type, f"transformers' {type(config).__name__} states no hidden_size (nor does its text "
                       "config), so the FFN's input width is not known")
-    decoder = Decoder(layers_path, layers, model, ckpt, d, model_type)
-    moe = [i for i, layer in enumerate(layers) if has_experts(layer, d)]
-    dense = [i for i in range(len(layers)) if i not in moe]
-    units = experts_mappings(decoder, moe) if moe else []
-    skipped = dense_units(decoder, dense, units)
+    units, skipped = [], []
+    for path, layers in stacks:
+        found, note = stack_units(Decoder(path, layers, model, ckpt, d, model_type))
+        units += named_after_stack(found, path, [p for p, _ in stacks], model_type)
+        skipped += [note] if note else []
     main, *parts = units
-    main.notes += [skipped] if skipped else []
+    main.notes += skipped
     if not parts:
         return main
     for unit in units:  # every row of a report names its unit where a layer has several, or layers differ
-        unit.unit = unit.unit or (None if unit.experts else unit.reference_module.rsplit(".", 1)[-1])
+        unit.unit = unit.unit or (None if unit.experts else unit_name(unit.reference_module))
     main.parts = parts
     main.description += "; " + "; ".join(part.description for part in parts)
     others = "; ".join(f"{part.unit} ({describe_layers(part)}): {part.name}" for part in parts)
     main.notes += [f"each layer's units are not all alike: {main.unit or 'routed experts'} ({describe_layers(main)}) "
                    f"as the mapping above says, and {others}"]
     return main
+
+
+def stack_units(decoder: Decoder) -> tuple[list[Mapping], str | None]:
+    """The units of one list of decoder layers (routed experts, a shared expert, each kind of dense FFN), and the
+    note on its layers holding no FFN, if any."""
+    layers, d = decoder.layers, decoder.d
+    moe = [i for i, layer in enumerate(layers) if has_experts(layer, d)]
+    dense = [i for i in range(len(layers)) if i not in moe]
+    units = experts_mappings(decoder, moe) if moe else []
+    skipped = dense_units(decoder, dense, units)
+    return units, skipped
+
+
+def named_after_stack(units: list[Mapping], path: str, paths: list[str], model_type: str | None) -> list[Mapping]:
+    """Where the decoder layers are in several lists (``structure.decoder_stacks``), each unit named after its
+    list (the part of its path the lists differ in: HRM's 'H_module.mlp', 'L_module.mlp'); one list: as they are."""
+    if len(paths) == 1:
+        return units
+    if any(unit.experts is not None for unit in units):
+        raise refused(model_type, f"its decoder layers are in {len(paths)} lists ({', '.join(paths)}) holding "
+                      "routed experts, and experts are derived in one list of layers only")
+    split = [p.split(".") for p in paths]
+    own = ".".join(part for i, part in enumerate(path.split("."))
+                   if len({s[i] if i < len(s) else None for s in split}) > 1)
+    for unit in units:
+        unit.unit = f"{own}.{unit.unit or unit_name(unit.reference_module)}"
+        unit.description = f"{unit.description} in {path}"
+    return units
 
 
 def dense_units(decoder: Decoder, dense: list[int], units: list[Mapping]) -> str | None:
@@ -117,6 +145,13 @@ def dense_units(decoder: Decoder, dense: list[int], units: list[Mapping]) -> str
         units.append(dense_mapping(decoder, group, uniform_ffn([decoder.layers[i] for i in group], group, decoder.d,
                                                                decoder.model_type)))
     return skipped
+
+
+def unit_name(path: str) -> str:
+    """A unit's name in the report: the last part of its module's path ('shared_expert'), with the list it is an
+    item of where that part is a number (LongCat-Flash's 'mlps.0', 'mlps.1')."""
+    parts = path.split(".")
+    return ".".join(parts[-2:]) if parts[-1].isdigit() and len(parts) > 1 else parts[-1]
 
 
 def _is_norm(module: nn.Module) -> bool:
@@ -143,6 +178,11 @@ class Decoder:
         """The checkpoint's keys as transformers' load-time conversion names them: asked once for every unit."""
         return renamed_keys(self.model, list(self.ckpt.weight_map))
 
+    @cached_property
+    def chunked(self) -> dict[str, tuple[str, tuple[int, int]]]:
+        """The parameters transformers cuts out of one checkpoint tensor (``Renamed.chunks``)."""
+        return self.renamed.chunks()
+
     def module_path(self, within: str) -> str:
         return ".".join(p for p in (f"{self.path}.{{layer}}", within) if p)
 
@@ -157,22 +197,26 @@ def dense_mapping(decoder: Decoder, indices: list[int], ffn: FFN, unit: str | No
 
     module_path = decoder.module_path(ffn.path)
     pair = tuple(indices[:2])
-    names = checkpoint_names(decoder, [module_path.format(layer=i) for i in pair], ffn.module)
+    chunked: dict[str, tuple[int, int]] = {}
+    names = checkpoint_names(decoder, [module_path.format(layer=i) for i in pair], ffn.module, chunked)
     layer_key, sources = checkpoint_layout(names, module_path, decoder.model_type, pair)
+    prefix = module_path.format(layer=pair[0]) + "."
+    chunks = {own[len(prefix):]: chunk for own, chunk in chunked.items() if own.startswith(prefix)}
     shown_class = type(ffn.module).__name__ if not ffn.inline else f"{type(decoder.layers[0]).__name__}'s " \
         + "+".join(ffn.inline)
     reference = module_path + (INLINE + "+".join(ffn.inline) if ffn.inline else "")
     if ffn.residual:  # its forward adds the residual: run with a zero one (structure.usable_alone)
         shown_class, reference = shown_class + ZERO_RESIDUAL, reference + ZERO_RESIDUAL
     name = f"derived from transformers {transformers.__version__} {shown_class} at {module_path}"
-    target_class, args, tensors = default_target(ffn, decoder.d, sources)
+    target_class, args, tensors = default_target(ffn, decoder.d, sources, chunks)
     where = "" if decoder.layers_note(indices) is None else f" (layers {spans(indices)})"
     return Mapping(
         name=name, path=Path(name), model_types=[decoder.model_type], layer_key=layer_key, reference_module=reference,
         target_class=target_class, target_args=args, tensors=tensors, num_layers=len(decoder.layers),
         hidden_size=decoder.d, derived=True, layers=decoder.layers_note(indices), unit=unit, width=ffn.width,
         description=f"{decoder.model_type}: layout derived from transformers' {shown_class}{where} (no mapping file)",
-        reference_tensors=[TensorRoute(own, source) for own, source in sources.items() if own != source],
+        reference_tensors=[TensorRoute(own, source, chunk=chunks.get(own)) for own, source in sources.items()
+                           if own != source or own in chunks],
         notes=[f"{ffn.prenorm} normalises the FFN's input inside transformers' module: it is the FFN's pre-norm, "
                "outside the FFN as every layer's norms are, and not judged"] if ffn.prenorm else [],
     )
@@ -223,16 +267,22 @@ def uniform_ffn(layers: list[nn.Module], indices: list[int], d: int, model_type:
     return first
 
 
-def checkpoint_names(decoder: Decoder, paths: list[str], module: nn.Module) -> dict[str, str]:
+def checkpoint_names(decoder: Decoder, paths: list[str], module: nn.Module,
+                     chunks: dict[str, tuple[int, int]] | None = None) -> dict[str, str]:
     """Model parameter name -> the checkpoint tensor that fills it, for the parameters of ``module`` (the FFN, or
     the module holding experts) under ``paths``: transformers' own load-time renaming applied to every checkpoint
-    key (``decoder.renamed``)."""
+    key (``decoder.renamed``).  ``chunks`` (a dense FFN's): also a parameter transformers cuts out of one tensor
+    (``Renamed.chunks``), its (index, count) recorded there."""
     model, ckpt, model_type = decoder.model, decoder.ckpt, decoder.model_type
     wanted = {f"{path}.{name}" for path in paths for name in module.state_dict()}  # saved buffers too
     found: dict[str, str] = {}
     for key, (own, converter) in decoder.renamed.keys.items():
         if own in wanted and converter is None:
             found.setdefault(own, key)
+    if chunks is not None:
+        for own, (key, chunk) in decoder.chunked.items():
+            if own in wanted and own not in found:
+                found[own], chunks[own] = key, chunk
     lacking = sorted(wanted - set(found))
     if lacking:
         raise refused(model_type, f"transformers' {type(model).__name__} needs checkpoint tensor '{lacking[0]}' (or a "
@@ -257,7 +307,9 @@ def checkpoint_layout(names: dict[str, str], module_path: str, model_type: str |
         stems[layer] = parts[0][:common]
     one, other = pair[0], pair[-1] if len(pair) > 1 else pair[0] + 1
     first = stems[one]
-    second = stems.get(other, [str(other) if part == str(one) else part for part in first])
+    places = module_path.split(".")  # one layer: its number where the module's path has it, if the stem is alike
+    at = {i for i, part in enumerate(places) if part == "{layer}"} if len(places) == len(first) else range(len(first))
+    second = stems.get(other, [str(other) if part == str(one) and i in at else part for i, part in enumerate(first)])
     template = [("{layer}" if (a, b) == (str(one), str(other)) else a) for a, b in zip(first, second, strict=False)]
     if len(first) != len(second) or template.count("{layer}") != 1 or [
             p for p, a, b in zip(template, first, second, strict=False) if p != "{layer}" and a != b]:
@@ -289,9 +341,11 @@ def projection_roles(ffn: FFN) -> tuple[dict[str, str], str | None]:
     return roles, None
 
 
-def target_routes(ffn: FFN, roles: dict[str, str], sources: dict[str, str]) -> list[TensorRoute]:
+def target_routes(ffn: FFN, roles: dict[str, str], sources: dict[str, str], chunks: dict[str, tuple[int, int]]
+                  ) -> list[TensorRoute]:
     """parity.ffn's parameters filled from the checkpoint's tensors: an nn.Linear weight as stored, a Conv1D one
-    transposed, a fused [gate; up] in halves.  A bias the checkpoint lacks is no route (parity zeroes it, saying so)."""
+    transposed, a fused [gate; up] in halves; a parameter transformers cuts out of one checkpoint tensor, its chunk
+    of it (``chunks``).  A bias the checkpoint lacks is no route (parity zeroes it, saying so)."""
     routes = []
     for proj in (*ffn.ins, ffn.out):
         role = roles.get(proj.name)
@@ -300,9 +354,11 @@ def target_routes(ffn: FFN, roles: dict[str, str], sources: dict[str, str]) -> l
         parts = [("gate", (0, 2)), ("up", (1, 2))] if role == "gate_up" else [(role, None)]
         transform = "transpose" if proj.layout == "in_out" else "none"
         for part, chunk in parts:
-            routes.append(TensorRoute(f"{ROLE_TARGETS[part]}.weight", sources[f"{proj.name}.weight"], transform, chunk))
+            weight, bias = f"{proj.name}.weight", f"{proj.name}.bias"
+            routes.append(TensorRoute(f"{ROLE_TARGETS[part]}.weight", sources[weight], transform,
+                                      chunks.get(weight, chunk)))
             if proj.bias:
-                routes.append(TensorRoute(f"{ROLE_TARGETS[part]}.bias", sources[f"{proj.name}.bias"], "none", chunk))
+                routes.append(TensorRoute(f"{ROLE_TARGETS[part]}.bias", sources[bias], "none", chunks.get(bias, chunk)))
     return routes
 
 
@@ -328,13 +384,16 @@ def repository_gap(ffn: FFN, d: int, unsaid: str | None) -> str | None:
     return None
 
 
-def default_target(ffn: FFN, d: int, sources: dict[str, str]) -> tuple[str, dict[str, Any], list[TensorRoute]]:
+def default_target(ffn: FFN, d: int, sources: dict[str, str], chunks: dict[str, tuple[int, int]] | None = None
+                   ) -> tuple[str, dict[str, Any], list[TensorRoute]]:
     """[target].class, [target].args and [tensors] for the repository module that expresses this FFN; where none
-    does, a target that refuses in one line when built (exit 2), and the same routes for ``--target``."""
+    does, a target that refuses in one line when built (exit 2), and the same routes for ``--target``.
+    ``chunks``: the FFN's parameters cut out of one checkpoint tensor, each its (index, count)."""
+    chunks = chunks or {}
     roles, unsaid = projection_roles(ffn)
-    routes = target_routes(ffn, roles, sources)
+    routes = target_routes(ffn, roles, sources, chunks)
     if own_parameters(ffn):  # no parity.ffn module holds them: a --target port holds transformers' names
-        routes = [TensorRoute(name, sources[name]) for name, _ in ffn.module.named_parameters()]
+        routes = [TensorRoute(name, sources[name], chunk=chunks.get(name)) for name, _ in ffn.module.named_parameters()]
     gap = repository_gap(ffn, d, unsaid)
     bias = any(p.bias for p in (*ffn.ins, ffn.out))
     gated = len(ffn.ins) == 2 or ffn.fused
@@ -380,11 +439,26 @@ def experts_mappings(decoder: Decoder, moe: list[int]) -> list[Mapping]:
                         "each expert is checked with them zero, and they are not judged"]
     layers = [decoder.layers[i] for i in moe]
     units = [routed]
-    for shared in shared_paths(decoder.layers[moe[0]], first, decoder.d):  # each dense FFN beside them, a unit
+    shared_units = shared_paths(decoder.layers[moe[0]], first, decoder.d)
+    for shared in shared_units:  # each dense FFN beside them, a unit
         ffn = uniform_ffn(layers, moe, decoder.d, decoder.model_type,
                           find=lambda layer, d, shared=shared: ffn_at(layer, shared, d))
-        units.append(dense_mapping(decoder, moe, ffn, unit=shared.rsplit(".", 1)[-1]))
+        units.append(dense_mapping(decoder, moe, ffn, unit=unit_name(shared)))
+    unread = stacks_beside(decoder.layers[moe[0]], [first.path, *shared_units])
+    if unread:  # said, not silently left out
+        routed.notes = [*routed.notes, f"{', '.join(unread)} (stacked beside the routed experts, no projections) "
+                        "form no unit parity reads: not checked on their own; `parity compare` judges them within "
+                        "each MoE layer's whole block"]
     return units
+
+
+def stacks_beside(layer: nn.Module, covered: list[str]) -> list[str]:
+    """The layer's parameters stacked over experts (3-D) that no unit reads: InklingSharedExperts' gate_proj,
+    up_proj, down_proj [S, ff, d], shared experts held as stacks, not projections."""
+    return [f"{path}.{name}".lstrip(".") for path, module in layer.named_modules()
+            if not isinstance(module, nn.modules.conv._ConvNd)  # a convolution's 3-D kernel is no stack
+            for name, param in module.named_parameters(recurse=False) if param.dim() == 3
+            and not any(f"{path}.{name}".lstrip(".").startswith(f"{done}.") for done in covered if done)]
 
 
 def routed_experts(decoder: Decoder, moe: list[int]) -> tuple[Any, str, str, Experts, str]:

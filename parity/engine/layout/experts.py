@@ -106,13 +106,30 @@ def expert_layout(renamed: Renamed, experts_path: str, experts: ExpertsModule,
         raise refuse(f"transformers' {type(experts.module).__name__} needs '{experts_path.format(layer=layers[0])}."
                      f"{lacking[0]}' (or the tensors transformers' load-time conversion merges into it), which this "
                      "checkpoint does not hold", "for its names ")
-    per_expert = any(pattern is not None for keys in found[layers[0]].values() for _, pattern in keys)
+    interleaving = interleaved_on_disk(renamed.converters, experts)
+    per_expert = any(pattern is not None and pattern not in interleaving
+                     for keys in found[layers[0]].values() for _, pattern in keys)
     if per_expert and any(found[layers[0]].get(name) for name in BIASES):
         raise refuse(f"transformers' {type(experts.module).__name__} has biased experts that this checkpoint keeps "
                      "per expert, and reading per-expert biases is not built yet", "with an [experts] table ")
     if per_expert:
         return _per_expert(found, renamed.converters, experts, layers, refuse)
-    return _fused(found, experts, layers, refuse)
+    on_disk = any(pattern in interleaving for keys in found[layers[0]].values() for _, pattern in keys)
+    return _fused(found, experts, layers, refuse, interleaved=on_disk)
+
+
+def interleaved_on_disk(converters: list, experts: ExpertsModule) -> set[str]:
+    """The source patterns of converters that turn one fused tensor whose gate and up rows alternate (gate first)
+    into the module's [gate; up] halves: transformers' ``Interleave`` along gate_up_proj's output dim (Inkling 2's
+    ``w13_weight``).  Each expert's gate and up are then that tensor's alternate rows, as GPT-OSS's module holds
+    them."""
+    from transformers.core_model_loading import Interleave
+
+    dim = 2 if experts.transposed else 1
+    return {pattern for c in converters for pattern in c.source_patterns
+            if len(c.source_patterns) == 1 and len(c.operations) == 1 and isinstance(c.operations[0], Interleave)
+            and c.operations[0].dim == dim and not c.operations[0].inverse and not experts.interleaved
+            and any(str(t).endswith("gate_up_proj") for t in c.target_patterns)}
 
 
 SWITCH_MLP = ("gate_proj", "up_proj", "down_proj")  # MLX-LM's SwitchGLU: each role stacked [E, out, in]
@@ -182,11 +199,12 @@ def _per_expert(found: dict, converters: list, experts: ExpertsModule, layers: t
                 raise refuse(f"transformers fills '{param}' of {type(experts.module).__name__} with "
                              f"{' + '.join(operations) or 'no conversion'} (dim {joined}), and parity reads per-expert "
                              f"tensors merged with {' + '.join(wanted)} along the output dim", "for its names ")
+            stacked = stack_count(experts, param)
             for pattern in converter.source_patterns:
                 names = sorted(key for key, p in keys if p == pattern)
-                if len(names) != experts.count:
+                if len(names) != stacked:
                     raise refuse(f"the checkpoint holds {len(names)} tensors matching '{pattern}' in layer {layer}, "
-                                 f"and transformers' module has {experts.count} experts", "for its names ")
+                                 f"and transformers' module stacks {stacked} in '{param}'", "for its names ")
                 at = _varying(names, "expert", refuse)
                 stem = ".".join(_with(names[0], at, "expert").split(".")[:at + 1])
                 if stems.setdefault(layer, stem) != stem:
@@ -199,9 +217,11 @@ def _per_expert(found: dict, converters: list, experts: ExpertsModule, layers: t
     return _layer_key(stems, layers, refuse), Experts(experts.count, routes.get("gate"), routes["up"], routes["down"])
 
 
-def _fused(found: dict, experts: ExpertsModule, layers: tuple[int, ...], refuse: Any) -> tuple[str, Experts]:
+def _fused(found: dict, experts: ExpertsModule, layers: tuple[int, ...], refuse: Any, *, interleaved: bool = False
+           ) -> tuple[str, Experts]:
     """The fused tensors stored as such (transformers renames them at most): each expert a slice of them, gate
-    and up the halves of gate_up's rows, read in nn.Linear's [out, in] (``transposed``: stored [in, out])."""
+    and up the halves of gate_up's rows (``interleaved``: its alternate rows, as stored on disk), read in
+    nn.Linear's [out, in] (``transposed``: stored [in, out])."""
     stems, leaves = {}, {}
     for layer, params in found.items():
         keys = [keys[0][0] for keys in params.values()]
@@ -221,14 +241,25 @@ def _fused(found: dict, experts: ExpertsModule, layers: tuple[int, ...], refuse:
                          "does not hold beside its experts", "for its names ")
         biases = (*gate_and_up(leaves["gate_up_proj_bias"], experts, "_bias"),
                   TensorRoute("down_bias", leaves["down_proj_bias"]))
-    gate_up_routes = gate_and_up(gate_up, experts) if experts.gated else (None, TensorRoute("up", gate_up))
+    gate_up_routes = gate_and_up(gate_up, experts, alternate=interleaved) if experts.gated else \
+        (None, TensorRoute("up", gate_up))
     layout = Experts(experts.count, *gate_up_routes, TensorRoute("down", down),
                      stacked=tuple(leaves.values()), transposed=experts.transposed, biases=biases)
     return _layer_key(stems, layers, refuse), layout
 
 
-def gate_and_up(fused: str, experts: ExpertsModule, suffix: str = "") -> tuple[TensorRoute, TensorRoute]:
+def stack_count(experts: ExpertsModule, param: str) -> int:
+    """How many slices the module stacks in ``param``: its experts, or more where the module computes the experts
+    past down_proj's count as the identity (LongCat-Flash's zero-computation experts: gate_up_proj holds E + Z
+    slices, down_proj E, and only the first E are FFNs, the experts checked)."""
+    stack = getattr(experts.module, param, None)
+    return int(stack.shape[0]) if isinstance(stack, nn.Parameter) else experts.count
+
+
+def gate_and_up(fused: str, experts: ExpertsModule, suffix: str = "", alternate: bool = False
+                ) -> tuple[TensorRoute, TensorRoute]:
     """The gate and up routes out of one fused tensor: its halves, or its alternate rows where transformers'
-    module interleaves them (``is_concatenated`` False: gate = rows 0::2, up = rows 1::2)."""
-    return tuple(TensorRoute(role + suffix, fused, chunk=(i, 2), interleaved=experts.interleaved)
+    module interleaves them (``is_concatenated`` False: gate = rows 0::2, up = rows 1::2) or the tensor on disk
+    does (``alternate``)."""
+    return tuple(TensorRoute(role + suffix, fused, chunk=(i, 2), interleaved=experts.interleaved or alternate)
                  for i, role in enumerate(("gate", "up")))

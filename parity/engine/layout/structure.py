@@ -21,6 +21,7 @@ import torch
 from torch import nn
 
 from parity.definitions.aliases import load_aliases
+from parity.engine.layout.experts import find_experts
 from parity.engine.layout.flat_experts import holds_flat_experts
 from parity.engine.reference import activation_module, measured_function
 from parity.errors import MappingError
@@ -77,9 +78,9 @@ def decoder_layers(model: nn.Module, config: Any) -> tuple[str, nn.ModuleList]:
     alone, counted by ``decoder_layers``; num_hidden_layers counts the encoder's).  Several, none of the config's
     count: refused, naming them."""
     count = getattr(config, "num_hidden_layers", None)
-    lists = [(path, module) for path, module in model.named_modules() if isinstance(module, nn.ModuleList)
-             and len(module) and all(projections(layer) for layer in module)]
-    counted = [(path, module) for path, module in lists if len(module) == count]
+    lists = layer_lists(model)
+    counted = [(path, module) for path, module in lists if len(module) == count  # not a list inside a layer of
+               and not any(path.startswith(f"{p}.") for p, _ in lists)]  # another (LongCat-Flash's 2 attentions)
     if len(counted) > 1:  # XLM keeps its attentions and its FFNs in lists of their own: the FFNs' is the one
         d = getattr(config.get_text_config() if hasattr(config, "get_text_config") else config, "hidden_size", None)
         counted = [c for c in counted if isinstance(d, int) and all(find_ffn(item, d) for item in c[1])] or counted
@@ -92,6 +93,27 @@ def decoder_layers(model: nn.Module, config: Any) -> tuple[str, nn.ModuleList]:
     raise refused(getattr(config, "model_type", None), f"transformers' {type(model).__name__} has no list of {count} "
                   f"decoder layers (config num_hidden_layers = {count}) to find the FFN in, and not one other list "
                   f"of layers holding projections (found: {found})")
+
+
+def layer_lists(model: nn.Module) -> list[tuple[str, nn.ModuleList]]:
+    """Every ModuleList of the model whose items all hold projections (decoder layers, attentions, FFNs, ...)."""
+    return [(path, module) for path, module in model.named_modules() if isinstance(module, nn.ModuleList)
+            and len(module) and all(projections(layer) for layer in module)]
+
+
+def decoder_stacks(model: nn.Module, config: Any) -> list[tuple[str, nn.ModuleList]]:
+    """The decoder layers (``decoder_layers``); or, where the model keeps them in several lists outside any other,
+    each of the same layer class and length and none ``num_hidden_layers`` long (HRM's H and L levels: two stacks
+    of the same decoder layer, run in cycles), every such list, each layer of each a layer of its own."""
+    try:
+        return [decoder_layers(model, config)]
+    except MappingError:
+        lists = layer_lists(model)
+        outer = [(path, module) for path, module in lists if not any(path.startswith(f"{p}.") for p, _ in lists)]
+        if len(outer) > 1 and len({(type(module[0]), len(module)) for _, module in outer}) == 1 \
+                and all(len({type(layer) for layer in module}) == 1 for _, module in outer):
+            return outer
+        raise
 
 
 def projections(module: nn.Module, direct: bool = False) -> list[Projection]:
@@ -291,8 +313,8 @@ def has_experts(layer: nn.Module, d: int) -> bool:
     (3-D, not a convolution's) beside a router that scores them (a 2-D weight [E, d] or [d, E]).  A 3-D parameter
     alone is no expert stack (RWKV's [1, 1, d] mixes, RecurrentGemma's block-diagonal gates).  Matrices holding
     every expert's rows one after another (DBRX's [E·ff, d]) are a stack too (layout.flat_experts)."""
-    if holds_flat_experts(layer, d):
-        return True
+    if holds_flat_experts(layer, d) or find_experts(layer, d) is not None:  # a fused experts module (transformers'
+        return True  # gate_up_proj and down_proj stacked over experts), whatever its router scores besides them
     matrices = {tuple(p.shape) for p in layer.parameters() if p.dim() == 2}
     for module in layer.modules():
         if isinstance(module, nn.ModuleList) and any(ffn_of(projections(m), _width_in(m)) for m in module):
