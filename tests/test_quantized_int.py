@@ -354,6 +354,19 @@ def test_a_faithful_gptq_export_passes_though_its_values_move_more_than_a_step(m
     assert report["comparison"]["inventory"]["shape_differs"] == []
 
 
+def test_a_norm_changed_alone_beside_a_faithful_gptq_ffn_is_no_awq_fold(model_a, root, capsys):
+    """A norm outside the FFN scaled by 1.5 while the FFN's tensors are A's, quantized: no fold is undone (the FFN's
+    input columns do not carry the norm's ratio), and the FFN passes as it would unquantized."""
+    b = int_export(model_a, root / "gptq-norm", "gptq")
+    tensors = load_file(b / "model.safetensors")
+    norm = "model.layers.1.post_attention_layernorm.weight"
+    tensors[norm] = tensors[norm] * 1.5
+    save_file(tensors, b / "model.safetensors", metadata={"format": "pt"})
+    code, report = compare(capsys, model_a, b)
+    assert code == 0 and report["passed"], report
+    assert not any("AWQ" in row["conversion"] for layer in report["layers"] for row in layer["conversion"]["tensors"])
+
+
 @pytest.mark.parametrize(("sym", "act_order"), [(True, False), (True, True), (False, False)])
 def test_a_faithful_gptq_export_passes_symmetric_or_in_order(model_a, root, capsys, sym, act_order):
     """GPTQ's symmetric quantizer (the zero point the middle code, 8: stored as 7 in v1) and its column order

@@ -91,6 +91,30 @@ def rescale(side, name: str, factor: torch.Tensor) -> None:
     side.storage[name] = dataclasses.replace(store, steps=store.steps * factor.abs(), group=grid)
 
 
+FOLD_AGREEMENT = 0.1  # the FFN's input columns must carry the norm's s: median |column ratio / s - 1| at most this
+
+
+def carried(folded, a, b, named: dict) -> tuple | None:
+    """``folded`` (s, the norm) where B's gate or up input columns are A's times s, as AWQ's fold makes them (int4
+    rounding moves a column's least-squares ratio by well under 10 %); None where they are not: a norm that changed
+    alone (a B whose FFN is A's, quantized by GPTQ or round-to-nearest) is outside the FFN and not undone in it."""
+    if folded is None:
+        return None
+    s = folded[0].double()
+    for name, role in named.items():
+        shape = b.routed[name].shape
+        if role in ("gate", "up") and shape == a.routed[name].shape and shape[1] == s.numel():
+            x, y = a.routed[name].double(), b.routed[name].double()
+            ratio = (x * y).sum(0) / (x * x).sum(0).clamp_min(1e-300)
+            relative = ratio / s
+            shaped = relative / relative.median()  # up's rows also carry 1 / s2: its columns follow s up to a constant
+            varies = float(s.max() / s.min().clamp_min(1e-300)) > 1 + FOLD_AGREEMENT
+            if (float((relative - 1).abs().median()) <= FOLD_AGREEMENT
+                    or (varies and float((shaped - 1).abs().median()) <= FOLD_AGREEMENT)):
+                return folded  # one is enough: the other may be the broken tensor the compare is to name
+    return None
+
+
 def undo(a_session, b_session, layer: int, a, b) -> str | None:
     """B's FFN put back on A's input where AWQ's scales are folded into it (in place: ``b``'s tensors and grids);
     what was undone, in words, or None."""
@@ -101,7 +125,7 @@ def undo(a_session, b_session, layer: int, a, b) -> str | None:
            or b.storage[n].route.transform == "transpose" for n in named):
         return None  # fused or transposed tensors: not folded by AWQ's known mappings
     said = []
-    folded = norm_scales(a_session, b_session, layer)
+    folded = carried(norm_scales(a_session, b_session, layer), a, b, named)
     if folded is not None:
         s, norm = folded
         for name, role in named.items():
