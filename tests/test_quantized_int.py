@@ -203,7 +203,8 @@ def int_export(a: Path, dest: Path, method: str, breaks: dict[str, str] | None =
     return dest
 
 
-def ct_export(a: Path, dest: Path, preset: str, breaks: dict[str, str] | None = None) -> Path:
+def ct_export(a: Path, dest: Path, preset: str, breaks: dict[str, str] | None = None, *, group: int | None = None
+              ) -> Path:
     """A's folder in compressed-tensors' pack-quantized layout, written by compressed-tensors itself: each weight's
     scale and zero point from its ``calculate_qparams`` per group, packed by ``PackedQuantizationCompressor.compress``;
     ``breaks``: zeros_plus1 (every zero point one code up)."""
@@ -212,6 +213,8 @@ def ct_export(a: Path, dest: Path, preset: str, breaks: dict[str, str] | None = 
     from compressed_tensors.quantization.utils import calculate_qparams
 
     scheme = preset_name_to_scheme(preset, ["Linear"])
+    if group is not None:  # the preset's scheme in groups of ``group``
+        scheme.weights = scheme.weights.model_copy(update={"group_size": group})
     args = scheme.weights
     shutil.copytree(a, dest)
     out = {}
@@ -322,6 +325,22 @@ def test_a_pack_quantized_zero_point_off_by_one_fails_its_layer_named(model_a, r
     assert [layer["passed"] for layer in report["layers"]] == [True, False]
     found = report["layers"][1]["diagnosis"]
     assert found["id"] == "zero_point_off_by_one" and "up_proj" in found["message"], found
+
+
+def test_pack_quantized_gate_and_up_exchanged_in_groups_of_32_is_named(root, capsys):
+    """Each exchanged tensor lies on its own (B's) grid, so neither may differ beyond a bound taken from that grid: the
+    exchange is tried all the same, and named.  (An export written by compressed-tensors' ModelCompressor in a review
+    was named conversion_unexplained before the exchange was always tried; this export was named either way.)"""
+    a = build("llama", root / "a-256", 7, **{**SIZES, "hidden_size": 256, "intermediate_size": 512})
+    swapped = root / "a-swapped"
+    shutil.copytree(a, swapped)
+    tensors = load_file(swapped / "model.safetensors")
+    gate, up = "model.layers.1.mlp.gate_proj.weight", "model.layers.1.mlp.up_proj.weight"
+    tensors[gate], tensors[up] = tensors[up].clone(), tensors[gate].clone()
+    save_file(tensors, swapped / "model.safetensors", metadata={"format": "pt"})
+    code, report = compare(capsys, a, ct_export(swapped, root / "ct-swapped", "W4A16_ASYM", group=32))
+    assert code == 1 and [layer["passed"] for layer in report["layers"]] == [True, False], report
+    assert report["layers"][1]["diagnosis"]["id"] == "gate_up_exchanged"
 
 
 def test_pack_quantized_act_order_groups_are_read_by_weight_g_idx_and_named_when_it_is_dropped(model_a, root, capsys):

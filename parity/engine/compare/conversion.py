@@ -233,8 +233,11 @@ def convert_like(a: torch.Tensor, storage: Storage) -> tuple[torch.Tensor, str]:
 
 def reference_conversion(a: torch.Tensor, storage: Storage) -> tuple[torch.Tensor, str, torch.Tensor | None]:
     """A's tensor as B's storage would hold it (float32), how it was made, and for a quantized B each value's step
-    as the format's own quantizer chose it for A (stored layout; None where it cannot be had).  Nothing here is
-    read from B's blocks: B's grid is judged against these, never the reverse."""
+    as the format's own quantizer chose it for A (stored layout; None where it cannot be had).  Where the format's
+    quantizer runs here (gguf, compressed-tensors, mlx, bitsandbytes) A is quantized from A alone and B's grid is
+    judged against it; where it does not, or where the format's quantizer searches what A alone does not fix (GPTQ's
+    and AWQ's scales, IQ's codebooks), A is rounded onto B's own grid or levels read from the file, which a broken
+    grid moves too: those are judged by the function, and by the findings that read B's grid itself."""
     if not storage.quantized:
         target = getattr(torch, storage.dtype, None)
         if not isinstance(target, torch.dtype) or target == a.dtype:

@@ -59,11 +59,12 @@ def _refused_layout(t: dict, pairs: list[tuple[str, str]], interleaved: bool) ->
 def hypotheses(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor], storage: dict[str, conversion.Storage],
                differing: list[str]) -> list[Hypothesis]:
     """The conversion mistakes that could turn A's tensors into B's: one set per tensor that differs beyond
-    what its conversion allows, plus gate and up exchanged, and fused in the other layout."""
+    what its conversion allows, plus gate and up exchanged, and fused in the other layout (always tried)."""
     found = []
     for gate, up in (("gate_proj", "up_proj"), ("gate", "up")):
         names = {f"{gate}.weight", f"{up}.weight"} if gate.endswith("_proj") else {gate, up}
-        if names <= set(a) and names & set(differing):
+        if names <= set(a):  # tried even where neither differs beyond its bound: a bound taken from B's own grid
+            # (integer groups rounded on B's codes' scales) can hide the exchange tensor by tensor
             found.append(Hypothesis(MistakeId.GATE_UP_EXCHANGED, f"B's {gate} is A's {up} and the reverse",
                                     lambda t, gate=gate, up=up: _swap(t, gate, up)))
             if {f"{gate}.bias", f"{up}.bias"} <= set(a):  # a converter may exchange the weights and keep the biases
