@@ -31,7 +31,6 @@ a ``QuantizedLayoutError`` a compare reports on the layer holding it.
 from __future__ import annotations
 
 import copy
-import dataclasses
 import math
 from dataclasses import dataclass
 from pathlib import Path
@@ -39,7 +38,7 @@ from pathlib import Path
 from parity.definitions.distribution import install_command
 from parity.definitions.files import shown
 from parity.errors import CheckpointError, QuantizedLayoutError
-from parity.sources.checkpoint import Checkpoint
+from parity.sources.checkpoint import Checkpoint, rewrapped
 
 QUANT_METHOD = "bitsandbytes"
 EXTRA = "bnb"  # pyproject.toml's extra that installs bitsandbytes
@@ -275,8 +274,7 @@ def wrap(checkpoint: Checkpoint, folder: Path | str) -> Checkpoint:
     require_library(shown(folder))  # before anything is computed: exit 2 naming the extra
     states = {n: f for n, f in checkpoint.weight_map.items() if n.endswith(tuple(f".{s}" for s in COMPANIONS + INT8))}
     weights = {n: f for n, f in checkpoint.weight_map.items() if n not in states}
-    fields = {f.name: getattr(checkpoint, f.name) for f in dataclasses.fields(Checkpoint)}
-    wrapped = Bnb4bitCheckpoint(**{**fields, "weight_map": weights, "notes": list(checkpoint.notes)})
+    wrapped = rewrapped(checkpoint, Bnb4bitCheckpoint, weights)
     wrapped.scheme, wrapped.state_map, wrapped.as_stored = scheme, states, {}
     quantized = sum(1 for n in states if BLOB in n or n.endswith(".SCB"))
     wrapped.notes.append(f"{scheme.describe()} (config.json quantization_config): {quantized} quantized matrices, "

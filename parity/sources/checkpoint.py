@@ -9,6 +9,7 @@ byte ranges of those tensors of shards it has not cached (``reader``).
 
 from __future__ import annotations
 
+import dataclasses
 import difflib
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -77,3 +78,10 @@ def refuse_pickle(folder: Path, pickles: list[str] | None = None) -> None:
             "(allow_pickle=True in Python; it is then read with torch.load(weights_only=True)), or convert the "
             "checkpoint to safetensors (model.save_pretrained(..., safe_serialization=True))."
         )
+
+
+def rewrapped(checkpoint: Checkpoint, kind: type, weight_map: dict[str, str]) -> Checkpoint:
+    """``checkpoint`` as a quantized format's subclass ``kind`` (which dequantizes on read), holding ``weight_map``:
+    its weights, the scales and other tensors the format stores beside them kept apart by the format's module."""
+    fields = {f.name: getattr(checkpoint, f.name) for f in dataclasses.fields(Checkpoint)}
+    return kind(**{**fields, "weight_map": weight_map, "notes": list(checkpoint.notes)})

@@ -21,7 +21,6 @@ the layer that holds it.
 
 from __future__ import annotations
 
-import dataclasses
 import math
 from dataclasses import dataclass
 from pathlib import Path
@@ -30,7 +29,7 @@ from types import SimpleNamespace
 from parity.definitions.distribution import install_command
 from parity.definitions.files import shown
 from parity.errors import CheckpointError, QuantizedLayoutError
-from parity.sources.checkpoint import Checkpoint
+from parity.sources.checkpoint import Checkpoint, rewrapped
 
 QUANT_METHOD = "fp8"
 COMPRESSED = "compressed-tensors"
@@ -254,8 +253,7 @@ def wrap(checkpoint: Checkpoint, folder: Path | str) -> Checkpoint:
     aside = (scheme.suffix,) if scheme.method == QUANT_METHOD else COMPANIONS
     scales = {n: f for n, f in checkpoint.weight_map.items() if n.endswith(aside)}
     weights = {n: f for n, f in checkpoint.weight_map.items() if n not in scales}
-    fields = {f.name: getattr(checkpoint, f.name) for f in dataclasses.fields(Checkpoint)}
-    wrapped = FP8Checkpoint(**{**fields, "weight_map": weights, "notes": list(checkpoint.notes)})
+    wrapped = rewrapped(checkpoint, FP8Checkpoint, weights)
     wrapped.scheme, wrapped.scale_map, wrapped.as_stored = scheme, scales, {}
     quantized = sum(1 for n in scales if n.endswith(scheme.suffix) and n[:-len(scheme.suffix)] in weights)
     wrapped.notes.append(f"{scheme.describe()} (config.json quantization_config): {quantized} quantized matrices, "

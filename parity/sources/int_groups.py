@@ -25,7 +25,6 @@ Who unpacks what, and why:
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
 from types import SimpleNamespace
@@ -33,7 +32,7 @@ from types import SimpleNamespace
 from parity.definitions.distribution import install_command
 from parity.definitions.files import shown
 from parity.errors import CheckpointError, QuantizedLayoutError
-from parity.sources.checkpoint import Checkpoint
+from parity.sources.checkpoint import Checkpoint, rewrapped
 
 COMPRESSED = "compressed-tensors"
 PACKED = "pack-quantized"
@@ -400,8 +399,7 @@ def wrap(checkpoint: Checkpoint, folder: Path | str) -> Checkpoint | None:
     modules = {n.rsplit(".", 1)[0] + ".weight": n.rsplit(".", 1)[0] for n in parts if n.endswith("." + codes)}
     weights = {n: f for n, f in checkpoint.weight_map.items() if n not in parts}
     weights.update({name: parts[prefix + "." + codes] for name, prefix in modules.items()})
-    fields = {f.name: getattr(checkpoint, f.name) for f in dataclasses.fields(Checkpoint)}
-    wrapped = IntGroupCheckpoint(**{**fields, "weight_map": weights, "notes": list(checkpoint.notes)})
+    wrapped = rewrapped(checkpoint, IntGroupCheckpoint, weights)
     wrapped.scheme, wrapped.modules, wrapped.part_map, wrapped.as_stored = scheme, modules, parts, {}
     reader = "compressed-tensors" if scheme.method == PACKED else "parity's unpacker (GPTQ/AWQ layouts)"
     wrapped.notes.append(f"{scheme.describe()} (config.json quantization_config): {len(modules)} quantized matrices, "

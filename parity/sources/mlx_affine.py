@@ -17,14 +17,13 @@ compare reports on the layer that holds it.
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from parity.definitions.distribution import install_command
 from parity.definitions.files import shown
 from parity.errors import CheckpointError, QuantizedLayoutError
-from parity.sources.checkpoint import Checkpoint
+from parity.sources.checkpoint import Checkpoint, rewrapped
 
 EXTRA = "mlx"  # pyproject.toml's extra that installs mlx
 COMPANIONS = (".scales", ".biases")
@@ -269,8 +268,7 @@ def wrap(checkpoint: Checkpoint, folder: Path | str) -> Checkpoint:
     require_mlx(shown(folder))  # before anything is computed: exit 2 naming the extra
     companions = {n: f for n, f in checkpoint.weight_map.items() if n.endswith(COMPANIONS)}
     weights = {n: f for n, f in checkpoint.weight_map.items() if n not in companions}
-    fields = {f.name: getattr(checkpoint, f.name) for f in dataclasses.fields(Checkpoint)}
-    wrapped = MLXCheckpoint(**{**fields, "weight_map": weights, "notes": list(checkpoint.notes)})
+    wrapped = rewrapped(checkpoint, MLXCheckpoint, weights)
     wrapped.scheme, wrapped.companions, wrapped.as_stored = scheme, companions, {}
     wrapped.dims = config_dims(checkpoint.raw_config)
     quantized = sum(1 for n in companions if n.endswith(".scales") and n[:-len("scales")] + "weight" in weights)
