@@ -296,6 +296,33 @@ def gguf_of_folder(folder: Path, path: Path, arch: str, names: dict[str, str], q
 
 # -- mixture of experts: a tiny HF checkpoint's FFN tensors stacked over experts, as llama.cpp's converter does ------
 
+# widths that Q8_0's 32-value blocks divide (an expert's down_proj rows are moe_intermediate_size long)
+VALUES = dict(intermediate_size=64, num_key_value_heads=2, head_dim=16, num_experts=4, num_local_experts=4,
+              n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=64,
+              n_shared_experts=1)
+EXPERTS = {"gate_proj.weight": "ffn_gate_exps.weight", "up_proj.weight": "ffn_up_exps.weight",
+           "down_proj.weight": "ffn_down_exps.weight"}
+
+
+def per_expert(shared: str | None = None, dense_before: int = 0, experts_at: str = "mlp.experts",
+               names: dict[str, str] = EXPERTS):
+    """layer_tensors for moe_gguf_of_folder: each projection's per-expert tensors (``experts_at.{e}.NAME``) stacked
+    over the experts (the converter's merge), a shared expert's as ffn_*_shexp, the dense layers' as ffn_gate/ffn_up/
+    ffn_down."""
+    def layer_tensors(state: dict, layer: int) -> dict[str, np.ndarray]:
+        stem = f"model.layers.{layer}.mlp."
+        if layer < dense_before:
+            return {f"ffn_{p}.weight": state[f"{stem}{p}_proj.weight"] for p in ("gate", "up", "down")}
+        at = f"model.layers.{layer}.{experts_at}."
+        down = next(hf for hf, gg in names.items() if gg.startswith("ffn_down"))
+        count = len({k for k in state if k.startswith(at) and k.endswith(f".{down}")})
+        out = {gg: np.stack([state[f"{at}{e}.{hf}"] for e in range(count)]) for hf, gg in names.items()}
+        if shared:
+            out |= {f"ffn_{p}_shexp.weight": state[f"{stem}{shared}.{p}_proj.weight"] for p in ("gate", "up", "down")}
+        return out
+    return layer_tensors
+
+
 def moe_gguf_of_folder(folder: Path, path: Path, arch: str, layer_tensors, qtype: Q = Q.F32, edit=None,
                        kinds: dict[str, Q] | None = None) -> Path:
     """A GGUF file of ``arch`` holding the FFN tensors of a saved tiny MoE checkpoint: ``layer_tensors(state, layer)``

@@ -16,9 +16,8 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from .derived_checkpoints import MOE, build
-from .gguf_files import Q, moe_gguf_of_folder
+from .gguf_files import VALUES, Q, moe_gguf_of_folder, per_expert
 from .support import run_json
-from .test_gguf_moe import VALUES, per_expert
 
 DEEPSEEK = dict(first_k_dense_replace=0, n_group=2, topk_group=1, q_lora_rank=16, kv_lora_rank=16,
                 qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=16, routed_scaling_factor=2.5, norm_topk_prob=True)
