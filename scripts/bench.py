@@ -414,12 +414,18 @@ def checkpoint_rows(root: Path, llama: Path, subsets: dict[int, Path], runs: int
     print("(g) parity compare A B (B: A cast to float16) vs a check of A, 4 and 22 layers of the 1B shape",
           file=sys.stderr)
     cast = cast_checkpoint(llama, root / "llama-1b-f16", "float16")
+    return check_beside_compare(subsets, cast, root, "compare", runs)
+
+
+def check_beside_compare(subsets: dict[int, Path], b: Path, root: Path, key: str, runs: int) -> dict:
+    """`parity A --layers all` beside `parity compare A B` (``key``), on 4 and on 22 layers, interleaved; B cut to the
+    first 4 layers once, beside it."""
     few, all_ = SWEEP[0], SWEEP[-1]
-    casts = {few: layer_subset(cast, root / f"llama-1b-f16-{few}L", few), all_: cast}
+    cut = {few: layer_subset(b, root / f"{b.name}-{few}L", few), all_: b}
     commands = {}
     for n in (few, all_):
         commands[f"check/{n}"] = parity_cmd(str(subsets[n]), "--layers", "all", "--quiet")
-        commands[f"compare/{n}"] = parity_cmd("compare", str(subsets[n]), str(casts[n]), "--quiet")
+        commands[f"{key}/{n}"] = parity_cmd("compare", str(subsets[n]), str(cut[n]), "--quiet")
     return run_all(commands, runs)
 
 
@@ -464,13 +470,7 @@ def quantized_rows(root: Path, llama: Path, subsets: dict[int, Path], runs: int)
     print("(j) parity compare A B (B: A as an FP8 block-quantized release) vs a check of A, 4 and 22 layers of the "
           "1B shape (builds a 1.2 GB FP8 copy once)", file=sys.stderr)
     fp8 = fp8_checkpoint(llama, root / "llama-1b-fp8")
-    few, all_ = SWEEP[0], SWEEP[-1]
-    quantized = {few: layer_subset(fp8, root / f"llama-1b-fp8-{few}L", few), all_: fp8}
-    commands = {}
-    for n in (few, all_):
-        commands[f"check/{n}"] = parity_cmd(str(subsets[n]), "--layers", "all", "--quiet")
-        commands[f"compare-fp8/{n}"] = parity_cmd("compare", str(subsets[n]), str(quantized[n]), "--quiet")
-    return run_all(commands, runs)
+    return check_beside_compare(subsets, fp8, root, "compare-fp8", runs)
 
 
 def print_quantized(results: dict) -> None:
