@@ -37,6 +37,19 @@ def build(model_type: str, folder: Path, seed: int, **values) -> Path:
     return folder
 
 
+def with_selection_bias(folder: Path) -> Path:
+    """DeepSeek's selection bias (a buffer, zero when built) set in the saved file to values that change which
+    experts are chosen, so a port that puts it into the weights, or a B that changes it, differs."""
+    from safetensors.torch import load_file, save_file
+
+    weights = folder / "model.safetensors"
+    tensors = load_file(weights)
+    for name in [n for n in tensors if n.endswith("e_score_correction_bias")]:
+        tensors[name] = torch.linspace(-0.2, 0.3, tensors[name].numel())
+    save_file(tensors, weights, metadata={"format": "pt"})
+    return folder
+
+
 def broken_copy(folder: Path, dest: Path, change: str | tuple[str, str]) -> Path:
     """A copy whose layer 1 has two FFN tensors exchanged, or one negated, written with safetensors."""
     from safetensors.torch import load_file, save_file

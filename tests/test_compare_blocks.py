@@ -15,7 +15,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from .derived_checkpoints import MOE, build
+from .derived_checkpoints import MOE, build, with_selection_bias
 from .gguf_files import VALUES, Q, moe_gguf_of_folder, per_expert
 from .support import run_json
 
@@ -31,11 +31,7 @@ def moe(tmp_path_factory) -> dict[str, Path]:
     built = {"qwen2_moe": build("qwen2_moe", root / "qwen2_moe", 3, **MOE),
              "deepseek_v3": build("deepseek_v3", root / "deepseek_v3", 4, **{**MOE, **DEEPSEEK}),
              "qwen2_moe_q8": build("qwen2_moe", root / "qwen2_moe_q8", 5, **VALUES)}
-    weights = built["deepseek_v3"] / "model.safetensors"
-    tensors = load_file(weights)
-    for name in [n for n in tensors if n.endswith("e_score_correction_bias")]:
-        tensors[name] = torch.linspace(-0.2, 0.3, tensors[name].numel())
-    save_file(tensors, weights, metadata={"format": "pt"})
+    with_selection_bias(built["deepseek_v3"])
     return built
 
 

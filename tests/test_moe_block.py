@@ -16,7 +16,7 @@ import torch
 from parity.api import check
 
 from . import moe_block_ports as ports
-from .derived_checkpoints import MOE, build
+from .derived_checkpoints import MOE, build, with_selection_bias
 from .support import run_json, run_main
 
 HERE = Path(__file__).resolve().parent
@@ -38,15 +38,9 @@ FAMILIES = {  # model_type -> config values beyond MOE's
 def blocks(tmp_path_factory) -> dict[str, Path]:
     """model_type -> a tiny checkpoint; DeepSeek's selection bias (a buffer, zero when built) set to values that
     change the choice, so a port that puts it into the weights differs."""
-    from safetensors.torch import load_file, save_file
-
     root = tmp_path_factory.mktemp("moe_blocks")
     built = {mt: build(mt, root / mt, seed, **{**MOE, **values}) for seed, (mt, values) in enumerate(FAMILIES.items())}
-    weights = built["deepseek_v3"] / "model.safetensors"
-    tensors = load_file(weights)
-    for name in [n for n in tensors if n.endswith("e_score_correction_bias")]:
-        tensors[name] = torch.linspace(-0.2, 0.3, tensors[name].numel())
-    save_file(tensors, weights, metadata={"format": "pt"})
+    with_selection_bias(built["deepseek_v3"])
     return built
 
 

@@ -203,13 +203,25 @@ def int_export(a: Path, dest: Path, method: str, breaks: dict[str, str] | None =
     return dest
 
 
+def stated_pack_quantized(dest: Path, scheme) -> Path:
+    """``dest``'s config.json stating compressed-tensors' pack-quantized ``scheme`` for every Linear but lm_head."""
+    from compressed_tensors.quantization import QuantizationConfig
+
+    quantization = QuantizationConfig(config_groups={"group_0": scheme}, ignore=["lm_head"], format="pack-quantized",
+                                      quantization_status="compressed").model_dump(mode="json")
+    config = json.loads((dest / "config.json").read_text())
+    config["quantization_config"] = {**quantization, "quant_method": "compressed-tensors"}
+    (dest / "config.json").write_text(json.dumps(config, indent=2))
+    return dest
+
+
 def ct_export(a: Path, dest: Path, preset: str, breaks: dict[str, str] | None = None, *, group: int | None = None
               ) -> Path:
     """A's folder in compressed-tensors' pack-quantized layout, written by compressed-tensors itself: each weight's
     scale and zero point from its ``calculate_qparams`` per group, packed by ``PackedQuantizationCompressor.compress``;
     ``breaks``: zeros_plus1 (every zero point one code up)."""
     from compressed_tensors.compressors.pack_quantized.base import PackedQuantizationCompressor
-    from compressed_tensors.quantization import QuantizationConfig, preset_name_to_scheme
+    from compressed_tensors.quantization import preset_name_to_scheme
     from compressed_tensors.quantization.utils import calculate_qparams
 
     scheme = preset_name_to_scheme(preset, ["Linear"])
@@ -233,12 +245,7 @@ def ct_export(a: Path, dest: Path, preset: str, breaks: dict[str, str] | None = 
             compressed["weight_zero_point"] = stored["weight_zero_point"]
         out.update({f"{name.removesuffix('.weight')}.{key}": t for key, t in compressed.items()})
     save_file(out, dest / "model.safetensors", metadata={"format": "pt"})
-    quantization = QuantizationConfig(config_groups={"group_0": scheme}, ignore=["lm_head"], format="pack-quantized",
-                                      quantization_status="compressed").model_dump(mode="json")
-    config = json.loads((dest / "config.json").read_text())
-    config["quantization_config"] = {**quantization, "quant_method": "compressed-tensors"}
-    (dest / "config.json").write_text(json.dumps(config, indent=2))
-    return dest
+    return stated_pack_quantized(dest, scheme)
 
 
 def ct_act_order_export(a: Path, dest: Path, with_g_idx: bool = True) -> Path:
@@ -247,7 +254,7 @@ def ct_act_order_export(a: Path, dest: Path, with_g_idx: bool = True) -> Path:
     columns by their largest magnitude), the codes packed by compressed-tensors' ``pack_to_int32``; ``with_g_idx``
     False: the same codes, weight_g_idx not written."""
     from compressed_tensors.compressors.pack_quantized.helpers import pack_to_int32
-    from compressed_tensors.quantization import QuantizationArgs, QuantizationConfig, QuantizationScheme
+    from compressed_tensors.quantization import QuantizationArgs, QuantizationScheme
 
     scheme = QuantizationScheme(targets=["Linear"], weights=QuantizationArgs(num_bits=4, group_size=GROUP,
                                                                                strategy="group", symmetric=True))
@@ -268,12 +275,7 @@ def ct_act_order_export(a: Path, dest: Path, with_g_idx: bool = True) -> Path:
         if with_g_idx:
             out[f"{module}.weight_g_idx"] = g_idx.to(torch.int32)
     save_file(out, dest / "model.safetensors", metadata={"format": "pt"})
-    quantization = QuantizationConfig(config_groups={"group_0": scheme}, ignore=["lm_head"], format="pack-quantized",
-                                      quantization_status="compressed").model_dump(mode="json")
-    config = json.loads((dest / "config.json").read_text())
-    config["quantization_config"] = {**quantization, "quant_method": "compressed-tensors"}
-    (dest / "config.json").write_text(json.dumps(config, indent=2))
-    return dest
+    return stated_pack_quantized(dest, scheme)
 
 
 def uneven(a: Path, dest: Path) -> Path:
