@@ -90,9 +90,9 @@ class BlockComparison:
                     for n in fused for e, a in enumerate(order))
         return order if alike else None
 
-    def explain(self, layer: int) -> Diagnosis | None:
+    def explain(self, layer: int, expected: dict[str, torch.Tensor]) -> Diagnosis | None:
         """Why B's block computes another function when its experts do not: the router's rows permuted alone, or a
-        tensor outside the experts changed beyond B's own rounding of A's."""
+        tensor outside the experts changed beyond B's own rounding of A's (``expected``: what B's block should hold)."""
         own_a, own_b, _ = self.sides(layer)
         order = self.router_order(layer)
         if order is not None:
@@ -105,7 +105,7 @@ class BlockComparison:
         for name, a in own_a.items():
             if name.startswith((self.site.experts + ".", *self.judged)):
                 continue
-            moved = float((own_b[name] - self.as_b_stores(name, a, own_b[name])).abs().max())
+            moved = float((own_b[name] - expected[name]).abs().max())
             if moved > 0:
                 changed.append(f"{name} (max |B - A| {moved:.3g}, A's largest {float(a.abs().max()):.3g})")
         if not changed:
@@ -157,7 +157,7 @@ class BlockComparison:
         row.unit, row.coverage = BLOCK_UNIT, inputs.coverage() | {"set_aside_agree": _agreeing(outs, inputs.tied,
                                                                                                 tolerance)}
         if not row.passed and row.unverifiable is None and row.diagnosis is None:
-            row.diagnosis = self.explain(layer) or diagnosis(MistakeId.UNEXPLAINED, None, row.max_abs_diff)
+            row.diagnosis = self.explain(layer, expected) or diagnosis(MistakeId.UNEXPLAINED, None, row.max_abs_diff)
         row.conversion = {"kind": "whole block", "tolerance_rule": "the noise floor: B against A's block holding B's "
                           "experts and shared experts (their units judge them)", "conversion_deviation": conv_dev,
                           "ratio_to_conversion": None,
