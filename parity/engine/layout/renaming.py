@@ -7,6 +7,12 @@ units and the experts alike, so the answers are computed once and kept.
 A converter that cuts one checkpoint tensor into several parameters along dim 0 (``Chunk(dim=0)``: HRM's and OLMo's
 fused ``gate_up_proj`` / ``ff_proj`` on disk, gate and up in the module) fills each target parameter with one
 chunk, in the order of its target patterns: ``Renamed.chunks`` says which.
+
+A converter that takes several source tensors of which a checkpoint holds only the first (Inkling 2 Loop's expert
+dequantization reads ``w13_weight`` with its scales, amax and denominator; a checkpoint saved unquantized holds only
+``w13_weight``) is reduced to what it does to that one tensor: each operation is run on a random tensor alone, and one
+that returns it unchanged is dropped (``lone_source``).  What is left is read as any converter; nothing left, a
+renaming.
 """
 
 from __future__ import annotations
@@ -54,5 +60,37 @@ def renamed_keys(model: nn.Module, keys: list[str]) -> Renamed:
     renamings = [c for c in conversions if isinstance(c, WeightRenaming)]
     converters = [c for c in conversions if isinstance(c, WeightConverter)]
     state = model.state_dict()
-    return Renamed({key: rename_source_key(key, renamings, converters, model.base_model_prefix, state)
-                    for key in keys}, converters)
+    renamed = {key: rename_source_key(key, renamings, converters, model.base_model_prefix, state) for key in keys}
+    held = {pattern for _, pattern in renamed.values()}
+    reduced = {id(c): lone_source(c) for c in converters
+               if len(c.source_patterns) > 1 and held.intersection(c.source_patterns) == {c.source_patterns[0]}}
+    if not reduced:
+        return Renamed(renamed, converters)
+    renaming_only = {c.source_patterns[0] for c in converters if id(c) in reduced and reduced[id(c)] is None}
+    renamed = {key: (own, None if pattern in renaming_only else pattern) for key, (own, pattern) in renamed.items()}
+    return Renamed(renamed, [reduced.get(id(c), c) for c in converters if reduced.get(id(c), c) is not None])
+
+
+def lone_source(converter: Any) -> Any:
+    """``converter`` given only its first source tensor: a converter of that tensor alone with the operations that
+    change it (each run on a random tensor, kept unless it returns that tensor unchanged), or None where none does."""
+    import torch
+    from transformers.core_model_loading import WeightConverter
+
+    source, targets = converter.source_patterns[0], list(converter.target_patterns)
+    kept = []
+    for op in converter.operations:
+        probe = torch.randn(2, 4, 6, generator=torch.Generator().manual_seed(0))
+        try:
+            out = op.convert({source: [probe]}, [source], targets)
+        except Exception:  # an operation that cannot take the tensor alone changes it: kept, read as it is
+            kept.append(op)
+            continue
+        values = list(out.values()) if isinstance(out, dict) else []
+        lone = values[0][0] if len(values) == 1 and isinstance(values[0], list) else values[0] if values else None
+        if not (len(values) == 1 and isinstance(lone, torch.Tensor) and lone.shape == probe.shape
+                and torch.equal(lone, probe)):
+            kept.append(op)
+    if not kept:
+        return None
+    return WeightConverter(source_patterns=source, target_patterns=targets, operations=kept)
