@@ -21,6 +21,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 REPO = Path(__file__).resolve().parent.parent
 GIB = 2**30
@@ -429,69 +430,121 @@ def check_beside_compare(subsets: dict[int, Path], b: Path, root: Path, key: str
     return run_all(commands, runs)
 
 
-def fp8_checkpoint(full: Path, folder: Path, block: tuple[int, int] = (128, 128)) -> Path:
-    """``full`` (per-layer shards) as an FP8 block-quantized release (DeepSeek V3's layout: every matrix of the decoder
-    layers a float8_e4m3fn ``weight`` beside a float32 ``weight_scale_inv`` per 128 x 128 block), quantized shard by
-    shard by compressed-tensors (parity's own ``fp8_grid.quantize``), same index otherwise."""
+def quantized_checkpoint(full: Path, folder: Path, quantize: Any, stated: dict) -> Path:
+    """``full`` (per-layer shards) as a quantized release, shard by shard, same index otherwise: every matrix of the
+    decoder layers replaced by the tensors ``quantize(name, tensor)`` returns (under the module's name), and
+    ``stated`` as config.json's quantization_config."""
     if (folder / "config.json").is_file():
         return folder
-    import torch
     from safetensors.torch import load_file, save_file
-
-    from parity.engine.compare.fp8_grid import quantize
 
     folder.mkdir(parents=True, exist_ok=True)
     index = json.loads((full / "model.safetensors.index.json").read_text())
-    weight_map = dict(index["weight_map"])
+    weight_map = {n: f for n, f in index["weight_map"].items()}
     for file_name in sorted(set(index["weight_map"].values())):
         out = {}
         for name, tensor in load_file(full / file_name).items():
             if not name.startswith("model.layers.") or tensor.dim() != 2:
                 out[name] = tensor
                 continue
-            codes, scales = quantize(tensor, block)
-            scale_name = name.removesuffix("weight") + "weight_scale_inv"
-            out[name], out[scale_name] = codes.to(torch.float8_e4m3fn), scales
-            weight_map[scale_name] = file_name
+            del weight_map[name]
+            module = name.removesuffix(".weight")
+            for part, value in quantize(name, tensor).items():
+                out[f"{module}.{part}"] = value
+                weight_map[f"{module}.{part}"] = file_name
         save_file(out, str(folder / file_name), metadata={"format": "pt"})
     (folder / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map},
                                                                     indent=1))
     config = json.loads((full / "config.json").read_text())
-    config["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
-                                     "weight_block_size": list(block)}
+    config["quantization_config"] = stated
     (folder / "config.json").write_text(json.dumps(config, indent=1))  # last: a folder without it is rebuilt
     return folder
 
 
+def fp8_checkpoint(full: Path, folder: Path, block: tuple[int, int] = (128, 128)) -> Path:
+    """``full`` as an FP8 block-quantized release (DeepSeek V3's layout: every matrix of the decoder layers a
+    float8_e4m3fn ``weight`` beside a float32 ``weight_scale_inv`` per 128 x 128 block), quantized by
+    compressed-tensors (parity's own ``fp8_grid.quantize``)."""
+    import torch
+
+    from parity.engine.compare.fp8_grid import quantize
+
+    def fp8(name: str, tensor: Any) -> dict:
+        codes, scales = quantize(tensor, block)
+        return {"weight": codes.to(torch.float8_e4m3fn), "weight_scale_inv": scales}
+
+    return quantized_checkpoint(full, folder, fp8, {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme":
+                                                    "dynamic", "weight_block_size": list(block)})
+
+
+AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)  # AutoAWQ's WQLinear_GEMM.from_linear: field i of a word holds column AWQ_ORDER[i]
+
+
+def awq_checkpoint(full: Path, folder: Path, group: int = 128) -> Path:
+    """``full`` as an AutoAWQ GEMM release (int4, zero point, groups of ``group`` along the input, AutoAWQ's default):
+    every matrix of the decoder layers as ``qweight`` [in, out / 8], ``qzeros`` [in / group, out / 8] (int32, eight
+    4-bit fields each, in AWQ's order) and float16 ``scales`` [in / group, out], rounded to nearest (what AWQ's search
+    then scales is the fold, not this row's subject)."""
+    import torch
+
+    def pack(codes: Any) -> Any:
+        fields = codes.to(torch.int64).reshape(codes.shape[0], -1, 8)[..., list(AWQ_ORDER)]
+        words = sum(fields[..., i] << (4 * i) for i in range(8))
+        return torch.where(words >= 2**31, words - 2**32, words).to(torch.int32).contiguous()
+
+    def awq(name: str, tensor: Any) -> dict:
+        rows, cols = tensor.shape
+        groups = tensor.float().reshape(rows, cols // group, group)
+        low, high = groups.amin(-1).clamp(max=0), groups.amax(-1).clamp(min=0)
+        scales = ((high - low) / 15).clamp_min(1e-8).half().float()
+        zeros = torch.clamp(torch.round(-low / scales), 0, 15)
+        codes = torch.clamp(torch.round(groups / scales[..., None] + zeros[..., None]), 0, 15).reshape(rows, cols)
+        return {"qweight": pack(codes.t()), "qzeros": pack(zeros.t()), "scales": scales.t().contiguous().half()}
+
+    return quantized_checkpoint(full, folder, awq, {"quant_method": "awq", "bits": 4, "group_size": group,
+                                                   "zero_point": True, "version": "gemm"})
+
+
+QUANTIZED = {"fp8": ("FP8 e4m3 in 128x128 blocks", fp8_checkpoint),
+             "awq": ("AWQ GEMM int4 in groups of 128", awq_checkpoint)}
+
+
 def quantized_rows(root: Path, llama: Path, subsets: dict[int, Path], runs: int) -> dict:
-    """(j) `parity compare A B` where B is an FP8 block-quantized release of the 1B shape (every decoder matrix
-    dequantized on read, one tensor at a time) against `parity A` alone, on 4 and on 22 layers, interleaved: B's
-    peak RSS stays flat over the sweep."""
-    print("(j) parity compare A B (B: A as an FP8 block-quantized release) vs a check of A, 4 and 22 layers of the "
-          "1B shape (builds a 1.2 GB FP8 copy once)", file=sys.stderr)
-    fp8 = fp8_checkpoint(llama, root / "llama-1b-fp8")
-    return check_beside_compare(subsets, fp8, root, "compare-fp8", runs)
+    """(j) `parity compare A B` where B is a quantized release of the 1B shape (FP8 block-quantized, AWQ; every
+    decoder matrix dequantized on read, one tensor at a time) against `parity A` alone, on 4 and on 22 layers,
+    interleaved: B's peak RSS stays flat over the sweep."""
+    results = {}
+    for key, (label, write) in QUANTIZED.items():
+        print(f"(j) parity compare A B (B: A as {label}) vs a check of A, 4 and 22 layers of the 1B shape (builds "
+              "the quantized copy once)", file=sys.stderr)
+        b = write(llama, root / f"llama-1b-{key}")
+        results |= check_beside_compare(subsets, b, root, f"compare-{key}", runs)
+    return results
 
 
 def print_quantized(results: dict) -> None:
-    """The FP8 compare against the check of A: wall and peak RSS paired run by run, and each route's peak RSS over
-    the sweep (22 layers against 4: flat when B is dequantized one tensor at a time)."""
+    """Each quantized compare against the check of A: wall and peak RSS paired run by run, and each route's peak RSS
+    over the sweep (22 layers against 4: flat when B is dequantized one tensor at a time)."""
     q, few, all_ = results["quantized"], SWEEP[0], SWEEP[-1]
     summary = {}
-    print("\n(j) parity compare A B (1B shape, B = A as FP8 e4m3 in 128x128 blocks) vs parity A, --layers all")
-    print(f"{'layers':>7}  {'route':<12}{'wall':>9}{'peak RSS':>14}")
+    routes = ["check", *(f"compare-{key}" for key in QUANTIZED if f"compare-{key}/{few}" in q)]
+    print("\n(j) parity compare A B (1B shape, B = A quantized: " +
+          "; ".join(f"{key}: {label}" for key, (label, _) in QUANTIZED.items()) + ") vs parity A, --layers all")
+    print(f"{'layers':>7}  {'route':<14}{'wall':>9}{'peak RSS':>14}")
     for n in (few, all_):
-        for route in ("check", "compare-fp8"):
+        for route in routes:
             r = q[f"{route}/{n}"]
-            print(f"{n:>7}  {route:<12}{r['wall_s']:8.2f}s{r['peak_rss'] / 2**20:10.0f} MiB")
-        summary[f"rss_ratio_{n}"] = statistics.median(
-            a / b for a, b in zip(q[f"compare-fp8/{n}"]["rss_runs"], q[f"check/{n}"]["rss_runs"], strict=True))
-    for route in ("check", "compare-fp8"):
+            print(f"{n:>7}  {route:<14}{r['wall_s']:8.2f}s{r['peak_rss'] / 2**20:10.0f} MiB")
+        for route in routes[1:]:
+            summary[f"{route}_rss_ratio_{n}"] = statistics.median(
+                a / b for a, b in zip(q[f"{route}/{n}"]["rss_runs"], q[f"check/{n}"]["rss_runs"], strict=True))
+    for route in routes:
         summary[f"{route}_rss_growth"] = q[f"{route}/{all_}"]["peak_rss"] / q[f"{route}/{few}"]["peak_rss"]
     results["quantized_summary"] = summary
-    print(f"compare-fp8/check peak RSS: x{summary[f'rss_ratio_{few}']:.2f} ({few} layers), "
-          f"x{summary[f'rss_ratio_{all_}']:.2f} ({all_}); peak RSS {all_} vs {few} layers: compare-fp8 "
-          f"x{summary['compare-fp8_rss_growth']:.3f}, check x{summary['check_rss_growth']:.3f}")
+    for route in routes[1:]:
+        print(f"{route}/check peak RSS: x{summary[f'{route}_rss_ratio_{few}']:.2f} ({few} layers), "
+              f"x{summary[f'{route}_rss_ratio_{all_}']:.2f} ({all_}); peak RSS {all_} vs {few} layers: {route} "
+              f"x{summary[f'{route}_rss_growth']:.3f}, check x{summary['check_rss_growth']:.3f}")
 
 
 # (h) one layer of the 1B shape, the same SwiGLU written in each framework (the tests' ports, built from the config)
