@@ -41,10 +41,10 @@ from parity.engine.block import (
 )
 from parity.engine.check.block_fill import fill_block
 from parity.engine.check.build import build_target
-from parity.engine.check.fill import route_tensor
 from parity.engine.check.guard import guarded
 from parity.engine.check.run import place, run_module, skip_init, user_code
 from parity.engine.experts import expert_reference
+from parity.engine.layer import route_tensor
 from parity.engine.results import LayerResult
 from parity.engine.routing_mistakes import replay_fits
 from parity.engine.verdict import Runs, judge, shape_failure

@@ -30,12 +30,12 @@ from parity.definitions.values import check_atol, check_compute
 from parity.engine.check.block_check import BlockCheck, holds_block
 from parity.engine.check.build import build_target, target_label
 from parity.engine.check.diagnose import diagnose, separability
-from parity.engine.check.fill import fill_target, route_tensor
+from parity.engine.check.fill import fill_target
 from parity.engine.check.guard import guarded
 from parity.engine.check.routes import TargetRoutes
 from parity.engine.check.run import place, run_module, run_target, skip_init, torch_device, user_code
 from parity.engine.inputs import make_inputs, preactivation
-from parity.engine.layer import LayerOnDisk, LayerReader, weights_fingerprint
+from parity.engine.layer import LayerOnDisk, LayerReader, route_tensor, weights_fingerprint
 from parity.engine.memory import young_objects_only
 from parity.engine.reference import ReferenceModel, activation_name
 from parity.engine.results import LayerResult, Report

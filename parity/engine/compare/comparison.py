@@ -38,7 +38,6 @@ from parity.definitions.mistakes import Candidate, Diagnosis, MistakeId, diagnos
 from parity.definitions.project import CompareSpec
 from parity.definitions.selection import Selection, parse_selection
 from parity.engine.block import BLOCK_UNIT
-from parity.engine.check.fill import route_tensor
 from parity.engine.check.session import Session, run_reference
 from parity.engine.compare import conversion, folds, group_grid
 from parity.engine.compare.blocks import BlockComparison
@@ -53,7 +52,7 @@ from parity.engine.compare.findings import (
 from parity.engine.compare.inventory import inventory
 from parity.engine.compare.mistakes import Hypothesis, hypotheses
 from parity.engine.inputs import make_inputs
-from parity.engine.layer import FINGERPRINT_SCHEME, weights_fingerprint
+from parity.engine.layer import FINGERPRINT_SCHEME, route_tensor, weights_fingerprint
 from parity.engine.layout.resolve import CHECK_ADVICE, COMPARE_ADVICE, require_values, resolve
 from parity.engine.memory import young_objects_only
 from parity.engine.reference import activation_name
