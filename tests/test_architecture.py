@@ -27,7 +27,8 @@ import pytest
 PACKAGE = Path(__file__).resolve().parent.parent / "parity"
 LAYERS = ["front", "outputs", "engine", "targets", "sources", "definitions", "base"]
 FRONT = {"parity.cli", "parity.api", "parity.testing", "parity.pytest_plugin", "parity.__main__"}
-MAX_LEVELS = 11  # the targets layer (frameworks behind a torch module) and compare on top of a session add two
+MAX_LEVELS = 11  # the deepest: pytest plugin -> testing -> api -> suite -> layout (resolve, gguf, derive) ->
+#                  definitions (registry, mapping_parser, toml_text, files)
 MAX_FUNCTION_LINES = 60
 
 
