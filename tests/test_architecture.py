@@ -27,7 +27,8 @@ import pytest
 PACKAGE = Path(__file__).resolve().parent.parent / "parity"
 LAYERS = ["front", "outputs", "engine", "targets", "sources", "definitions", "base"]
 FRONT = {"parity.cli", "parity.api", "parity.testing", "parity.pytest_plugin", "parity.__main__"}
-MAX_LEVELS = 11  # the targets layer (frameworks behind a torch module) and compare on top of a session add two
+MAX_LEVELS = 11  # the deepest: pytest plugin -> testing -> api -> suite -> layout (resolve, gguf, derive) ->
+#                  definitions (registry, mapping_parser, toml_text, files)
 MAX_FUNCTION_LINES = 60
 
 
@@ -274,16 +275,44 @@ def test_the_duration_rule_catches_what_it_is_for():
     assert duration_asserts(direct) == [4] and duration_asserts(named) == [5] and duration_asserts(counted) == []
 
 
+def reached_from(name: str) -> set[str]:
+    """Every parity module ``name`` imports at run time, directly or through the modules it imports."""
+    seen, todo = set(), [name]
+    while todo:
+        for other in GRAPH[todo.pop()] - {"parity"} - seen:
+            seen.add(other)
+            todo.append(other)
+    return seen
+
+
 def test_check_and_compare_each_have_their_own_home():
     """Both flows start from one layout (``parity.engine.layout``: a mapping file's, or one derived from
-    transformers); a check (``engine.check``) never reaches into a compare (``engine.compare``), and the layout into
-    neither: each flow's modules live in its own home, what both use at ``engine``'s top."""
+    transformers); a check (``engine.check``) never reaches into a compare (``engine.compare``), a compare never into
+    a check (it holds each checkpoint as an ``engine.side.Side``, builds no target), and the layout into neither:
+    each flow's modules live in its own home, what both use at ``engine``'s top."""
     def under(name: str, home: str) -> bool:
         return name == f"parity.engine.{home}" or name.startswith(f"parity.engine.{home}.")
 
     crossing = sorted(f"{a} imports {b}" for a, deps in GRAPH.items() for b in deps
-                      if under(a, "check") and under(b, "compare")
+                      if under(a, "check") and under(b, "compare") or under(a, "compare") and under(b, "check")
                       or under(a, "layout") and (under(b, "check") or under(b, "compare")))
     assert crossing == []
+    # nor through a module at engine's top: what a compare runs loads nothing of the check
+    reached = sorted(f"{a} reaches {b}" for a in GRAPH if under(a, "compare")
+                     for b in reached_from(a) if under(b, "check"))
+    assert reached == []
     homes = {"layout", "check", "compare"}
     assert all((PACKAGE / "engine" / home / "__init__.py").exists() for home in homes)
+
+
+def test_the_home_rule_catches_a_compare_reaching_the_check(monkeypatch):
+    """It can fail: a compare module importing the check, directly or through a module at engine's top, is found."""
+    monkeypatch.setitem(GRAPH, "parity.engine.compare.blocks",
+                        GRAPH["parity.engine.compare.blocks"] | {"parity.engine.check.block_check"})
+    with pytest.raises(AssertionError):
+        test_check_and_compare_each_have_their_own_home()
+    monkeypatch.undo()
+    monkeypatch.setitem(GRAPH, "parity.engine.side", GRAPH["parity.engine.side"] | {"parity.engine.check.session"})
+    assert "parity.engine.check.session" in reached_from("parity.engine.compare.comparison")
+    with pytest.raises(AssertionError):
+        test_check_and_compare_each_have_their_own_home()

@@ -11,13 +11,17 @@ the tokens to its experts module.
 The inputs make the routing visible: every expert is aimed at by some token, and tokens whose choice of experts is
 decided by less than float32 noise (near-ties) are found by re-running the router on the float32 copy and on inputs
 moved by a few float32 steps; they are judged apart (``BlockInputs.tied``).
+
+``BlockReader`` reads a checkpoint's blocks one layer at a time, for a block check and a compare's block units alike.
 """
 
 from __future__ import annotations
 
 import contextlib
 import copy
+import functools
 from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Mapping as MappingABC
 from dataclasses import dataclass
 from typing import Any
 
@@ -25,6 +29,7 @@ import torch
 from torch import nn
 
 from parity.engine.experts import one_expert_tensors
+from parity.engine.layer import route_tensor
 from parity.errors import CheckpointError, MappingError, ParityError
 
 BLOCK_UNIT = "block"  # the unit name reports give a whole sparse block
@@ -337,3 +342,104 @@ def streamed(calls: list[tuple[torch.Tensor, ...]], count: int, one: Callable[[i
             del part
     return outs
 
+
+class BlockReader:
+    """A side's sparse blocks (its layout has routed experts: ``side.mapping.experts``), read one layer at a time:
+    the block's own tensors under transformers' names and the checkpoint's, and each expert's.  What a block check
+    (``engine.check.block_check``) and a compare's block units (``engine.compare.blocks``) both read."""
+
+    def __init__(self, side: Any):
+        self.side = side
+        self.mapping = side.mapping
+        self.site = BlockSite.of(side.mapping.reference_module)
+        self.stored: dict[str, torch.dtype] = {}  # the last layer read: each tensor's dtype as stored
+        self.keys: dict[str, str] = {}  # the last layer read: the block's own names -> the checkpoint's keys
+        self._last: tuple = (None, {})  # the last expert read, as stored
+
+    def layer_tensors(self, layer: int, *, wanted: bool = True) -> tuple[MappingABC, MappingABC, list[dict]]:
+        """(transformers' names -> tensor, the checkpoint's names relative to the block -> tensor, each expert's
+        gate/up/down/biases [out, in] float64 (``wanted``; else [] and each expert read only when asked for));
+        ``self.stored`` then holds each of transformers' names' stored dtype (the fused experts': an expert's)."""
+        side = self.side
+        keys = block_tensors(side.checkpoint, side.reference.skeleton, self.site.at(layer), layer)
+        stored = side.checkpoint.read(list(keys.values()))
+        self.keys = keys
+        self.stored = {name: stored[key].dtype for name, key in keys.items()}
+        own = {name: stored[key].double() for name, key in keys.items()}
+        prefix = _disk_prefix(keys)
+        disk: dict[str, Callable[[], torch.Tensor]] = {key.removeprefix(prefix): _given(own[name])
+                                                       for name, key in keys.items()}
+        if not side.mapping.experts.stacked and prefix:  # a port may use the checkpoint's own per-expert names
+            for expert in range(side.num_experts):
+                base = side.mapping.layer_prefix(layer, expert).removeprefix(prefix)
+                for source in self.stored_expert(layer, 0):
+                    disk[f"{base}.{source}"] = functools.partial(self.stored_tensor, layer, expert, source)
+        meta = self.meta_experts(layer)
+        where = self.site.path.format(layer=layer)
+        experts = [self.expert(layer, e) for e in range(side.num_experts)] if wanted else []
+        fused = {f"{self.site.experts}.{n}" for n in meta.state_dict()}
+        self.stored |= dict.fromkeys(fused, next(iter(self.stored_expert(layer, 0).values())).dtype)
+        if experts:
+            own |= {f"{self.site.experts}.{n}": t for n, t in fused_experts(meta, experts, where).items()}
+            return own, Lazy(disk), experts
+        every = functools.cache(functools.partial(self.fused, layer, meta, where))  # too large: only if asked for
+        return Lazy({**{n: _given(t) for n, t in own.items()},
+                     **{n: functools.partial(lambda n: every()[n.split(".")[-1]], n) for n in fused}}), Lazy(disk), []
+
+    def stored_expert(self, layer: int, expert: int) -> dict[str, torch.Tensor]:
+        """One expert's tensors as stored, under the checkpoint's names (the last one read is kept)."""
+        if self._last[0] != (layer, expert):
+            self._last = ((layer, expert), self.side.read_layer(layer, expert, dtype=None))
+        return self._last[1]
+
+    def stored_tensor(self, layer: int, expert: int, source: str) -> torch.Tensor:
+        return self.stored_expert(layer, expert)[source].double()
+
+    def expert(self, layer: int, expert: int, *, dtype: torch.dtype | None = torch.float64) -> dict[str, torch.Tensor]:
+        """One expert's gate, up, down (and biases) [out, in], in ``dtype`` (``routed``)."""
+        return self.routed(layer, self.stored_expert(layer, expert), dtype)
+
+    def routed(self, layer: int, stored: dict[str, torch.Tensor], dtype: torch.dtype | None
+               ) -> dict[str, torch.Tensor]:
+        """An expert's tensors as stored -> its gate, up, down (and biases) [out, in] in ``dtype`` (None: as stored,
+        for a copy made in the dtype wanted straight from the stored values: one pass, no float64 copy on the way
+        to float32; exact either way, every stored float dtype converting exactly into float64)."""
+        return {r.target: route_tensor(r, stored[r.source]) if dtype is None else
+                route_tensor(r, stored[r.source]).to(dtype) for r in self.side.reader.reference_routes(layer)}
+
+    def fused(self, layer: int, meta: nn.Module, where: str) -> dict[str, torch.Tensor]:
+        """Every expert stacked in transformers' fused layout (for a port holding them so)."""
+        return fused_experts(meta, (self.expert(layer, e) for e in range(self.side.num_experts)), where)
+
+    def meta_experts(self, layer: int) -> nn.Module:
+        """transformers' experts module of the layer's block, on the meta device."""
+        return self.side.reference.meta_module(f"{self.site.path}.{self.site.experts}".format(layer=layer))
+
+
+def _disk_prefix(keys: dict[str, str]) -> str:
+    """The checkpoint's prefix of the block ('model.layers.1.block_sparse_moe.'), read off a tensor whose stored
+    name ends in its name in transformers' block; '' where none does."""
+    for name, key in keys.items():
+        if key.endswith("." + name):
+            return key[: -len(name)]
+    return ""
+
+
+class Lazy(MappingABC):
+    """Tensors by name, each read only when asked for (a large block's experts)."""
+
+    def __init__(self, loaders: dict[str, Callable[[], torch.Tensor]]):
+        self.loaders = loaders
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        return self.loaders[name]()
+
+    def __iter__(self):
+        return iter(self.loaders)
+
+    def __len__(self) -> int:
+        return len(self.loaders)
+
+
+def _given(tensor: torch.Tensor) -> Callable[[], torch.Tensor]:
+    return lambda: tensor

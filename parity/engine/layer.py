@@ -172,6 +172,22 @@ class LayerReader:
         return out
 
 
+def route_tensor(route: TensorRoute, stored: torch.Tensor) -> torch.Tensor:
+    """Apply a route's chunk and transform to the stored tensor: how a stored tensor becomes the parameter a route
+    names, in transformers' module (both flows) and in a check's target alike."""
+    tensor = stored
+    if route.chunk is not None:
+        index, count = route.chunk
+        if tensor.shape[0] % count:
+            raise ShapeMismatchError(
+                f"tensor '{route.source}' {tuple(tensor.shape)}: dim 0 is not divisible into {count} chunks"
+            )
+        tensor = tensor[index::count] if route.interleaved else tensor.chunk(count, dim=0)[index]
+    if route.transform == "transpose":
+        tensor = tensor.t()
+    return tensor
+
+
 def common_dtype(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """A layer whose FFN tensors are stored in several float dtypes (up_proj F64, the others F32) is computed
     in one: the widest of them (``torch.promote_types``), chosen once here.  Upcasting is exact, so both

@@ -14,7 +14,6 @@ import functools
 import gc
 import math
 from collections.abc import Callable
-from collections.abc import Mapping as MappingABC
 from typing import Any
 
 import torch
@@ -25,23 +24,20 @@ from parity.engine.block import (
     BLOCK_UNIT,
     NUDGE,
     BlockInputs,
-    BlockSite,
+    BlockReader,
     Precomputed,
     block_inputs,
     block_output,
-    block_tensors,
     chosen_in,
     experts_call,
     filled_block,
     first_projection,
-    fused_experts,
     gate_reach,
     reference_block,
     streamed,
 )
 from parity.engine.check.block_fill import fill_block
 from parity.engine.check.build import build_target
-from parity.engine.check.fill import route_tensor
 from parity.engine.check.guard import guarded
 from parity.engine.check.run import place, run_module, skip_init, user_code
 from parity.engine.experts import expert_reference
@@ -57,18 +53,15 @@ LARGE_UNEXPLAINED = ("this block is too large to hold whole, so no routing mista
                      "layer of the same family, or one expert at a time (--experts)")
 
 
-class BlockCheck:
-    """The block units of a session whose layout has routed experts (``session.mapping.experts``)."""
+class BlockCheck(BlockReader):
+    """The block units of a session whose layout has routed experts (``session.mapping.experts``): a user's block
+    checked against transformers', the layer's block read as ``engine.block.BlockReader`` reads it."""
 
     def __init__(self, session: Any):
+        super().__init__(session)
         self.session = session
-        self.mapping = session.mapping
-        self.site = BlockSite.of(session.mapping.reference_module)
         self.sources: dict[str, str] = {}  # how the user's block was filled (its first layer), for the report
         self.target_notes: list[str] = []
-        self.stored: dict[str, torch.dtype] = {}  # the last layer read: each tensor's dtype as stored
-        self.keys: dict[str, str] = {}  # the last layer read: the block's own names -> the checkpoint's keys
-        self._last: tuple = (None, {})  # the last expert read, as stored
         self.skipped: list[int] = []  # layers selected that hold no sparse block (dense ones before MoE ones)
 
     def units(self, layer: int) -> list[tuple[BlockCheck, None]]:
@@ -102,61 +95,6 @@ class BlockCheck:
 
     def describe_framework(self, report: Any) -> None:
         """Block targets are torch modules: nothing to add."""
-
-    def layer_tensors(self, layer: int, *, wanted: bool = True) -> tuple[MappingABC, MappingABC, list[dict]]:
-        """(transformers' names -> tensor, the checkpoint's names relative to the block -> tensor, each expert's
-        gate/up/down/biases [out, in] float64 (``wanted``; else [] and each expert read only when asked for));
-        ``self.stored`` then holds each of transformers' names' stored dtype (the fused experts': an expert's)."""
-        session = self.session
-        keys = block_tensors(session.checkpoint, session.reference.skeleton, self.site.at(layer), layer)
-        stored = session.checkpoint.read(list(keys.values()))
-        self.keys = keys
-        self.stored = {name: stored[key].dtype for name, key in keys.items()}
-        own = {name: stored[key].double() for name, key in keys.items()}
-        prefix = _disk_prefix(keys)
-        disk: dict[str, Callable[[], torch.Tensor]] = {key.removeprefix(prefix): _given(own[name])
-                                                       for name, key in keys.items()}
-        if not session.mapping.experts.stacked and prefix:  # a port may use the checkpoint's own per-expert names
-            for expert in range(session.num_experts):
-                base = session.mapping.layer_prefix(layer, expert).removeprefix(prefix)
-                for source in self.stored_expert(layer, 0):
-                    disk[f"{base}.{source}"] = functools.partial(self.stored_tensor, layer, expert, source)
-        meta = self.meta_experts(layer)
-        where = self.site.path.format(layer=layer)
-        experts = [self.expert(layer, e) for e in range(session.num_experts)] if wanted else []
-        fused = {f"{self.site.experts}.{n}" for n in meta.state_dict()}
-        self.stored |= dict.fromkeys(fused, next(iter(self.stored_expert(layer, 0).values())).dtype)
-        if experts:
-            own |= {f"{self.site.experts}.{n}": t for n, t in fused_experts(meta, experts, where).items()}
-            return own, Lazy(disk), experts
-        every = functools.cache(functools.partial(self.fused, layer, meta, where))  # too large: only if asked for
-        return Lazy({**{n: _given(t) for n, t in own.items()},
-                     **{n: functools.partial(lambda n: every()[n.split(".")[-1]], n) for n in fused}}), Lazy(disk), []
-
-    def stored_expert(self, layer: int, expert: int) -> dict[str, torch.Tensor]:
-        """One expert's tensors as stored, under the checkpoint's names (the last one read is kept)."""
-        if self._last[0] != (layer, expert):
-            self._last = ((layer, expert), self.session.read_layer(layer, expert, dtype=None))
-        return self._last[1]
-
-    def stored_tensor(self, layer: int, expert: int, source: str) -> torch.Tensor:
-        return self.stored_expert(layer, expert)[source].double()
-
-    def expert(self, layer: int, expert: int, *, dtype: torch.dtype | None = torch.float64) -> dict[str, torch.Tensor]:
-        """One expert's gate, up, down (and biases) [out, in], in ``dtype`` (``routed``)."""
-        return self.routed(layer, self.stored_expert(layer, expert), dtype)
-
-    def routed(self, layer: int, stored: dict[str, torch.Tensor], dtype: torch.dtype | None
-               ) -> dict[str, torch.Tensor]:
-        """An expert's tensors as stored -> its gate, up, down (and biases) [out, in] in ``dtype`` (None: as stored,
-        for a copy made in the dtype wanted straight from the stored values: one pass, no float64 copy on the way
-        to float32; exact either way, every stored float dtype converting exactly into float64)."""
-        return {r.target: route_tensor(r, stored[r.source]) if dtype is None else
-                route_tensor(r, stored[r.source]).to(dtype) for r in self.session.reader.reference_routes(layer)}
-
-    def fused(self, layer: int, meta: nn.Module, where: str) -> dict[str, torch.Tensor]:
-        """Every expert stacked in transformers' fused layout (for a port holding them so)."""
-        return fused_experts(meta, (self.expert(layer, e) for e in range(self.session.num_experts)), where)
 
     def run_layer(self, layer: int, expert: None = None) -> tuple[LayerResult, str]:
         session = self.session
@@ -202,10 +140,6 @@ class BlockCheck:
             result.passed = False
             result.diagnosis = diagnosis(MistakeId.GLOBAL_STATE_MODIFIED, None, None, "; ".join(changes[:6]))
         return result, name
-
-    def meta_experts(self, layer: int) -> nn.Module:
-        """transformers' experts module of the layer's block, on the meta device."""
-        return self.session.reference.meta_module(f"{self.site.path}.{self.site.experts}".format(layer=layer))
 
     def experts_bytes(self, layer: int) -> int:
         """The float64 size of the layer's experts held at once (transformers' fused parameters)."""
@@ -323,15 +257,6 @@ class ReadAhead:
         return self.current[1]
 
 
-def _disk_prefix(keys: dict[str, str]) -> str:
-    """The checkpoint's prefix of the block ('model.layers.1.block_sparse_moe.'), read off a tensor whose stored
-    name ends in its name in transformers' block; '' where none does."""
-    for name, key in keys.items():
-        if key.endswith("." + name):
-            return key[: -len(name)]
-    return ""
-
-
 def holds_block(session: Any) -> bool:
     """Whether the session's target holds more than one expert's tensors: a whole block, not an expert's FFN.  Its
     constructor runs once here on the meta device (nothing allocated)."""
@@ -362,23 +287,3 @@ def named_mistake(block64: nn.Module, x: torch.Tensor, got: torch.Tensor, result
     equally = "; ".join(f"equally {other}: {why}" for other, why, _, _ in found[1:])
     return diagnosis(first, distance, reference, detail + (f"; {equally}" if equally else ""),
                      [Candidate(str(mistake), why, fit) for mistake, why, fit, _ in found])
-
-
-class Lazy(MappingABC):
-    """Tensors by name, each read only when asked for (a large block's experts)."""
-
-    def __init__(self, loaders: dict[str, Callable[[], torch.Tensor]]):
-        self.loaders = loaders
-
-    def __getitem__(self, name: str) -> torch.Tensor:
-        return self.loaders[name]()
-
-    def __iter__(self):
-        return iter(self.loaders)
-
-    def __len__(self) -> int:
-        return len(self.loaders)
-
-
-def _given(tensor: torch.Tensor) -> Callable[[], torch.Tensor]:
-    return lambda: tensor

@@ -1,6 +1,7 @@
 """Filling the module under test: each routed checkpoint tensor (chunked, transposed) into the parameter the
 route names, with a message naming both shapes and the likely cause when they disagree.  The same routing
-fills the reference (``route_tensor``); ``routes.py`` beside it decides the routes a user's module gets.
+fills the reference (``engine.layer.route_tensor``); ``routes.py`` beside it decides the routes a user's module
+gets.
 """
 
 from __future__ import annotations
@@ -14,22 +15,8 @@ from parity.definitions.aliases import load_aliases
 from parity.definitions.families import config_dff
 from parity.definitions.mapping import Mapping, TensorRoute, unknown_route_names
 from parity.definitions.mistakes import MistakeId
+from parity.engine.layer import route_tensor
 from parity.errors import MappingError, MissingTensorError, ShapeMismatchError
-
-
-def route_tensor(route: TensorRoute, stored: torch.Tensor) -> torch.Tensor:
-    """Apply a route's chunk and transform to the stored tensor."""
-    tensor = stored
-    if route.chunk is not None:
-        index, count = route.chunk
-        if tensor.shape[0] % count:
-            raise ShapeMismatchError(
-                f"tensor '{route.source}' {tuple(tensor.shape)}: dim 0 is not divisible into {count} chunks"
-            )
-        tensor = tensor[index::count] if route.interleaved else tensor.chunk(count, dim=0)[index]
-    if route.transform == "transpose":
-        tensor = tensor.t()
-    return tensor
 
 
 def fill_target(module: nn.Module, mapping: Mapping, tensors: dict[str, torch.Tensor], config: Any = None) -> list[str]:

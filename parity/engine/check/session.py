@@ -1,19 +1,17 @@
 """A check session: everything resolved once, then one layer at a time.
 
-One layer's check, in order: read its tensors as stored (``layer.py``), build transformers'
-MLP and the target from them (``reference.py``, ``build.py``, ``fill.py``), make the inputs
-(``inputs.py``), run both, judge (``compare.py``), and replay known mistakes when it failed
-(``diagnose.py``).  This module only puts those steps in order.
+One layer's check, in order: read its tensors as stored and build transformers' MLP from them (what
+``engine.side.Side``, which a session extends, does for a compare too), build the target (``build.py``,
+``fill.py``), make the inputs (``inputs.py``), run both, judge (``verdict.py``), and replay known mistakes when
+it failed (``diagnose.py``).  This module only puts those steps in order.
 """
 
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import gc
 import math
-from collections.abc import Callable, Iterable
-from dataclasses import dataclass
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -21,28 +19,27 @@ from torch import nn
 
 from parity import __version__
 from parity.definitions.families import configured_activation
-from parity.definitions.mapping import ConfigValue, Mapping, check_reference_routes, is_builtin
+from parity.definitions.mapping import is_builtin
 from parity.definitions.mistakes import MistakeId, diagnosis
-from parity.definitions.reference_routes import check_reference_roles, reference_routes
-from parity.definitions.registry import builtin_mappings
+from parity.definitions.reference_routes import reference_routes
 from parity.definitions.selection import Selection, parse_selection
 from parity.definitions.values import check_atol, check_compute
 from parity.engine.check.block_check import BlockCheck, holds_block
 from parity.engine.check.build import build_target, target_label
 from parity.engine.check.diagnose import diagnose, separability
-from parity.engine.check.fill import fill_target, route_tensor
+from parity.engine.check.fill import fill_target
 from parity.engine.check.guard import guarded
 from parity.engine.check.routes import TargetRoutes
 from parity.engine.check.run import place, run_module, run_target, skip_init, torch_device, user_code
-from parity.engine.inputs import make_inputs, preactivation
-from parity.engine.layer import LayerOnDisk, LayerReader, weights_fingerprint
+from parity.engine.inputs import make_inputs
+from parity.engine.layer import LayerOnDisk, weights_fingerprint
 from parity.engine.memory import young_objects_only
 from parity.engine.reference import ReferenceModel, activation_name
 from parity.engine.results import LayerResult, Report
+from parity.engine.side import Side, Truth, run_reference
 from parity.engine.sliced import SlicedMLP
-from parity.engine.upcast import compute_in
 from parity.engine.verdict import LOW_PRECISION_FACTOR, Runs, judge, own_tolerance, shape_failure
-from parity.errors import CheckpointError, LayerRangeError, ShapeMismatchError, TargetError
+from parity.errors import LayerRangeError, ShapeMismatchError, TargetError
 from parity.sources.skeleton import reference_label
 
 if TYPE_CHECKING:  # the session is given what resolve found; it never resolves anything itself
@@ -51,79 +48,33 @@ if TYPE_CHECKING:  # the session is given what resolve found; it never resolves 
 SYNTHETIC_BUDGET_BYTES = 2 * 2**30  # synthetic FFN weights written for a default run
 
 
-class Session:
-    """Everything resolved once for a run; ``run_layer`` then works on one layer at a time."""
+class Session(Side):
+    """A check of one resolved checkpoint (a ``Side``) against a target: what the check adds to reading layers and
+    building transformers' module (the target, its routes, device, dtype, tolerance, diagnosis); ``run_layer`` then
+    works on one layer at a time."""
 
     def __init__(self, resolved: Resolved, target: str | Any | None = None, seed: int = 0, atol: float | None = None,
                  diagnose: bool = True, device: str = "cpu", dtype: str = "float32",
                  reference: ReferenceModel | None = None):
-        self.resolved = resolved
         # where and in what the target computes; the truth stays transformers' MLP in float64 on the CPU
         self.device_name, self.dtype_name = check_compute(device, dtype)
         self.device = torch_device(self.device_name)
         self.compute_dtype: torch.dtype = getattr(torch, self.dtype_name)
         self.low_precision = self.compute_dtype != torch.float32
-        self.mapping: Mapping = resolved.mapping
-        self.checkpoint = resolved.checkpoint
-        self.config = resolved.config
         self.target_spec = target
         # a user's target with a built-in mapping: routes read off its parameter names when [tensors] do not fit
-        self.routes = TargetRoutes(self.mapping, target, infer=target is not None and is_builtin(self.mapping))
+        self.routes = TargetRoutes(resolved.mapping, target, infer=target is not None and is_builtin(resolved.mapping))
         self.seed = seed
         self.atol = None if atol is None else check_atol(atol, "atol")
         self.diagnose = diagnose
         self.target_notes: list[str] = []  # what loading the target had to work around, once each
         self.framework = None  # the target's framework when not PyTorch (parity.targets), once built
-        self.reference = reference or ReferenceModel(self.config)
-        self.num_layers = self.config_int(self.mapping.num_layers, "num_layers")
-        self.hidden_size = self.config_int(self.mapping.hidden_size, "hidden_size")
-        experts = self.mapping.experts
-        self.num_experts = None if experts is None else self.config_int(experts.count, "experts.count")
-        self.reader = LayerReader(self.mapping, self.checkpoint, self.reference, self.num_experts)
-        if experts is None:  # a [reference.tensors] name the MLP lacks would silently route nothing
-            names = self.reference.tensor_shapes(self.mapping.reference_path(self.mapping.first_layer))
-            check_reference_routes(self.mapping, names)
-            check_reference_roles(self.mapping, names, builtin_mappings().values())  # nor may a mapping bend it
-        # the checkpoint's further layouts (dense layers before MoE ones, shared experts): each its own units
-        self.parts = [Session(dataclasses.replace(resolved, mapping=part), target, seed, atol, diagnose, device, dtype,
-                              self.reference) for part in self.mapping.parts]
+        super().__init__(resolved, reference)
 
-    def config_int(self, size: Any, key: str) -> int:
-        """A mapping size (num_layers, hidden_size, experts.count) read from the config: a config.json may hold
-        anything."""
-        value = ConfigValue(self.config, self.mapping.path)(size, key)
-        if (isinstance(value, bool)
-                or not isinstance(value, int) and not (isinstance(value, float) and value.is_integer())):
-            raise CheckpointError(f"{self.checkpoint.location}: {size} (mapping key '{key}') is {value!r}, "
-                                  "not an integer; fix config.json")
-        return int(value)
-
-    def read_layer(self, layer: int, expert: int | None = None,
-                   dtype: torch.dtype | None = torch.float32) -> dict[str, torch.Tensor]:
-        """The layer's FFN tensors, relative names, upcast to ``dtype`` (None: as stored)."""
-        return self.reader.read(layer, expert, dtype)
-
-    # -- modules ---------------------------------------------------------------------------
-    def build_reference(self, layer: int, tensors: dict[str, torch.Tensor]) -> nn.Module:
-        return self.reference_from(layer, self.reference_tensors(layer, tensors))
-
-    def reference_tensors(self, layer: int, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        """Checkpoint tensors routed to the reference's own parameter names."""
-        return {r.target: route_tensor(r, tensors[r.source]) for r in self.reader.reference_routes(layer)}
-
-    def reference_from(self, layer: int, routed: dict[str, torch.Tensor], on_call: bool = True,
-                       dtype: torch.dtype = torch.float32) -> nn.Module:
-        """transformers' MLP for the layer (or its experts module holding one expert) with these tensors;
-        ``on_call=False``: a plain float32 module; another ``dtype``: a plain module in that dtype
-        (see ReferenceModel.build)."""
-        if self.mapping.experts is not None:
-            from parity.engine.experts import expert_reference
-
-            path = self.mapping.reference_path(layer)
-            module = expert_reference(self.reference.meta_module(path), self.config,
-                                      {role: tensor.float() for role, tensor in routed.items()}, path)
-            return module if dtype == torch.float32 else module.to(dtype)
-        return self.reference.build(self.mapping.reference_path(layer), routed, self.hidden_size, on_call, dtype)
+    def part(self, resolved: Resolved) -> Session:
+        """A further layout of the checkpoint, checked against the same target, alike."""
+        return Session(resolved, self.target_spec, self.seed, self.atol, self.diagnose, self.device_name,
+                       self.dtype_name, self.reference)
 
     def replay_builder(self, layer: int) -> Callable[..., nn.Module]:
         """``build(tensors, dtype=float32, on_call=False)``: transformers' MLP for replays (diagnose.py).  In the
@@ -193,7 +144,8 @@ class Session:
         routed = self.reference_tensors(layer, tensors)  # views of ``tensors``: no copy
         reference = self.reference_from(layer, routed)
         x = make_inputs(reference, self.hidden_size, self.seed, layer, expert)
-        low = (lambda: self.replay_builder(layer)(routed, self.compute_dtype)) if self.low_precision else None
+        low = ((lambda x: run_module(self.replay_builder(layer)(routed, self.compute_dtype), x))
+               if self.low_precision else None)
         truth = run_reference(reference, x, low)
         large = isinstance(reference, SlicedMLP)
         del reference
@@ -274,10 +226,6 @@ class Session:
             units=self.unit_names(),
         )
 
-    def unit_names(self) -> list[str]:
-        """The names of the units beside routed experts (a shared expert, dense layers before MoE ones), in order."""
-        return list(dict.fromkeys(s.mapping.unit for s in (self, *self.parts) if s.mapping.unit))
-
     def describe_framework(self, report: Report) -> None:
         """The report names the target's framework and its version once the target is built (parity.targets)."""
         if self.framework is not None:
@@ -311,44 +259,8 @@ class Session:
                             "--layers all checks every one")
         return chosen
 
-    def expert_indices(self, selection: str | int | Iterable[int] | None) -> list[int | None]:
-        """[None] for a dense model; the selected experts (default: all) for MoE."""
-        if self.num_experts is None:
-            if selection is not None and selection != "all":
-                raise LayerRangeError(f"--experts {selection!r}: mapping '{self.mapping.name}' describes a dense model "
-                                      "(no experts)")
-            return [None]
-        return parse_selection(selection, self.num_experts, "expert")
-
-    def units(self, layer: int, experts: Selection = None) -> list[tuple[Session, int | None]]:
-        """What is checked of a layer, in order: each layout serving it (this one, then its parts) as a unit, or
-        each selected expert of one with experts (``--experts`` selects among routed experts only)."""
-        return [(session, expert) for session in (self, *self.parts) if session.mapping.serves(layer)
-                for expert in session.expert_indices(experts if session.num_experts is not None else None)]
-
     def target_name(self) -> str:
         return target_label(self.target_spec if self.target_spec is not None else self.mapping.target_class)
-
-
-@dataclass
-class Truth:
-    """What the reference computed for one layer's inputs, before the target exists."""
-
-    z: torch.Tensor | None  # the activation's input (the range the inputs reached)
-    out32: torch.Tensor
-    out64: torch.Tensor
-    low: torch.Tensor | None
-
-
-def run_reference(reference: nn.Module, x: torch.Tensor, low: Callable[[], nn.Module] | None = None) -> Truth:
-    """transformers' MLP on its own copies of the inputs, in float32 and float64; ``low`` builds it in the run's
-    low-precision dtype on its device (built only when its turn comes, and dropped after it ran)."""
-    with torch.no_grad():
-        z = preactivation(reference, x.clone())
-        out32 = reference(x.clone()).double()
-        out64 = compute_in(reference, torch.float64)(x.double())  # one projection (or slice) at a time
-        out_low = None if low is None else run_module(low(), x.clone())
-    return Truth(z, out32, out64, out_low)
 
 
 def run_target_twice(truth: Truth, target: nn.Module, target_name: str, x: torch.Tensor,

@@ -17,6 +17,7 @@ from parity.definitions.mapping import TensorRoute
 from parity.definitions.mistakes import Diagnosis, MistakeId, diagnosis
 from parity.engine.block import (
     BLOCK_UNIT,
+    BlockReader,
     block_inputs,
     block_output,
     chosen_experts,
@@ -26,17 +27,17 @@ from parity.engine.block import (
     reference_block,
     router_name,
 )
-from parity.engine.check.block_check import BlockCheck
 from parity.engine.results import LayerResult
 from parity.engine.verdict import Runs, judge, parity_tolerance
 from parity.errors import CheckpointError, ParityError
 
 
 class BlockComparison:
-    """The block units of a comparison whose layout has routed experts (both sides' sessions)."""
+    """The block units of a comparison whose layout has routed experts (both sides, ``engine.side.Side``)."""
 
-    def __init__(self, a: Any, b: Any, *, units: list[str] = ()):
-        self.a, self.b = BlockCheck(a), BlockCheck(b)
+    def __init__(self, a: Any, b: Any, *, units: list[str] = (), seed: int = 0):
+        self.a, self.b = BlockReader(a), BlockReader(b)
+        self.seed = seed  # the comparison's: the block's inputs are drawn from it, as each unit's are
         self.site = self.a.site
         # the block's children other units judge (shared experts), by their path in the block: ``units`` are the
         # comparison's units' module paths ('model.layers.{layer}.mlp.shared_expert')
@@ -75,8 +76,8 @@ class BlockComparison:
         if found is None:
             return None
         own_a, own_b, _ = found
-        meta = self.a.session.reference.meta_module(self.site.path.format(layer=layer))
-        name = router_name(meta, self.site, self.a.session.num_experts, self.a.session.hidden_size)
+        meta = self.a.side.reference.meta_module(self.site.path.format(layer=layer))
+        name = router_name(meta, self.site, self.a.side.num_experts, self.a.side.hidden_size)
         return None if name is None else expert_order(own_a[name], own_b[name])
 
     def expert_order(self, layer: int) -> list[int] | None:
@@ -115,7 +116,7 @@ class BlockComparison:
     def compare(self, layer: int, result_type: type) -> LayerResult | None:
         """B's block of ``layer`` against A's, as one unit ``block`` (``result_type``: the comparison's row type);
         None where the blocks cannot be compared (``unreadable`` says why)."""
-        name = type(self.a.session.reference.meta_module(self.site.path.format(layer=layer))).__name__
+        name = type(self.a.side.reference.meta_module(self.site.path.format(layer=layer))).__name__
         try:
             with reference_block(name, layer):
                 return self._compare(layer, result_type)
@@ -132,16 +133,16 @@ class BlockComparison:
         if found is None:
             return None
         own_a, own_b, experts = found
-        meta = self.a.session.reference.meta_module(self.site.path.format(layer=layer))
+        meta = self.a.side.reference.meta_module(self.site.path.format(layer=layer))
         site = self.site
         block64, block32 = (filled_block(meta, site, own_a, dtype) for dtype in (torch.float64, torch.float32))
         expected = self.expected(own_a, own_b, self.expert_order(layer))
         block_conv, block_b = (filled_block(meta, site, tensors, torch.float64) for tensors in (expected, own_b))
         gates = [first_projection(expert) for expert in experts]
         inputs = block_inputs(block64, block32, site, gate_reach(lambda: enumerate(gates)), count=len(gates),
-                              d=gates[0].shape[1], seed=self.a.session.seed, layer=layer)
+                              d=gates[0].shape[1], seed=self.seed, layer=layer)
         x = inputs.x.double()
-        count = self.a.session.num_experts
+        count = self.a.side.num_experts
         inputs.tied |= (inputs.chosen != chosen_experts(block_conv, site, x, count)).any(-1)  # the storage's ties
         outs = [block_output(module, x) for module in (block64, block_conv, block_b)]
         out32 = block_output(block32, inputs.x).double()
@@ -152,7 +153,7 @@ class BlockComparison:
         noise, scale = float((out32 - out64).abs().max()), float(out64.abs().max())
         tolerance = parity_tolerance(noise, scale, None)
         result = judge(layer, None, Runs(out_conv, out32 - out64 + out_conv, out_b, out_b), own_a, None, tolerance,
-                       self.a.session.checkpoint.weights)
+                       self.a.side.checkpoint.weights)
         row = result_type(**{f.name: getattr(result, f.name) for f in dataclasses.fields(LayerResult)})
         row.unit, row.coverage = BLOCK_UNIT, inputs.coverage() | {"set_aside_agree": _agreeing(outs, inputs.tied,
                                                                                                 tolerance)}
@@ -187,7 +188,7 @@ class BlockComparison:
 
         key = self.b.keys[name]
         stored = b.to(self.b.stored.get(name, b.dtype))  # as read: B's dtype, or a GGUF tensor dequantized
-        storage = storage_of(self.b.session.checkpoint, key, stored, TensorRoute(name, key))
+        storage = storage_of(self.b.side.checkpoint, key, stored, TensorRoute(name, key))
         return reference_conversion(a, storage)[0].double()
 
 def _agreeing(outs: list[torch.Tensor], tied: torch.Tensor, tolerance: float) -> int:

@@ -1,9 +1,10 @@
 """``parity compare A B``: checkpoint B (converted, re-saved, cast, quantized) judged against checkpoint A, one
 layer at a time, as functions.
 
-Both checkpoints are opened as a check opens one (``resolve``: format, mapping, config) and each layer's FFN
-tensors are read under transformers' own names through that checkpoint's mapping (``Session.read_layer`` and
-its reference routes: GGUF dequantized and renamed, Conv1D transposed, fused halves split).  The oracle is
+Both checkpoints are resolved as a check resolves one (``engine.layout.resolve``: format, layout, config), each
+held as an ``engine.side.Side`` (no target, device or tolerance: what a check adds), and each layer's FFN tensors
+are read under transformers' own names through that checkpoint's layout (``Side.read_layer`` and its reference
+routes: GGUF dequantized and renamed, Conv1D transposed, fused halves split).  The oracle is
 transformers' MLP built from A's config: filled with A's layer it is the truth, the same class filled with B's
 layer the candidate.  Both run on parity's seeded inputs in float64; the float32 noise floor is A's MLP in
 float32 against float64, as in a check.
@@ -38,8 +39,6 @@ from parity.definitions.mistakes import Candidate, Diagnosis, MistakeId, diagnos
 from parity.definitions.project import CompareSpec
 from parity.definitions.selection import Selection, parse_selection
 from parity.engine.block import BLOCK_UNIT
-from parity.engine.check.fill import route_tensor
-from parity.engine.check.session import Session, run_reference
 from parity.engine.compare import conversion, folds, group_grid
 from parity.engine.compare.blocks import BlockComparison
 from parity.engine.compare.findings import (
@@ -53,11 +52,12 @@ from parity.engine.compare.findings import (
 from parity.engine.compare.inventory import inventory
 from parity.engine.compare.mistakes import Hypothesis, hypotheses
 from parity.engine.inputs import make_inputs
-from parity.engine.layer import FINGERPRINT_SCHEME, weights_fingerprint
+from parity.engine.layer import FINGERPRINT_SCHEME, route_tensor, weights_fingerprint
 from parity.engine.layout.resolve import CHECK_ADVICE, COMPARE_ADVICE, require_values, resolve
 from parity.engine.memory import young_objects_only
 from parity.engine.reference import activation_name
 from parity.engine.results import LayerResult, Report
+from parity.engine.side import Side, run_reference
 from parity.engine.upcast import compute_in
 from parity.engine.verdict import Runs, judge, parity_tolerance
 from parity.errors import (
@@ -112,23 +112,23 @@ class CompareReport(Report):
         return renderer(self) if renderer is not None else super().__str__()
 
 
-def read_side(session: Session, layer: int, truth: bool, expert: int | None = None) -> SideLayer:
+def read_side(side: Side, layer: int, truth: bool, expert: int | None = None) -> SideLayer:
     """The layer's (expert's, for MoE) FFN tensors of one checkpoint, routed to the reference's names.  The truth
     (A) must be finite (a NaN there is bad input, exit 2); B's Inf is a finding (cast_overflow), so B is read raw."""
-    routes = session.reader.reference_routes(layer)
-    prefix = session.reader.layer_prefix(layer, expert)
+    routes = side.reader.reference_routes(layer)
+    prefix = side.reader.layer_prefix(layer, expert)
     try:
-        stored = session.read_layer(layer, expert, dtype=None)
-        facts = session.reader.facts
+        stored = side.read_layer(layer, expert, dtype=None)
+        facts = side.reader.facts
     except WeightDefectError:
         if truth:
             raise
         sources = list(dict.fromkeys(r.source for r in routes))
-        raw = (session.checkpoint.read([prefix + s for s in sources]) if expert is None
-               else session.reader._read(prefix, sources, expert))  # stacked experts: sliced to this one
+        raw = (side.checkpoint.read([prefix + s for s in sources]) if expert is None
+               else side.reader._read(prefix, sources, expert))  # stacked experts: sliced to this one
         stored, facts = {key[len(prefix):]: value for key, value in raw.items()}, None
     routed = {r.target: route_tensor(r, stored[r.source]) for r in routes}
-    storage = {r.target: conversion.storage_of(session.checkpoint, prefix + r.source, stored[r.source], r, expert)
+    storage = {r.target: conversion.storage_of(side.checkpoint, prefix + r.source, stored[r.source], r, expert)
                for r in routes}
     named = {r.target: facts.get(r.source) for r in routes if r.chunk is None} if facts is not None else {}
     return SideLayer(routed, storage, weights_fingerprint(stored, facts), finite=facts is not None, facts=named)
@@ -155,12 +155,12 @@ class Comparison:
                  allow_pickle: bool = False, seed: int = 0, experts: Selection = None, require_real: bool = False):
         require_values(model=a, revision=revision)
         require_values(model=b, revision=revision_b)
-        self.a = Session(resolve(a, revision=revision, allow_pickle=allow_pickle), seed=seed)
+        self.a = Side(resolve(a, revision=revision, allow_pickle=allow_pickle))
         try:
             resolved_b = resolve(b, revision=revision_b, allow_pickle=allow_pickle, revision_option="--revision-b")
         except MappingError as exc:  # B lacks what its own layout needs: read B as A is, naming what B lacks
             resolved_b = resolve_like(self.a, b, exc, revision=revision_b, allow_pickle=allow_pickle)
-        self.b = Session(resolved_b, seed=seed)
+        self.b = Side(resolved_b)
         self.labels = (a, b)
         if require_real:
             require_real_sides(self.a, self.b, self.labels)
@@ -172,7 +172,8 @@ class Comparison:
         routed = [(c.a, c.b) for c in (self, *self.parts) if c.a.num_experts is not None]
         # MoE: each layer's whole block too, unless the run selects experts (then those experts are what it judges)
         units = [c.a.mapping.reference_module for c in (self, *self.parts)]
-        self.blocks = BlockComparison(*routed[0], units=units) if routed and experts in (None, "all") else None
+        self.blocks = (BlockComparison(*routed[0], units=units, seed=seed) if routed and experts in (None, "all")
+                       else None)
         self.expert_map: dict[int, list[int]] = {}  # layer -> B's expert e holds A's expert map[e] (a permutation)
         self.same_files = same_files(self.a, self.b)
         self.notes = self.config_notes() + ([
@@ -188,7 +189,7 @@ class Comparison:
             raise UsageError(f"{self.labels[1]} is no conversion of {self.labels[0]}: A's FFN is {spelled[0]}, B's "
                              f"{spelled[1]}; `parity compare` judges two stores of one model's layers")
 
-    def paired_parts(self) -> list[tuple[Session, Session]]:
+    def paired_parts(self) -> list[tuple[Side, Side]]:
         """A's further layouts (dense layers, shared experts) with B's: the same units, or B is another model."""
         units = [[(p.mapping.unit, p.mapping.layers, p.num_experts) for p in side.parts] for side in (self.a, self.b)]
         if units[0] != units[1]:
@@ -199,7 +200,7 @@ class Comparison:
                              "model's layers")
         return list(zip(self.a.parts, self.b.parts, strict=True))
 
-    def part(self, a: Session, b: Session, experts: Selection) -> Comparison:
+    def part(self, a: Side, b: Side, experts: Selection) -> Comparison:
         """This comparison for one further layout of both sides (its units judged as the main layout's are)."""
         part = copy.copy(self)
         part.a, part.b, part.parts = a, b, []
@@ -581,7 +582,7 @@ def open_comparison(spec: CompareSpec) -> Comparison:
                       require_real=spec.require_real)
 
 
-def resolve_like(a: Session, b: str, refused: MappingError, *, revision: str | None, allow_pickle: bool) -> Any:
+def resolve_like(a: Side, b: str, refused: MappingError, *, revision: str | None, allow_pickle: bool) -> Any:
     """B resolved through A's derived layout, where B's own could not be derived (a conversion that dropped a
     tensor, a shared expert): B is then judged unit by unit, each tensor it lacks a finding on its layer
     (tensor_missing), instead of the whole compare stopping.  Only for B of A's model type and storage (not a GGUF
@@ -603,7 +604,7 @@ def resolve_like(a: Session, b: str, refused: MappingError, *, revision: str | N
     return resolved
 
 
-def require_real_sides(a: Session, b: Session, labels: tuple[str, str]) -> None:
+def require_real_sides(a: Side, b: Side, labels: tuple[str, str]) -> None:
     """A SyntheticWeightsError naming the side that has only the synthetic stand-in."""
     for side, name in ((a, labels[0]), (b, labels[1])):
         if side.checkpoint.weights != "real":
@@ -617,7 +618,7 @@ def require_real_sides(a: Session, b: Session, labels: tuple[str, str]) -> None:
             raise error
 
 
-def same_files(a: Session, b: Session) -> bool:
+def same_files(a: Side, b: Side) -> bool:
     """A and B one set of files (one folder, one file, one hub snapshot): compared (it shows parity reads the
     checkpoint end to end), and said in every view, since its pass proves nothing about a conversion."""
     return Path(a.checkpoint.location).expanduser().resolve() == Path(b.checkpoint.location).expanduser().resolve()

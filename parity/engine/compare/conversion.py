@@ -31,7 +31,6 @@ from dataclasses import dataclass
 import torch
 
 from parity.definitions.mapping import TensorRoute
-from parity.engine.check.fill import route_tensor
 from parity.engine.compare import affine_grid, codebook_grid, fp8_grid, group_grid
 from parity.engine.compare.gguf_blocks import (
     K_FORMAT,
@@ -45,6 +44,7 @@ from parity.engine.compare.gguf_blocks import (
     read_blocks,
     scale_problem,
 )
+from parity.engine.layer import route_tensor
 
 FLOAT_TYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
 # A grid parity cannot read (IQ1 to IQ4, NVFP4: no quantizer here, their grids codebooks): A is rounded to the nearest

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 
 import torch
 
-from parity.engine.check.fill import route_tensor
+from parity.engine.layer import route_tensor
 
 # B's function may deviate from A's by this many times what round-to-nearest on B's own grid does.  Measured on
 # tests/test_quantized_int.py's fixtures (tiny LLaMA, int4, groups of 32, parity's seeded inputs): the GPTQ-like export

@@ -18,15 +18,15 @@ from parity.errors import CheckpointError
 LISTED = 20  # names listed per finding; the counts are complete
 
 
-def ffn_keys(session: Any) -> set[str]:
-    """Every layer's FFN tensor keys (the mapping's routes under each key prefix): those are judged as
-    functions, not inventoried."""
-    mapping = session.mapping
-    sources = {r.source for r in [*session.reader.reference_routes(mapping.first_layer), *mapping.tensors] if r.reads}
-    experts = range(session.num_experts) if session.num_experts is not None else [None]
-    keys = {f"{p}{mapping.layer_prefix(layer, expert)}.{source}" for layer in range(session.num_layers)
+def ffn_keys(side: Any) -> set[str]:
+    """Every layer's FFN tensor keys of one side (``engine.side.Side``: the mapping's routes under each key prefix):
+    those are judged as functions, not inventoried."""
+    mapping = side.mapping
+    sources = {r.source for r in [*side.reader.reference_routes(mapping.first_layer), *mapping.tensors] if r.reads}
+    experts = range(side.num_experts) if side.num_experts is not None else [None]
+    keys = {f"{p}{mapping.layer_prefix(layer, expert)}.{source}" for layer in range(side.num_layers)
             if mapping.serves(layer) for expert in experts for p in mapping.key_prefixes for source in sources}
-    return keys.union(*(ffn_keys(part) for part in getattr(session, "parts", ())))
+    return keys.union(*(ffn_keys(part) for part in getattr(side, "parts", ())))
 
 
 def headers(checkpoint: Any, names: list[str]) -> dict[str, tuple[list[int], str]] | None:
