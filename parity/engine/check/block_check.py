@@ -44,7 +44,7 @@ from parity.engine.check.build import build_target
 from parity.engine.check.fill import route_tensor
 from parity.engine.check.guard import guarded
 from parity.engine.check.run import place, run_module, skip_init, user_code
-from parity.engine.experts import expert_reference
+from parity.engine.experts import expert_reference, sliced_expert, slices_agree
 from parity.engine.results import LayerResult
 from parity.engine.routing_mistakes import replay_fits
 from parity.engine.verdict import Runs, judge, shape_failure
@@ -238,13 +238,27 @@ class BlockCheck:
         where = self.site.path.format(layer=layer)
         used = [e for e in range(count) if any(bool(chosen_in(call, count)[:, e].any()) for call in calls)]
         with ReadAhead(functools.partial(self.stored_expert, layer), used) as ahead:
-            outs = streamed(calls, count, lambda e, dtype, last: expert_reference(
-                meta, session.config, self.routed(layer, ahead(e, last=last), None), where).experts.to(dtype))
+            outs = streamed(calls, count, self.expert_runs(layer, meta, where, ahead, used))
         out = []
         for block, x, call_out in ((block64, x64, outs[0]), (block32, inputs.x, outs[1])):
             block.get_submodule(self.site.experts).outputs = [call_out]
             out.append(block_output(block, x).double())
         return block64, inputs, out[0], out[1]
+
+    def expert_runs(self, layer: int, meta: nn.Module, where: str, ahead: ReadAhead, used: list[int]
+                    ) -> Callable[[int, torch.dtype, bool], nn.Module]:
+        """``one`` for engine.block.streamed: expert e in transformers' experts module, in a dtype, from its stored
+        values; sliced (engine.experts.SlicedExpert: the float64 and float32 copies made a cache-sized slice at a
+        time) where the module, measured on the first expert used, computes an expert sliced as it does whole."""
+        config = self.session.config
+        slicing = bool(used) and slices_agree(meta, config, self.routed(layer, ahead(used[0], last=False), None),
+                                              where)
+
+        def one(expert: int, dtype: torch.dtype, last: bool) -> nn.Module:
+            routed = self.routed(layer, ahead(expert, last=last), None)
+            sliced = sliced_expert(meta, config, routed, where, dtype) if slicing else None
+            return sliced if sliced is not None else expert_reference(meta, config, routed, where).experts.to(dtype)
+        return one
 
     def build(self, layer: int, own: dict, disk: dict, experts: list, changes: list[str]) -> tuple[nn.Module, str]:
         """The user's block, built from the checkpoint's config and filled with the layer's tensors (float32)."""
