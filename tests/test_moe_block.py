@@ -399,7 +399,8 @@ def test_a_streamed_block_computed_a_slice_at_a_time_has_the_held_verdict_truth_
                         lambda self, *args: slices.append(self.width) or original(self, *args))
     monkeypatch.setattr(experts, "SLICE_BYTES", 5 * 8 * 3 * 32)  # hidden_size 32: 5 units a slice
     streamed = streamed_check(monkeypatch, blocks[model_type], port)
-    assert slices and set(slices) == {5}
+    whole = [width for width in slices if width != 5]  # slices_agree's one run of the whole expert, per layer
+    assert slices.count(5) > len(whole) == len(streamed.layers) and min(whole) > 5
     assert held.passed is passes and streamed.passed is passes, streamed
     for a, b in zip(held.layers, streamed.layers, strict=True):
         assert (a.passed, a.layer) == (b.passed, b.layer) and b.coverage["never_chosen"] == []

@@ -231,6 +231,7 @@ class SlicedExpert(nn.Module):
         self.module, self.meta, self.routed, self.dtype, self.width = module, meta_experts, routed, dtype, width
         self.biased = hasattr(meta_experts, "gate_up_proj_bias")
         self.units = routed["up"].shape[0]
+        self.routed_call = True  # called with (tokens, index, weights); False: with the tokens alone (Llama 4's)
 
     def part(self, start: int) -> dict[str, torch.Tensor]:
         """Units start..start+width of the expert as stored, in parity's [out, in] roles."""
@@ -271,30 +272,35 @@ def sliced_expert(meta_experts: nn.Module, config: Any, routed: dict[str, torch.
         return None
     units, d = routed["up"].shape
     width = max(1, (slice_bytes or SLICE_BYTES) // (8 * d * (3 if "gate" in routed else 2)))
-    if width >= units:
-        return None
+    return None if width >= units else _in_slices(meta_experts, config, routed, where, dtype, width)
+
+
+def _in_slices(meta_experts: nn.Module, config: Any, routed: dict[str, torch.Tensor], where: str, dtype: torch.dtype,
+               width: int) -> SlicedExpert | None:
     shapes = {role: torch.empty(tensor.shape, dtype=tensor.dtype, device="meta") for role, tensor in routed.items()}
     module = expert_reference(meta_experts, config, shapes, where)
     if not isinstance(module, ExpertReference):
         return None
-    return SlicedExpert(module.experts, meta_experts, routed, dtype, width).eval()
+    sliced = SlicedExpert(module.experts, meta_experts, routed, dtype, width).eval()
+    sliced.routed_call = module.routed
+    return sliced
 
 
 def slices_agree(meta_experts: nn.Module, config: Any, routed: dict[str, torch.Tensor], where: str, *,
                  slice_bytes: int | None = None) -> bool:
     """Whether transformers' experts module computes one expert (``routed``) sliced as it does whole, in float64 to
     1e-12 of the output's size, on seeded tokens: a module whose units are not independent until down_proj (any
-    that is not measured so) is run whole."""
+    that is not measured so) is run whole.  The whole expert is one slice of all its units: one float64 copy made
+    from the stored values, no intermediate ones (the streamed block's peak)."""
     sliced = sliced_expert(meta_experts, config, routed, where, torch.float64, slice_bytes=slice_bytes)
     if sliced is None:
         return False
-    whole = expert_reference(meta_experts, config, {role: t.double() for role, t in routed.items()}, where)
     x = torch.randn(4, routed["up"].shape[1], generator=torch.Generator().manual_seed(0), dtype=torch.float64)
-    args = (x, torch.zeros(4, 1, dtype=torch.long), torch.ones(4, 1, dtype=torch.float64)) if whole.routed else (x,)
+    args = (x, torch.zeros(4, 1, dtype=torch.long), torch.ones(4, 1, dtype=torch.float64)) \
+        if sliced.routed_call else (x,)
     try:
         got = sliced(*args)
     except Exception:  # a module whose code needs its whole width
         return False
-    with torch.no_grad():
-        want = whole.experts(*args)
+    want = _in_slices(meta_experts, config, routed, where, torch.float64, routed["up"].shape[0])(*args)
     return got.shape == want.shape and bool((got - want).abs().max() <= 1e-12 * want.abs().max().clamp_min(1e-300))
