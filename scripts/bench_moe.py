@@ -11,8 +11,14 @@ reference, once for the port's own reads (a user's own check would too), so 1.3 
 inside parity's process (its one run on every token, and its two runs on a few tokens for determinism) is counted by
 the port itself and shown apart from parity's own: the reference (each expert read once, computed in float64, the
 truth, and in float32, the noise floor), the inputs, the verdict.  A second floor computes each expert in float64
-and float32 as the reference must: the floor of parity's own part.  Peak RSS: at most 4 x one expert's float32 size
-+ 1 GiB.  Whether each goal is met is printed with the measured ratio (``moe_summary``).
+and float32 from whole copies of its matrices (as the reference did before it computed them a cache-sized slice at a
+time, engine.experts.SlicedExpert): the floor of a check whose truth is computed so.  Peak RSS: at most 4 x one
+expert's float32 size + 1 GiB.  Whether each goal is met is printed with the measured ratio (``moe_summary``), in
+wall seconds and in CPU seconds of the same run (a shared machine's load distorts these least).
+
+Measured (docs/performance.md, row (i); 2 cores shared with other sessions, load 10-15, one run each): peak RSS met
+(1.57 GiB against 1.66); time met in the last run, 033884d: 1.16 x wall, 1.18 x CPU against the goal's 1.3 x; not in
+the run before it, fbd3116, without one_compute_thread: 1.37 x wall, 1.46 x CPU.  No idle run yet.
 """
 
 from __future__ import annotations
