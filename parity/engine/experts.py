@@ -223,7 +223,8 @@ class SlicedExpert(nn.Module):
     memory traffic, not the flops, is what a streamed block's reference costs on a few tokens).  The units are
     independent until down_proj sums over them, so the sum of the slices' outputs is the expert's output, its sum over
     units taken in SLICE_BYTES parts (a float64 sum of the same float64 products; ``slices_agree`` checks that on the
-    module itself); down_proj's bias is added by the first slice only."""
+    module itself); down_proj's bias is added by the first slice only.  engine.sliced.SlicedMLP does the same for a
+    dense layer too large to hold in float64, in slices sized for memory (512 MiB), not for the cache."""
 
     def __init__(self, module: nn.Module, meta_experts: nn.Module, routed: dict[str, torch.Tensor],
                  dtype: torch.dtype, width: int):
