@@ -207,8 +207,9 @@ def layer_subset(full: Path, folder: Path, layers: int) -> Path:
 
 
 # -- measuring ---------------------------------------------------------------------------
-def measure(cmd: list[str], cwd: Path | None = None) -> tuple[float, float]:
-    """Run a whole process -> (wall seconds, its peak RSS in bytes).
+def measure(cmd: list[str], cwd: Path | None = None) -> tuple[float, float, float]:
+    """Run a whole process -> (wall seconds, its peak RSS in bytes, its CPU seconds: user + system, which a shared
+    machine's load distorts less than the wall time).
 
     Through /usr/bin/time: a child forked from this (large) process would report this
     process's RSS as its own peak (ru_maxrss survives fork + exec).
@@ -216,14 +217,14 @@ def measure(cmd: list[str], cwd: Path | None = None) -> tuple[float, float]:
     env = dict(os.environ, PYTHONPATH=str(REPO), HF_HUB_OFFLINE="1", PYTHONDONTWRITEBYTECODE="1")
     with tempfile.NamedTemporaryFile("r", suffix=".time") as stats:
         started = time.perf_counter()
-        proc = subprocess.run(["/usr/bin/time", "-o", stats.name, "-f", "%M", *cmd], env=env, cwd=cwd,
+        proc = subprocess.run(["/usr/bin/time", "-o", stats.name, "-f", "%M %U %S", *cmd], env=env, cwd=cwd,
                               stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
         wall = time.perf_counter() - started
         if proc.returncode != 0:
             raise RuntimeError(f"{' '.join(cmd)} exited {proc.returncode}:\n"
                                f"{proc.stderr.decode(errors='replace')[-2000:]}")
-        peak_kib = int(stats.read().split()[-1])
-    return wall, peak_kib * 1024.0
+        peak_kib, user, system = stats.read().split()[-3:]
+    return wall, int(peak_kib) * 1024.0, float(user) + float(system)
 
 
 def parity_cmd(*args: str) -> list[str]:
@@ -231,15 +232,17 @@ def parity_cmd(*args: str) -> list[str]:
 
 
 def run_all(commands: dict[str, list[str]], runs: int, cwd: Path | None = None) -> dict[str, dict]:
-    """Every command ``runs`` times, interleaved, -> {name: {wall_s, peak_rss, ...}} (medians)."""
-    samples: dict[str, list[tuple[float, float]]] = {name: [] for name in commands}
+    """Every command ``runs`` times, interleaved, -> {name: {wall_s, peak_rss, cpu_s, ...}} (medians)."""
+    samples: dict[str, list[tuple[float, float, float]]] = {name: [] for name in commands}
     for i in range(runs):
         for name, cmd in commands.items():
             samples[name].append(measure(cmd, cwd))
-            print(f"  run {i + 1}/{runs} {name}: {samples[name][-1][0]:.2f} s, "
-                  f"{samples[name][-1][1] / 2**20:.0f} MiB", file=sys.stderr)
-    return {name: {"wall_s": statistics.median(w for w, _ in s), "peak_rss": statistics.median(r for _, r in s),
-                   "wall_runs": [w for w, _ in s], "rss_runs": [r for _, r in s]} for name, s in samples.items()}
+            wall, rss, cpu = samples[name][-1]
+            print(f"  run {i + 1}/{runs} {name}: {wall:.2f} s ({cpu:.2f} s CPU), {rss / 2**20:.0f} MiB, load "
+                  f"{os.getloadavg()[0]:.1f}", file=sys.stderr)
+    return {name: {"wall_s": statistics.median(w for w, _, _ in s), "peak_rss": statistics.median(r for _, r, _ in s),
+                   "cpu_s": statistics.median(c for _, _, c in s), "wall_runs": [w for w, _, _ in s],
+                   "rss_runs": [r for _, r, _ in s], "cpu_runs": [c for _, _, c in s]} for name, s in samples.items()}
 
 
 # -- the benchmark -----------------------------------------------------------------------

@@ -304,3 +304,108 @@ def test_a_defective_expert_read_ahead_in_a_streamed_block_is_one_line(blocks, m
     monkeypatch.chdir(HERE)
     code, _, err = run_main(capsys, folder, "--target", "moe_block_ports:QwenSharedBlock", "--block")
     assert code == 2 and "NaN/Inf" in err and name in err and "Traceback" not in err, err
+
+
+def meta_experts_of(folder: Path):
+    """(config, transformers' fused experts module of the checkpoint's model, on the meta device)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.from_pretrained(folder)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    return config, next(m for m in model.modules() if isinstance(getattr(m, "down_proj", None), torch.nn.Parameter)
+                        and m.down_proj.dim() == 3)
+
+
+def stored_expert(meta, d: int, width: int, seed: int) -> dict[str, torch.Tensor]:
+    """One expert's tensors as a bfloat16 checkpoint stores them ([out, in]; biases where the module has them)."""
+    generator = torch.Generator().manual_seed(seed)
+    shapes = {"gate": (width, d), "up": (width, d), "down": (d, width)}
+    if hasattr(meta, "gate_up_proj_bias"):
+        shapes |= {"gate_bias": (width,), "up_bias": (width,), "down_bias": (d,)}
+    return {role: (torch.randn(shape, generator=generator) * 0.3).bfloat16() for role, shape in shapes.items()}
+
+
+@pytest.mark.parametrize("model_type", ["mixtral", "deepseek_v3", "gpt_oss", "llama4_text", "qwen3_moe"])
+def test_an_expert_computed_a_slice_of_its_units_at_a_time_is_the_whole_expert_in_float64(blocks, model_type):
+    """SlicedExpert (transformers' experts module on a few intermediate units at a time, the slices summed; the last
+    slice narrower) computes in float64 what the module holding the whole expert does, to float64 rounding: the
+    same products, their sum over units taken in parts; GPT-OSS's down bias is added once."""
+    from parity.engine.experts import expert_reference, sliced_expert, slices_agree
+
+    config, meta = meta_experts_of(blocks[model_type])
+    d = config.hidden_size
+    width = meta.down_proj.shape[1] if meta.down_proj.shape[2] == d else meta.down_proj.shape[2]
+    routed = stored_expert(meta, d, width, seed=len(model_type))
+    bytes_for_5_units = 5 * 8 * d * 3
+    sliced = sliced_expert(meta, config, routed, "w", torch.float64, slice_bytes=bytes_for_5_units)
+    assert sliced is not None and sliced.width == 5 and width % 5 != 0
+    whole = expert_reference(meta, config, {role: t.double() for role, t in routed.items()}, "w")
+    x = torch.randn(7, d, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
+    args = (x, torch.zeros(7, 1, dtype=torch.long), torch.full((7, 1), 0.75, dtype=torch.float64)) \
+        if whole.routed else (x,)
+    got = sliced(*args)
+    with torch.no_grad():
+        want = whole.experts(*args)
+    assert got.dtype == torch.float64 and got.shape == want.shape
+    assert float((got - want).abs().max()) <= 1e-13 * float(want.abs().max()), (got - want).abs().max()
+    assert slices_agree(meta, config, routed, "w", slice_bytes=bytes_for_5_units)
+    assert sliced_expert(meta, config, routed, "w", torch.float64, slice_bytes=8 * d * 3 * width) is None  # fits
+
+
+class NormedUnitsExperts(torch.nn.Module):
+    """A fused experts module whose units are not independent until down_proj (its activations scaled by their
+    norm over all units): computed a slice at a time it would be wrong, so it must be run whole."""
+
+    def __init__(self, config):
+        super().__init__()
+        self.num_experts, d, f = config.num_local_experts, config.hidden_size, config.intermediate_size
+        self.gate_up_proj = torch.nn.Parameter(torch.empty(self.num_experts, 2 * f, d))
+        self.down_proj = torch.nn.Parameter(torch.empty(self.num_experts, d, f))
+
+    def forward(self, hidden, index, weights):
+        gate, up = torch.nn.functional.linear(hidden, self.gate_up_proj[0]).chunk(2, dim=-1)
+        act = torch.nn.functional.silu(gate) * up
+        return torch.nn.functional.linear(act / act.norm(dim=-1, keepdim=True), self.down_proj[0]) * weights[:, :1]
+
+
+def test_a_module_whose_units_interact_is_never_sliced(blocks):
+    from transformers import MixtralConfig
+
+    from parity.engine.experts import slices_agree
+
+    config = MixtralConfig(hidden_size=16, intermediate_size=12, num_local_experts=4)
+    with torch.device("meta"):
+        meta = NormedUnitsExperts(config)
+    routed = {role: t.float() for role, t in stored_expert(meta, 16, 12, seed=3).items()}
+    assert not slices_agree(meta, config, routed, "w", slice_bytes=5 * 8 * 16 * 3)
+
+
+@pytest.mark.parametrize(("model_type", "port", "passes"), [
+    ("deepseek_v3", ports.DeepSeekBlock, True), ("gpt_oss", ports.GptOssBlock, True),
+    ("llama4_text", ports.Llama4Block, True), ("gpt_oss", ports.GptOssNoClamp, False),
+    ("deepseek_v3", ports.DeepSeekScalingDropped, False)], ids=lambda v: getattr(v, "__name__", str(v)))
+def test_a_streamed_block_computed_a_slice_at_a_time_has_the_held_verdict_truth_and_noise(
+        blocks, monkeypatch, model_type, port, passes):
+    """Every expert of a streamed block computed 5 intermediate units at a time (SLICE_BYTES made small): the verdict
+    is the held block's, the distance from the truth and the noise floor the held block's (float32 sums taken in
+    other parts: the same size, not the same bits)."""
+    from parity.engine import experts
+
+    held = check(str(blocks[model_type]), target=port)
+    slices = []
+    original = experts.SlicedExpert.forward
+    monkeypatch.setattr(experts.SlicedExpert, "forward",
+                        lambda self, *args: slices.append(self.width) or original(self, *args))
+    monkeypatch.setattr(experts, "SLICE_BYTES", 5 * 8 * 3 * 32)  # hidden_size 32: 5 units a slice
+    streamed = streamed_check(monkeypatch, blocks[model_type], port)
+    whole = [width for width in slices if width != 5]  # slices_agree's one run of the whole expert, per layer
+    assert slices.count(5) > len(whole) == len(streamed.layers) and min(whole) > 5
+    assert held.passed is passes and streamed.passed is passes, streamed
+    for a, b in zip(held.layers, streamed.layers, strict=True):
+        assert (a.passed, a.layer) == (b.passed, b.layer) and b.coverage["never_chosen"] == []
+        assert b.noise_floor > 0 and 0.5 <= b.noise_floor / a.noise_floor <= 2.0, (a.noise_floor, b.noise_floor)
+        if passes:
+            assert b.max_abs_diff <= b.tolerance / 10 or b.max_abs_diff <= 2 * a.max_abs_diff
+        else:
+            assert b.max_abs_diff > 100 * b.tolerance and 0.5 <= b.max_abs_diff / a.max_abs_diff <= 2.0

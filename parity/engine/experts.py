@@ -211,3 +211,97 @@ def block_expert_reference(meta_block: nn.Module, config: Any, routed: dict[str,
     block = one_expert_block(meta_block, config, int(count))
     fill(block, reading, routed["gate"].float(), routed["up"].float(), routed["down"].float())
     return ExpertReference(OneExpertBlock(block), {}, act=activation_module(block)).eval()
+
+
+SLICE_BYTES = 6 * 2**20  # a streamed expert is computed this many bytes of its float64 matrices at a time
+
+
+class SlicedExpert(nn.Module):
+    """transformers' experts module holding one expert, run on a slice of the expert's intermediate units at a time
+    and the slices' outputs summed: each unit's gate and up rows and its down column are converted from the stored
+    values into a small buffer that stays in cache, instead of whole float64 and float32 copies of the expert (the
+    memory traffic, not the flops, is what a streamed block's reference costs on a few tokens).  The units are
+    independent until down_proj sums over them, so the sum of the slices' outputs is the expert's output, its sum over
+    units taken in SLICE_BYTES parts (a float64 sum of the same float64 products; ``slices_agree`` checks that on the
+    module itself); down_proj's bias is added by the first slice only.  engine.sliced.SlicedMLP does the same for a
+    dense layer too large to hold in float64, in slices sized for memory (512 MiB), not for the cache."""
+
+    def __init__(self, module: nn.Module, meta_experts: nn.Module, routed: dict[str, torch.Tensor],
+                 dtype: torch.dtype, width: int):
+        super().__init__()
+        self.module, self.meta, self.routed, self.dtype, self.width = module, meta_experts, routed, dtype, width
+        self.biased = hasattr(meta_experts, "gate_up_proj_bias")
+        self.units = routed["up"].shape[0]
+        self.routed_call = True  # called with (tokens, index, weights); False: with the tokens alone (Llama 4's)
+
+    def part(self, start: int) -> dict[str, torch.Tensor]:
+        """Units start..start+width of the expert as stored, in parity's [out, in] roles."""
+        end = start + self.width
+        part = {role: self.routed[role][start:end] for role in ("gate", "up", "gate_bias", "up_bias")
+                if role in self.routed}
+        part["down"] = self.routed["down"][:, start:end]
+        if "down_bias" in self.routed:
+            bias = self.routed["down_bias"]
+            part["down_bias"] = bias if start == 0 else torch.zeros_like(bias)
+        return part
+
+    def load(self, start: int) -> None:
+        """The module's parameters hold units start..start+width in ``dtype`` (buffers reused where shapes agree)."""
+        for name, tensor in own_layout(self.meta, self.part(start), self.biased).items():
+            held = getattr(self.module, name)
+            if held.is_meta or held.shape[1:] != tensor.shape:
+                held = nn.Parameter(torch.empty((1, *tensor.shape), dtype=self.dtype), requires_grad=False)
+                self.module.register_parameter(name, held)
+            held[0].copy_(tensor)
+
+    def forward(self, *args: torch.Tensor) -> torch.Tensor:
+        out = None
+        with torch.no_grad():
+            for start in range(0, self.units, self.width):
+                self.load(start)
+                part = self.module(*args)
+                out = part if out is None else out.add_(part)
+        return out
+
+
+def sliced_expert(meta_experts: nn.Module, config: Any, routed: dict[str, torch.Tensor], where: str,
+                  dtype: torch.dtype, *, slice_bytes: int | None = None) -> SlicedExpert | None:
+    """``routed`` (one expert's tensors as stored, [out, in]) in transformers' experts module, computed in ``dtype`` a
+    slice at a time (``SlicedExpert``); None where the module is not a fused one (gate_up_proj or up_proj, and
+    down_proj) or the expert fits one slice."""
+    if not hasattr(meta_experts, "down_proj"):
+        return None
+    units, d = routed["up"].shape
+    width = max(1, (slice_bytes or SLICE_BYTES) // (8 * d * (3 if "gate" in routed else 2)))
+    return None if width >= units else _in_slices(meta_experts, config, routed, where, dtype, width)
+
+
+def _in_slices(meta_experts: nn.Module, config: Any, routed: dict[str, torch.Tensor], where: str, dtype: torch.dtype,
+               width: int) -> SlicedExpert | None:
+    shapes = {role: torch.empty(tensor.shape, dtype=tensor.dtype, device="meta") for role, tensor in routed.items()}
+    module = expert_reference(meta_experts, config, shapes, where)
+    if not isinstance(module, ExpertReference):
+        return None
+    sliced = SlicedExpert(module.experts, meta_experts, routed, dtype, width).eval()
+    sliced.routed_call = module.routed
+    return sliced
+
+
+def slices_agree(meta_experts: nn.Module, config: Any, routed: dict[str, torch.Tensor], where: str, *,
+                 slice_bytes: int | None = None) -> bool:
+    """Whether transformers' experts module computes one expert (``routed``) sliced as it does whole, in float64 to
+    1e-12 of the output's size, on seeded tokens: a module whose units are not independent until down_proj (any
+    that is not measured so) is run whole.  The whole expert is one slice of all its units: one float64 copy made
+    from the stored values, no intermediate ones (the streamed block's peak)."""
+    sliced = sliced_expert(meta_experts, config, routed, where, torch.float64, slice_bytes=slice_bytes)
+    if sliced is None:
+        return False
+    x = torch.randn(4, routed["up"].shape[1], generator=torch.Generator().manual_seed(0), dtype=torch.float64)
+    args = (x, torch.zeros(4, 1, dtype=torch.long), torch.ones(4, 1, dtype=torch.float64)) \
+        if sliced.routed_call else (x,)
+    try:
+        got = sliced(*args)
+    except Exception:  # a module whose code needs its whole width
+        return False
+    want = _in_slices(meta_experts, config, routed, where, torch.float64, routed["up"].shape[0])(*args)
+    return got.shape == want.shape and bool((got - want).abs().max() <= 1e-12 * want.abs().max().clamp_min(1e-300))
