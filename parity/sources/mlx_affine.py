@@ -17,7 +17,9 @@ compare reports on the layer that holds it.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from functools import cached_property
 from pathlib import Path
 
 from parity.definitions.distribution import install_command
@@ -75,9 +77,26 @@ class AffineQuantized:
     scale_dtype: str
 
 
+def default_group(where: str, bits: int) -> int:
+    """The group size mlx quantizes with when none is given: mlx_lm.convert's mixed recipes (``--quant-predicate``
+    without ``--q-group-size``; mlx-lm 0.32) write each module's entry as ``{"group_size": null, "bits": B, "mode":
+    "affine"}`` and mlx's QuantizedLinear then uses its mode's default.  Asked of mlx.core.quantize itself."""
+    mx = require_mlx(where)
+    width = 4096  # a multiple of every group size mlx offers
+    _, scales, _ = mx.quantize(mx.zeros((1, width)), bits=bits, mode="affine")
+    return width // scales.shape[-1]
+
+
 def params_of(entry, where: str, field_name: str) -> AffineParams:
-    """``{group_size, bits}`` from config.json, or a CheckpointError naming the field."""
+    """``{group_size, bits}`` from config.json (a null group size: mlx's default for the mode), or a CheckpointError
+    naming the field."""
     group, bits = (entry.get("group_size"), entry.get("bits")) if isinstance(entry, dict) else (None, None)
+    mode = entry.get("mode", "affine") if isinstance(entry, dict) else "affine"
+    if mode != "affine":
+        raise CheckpointError(f"{where}: config.json's {field_name}.mode is {mode!r}; parity reads MLX's affine "
+                              "quantization (scales and biases per group) so far")
+    if isinstance(entry, dict) and "group_size" in entry and group is None and bits in BITS:
+        group = default_group(where, bits)
     if not (isinstance(group, int) and not isinstance(group, bool) and group > 0 and bits in BITS):
         raise CheckpointError(f"{where}: config.json's {field_name} is {entry!r}; expected {{\"group_size\": N, "
                               f"\"bits\": B}} with N a positive integer and B one of {list(BITS)} (MLX's affine "
@@ -119,10 +138,13 @@ def require_mlx(where: str):
     return mx
 
 
-def check_shapes(location: str, name: str, packed, scales, params: AffineParams, dims: set[int]) -> None:
+def check_shapes(location: str, name: str, packed, scales, params: AffineParams, dims: set[int] | Callable) -> None:
     """The packed weight and scales have the shapes the stated parameters call for, else a QuantizedLayoutError
     naming what they fit: the scales transposed, another bit width at the stated group size, another group size at
-    the stated width (the input width each reading implies is held to the config's sizes, ``dims``)."""
+    the stated width.  The input width each reading implies is held to the widths the module may have, ``dims`` (or a
+    callable giving them, asked only for a misfit): its own in_features where transformers' model knows the module,
+    else every size the config states (a set of all sizes alone misnames one where two sizes coincide, e.g.
+    intermediate_size == vocab_size)."""
     columns = packed.shape[-1] * WORD // params.bits
     expected = (*packed.shape[:-1], columns // params.group_size)
     if columns % params.group_size == 0 and tuple(scales.shape) == expected:
@@ -138,6 +160,7 @@ def check_shapes(location: str, name: str, packed, scales, params: AffineParams,
     group = at_bits // groups if groups else 0
     bits_fit = bits in BITS and packed.shape[-1] * WORD == bits * at_group
     group_fit = group > 0 and group * groups == at_bits
+    dims = dims() if callable(dims) else dims
     if bits_fit and (not group_fit or (at_group in dims and at_bits not in dims)):
         raise QuantizedLayoutError(f"{said}: they fit {bits}-bit codes in the stated groups of {params.group_size} "
                                    f"({at_group} input values), not {params.bits}-bit", "mlx_bits_mismatched")
@@ -194,8 +217,29 @@ class MLXCheckpoint(Checkpoint):
         if params is None:
             raise CheckpointError(f"{self.location}: config.json's quantization leaves {name.removesuffix('.weight')} "
                                   f"unquantized (false), yet {parts[0]} is stored beside it")
-        check_shapes(self.location, name, packed, read[parts[0]], params, self.dims)
+        check_shapes(self.location, name, packed, read[parts[0]], params, lambda: self.widths_of(name))
         return packed, read[parts[0]], read[parts[1]], params
+
+    @cached_property
+    def in_features(self) -> dict[str, int]:
+        """Each weight's input width in transformers' own model for this config (built on the meta device), {} where
+        transformers cannot build it: the width a quantized matrix must unpack to, whatever other sizes coincide."""
+        from parity.sources.skeleton import ModelSkeleton
+
+        try:
+            from transformers import AutoConfig
+
+            raw = {k: v for k, v in self.raw_config.items() if k not in ("quantization", "quantization_config")}
+            config = AutoConfig.for_model(raw.pop("model_type"), **raw)
+            return {n: p.shape[-1] for n, p in ModelSkeleton(config).skeleton.named_parameters() if p.dim() >= 2}
+        except Exception:  # an architecture transformers cannot build: the config's sizes stand in (widths_of)
+            return {}
+
+    def widths_of(self, name: str) -> set[int]:
+        """The input widths ``name`` may have: its module's in_features where transformers' model has it (mlx-lm
+        keeps transformers' names for dense layers), else every size config.json states."""
+        width = self.in_features.get(name)
+        return {width} if width is not None else self.dims
 
     def affine_quantized(self, name: str, *, expert: int | None = None) -> AffineQuantized | None:
         """How tensor ``name`` is stored, when it is MLX-quantized: its codes, scales, biases and parameters;

@@ -101,10 +101,13 @@ def carried(folded, a, b, named: dict) -> tuple | None:
     if folded is None:
         return None
     s = folded[0].double()
-    for name, role in named.items():
+    inputs = [n for n, role in named.items() if role in ("gate", "up")]
+    # each of B's gate and up against A's gate and up: gate and up exchanged in B still carry the fold (the compare is
+    # then to name the exchange on A's input, not to judge B's folded tensors as they are)
+    for name, other in ((n, m) for n in inputs for m in inputs):
         shape = b.routed[name].shape
-        if role in ("gate", "up") and shape == a.routed[name].shape and shape[1] == s.numel():
-            x, y = a.routed[name].double(), b.routed[name].double()
+        if shape == a.routed[other].shape and shape[1] == s.numel():
+            x, y = a.routed[other].double(), b.routed[name].double()
             ratio = (x * y).sum(0) / (x * x).sum(0).clamp_min(1e-300)
             relative = ratio / s
             shaped = relative / relative.median()  # up's rows also carry 1 / s2: its columns follow s up to a constant
@@ -113,6 +116,27 @@ def carried(folded, a, b, named: dict) -> tuple | None:
                     or (varies and float((shaped - 1).abs().median()) <= FOLD_AGREEMENT)):
                 return folded  # one is enough: the other may be the broken tensor the compare is to name
     return None
+
+
+UNRELATED = 0.5  # median cosine of A's and B's up rows below which B's up is not A's up (gate and up exchanged)
+
+
+def least_squares(x: torch.Tensor, y: torch.Tensor, dim: int) -> torch.Tensor:
+    """Per slice along ``dim``, the factor c minimising |x - c y|: A's over B's (1 where B's slice is zero)."""
+    denominator = (y * y).sum(dim)
+    return torch.where(denominator > 0, (x * y).sum(dim) / denominator.clamp_min(1e-300), 1.0)
+
+
+def second_scales(up_a, up_b, down_a, down_b) -> torch.Tensor:
+    """s2 per intermediate channel: the least-squares factor of B's up row on A's; where B's up rows are not A's at
+    all (median cosine under UNRELATED: gate and up exchanged), from down's columns instead (B's column is A's times
+    s2), so that the fold is undone on the tensors that carry it and the exchange is what remains to be named."""
+    up_a, up_b = up_a.double(), up_b.double()
+    cosine = (up_a * up_b).sum(1) / (up_a.norm(dim=1) * up_b.norm(dim=1)).clamp_min(1e-300)
+    if float(cosine.median()) >= UNRELATED or down_a.shape != down_b.shape:
+        return least_squares(up_a, up_b, 1).float()
+    inverse = least_squares(down_a.double(), down_b.double(), 0)
+    return torch.where(inverse != 0, 1.0 / inverse, 1.0).float()
 
 
 def undo(a_session, b_session, layer: int, a, b) -> str | None:
@@ -136,9 +160,7 @@ def undo(a_session, b_session, layer: int, a, b) -> str | None:
     ups = [n for n, r in named.items() if r == "up"]
     downs = [n for n, r in named.items() if r == "down"]
     if len(ups) == 1 and len(downs) == 1 and b.routed[ups[0]].shape == a.routed[ups[0]].shape:
-        up_a, up_b = a.routed[ups[0]].double(), b.routed[ups[0]].double()
-        denominator = (up_b * up_b).sum(1)
-        c = torch.where(denominator > 0, (up_a * up_b).sum(1) / denominator.clamp_min(1e-300), 1.0).float()
+        c = second_scales(a.routed[ups[0]], b.routed[ups[0]], a.routed[downs[0]], b.routed[downs[0]])
         spread = float(c.clamp_min(1e-30).log().abs().max())
         if folded is not None and math.isfinite(spread):
             rescale(b, ups[0], c[:, None])
