@@ -41,7 +41,8 @@ def fill_block(module: nn.Module, spellings: dict[str, dict[str, torch.Tensor]],
             values[name], sources[name] = offered[whole][name], name
             continue
         found = _by_name(name, offered) or _by_role(name, aliases, experts, count, offered) \
-            or _stacked(name, state[name], aliases, experts, count) or _by_shape(name, state[name], offered)
+            or _stacked(name, state[name], aliases, experts, count) or _by_suffix(name, state[name], offered) \
+            or _by_shape(name, state[name], offered)
         if found is None:
             raise MappingError(_unfilled(name, state, offered, where))
         values[name], sources[name] = found
@@ -111,6 +112,19 @@ def _stacked(name: str, target: torch.Tensor, aliases: Any, experts: Callable[[i
         return None
     stack = torch.stack([experts(e)[key] if as_stored else experts(e)[key].t() for e in range(count)])
     return stack, f"every expert's {key}" + ("" if as_stored else " (transposed: x @ W)")
+
+
+def _by_suffix(name: str, target: torch.Tensor, offered: dict[str, dict[str, torch.Tensor]]
+               ) -> tuple[torch.Tensor, str] | None:
+    """A tensor whose name and the parameter's differ only by the modules above them (a port holding the experts'
+    ``gate_up_proj`` on the block itself, where transformers holds it under ``experts.``): one name ending in the
+    other at a dot, of the parameter's shape, and the only such name (else another rule, or the error, decides)."""
+    found = {n: (names[n], label) for label, names in reversed(offered.items()) for n in names
+             if (n.endswith("." + name) or name.endswith("." + n)) and tuple(names[n].shape) == tuple(target.shape)}
+    if len(found) != 1:
+        return None
+    (match, (tensor, label)), = found.items()
+    return tensor, f"{label}: {match}"
 
 
 def _by_shape(name: str, target: torch.Tensor, offered: dict[str, dict[str, torch.Tensor]]
