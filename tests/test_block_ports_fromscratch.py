@@ -1,0 +1,159 @@
+"""Whole MoE blocks ported from scratch, under the names ports really use, against transformers' block.
+
+Each port here was written from the family's description (not from parity's own test ports) and holds its tensors
+the way a port outside transformers does: Granite-MoE's experts stacked under the checkpoint's own names
+(``input_linear.weight`` [E, 2I, d], ``router.layer.weight``), Llama 4's stacked experts held on the block itself
+rather than under ``experts.``.  Both were refused with "cannot tell which of the layer's tensors fills" before
+the block was filled under the checkpoint's stacked names and by a name's trailing part; a correct port must pass
+and a broken one must be named.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from parity.api import check
+
+from .support import run_main
+
+GRANITE = dict(vocab_size=64, hidden_size=32, intermediate_size=24, num_hidden_layers=2, num_attention_heads=2,
+               num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2)
+LLAMA4 = dict(vocab_size=64, hidden_size=32, intermediate_size=24, intermediate_size_mlp=48, num_hidden_layers=1,
+              num_attention_heads=2, num_key_value_heads=2, head_dim=16, num_local_experts=4, num_experts_per_tok=1,
+              interleave_moe_layer_step=1)
+
+
+def _saved(config, model_class, folder):
+    torch.manual_seed(0)
+    model = model_class(config)
+    with torch.no_grad():  # distinct values everywhere: routers that separate tokens, experts that differ
+        for param in model.parameters():
+            param.normal_(0.0, 0.2)
+    model.save_pretrained(folder)
+    return folder
+
+
+@pytest.fixture(scope="session")
+def granite(tmp_path_factory):
+    from transformers import GraniteMoeConfig, GraniteMoeForCausalLM
+
+    return _saved(GraniteMoeConfig(**GRANITE), GraniteMoeForCausalLM, tmp_path_factory.mktemp("granitemoe"))
+
+
+@pytest.fixture(scope="session")
+def llama4(tmp_path_factory):
+    from transformers import Llama4ForCausalLM, Llama4TextConfig
+
+    return _saved(Llama4TextConfig(**LLAMA4), Llama4ForCausalLM, tmp_path_factory.mktemp("llama4_text"))
+
+
+class Stacked(nn.Module):
+    def __init__(self, count: int, d_in: int, d_out: int):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(count, d_out, d_in))
+
+
+class Gating(nn.Module):
+    def __init__(self, d: int, count: int):
+        super().__init__()
+        self.layer = nn.Linear(d, count, bias=False)
+
+
+class GraniteNamedAsStored(nn.Module):
+    """Granite-MoE as its checkpoint names it: the router's top-k logits softmaxed, each expert's stacked
+    input_linear holding gate then up as halves."""
+
+    def __init__(self, config):
+        super().__init__()
+        d, width, self.k = config.hidden_size, config.intermediate_size, config.num_experts_per_tok
+        self.count = config.num_local_experts
+        self.router = Gating(d, self.count)
+        self.input_linear = Stacked(self.count, d, 2 * width)
+        self.output_linear = Stacked(self.count, width, d)
+
+    def split(self, both: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return both.chunk(2, dim=-1)
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        x = hidden.reshape(-1, hidden.shape[-1])
+        top, chosen = self.router.layer(x).topk(self.k, dim=-1)
+        weights = top.softmax(-1)
+        out = torch.zeros_like(x)
+        for expert in range(self.count):
+            token, rank = torch.where(chosen == expert)
+            gate, up = self.split(F.linear(x[token], self.input_linear.weight[expert]))
+            y = F.linear(F.silu(gate) * up, self.output_linear.weight[expert])
+            out.index_add_(0, token, y * weights[token, rank, None])
+        return out.reshape(hidden.shape)
+
+
+class GraniteReadInterleaved(GraniteNamedAsStored):
+    def split(self, both: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return both[..., ::2], both[..., 1::2]
+
+
+class Llama4ExpertsOnBlock(nn.Module):
+    """Llama 4 with the stacked experts held on the block (gate_up_proj [E, d, 2I], down_proj [E, I, d]): the top-k
+    logits' sigmoid multiplies each chosen expert's input, a shared expert added; returns [b·t, d] and the logits."""
+
+    def __init__(self, config):
+        super().__init__()
+        d, width, self.count = config.hidden_size, config.intermediate_size, config.num_local_experts
+        self.k = config.num_experts_per_tok
+        self.router = nn.Linear(d, self.count, bias=False)
+        self.gate_up_proj = nn.Parameter(torch.empty(self.count, d, 2 * width))
+        self.down_proj = nn.Parameter(torch.empty(self.count, width, d))
+        self.shared_expert = nn.ModuleDict({name: nn.Linear(*size, bias=False) for name, size in (
+            ("gate_proj", (d, width)), ("up_proj", (d, width)), ("down_proj", (width, d)))})
+
+    def scored(self, expert: int, x: torch.Tensor, score: torch.Tensor) -> torch.Tensor:
+        gate, up = (x * score @ self.gate_up_proj[expert]).chunk(2, dim=-1)
+        return (F.silu(gate) * up) @ self.down_proj[expert]
+
+    def forward(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        x = hidden.reshape(-1, hidden.shape[-1])
+        logits = self.router(x)
+        top, chosen = logits.topk(self.k, dim=-1)
+        shared = self.shared_expert
+        out = shared["down_proj"](F.silu(shared["gate_proj"](x)) * shared["up_proj"](x))
+        for expert in range(self.count):
+            token, rank = torch.where(chosen == expert)
+            out = out.index_add(0, token, self.scored(expert, x[token], top[token, rank, None].sigmoid()))
+        return out, logits
+
+
+class Llama4ScoreOnOutput(Llama4ExpertsOnBlock):
+    def scored(self, expert: int, x: torch.Tensor, score: torch.Tensor) -> torch.Tensor:
+        return super().scored(expert, x, torch.ones_like(score)) * score
+
+
+@pytest.mark.parametrize("seed", [0, 3])
+def test_a_port_under_the_checkpoints_stacked_names_is_filled_and_passes(granite, seed):
+    report = check(str(granite), target=GraniteNamedAsStored, block=True, seed=seed)
+    assert report.passed, report
+    assert [r.unit for r in report.layers] == ["block", "block"]
+    assert all(r.coverage["never_chosen"] == [] for r in report.layers)
+    assert "input_linear.weight" in report.routes["tensors"]
+
+
+def test_a_port_under_the_checkpoints_stacked_names_is_named_when_it_misreads_the_halves(granite, capsys):
+    code, out, err = run_main(capsys, granite, "--target",
+                              "tests.test_block_ports_fromscratch:GraniteReadInterleaved", "--block")
+    assert code == 1, err
+    assert "Traceback" not in out + err
+    assert out.count("MISMATCH — gate_up_interleaving_misread") == 2, out
+
+
+def test_experts_held_on_the_block_itself_are_filled_by_their_trailing_name(llama4):
+    report = check(str(llama4), target=Llama4ExpertsOnBlock, block=True, seed=1)
+    assert report.passed, report
+    assert report.routes["tensors"]["gate_up_proj"].endswith("experts.gate_up_proj")
+
+
+def test_experts_held_on_the_block_itself_score_on_the_output_is_named(llama4):
+    report = check(str(llama4), target=Llama4ScoreOnOutput, block=True)
+    assert not report.passed
+    assert {r.diagnosis.id for r in report.layers} == {"router_score_on_output"}
