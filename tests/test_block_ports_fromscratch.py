@@ -21,6 +21,10 @@ from .support import run_main
 
 GRANITE = dict(vocab_size=64, hidden_size=32, intermediate_size=24, num_hidden_layers=2, num_attention_heads=2,
                num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2)
+MIXTRAL = dict(vocab_size=64, hidden_size=32, intermediate_size=24, num_hidden_layers=1, num_attention_heads=2,
+               num_key_value_heads=2, num_local_experts=8, num_experts_per_tok=2)
+GPT_OSS = dict(vocab_size=64, hidden_size=32, intermediate_size=24, num_hidden_layers=1, num_attention_heads=2,
+               num_key_value_heads=2, head_dim=16, num_local_experts=4, num_experts_per_tok=2)
 LLAMA4 = dict(vocab_size=64, hidden_size=32, intermediate_size=24, intermediate_size_mlp=48, num_hidden_layers=1,
               num_attention_heads=2, num_key_value_heads=2, head_dim=16, num_local_experts=4, num_experts_per_tok=1,
               interleave_moe_layer_step=1)
@@ -48,6 +52,20 @@ def llama4(tmp_path_factory):
     from transformers import Llama4ForCausalLM, Llama4TextConfig
 
     return _saved(Llama4TextConfig(**LLAMA4), Llama4ForCausalLM, tmp_path_factory.mktemp("llama4_text"))
+
+
+@pytest.fixture(scope="session")
+def mixtral(tmp_path_factory):
+    from transformers import MixtralConfig, MixtralForCausalLM
+
+    return _saved(MixtralConfig(**MIXTRAL), MixtralForCausalLM, tmp_path_factory.mktemp("mixtral"))
+
+
+@pytest.fixture(scope="session")
+def gpt_oss(tmp_path_factory):
+    from transformers import GptOssConfig, GptOssForCausalLM
+
+    return _saved(GptOssConfig(**GPT_OSS), GptOssForCausalLM, tmp_path_factory.mktemp("gpt_oss"))
 
 
 class Stacked(nn.Module):
@@ -157,3 +175,74 @@ def test_experts_held_on_the_block_itself_score_on_the_output_is_named(llama4):
     report = check(str(llama4), target=Llama4ScoreOnOutput, block=True)
     assert not report.passed
     assert {r.diagnosis.id for r in report.layers} == {"router_score_on_output"}
+
+
+class FusedW13(nn.Module):
+    """Every expert's gate and up fused under a name of the port's own, [E, 2I, d] as nn.Linear holds weights."""
+
+    def __init__(self, count: int, d: int, width: int, *, bias: bool = False):
+        super().__init__()
+        self.w13 = nn.Parameter(torch.empty(count, 2 * width, d))
+        self.w2 = nn.Parameter(torch.empty(count, d, width))
+        if bias:
+            self.gate_up_proj_bias = nn.Parameter(torch.empty(count, 2 * width))
+            self.down_proj_bias = nn.Parameter(torch.empty(count, d))
+
+
+class MixtralFusedW13(nn.Module):
+    """Mixtral with its experts as one fused w13 (gate then up) and a stacked w2: softmax, top-k, renormalised."""
+
+    def __init__(self, config):
+        super().__init__()
+        d, self.count, self.k = config.hidden_size, config.num_local_experts, config.num_experts_per_tok
+        self.gate = nn.Linear(d, self.count, bias=False)
+        self.experts = FusedW13(self.count, d, config.intermediate_size)
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        x = hidden.reshape(-1, hidden.shape[-1])
+        weights, chosen = self.gate(x).softmax(-1).topk(self.k, dim=-1)
+        weights = weights / weights.sum(-1, keepdim=True)
+        out = torch.zeros_like(x)
+        for expert in range(self.count):
+            token, rank = torch.where(chosen == expert)
+            gate, up = F.linear(x[token], self.experts.w13[expert]).chunk(2, dim=-1)
+            y = F.linear(F.silu(gate) * up, self.experts.w2[expert])
+            out.index_add_(0, token, y * weights[token, rank, None])
+        return out.reshape(hidden.shape)
+
+
+class GptOssFusedHalves(nn.Module):
+    """GPT-OSS with a fused w13 [E, 2I, d] read as two halves where the layer interleaves gate and up."""
+
+    def __init__(self, config):
+        super().__init__()
+        d, self.count, self.k = config.hidden_size, config.num_local_experts, config.num_experts_per_tok
+        self.limit = config.swiglu_limit
+        self.router = nn.Linear(d, self.count)
+        self.experts = FusedW13(self.count, d, config.intermediate_size, bias=True)
+
+    def forward(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        x = hidden.reshape(-1, hidden.shape[-1])
+        top, chosen = self.router(x).topk(self.k, dim=-1)
+        weights = top.softmax(-1)
+        out, ex = torch.zeros_like(x), self.experts
+        for expert in range(self.count):
+            token, rank = torch.where(chosen == expert)
+            gate, up = F.linear(x[token], ex.w13[expert], ex.gate_up_proj_bias[expert]).chunk(2, dim=-1)
+            gate, up = gate.clamp(max=self.limit), up.clamp(-self.limit, self.limit)
+            y = F.linear((up + 1) * gate * torch.sigmoid(1.702 * gate), ex.w2[expert], ex.down_proj_bias[expert])
+            out.index_add_(0, token, y * weights[token, rank, None])
+        return out.reshape(hidden.shape), weights
+
+
+def test_a_fused_gate_up_under_the_ports_own_name_is_filled_as_the_layer_holds_it(mixtral):
+    report = check(str(mixtral), target=MixtralFusedW13, block=True, seed=2)
+    assert report.passed, report
+    assert report.routes["tensors"]["experts.w13"] == "transformers: experts.gate_up_proj"
+
+
+def test_a_fused_gate_up_read_as_halves_where_the_layer_interleaves_is_named(gpt_oss):
+    report = check(str(gpt_oss), target=GptOssFusedHalves, block=True)
+    assert not report.passed
+    assert {r.diagnosis.id for r in report.layers} == {"gate_up_interleaving_misread"}
+    assert report.routes["tensors"]["experts.w13"] == "transformers: experts.gate_up_proj (transposed)"
