@@ -62,6 +62,17 @@ def mixtral(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
+def gpt_oss_as_initialised(tmp_path_factory):
+    """GPT-OSS saved with transformers' own initialisation: the experts' biases [E, 2I] and [E, d] all zeros."""
+    from transformers import GptOssConfig, GptOssForCausalLM
+
+    torch.manual_seed(0)
+    folder = tmp_path_factory.mktemp("gpt_oss_initialised")
+    GptOssForCausalLM(GptOssConfig(**GPT_OSS)).save_pretrained(folder)
+    return folder
+
+
+@pytest.fixture(scope="session")
 def gpt_oss(tmp_path_factory):
     from transformers import GptOssConfig, GptOssForCausalLM
 
@@ -211,8 +222,9 @@ class MixtralFusedW13(nn.Module):
         return out.reshape(hidden.shape)
 
 
-class GptOssFusedHalves(nn.Module):
-    """GPT-OSS with a fused w13 [E, 2I, d] read as two halves where the layer interleaves gate and up."""
+class GptOssFused(nn.Module):
+    """GPT-OSS with a fused w13 [E, 2I, d], gate and up interleaved as the layer stores them, biases, the clamp at
+    swiglu_limit, alpha and (up + 1); the router's top-k logits softmaxed."""
 
     def __init__(self, config):
         super().__init__()
@@ -228,11 +240,21 @@ class GptOssFusedHalves(nn.Module):
         out, ex = torch.zeros_like(x), self.experts
         for expert in range(self.count):
             token, rank = torch.where(chosen == expert)
-            gate, up = F.linear(x[token], ex.w13[expert], ex.gate_up_proj_bias[expert]).chunk(2, dim=-1)
+            gate, up = self.split(F.linear(x[token], ex.w13[expert], ex.gate_up_proj_bias[expert]))
             gate, up = gate.clamp(max=self.limit), up.clamp(-self.limit, self.limit)
             y = F.linear((up + 1) * gate * torch.sigmoid(1.702 * gate), ex.w2[expert], ex.down_proj_bias[expert])
             out.index_add_(0, token, y * weights[token, rank, None])
         return out.reshape(hidden.shape), weights
+
+    def split(self, both: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return both[..., ::2], both[..., 1::2]
+
+
+class GptOssFusedHalves(GptOssFused):
+    """The fused w13 read as two halves where the layer interleaves gate and up."""
+
+    def split(self, both: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return both.chunk(2, dim=-1)
 
 
 def test_a_fused_gate_up_under_the_ports_own_name_is_filled_as_the_layer_holds_it(mixtral):
@@ -246,3 +268,15 @@ def test_a_fused_gate_up_read_as_halves_where_the_layer_interleaves_is_named(gpt
     assert not report.passed
     assert {r.diagnosis.id for r in report.layers} == {"gate_up_interleaving_misread"}
     assert report.routes["tensors"]["experts.w13"] == "transformers: experts.gate_up_proj (transposed)"
+
+
+def test_experts_biases_left_at_zero_by_transformers_init_are_no_reason_to_refuse_the_block(gpt_oss_as_initialised):
+    """[E, 2I] is every expert's bias, not a weight matrix: all zeros it made the block 'unverifiable', a correct port
+    failing on any checkpoint saved straight from transformers' initialisation."""
+    from safetensors import safe_open
+
+    with safe_open(str(gpt_oss_as_initialised / "model.safetensors"), "pt") as stored:
+        assert not stored.get_tensor("model.layers.0.mlp.experts.gate_up_proj_bias").any()
+    report = check(str(gpt_oss_as_initialised), target=GptOssFused, block=True)
+    assert report.passed, report
+    assert report.layers[0].unverifiable is None
