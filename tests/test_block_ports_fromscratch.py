@@ -25,6 +25,9 @@ MIXTRAL = dict(vocab_size=64, hidden_size=32, intermediate_size=24, num_hidden_l
                num_key_value_heads=2, num_local_experts=8, num_experts_per_tok=2)
 GPT_OSS = dict(vocab_size=64, hidden_size=32, intermediate_size=24, num_hidden_layers=1, num_attention_heads=2,
                num_key_value_heads=2, head_dim=16, num_local_experts=4, num_experts_per_tok=2)
+QWEN3_MOE = dict(vocab_size=64, hidden_size=32, intermediate_size=48, moe_intermediate_size=16, num_hidden_layers=3,
+                 num_attention_heads=2, num_key_value_heads=2, head_dim=16, num_experts=8, num_experts_per_tok=2,
+                 norm_topk_prob=False)
 LLAMA4 = dict(vocab_size=64, hidden_size=32, intermediate_size=24, intermediate_size_mlp=48, num_hidden_layers=1,
               num_attention_heads=2, num_key_value_heads=2, head_dim=16, num_local_experts=4, num_experts_per_tok=1,
               interleave_moe_layer_step=1)
@@ -59,6 +62,13 @@ def mixtral(tmp_path_factory):
     from transformers import MixtralConfig, MixtralForCausalLM
 
     return _saved(MixtralConfig(**MIXTRAL), MixtralForCausalLM, tmp_path_factory.mktemp("mixtral"))
+
+
+@pytest.fixture(scope="session")
+def qwen3_moe(tmp_path_factory):
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    return _saved(Qwen3MoeConfig(**QWEN3_MOE), Qwen3MoeForCausalLM, tmp_path_factory.mktemp("qwen3_moe"))
 
 
 @pytest.fixture(scope="session")
@@ -280,3 +290,41 @@ def test_experts_biases_left_at_zero_by_transformers_init_are_no_reason_to_refus
     report = check(str(gpt_oss_as_initialised), target=GptOssFused, block=True)
     assert report.passed, report
     assert report.layers[0].unverifiable is None
+
+
+class Qwen3MoeRenormalised(nn.Module):
+    """Qwen3-MoE with norm_topk_prob false, ported with the top-k weights renormalised anyway (stacked w1/w3/w2)."""
+
+    def __init__(self, config):
+        super().__init__()
+        d, width, self.count = config.hidden_size, config.moe_intermediate_size, config.num_experts
+        self.k = config.num_experts_per_tok
+        self.router = nn.Linear(d, self.count, bias=False)
+        self.w1, self.w3 = (nn.Parameter(torch.empty(self.count, width, d)) for _ in range(2))
+        self.w2 = nn.Parameter(torch.empty(self.count, d, width))
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        x = hidden.reshape(-1, hidden.shape[-1])
+        weights, chosen = self.router(x).softmax(-1).topk(self.k, dim=-1)
+        weights = weights / weights.sum(-1, keepdim=True)
+        out = torch.zeros_like(x)
+        for expert in range(self.count):
+            token, rank = torch.where(chosen == expert)
+            y = F.linear(F.silu(F.linear(x[token], self.w1[expert])) * F.linear(x[token], self.w3[expert]),
+                         self.w2[expert])
+            out.index_add_(0, token, y * weights[token, rank, None])
+        return out.reshape(hidden.shape)
+
+
+def test_two_replays_computing_the_same_function_are_named_in_the_same_order_on_every_layer_and_seed(qwen3_moe):
+    """Renormalising the top-k softmax is the softmax of the top-k logits: both replays land within float noise of
+    the port, and which came first followed the rounding, so layers of one port were named differently."""
+    firsts, named = set(), set()
+    for seed in (0, 1, 2):
+        report = check(str(qwen3_moe), target=Qwen3MoeRenormalised, block=True, seed=seed)
+        assert not report.passed
+        for layer in report.layers:
+            firsts.add(layer.diagnosis.id)
+            named.add(frozenset(c.id for c in layer.diagnosis.candidates))
+    assert len(firsts) == 1, firsts
+    assert named == {frozenset({"router_topk_before_softmax", "router_renormalization_added"})}
