@@ -366,9 +366,11 @@ class BlockReader:
         self.keys = keys
         self.stored = {name: stored[key].dtype for name, key in keys.items()}
         own = {name: stored[key].double() for name, key in keys.items()}
-        prefix = _disk_prefix(keys)
+        stacked = self.stacked_keys(layer)
+        prefix = _disk_prefix(keys, stacked)
         disk: dict[str, Callable[[], torch.Tensor]] = {key.removeprefix(prefix): _given(own[name])
                                                        for name, key in keys.items()}
+        disk |= {key.removeprefix(prefix): functools.partial(self.stored_stack, key) for key in stacked}
         if not side.mapping.experts.stacked and prefix:  # a port may use the checkpoint's own per-expert names
             for expert in range(side.num_experts):
                 base = side.mapping.layer_prefix(layer, expert).removeprefix(prefix)
@@ -385,6 +387,17 @@ class BlockReader:
         every = functools.cache(functools.partial(self.fused, layer, meta, where))  # too large: only if asked for
         return Lazy({**{n: _given(t) for n, t in own.items()},
                      **{n: functools.partial(lambda n: every()[n.split(".")[-1]], n) for n in fused}}), Lazy(disk), []
+
+    def stacked_keys(self, layer: int) -> list[str]:
+        """The checkpoint keys of the layer's experts stacked as stored ([E, ...] each), for a port holding them under
+        the checkpoint's names; [] where each expert is stored apart."""
+        stacked = self.side.mapping.experts.stacked or ()
+        keys = [f"{self.side.mapping.layer_prefix(layer)}.{source}" for source in stacked]
+        return [key for key in keys if key in self.side.checkpoint.weight_map]
+
+    def stored_stack(self, key: str) -> torch.Tensor:
+        """Every expert's tensor as the checkpoint stacks them, float64 (read only when a port asks for it)."""
+        return self.side.checkpoint.read([key])[key].double()
 
     def stored_expert(self, layer: int, expert: int) -> dict[str, torch.Tensor]:
         """One expert's tensors as stored, under the checkpoint's names (the last one read is kept)."""
@@ -416,13 +429,21 @@ class BlockReader:
         return self.side.reference.meta_module(f"{self.site.path}.{self.site.experts}".format(layer=layer))
 
 
-def _disk_prefix(keys: dict[str, str]) -> str:
+def _disk_prefix(keys: dict[str, str], stacked: list[str]) -> str:
     """The checkpoint's prefix of the block ('model.layers.1.block_sparse_moe.'), read off a tensor whose stored
-    name ends in its name in transformers' block; '' where none does."""
+    name ends in its name in transformers' block; where none does (a checkpoint storing 'input_linear.weight' for
+    'experts.gate_up_proj' and 'router.layer.weight' for 'router.weight'), the dotted prefix all the block's stored
+    names share (its own tensors' and its ``stacked`` experts'), so a port named as the checkpoint is still filled;
+    '' where there is none."""
     for name, key in keys.items():
         if key.endswith("." + name):
             return key[: -len(name)]
-    return ""
+    parts = [key.split(".") for key in [*keys.values(), *stacked]]
+    if len(parts) < 2:
+        return ""
+    common = next((at for at, words in enumerate(zip(*parts, strict=False)) if len(set(words)) > 1),
+                  min(map(len, parts)) - 1)
+    return ".".join(parts[0][:common]) + "." if common else ""
 
 
 class Lazy(MappingABC):

@@ -641,10 +641,14 @@ def replay_fits(block: nn.Module, x: torch.Tensor, got: torch.Tensor | tuple, *,
         if not reference_distance > tolerance:
             return []
         fits = []
-        for replay in _replays(parts, _suspect_pairs(uses, wrong, judged)):
+        for order, replay in enumerate(_replays(parts, _suspect_pairs(uses, wrong, judged))):
             distance = _distance(block, replay, x, got, width, judged)
             if distance is not None and distance <= tolerance and distance * CLEARLY <= reference_distance:
-                fits.append((distance, replay))
-    fits.sort(key=lambda fit: fit[0])
-    bound = max(fits[0][0] * CLEARLY, tolerance / CLEARLY) if fits else 0.0
+                fits.append((distance, order, replay))
+    # replays that compute the same function (top-k before the softmax, and renormalising after it) land within float
+    # noise of each other in either order: at or below tolerance / CLEARLY they are one distance, so the first named
+    # is the same on every layer and seed instead of whichever rounding favoured
+    fits.sort(key=lambda fit: (max(fit[0], tolerance / CLEARLY), fit[1]))
+    fits = [(distance, replay) for distance, _, replay in fits]
+    bound = max(min(distance for distance, _ in fits) * CLEARLY, tolerance / CLEARLY) if fits else 0.0
     return [(replay.id, replay.detail, distance, reference_distance) for distance, replay in fits if distance <= bound]

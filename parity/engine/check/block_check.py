@@ -15,6 +15,7 @@ import functools
 import gc
 import math
 from collections.abc import Callable, Iterator
+from collections.abc import Mapping as MappingABC
 from typing import Any
 
 import torch
@@ -124,8 +125,7 @@ class BlockCheck(BlockReader):
         kept = ~inputs.tied
         runs = Runs(*(t.reshape(-1, t.shape[-1])[kept].unsqueeze(0) for t in (out64, out32, got, again)),
                     repeated=repeated)
-        # what the verdict checks for all-zero or identical weights: a streamed block's experts are not held
-        weights = {n: own[n] for n in own if not (large and n.startswith(self.site.experts + "."))}
+        weights = _judged_weights(own, self.site.experts, large=large)
         result = judge(layer, None, runs, weights, None, session.atol, session.checkpoint.weights)
         result.unit = BLOCK_UNIT
         agree = 0 if large else self.agreeing(block64, inputs, got, out32, result.tolerance)
@@ -285,6 +285,16 @@ def one_compute_thread() -> Iterator[None]:
         yield
     finally:
         torch.set_num_threads(threads)
+
+
+def _judged_weights(own: MappingABC, experts: str, *, large: bool) -> dict[str, torch.Tensor]:
+    """What the verdict checks for all-zero or identical weight matrices: the block's matrices, not its vectors.
+    A stacked experts tensor is a matrix per expert only when it has three dimensions: [E, 2I] is every expert's
+    bias, and a selection bias kept as [1, E] is a vector too; an all-zero bias (transformers initialises them so)
+    leaves the function judgeable, as a single FFN's does.  A streamed block's experts are not held at all."""
+    inside = experts + "."
+    return {name: own[name] for name in own if not (large and name.startswith(inside))
+            and (own[name].dim() >= 3 if name.startswith(inside) else sum(n > 1 for n in own[name].shape) >= 2)}
 
 
 def holds_block(session: Any) -> bool:

@@ -41,7 +41,9 @@ def fill_block(module: nn.Module, spellings: dict[str, dict[str, torch.Tensor]],
             values[name], sources[name] = offered[whole][name], name
             continue
         found = _by_name(name, offered) or _by_role(name, aliases, experts, count, offered) \
-            or _stacked(name, state[name], aliases, experts, count) or _by_shape(name, state[name], offered)
+            or _stacked(name, state[name], aliases, experts, count) or _fused(name, state[name], aliases, offered) \
+            or _by_suffix(name, state[name], offered) \
+            or _by_shape(name, state[name], offered)
         if found is None:
             raise MappingError(_unfilled(name, state, offered, where))
         values[name], sources[name] = found
@@ -111,6 +113,38 @@ def _stacked(name: str, target: torch.Tensor, aliases: Any, experts: Callable[[i
         return None
     stack = torch.stack([experts(e)[key] if as_stored else experts(e)[key].t() for e in range(count)])
     return stack, f"every expert's {key}" + ("" if as_stored else " (transposed: x @ W)")
+
+
+def _fused(name: str, target: torch.Tensor, aliases: Any, offered: dict[str, dict[str, torch.Tensor]]
+           ) -> tuple[torch.Tensor, str] | None:
+    """Every expert's gate and up fused in one stacked parameter under a name of its own (a port's ``experts.w13``
+    [E, 2I, d]): transformers' own fused stack, in the layout the layer holds it (halves, or interleaved
+    rows), transposed where the parameter's shape says x @ W; None where the shape fits neither or both."""
+    if target.dim() != 3 or "shared" in name or ("gate_up", "weight") not in aliases.roles_of(name):
+        return None
+    names = offered[next(iter(offered))]
+    found = [n for n in names if n.startswith("experts.") and names[n].dim() == 3
+             and ("gate_up", "weight") in aliases.roles_of(n)]
+    if len(found) != 1:
+        return None
+    stack, source = names[found[0]], f"transformers: {found[0]}"
+    as_held = tuple(stack.shape) == tuple(target.shape)
+    if as_held == (tuple(stack.transpose(1, 2).shape) == tuple(target.shape)):
+        return None
+    return (stack, source) if as_held else (stack.transpose(1, 2), f"{source} (transposed)")
+
+
+def _by_suffix(name: str, target: torch.Tensor, offered: dict[str, dict[str, torch.Tensor]]
+               ) -> tuple[torch.Tensor, str] | None:
+    """A tensor whose name and the parameter's differ only by the modules above them (a port holding the experts'
+    ``gate_up_proj`` on the block itself, where transformers holds it under ``experts.``): one name ending in the
+    other at a dot, of the parameter's shape, and the only such name (else another rule, or the error, decides)."""
+    found = {n: (names[n], label) for label, names in reversed(offered.items()) for n in names
+             if (n.endswith("." + name) or name.endswith("." + n)) and tuple(names[n].shape) == tuple(target.shape)}
+    if len(found) != 1:
+        return None
+    (match, (tensor, label)), = found.items()
+    return tensor, f"{label}: {match}"
 
 
 def _by_shape(name: str, target: torch.Tensor, offered: dict[str, dict[str, torch.Tensor]]
