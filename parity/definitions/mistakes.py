@@ -25,6 +25,7 @@ class MistakeId(StrEnum):
     QUICK_GELU = "quick_gelu"
     SILU_INSTEAD_OF_GELU = "silu_instead_of_gelu"
     GELU_INSTEAD_OF_SILU = "gelu_instead_of_silu"
+    WRONG_ACTIVATION = "wrong_activation"
     GATE_UP_SWAPPED = "gate_up_swapped"
     MISSING_TRANSPOSE = "missing_transpose"
     BIAS_DROPPED = "bias_dropped"
@@ -134,6 +135,10 @@ MISTAKES = {m.id: m for m in [
     Mistake(MistakeId.GELU_INSTEAD_OF_SILU,
             "GELU where the checkpoint expects SiLU (a SwiGLU checkpoint in a GeGLU module?)",
             "use SwiGLU / SiLU for LLaMA-style checkpoints"),
+    Mistake(MistakeId.WRONG_ACTIVATION,
+            "the module applies another activation than the checkpoint's FFN (ReLU for GELU, none at all, ...)",
+            "apply the activation the checkpoint's config names (hidden_act / activation_function), as "
+            "transformers' ACT2FN computes it"),
     Mistake(MistakeId.GATE_UP_SWAPPED,
             "gate and up projections are swapped: the activation is applied to the up branch",
             "load gate_proj (Meta w1, GGUF ffn_gate) into the gated branch and up_proj (w3, ffn_up) into the other"),
@@ -417,6 +422,8 @@ PRODUCED_BY: dict[MistakeId, str] = {
     MistakeId.QUICK_GELU: "replay: diagnose.hypotheses, the activation swapped",
     MistakeId.SILU_INSTEAD_OF_GELU: "replay: diagnose.hypotheses, the activation swapped",
     MistakeId.GELU_INSTEAD_OF_SILU: "replay: diagnose.hypotheses, the activation swapped",
+    MistakeId.WRONG_ACTIVATION: "replay: diagnose.other_activations, every other ACT2FN activation in place of the "
+                                "reference's, when no named mistake explains the layer",
     MistakeId.GATE_UP_SWAPPED: "replay: diagnose.hypotheses, gate and up weights exchanged (a whole MoE block: "
                                "routing_mistakes, every expert's gate and up exchanged in the fused gate_up_proj)",
     MistakeId.MISSING_TRANSPOSE: "replay: diagnose.hypotheses (square weights); finding: target.shape_message",

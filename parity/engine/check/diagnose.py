@@ -33,7 +33,7 @@ from torch import nn
 
 from parity.definitions.families import TANH_GELUS, configured_activation
 from parity.definitions.mistakes import Candidate, Diagnosis, MistakeId, Separability, diagnosis
-from parity.engine.reference import activation_name, replace_activation
+from parity.engine.reference import activation_module, activation_name, replace_activation
 
 EXACT_GELUS = {"gelu", "gelu_python"}
 SILUS = {"silu", "swish"}
@@ -143,6 +143,46 @@ def hypotheses(reference: nn.Module, tensors: dict[str, torch.Tensor], config) -
     return found
 
 
+def _values(act: nn.Module, grid: torch.Tensor) -> torch.Tensor | None:
+    """``act`` on ``grid`` in float64, or None for one that holds parameters or does not run on a plain vector."""
+    if next(iter(act.parameters()), None) is not None:
+        return None
+    try:
+        with torch.no_grad():
+            out = act(grid)
+    except Exception:  # an activation that cannot run alone (it needs arguments or a shape) is no candidate
+        return None
+    return out if isinstance(out, torch.Tensor) and out.shape == grid.shape else None
+
+
+def other_activations(reference: nn.Module, config) -> list[Hypothesis]:
+    """Every other activation transformers ships (ACT2FN), one per distinct function, put where the reference's
+    sits: a port that wrote ReLU for GELU, GELU for ReLU, or none at all (``linear``).  Tried only after the named
+    mistakes (the GELU variants, SiLU/GELU, ...) explain nothing, so they cost a failing layer nothing more.
+    Two names computing the same values over [-12, 12] (gelu_new and gelu_pytorch_tanh) are one candidate; one
+    computing the reference's own is none."""
+    from transformers.activations import ACT2FN
+
+    own = activation_module(reference)
+    grid = torch.linspace(-12.0, 12.0, 481, dtype=torch.float64)
+    seen = [_values(own, grid)] if own is not None else []
+    if not seen or seen[0] is None:
+        return []  # no activation module to replace (or one that cannot be measured): nothing to replay
+    act = activation_name(reference, configured_activation(config))
+    found = []
+    for name in sorted(ACT2FN):
+        try:
+            values = _values(ACT2FN[name].double(), grid)
+        except Exception:  # an ACT2FN entry that needs constructor arguments
+            continue
+        if values is None or any(torch.allclose(values, v, rtol=1e-6, atol=1e-9) for v in seen):
+            continue
+        seen.append(values)
+        found.append(Hypothesis(MistakeId.WRONG_ACTIVATION, f"{name} where transformers' FFN runs {act}",
+                                patch=_activation_swap(name)))
+    return found
+
+
 Builder = Callable[..., nn.Module]  # build(tensors, dtype=torch.float32, on_call=False) -> transformers' MLP
 GELU_VARIANTS = {MistakeId.GELU_EXACT_INSTEAD_OF_TANH, MistakeId.GELU_TANH_INSTEAD_OF_EXACT}
 SEPARATION = 2.0  # a mistake is told apart at a low precision when its replay is this x the tolerance away
@@ -208,6 +248,18 @@ def _low_precision_signature(build, tensors, x, got, reference64, reference_dist
     return None
 
 
+def _closest(build: Builder, tried: list[Hypothesis], tensors: dict[str, torch.Tensor], x: torch.Tensor,
+             got: torch.Tensor, dtype: torch.dtype, candidates: list[Candidate],
+             best: tuple[float, Hypothesis] | None) -> tuple[float, Hypothesis] | None:
+    """Replay each hypothesis, add its distance from the target's output to ``candidates``; the closest so far."""
+    for hypothesis in tried:
+        distance = float((got - replay(build, hypothesis, tensors, x, dtype)).abs().max())
+        candidates.append(Candidate(str(hypothesis.id), hypothesis.detail, distance))
+        if best is None or distance < best[0]:
+            best = (distance, hypothesis)
+    return best
+
+
 def diagnose(build: Builder, tensors: dict[str, torch.Tensor], config, x: torch.Tensor, got: torch.Tensor,
              reference64: torch.Tensor, tolerance: float, dtype: torch.dtype = torch.float32) -> Diagnosis:
     """Explain a failing layer.  ``build(tensors, dtype)`` returns a fresh reference MLP computing in ``dtype``
@@ -216,13 +268,10 @@ def diagnose(build: Builder, tensors: dict[str, torch.Tensor], config, x: torch.
     reference_distance = float((got - reference64).abs().max())
     probe = build(tensors)
     candidates: list[Candidate] = []
-    best: tuple[float, Hypothesis] | None = None
     with torch.no_grad():
-        for hypothesis in hypotheses(probe, tensors, config):
-            distance = float((got - replay(build, hypothesis, tensors, x, dtype)).abs().max())
-            candidates.append(Candidate(str(hypothesis.id), hypothesis.detail, distance))
-            if best is None or distance < best[0]:
-                best = (distance, hypothesis)
+        best = _closest(build, hypotheses(probe, tensors, config), tensors, x, got, dtype, candidates, None)
+        if best is None or best[0] > tolerance:
+            best = _closest(build, other_activations(probe, config), tensors, x, got, dtype, candidates, best)
         if best is not None and best[0] <= tolerance:
             return diagnosis(best[1].id, best[0], reference_distance, best[1].detail, candidates)
         found = _low_precision_signature(build, tensors, x, got, reference64, reference_distance, _coarser(dtype))

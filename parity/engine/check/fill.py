@@ -152,7 +152,10 @@ def shape_message(route: TensorRoute, found: tuple[int, ...], expected: tuple[in
                 cause += " (the target uses the 4*d default: pass hidden_dim = config.intermediate_size)"
             elif t == 2 * c:
                 cause += " (the target doubles d_ff: Gemma's published size sums gate and up)"
-            elif t < c:
+            elif t == getattr(config, "intermediate_size", None):
+                cause += (f" (the config's intermediate_size is {t}, but transformers does not build this FFN from "
+                          f"it: build the module {c} wide)")
+            elif c - t < c / 8:  # a rounding to multiple_of moves d_ff by less than one multiple, a few percent
                 cause += " (rounded down instead of up to multiple_of, as llama_intermediate_size must?)"
             hints.append(cause)
     if d_ff and not hints:
