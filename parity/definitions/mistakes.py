@@ -26,6 +26,7 @@ class MistakeId(StrEnum):
     SILU_INSTEAD_OF_GELU = "silu_instead_of_gelu"
     GELU_INSTEAD_OF_SILU = "gelu_instead_of_silu"
     WRONG_ACTIVATION = "wrong_activation"
+    ACTIVATION_SPARSITY_MISSING = "activation_sparsity_missing"
     GATE_UP_SWAPPED = "gate_up_swapped"
     MISSING_TRANSPOSE = "missing_transpose"
     BIAS_DROPPED = "bias_dropped"
@@ -139,6 +140,11 @@ MISTAKES = {m.id: m for m in [
             "the module applies another activation than the checkpoint's FFN (ReLU for GELU, none at all, ...)",
             "apply the activation the checkpoint's config names (hidden_act / activation_function), as "
             "transformers' ACT2FN computes it"),
+    Mistake(MistakeId.ACTIVATION_SPARSITY_MISSING,
+            "the module skips the activation sparsity this layer's FFN applies to its gate (a Gaussian top-k: values "
+            "below mean + std * Φ⁻¹(sparsity) zeroed before the activation)",
+            "apply the layer's activation sparsity (its config's activation_sparsity_pattern[layer]) to the gate "
+            "projection before the activation, as transformers' module does; build the FFN with its layer index"),
     Mistake(MistakeId.GATE_UP_SWAPPED,
             "gate and up projections are swapped: the activation is applied to the up branch",
             "load gate_proj (Meta w1, GGUF ffn_gate) into the gated branch and up_proj (w3, ffn_up) into the other"),
@@ -422,6 +428,8 @@ PRODUCED_BY: dict[MistakeId, str] = {
     MistakeId.QUICK_GELU: "replay: diagnose.hypotheses, the activation swapped",
     MistakeId.SILU_INSTEAD_OF_GELU: "replay: diagnose.hypotheses, the activation swapped",
     MistakeId.GELU_INSTEAD_OF_SILU: "replay: diagnose.hypotheses, the activation swapped",
+    MistakeId.ACTIVATION_SPARSITY_MISSING: "replay: diagnose.hypotheses, the reference's activation_sparsity set to "
+                                           "0 on a layer whose module has one",
     MistakeId.WRONG_ACTIVATION: "replay: diagnose.other_activations, every other ACT2FN activation in place of the "
                                 "reference's, when no named mistake explains the layer",
     MistakeId.GATE_UP_SWAPPED: "replay: diagnose.hypotheses, gate and up weights exchanged (a whole MoE block: "

@@ -94,6 +94,22 @@ def _replace(name: str, fn: Callable[[torch.Tensor], torch.Tensor]) -> Callable[
     return lambda t: {**t, name: fn(t[name])}
 
 
+def _sparsity_of(reference: nn.Module) -> tuple[nn.Module, float] | None:
+    """The module inside transformers' MLP that sparsifies its gate before the activation (its own
+    ``activation_sparsity`` attribute, a fraction above 0: Gemma 3n's early layers) and that fraction; else None."""
+    for module in reference.modules():
+        value = getattr(module, "activation_sparsity", None)
+        if isinstance(value, float) and value > 0.0:
+            return module, value
+    return None
+
+
+def _without_sparsity(module: nn.Module) -> None:
+    found = _sparsity_of(module)
+    if found is not None:
+        found[0].activation_sparsity = 0.0
+
+
 def hypotheses(reference: nn.Module, tensors: dict[str, torch.Tensor], config) -> list[Hypothesis]:
     """The known mistakes that apply to this reference MLP."""
     found: list[Hypothesis] = []
@@ -113,6 +129,11 @@ def hypotheses(reference: nn.Module, tensors: dict[str, torch.Tensor], config) -
                              patch=_activation_swap("gelu_pytorch_tanh")),
                   Hypothesis(MistakeId.GELU_INSTEAD_OF_SILU, f"exact GELU; reference runs {act}",
                              patch=_activation_swap("gelu"))]
+    sparse = _sparsity_of(reference)
+    if sparse is not None:
+        found.append(Hypothesis(MistakeId.ACTIVATION_SPARSITY_MISSING,
+                                f"the layer's activation sparsity {sparse[1]} not applied",
+                                patch=_without_sparsity))
     if "gate_proj.weight" in tensors and "up_proj.weight" in tensors:
         found.append(Hypothesis(MistakeId.GATE_UP_SWAPPED, "gate_proj <-> up_proj",
                                 tensors=_swap("gate_proj", "up_proj")))
