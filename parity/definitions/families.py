@@ -17,8 +17,12 @@ ACTIVATION_ATTRS = ("hidden_activation", "hidden_act", "activation_function", "a
 
 
 def config_dff(config: Any) -> int | None:
-    """d_ff as the config states it; None where it is implied (GPT configs leave n_inner empty: 4d)."""
-    return getattr(config, "intermediate_size", None) or getattr(config, "n_inner", None)
+    """d_ff as the config states it; None where it is implied (GPT configs leave n_inner empty: 4d).  A config
+    class with ``n_inner`` (GPT-2, GPT-J, CodeGen, GPTBigCode) is built from it alone: an ``intermediate_size``
+    beside it is an extra key transformers keeps but never reads."""
+    if hasattr(config, "n_inner"):
+        return getattr(config, "n_inner", None)
+    return getattr(config, "intermediate_size", None)
 
 
 def configured_activation(config: Any) -> str | None:

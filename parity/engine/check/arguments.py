@@ -161,7 +161,7 @@ def checkpoint_ffn_width(config: Any, mapping: Mapping | None = None) -> tuple[i
         return unit, "this unit's d_ff in transformers' module"
     width = config_dff(config)
     if isinstance(width, int) and not isinstance(width, bool):
-        field = "intermediate_size" if getattr(config, "intermediate_size", None) else "n_inner"
+        field = "n_inner" if hasattr(config, "n_inner") else "intermediate_size"
         return width, f"{type(config).__name__}.{field}"
     hidden = getattr(config, "hidden_size", None)
     if hasattr(config, "n_inner") and isinstance(hidden, int):
