@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 from torch import nn
 
 from parity.definitions.aliases import load_aliases
-from parity.definitions.families import TANH_GELUS, config_dff, configured_activation
+from parity.definitions.families import TANH_GELUS, config_dff, configured_activation, declares
 from parity.definitions.mapping import NONE, ConfigValue, Mapping, TensorRoute
 from parity.engine.check.config_view import COMPUTE_DTYPE_NAMES
 from parity.errors import TargetError
@@ -166,6 +166,8 @@ def checkpoint_ffn_width(config: Any, mapping: Mapping | None = None) -> tuple[i
     hidden = getattr(config, "hidden_size", None)
     if hasattr(config, "n_inner") and isinstance(hidden, int):
         return 4 * hidden, f"{type(config).__name__}.n_inner is unset: transformers builds 4 x hidden size"
+    if not declares(config, "intermediate_size") and isinstance(hidden, int):
+        return 4 * hidden, f"{type(config).__name__} states no d_ff: transformers builds 4 x hidden size"
     return None
 
 
