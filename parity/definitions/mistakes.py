@@ -521,8 +521,10 @@ PRODUCED_BY: dict[MistakeId, str] = {
     MistakeId.ROUTER_WRONG_TOP_K: "replay: engine.routing_mistakes, the router's top_k set to k - 1 and k + 1",
     MistakeId.EXPERTS_EXCHANGED: "replay: engine.routing_mistakes, two experts' weights exchanged (the pairs "
                                  "among the experts the mismatching tokens use)",
-    MistakeId.SWIGLU_CLAMP_MISSING: "replay: engine.routing_mistakes, the experts' limit set to infinity, and to 0",
-    MistakeId.SWIGLU_ALPHA_MISSING: "replay: engine.routing_mistakes, the experts' alpha set to 1",
+    MistakeId.SWIGLU_CLAMP_MISSING: "replay: engine.routing_mistakes, the experts' limit set to infinity, and to 0 "
+                                    "(one expert: diagnose.hypotheses, the same)",
+    MistakeId.SWIGLU_ALPHA_MISSING: "replay: engine.routing_mistakes, the experts' alpha set to 1 (one expert: "
+                                    "diagnose.hypotheses, the same)",
     MistakeId.SWIGLU_UP_PLUS_ONE_MISSING: "replay: engine.routing_mistakes, the experts' (up + 1) computed as up",
     MistakeId.GATE_UP_INTERLEAVING_MISREAD: "replay: engine.routing_mistakes, the experts' fused gate/up rearranged "
                                             "into the other layout (halves interleaved, or the reverse)",

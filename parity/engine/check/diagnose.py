@@ -104,6 +104,37 @@ def _sparsity_of(reference: nn.Module) -> tuple[nn.Module, float] | None:
     return None
 
 
+def _setting_owner(reference: nn.Module, name: str) -> tuple[nn.Module, float] | None:
+    """The module inside the reference holding a numeric setting ``name`` (GPT-OSS's experts: ``limit``, the
+    clamp of gate and up, and ``alpha``, the gate's sigmoid slope), and its value; None where none does."""
+    for module in reference.modules():
+        value = getattr(module, name, None)
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return module, float(value)
+    return None
+
+
+def _set(name: str, value: float) -> Callable[[nn.Module], None]:
+    def patch(module: nn.Module) -> None:
+        owner = _setting_owner(module, name)
+        if owner is not None:
+            setattr(owner[0], name, value)
+    return patch
+
+
+def _swiglu_settings(reference: nn.Module) -> list[Hypothesis]:
+    """One expert of a clamped SwiGLU (its module's ``limit`` and ``alpha``): the clamp left out (or its limit read
+    as 0) and alpha dropped, as the whole block's replays (engine.routing_mistakes) name them."""
+    found = []
+    limit, alpha = _setting_owner(reference, "limit"), _setting_owner(reference, "alpha")
+    if limit is not None:
+        found += [Hypothesis(MistakeId.SWIGLU_CLAMP_MISSING, f"limit {limit[1]:g} -> {to:g}", patch=_set("limit", to))
+                  for to in (float("inf"), 0.0)]
+    if alpha is not None and alpha[1] != 1.0:
+        found.append(Hypothesis(MistakeId.SWIGLU_ALPHA_MISSING, f"alpha {alpha[1]:g} -> 1", patch=_set("alpha", 1.0)))
+    return found
+
+
 def _without_sparsity(module: nn.Module) -> None:
     found = _sparsity_of(module)
     if found is not None:
@@ -134,6 +165,7 @@ def hypotheses(reference: nn.Module, tensors: dict[str, torch.Tensor], config) -
         found.append(Hypothesis(MistakeId.ACTIVATION_SPARSITY_MISSING,
                                 f"the layer's activation sparsity {sparse[1]} not applied",
                                 patch=_without_sparsity))
+    found += _swiglu_settings(reference)
     if "gate_proj.weight" in tensors and "up_proj.weight" in tensors:
         found.append(Hypothesis(MistakeId.GATE_UP_SWAPPED, "gate_proj <-> up_proj",
                                 tensors=_swap("gate_proj", "up_proj")))
