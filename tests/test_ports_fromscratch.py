@@ -134,6 +134,66 @@ class ExpertFromMoeWidth(nn.Module):
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
+class GPT1MLP(nn.Module):
+    """GPT-1's MLP as transformers writes it, MLP(n_state, config), on a Conv1D of the port's own ([in, out])."""
+
+    def __init__(self, n_state, config):
+        super().__init__()
+        self.c_fc = Conv1D(n_state, config.n_embd)
+        self.c_proj = Conv1D(config.n_embd, n_state)
+
+    def forward(self, x):  # transformers runs GPT-1's afn "gelu" as gelu_new, the tanh form
+        return self.c_proj(F.gelu(self.c_fc(x), approximate="tanh"))
+
+
+class Conv1D(nn.Module):
+    def __init__(self, nf, nx):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(nx, nf))
+        self.bias = nn.Parameter(torch.zeros(nf))
+
+    def forward(self, x):
+        return x @ self.weight + self.bias
+
+
+class CTRLFFN(nn.Module):
+    """CTRL's point_wise_feed_forward_network(d_model_size, dff), kept as a Sequential under `ffn`."""
+
+    def __init__(self, d_model_size, dff):
+        super().__init__()
+        self.ffn = nn.Sequential(nn.Linear(d_model_size, dff), nn.ReLU(), nn.Linear(dff, d_model_size))
+
+    def forward(self, x):
+        return self.ffn(x)
+
+
+class GraniteExpert(nn.Module):
+    """One GraniteMoE expert in transformers' names: input_linear (gate and up fused, gate first), output_linear."""
+
+    def __init__(self, config):
+        super().__init__()
+        self.input_linear = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=False)
+        self.output_linear = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
+
+    def forward(self, x):
+        gate, up = self.input_linear(x).chunk(2, dim=-1)
+        return self.output_linear(F.silu(gate) * up)
+
+
+class GptOssExpertNoClamp(nn.Module):
+    """One GPT-OSS expert (gate and up interleaved, alpha, up + 1) without the clamp at swiglu_limit."""
+
+    def __init__(self, config):
+        super().__init__()
+        self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size)
+        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size)
+
+    def forward(self, x):
+        fused = self.gate_up_proj(x)
+        gate, up = fused[..., ::2], fused[..., 1::2]
+        return self.down_proj((up + 1) * gate * torch.sigmoid(1.702 * gate))
+
+
 # -- the checkpoints ------------------------------------------------------------------------------------------------
 GEMMA3N = dict(KV, intermediate_size=[72, 88, 64], num_hidden_layers=3, activation_sparsity_pattern=[0.95, 0.0, 0.0],
                laurel_rank=8, hidden_size_per_layer_input=8, vocab_size_per_layer_input=64, num_kv_shared_layers=0,
@@ -146,6 +206,10 @@ CHECKPOINTS = {
     "gemma3n_text": GEMMA3N,
     "gpt2": dict(intermediate_size=72),  # a key GPT2Config keeps but never reads: transformers builds 4d
     "olmoe": dict(KV, intermediate_size=72, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=24),
+    "openai-gpt": dict(intermediate_size=72),  # a key OpenAIGPTConfig does not declare: transformers builds 4d
+    "ctrl": dict(dff=96),
+    "granitemoe": dict(KV, intermediate_size=72, num_local_experts=4, num_experts_per_tok=2),
+    "gpt_oss": dict(KV, intermediate_size=72, num_local_experts=4, num_experts_per_tok=2),
 }
 
 
@@ -230,3 +294,26 @@ def test_width_from_another_field_is_said(capsys, tiny):
     assert set(verdicts(report).values()) == {"intermediate_size_mismatch"}
     message = report["layers"][0]["diagnosis"]["message"]
     assert "24 is the config's moe_intermediate_size" in message and "multiple_of" not in message
+
+
+def test_transformers_own_constructors_and_names(capsys, tiny):
+    """GPT-1's MLP(n_state, config) gets its d_ff (4d: the config's undeclared intermediate_size is no width) and
+    CTRL's (d_model_size, dff) theirs; CTRL's ffn.0 / ffn.2 are routed as its two layers."""
+    for model_type, port in (("openai-gpt", "GPT1MLP"), ("ctrl", "CTRLFFN")):
+        code, report, err = check(capsys, tiny[model_type], port)
+        assert code == 0, (model_type, err)
+        assert verdicts(report) == {0: None, 1: None}
+    assert "target constructor: n_state=128 (the checkpoint's d_ff)" in check(capsys, tiny["openai-gpt"],
+                                                                             "GPT1MLP")[1]["notes"]
+
+
+def test_granite_expert_names(capsys, tiny):
+    code, report, err = check(capsys, tiny["granitemoe"], "GraniteExpert", "--experts", "0,2")
+    assert code == 0, err
+    assert len(report["layers"]) == 4 and all(unit["passed"] for unit in report["layers"])
+
+
+def test_gpt_oss_expert_without_clamp_is_named(capsys, tiny):
+    code, report, err = check(capsys, tiny["gpt_oss"], "GptOssExpertNoClamp", "--experts", "1")
+    assert code == 1, err
+    assert {unit["diagnosis"]["id"] for unit in report["layers"]} == {"swiglu_clamp_missing"}
