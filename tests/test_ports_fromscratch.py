@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .derived_checkpoints import KV, build
+from .derived_checkpoints import KV, build, one_line
 from .support import run_main
 
 HERE = "tests.test_ports_fromscratch"
@@ -194,6 +194,11 @@ class GptOssExpertNoClamp(nn.Module):
         return self.down_proj((up + 1) * gate * torch.sigmoid(1.702 * gate))
 
 
+class OPTFFNNoTranspose(OPTFFN):  # x @ W on nn.Linear's [out, in] weight
+    def forward(self, x):
+        return F.relu(x @ self.fc1.weight + self.fc1.bias) @ self.fc2.weight + self.fc2.bias
+
+
 # -- the checkpoints ------------------------------------------------------------------------------------------------
 GEMMA3N = dict(KV, intermediate_size=[72, 88, 64], num_hidden_layers=3, activation_sparsity_pattern=[0.95, 0.0, 0.0],
                laurel_rank=8, hidden_size_per_layer_input=8, vocab_size_per_layer_input=64, num_kv_shared_layers=0,
@@ -317,3 +322,12 @@ def test_gpt_oss_expert_without_clamp_is_named(capsys, tiny):
     code, report, err = check(capsys, tiny["gpt_oss"], "GptOssExpertNoClamp", "--experts", "1")
     assert code == 1, err
     assert {unit["diagnosis"]["id"] for unit in report["layers"]} == {"swiglu_clamp_missing"}
+
+
+def test_missing_transpose_that_crashes_is_said_in_one_line(capsys, tiny):
+    """A module that multiplies by an nn.Linear weight as stored cannot run: exit 2, one line, saying the weight
+    fits transposed."""
+    code, out, err = run_main(capsys, tiny["opt"], "--target", f"{HERE}:OPTFFNNoTranspose")
+    assert code == 2 and "Traceback" not in out + err
+    line = one_line(err)
+    assert "A [128, 32] weight used as x @ W" in line and "missing transpose" in line
