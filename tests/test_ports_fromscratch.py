@@ -199,6 +199,27 @@ class OPTFFNNoTranspose(OPTFFN):  # x @ W on nn.Linear's [out, in] weight
         return F.relu(x @ self.fc1.weight + self.fc1.bias) @ self.fc2.weight + self.fc2.bias
 
 
+class XLSTMFeedForward(nn.Module):
+    """xLSTM's FeedForward (NX-AI/xlstm, weight_mode "single"): silu(proj_up_gate(x)) * proj_up(x) -> proj_down, its
+    width d * ffn_proj_factor rounded up to ffn_round_up_to_multiple_of."""
+
+    def __init__(self, config):
+        super().__init__()
+        step = config.ffn_round_up_to_multiple_of
+        width = math.ceil(config.hidden_size * config.ffn_proj_factor / step) * step
+        self.proj_up_gate = nn.Linear(config.hidden_size, width, bias=False)
+        self.proj_up = nn.Linear(config.hidden_size, width, bias=False)
+        self.proj_down = nn.Linear(width, config.hidden_size, bias=False)
+
+    def forward(self, x):
+        return self.proj_down(F.silu(self.proj_up_gate(x)) * self.proj_up(x))
+
+
+class XLSTMFeedForwardSwapped(XLSTMFeedForward):
+    def forward(self, x):
+        return self.proj_down(F.silu(self.proj_up(x)) * self.proj_up_gate(x))
+
+
 # -- the checkpoints ------------------------------------------------------------------------------------------------
 GEMMA3N = dict(KV, intermediate_size=[72, 88, 64], num_hidden_layers=3, activation_sparsity_pattern=[0.95, 0.0, 0.0],
                laurel_rank=8, hidden_size_per_layer_input=8, vocab_size_per_layer_input=64, num_kv_shared_layers=0,
@@ -215,6 +236,7 @@ CHECKPOINTS = {
     "ctrl": dict(dff=96),
     "granitemoe": dict(KV, intermediate_size=72, num_local_experts=4, num_experts_per_tok=2),
     "gpt_oss": dict(KV, intermediate_size=72, num_local_experts=4, num_experts_per_tok=2),
+    "xlstm": dict(KV),
 }
 
 
@@ -331,3 +353,13 @@ def test_missing_transpose_that_crashes_is_said_in_one_line(capsys, tiny):
     assert code == 2 and "Traceback" not in out + err
     line = one_line(err)
     assert "A [128, 32] weight used as x @ W" in line and "missing transpose" in line
+
+
+@pytest.mark.parametrize(("port", "expected"), [("XLSTMFeedForward", None),
+                                               ("XLSTMFeedForwardSwapped", "gate_up_swapped")])
+def test_xlstm_names(capsys, tiny, port, expected):
+    """xLSTM's proj_up_gate / proj_up / proj_down are gate, up and down (aliases.toml), for the routes and for the
+    gate/up swap's replay, whose names come from the same table."""
+    code, report, err = check(capsys, tiny["xlstm"], port)
+    assert code == (0 if expected is None else 1), err
+    assert verdicts(report) == {0: expected, 1: expected}

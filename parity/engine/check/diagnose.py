@@ -31,6 +31,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from parity.definitions.aliases import load_aliases
 from parity.definitions.families import TANH_GELUS, configured_activation
 from parity.definitions.mistakes import Candidate, Diagnosis, MistakeId, Separability, diagnosis
 from parity.engine.reference import activation_module, activation_name, replace_activation
@@ -53,6 +54,16 @@ def _activation_swap(name: str) -> Callable[[nn.Module], None]:
     def patch(module: nn.Module) -> None:
         replace_activation(module, ACT2FN[name])
     return patch
+
+
+def _gate_and_up(tensors: dict[str, torch.Tensor]) -> tuple[str, str] | None:
+    """The reference's gate and up projections (their names without ``.weight``), read off the names by
+    aliases.toml's roles (``gate_proj``/``up_proj``, xLSTM's ``proj_up_gate``/``proj_up``, ...): one of each, else
+    None."""
+    aliases = load_aliases()
+    owners = {role: [name.removesuffix(".weight") for name in tensors if name.endswith(".weight")
+                     and (role, "weight") in aliases.roles_of(name)] for role in ("gate", "up")}
+    return (owners["gate"][0], owners["up"][0]) if all(len(v) == 1 for v in owners.values()) else None
 
 
 def _swap(a: str, b: str) -> Callable[[dict], dict]:
@@ -166,9 +177,9 @@ def hypotheses(reference: nn.Module, tensors: dict[str, torch.Tensor], config) -
                                 f"the layer's activation sparsity {sparse[1]} not applied",
                                 patch=_without_sparsity))
     found += _swiglu_settings(reference)
-    if "gate_proj.weight" in tensors and "up_proj.weight" in tensors:
-        found.append(Hypothesis(MistakeId.GATE_UP_SWAPPED, "gate_proj <-> up_proj",
-                                tensors=_swap("gate_proj", "up_proj")))
+    pair = _gate_and_up(tensors)
+    if pair is not None:
+        found.append(Hypothesis(MistakeId.GATE_UP_SWAPPED, f"{pair[0]} <-> {pair[1]}", tensors=_swap(*pair)))
     if "gate" in tensors and "up" in tensors:  # one MoE expert (parity.engine.experts), its biases with it
         found.append(Hypothesis(MistakeId.GATE_UP_SWAPPED, "expert gate <-> up",
                                 tensors=lambda t: {**t, "gate": t["up"], "up": t["gate"],
