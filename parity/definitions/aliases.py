@@ -70,6 +70,7 @@ class Aliases:
     groups: tuple[Group, ...] = ()
     # a projection's own parameter names, by framework: leaf -> "weight" | "bias" ([leaves])
     leaves: dict[str, str] = field(default_factory=lambda: {"weight": "weight", "bias": "bias"})
+    layer_names: tuple[str, ...] = ()  # constructor parameters that take the index of the layer checked
 
     def leaf_kind(self, leaf: str) -> str | None:
         """'weight' | 'bias' for a projection's own parameter name (torch's weight, Flax's kernel, picoGPT's w)."""
@@ -122,7 +123,8 @@ def load_aliases(path: Path | None = None) -> Aliases:
     constructor = _string_lists(path, data.get("constructor", {}), "constructor")
     return Aliases(path, roles, tuple(layout.get("out_in", [])), tuple(layout.get("in_out", [])),
                    tuple(constructor.get("config", [])), _config_fields(path, data.get("config_fields", {})),
-                   _groups(path, data.get("groups", []), roles), _leaves(path, data.get("leaves", {})))
+                   _groups(path, data.get("groups", []), roles), _leaves(path, data.get("leaves", {})),
+                   tuple(constructor.get("layer", [])))
 
 
 def _leaves(path: Path, table: object) -> dict[str, str]:

@@ -17,8 +17,23 @@ ACTIVATION_ATTRS = ("hidden_activation", "hidden_act", "activation_function", "a
 
 
 def config_dff(config: Any) -> int | None:
-    """d_ff as the config states it; None where it is implied (GPT configs leave n_inner empty: 4d)."""
-    return getattr(config, "intermediate_size", None) or getattr(config, "n_inner", None)
+    """d_ff as the config states it; None where it is implied (GPT configs leave n_inner empty: 4d).  A config
+    class with ``n_inner`` (GPT-2, GPT-J, CodeGen, GPTBigCode) is built from it alone: an ``intermediate_size``
+    beside it is an extra key transformers keeps but never reads."""
+    if hasattr(config, "n_inner"):
+        return getattr(config, "n_inner", None)
+    return getattr(config, "intermediate_size", None) if declares(config, "intermediate_size") else None
+
+
+def declares(config: Any, name: str) -> bool:
+    """Whether ``config``'s class has a field ``name`` (annotated by the family's own config class, or in its
+    attribute_map), or cannot say (a class that declares no field of its own).  A key saved in config.json that the
+    class does not declare (an ``intermediate_size`` in a Bloom or GPT-1 config) is kept on the object but no
+    module reads it."""
+    own = [vars(k).get("__annotations__", {}) for k in type(config).__mro__
+           if k.__name__ not in ("PreTrainedConfig", "PretrainedConfig", "object")]
+    fields = set().union(*own)
+    return not fields or name in fields or name in (getattr(config, "attribute_map", None) or {})
 
 
 def configured_activation(config: Any) -> str | None:

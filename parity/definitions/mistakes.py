@@ -25,6 +25,8 @@ class MistakeId(StrEnum):
     QUICK_GELU = "quick_gelu"
     SILU_INSTEAD_OF_GELU = "silu_instead_of_gelu"
     GELU_INSTEAD_OF_SILU = "gelu_instead_of_silu"
+    WRONG_ACTIVATION = "wrong_activation"
+    ACTIVATION_SPARSITY_MISSING = "activation_sparsity_missing"
     GATE_UP_SWAPPED = "gate_up_swapped"
     MISSING_TRANSPOSE = "missing_transpose"
     BIAS_DROPPED = "bias_dropped"
@@ -134,6 +136,15 @@ MISTAKES = {m.id: m for m in [
     Mistake(MistakeId.GELU_INSTEAD_OF_SILU,
             "GELU where the checkpoint expects SiLU (a SwiGLU checkpoint in a GeGLU module?)",
             "use SwiGLU / SiLU for LLaMA-style checkpoints"),
+    Mistake(MistakeId.WRONG_ACTIVATION,
+            "the module applies another activation than the checkpoint's FFN (ReLU for GELU, none at all, ...)",
+            "apply the activation the checkpoint's config names (hidden_act / activation_function), as "
+            "transformers' ACT2FN computes it"),
+    Mistake(MistakeId.ACTIVATION_SPARSITY_MISSING,
+            "the module skips the activation sparsity this layer's FFN applies to its gate (a Gaussian top-k: values "
+            "below mean + std * Φ⁻¹(sparsity) zeroed before the activation)",
+            "apply the layer's activation sparsity (its config's activation_sparsity_pattern[layer]) to the gate "
+            "projection before the activation, as transformers' module does; build the FFN with its layer index"),
     Mistake(MistakeId.GATE_UP_SWAPPED,
             "gate and up projections are swapped: the activation is applied to the up branch",
             "load gate_proj (Meta w1, GGUF ffn_gate) into the gated branch and up_proj (w3, ffn_up) into the other"),
@@ -417,6 +428,10 @@ PRODUCED_BY: dict[MistakeId, str] = {
     MistakeId.QUICK_GELU: "replay: diagnose.hypotheses, the activation swapped",
     MistakeId.SILU_INSTEAD_OF_GELU: "replay: diagnose.hypotheses, the activation swapped",
     MistakeId.GELU_INSTEAD_OF_SILU: "replay: diagnose.hypotheses, the activation swapped",
+    MistakeId.ACTIVATION_SPARSITY_MISSING: "replay: diagnose.hypotheses, the reference's activation_sparsity set to "
+                                           "0 on a layer whose module has one",
+    MistakeId.WRONG_ACTIVATION: "replay: diagnose.other_activations, every other ACT2FN activation in place of the "
+                                "reference's, when no named mistake explains the layer",
     MistakeId.GATE_UP_SWAPPED: "replay: diagnose.hypotheses, gate and up weights exchanged (a whole MoE block: "
                                "routing_mistakes, every expert's gate and up exchanged in the fused gate_up_proj)",
     MistakeId.MISSING_TRANSPOSE: "replay: diagnose.hypotheses (square weights); finding: target.shape_message",
@@ -506,8 +521,10 @@ PRODUCED_BY: dict[MistakeId, str] = {
     MistakeId.ROUTER_WRONG_TOP_K: "replay: engine.routing_mistakes, the router's top_k set to k - 1 and k + 1",
     MistakeId.EXPERTS_EXCHANGED: "replay: engine.routing_mistakes, two experts' weights exchanged (the pairs "
                                  "among the experts the mismatching tokens use)",
-    MistakeId.SWIGLU_CLAMP_MISSING: "replay: engine.routing_mistakes, the experts' limit set to infinity, and to 0",
-    MistakeId.SWIGLU_ALPHA_MISSING: "replay: engine.routing_mistakes, the experts' alpha set to 1",
+    MistakeId.SWIGLU_CLAMP_MISSING: "replay: engine.routing_mistakes, the experts' limit set to infinity, and to 0 "
+                                    "(one expert: diagnose.hypotheses, the same)",
+    MistakeId.SWIGLU_ALPHA_MISSING: "replay: engine.routing_mistakes, the experts' alpha set to 1 (one expert: "
+                                    "diagnose.hypotheses, the same)",
     MistakeId.SWIGLU_UP_PLUS_ONE_MISSING: "replay: engine.routing_mistakes, the experts' (up + 1) computed as up",
     MistakeId.GATE_UP_INTERLEAVING_MISREAD: "replay: engine.routing_mistakes, the experts' fused gate/up rearranged "
                                             "into the other layout (halves interleaved, or the reverse)",

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 from torch import nn
 
 from parity.definitions.aliases import load_aliases
-from parity.definitions.families import TANH_GELUS, config_dff, configured_activation
+from parity.definitions.families import TANH_GELUS, config_dff, configured_activation, declares
 from parity.definitions.mapping import NONE, ConfigValue, Mapping, TensorRoute
 from parity.engine.check.config_view import COMPUTE_DTYPE_NAMES
 from parity.errors import TargetError
@@ -161,11 +161,13 @@ def checkpoint_ffn_width(config: Any, mapping: Mapping | None = None) -> tuple[i
         return unit, "this unit's d_ff in transformers' module"
     width = config_dff(config)
     if isinstance(width, int) and not isinstance(width, bool):
-        field = "intermediate_size" if getattr(config, "intermediate_size", None) else "n_inner"
+        field = "n_inner" if hasattr(config, "n_inner") else "intermediate_size"
         return width, f"{type(config).__name__}.{field}"
     hidden = getattr(config, "hidden_size", None)
     if hasattr(config, "n_inner") and isinstance(hidden, int):
         return 4 * hidden, f"{type(config).__name__}.n_inner is unset: transformers builds 4 x hidden size"
+    if not declares(config, "intermediate_size") and isinstance(hidden, int):
+        return 4 * hidden, f"{type(config).__name__} states no d_ff: transformers builds 4 x hidden size"
     return None
 
 
@@ -364,22 +366,27 @@ def kwargs_read(factory: Any) -> list[str] | None:
     return found
 
 
-def constructor_args(factory: Any, mapping: Mapping, config: Any,
-                     framework: Framework | None = None) -> tuple[dict, dict, list[str]]:
+def constructor_args(factory: Any, mapping: Mapping, config: Any, framework: Framework | None = None, *,
+                     layer: int | None = None) -> tuple[dict, dict, list[str]]:
     """The constructor's arguments, as a mapping spells them and evaluated: the checkpoint's transformers config
     for a parameter named `config` (aliases.toml [constructor]) whenever the signature has one, whatever else it
     accepts; else the mapping's [target].args when the constructor takes them (or its signature cannot be
     read); else the config for a factory's one required parameter (``lambda c: MLP(c.n_embd)``); else none,
     when every parameter has a default; else the mapping's args, and the constructor's error says what to
     change.  ``framework``: the target's, when not PyTorch; its constructors' own arguments (Flax NNX's rngs)
-    are added to what is chosen."""
+    are added to what is chosen, and so is ``layer`` for a parameter that asks which layer it is
+    (``Gemma3nTextMLP(config, layer_idx)``, whose width and sparsity are the layer's)."""
     try:
         signature = constructor_signature(factory)
     except (TypeError, ValueError):
         signature = None
     extras = framework.constructor_extras(dict(signature.parameters)) if framework and signature else {}
+    at_layer = {p.name: layer for p in signature.parameters.values() if p.kind in NAMED
+                and p.name in load_aliases().layer_names} if signature is not None and layer is not None else {}
+    extras = {**extras, **at_layer}
     chosen = _constructor_args(factory, signature, extras, mapping, config, framework)
-    return chosen[0], {**extras, **chosen[1]}, chosen[2]
+    notes = [*chosen[2], *(f"target constructor: {key} = the index of the layer checked" for key in at_layer)]
+    return chosen[0], {**extras, **chosen[1]}, notes
 
 
 def _constructor_args(factory: Any, signature: inspect.Signature | None, extras: dict, mapping: Mapping,

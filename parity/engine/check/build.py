@@ -136,11 +136,12 @@ def cwd_importable() -> Iterator[None]:
             sys.path.remove(cwd)
 
 
-def build_target(mapping: Mapping, config: Any,
-                 target: str | Any | None = None) -> tuple[nn.Module, str, dict | None, list[str]]:
+def build_target(mapping: Mapping, config: Any, target: str | Any | None = None,
+                 layer: int | None = None) -> tuple[nn.Module, str, dict | None, list[str]]:
     """Construct the target: the mapping's [target].class, or ``target``: 'pkg.module:Name', a class, a factory,
-    or an nn.Module instance (deep-copied: the caller's instance is never modified).  Returns the module, its
-    name, its constructor arguments as a mapping file spells them (None for an instance) and notes.
+    or an nn.Module instance (deep-copied: the caller's instance is never modified); ``layer``: the layer it is
+    built for, given to a constructor parameter that asks for it (aliases.toml [constructor] layer).  Returns the
+    module, its name, its constructor arguments as a mapping file spells them (None for an instance) and notes.
 
     A constructor given the checkpoint's transformers config that reads a field the config lacks (nanoGPT's
     ``config.bias``) is called once more with a read-only view of the config that answers it from aliases.toml
@@ -165,7 +166,7 @@ def build_target(mapping: Mapping, config: Any,
         return module, name, args, notes
     if framework is not None:
         framework.require()
-    raw, kwargs, notes = constructor_args(factory, mapping, config, framework)
+    raw, kwargs, notes = constructor_args(factory, mapping, config, framework, layer=layer)
     by_name = bool(notes)  # only arguments bound by parameter name come with notes
     defaults = left_to_defaults(factory, kwargs, framework)
     built_config, notes = own_config_arguments(factory, name, kwargs, notes, mapping, config, framework)

@@ -31,9 +31,10 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from parity.definitions.aliases import load_aliases
 from parity.definitions.families import TANH_GELUS, configured_activation
 from parity.definitions.mistakes import Candidate, Diagnosis, MistakeId, Separability, diagnosis
-from parity.engine.reference import activation_name, replace_activation
+from parity.engine.reference import activation_module, activation_name, replace_activation
 
 EXACT_GELUS = {"gelu", "gelu_python"}
 SILUS = {"silu", "swish"}
@@ -53,6 +54,16 @@ def _activation_swap(name: str) -> Callable[[nn.Module], None]:
     def patch(module: nn.Module) -> None:
         replace_activation(module, ACT2FN[name])
     return patch
+
+
+def _gate_and_up(tensors: dict[str, torch.Tensor]) -> tuple[str, str] | None:
+    """The reference's gate and up projections (their names without ``.weight``), read off the names by
+    aliases.toml's roles (``gate_proj``/``up_proj``, xLSTM's ``proj_up_gate``/``proj_up``, ...): one of each, else
+    None."""
+    aliases = load_aliases()
+    owners = {role: [name.removesuffix(".weight") for name in tensors if name.endswith(".weight")
+                     and (role, "weight") in aliases.roles_of(name)] for role in ("gate", "up")}
+    return (owners["gate"][0], owners["up"][0]) if all(len(v) == 1 for v in owners.values()) else None
 
 
 def _swap(a: str, b: str) -> Callable[[dict], dict]:
@@ -94,6 +105,53 @@ def _replace(name: str, fn: Callable[[torch.Tensor], torch.Tensor]) -> Callable[
     return lambda t: {**t, name: fn(t[name])}
 
 
+def _sparsity_of(reference: nn.Module) -> tuple[nn.Module, float] | None:
+    """The module inside transformers' MLP that sparsifies its gate before the activation (its own
+    ``activation_sparsity`` attribute, a fraction above 0: Gemma 3n's early layers) and that fraction; else None."""
+    for module in reference.modules():
+        value = getattr(module, "activation_sparsity", None)
+        if isinstance(value, float) and value > 0.0:
+            return module, value
+    return None
+
+
+def _setting_owner(reference: nn.Module, name: str) -> tuple[nn.Module, float] | None:
+    """The module inside the reference holding a numeric setting ``name`` (GPT-OSS's experts: ``limit``, the
+    clamp of gate and up, and ``alpha``, the gate's sigmoid slope), and its value; None where none does."""
+    for module in reference.modules():
+        value = getattr(module, name, None)
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return module, float(value)
+    return None
+
+
+def _set(name: str, value: float) -> Callable[[nn.Module], None]:
+    def patch(module: nn.Module) -> None:
+        owner = _setting_owner(module, name)
+        if owner is not None:
+            setattr(owner[0], name, value)
+    return patch
+
+
+def _swiglu_settings(reference: nn.Module) -> list[Hypothesis]:
+    """One expert of a clamped SwiGLU (its module's ``limit`` and ``alpha``): the clamp left out (or its limit read
+    as 0) and alpha dropped, as the whole block's replays (engine.routing_mistakes) name them."""
+    found = []
+    limit, alpha = _setting_owner(reference, "limit"), _setting_owner(reference, "alpha")
+    if limit is not None:
+        found += [Hypothesis(MistakeId.SWIGLU_CLAMP_MISSING, f"limit {limit[1]:g} -> {to:g}", patch=_set("limit", to))
+                  for to in (float("inf"), 0.0)]
+    if alpha is not None and alpha[1] != 1.0:
+        found.append(Hypothesis(MistakeId.SWIGLU_ALPHA_MISSING, f"alpha {alpha[1]:g} -> 1", patch=_set("alpha", 1.0)))
+    return found
+
+
+def _without_sparsity(module: nn.Module) -> None:
+    found = _sparsity_of(module)
+    if found is not None:
+        found[0].activation_sparsity = 0.0
+
+
 def hypotheses(reference: nn.Module, tensors: dict[str, torch.Tensor], config) -> list[Hypothesis]:
     """The known mistakes that apply to this reference MLP."""
     found: list[Hypothesis] = []
@@ -113,9 +171,15 @@ def hypotheses(reference: nn.Module, tensors: dict[str, torch.Tensor], config) -
                              patch=_activation_swap("gelu_pytorch_tanh")),
                   Hypothesis(MistakeId.GELU_INSTEAD_OF_SILU, f"exact GELU; reference runs {act}",
                              patch=_activation_swap("gelu"))]
-    if "gate_proj.weight" in tensors and "up_proj.weight" in tensors:
-        found.append(Hypothesis(MistakeId.GATE_UP_SWAPPED, "gate_proj <-> up_proj",
-                                tensors=_swap("gate_proj", "up_proj")))
+    sparse = _sparsity_of(reference)
+    if sparse is not None:
+        found.append(Hypothesis(MistakeId.ACTIVATION_SPARSITY_MISSING,
+                                f"the layer's activation sparsity {sparse[1]} not applied",
+                                patch=_without_sparsity))
+    found += _swiglu_settings(reference)
+    pair = _gate_and_up(tensors)
+    if pair is not None:
+        found.append(Hypothesis(MistakeId.GATE_UP_SWAPPED, f"{pair[0]} <-> {pair[1]}", tensors=_swap(*pair)))
     if "gate" in tensors and "up" in tensors:  # one MoE expert (parity.engine.experts), its biases with it
         found.append(Hypothesis(MistakeId.GATE_UP_SWAPPED, "expert gate <-> up",
                                 tensors=lambda t: {**t, "gate": t["up"], "up": t["gate"],
@@ -140,6 +204,46 @@ def hypotheses(reference: nn.Module, tensors: dict[str, torch.Tensor], config) -
     if len(biases) > 1:
         found.append(Hypothesis(MistakeId.BIAS_DROPPED, "all biases missing",
                                 tensors=lambda t: {**t, **{n: torch.zeros_like(t[n]) for n in biases}}))
+    return found
+
+
+def _values(act: nn.Module, grid: torch.Tensor) -> torch.Tensor | None:
+    """``act`` on ``grid`` in float64, or None for one that holds parameters or does not run on a plain vector."""
+    if next(iter(act.parameters()), None) is not None:
+        return None
+    try:
+        with torch.no_grad():
+            out = act(grid)
+    except Exception:  # an activation that cannot run alone (it needs arguments or a shape) is no candidate
+        return None
+    return out if isinstance(out, torch.Tensor) and out.shape == grid.shape else None
+
+
+def other_activations(reference: nn.Module, config) -> list[Hypothesis]:
+    """Every other activation transformers ships (ACT2FN), one per distinct function, put where the reference's
+    sits: a port that wrote ReLU for GELU, GELU for ReLU, or none at all (``linear``).  Tried only after the named
+    mistakes (the GELU variants, SiLU/GELU, ...) explain nothing, so they cost a failing layer nothing more.
+    Two names computing the same values over [-12, 12] (gelu_new and gelu_pytorch_tanh) are one candidate; one
+    computing the reference's own is none."""
+    from transformers.activations import ACT2FN
+
+    own = activation_module(reference)
+    grid = torch.linspace(-12.0, 12.0, 481, dtype=torch.float64)
+    seen = [_values(own, grid)] if own is not None else []
+    if not seen or seen[0] is None:
+        return []  # no activation module to replace (or one that cannot be measured): nothing to replay
+    act = activation_name(reference, configured_activation(config))
+    found = []
+    for name in sorted(ACT2FN):
+        try:
+            values = _values(ACT2FN[name].double(), grid)
+        except Exception:  # an ACT2FN entry that needs constructor arguments
+            continue
+        if values is None or any(torch.allclose(values, v, rtol=1e-6, atol=1e-9) for v in seen):
+            continue
+        seen.append(values)
+        found.append(Hypothesis(MistakeId.WRONG_ACTIVATION, f"{name} where transformers' FFN runs {act}",
+                                patch=_activation_swap(name)))
     return found
 
 
@@ -208,6 +312,18 @@ def _low_precision_signature(build, tensors, x, got, reference64, reference_dist
     return None
 
 
+def _closest(build: Builder, tried: list[Hypothesis], tensors: dict[str, torch.Tensor], x: torch.Tensor,
+             got: torch.Tensor, dtype: torch.dtype, candidates: list[Candidate],
+             best: tuple[float, Hypothesis] | None) -> tuple[float, Hypothesis] | None:
+    """Replay each hypothesis, add its distance from the target's output to ``candidates``; the closest so far."""
+    for hypothesis in tried:
+        distance = float((got - replay(build, hypothesis, tensors, x, dtype)).abs().max())
+        candidates.append(Candidate(str(hypothesis.id), hypothesis.detail, distance))
+        if best is None or distance < best[0]:
+            best = (distance, hypothesis)
+    return best
+
+
 def diagnose(build: Builder, tensors: dict[str, torch.Tensor], config, x: torch.Tensor, got: torch.Tensor,
              reference64: torch.Tensor, tolerance: float, dtype: torch.dtype = torch.float32) -> Diagnosis:
     """Explain a failing layer.  ``build(tensors, dtype)`` returns a fresh reference MLP computing in ``dtype``
@@ -216,13 +332,10 @@ def diagnose(build: Builder, tensors: dict[str, torch.Tensor], config, x: torch.
     reference_distance = float((got - reference64).abs().max())
     probe = build(tensors)
     candidates: list[Candidate] = []
-    best: tuple[float, Hypothesis] | None = None
     with torch.no_grad():
-        for hypothesis in hypotheses(probe, tensors, config):
-            distance = float((got - replay(build, hypothesis, tensors, x, dtype)).abs().max())
-            candidates.append(Candidate(str(hypothesis.id), hypothesis.detail, distance))
-            if best is None or distance < best[0]:
-                best = (distance, hypothesis)
+        best = _closest(build, hypotheses(probe, tensors, config), tensors, x, got, dtype, candidates, None)
+        if best is None or best[0] > tolerance:
+            best = _closest(build, other_activations(probe, config), tensors, x, got, dtype, candidates, best)
         if best is not None and best[0] <= tolerance:
             return diagnosis(best[1].id, best[0], reference_distance, best[1].detail, candidates)
         found = _low_precision_signature(build, tensors, x, got, reference64, reference_distance, _coarser(dtype))

@@ -111,6 +111,16 @@ def check_target_routes(module: nn.Module, mapping: Mapping, params: dict[str, n
     return skipped
 
 
+def width_field(config: Any, width: int) -> str | None:
+    """The config field a module built ``width`` wide likely read: one that states a d_ff (aliases.toml
+    [config_fields.facts] ffn_width, or any ``*intermediate_size``: moe_, shared_expert_) and holds ``width``."""
+    widths = {k for k, v in load_aliases().config_fields.facts.items() if v == "ffn_width"}
+    to_dict = getattr(config, "to_dict", None)
+    fields = to_dict() if callable(to_dict) else {}
+    return next((k for k, v in fields.items() if (k in widths or k.endswith("intermediate_size"))
+                 and v == width and not isinstance(v, bool)), None)
+
+
 def shape_message(route: TensorRoute, found: tuple[int, ...], expected: tuple[int, ...],
                   config: Any) -> tuple[str, str]:
     """Say which tensor, both shapes, and the likely cause; and the diagnosis id of that cause."""
@@ -139,7 +149,10 @@ def shape_message(route: TensorRoute, found: tuple[int, ...], expected: tuple[in
                 cause += " (the target uses the 4*d default: pass hidden_dim = config.intermediate_size)"
             elif t == 2 * c:
                 cause += " (the target doubles d_ff: Gemma's published size sums gate and up)"
-            elif t < c:
+            elif (field := width_field(config, t)) is not None:
+                cause += (f" ({t} is the config's {field}, but transformers does not build this unit from it: build "
+                          f"the module {c} wide)")
+            elif c - t < c / 8:  # a rounding to multiple_of moves d_ff by less than one multiple, a few percent
                 cause += " (rounded down instead of up to multiple_of, as llama_intermediate_size must?)"
             hints.append(cause)
     if d_ff and not hints:

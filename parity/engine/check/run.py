@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import sys
 from collections.abc import Iterator
 
@@ -108,7 +109,23 @@ def user_code(what: str, exceptions: bool = True) -> Iterator[None]:
     except BaseException as exc:  # noqa: BLE001 - SystemExit(0) from a target must not end parity with 0
         if isinstance(exc, Exception) and not exceptions:
             raise
-        raise TargetError(f"{what}: {type(exc).__name__}: {exc}{user_frame(exc)}") from exc
+        raise TargetError(f"{what}: {type(exc).__name__}: {exc}{user_frame(exc)}{transpose_hint(exc)}") from exc
+
+
+_MATMUL = re.compile(r"mat1 and mat2 shapes cannot be multiplied \((\d+)x(\d+) and (\d+)x(\d+)\)")
+
+
+def transpose_hint(exc: BaseException) -> str:
+    """For torch's matmul shape error where the second matrix fits transposed (``x @ W`` on an nn.Linear weight,
+    stored [out, in]): say so, in the terms of the weight parity filled."""
+    found = _MATMUL.search(str(exc)) if isinstance(exc, RuntimeError) else None
+    if found is None:
+        return ""
+    _, columns, rows, width = (int(g) for g in found.groups())
+    if columns != width or rows == columns:
+        return ""
+    return (f". A [{rows}, {width}] weight used as x @ W: parity fills each weight as the module declares it "
+            f"(nn.Linear's [out, in]), so x @ W needs W.T (or F.linear(x, W)): a missing transpose in the module")
 
 
 @contextlib.contextmanager

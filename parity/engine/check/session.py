@@ -95,7 +95,7 @@ class Session(Side):
         on_device = torch.device(self.device) if self.device.type != "cpu" else contextlib.nullcontext()
         with guarded(changes), skip_init(), user_code(f"target {self.target_name()} could not be built{where}"), \
                 on_device:
-            module, name, args, built_notes = build_target(self.mapping, self.config, self.target_spec)
+            module, name, args, built_notes = build_target(self.mapping, self.config, self.target_spec, layer=layer)
             place(module, self.device, self.compute_dtype if self.low_precision else None)
         framework = getattr(module, "parity_framework", None)
         if framework is not None:
