@@ -48,17 +48,17 @@ def norm_offset(config) -> float:
         return 0.0
 
 
-def norm_scales(a_session, b_session, layer: int) -> tuple[torch.Tensor, str] | None:
+def norm_scales(a_side, b_side, layer: int) -> tuple[torch.Tensor, str] | None:
     """s per hidden channel (A's norm weight over B's, with the model's offset) and the norm's name, where B's norm
     before the FFN differs from A's; None where they agree or no such norm is stored."""
-    prefix = a_session.reader.layer_prefix(layer).rstrip(".").rsplit(".", 1)[0] + "."
+    prefix = a_side.reader.layer_prefix(layer).rstrip(".").rsplit(".", 1)[0] + "."
     for norm in FFN_NORMS:
         name = f"{prefix}{norm}.weight"
-        if not (a_session.checkpoint.has(name) and b_session.checkpoint.has(name)):
+        if not (a_side.checkpoint.has(name) and b_side.checkpoint.has(name)):
             continue
-        wa = a_session.checkpoint.read([name])[name].double()
-        wb = b_session.checkpoint.read([name])[name].double()
-        offset = norm_offset(a_session.config)
+        wa = a_side.checkpoint.read([name])[name].double()
+        wb = b_side.checkpoint.read([name])[name].double()
+        offset = norm_offset(a_side.config)
         wa, wb = wa + offset, wb + offset
         if wa.shape != wb.shape or float((wa - wb).abs().max()) <= NORM_DIFFERS * float(wa.abs().max()):
             return None
@@ -139,7 +139,7 @@ def second_scales(up_a, up_b, down_a, down_b) -> torch.Tensor:
     return torch.where(inverse != 0, 1.0 / inverse, 1.0).float()
 
 
-def undo(a_session, b_session, layer: int, a, b) -> str | None:
+def undo(a_side, b_side, layer: int, a, b) -> str | None:
     """B's FFN put back on A's input where AWQ's scales are folded into it (in place: ``b``'s tensors and grids);
     what was undone, in words, or None."""
     if not any(getattr(s, "group", None) is not None for s in b.storage.values()):
@@ -149,7 +149,7 @@ def undo(a_session, b_session, layer: int, a, b) -> str | None:
            or b.storage[n].route.transform == "transpose" for n in named):
         return None  # fused or transposed tensors: not folded by AWQ's known mappings
     said = []
-    folded = carried(norm_scales(a_session, b_session, layer), a, b, named)
+    folded = carried(norm_scales(a_side, b_side, layer), a, b, named)
     if folded is not None:
         s, norm = folded
         for name, role in named.items():
