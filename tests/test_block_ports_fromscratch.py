@@ -328,3 +328,61 @@ def test_two_replays_computing_the_same_function_are_named_in_the_same_order_on_
             named.add(frozenset(c.id for c in layer.diagnosis.candidates))
     assert len(firsts) == 1, firsts
     assert named == {frozenset({"router_topk_before_softmax", "router_renormalization_added"})}
+
+
+# A Qwen2-MoE block whose router and shared expert's gate projection both end in transformers' 'gate.weight' and have
+# its shape (16 experts, a shared expert 16 wide): found by an independent review, the trailing-name rule filled the
+# shared expert's gate with the router and the correct port failed 'unexplained'.
+QWEN2_MOE_EQUAL = dict(vocab_size=64, hidden_size=32, intermediate_size=48, moe_intermediate_size=16,
+                       shared_expert_intermediate_size=16, num_hidden_layers=1, num_attention_heads=2,
+                       num_key_value_heads=2, num_experts=16, num_experts_per_tok=2)
+
+
+class _Expert(nn.Module):
+    def __init__(self, d: int, width: int):
+        super().__init__()
+        self.gate, self.up = nn.Linear(d, width, bias=False), nn.Linear(d, width, bias=False)
+        self.down = nn.Linear(width, d, bias=False)
+
+    def forward(self, x):
+        return self.down(F.silu(self.gate(x)) * self.up(x))
+
+
+class QwenGateNamedLikeTheRouter(nn.Module):
+    """Qwen2-MoE's block with the router at router.gate and the shared expert's gate projection at common.gate."""
+
+    def __init__(self, config):
+        super().__init__()
+        d = config.hidden_size
+        self.k, self.norm = config.num_experts_per_tok, config.norm_topk_prob
+        self.router, self.common = nn.Module(), nn.Module()
+        self.router.gate = nn.Linear(d, config.num_experts, bias=False)
+        self.experts = nn.ModuleList(_Expert(d, config.moe_intermediate_size) for _ in range(config.num_experts))
+        self.shared = _Expert(d, config.shared_expert_intermediate_size)
+        self.common.gate = self.shared.gate
+        del self.shared.gate
+        self.shared_gate = nn.Linear(d, 1, bias=False)
+
+    def forward(self, x):
+        shape, x = x.shape, x.reshape(-1, x.shape[-1])
+        weights, chosen = torch.topk(F.softmax(self.router.gate(x), dim=-1, dtype=torch.float), self.k, dim=-1)
+        if self.norm:
+            weights = weights / weights.sum(-1, keepdim=True)
+        out = torch.zeros_like(x)
+        for slot in range(self.k):
+            for e, expert in enumerate(self.experts):
+                mask = chosen[:, slot] == e
+                if mask.any():
+                    out[mask] += weights[mask, slot, None].to(x.dtype) * expert(x[mask])
+        shared = self.shared.down(F.silu(self.common.gate(x)) * self.shared.up(x))
+        return (out + torch.sigmoid(self.shared_gate(x)) * shared).reshape(shape)
+
+
+def test_two_parameters_claiming_one_tensor_by_its_trailing_name_are_refused_not_filled_alike(tmp_path, capsys):
+    from transformers import Qwen2MoeConfig, Qwen2MoeForCausalLM
+
+    folder = _saved(Qwen2MoeConfig(**QWEN2_MOE_EQUAL), Qwen2MoeForCausalLM, tmp_path / "qwen2_moe")
+    code, out, err = run_main(capsys, str(folder), "--block", "--target",
+                              "tests.test_block_ports_fromscratch:QwenGateNamedLikeTheRouter")
+    assert code == 2 and "Traceback" not in out + err
+    assert "cannot tell which of the layer's tensors fills your block's 'common.gate.weight'" in err, err

@@ -36,14 +36,21 @@ def fill_block(module: nn.Module, spellings: dict[str, dict[str, torch.Tensor]],
     whole = next((label for label, names in offered.items() if set(state) <= set(names)), None)
     sources: dict[str, str] = {}
     values: dict[str, torch.Tensor] = {}
+    by_suffix: dict[str, str] = {}  # parameter -> its tensor, where only the names' last parts matched
     for name in state:
         if whole is not None:
             values[name], sources[name] = offered[whole][name], name
             continue
         found = _by_name(name, offered) or _by_role(name, aliases, experts, count, offered) \
-            or _stacked(name, state[name], aliases, experts, count) or _fused(name, state[name], aliases, offered) \
-            or _by_suffix(name, state[name], offered) \
-            or _by_shape(name, state[name], offered)
+            or _stacked(name, state[name], aliases, experts, count) or _fused(name, state[name], aliases, offered)
+        if found is None and (suffixed := _by_suffix(name, state[name], offered)) is not None:
+            # a name read off its last parts alone claims no tensor another parameter claims so too (a router's
+            # 'router.gate.weight' and a shared expert's 'common.gate.weight' both end in transformers' 'gate.weight')
+            rival = next((other for other, source in by_suffix.items() if source == suffixed[1]), None)
+            if rival is not None:
+                raise MappingError(_unfilled(name, state, offered, where))
+            found, by_suffix[name] = suffixed, suffixed[1]
+        found = found or _by_shape(name, state[name], offered)
         if found is None:
             raise MappingError(_unfilled(name, state, offered, where))
         values[name], sources[name] = found
