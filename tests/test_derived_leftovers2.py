@@ -382,3 +382,22 @@ def test_inkling2_default_target_refuses_in_one_line(capsys, inkling2):
     code, out, err = run_main(capsys, inkling2[0])
     line = one_line(err)
     assert code == 2 and "Experts" in line and "--target" in line, out + err
+
+
+@pytest.mark.parametrize("dim", [0, 1, 2])
+def test_a_lone_source_keeps_an_operation_that_reorders_any_dimension(dim):
+    """lone_source drops only what returns its one tensor unchanged: transformers' Interleave along any dimension
+    reorders it (probed on [2, 4, 6], Interleave(dim=0) came back unchanged and was dropped: an independent review),
+    a Concatenate of one tensor is that tensor."""
+    from transformers.core_model_loading import Concatenate, Interleave, WeightConverter
+
+    from parity.engine.layout.renaming import lone_source
+
+    def reduced(op):
+        return lone_source(WeightConverter(source_patterns=[r"w\.x", r"w\.scale"], target_patterns="w.y",
+                                           operations=[op]))
+
+    kept = reduced(Interleave(dim=dim))
+    assert kept is not None and [type(op) for op in kept.operations] == [Interleave]
+    assert kept.source_patterns == [r"w\.x"]
+    assert reduced(Concatenate(dim=dim)) is None
