@@ -71,7 +71,8 @@ def spelled(names: list[str], table: Any) -> dict[str, str]:
 
 
 def inventory(a: Any, b: Any, layers: list[int]) -> dict:
-    """Present / missing / shape / dtype of the tensors outside the FFN, A against B (``a``, ``b``: the comparison's sides, engine.side.Side)."""
+    """Present / missing / shape / dtype of the tensors outside the FFN, A against B (``a``, ``b``: the comparison's
+    sides, engine.side.Side)."""
     skip_a, skip_b = ffn_keys(a), ffn_keys(b)
     names_a = [n for n in a.checkpoint.weight_map if n not in skip_a]
     names_b = [n for n in b.checkpoint.weight_map if n not in skip_b]
