@@ -314,6 +314,27 @@ def test_gpt2_numpy_port_ignores_an_unread_intermediate_size(capsys, tiny):
     assert verdicts(report) == {0: None, 1: None}
 
 
+class GPT2ByWidthName(nn.Module):
+    """A GPT-2 MLP whose constructor takes (hidden_size, intermediate_size), bound by parameter name."""
+
+    def __init__(self, hidden_size, intermediate_size):
+        super().__init__()
+        self.c_fc, self.c_proj = nn.Linear(hidden_size, intermediate_size), nn.Linear(intermediate_size, hidden_size)
+
+    def forward(self, x):
+        return self.c_proj(F.gelu(self.c_fc(x), approximate="tanh"))
+
+
+def test_a_constructors_intermediate_size_is_not_bound_to_a_key_the_config_does_not_declare(capsys, tiny):
+    """The same stray key, bound by a constructor parameter of its name: parity binds the checkpoint's d_ff (4d), not
+    config.intermediate_size (72), and the port passes (it was exit 2 blaming Meta's 2/3 rule; an independent
+    review)."""
+    code, report, err = check(capsys, tiny["gpt2"], "GPT2ByWidthName")
+    assert code == 0, err
+    assert verdicts(report) == {0: None, 1: None}
+    assert any("intermediate_size=128" in note for note in report["notes"]), report["notes"]
+
+
 def test_width_from_another_field_is_said(capsys, tiny):
     """An expert sized from a field its model does not build experts from: a width mismatch naming that field."""
     code, report, err = check(capsys, tiny["olmoe"], "ExpertFromMoeWidth", "--experts", "1")

@@ -205,7 +205,10 @@ def spelled(key: str, mapping: Mapping, config: Any) -> tuple[str, Any, str] | N
     width = unit_width(mapping) if fields.facts.get(key) == "ffn_width" else None
     if width is not None and getattr(config, key, None) != width:
         return str(width), width, "this unit's d_ff in transformers' module"
-    if hasattr(config, key) and not callable(getattr(config, key)):
+    # a d_ff key config.json carries but the config's class does not declare (a GPT-2 config's stray
+    # intermediate_size) sizes no module of transformers: the checkpoint's d_ff answers it instead
+    stray = fields.facts.get(key) == "ffn_width" and not declares(config, key)
+    if hasattr(config, key) and not callable(getattr(config, key)) and not stray:
         value = getattr(config, key)
         return (f"config.{key}", f"config.{key}", f"{owner}.{key}") if value is not None else \
             ("None", NONE, f"{owner}.{key} is None")
@@ -215,7 +218,7 @@ def spelled(key: str, mapping: Mapping, config: Any) -> tuple[str, Any, str] | N
     fact = fields.facts.get(key)
     known = checkpoint_facts(mapping, config).get(fact) if fact else None
     if fact == "ffn_width" and known is not None:
-        if getattr(config, "intermediate_size", None) == known[0]:
+        if getattr(config, "intermediate_size", None) == known[0] and declares(config, "intermediate_size"):
             return "config.intermediate_size", "config.intermediate_size", f"{owner}.intermediate_size"
         return str(known[0]), known[0], "the checkpoint's d_ff"
     if known is not None:
