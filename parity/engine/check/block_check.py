@@ -39,6 +39,7 @@ from parity.engine.block import (
     streamed,
 )
 from parity.engine.check.block_fill import fill_block
+from parity.engine.check.block_replay import streamed_mistake
 from parity.engine.check.build import build_target
 from parity.engine.check.guard import guarded
 from parity.engine.check.run import place, run_module, skip_init, user_code
@@ -51,8 +52,6 @@ from parity.errors import ShapeMismatchError, TargetError
 HELD_BYTES = 2 * 2**30  # a block whose experts take more in float64 is streamed: one expert held at a time
 REACH_SAMPLE = 4  # a streamed block's inputs are scaled on this many experts' gates
 REPEAT_TOKENS = 2  # a streamed block's determinism is checked on this many tokens, run twice
-LARGE_UNEXPLAINED = ("this block is too large to hold whole, so no routing mistake was replayed on it; check a smaller "
-                     "layer of the same family, or one expert at a time (--experts)")
 
 
 class BlockCheck(BlockReader):
@@ -135,7 +134,7 @@ class BlockCheck(BlockReader):
             result.unverifiable = ("every token's choice of experts moves within float32 noise: no token decides "
                                    "the routing, so no output can be judged")
         if not result.passed and result.unverifiable is None and result.diagnosis is None and session.diagnose:
-            result.diagnosis = (diagnosis(MistakeId.UNEXPLAINED, None, result.max_abs_diff, LARGE_UNEXPLAINED)
+            result.diagnosis = (streamed_mistake(self, layer, block64, inputs.x, out64, got, result=result, kept=kept)
                                 if large else named_mistake(block64, inputs.x.double(), got, result, kept))
         if changes:
             result.passed = False
