@@ -162,8 +162,8 @@ class BlockCheck(BlockReader):
                             for dtype in (torch.float64, torch.float32))
         sample = [(e, first_projection(self.expert(layer, e, dtype=torch.float32)))
                   for e in range(min(REACH_SAMPLE, count))]
-        reach = gate_reach(lambda: sample)
-        inputs = block_inputs(block64, block32, self.site, reach, count=count, d=session.hidden_size,
+        inputs = block_inputs(block64, block32, self.site, _sampled_reach(gate_reach(lambda: sample)), count=count,
+                              d=session.hidden_size,
                               seed=session.seed, layer=layer)
         sample.clear()  # REACH_SAMPLE experts' gates in float32: not held through the streamed pass
         x64 = inputs.x.double()
@@ -284,6 +284,17 @@ def one_compute_thread() -> Iterator[None]:
         yield
     finally:
         torch.set_num_threads(threads)
+
+
+def _sampled_reach(sampled: Callable[[torch.Tensor, torch.Tensor | None], torch.Tensor]
+                   ) -> Callable[[torch.Tensor, torch.Tensor | None], torch.Tensor]:
+    """A streamed block's reach, measured on REACH_SAMPLE experts: a row none of whose tokens is routed to one of
+    them is scaled on the sample's gates unmasked, instead of by 1/0 (64 experts, top-8 of 4 groups in 8: a row
+    routed to none of experts 0-3 was scaled by 1e12 and the float32 truth overflowed)."""
+    def reach(x: torch.Tensor, chosen: torch.Tensor | None) -> torch.Tensor:
+        best = sampled(x, chosen)
+        return best if chosen is None or bool((best > 0).all()) else torch.where(best > 0, best, sampled(x, None))
+    return reach
 
 
 def _judged_weights(own: MappingABC, experts: str, *, large: bool) -> dict[str, torch.Tensor]:
