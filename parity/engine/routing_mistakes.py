@@ -40,16 +40,13 @@ DIVISIONS = {"__itruediv__", "__truediv__", "div", "div_", "true_divide"}
 ADDITIONS = {"__add__", "__radd__", "add", "__iadd__", "add_"}
 
 
-class ExpertsStandIn(nn.Module):
-    """Stands where a block's experts module is, computing the (token, expert) pairs the block asks for without
-    holding every expert (a block too large to hold: engine.check.block_replay).  Only the replays that change the
-    routing run on it: what it computes for a pair is the expert's own function on the token, unchanged."""
-
-    num_experts: int
-
-    def exchanged(self, first: int, second: int) -> AbstractContextManager:
-        """Asked for either expert, it computes the other."""
-        raise NotImplementedError
+def stands_in(experts: nn.Module) -> bool:
+    """Whether ``experts`` stands where a block's experts module is, computing the (token, expert) pairs the block
+    asks for without holding every expert (engine.check.block_replay.ExpertsOnDemand: a block too large to hold),
+    and exchanging two experts under its own ``exchanged(first, second)``.  Only the replays that change the routing
+    run on it: what it computes for a pair is the expert's own function on the token, unchanged."""
+    return isinstance(experts, nn.Module) and callable(getattr(experts, "exchanged", None)) \
+        and isinstance(getattr(experts, "num_experts", None), int)
 
 
 NOT_REPLAYED_ON_STAND_IN = ("mistakes inside an expert (its SwiGLU clamp, alpha or up + 1; gate and up exchanged or "
@@ -192,7 +189,7 @@ def find_parts(block: nn.Module) -> Parts | None:
                    and _router_weight(c) is not None), None)
     experts = next((c for c in children.values() if c is not router
                     and isinstance(getattr(c, "num_experts", None), int)
-                    and (isinstance(c, ExpertsStandIn) or any(p.dim() == 3 for p in c.parameters(recurse=False)))),
+                    and (stands_in(c) or any(p.dim() == 3 for p in c.parameters(recurse=False)))),
                    None)
     if router is None or experts is None:
         return None
@@ -563,17 +560,17 @@ def _swapped(experts: nn.Module) -> AbstractContextManager:
 def _exchanges(parts: Parts, pairs: Iterable[tuple[int, int]] | None) -> list[Replay]:
     if pairs is None:
         pairs = itertools.combinations(range(parts.num_experts), 2) if parts.num_experts <= MAX_PAIRWISE else ()
-    stand_in = parts.experts if isinstance(parts.experts, ExpertsStandIn) else None
+    stand_in = parts.experts if stands_in(parts.experts) else None
     return [Replay(MistakeId.EXPERTS_EXCHANGED, f"experts {i} and {j} exchanged",
                    (lambda i=i, j=j: stand_in.exchanged(i, j)) if stand_in is not None else
                    (lambda i=i, j=j: _exchanged(parts, i, j)), experts=(i, j)) for i, j in pairs]
 
 
 def _replays(parts: Parts, exchanged: Iterable[tuple[int, int]] | None) -> list[Replay]:
-    """Every replay that applies; on an ``ExpertsStandIn`` only those that change the routing
-    (NOT_REPLAYED_ON_STAND_IN: what changes an expert's own computation or its input is left out)."""
+    """Every replay that applies; on a stand-in only those that change the routing
+    (``stands_in``; NOT_REPLAYED_ON_STAND_IN: what changes an expert's own computation or its input is left out)."""
     routing = (_scoring(parts) + _renormalisation(parts) + _router_settings(parts), _shared(parts) + _top_k(parts))
-    if isinstance(parts.experts, ExpertsStandIn):
+    if stands_in(parts.experts):
         return routing[0] + routing[1] + _exchanges(parts, exchanged)
     return (routing[0] + _placement(parts) + routing[1] + _swiglu(parts) + _gate_up(parts)
             + _exchanges(parts, exchanged))

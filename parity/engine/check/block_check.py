@@ -5,7 +5,9 @@ time (engine.check.session).  transformers' block for the layer, filled with its
 with whatever transformers itself keeps in float32: DeepSeek's router) and float32 (the noise floor); the user's
 block runs twice in float32 on the same inputs (engine.block.block_inputs).  Tokens whose choice of experts moves
 within float32 noise are set aside: the verdict is on the others, and the report counts them and says whether the
-block's output on them matches one of the choices transformers' block makes there.
+block's output on them matches one of the choices transformers' block makes there.  A failing block is named by the
+routing mistakes replayed on transformers' block (engine.routing_mistakes); one too large to hold has its routing
+replays run on a few of its failing tokens around engine.check.block_replay.ExpertsOnDemand (``streamed_mistake``).
 """
 
 from __future__ import annotations
@@ -39,19 +41,22 @@ from parity.engine.block import (
     streamed,
 )
 from parity.engine.check.block_fill import fill_block
-from parity.engine.check.block_replay import streamed_mistake
+from parity.engine.check.block_replay import ExpertsOnDemand, expert_builder, failing_tokens
 from parity.engine.check.build import build_target
 from parity.engine.check.guard import guarded
 from parity.engine.check.run import place, run_module, skip_init, user_code
 from parity.engine.experts import expert_reference, sliced_expert, slices_agree
 from parity.engine.results import LayerResult
-from parity.engine.routing_mistakes import replay_fits
+from parity.engine.routing_mistakes import NOT_REPLAYED_ON_STAND_IN, replay_fits, suspect_pairs
 from parity.engine.verdict import Runs, judge, shape_failure
 from parity.errors import ShapeMismatchError, TargetError
 
 HELD_BYTES = 2 * 2**30  # a block whose experts take more in float64 is streamed: one expert held at a time
 REACH_SAMPLE = 4  # a streamed block's inputs are scaled on this many experts' gates
 REPEAT_TOKENS = 2  # a streamed block's determinism is checked on this many tokens, run twice
+UNREPLAYABLE = ("this block is too large to hold whole and hands its experts its tokens already scaled, so no routing "
+                "mistake was replayed on it; check a smaller layer of the same family, or one expert at a time "
+                "(--experts)")
 
 
 class BlockCheck(BlockReader):
@@ -336,4 +341,37 @@ def named_mistake(block64: nn.Module, x: torch.Tensor, got: torch.Tensor, result
     first, detail, distance, reference = found[0]
     equally = "; ".join(f"equally {other}: {why}" for other, why, _, _ in found[1:])
     return diagnosis(first, distance, reference, detail + (f"; {equally}" if equally else ""),
+                     [Candidate(str(mistake), why, fit) for mistake, why, fit, _ in found])
+
+
+def streamed_mistake(reader: Any, layer: int, block64: nn.Module, x: torch.Tensor, out64: torch.Tensor,
+                     got: torch.Tensor, *, result: Any, kept: torch.Tensor) -> Diagnosis:
+    """The routing mistake whose replay on transformers' streamed block (``block64``, its experts module replaced by
+    ``ExpertsOnDemand`` reading through ``reader``, an engine.block.BlockReader) reproduces the user's output
+    ``got`` on a few of the tokens of ``x`` where it fails, by ``result``'s tolerance; the pairs of experts to
+    replay exchanged are found from every judged token.  None fitting is ``unexplained``, saying which mistakes
+    were not replayed."""
+    site, count, tolerance = reader.site, reader.side.num_experts, result.tolerance
+    x64 = x.double()
+    call = experts_call(block64, site, x64)
+    if len(call) != 3:  # the experts called on tokens already routed and scaled: the pairs are not the block's to ask
+        return diagnosis(MistakeId.UNEXPLAINED, None, result.max_abs_diff, UNREPLAYABLE)
+    width = x.shape[-1]
+    tokens = failing_tokens(out64, got, kept, tolerance)
+    uses = torch.zeros(call[1].shape[0], count, dtype=torch.bool).scatter_(1, call[1].long().clamp(0, count - 1), True)
+    wrong = (got.double().reshape(-1, width) - out64.reshape(-1, width)).abs().amax(-1) > tolerance
+    pairs = suspect_pairs(uses, wrong & kept, kept)
+    block64.set_submodule(site.experts, ExpertsOnDemand(count, expert_builder(reader, layer)))
+    few_x = x64.reshape(-1, width)[tokens].unsqueeze(0)
+    few_got = got.double().reshape(-1, width)[tokens].unsqueeze(0)
+    found = replay_fits(block64, few_x, few_got, tolerance=tolerance, exchanged=pairs)
+    if not found:
+        return diagnosis(MistakeId.UNEXPLAINED, None, result.max_abs_diff,
+                         f"this block is too large to hold whole: routing mistakes were replayed on {len(tokens)} of "
+                         f"the tokens where it fails, none reproduces it; {NOT_REPLAYED_ON_STAND_IN} were not "
+                         "replayed (check a smaller layer of the same family, or one expert at a time: --experts)")
+    first, detail, distance, reference = found[0]
+    equally = "; ".join(f"equally {other}: {why}" for other, why, _, _ in found[1:])
+    where = f" (replayed on {len(tokens)} of the tokens where it fails)"
+    return diagnosis(first, distance, reference, detail + where + (f"; {equally}" if equally else ""),
                      [Candidate(str(mistake), why, fit) for mistake, why, fit, _ in found])

@@ -6,7 +6,7 @@ experts are never held together, so its replays run on a few of the tokens where
 from that expert's stored values, read one expert at a time through the same reader the streamed pass uses, and
 keeps each pair's output, so that replays choosing the same experts do not read them again.  Only the replays that
 change the routing run (routing_mistakes.NOT_REPLAYED_ON_STAND_IN says which do not); the verdict on the few tokens
-uses the held path's rule and tolerance (routing_mistakes.replay_fits).
+uses the held path's rule and tolerance (routing_mistakes.replay_fits, from block_check.streamed_mistake).
 """
 
 from __future__ import annotations
@@ -19,22 +19,17 @@ from typing import Any
 import torch
 from torch import nn
 
-from parity.definitions.mistakes import Candidate, Diagnosis, MistakeId, diagnosis
-from parity.engine.block import experts_call
 from parity.engine.experts import expert_reference
-from parity.engine.routing_mistakes import NOT_REPLAYED_ON_STAND_IN, ExpertsStandIn, replay_fits, suspect_pairs
 
 REPLAY_TOKENS = 8  # a streamed block's mistakes are replayed on this many of the tokens where it failed
-UNREPLAYABLE = ("this block is too large to hold whole and hands its experts its tokens already scaled, so no routing "
-                "mistake was replayed on it; check a smaller layer of the same family, or one expert at a time "
-                "(--experts)")
 
 
-class ExpertsOnDemand(ExpertsStandIn):
+class ExpertsOnDemand(nn.Module):
     """transformers' experts module of a streamed block, each (token, expert) pair computed when asked for, in
     float64: ``build(e)`` is expert e alone in transformers' experts module (built from its stored values, dropped
     once its pairs are computed); a pair's output (at routing weight 1) is kept by the token's values and the expert
-    computed, so another replay choosing it again costs nothing.  ``reads`` counts the experts built."""
+    computed, so another replay choosing it again costs nothing.  ``reads`` counts the experts built.  Its
+    ``exchanged`` makes it a stand-in engine.routing_mistakes runs only the routing replays on (``stands_in``)."""
 
     def __init__(self, count: int, build: Callable[[int], nn.Module]):
         super().__init__()
@@ -92,40 +87,7 @@ def failing_tokens(out64: torch.Tensor, got: torch.Tensor, kept: torch.Tensor, t
     return order[error[order] > 0]
 
 
-def streamed_mistake(reader: Any, layer: int, block64: nn.Module, x: torch.Tensor, out64: torch.Tensor,
-                     got: torch.Tensor, *, result: Any, kept: torch.Tensor) -> Diagnosis:
-    """The routing mistake whose replay on transformers' streamed block (``block64``, its experts module replaced by
-    ``ExpertsOnDemand`` reading through ``reader``, an engine.block.BlockReader) reproduces the user's output
-    ``got`` on a few of the tokens of ``x`` where it fails, by ``result``'s tolerance; the pairs of experts to
-    replay exchanged are found from every judged token.  None fitting is ``unexplained``, saying which mistakes
-    were not replayed."""
-    site, count, tolerance = reader.site, reader.side.num_experts, result.tolerance
-    x64 = x.double()
-    call = experts_call(block64, site, x64)
-    if len(call) != 3:  # the experts called on tokens already routed and scaled: the pairs are not the block's to ask
-        return diagnosis(MistakeId.UNEXPLAINED, None, result.max_abs_diff, UNREPLAYABLE)
-    width = x.shape[-1]
-    tokens = failing_tokens(out64, got, kept, tolerance)
-    uses = torch.zeros(call[1].shape[0], count, dtype=torch.bool).scatter_(1, call[1].long().clamp(0, count - 1), True)
-    wrong = (got.double().reshape(-1, width) - out64.reshape(-1, width)).abs().amax(-1) > tolerance
-    pairs = suspect_pairs(uses, wrong & kept, kept)
-    block64.set_submodule(site.experts, ExpertsOnDemand(count, _expert_builder(reader, layer)))
-    few_x = x64.reshape(-1, width)[tokens].unsqueeze(0)
-    few_got = got.double().reshape(-1, width)[tokens].unsqueeze(0)
-    found = replay_fits(block64, few_x, few_got, tolerance=tolerance, exchanged=pairs)
-    if not found:
-        return diagnosis(MistakeId.UNEXPLAINED, None, result.max_abs_diff,
-                         f"this block is too large to hold whole: routing mistakes were replayed on {len(tokens)} of "
-                         f"the tokens where it fails, none reproduces it; {NOT_REPLAYED_ON_STAND_IN} were not "
-                         "replayed (check a smaller layer of the same family, or one expert at a time: --experts)")
-    first, detail, distance, reference = found[0]
-    equally = "; ".join(f"equally {other}: {why}" for other, why, _, _ in found[1:])
-    where = f" (replayed on {len(tokens)} of the tokens where it fails)"
-    return diagnosis(first, distance, reference, detail + where + (f"; {equally}" if equally else ""),
-                     [Candidate(str(mistake), why, fit) for mistake, why, fit, _ in found])
-
-
-def _expert_builder(reader: Any, layer: int) -> Callable[[int], nn.Module]:
+def expert_builder(reader: Any, layer: int) -> Callable[[int], nn.Module]:
     """Expert e alone in transformers' experts module, float64, from its stored values (the reader keeps only the
     last expert read)."""
     meta = reader.meta_experts(layer)
