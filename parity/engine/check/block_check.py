@@ -372,6 +372,6 @@ def streamed_mistake(reader: Any, layer: int, block64: nn.Module, x: torch.Tenso
                          "replayed (check a smaller layer of the same family, or one expert at a time: --experts)")
     first, detail, distance, reference = found[0]
     equally = "; ".join(f"equally {other}: {why}" for other, why, _, _ in found[1:])
-    where = f" (replayed on {len(tokens)} of the tokens where it fails)"
+    where = f", replayed on {len(tokens)} of the tokens where it fails"
     return diagnosis(first, distance, reference, detail + where + (f"; {equally}" if equally else ""),
                      [Candidate(str(mistake), why, fit) for mistake, why, fit, _ in found])
