@@ -83,7 +83,7 @@ def test_a_correct_block_of_many_experts_passes_streamed(many_experts, monkeypat
 
 @pytest.mark.parametrize(("model_type", "port", "said"), [
     ("gpt_oss", ports.GptOssHalves, "layout misread"),
-    ("llama4_text", ports.Llama4ScoreOnOutput, "hands its experts its tokens already scaled")],
+    ("llama4_text", ports.Llama4ScoreOnOutput, "hands them its tokens already routed and scaled")],
     ids=lambda v: getattr(v, "__name__", str(v)))
 def test_a_streamed_mistake_that_is_not_replayed_is_unexplained_and_says_why(blocks, monkeypatch, model_type, port,
                                                                              said):

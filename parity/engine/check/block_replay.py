@@ -46,7 +46,12 @@ class ExpertsOnDemand(nn.Module):
         finally:
             self.order = list(range(self.num_experts))
 
-    def forward(self, hidden: torch.Tensor, index: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    def forward(self, *args: Any, **kwargs: Any) -> torch.Tensor:
+        """The experts' output for what the block hands them, (tokens, chosen experts, their weights), positional
+        or by any names (as engine.block.experts_call reads the call)."""
+        hidden, index, weights = [a for a in [*args, *kwargs.values()] if isinstance(a, torch.Tensor)][:3]
+        if index.is_floating_point():
+            index, weights = weights, index
         flat = hidden.detach().reshape(-1, hidden.shape[-1]).double()
         keys = [hashlib.blake2b(row.contiguous().numpy().tobytes(), digest_size=16).digest() for row in flat]
         index = index.reshape(len(flat), -1).long()
