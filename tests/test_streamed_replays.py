@@ -133,3 +133,54 @@ def test_experts_on_demand_computes_each_pair_once_one_expert_at_a_time():
         swapped = stand_in(x, index, weights)
     assert torch.allclose(swapped[0], x[0] * (0.5 * 2 + 0.5 * 3), rtol=1e-12, atol=0) and built[3:] == [1]
     assert torch.allclose(stand_in(x, index, weights), truth, rtol=1e-12, atol=0) and len(built) == 4
+
+
+class DeepSeekWritten(ports.DeepSeekBlock):
+    """DeepSeek V3's block with one switchable routing mistake beyond moe_block_ports' (``MISTAKE``)."""
+
+    def route(self, x):
+        import torch
+        import torch.nn.functional as F
+
+        c, mistake = self.config, self.MISTAKE
+        logits = F.linear(x.float(), self.gate.weight.float())
+        scores = logits.softmax(-1) if mistake == "softmax" else logits.sigmoid()
+        biased = scores + self.gate.e_score_correction_bias
+        groups = biased.view(len(x), c.n_group, -1)
+        group_score = groups.topk(2, dim=-1).values.sum(-1)
+        keep = torch.zeros_like(group_score).scatter_(1, group_score.topk(c.topk_group, dim=-1).indices, 1.0)
+        masked = biased.masked_fill(~keep.bool().repeat_interleave(groups.shape[-1], dim=1), float("-inf"))
+        index = masked.topk(c.num_experts_per_tok - (mistake == "k-1"), dim=-1).indices
+        weights = scores.gather(1, index)
+        if mistake != "no_renorm":
+            weights = weights / (weights.sum(-1, keepdim=True) + 1e-20)
+        return weights * c.routed_scaling_factor, index
+
+    def forward(self, x):
+        shape = x.shape
+        x = x.reshape(-1, shape[-1])
+        weights, index = self.route(x)
+        shared = 0 if self.MISTAKE == "no_shared" else self.shared_experts(x)
+        return (ports.combine(x, self.experts, weights, index) + shared).reshape(shape)
+
+
+WRITTEN = {"softmax": "router_softmax_instead_of_sigmoid", "k-1": "router_wrong_top_k",
+           "no_renorm": "router_renormalization_missing", "no_shared": "shared_expert_missing",
+           None: None}
+
+
+@pytest.mark.parametrize("mistake", list(WRITTEN), ids=str)
+def test_a_streamed_block_of_many_experts_is_named_as_when_held(many_experts, monkeypatch, mistake):
+    """64 experts, top-8 of 4 groups in 8 (DeepSeek V3's shape, narrower): each routing mistake is named streamed as
+    held; the correct block passes both ways."""
+    port = type(f"DeepSeek_{mistake}", (DeepSeekWritten,), {"MISTAKE": mistake})
+    held = check(str(many_experts), target=port)
+    streamed = streamed_check(monkeypatch, many_experts, port)
+    assert [r.diagnosis and r.diagnosis.id for r in held.layers] == [WRITTEN[mistake]], held
+    assert [r.diagnosis and r.diagnosis.id for r in streamed.layers] == [WRITTEN[mistake]], streamed
+    assert streamed.passed is held.passed is (mistake is None)
+
+
+def test_a_correct_mixtral_block_passes_streamed(blocks, monkeypatch):
+    streamed = streamed_check(monkeypatch, blocks["mixtral"], ports.MixtralBlock)
+    assert streamed.passed and all(r.diagnosis is None for r in streamed.layers), streamed
