@@ -40,6 +40,19 @@ DIVISIONS = {"__itruediv__", "__truediv__", "div", "div_", "true_divide"}
 ADDITIONS = {"__add__", "__radd__", "add", "__iadd__", "add_"}
 
 
+def stands_in(experts: nn.Module) -> bool:
+    """Whether ``experts`` stands where a block's experts module is, computing the (token, expert) pairs the block
+    asks for without holding every expert (engine.check.block_replay.ExpertsOnDemand: a block too large to hold),
+    and exchanging two experts under its own ``exchanged(first, second)``.  Only the replays that change the routing
+    run on it: what it computes for a pair is the expert's own function on the token, unchanged."""
+    return isinstance(experts, nn.Module) and callable(getattr(experts, "exchanged", None)) \
+        and isinstance(getattr(experts, "num_experts", None), int)
+
+
+NOT_REPLAYED_ON_STAND_IN = ("mistakes inside an expert (its SwiGLU clamp, alpha or up + 1; gate and up exchanged or "
+                            "their layout misread) and the routing score moved onto an expert's input or output")
+
+
 @dataclass(frozen=True)
 class Replay:
     """One mistake: under ``apply()``, calling the block computes it; leaving restores the block."""
@@ -176,7 +189,8 @@ def find_parts(block: nn.Module) -> Parts | None:
                    and _router_weight(c) is not None), None)
     experts = next((c for c in children.values() if c is not router
                     and isinstance(getattr(c, "num_experts", None), int)
-                    and any(p.dim() == 3 for p in c.parameters(recurse=False))), None)
+                    and (stands_in(c) or any(p.dim() == 3 for p in c.parameters(recurse=False)))),
+                   None)
     if router is None or experts is None:
         return None
     gate = next((c for c in children.values() if isinstance(c, nn.Linear) and c is not router
@@ -201,7 +215,8 @@ def _router_weight(router: nn.Module) -> torch.Tensor | None:
 def _probe(parts: Parts) -> None:
     """Run the block once on seeded values: what its router and experts call, which router output holds the
     routing weights."""
-    param = next(parts.experts.parameters())
+    param = next(parts.experts.parameters(), None)
+    param = _router_weight(parts.router) if param is None else param  # a stand-in holds no expert
     generator = torch.Generator().manual_seed(0)
     x = torch.randn(1, PROBE_TOKENS, parts.width, generator=generator, dtype=torch.float64)
     captured: list = []
@@ -545,13 +560,20 @@ def _swapped(experts: nn.Module) -> AbstractContextManager:
 def _exchanges(parts: Parts, pairs: Iterable[tuple[int, int]] | None) -> list[Replay]:
     if pairs is None:
         pairs = itertools.combinations(range(parts.num_experts), 2) if parts.num_experts <= MAX_PAIRWISE else ()
+    stand_in = parts.experts if stands_in(parts.experts) else None
     return [Replay(MistakeId.EXPERTS_EXCHANGED, f"experts {i} and {j} exchanged",
-                   lambda i=i, j=j: _exchanged(parts, i, j), experts=(i, j)) for i, j in pairs]
+                   (lambda i=i, j=j: stand_in.exchanged(i, j)) if stand_in is not None else
+                   (lambda i=i, j=j: _exchanged(parts, i, j)), experts=(i, j)) for i, j in pairs]
 
 
 def _replays(parts: Parts, exchanged: Iterable[tuple[int, int]] | None) -> list[Replay]:
-    return (_scoring(parts) + _renormalisation(parts) + _router_settings(parts) + _placement(parts)
-            + _shared(parts) + _top_k(parts) + _swiglu(parts) + _gate_up(parts) + _exchanges(parts, exchanged))
+    """Every replay that applies; on a stand-in only those that change the routing
+    (``stands_in``; NOT_REPLAYED_ON_STAND_IN: what changes an expert's own computation or its input is left out)."""
+    routing = (_scoring(parts) + _renormalisation(parts) + _router_settings(parts), _shared(parts) + _top_k(parts))
+    if stands_in(parts.experts):
+        return routing[0] + routing[1] + _exchanges(parts, exchanged)
+    return (routing[0] + _placement(parts) + routing[1] + _swiglu(parts) + _gate_up(parts)
+            + _exchanges(parts, exchanged))
 
 
 def replays(block: nn.Module, *, exchanged: Iterable[tuple[int, int]] | None = None) -> list[Replay]:
@@ -582,8 +604,8 @@ def _reference(parts: Parts, x: torch.Tensor, width: int) -> tuple[torch.Tensor,
     return out, (_routing_mask(captured[-1], parts) if captured else None)
 
 
-def _suspect_pairs(uses: torch.Tensor | None, wrong: torch.Tensor,
-                   judged: torch.Tensor) -> list[tuple[int, int]] | None:
+def suspect_pairs(uses: torch.Tensor | None, wrong: torch.Tensor,
+                  judged: torch.Tensor) -> list[tuple[int, int]] | None:
     """Pairs among the experts only mismatching tokens use (and experts no token uses): a token routed to
     neither of two exchanged experts comes out right.  None: no evidence narrows it (replay the default)."""
     if uses is None or not bool(wrong.any()):
@@ -618,13 +640,15 @@ def name_mistake(block: nn.Module, x: torch.Tensor, got: torch.Tensor | tuple, *
 
 
 def replay_fits(block: nn.Module, x: torch.Tensor, got: torch.Tensor | tuple, *, tolerance: float,
-                tokens: torch.Tensor | None = None) -> list[tuple[MistakeId, str, float, float]]:
+                tokens: torch.Tensor | None = None, exchanged: Iterable[tuple[int, int]] | None = None
+                ) -> list[tuple[MistakeId, str, float, float]]:
     """(id, what the replay changes, the output's distance from the replay, its distance from the correct block) of
     each replay reproducing ``got``: within ``tolerance`` (max abs) and at least CLEARLY times closer than the correct
     block is.  Closest first; those that fit equally (within CLEARLY of the closest, or all within tolerance /
     CLEARLY) are all returned.  [] when the block agrees, no replay fits, or ``got`` is not the block's shape.
     ``tokens``: a bool mask over the flattened tokens, the ones judged (near-tied tokens, whose choice of experts
-    may flip legitimately, set aside)."""
+    may flip legitimately, set aside).  ``exchanged``: the pairs of experts to replay exchanged, found from more
+    tokens than ``x`` holds (default: ``suspect_pairs`` on ``x``'s own evidence)."""
     parts = find_parts(block)
     if parts is None:
         return []
@@ -641,7 +665,8 @@ def replay_fits(block: nn.Module, x: torch.Tensor, got: torch.Tensor | tuple, *,
         if not reference_distance > tolerance:
             return []
         fits = []
-        for order, replay in enumerate(_replays(parts, _suspect_pairs(uses, wrong, judged))):
+        pairs = suspect_pairs(uses, wrong, judged) if exchanged is None else exchanged
+        for order, replay in enumerate(_replays(parts, pairs)):
             distance = _distance(block, replay, x, got, width, judged)
             if distance is not None and distance <= tolerance and distance * CLEARLY <= reference_distance:
                 fits.append((distance, order, replay))

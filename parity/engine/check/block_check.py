@@ -5,7 +5,9 @@ time (engine.check.session).  transformers' block for the layer, filled with its
 with whatever transformers itself keeps in float32: DeepSeek's router) and float32 (the noise floor); the user's
 block runs twice in float32 on the same inputs (engine.block.block_inputs).  Tokens whose choice of experts moves
 within float32 noise are set aside: the verdict is on the others, and the report counts them and says whether the
-block's output on them matches one of the choices transformers' block makes there.
+block's output on them matches one of the choices transformers' block makes there.  A failing block is named by the
+routing mistakes replayed on transformers' block (engine.routing_mistakes); one too large to hold has its routing
+replays run on a few of its failing tokens around engine.check.block_replay.ExpertsOnDemand (``streamed_mistake``).
 """
 
 from __future__ import annotations
@@ -39,20 +41,22 @@ from parity.engine.block import (
     streamed,
 )
 from parity.engine.check.block_fill import fill_block
+from parity.engine.check.block_replay import ExpertsOnDemand, expert_builder, failing_tokens
 from parity.engine.check.build import build_target
 from parity.engine.check.guard import guarded
 from parity.engine.check.run import place, run_module, skip_init, user_code
 from parity.engine.experts import expert_reference, sliced_expert, slices_agree
 from parity.engine.results import LayerResult
-from parity.engine.routing_mistakes import replay_fits
+from parity.engine.routing_mistakes import NOT_REPLAYED_ON_STAND_IN, replay_fits, suspect_pairs
 from parity.engine.verdict import Runs, judge, shape_failure
-from parity.errors import ShapeMismatchError, TargetError
+from parity.errors import ParityError, ShapeMismatchError, TargetError
 
 HELD_BYTES = 2 * 2**30  # a block whose experts take more in float64 is streamed: one expert held at a time
 REACH_SAMPLE = 4  # a streamed block's inputs are scaled on this many experts' gates
 REPEAT_TOKENS = 2  # a streamed block's determinism is checked on this many tokens, run twice
-LARGE_UNEXPLAINED = ("this block is too large to hold whole, so no routing mistake was replayed on it; check a smaller "
-                     "layer of the same family, or one expert at a time (--experts)")
+UNREPLAYABLE = ("this block is too large to hold whole and does not hand its experts each token's chosen experts and "
+                "their weights (it hands them its tokens already routed and scaled), so no routing mistake was "
+                "replayed on it; check a smaller layer of the same family, or one expert at a time (--experts)")
 
 
 class BlockCheck(BlockReader):
@@ -135,7 +139,7 @@ class BlockCheck(BlockReader):
             result.unverifiable = ("every token's choice of experts moves within float32 noise: no token decides "
                                    "the routing, so no output can be judged")
         if not result.passed and result.unverifiable is None and result.diagnosis is None and session.diagnose:
-            result.diagnosis = (diagnosis(MistakeId.UNEXPLAINED, None, result.max_abs_diff, LARGE_UNEXPLAINED)
+            result.diagnosis = (streamed_mistake(self, layer, block64, inputs.x, out64, got, result=result, kept=kept)
                                 if large else named_mistake(block64, inputs.x.double(), got, result, kept))
         if changes:
             result.passed = False
@@ -163,8 +167,8 @@ class BlockCheck(BlockReader):
                             for dtype in (torch.float64, torch.float32))
         sample = [(e, first_projection(self.expert(layer, e, dtype=torch.float32)))
                   for e in range(min(REACH_SAMPLE, count))]
-        reach = gate_reach(lambda: sample)
-        inputs = block_inputs(block64, block32, self.site, reach, count=count, d=session.hidden_size,
+        inputs = block_inputs(block64, block32, self.site, _sampled_reach(gate_reach(lambda: sample)), count=count,
+                              d=session.hidden_size,
                               seed=session.seed, layer=layer)
         sample.clear()  # REACH_SAMPLE experts' gates in float32: not held through the streamed pass
         x64 = inputs.x.double()
@@ -287,6 +291,17 @@ def one_compute_thread() -> Iterator[None]:
         torch.set_num_threads(threads)
 
 
+def _sampled_reach(sampled: Callable[[torch.Tensor, torch.Tensor | None], torch.Tensor]
+                   ) -> Callable[[torch.Tensor, torch.Tensor | None], torch.Tensor]:
+    """A streamed block's reach, measured on REACH_SAMPLE experts: a row none of whose tokens is routed to one of
+    them is scaled on the sample's gates unmasked, instead of by 1/0 (64 experts, top-8 of 4 groups in 8: a row
+    routed to none of experts 0-3 was scaled by 1e12 and the float32 truth overflowed)."""
+    def reach(x: torch.Tensor, chosen: torch.Tensor | None) -> torch.Tensor:
+        best = sampled(x, chosen)
+        return best if chosen is None or bool((best > 0).all()) else torch.where(best > 0, best, sampled(x, None))
+    return reach
+
+
 def _judged_weights(own: MappingABC, experts: str, *, large: bool) -> dict[str, torch.Tensor]:
     """What the verdict checks for all-zero or identical weight matrices: the block's matrices, not its vectors.
     A stacked experts tensor is a matrix per expert only when it has three dimensions: [E, 2I] is every expert's
@@ -326,4 +341,43 @@ def named_mistake(block64: nn.Module, x: torch.Tensor, got: torch.Tensor, result
     first, detail, distance, reference = found[0]
     equally = "; ".join(f"equally {other}: {why}" for other, why, _, _ in found[1:])
     return diagnosis(first, distance, reference, detail + (f"; {equally}" if equally else ""),
+                     [Candidate(str(mistake), why, fit) for mistake, why, fit, _ in found])
+
+
+def streamed_mistake(reader: Any, layer: int, block64: nn.Module, x: torch.Tensor, out64: torch.Tensor,
+                     got: torch.Tensor, *, result: Any, kept: torch.Tensor) -> Diagnosis:
+    """The routing mistake whose replay on transformers' streamed block (``block64``, its experts module replaced by
+    ``ExpertsOnDemand`` reading through ``reader``, an engine.block.BlockReader) reproduces the user's output
+    ``got`` on a few of the tokens of ``x`` where it fails, by ``result``'s tolerance; the pairs of experts to
+    replay exchanged are found from every judged token.  None fitting is ``unexplained``, saying which mistakes
+    were not replayed."""
+    site, count, tolerance = reader.site, reader.side.num_experts, result.tolerance
+    x64 = x.double()
+    call = experts_call(block64, site, x64)
+    if len(call) != 3 or sum(not a.is_floating_point() for a in call) != 1:  # tokens already routed and scaled
+        return diagnosis(MistakeId.UNEXPLAINED, None, result.max_abs_diff, UNREPLAYABLE)
+    width = x.shape[-1]
+    tokens = failing_tokens(out64, got, kept, tolerance)
+    wrong = (got.double().reshape(-1, width) - out64.reshape(-1, width)).abs().amax(-1) > tolerance
+    pairs = suspect_pairs(chosen_in(call, count), wrong & kept, kept)
+    block64.set_submodule(site.experts, ExpertsOnDemand(count, expert_builder(reader, layer)))
+    few_x = x64.reshape(-1, width)[tokens].unsqueeze(0)
+    few_got = got.double().reshape(-1, width)[tokens].unsqueeze(0)
+    try:
+        found = replay_fits(block64, few_x, few_got, tolerance=tolerance, exchanged=pairs)
+    except ParityError:  # the checkpoint's defect in an expert only a replay chose: said as the streamed pass says it
+        raise
+    except Exception as exc:  # noqa: BLE001 - the verdict stands; only its explanation is missing, and said so
+        return diagnosis(MistakeId.UNEXPLAINED, None, result.max_abs_diff, "this block is too large to hold whole and "
+                         f"its routing replays could not run around experts read on demand ({type(exc).__name__}: "
+                         f"{exc})")
+    if not found:
+        return diagnosis(MistakeId.UNEXPLAINED, None, result.max_abs_diff,
+                         f"this block is too large to hold whole: routing mistakes were replayed on {len(tokens)} of "
+                         f"the tokens where it fails, none reproduces it; {NOT_REPLAYED_ON_STAND_IN} were not "
+                         "replayed (check a smaller layer of the same family, or one expert at a time: --experts)")
+    first, detail, distance, reference = found[0]
+    equally = "; ".join(f"equally {other}: {why}" for other, why, _, _ in found[1:])
+    where = f", replayed on {len(tokens)} of the tokens where it fails"
+    return diagnosis(first, distance, reference, detail + where + (f"; {equally}" if equally else ""),
                      [Candidate(str(mistake), why, fit) for mistake, why, fit, _ in found])
