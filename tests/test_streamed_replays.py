@@ -47,7 +47,19 @@ class DeepSeekExchanged(ports.DeepSeekBlock):
         return (ports.combine(x, experts, weights, index) + self.shared_experts(x)).reshape(shape)
 
 
+class DeepSeekScoreOnInput(ports.DeepSeekBlock):
+    """DeepSeek V3's block with each expert run on its token times the routing weight (the weight belongs on the
+    expert's output)."""
+
+    def forward(self, x):
+        shape = x.shape
+        x = x.reshape(-1, shape[-1])
+        weights, index = self.route(x)
+        return (ports.combine(x, self.experts, weights, index, on_input=True) + self.shared_experts(x)).reshape(shape)
+
+
 BROKEN = [("deepseek_v3", ports.DeepSeekScalingDropped, "routed_scaling_dropped"),
+          ("deepseek_v3", DeepSeekScoreOnInput, "router_score_on_input"),
           ("deepseek_v3", ports.DeepSeekBiasInWeights, "selection_bias_in_weights"),
           ("mixtral", ports.MixtralNoRenorm, "router_renormalization_missing"),
           ("qwen2_moe", ports.QwenSharedMissing, "shared_expert_missing"),

@@ -44,13 +44,13 @@ def stands_in(experts: nn.Module) -> bool:
     """Whether ``experts`` stands where a block's experts module is, computing the (token, expert) pairs the block
     asks for without holding every expert (engine.check.block_replay.ExpertsOnDemand: a block too large to hold),
     and exchanging two experts under its own ``exchanged(first, second)``.  Only the replays that change the routing
-    run on it: what it computes for a pair is the expert's own function on the token, unchanged."""
+    (or scale an expert's input) run on it: what it computes for a pair is the expert's own function on the token."""
     return isinstance(experts, nn.Module) and callable(getattr(experts, "exchanged", None)) \
         and isinstance(getattr(experts, "num_experts", None), int)
 
 
 NOT_REPLAYED_ON_STAND_IN = ("mistakes inside an expert (its SwiGLU clamp, alpha or up + 1; gate and up exchanged or "
-                            "their layout misread) and the routing score moved onto an expert's input or output")
+                            "their layout misread)")
 
 
 @dataclass(frozen=True)
@@ -336,11 +336,14 @@ def _renormalised(at: int) -> Callable:
 
 
 def _scores_on_input(forward: Callable) -> Callable:
-    """Experts called once per top-k rank, on the input times that rank's weight, at weight 1."""
-    signature = inspect.signature(forward)
+    """Experts called once per top-k rank, on the input times that rank's weight, at weight 1.  The call's tensors
+    are read in order (the tokens, then the chosen experts and their weights, told apart by their dtype), so a
+    stand-in taking ``*args`` (engine.check.block_replay.ExpertsOnDemand) is called as the module is."""
 
     def experts(*args, **kwargs):
-        hidden, index, weights = list(signature.bind(*args, **kwargs).arguments.values())[:3]
+        hidden, index, weights = [a for a in [*args, *kwargs.values()] if isinstance(a, torch.Tensor)][:3]
+        if index.is_floating_point():
+            index, weights = weights, index
         ones = torch.ones_like(weights[..., :1])
         total = None
         for rank in range(index.shape[-1]):
@@ -486,7 +489,7 @@ def _placement(parts: Parts) -> list[Replay]:
     output (the mistake scales their input), experts called with the input alone get it scaled (the mistake
     scales their output)."""
     taken = len(inspect.signature(parts.experts.forward).parameters)
-    if taken >= 3:
+    if taken >= 3 or stands_in(parts.experts):
         return [Replay(MistakeId.ROUTER_SCORE_ON_INPUT, "each expert run on its input times the routing weight",
                        lambda: _forward_replaced(parts.experts, _scores_on_input))]
     if taken == 1 and parts.weights_at is not None:
@@ -567,11 +570,11 @@ def _exchanges(parts: Parts, pairs: Iterable[tuple[int, int]] | None) -> list[Re
 
 
 def _replays(parts: Parts, exchanged: Iterable[tuple[int, int]] | None) -> list[Replay]:
-    """Every replay that applies; on a stand-in only those that change the routing
-    (``stands_in``; NOT_REPLAYED_ON_STAND_IN: what changes an expert's own computation or its input is left out)."""
+    """Every replay that applies; on a stand-in only those that change the routing or where the score is applied
+    (``stands_in``; NOT_REPLAYED_ON_STAND_IN: what changes an expert's own computation is left out)."""
     routing = (_scoring(parts) + _renormalisation(parts) + _router_settings(parts), _shared(parts) + _top_k(parts))
-    if stands_in(parts.experts):
-        return routing[0] + routing[1] + _exchanges(parts, exchanged)
+    if stands_in(parts.experts):  # the score on the input: each pair computed on its token times its weight
+        return routing[0] + _placement(parts) + routing[1] + _exchanges(parts, exchanged)
     return (routing[0] + _placement(parts) + routing[1] + _swiglu(parts) + _gate_up(parts)
             + _exchanges(parts, exchanged))
 

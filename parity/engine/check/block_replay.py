@@ -4,8 +4,9 @@ A held block's mistakes are replayed on transformers' block whole (engine.routin
 experts are never held together, so its replays run on a few of the tokens where the user's block failed, around
 ``ExpertsOnDemand``: a stand-in for the experts module that computes each (token, expert) pair the block asks for
 from that expert's stored values, read one expert at a time through the same reader the streamed pass uses, and
-keeps each pair's output, so that replays choosing the same experts do not read them again.  Only the replays that
-change the routing run (routing_mistakes.NOT_REPLAYED_ON_STAND_IN says which do not); the verdict on the few tokens
+keeps each pair's output, so that replays choosing the same experts do not read them again.  The replays that
+change the routing, or move the score onto an expert's input, run (routing_mistakes.NOT_REPLAYED_ON_STAND_IN says
+which do not); the verdict on the few tokens
 uses the held path's rule and tolerance (routing_mistakes.replay_fits, from block_check.streamed_mistake).
 """
 
