@@ -308,12 +308,13 @@ def main() -> int:
         if "moe" not in args.skip:
             print("(i) a whole MoE block of the DeepSeek-V3 shape (builds a 22.6 GB file once; one run: minutes)",
                   file=sys.stderr)
-            from bench_moe import build_moe_layer, moe_commands, port_seconds
+            from bench_moe import block_verdict, build_moe_layer, moe_commands, port_seconds
 
             moe = build_moe_layer(args.root / "deepseek-v3-moe-layer")
             os.environ["PARITY_BENCH_MOE"] = str(moe)
             results["moe"] = run_all(moe_commands(moe, Path(tmp), sys.executable), 1, cwd=Path(tmp))
             results["moe_port"] = port_seconds(Path(tmp))
+            results["moe_verdict"] = block_verdict(Path(tmp))
         if "checkpoints" not in args.skip:
             results["checkpoints"] = checkpoint_rows(args.root, llama, subsets, runs)
         if "frameworks" not in args.skip:

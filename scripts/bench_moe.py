@@ -200,6 +200,19 @@ def port_seconds(work: Path) -> list[float]:
     return json.loads(path.read_text()) if path.is_file() else []
 
 
+def block_verdict(work: Path) -> dict:
+    """What parity's check of the block concluded (its JSON report): a time measured on a run that did not judge the
+    block (unverifiable, or an error) is no time of a check."""
+    path = work / "moe.json"
+    if not path.is_file():
+        return {"passed": False, "said": "no report written"}
+    report = json.loads(path.read_text())
+    layers = report.get("layers") or [{}]
+    return {"passed": bool(report.get("passed")), "unverifiable": layers[0].get("unverifiable"),
+            "max_abs_diff": layers[0].get("max_abs_diff"), "tolerance": layers[0].get("tolerance"),
+            "coverage": {k: v for k, v in (layers[0].get("coverage") or {}).items() if k != "tokens_per_expert"}}
+
+
 def print_moe(results: dict) -> None:
     """Peak RSS against one expert's float32 size, and time against the floor of a check (the experts read twice:
     the reference's reads and the port's own), each goal said met or not with its measured ratio, in wall seconds
@@ -230,6 +243,10 @@ def print_moe(results: dict) -> None:
         if "cpu_s" in parity:
             summary["cpu_over_truth_floor"] = parity["cpu_s"] / (floor["cpu_s"] + truth["cpu_s"])
     results["moe_summary"] = summary
+    verdict = results.get("moe_verdict", {})
+    print(f"the check's verdict: {'PASS' if verdict.get('passed') else 'NOT a pass'} (max|Δ| "
+          f"{verdict.get('max_abs_diff')}, tolerance {verdict.get('tolerance')}"
+          + (f"; unverifiable: {verdict['unverifiable']}" if verdict.get("unverifiable") else "") + ")")
     said = {True: "met", False: "NOT met"}
     print(f"goal: time <= 1.3 x twice the floor (the reference's reads and the port's): "
           f"{summary['time_over_check_floor']:.2f} x wall, {said[summary['time_within_goal']]}" + (
