@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from .moe_blocks import family_checkpoints, many_experts_checkpoint
 from .support import cache_repo, use_hf_home
 
 os.environ["HF_HUB_OFFLINE"] = "1"  # tests never touch the network
@@ -95,3 +96,15 @@ def hf_cache(tmp_path, tiny, monkeypatch):
 @pytest.fixture(autouse=True)
 def _parity_cache(tmp_path_factory, monkeypatch):
     monkeypatch.setenv("PARITY_CACHE", str(tmp_path_factory.getbasetemp() / "parity_cache"))
+
+
+@pytest.fixture(scope="session")
+def blocks(tmp_path_factory) -> dict[str, Path]:
+    """A tiny checkpoint of each MoE family (tests/moe_blocks.py), for the whole-block tests."""
+    return family_checkpoints(tmp_path_factory.mktemp("moe_blocks"))
+
+
+@pytest.fixture(scope="session")
+def many_experts(tmp_path_factory) -> Path:
+    """A DeepSeek V3 of 64 experts in 8 groups (tests/moe_blocks.py)."""
+    return many_experts_checkpoint(tmp_path_factory.mktemp("many"))

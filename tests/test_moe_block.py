@@ -16,33 +16,11 @@ import torch
 from parity.api import check
 
 from . import moe_block_ports as ports
-from .derived_checkpoints import MOE, build, with_selection_bias
+from .derived_checkpoints import MOE, build
+from .moe_blocks import FAMILIES, streamed_check
 from .support import run_json, run_main
 
 HERE = Path(__file__).resolve().parent
-
-FAMILIES = {  # model_type -> config values beyond MOE's
-    "mixtral": {},
-    "qwen2_moe": {},
-    "deepseek_v3": dict(first_k_dense_replace=1, n_group=2, topk_group=1, q_lora_rank=16, kv_lora_rank=16,
-                        qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=16, routed_scaling_factor=2.5,
-                        norm_topk_prob=True),
-    "gpt_oss": {},
-    "llama4_text": dict(intermediate_size_mlp=72, interleave_moe_layer_step=1),
-    "olmoe": {},
-    "qwen3_moe": {},
-}
-
-
-@pytest.fixture(scope="module")
-def blocks(tmp_path_factory) -> dict[str, Path]:
-    """model_type -> a tiny checkpoint; DeepSeek's selection bias (a buffer, zero when built) set to values that
-    change the choice, so a port that puts it into the weights differs."""
-    root = tmp_path_factory.mktemp("moe_blocks")
-    built = {mt: build(mt, root / mt, seed, **{**MOE, **values}) for seed, (mt, values) in enumerate(FAMILIES.items())}
-    with_selection_bias(built["deepseek_v3"])
-    return built
-
 
 def own_block(model_type: str):
     """transformers' own block for the checkpoint's config, as a user's factory would build it."""
@@ -206,27 +184,6 @@ def test_a_block_too_large_to_hold_is_streamed_one_expert_at_a_time(blocks, monk
     assert len(truth_reads) <= 4 + 4 + 4 * 3 + 8  # the reach sample, the one streamed pass, the target's fill
 
 
-@pytest.fixture(scope="module")
-def many_experts(tmp_path_factory) -> Path:
-    """DeepSeek V3 with 64 experts in 8 groups (top-4 groups, top-8 experts), a random selection bias, and a shared
-    expert as wide as the expert count (its [64, d] gate_proj beside the router's [64, d] weight)."""
-    from safetensors.torch import load_file, save_file
-
-    folder = build("deepseek_v3", tmp_path_factory.mktemp("many") / "ds64", 3, hidden_size=256, num_hidden_layers=2,
-                   first_k_dense_replace=1, n_routed_experts=64, num_experts_per_tok=8, n_group=8, topk_group=4,
-                   moe_intermediate_size=64, n_shared_experts=1, intermediate_size=128, q_lora_rank=16,
-                   kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=16, **MOE_HEADS)
-    tensors = load_file(folder / "model.safetensors")
-    generator = torch.Generator().manual_seed(0)
-    for name in [n for n in tensors if n.endswith("e_score_correction_bias")]:
-        tensors[name] = torch.randn(tensors[name].shape, generator=generator) * 0.05
-    save_file(tensors, folder / "model.safetensors", metadata={"format": "pt"})
-    return folder
-
-
-MOE_HEADS = dict(num_attention_heads=2, num_key_value_heads=2)
-
-
 @pytest.mark.parametrize("seed", [0, 1, 2])
 def test_every_expert_of_a_grouped_router_is_chosen_and_a_dropped_one_is_caught(many_experts, seed):
     report = check(str(many_experts), target=ports.DeepSeekBlock, seed=seed)
@@ -234,15 +191,6 @@ def test_every_expert_of_a_grouped_router_is_chosen_and_a_dropped_one_is_caught(
     assert report.layers[0].coverage["never_chosen"] == []
     dropped = check(str(many_experts), target=ports.DeepSeekDropsExpert7, seed=seed)
     assert not dropped.passed and dropped.layers[0].unverifiable is None
-
-
-def streamed_check(monkeypatch, folder: Path, port):
-    """``check`` with every block streamed (HELD_BYTES 0): each expert read, built and run one at a time."""
-    from parity.engine.check import block_check
-
-    with monkeypatch.context() as patched:
-        patched.setattr(block_check, "HELD_BYTES", 0)
-        return check(str(folder), target=port)
 
 
 @pytest.mark.parametrize(("model_type", "port"), [

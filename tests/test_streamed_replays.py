@@ -14,10 +14,7 @@ import pytest
 from parity.api import check
 
 from . import moe_block_ports as ports
-from . import test_moe_block as moe
-from .test_moe_block import streamed_check
-
-blocks, many_experts = moe.blocks, moe.many_experts  # its module-scoped checkpoints, built once here too
+from .moe_blocks import streamed_check
 
 
 class MixtralExchanged(ports.MixtralBlock):
