@@ -68,6 +68,7 @@ class BlockCheck(BlockReader):
         self.session = session
         self.sources: dict[str, str] = {}  # how the user's block was filled (its first layer), for the report
         self.target_notes: list[str] = []
+        self.flat_input = False  # the block takes its tokens flattened, [batch·tokens, d] (run_target)
         self.skipped: list[int] = []  # layers selected that hold no sparse block (dense ones before MoE ones)
 
     def units(self, layer: int) -> list[tuple[BlockCheck, None]]:
@@ -215,13 +216,40 @@ class BlockCheck(BlockReader):
 
     def run_target(self, target: nn.Module, name: str, x: torch.Tensor, changes: list[str]) -> torch.Tensor:
         """The user's block on its own copy of ``x``, shaped like ``x`` (a tuple's first element; [batch·tokens, d]
-        reshaped, as transformers' Llama 4 block returns it)."""
-        with torch.no_grad(), guarded(changes), \
-                user_code(f"target {name} failed on an input of shape {list(x.shape)}"):
-            out = run_module(target, x.clone())
+        reshaped, as transformers' Llama 4 block returns it).  A block that fails on [batch, tokens, d] is run on the
+        tokens flattened to [batch·tokens, d], as its model calls it (mistral-inference's MoeLayer unpacks
+        ``batch_idx, nth_expert = torch.where(...)``); if that fails too, the error is the one of the first call."""
+        if self.flat_input:
+            return self.run_flat(target, name, x, changes)
+        try:
+            with torch.no_grad(), guarded(changes), \
+                    user_code(f"target {name} failed on an input of shape {list(x.shape)}"):
+                out = run_module(target, x.clone())
+        except TargetError as first:
+            if x.dim() < 3:
+                raise
+            try:
+                out = self.run_flat(target, name, x, changes)
+            except TargetError:
+                raise first from None
+            self.flat_input = True
+            self.target_notes.append(f"{name} fails on an input of shape {list(x.shape)} and runs on the tokens "
+                                     f"flattened, [batch·tokens, d]: it is called so")
+            return out
         if out.numel() != x.numel():
             raise TargetError(f"target {name}: forward on an input of shape {list(x.shape)} returned shape "
                               f"{list(out.shape)}; transformers' block returns {list(x.shape)}")
+        return out.reshape(x.shape)
+
+    def run_flat(self, target: nn.Module, name: str, x: torch.Tensor, changes: list[str]) -> torch.Tensor:
+        """The user's block on [batch·tokens, d], its output reshaped to ``x``'s shape."""
+        flat = x.reshape(-1, x.shape[-1])
+        with torch.no_grad(), guarded(changes), \
+                user_code(f"target {name} failed on an input of shape {list(flat.shape)}"):
+            out = run_module(target, flat.clone())
+        if out.numel() != x.numel():
+            raise TargetError(f"target {name}: forward on an input of shape {list(flat.shape)} returned shape "
+                              f"{list(out.shape)}; transformers' block returns {list(flat.shape)}")
         return out.reshape(x.shape)
 
     def agreeing(self, block64: nn.Module, inputs: BlockInputs, got: torch.Tensor, out32: torch.Tensor,
