@@ -49,7 +49,7 @@ from parity.engine.experts import expert_reference, sliced_expert, slices_agree
 from parity.engine.results import LayerResult
 from parity.engine.routing_mistakes import NOT_REPLAYED_ON_STAND_IN, replay_fits, suspect_pairs
 from parity.engine.verdict import Runs, judge, shape_failure
-from parity.errors import ParityError, ShapeMismatchError, TargetError
+from parity.errors import ParityError, ShapeMismatchError, TargetError, UsageError
 
 HELD_BYTES = 2 * 2**30  # a block whose experts take more in float64 is streamed: one expert held at a time
 REACH_SAMPLE = 4  # a streamed block's inputs are scaled on this many experts' gates
@@ -65,9 +65,16 @@ class BlockCheck(BlockReader):
 
     def __init__(self, session: Any):
         super().__init__(session)
+        asked = [f"--dtype {session.dtype_name}"] * session.low_precision \
+            + [f"--device {session.device}"] * (session.device.type != "cpu")
+        if asked:  # the block is built, filled and run on the CPU in float32: a report saying otherwise would lie
+            raise UsageError(f"a whole MoE block is checked in float32 on the CPU only (transformers' block in float64 "
+                             f"is its truth, float32 its noise floor), not with {' '.join(asked)}: run it without "
+                             f"{'them' if len(asked) > 1 else 'it'}, or check one expert at a time there (--experts)")
         self.session = session
         self.sources: dict[str, str] = {}  # how the user's block was filled (its first layer), for the report
         self.target_notes: list[str] = []
+        self.half = ""  # the block's half-precision parameters, said where it fails (low_precision_compute)
         self.flat_input = False  # the block takes its tokens flattened, [batch·tokens, d] (run_target)
         self.skipped: list[int] = []  # layers selected that hold no sparse block (dense ones before MoE ones)
 
@@ -142,6 +149,8 @@ class BlockCheck(BlockReader):
         if not result.passed and result.unverifiable is None and result.diagnosis is None and session.diagnose:
             result.diagnosis = (streamed_mistake(self, layer, block64, inputs.x, out64, got, result=result, kept=kept)
                                 if large else named_mistake(block64, inputs.x.double(), got, result, kept))
+        if result.diagnosis is not None and result.diagnosis.id == MistakeId.UNEXPLAINED and self.half:
+            result.diagnosis = diagnosis(MistakeId.LOW_PRECISION_COMPUTE, None, result.max_abs_diff, self.half)
         if changes:
             result.passed = False
             result.diagnosis = diagnosis(MistakeId.GLOBAL_STATE_MODIFIED, None, None, "; ".join(changes[:6]))
@@ -212,6 +221,7 @@ class BlockCheck(BlockReader):
                                  lambda e: experts[e] if experts else self.expert(layer, e),
                                  self.session.num_experts, f"target {name}")
         self.sources = self.sources or sources
+        self.half = half_precision(module)
         return module.eval(), name
 
     def run_target(self, target: nn.Module, name: str, x: torch.Tensor, changes: list[str]) -> torch.Tensor:
@@ -231,6 +241,8 @@ class BlockCheck(BlockReader):
             try:
                 out = self.run_flat(target, name, x, changes)
             except TargetError:
+                if len(by_dtype(target)) > 1:  # DeepSeek-V3's Linear defaults to bfloat16 beside a float32 gate
+                    raise TargetError(f"{first}. {mixed_dtypes(target)}") from None
                 raise first from None
             self.flat_input = True
             self.target_notes.append(f"{name} fails on an input of shape {list(x.shape)} and runs on the tokens "
@@ -338,6 +350,37 @@ def _judged_weights(own: MappingABC, experts: str, *, large: bool) -> dict[str, 
     inside = experts + "."
     return {name: own[name] for name in own if not (large and name.startswith(inside))
             and (own[name].dim() >= 3 if name.startswith(inside) else sum(n > 1 for n in own[name].shape) >= 2)}
+
+
+def by_dtype(module: nn.Module) -> dict[torch.dtype, list[str]]:
+    """The module's floating parameters and buffers, by dtype."""
+    found: dict[torch.dtype, list[str]] = {}
+    for name, tensor in [*module.named_parameters(), *module.named_buffers()]:
+        if tensor.is_floating_point():
+            found.setdefault(tensor.dtype, []).append(name)
+    return found
+
+
+def _listed(names: list[str]) -> str:
+    return ", ".join(names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
+
+
+def half_precision(module: nn.Module) -> str:
+    """What says a block computes in half precision, where it holds parameters in it ("" where none): a float32 check
+    runs a module as it was built, so a block built in bfloat16 (DeepSeek-V3's inference Linear, generate.py's
+    default dtype) is judged against float32 noise and fails; the report names that instead of 'unexplained'."""
+    half = {dtype: names for dtype, names in by_dtype(module).items() if dtype in (torch.bfloat16, torch.float16)}
+    return "; ".join(f"the block holds {str(dtype).removeprefix('torch.')} parameters ({_listed(names)}): it computes "
+                     "in it, judged here against float32 noise; build it in float32 (torch.set_default_dtype, or "
+                     ".float() on the block) to check its routing and experts" for dtype, names in half.items())
+
+
+def mixed_dtypes(module: nn.Module) -> str:
+    """The hint for a block that fails holding parameters of more than one dtype."""
+    listed = "; ".join(f"{str(dtype).removeprefix('torch.')}: {_listed(names)}"
+                       for dtype, names in by_dtype(module).items())
+    return (f"The block holds parameters of more than one dtype ({listed}): build it in one dtype, float32 for this "
+            "check (torch.set_default_dtype(torch.float32) and the module's own default dtype, or .float() on it)")
 
 
 def holds_block(session: Any) -> bool:
