@@ -156,11 +156,18 @@ def _by_suffix(name: str, target: torch.Tensor, offered: dict[str, dict[str, tor
 
 def _by_shape(name: str, target: torch.Tensor, offered: dict[str, dict[str, torch.Tensor]]
               ) -> tuple[torch.Tensor, str] | None:
-    """The router's weight or bias, the shared experts' gate: the one tensor outside the experts of its shape."""
+    """The router's weight or bias, the shared experts' gate: the one tensor outside the experts of its shape; else,
+    where none has it, the one of its shape transposed (a router held [d, E] for ``x @ W``: Meta's Llama 4
+    ``router_DE``)."""
     names = offered[next(iter(offered))]
-    found = [n for n in names if not n.startswith("experts.") and tuple(names[n].shape) == tuple(target.shape)]
-    return (names[found[0]], f"transformers: {found[0]} (the one tensor of shape {list(target.shape)})") \
-        if len(found) == 1 else None
+    outside = [n for n in names if not n.startswith("experts.")]
+    found = [n for n in outside if tuple(names[n].shape) == tuple(target.shape)]
+    if found or target.dim() != 2 or target.shape[0] == target.shape[1]:
+        return (names[found[0]], f"transformers: {found[0]} (the one tensor of shape {list(target.shape)})") \
+            if len(found) == 1 else None
+    found = [n for n in outside if names[n].dim() == 2 and tuple(names[n].shape) == tuple(target.shape)[::-1]]
+    return (names[found[0]].t(), f"transformers: {found[0]} (transposed: the one tensor of shape "
+                                 f"{list(target.shape)[::-1]}, used as x @ W)") if len(found) == 1 else None
 
 
 def _unfilled(name: str, state: dict[str, torch.Tensor], offered: dict[str, dict[str, torch.Tensor]],
