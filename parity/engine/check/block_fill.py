@@ -106,15 +106,18 @@ def _stacked(name: str, target: torch.Tensor, aliases: Any, experts: Callable[[i
     """Every expert's projection of one role stacked in one parameter ([E, out, in], or [E, in, out] for a module
     computing x @ W: MLX's switch_mlp.gate_proj, a port's experts.w1), told apart by shape alone; None where the shape
     fits neither or both (a square projection)."""
-    if target.dim() != 3 or target.shape[0] != count or "shared" in name:
+    if target.dim() not in (2, 3) or target.shape[0] != count or "shared" in name:
         return None
     found = _expert_role(name, aliases)
     if found is None:
         return None
     key = found[0] if found[1] == "weight" else f"{found[0]}_bias"
     first = experts(0).get(key)
-    if first is None or first.dim() != 2:
+    if first is None or first.dim() != target.dim() - 1:
         return None
+    if first.dim() == 1:  # every expert's bias of one role, [E, out] (gpt-oss's mlp2_bias)
+        return (torch.stack([experts(e)[key] for e in range(count)]), f"every expert's {key}") \
+            if tuple(target.shape[1:]) == tuple(first.shape) else None
     as_stored, transposed = tuple(target.shape[1:]) == tuple(first.shape), tuple(target.shape[1:]) == first.shape[::-1]
     if as_stored == transposed:
         return None
@@ -127,14 +130,17 @@ def _fused(name: str, target: torch.Tensor, aliases: Any, offered: dict[str, dic
     """Every expert's gate and up fused in one stacked parameter under a name of its own (a port's ``experts.w13``
     [E, 2I, d]): transformers' own fused stack, in the layout the layer holds it (halves, or interleaved
     rows), transposed where the parameter's shape says x @ W; None where the shape fits neither or both."""
-    if target.dim() != 3 or "shared" in name or ("gate_up", "weight") not in aliases.roles_of(name):
+    kind = "weight" if target.dim() == 3 else "bias"  # a bias [E, 2I] laid out as the weight is (gpt-oss's mlp1_bias)
+    if target.dim() not in (2, 3) or "shared" in name or ("gate_up", kind) not in aliases.roles_of(name):
         return None
     names = offered[next(iter(offered))]
-    found = [n for n in names if n.startswith("experts.") and names[n].dim() == 3
-             and ("gate_up", "weight") in aliases.roles_of(n)]
+    found = [n for n in names if n.startswith("experts.") and names[n].dim() == target.dim()
+             and ("gate_up", kind) in aliases.roles_of(n)]
     if len(found) != 1:
         return None
     stack, source = names[found[0]], f"transformers: {found[0]}"
+    if kind == "bias":
+        return (stack, source) if tuple(stack.shape) == tuple(target.shape) else None
     as_held = tuple(stack.shape) == tuple(target.shape)
     if as_held == (tuple(stack.transpose(1, 2).shape) == tuple(target.shape)):
         return None
