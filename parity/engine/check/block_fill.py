@@ -179,6 +179,13 @@ def _by_shape(name: str, target: torch.Tensor, offered: dict[str, dict[str, torc
 def _unfilled(name: str, state: dict[str, torch.Tensor], offered: dict[str, dict[str, torch.Tensor]],
               where: str) -> str:
     transformers_names = ", ".join(offered[next(iter(offered))])
+    if any("norm" in part for part in name.lower().split(".")[:-1] + [name.lower()]) and state[name].dim() == 1:
+        # gpt-oss's MLPBlock computes x + experts(norm(x)): the decoder layer's norm and residual inside the block
+        return (f"{where}: your block holds '{name}' {list(state[name].shape)}, a normalisation's weight; "
+                "transformers' block is the sparse block alone (the norm before it and the residual added after it "
+                "belong to the decoder layer), and so is what parity compares. Check the block without them: a "
+                "factory that sets the norm to nn.Identity() and returns the block's output minus its input "
+                "(--target mymodel:make_block)")
     return (f"{where}: parity cannot tell which of the layer's tensors fills your block's '{name}' "
             f"{list(state[name].shape)}. It fills a block whose parameters carry transformers' names "
             f"({transformers_names}), the checkpoint's names relative to the block, or one module per expert "
