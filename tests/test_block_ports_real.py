@@ -181,6 +181,19 @@ class NormInside(Mlp1Mlp2):
         return x + super().forward(self.norm(x))
 
 
+class ResidualInside(Mlp1Mlp2):
+    """The norm taken out of gpt-oss's MLPBlock, its residual left in: x + experts(x)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + super().forward(x)
+
+
+def test_a_block_adding_its_input_to_its_output_is_named(blocks):
+    report = check(str(blocks["gpt_oss"]), target=ResidualInside, block=True)
+    assert not report.passed
+    assert {r.diagnosis.id for r in report.layers} == {"block_residual_included"}
+
+
 def test_stacked_mlp1_mlp2_weights_and_biases_are_filled_and_pass(blocks):
     report = check(str(blocks["gpt_oss"]), target=Mlp1Mlp2, block=True, seed=2)
     assert report.passed, report

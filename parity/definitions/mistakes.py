@@ -90,6 +90,7 @@ class MistakeId(StrEnum):
     SHARED_EXPERT_MISSING = "shared_expert_missing"
     SHARED_EXPERT_GATE_MISSING = "shared_expert_gate_missing"
     SHARED_EXPERT_GATE_AFTER_SUM = "shared_expert_gate_after_sum"
+    BLOCK_RESIDUAL_INCLUDED = "block_residual_included"
     ROUTER_WRONG_TOP_K = "router_wrong_top_k"
     EXPERTS_EXCHANGED = "experts_exchanged"
     SWIGLU_CLAMP_MISSING = "swiglu_clamp_missing"
@@ -326,6 +327,9 @@ MISTAKES = {m.id: m for m in [
     Mistake(MistakeId.ROUTER_SCORE_ON_INPUT, "the router score multiplies the expert's input where the block "
             "multiplies the expert's output", "run each expert on the unscaled token and multiply its output by the "
             "routing weight"),
+    Mistake(MistakeId.BLOCK_RESIDUAL_INCLUDED, "the block adds its input to its output: the decoder layer's "
+            "residual connection is inside it", "return the sparse block's output alone: "
+            "the residual connection belongs to the decoder layer, and so does transformers' block"),
     Mistake(MistakeId.SHARED_EXPERT_MISSING, "the shared expert's output is not added to the routed experts'",
             "add the shared expert (applied to every token) to the sum of the routed experts"),
     Mistake(MistakeId.SHARED_EXPERT_GATE_MISSING, "the shared expert's sigmoid gate is not applied: its output is "
@@ -514,6 +518,8 @@ PRODUCED_BY: dict[MistakeId, str] = {
                                       "input, their outputs scaled",
     MistakeId.ROUTER_SCORE_ON_INPUT: "replay: engine.routing_mistakes, the block's experts run on scaled input, "
                                      "one top-k rank at a time",
+    MistakeId.BLOCK_RESIDUAL_INCLUDED: "check: engine.check.block_check, the block's output minus its input "
+                                       "within tolerance of transformers' block",
     MistakeId.SHARED_EXPERT_MISSING: "replay: engine.routing_mistakes, the shared expert's output zeroed",
     MistakeId.SHARED_EXPERT_GATE_MISSING: "replay: engine.routing_mistakes, the shared expert's gate fully open",
     MistakeId.SHARED_EXPERT_GATE_AFTER_SUM: "replay: engine.routing_mistakes, the routed output times the shared "

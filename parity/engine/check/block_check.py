@@ -149,8 +149,10 @@ class BlockCheck(BlockReader):
         if not result.passed and result.unverifiable is None and result.diagnosis is None and session.diagnose:
             result.diagnosis = (streamed_mistake(self, layer, block64, inputs.x, out64, got, result=result, kept=kept)
                                 if large else named_mistake(block64, inputs.x.double(), got, result, kept))
-        if result.diagnosis is not None and result.diagnosis.id == MistakeId.UNEXPLAINED and self.half:
-            result.diagnosis = diagnosis(MistakeId.LOW_PRECISION_COMPUTE, None, result.max_abs_diff, self.half)
+        if result.diagnosis is not None and result.diagnosis.id == MistakeId.UNEXPLAINED:
+            result.diagnosis = residual_included(inputs.x, out64, got, kept, result) or (
+                diagnosis(MistakeId.LOW_PRECISION_COMPUTE, None, result.max_abs_diff, self.half) if self.half
+                else result.diagnosis)
         if changes:
             result.passed = False
             result.diagnosis = diagnosis(MistakeId.GLOBAL_STATE_MODIFIED, None, None, "; ".join(changes[:6]))
@@ -350,6 +352,19 @@ def _judged_weights(own: MappingABC, experts: str, *, large: bool) -> dict[str, 
     inside = experts + "."
     return {name: own[name] for name in own if not (large and name.startswith(inside))
             and (own[name].dim() >= 3 if name.startswith(inside) else sum(n > 1 for n in own[name].shape) >= 2)}
+
+
+def residual_included(x: torch.Tensor, out64: torch.Tensor, got: torch.Tensor, kept: torch.Tensor,
+                      result: LayerResult) -> Diagnosis | None:
+    """The block returning x + its output (the decoder layer's residual inside it): its output minus its input is
+    transformers' block's, within the tolerance, on every judged token."""
+    width = x.shape[-1]
+    less = (got.double() - x.double()).reshape(-1, width)[kept]
+    distance = float((less - out64.reshape(-1, width)[kept]).abs().max()) if bool(kept.any()) else math.inf
+    if result.tolerance is None or distance > result.tolerance:
+        return None
+    return diagnosis(MistakeId.BLOCK_RESIDUAL_INCLUDED, distance, result.max_abs_diff,
+                     "your block's output minus its input is transformers' block's output")
 
 
 def by_dtype(module: nn.Module) -> dict[torch.dtype, list[str]]:
