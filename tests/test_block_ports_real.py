@@ -79,6 +79,42 @@ def test_a_block_taking_its_tokens_flattened_is_named_when_it_exchanges_two_expe
     assert "experts_exchanged" in out and "experts 0 and 1 exchanged" in out, out
 
 
+# -- gpt-fast style: built from the config's fields under the project's own names ------------------------------
+
+class StackedByIndex(nn.Module):
+    def __init__(self, config):
+        super().__init__()
+        e, d, i = config.num_experts, config.dim, config.intermediate_size
+        self.w1, self.w3 = nn.Parameter(torch.empty(e, i, d)), nn.Parameter(torch.empty(e, i, d))
+        self.w2 = nn.Parameter(torch.empty(e, d, i))
+
+    def forward(self, x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+        gated = F.silu(torch.einsum("ti,taoi->tao", x, self.w1[index]))
+        return torch.einsum("tao,taio->tai", gated * torch.einsum("ti,taoi->tao", x, self.w3[index]), self.w2[index])
+
+
+class ReadsActivatedExperts(nn.Module):
+    """Reads config.dim, config.num_experts and config.num_activated_experts, none a transformers config field."""
+
+    def __init__(self, config):
+        super().__init__()
+        self.gate = nn.Linear(config.dim, config.num_experts, bias=False)
+        self.cond_ffn = StackedByIndex(config)
+        self.dim, self.k = config.dim, config.num_activated_experts
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x.view(-1, self.dim)
+        weights, index = torch.topk(F.softmax(self.gate(x), dim=-1), self.k, dim=-1)
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+        return torch.einsum("tai,ta->ti", self.cond_ffn(x, index), weights)
+
+
+def test_a_block_reading_the_experts_counts_under_its_projects_names_is_built_from_the_config(blocks):
+    report = check(str(blocks["mixtral"]), target=ReadsActivatedExperts, block=True)
+    assert report.passed, report
+    assert report.routes["tensors"]["cond_ffn.w1"] == "every expert's gate", report.routes
+
+
 # -- Meta llama-models Llama 4 style: the router held [D, E], experts stacked [E, D, F] for x @ W ------------------
 
 class RouterDE(nn.Module):
