@@ -59,7 +59,8 @@ SOUND = 1.25
 # (tests/test_quantized_gptq_outliers.py) at 1.3 to 3.0 x; llm-compressor 0.14's own GPTQ exports of a trained tiny
 # LLaMA and Qwen2 whose post-attention norms carry four channels x20 to x100, or whose residual carries three massive
 # dimensions (groups of 128 and 32, act order none and "weight", symmetric and not) at 0.78 to 2.08 x on parity's
-# inputs, 0.1 to 0.5 x per matrix on A's own activations of its calibration text.  Such an export is recognised by its values, not its function: every quantized matrix of the
+# inputs, 0.1 to 0.5 x per matrix on A's own activations of its calibration text (the LLaMA with the norm channels).
+# Such an export is recognised by its values, not its function: every quantized matrix of the
 # layer on a grid of A's (within SOUND), unbiased (within BIAS_LIMIT), at most COMPENSATED[1] of its codes off A's
 # round-to-nearest codes (GPTQ moves a code only where the compensation carried over from earlier columns crosses a
 # rounding boundary: 7 to 31 % of the codes of every matrix measured above) and one matrix at least COMPENSATED[0]
