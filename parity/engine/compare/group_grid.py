@@ -63,7 +63,7 @@ SOUND = 1.25
 # Such an export is recognised by its values, not its function: every quantized matrix of the
 # layer on a grid of A's (within SOUND), unbiased (within BIAS_LIMIT), at most COMPENSATED[1] of its codes off A's
 # round-to-nearest codes (GPTQ moves a code only where the compensation carried over from earlier columns crosses a
-# rounding boundary: 7 to 31 % of the codes of every matrix measured above) and one matrix at least COMPENSATED[0]
+# rounding boundary: 5.3 to 30 % of the codes of every matrix measured above) and one matrix at least COMPENSATED[0]
 # (round to nearest moves none; AWQ, which rounds to nearest, is never taken for it: its folded scales undone leave
 # 3 to 4 % of its codes off).  Its function is then held to GPTQ_FACTOR x round-to-nearest's deviation.  What the
 # mistakes do to the values of the matrix they hit, on the test's and the reviewer's exports: a zero point off by
