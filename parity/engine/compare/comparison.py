@@ -313,14 +313,15 @@ class Comparison:
         factor = QUANT_FACTOR if quantized else CAST_FACTOR
         if any(s.levels is not None for s in b.storage.values()):  # a grid parity cannot read: B's own levels
             factor = conversion.LEVELS_FACTOR
+        why = None
         if any(s.group is not None for s in b.storage.values()):  # integer groups: GPTQ judged by the function
-            factor = group_grid.FACTOR
+            factor, why = group_grid.layer_factor(group_tensors(a, b), room=scale / conv_dev if conv_dev else math.inf)
         tolerance = max(parity_tolerance(noise, scale, None), factor * conv_dev)
         runs = Runs(truth.out64, truth.out32, out_b, out_b)
         result = judge(layer, expert, runs, a.routed, truth.z, tolerance, self.a.checkpoint.weights, a.facts,
                        too_large=CONVERSION_TOO_LARGE)
         result = CompareLayer(**{f.name: getattr(result, f.name) for f in dataclasses.fields(LayerResult)})
-        result.conversion = conversion_record(rows, b, conv_dev, result.max_abs_diff, factor, changed)
+        result.conversion = conversion_record(rows, b, conv_dev, result.max_abs_diff, factor, changed, why=why)
         result.fingerprint = pair_fingerprint(a, b)
         self.verdict(result, (layer, expert), a, b, x, truth.out64, rows)
         gc.collect()
@@ -555,18 +556,30 @@ def unloadable(layer: int, found: Diagnosis, rows: list[dict], weights: str) -> 
 
 
 def conversion_record(rows: list[dict], b: SideLayer, conv_dev: float, max_abs: float | None, factor: float,
-                      changed: bool) -> dict:
+                      changed: bool, *, why: str | None = None) -> dict:
     """What the layer's conversion is and what it may change (the JSON's ``layers[].conversion``)."""
     kinds = sorted({f"{row['a_dtype']} -> {row['storage']}" for row in rows if row["a_dtype"] != row["storage"]})
     quantized = any(s.quantized for s in b.storage.values())
     kind = ("quantized " if quantized else "cast ") + ", ".join(kinds) if kinds else "same dtype"
     rule = ("16 x noise floor (same dtype: only float32 noise may differ)" if not changed else
             f"max(16 x noise floor, {factor:g} x the deviation of A's tensors "
-            f"{'re-quantized' if quantized else 'rounded'} as B stores them)")
+            f"{'re-quantized' if quantized else 'rounded'} as B stores them)" + (f"; {why}" if why else ""))
     identical = all(row["identical"] for row in rows)
     return {"kind": kind, "tolerance_rule": rule, "conversion_deviation": conv_dev,
             "ratio_to_conversion": (max_abs / conv_dev if conv_dev else None) if max_abs is not None else None,
             "identical": identical, "tensors": plain_rows(rows)}
+
+
+def group_tensors(a: SideLayer, b: SideLayer) -> dict:
+    """Each integer group-quantized tensor of B's layer: (A's values, B's, B's grid), in the layout the file stores,
+    for ``group_grid.layer_factor``."""
+    found = {}
+    for name, store in b.storage.items():
+        x = conversion.stored_layout(store.route, a.routed[name].float()) if store.group is not None else None
+        held = conversion.stored_layout(store.route, b.routed[name].float()) if x is not None else None
+        if held is not None and held.shape == x.shape:
+            found[name] = (x, held, store.group)
+    return found
 
 
 def plain_rows(rows: list[dict]) -> list[dict]:

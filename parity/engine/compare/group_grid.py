@@ -51,6 +51,31 @@ BIAS_LIMIT = 0.5
 # every FFN matrix's own grid is 0.986 to 1.012 x; with gate and up exchanged in the AWQ export each of them sits on
 # the other's grid at 1.48 to 1.53 x, which rounds A loosely enough to let the exchange pass under FACTOR: hence 1.25.
 SOUND = 1.25
+# A GPTQ export trades its error onto the input channels its calibration rarely excites (a real model's activations
+# have outlier channels), which parity's isotropic inputs weigh fully.  Measured per layer against round-to-nearest
+# on B's grid: the GPTQ-like quantizer of tests/test_quantized_int.py on a Hessian with four input channels x30 over
+# channel scales 0.1 to 3 and four strong directions (a reviewer's script; act order off, groups of 32 and 128,
+# symmetric and not) at 2.1 to 5.8 x (act order on: 0.8 to 1.8 x), on eight directions and channel scales 0.2 to 2
+# (tests/test_quantized_gptq_outliers.py) at 1.3 to 3.0 x; llm-compressor 0.14's own GPTQ exports of a trained tiny
+# LLaMA and Qwen2 whose post-attention norms carry four channels x20 to x100, or whose residual carries three massive
+# dimensions (groups of 128 and 32, act order none and "weight", symmetric and not) at 0.78 to 2.08 x on parity's
+# inputs, 0.1 to 0.5 x per matrix on A's own activations of its calibration text (the LLaMA with the norm channels).
+# Such an export is recognised by its values, not its function: every quantized matrix of the
+# layer on a grid of A's (within SOUND), unbiased (within BIAS_LIMIT), at most COMPENSATED[1] of its codes off A's
+# round-to-nearest codes (GPTQ moves a code only where the compensation carried over from earlier columns crosses a
+# rounding boundary: 5.3 to 30 % of the codes of every matrix measured above) and one matrix at least COMPENSATED[0]
+# (round to nearest moves none; AWQ, which rounds to nearest, is never taken for it: its folded scales undone leave
+# 3 to 4 % of its codes off).  Its function is then held to GPTQ_FACTOR x round-to-nearest's deviation.  What the
+# mistakes do to the values of the matrix they hit, on the test's and the reviewer's exports: a zero point off by
+# one moves 89 to 92 % of its codes a step one way (bias -0.97 steps), an act-order g_idx ignored puts it on a grid
+# 1.33 x rougher than min-max with 40 % of its codes moved, a scale doubled 1.94 x rougher (76 % moved), gate and up
+# exchanged or a layer shifted 1.33 to 1.39 x (91 % moved), AWQ's packed order read linearly 1.26 to 1.49 x (66 to
+# 69 % moved): each such layer keeps FACTOR.
+COMPENSATED = (0.05, 0.35)
+GPTQ_FACTOR = 8.0  # the reviewer's Hessian's 5.8 x with room: the mistakes are carried by the values, not by this
+# ... and never to more than this share of the reference output's largest magnitude (a tolerance as large as the output
+# would pass a module that outputs zeros: the layer would be unverifiable, where FACTOR alone may have judged it)
+WIDEST = 0.5
 # AWQ's packing (int_groups.AWQ_ORDER): field i of each int32 holds column AWQ_ORDER[i] of its eight
 AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)
 
@@ -236,3 +261,34 @@ def mistakes(x: torch.Tensor, grid: Grid) -> list[tuple[str, str, torch.Tensor]]
     if moved is not None:
         found.append(("g_idx_ignored", "quantized in act-order groups, read with g_idx's groups by position", moved))
     return found
+
+
+def compensation(x: torch.Tensor, b: torch.Tensor, grid: Grid) -> dict:
+    """How B's values (stored layout) sit against A's rounded to nearest on B's grid: the fraction of codes that
+    differ (``moved``), the mean signed distance in steps (``bias``), and how much rougher than min-max in B's groups
+    B's grid rounds A (``rough``, root mean square)."""
+    own = round_to(x, grid)
+    live = grid.steps != 0
+    moved = ((b.float() - own).abs() > 0.5 * _safe(grid.steps).abs()) & live
+    errors = [float((values - x.float()).pow(2).mean().sqrt()) for values in (own, minmax(x, grid))]
+    return {"moved": float(moved.float().sum() / max(1, int(live.sum()))), "bias": bias(x, b, grid, reference=own),
+            "rough": errors[0] / errors[1] if errors[1] else 1.0}
+
+
+def layer_factor(tensors: dict[str, tuple[torch.Tensor, torch.Tensor, Grid]], *, room: float) -> tuple[float, str]:
+    """The factor on round-to-nearest's deviation a layer's function is held to, and the rule in words: GPTQ_FACTOR
+    where every integer group-quantized matrix (name: A's and B's values in stored layout, B's grid) is compensated
+    as GPTQ compensates (on a grid of A's, unbiased, a share of its codes moved within COMPENSATED, one at least
+    beyond its low end), else FACTOR.  ``room``: the reference output's largest magnitude over round-to-nearest's
+    deviation (GPTQ_FACTOR is cut to WIDEST x that, never below FACTOR)."""
+    seen = {name: compensation(x, b, grid) for name, (x, b, grid) in tensors.items()}
+    shown = ", ".join(f"{name} {s['moved']:.0%} (grid {s['rough']:.2f} x min-max's, bias {s['bias']:+.2f} steps)"
+                      for name, s in seen.items())
+    low, high = COMPENSATED
+    honest = all(s["rough"] <= SOUND and abs(s["bias"]) <= BIAS_LIMIT and s["moved"] <= high for s in seen.values())
+    rounded = any(grid.method == "awq" or grid.fold for _, _, grid in tensors.values())  # AWQ: round to nearest
+    if seen and honest and not rounded and any(s["moved"] >= low for s in seen.values()):
+        factor = max(FACTOR, min(GPTQ_FACTOR, WIDEST * room))
+        return factor, (f"GPTQ's compensation: {factor:.3g} x, since every matrix is unbiased on a grid of A's with at "
+                        f"most {high:.0%} of its codes off A's round-to-nearest codes ({shown})")
+    return FACTOR, f"integer groups: {FACTOR:g} x" + (f" (codes off round-to-nearest: {shown})" if seen else "")

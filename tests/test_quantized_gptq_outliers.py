@@ -1,0 +1,180 @@
+"""``parity compare A B`` where B is a GPTQ export whose calibration had outlier input channels (issue 29).
+
+A real model's activations have a few channels far louder than the rest (Qwen2.5's massive activations, the outlier
+features of every LLM), and the most common hub GPTQ releases are quantized without act order: GPTQ then trades its
+error onto the input channels its calibration rarely excites, which parity's isotropic inputs weigh fully, so its
+function lies farther from A's than round-to-nearest's does.  Such an export is recognised by its values
+(``group_grid.layer_factor``: every matrix on a grid of A's, unbiased, a minority of its codes off round-to-nearest)
+and held to ``GPTQ_FACTOR``; every mistake applied to that same export still fails its layer, named.
+
+The export is written by test_quantized_int's GPTQ-like quantizer (each column's rounding error compensated in the
+later columns through the inverse Hessian's Cholesky factor), run on a Hessian with four input channels x30.
+"""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from parity.engine.compare import group_grid
+
+from . import test_quantized_int as quantizer
+from .derived_checkpoints import build
+from .support import compare_json as compare
+
+LAYER1 = "model.layers.1.mlp."
+OUTLIERS = 30.0  # four input channels this many times louder than the rest in GPTQ's calibration
+
+
+def outlier_hessian(inputs: int, seed: int) -> torch.Tensor:
+    """X^T X / n of correlated calibration inputs (eight strong directions, uneven channel scales 0.2 to 2) with four
+    channels ``OUTLIERS`` x louder than the rest, damped by 1% of its mean diagonal as GPTQ damps it."""
+    generator = torch.Generator().manual_seed(seed)
+    mix = torch.randn(inputs, 8, generator=generator, dtype=torch.float64)
+    x = torch.randn(512, 8, generator=generator, dtype=torch.float64) @ mix.t()
+    x = x + 0.3 * torch.randn(512, inputs, generator=generator, dtype=torch.float64)
+    loud = torch.ones(inputs, dtype=torch.float64)
+    loud[torch.randperm(inputs, generator=generator)[:4]] = OUTLIERS
+    x = x * loud * torch.linspace(0.2, 2.0, inputs, dtype=torch.float64)[torch.randperm(inputs, generator=generator)]
+    h = x.t() @ x / x.shape[0]
+    return h + 0.01 * h.diagonal().mean() * torch.eye(inputs, dtype=torch.float64)
+
+
+@pytest.fixture(scope="module")
+def root(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("gptq-outliers")
+
+
+@pytest.fixture(scope="module")
+def model_a(root) -> Path:
+    return build("llama", root / "a", 3, **quantizer.SIZES)
+
+
+def outlier_export(a: Path, dest: Path, group: int, act_order: bool, breaks: dict[str, str] | None = None) -> Path:
+    """A's folder as a GPTQ release (int4, asymmetric, v1) quantized through ``outlier_hessian`` in groups of
+    ``group``, the modules in ``breaks`` written with test_quantized_int's mistakes."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(quantizer, "hessian", outlier_hessian)
+        patch.setattr(quantizer, "GROUP", group)
+        return quantizer.int_export(a, dest, "gptq", breaks, fields={"desc_act": act_order, "group_size": group})
+
+
+def edited(b: Path, dest: Path, how: str) -> Path:
+    """A copy of export ``b`` with layer 1 broken after quantization: ``exchanged`` (gate's and up's tensors in each
+    other's places), ``shifted`` (layer 0's tensors in layer 1's), ``doubled`` (up_proj's scales x2)."""
+    shutil.copytree(b, dest)
+    tensors = load_file(dest / "model.safetensors")
+    parts = ("qweight", "qzeros", "scales", "g_idx")
+    if how == "exchanged":
+        for part in parts:
+            gate, up = LAYER1 + f"gate_proj.{part}", LAYER1 + f"up_proj.{part}"
+            tensors[gate], tensors[up] = tensors[up].clone(), tensors[gate].clone()
+    elif how == "shifted":
+        for name in [n for n in tensors if n.startswith("model.layers.0.mlp.")]:
+            tensors[name.replace("layers.0", "layers.1")] = tensors[name].clone()
+    else:
+        tensors[LAYER1 + "up_proj.scales"] = tensors[LAYER1 + "up_proj.scales"] * 2
+    save_file(tensors, dest / "model.safetensors", metadata={"format": "pt"})
+    return dest
+
+
+@pytest.mark.parametrize("group", [32, 128])
+@pytest.mark.parametrize("act_order", [False, True])
+def test_a_gptq_export_calibrated_on_outlier_channels_passes_on_every_layer(model_a, root, capsys, group, act_order):
+    b = outlier_export(model_a, root / f"gptq-{group}-{act_order}", group, act_order)
+    code, report = compare(capsys, model_a, b)
+    assert code == 0, report
+    for layer in report["layers"]:
+        assert layer["passed"], layer
+        # judged by the rule for GPTQ's compensation, which the tolerance says, with the codes it moved
+        assert "GPTQ's compensation" in layer["conversion"]["tolerance_rule"], layer["conversion"]
+        assert "of its codes off A's round-to-nearest codes" in layer["conversion"]["tolerance_rule"]
+    steps = [row["steps"]["max_steps"] for layer in report["layers"] for row in layer["conversion"]["tensors"]]
+    assert max(steps) > 1.5, steps  # the compensation moved values more than a step: no round-to-nearest export
+
+
+def test_its_codes_are_moved_as_gptq_moves_them_and_a_round_to_nearest_export_is_held_to_the_plain_factor(model_a,
+                                                                                                        root):
+    """The figures the rule reads, on the export above (act order off, groups of 32): every matrix unbiased on a grid
+    of A's, 5 to 35 % of its codes off round-to-nearest; round to nearest on the same grid moves none and keeps
+    FACTOR."""
+    b = outlier_export(model_a, root / "gptq-figures", 32, False)
+    a_tensors, held = load_file(model_a / "model.safetensors"), load_file(b / "model.safetensors")
+    tensors = {}
+    for name in ("gate_proj", "up_proj", "down_proj"):
+        x = a_tensors[LAYER1 + f"{name}.weight"].float()
+        parts = {part: held[LAYER1 + f"{name}.{part}"] for part in ("qweight", "qzeros", "scales", "g_idx")}
+        codes = quantizer_codes(parts["qweight"], x.shape)
+        scales = parts["scales"].float().t()
+        zeros = unpack_zeros(parts["qzeros"], scales.shape) + 1  # v1: stored minus one
+        g_idx = parts["g_idx"].long()
+        grid = group_grid.Grid(scales[:, g_idx], zeros[:, g_idx], 0, 15, scales, zeros, g_idx, "gptq", 4)
+        tensors[name] = (x, grid.values(codes.float()), grid)
+        seen = group_grid.compensation(x, grid.values(codes.float()), grid)
+        assert 0.05 <= seen["moved"] <= group_grid.COMPENSATED[1], (name, seen)
+        assert abs(seen["bias"]) < 0.1 and seen["rough"] < 1.05, (name, seen)
+    factor, rule = group_grid.layer_factor(tensors, room=100.0)
+    assert factor == group_grid.GPTQ_FACTOR and "GPTQ's compensation" in rule
+    nearest = {name: (x, group_grid.round_to(x, grid), grid) for name, (x, _, grid) in tensors.items()}
+    factor, rule = group_grid.layer_factor(nearest, room=100.0)
+    assert factor == group_grid.FACTOR and "0%" in rule
+    factor, _ = group_grid.layer_factor(tensors, room=4.0)  # never a tolerance past half the output's magnitude
+    assert factor == group_grid.FACTOR
+
+
+def quantizer_codes(qweight: torch.Tensor, shape: torch.Size) -> torch.Tensor:
+    """GPTQ's qweight [in / 8, out] unpacked to codes [out, in] (low nibble first)."""
+    words = qweight.long() & 0xFFFFFFFF
+    rows = torch.stack([(words >> (4 * j)) & 0xF for j in range(8)], 1).reshape(-1, words.shape[1])
+    assert rows.t().shape == shape
+    return rows.t()
+
+
+def unpack_zeros(qzeros: torch.Tensor, shape: torch.Size) -> torch.Tensor:
+    """GPTQ's qzeros [groups, out / 8] unpacked to [out, groups] (low nibble first)."""
+    words = qzeros.long() & 0xFFFFFFFF
+    return torch.stack([(words >> (4 * j)) & 0xF for j in range(8)], 2).reshape(words.shape[0], -1).t().float()
+
+
+@pytest.mark.parametrize(("act_order", "breaks", "edit", "named", "tensor"), [
+    (False, {LAYER1 + "down_proj.weight": "zeros_plain"}, None, "zero_point_off_by_one", "down_proj"),
+    (True, {LAYER1 + "down_proj.weight": "zeros_plain"}, None, "zero_point_off_by_one", "down_proj"),
+    (True, {LAYER1 + "gate_proj.weight": "sequential_g_idx"}, None, "g_idx_ignored", "gate_proj"),
+    (False, {}, "exchanged", "gate_up_exchanged", None),
+    (False, {}, "shifted", "layer_shifted", None),
+    (False, {}, "doubled", None, "up_proj"),
+])
+def test_each_mistake_on_that_export_fails_its_layer_only_named(model_a, root, capsys, act_order, breaks, edit,
+                                                                 named, tensor):
+    """Each mistake moves most of a matrix's codes, biases them or puts them on a grid that is not A's: the layer is
+    held to FACTOR, not GPTQ_FACTOR, and fails, named; layer 0 still passes under GPTQ's rule."""
+    label = f"{act_order}-{edit or next(iter(breaks.values()))}"
+    b = outlier_export(model_a, root / f"broken-{label}", 32, act_order, breaks)
+    if edit is not None:
+        b = edited(b, root / f"edited-{label}", edit)
+    code, report = compare(capsys, model_a, b)
+    assert code == 1, report
+    layers = {layer["layer"]: layer for layer in report["layers"]}
+    assert layers[0]["passed"] and "GPTQ's compensation" in layers[0]["conversion"]["tolerance_rule"], layers[0]
+    assert not layers[1]["passed"], layers[1]
+    assert "GPTQ's compensation" not in layers[1]["conversion"]["tolerance_rule"], layers[1]["conversion"]
+    found = layers[1]["diagnosis"]
+    if named is not None:
+        assert found["id"] == named, found
+    if tensor is not None:
+        assert tensor in found["message"], found
+
+
+def test_awq_packed_order_read_linearly_is_not_taken_for_gptq(model_a, root, capsys):
+    """AWQ's codes packed in the linear order: most codes of the matrix moved, so its layer keeps FACTOR and fails,
+    named, while the other layer (round to nearest: no code moved) keeps FACTOR and passes."""
+    b = quantizer.int_export(model_a, root / "awq-linear", "awq", {LAYER1 + "gate_proj.weight": "linear"}, fold=True)
+    code, report = compare(capsys, model_a, b)
+    assert code == 1, report
+    assert [layer["passed"] for layer in report["layers"]] == [True, False]
+    assert report["layers"][1]["diagnosis"]["id"] == "packed_order_wrong"
+    assert all("GPTQ's compensation" not in layer["conversion"]["tolerance_rule"] for layer in report["layers"])
