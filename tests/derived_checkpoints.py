@@ -8,6 +8,7 @@ import json
 import shutil
 from pathlib import Path
 
+import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -116,3 +117,19 @@ def assert_layer_one_named(capsys, good: Path, broken: Path, named: str) -> None
     assert verdicts[1]["diagnosis"]["id"] == named
     assert report["mapping"].startswith("derived from transformers ")
 
+
+def format_fixtures(name: str, sizes: dict):
+    """The module-scoped fixtures a quantized format's tests start from, as (``root``, ``model_a``): a temporary
+    folder named ``name`` for the module's checkpoints, and in it A, a tiny LLaMA of ``sizes`` (seed 3) that each of
+    the module's exports converts.  A test module binds them under those names (pytest finds a fixture by its
+    function's name): ``root, model_a = format_fixtures("fp8", SIZES)``."""
+
+    @pytest.fixture(scope="module")
+    def root(tmp_path_factory) -> Path:
+        return tmp_path_factory.mktemp(name)
+
+    @pytest.fixture(scope="module")
+    def model_a(root) -> Path:
+        return build("llama", root / "a", 3, **sizes)
+
+    return root, model_a

@@ -21,7 +21,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from .derived_checkpoints import build
+from .derived_checkpoints import format_fixtures
 from .support import compare_json as compare
 from .support import run_main
 
@@ -87,14 +87,7 @@ def bnb_export(a: Path, dest: Path, quant_type: str = "nf4", double_quant: bool 
     return dest
 
 
-@pytest.fixture(scope="module")
-def root(tmp_path_factory) -> Path:
-    return tmp_path_factory.mktemp("bnb")
-
-
-@pytest.fixture(scope="module")
-def model_a(root) -> Path:
-    return build("llama", root / "a", 3, **SIZES)
+root, model_a = format_fixtures("bnb", SIZES)
 
 
 @pytest.fixture(scope="module")

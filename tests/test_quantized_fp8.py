@@ -21,7 +21,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from .derived_checkpoints import build
+from .derived_checkpoints import build, format_fixtures
 from .support import compare_json as compare
 from .support import run_main
 
@@ -87,14 +87,7 @@ def fp8_export(a: Path, dest: Path, breaks: dict[str, str] | None = None, keep: 
     return dest
 
 
-@pytest.fixture(scope="module")
-def root(tmp_path_factory) -> Path:
-    return tmp_path_factory.mktemp("fp8")
-
-
-@pytest.fixture(scope="module")
-def model_a(root) -> Path:
-    return build("llama", root / "a", 3, **SIZES)
+root, model_a = format_fixtures("fp8", SIZES)
 
 
 @pytest.fixture(scope="module")

@@ -21,7 +21,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from .derived_checkpoints import build
+from .derived_checkpoints import build, format_fixtures
 from .support import compare_json as compare
 from .support import run_main
 
@@ -115,14 +115,7 @@ def switch_mlp(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return out
 
 
-@pytest.fixture(scope="module")
-def root(tmp_path_factory) -> Path:
-    return tmp_path_factory.mktemp("mlx")
-
-
-@pytest.fixture(scope="module")
-def model_a(root) -> Path:
-    return build("llama", root / "a", 3, **SIZES)
+root, model_a = format_fixtures("mlx", SIZES)
 
 
 
