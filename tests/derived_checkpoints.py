@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .support import run_main
+from .support import compare_json, run_main
 
 COMMON = dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=2, vocab_size=64, pad_token_id=0,
               bos_token_id=1, eos_token_id=2)
@@ -133,3 +133,18 @@ def format_fixtures(name: str, sizes: dict):
         return build("llama", root / "a", 3, **sizes)
 
     return root, model_a
+
+
+def quantized_layer_one_named(capsys, a: Path, broken: Path, named: str, tensor: str) -> dict:
+    """``parity compare A broken`` of a quantized export whose ``tensor`` of layer 1 was written with a mistake: exit
+    1, layer 0 passes, layer 1 fails, named ``named`` in a message that names ``tensor``.  Returns layer 1's diagnosis,
+    for the evidence each format's test checks."""
+    code, report = compare_json(capsys, a, broken)
+    assert code == 1, report
+    verdicts = {layer["layer"]: layer for layer in report["layers"]}
+    assert verdicts[0]["passed"], verdicts[0]
+    assert not verdicts[1]["passed"]
+    found = verdicts[1]["diagnosis"]
+    assert found["id"] == named, found
+    assert tensor in found["message"]
+    return found
