@@ -8,11 +8,12 @@ import json
 import shutil
 from pathlib import Path
 
+import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .support import run_main
+from .support import compare_json, run_main
 
 COMMON = dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=2, vocab_size=64, pad_token_id=0,
               bos_token_id=1, eos_token_id=2)
@@ -116,3 +117,34 @@ def assert_layer_one_named(capsys, good: Path, broken: Path, named: str) -> None
     assert verdicts[1]["diagnosis"]["id"] == named
     assert report["mapping"].startswith("derived from transformers ")
 
+
+def format_fixtures(name: str, sizes: dict):
+    """The module-scoped fixtures a quantized format's tests start from, as (``root``, ``model_a``): a temporary
+    folder named ``name`` for the module's checkpoints, and in it A, a tiny LLaMA of ``sizes`` (seed 3) that each of
+    the module's exports converts.  A test module binds them under those names (pytest finds a fixture by its
+    function's name): ``root, model_a = format_fixtures("fp8", SIZES)``."""
+
+    @pytest.fixture(scope="module")
+    def root(tmp_path_factory) -> Path:
+        return tmp_path_factory.mktemp(name)
+
+    @pytest.fixture(scope="module")
+    def model_a(root) -> Path:
+        return build("llama", root / "a", 3, **sizes)
+
+    return root, model_a
+
+
+def quantized_layer_one_named(capsys, a: Path, broken: Path, named: str, tensor: str) -> dict:
+    """``parity compare A broken`` of a quantized export whose ``tensor`` of layer 1 was written with a mistake: exit
+    1, layer 0 passes, layer 1 fails, named ``named`` in a message that names ``tensor``.  Returns layer 1's diagnosis,
+    for the evidence each format's test checks."""
+    code, report = compare_json(capsys, a, broken)
+    assert code == 1, report
+    verdicts = {layer["layer"]: layer for layer in report["layers"]}
+    assert verdicts[0]["passed"], verdicts[0]
+    assert not verdicts[1]["passed"]
+    found = verdicts[1]["diagnosis"]
+    assert found["id"] == named, found
+    assert tensor in found["message"]
+    return found

@@ -1,5 +1,5 @@
 """GGUF types whose grid parity cannot read and gguf cannot write (IQ1 to IQ4, NVFP4): read by gguf's own dequantizer,
-A rounded to the nearest value B's block holds (``conversion.on_levels``) as the conversion, B judged by the function.
+A rounded to the nearest value B's block holds (``gguf_grid.on_levels``) as the conversion, B judged by the function.
 
 gguf cannot write these types, so B's blocks here are random valid ones (their float16 scales set, blocks that decode
 to non-finite values drawn again) and A holds exactly what they decode to: a faithful export, which must pass

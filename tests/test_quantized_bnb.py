@@ -21,7 +21,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from .derived_checkpoints import build
+from .derived_checkpoints import format_fixtures, quantized_layer_one_named
 from .support import compare_json as compare
 from .support import run_main
 
@@ -87,14 +87,7 @@ def bnb_export(a: Path, dest: Path, quant_type: str = "nf4", double_quant: bool 
     return dest
 
 
-@pytest.fixture(scope="module")
-def root(tmp_path_factory) -> Path:
-    return tmp_path_factory.mktemp("bnb")
-
-
-@pytest.fixture(scope="module")
-def model_a(root) -> Path:
-    return build("llama", root / "a", 3, **SIZES)
+root, model_a = format_fixtures("bnb", SIZES)
 
 
 @pytest.fixture(scope="module")
@@ -134,14 +127,7 @@ def test_a_faithful_bnb_export_passes_on_every_layer(model_a, root, capsys, quan
 ])
 def test_a_bnb_conversion_mistake_fails_its_layer_only_and_is_named(model_a, root, capsys, tensor, how, named):
     broken = bnb_export(model_a, root / f"{how}-{tensor}", breaks={f"model.layers.1.mlp.{tensor}.weight": how})
-    code, report = compare(capsys, model_a, broken)
-    assert code == 1, report
-    verdicts = {layer["layer"]: layer for layer in report["layers"]}
-    assert verdicts[0]["passed"], verdicts[0]
-    assert not verdicts[1]["passed"]
-    found = verdicts[1]["diagnosis"]
-    assert found["id"] == named, found
-    assert tensor in found["message"]
+    found = quantized_layer_one_named(capsys, model_a, broken, named, tensor)
     if how == "fp4_map":
         assert "quant_map is FP4's code book where its quant_state says nf4" in found["message"]
     elif how == "block128":

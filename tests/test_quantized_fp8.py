@@ -21,7 +21,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from .derived_checkpoints import build
+from .derived_checkpoints import build, format_fixtures, quantized_layer_one_named
 from .support import compare_json as compare
 from .support import run_main
 
@@ -87,14 +87,7 @@ def fp8_export(a: Path, dest: Path, breaks: dict[str, str] | None = None, keep: 
     return dest
 
 
-@pytest.fixture(scope="module")
-def root(tmp_path_factory) -> Path:
-    return tmp_path_factory.mktemp("fp8")
-
-
-@pytest.fixture(scope="module")
-def model_a(root) -> Path:
-    return build("llama", root / "a", 3, **SIZES)
+root, model_a = format_fixtures("fp8", SIZES)
 
 
 @pytest.fixture(scope="module")
@@ -141,14 +134,7 @@ def test_a_faithful_export_with_power_of_two_scales_passes(model_a, root, capsys
 ])
 def test_an_fp8_conversion_mistake_fails_its_layer_only_and_is_named(model_a, root, capsys, tensor, how, named):
     broken = fp8_export(model_a, root / f"{how}-{tensor}", {f"model.layers.1.mlp.{tensor}.weight": how})
-    code, report = compare(capsys, model_a, broken)
-    assert code == 1, report
-    verdicts = {layer["layer"]: layer for layer in report["layers"]}
-    assert verdicts[0]["passed"], verdicts[0]
-    assert not verdicts[1]["passed"]
-    found = verdicts[1]["diagnosis"]
-    assert found["id"] == named, found
-    assert tensor in found["message"]
+    found = quantized_layer_one_named(capsys, model_a, broken, named, tensor)
     if found["distance"] is not None:  # a replay of the function: B reproduces it far closer than it is to A
         assert found["distance"] <= 0.5 * found["reference_distance"]
     elif how == "block64":  # read from B's scale grid: its shape is the evidence

@@ -22,7 +22,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from .derived_checkpoints import build
+from .derived_checkpoints import build, format_fixtures, quantized_layer_one_named
 from .support import compare_json as compare
 from .support import run_main
 
@@ -291,14 +291,7 @@ def uneven(a: Path, dest: Path) -> Path:
     return dest
 
 
-@pytest.fixture(scope="module")
-def root(tmp_path_factory) -> Path:
-    return tmp_path_factory.mktemp("int")
-
-
-@pytest.fixture(scope="module")
-def model_a(root) -> Path:
-    return build("llama", root / "a", 3, **SIZES)
+root, model_a = format_fixtures("int", SIZES)
 
 
 
@@ -442,14 +435,7 @@ def test_a_check_and_a_hub_copy_of_a_gptq_release_read_it_dequantized(model_a, r
 ])
 def test_a_gptq_conversion_mistake_fails_its_layer_only_and_is_named(model_a, root, capsys, tensor, how, named):
     broken = int_export(model_a, root / f"gptq-{how}", "gptq", {f"model.layers.1.mlp.{tensor}.weight": how})
-    code, report = compare(capsys, model_a, broken)
-    assert code == 1, report
-    verdicts = {layer["layer"]: layer for layer in report["layers"]}
-    assert verdicts[0]["passed"], verdicts[0]
-    assert not verdicts[1]["passed"]
-    found = verdicts[1]["diagnosis"]
-    assert found["id"] == named, found
-    assert tensor in found["message"]
+    found = quantized_layer_one_named(capsys, model_a, broken, named, tensor)
     if found["distance"] is not None:  # a replay of the function: B reproduces it far closer than it is to A
         assert found["distance"] <= 0.5 * found["reference_distance"]
 

@@ -1,15 +1,17 @@
 """The catalogue of mistakes parity can name: id, what it means, how to fix it.
 
 One entry per mistake.  ``diagnose.py`` holds how each is replayed; this module is pure data
-(no torch), so reports, JUnit and baselines can name mistakes without loading the engine.
+(no torch), so reports, JUnit and baselines can name mistakes without loading the engine.  What a run
+found (the replays tried, the diagnosis with its evidence) are the records in ``records.py``;
+``diagnosis`` here makes one from an id, with the catalogue's message and fix.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass
 from enum import StrEnum
-from typing import Any
+
+from parity.definitions.records import Candidate, Diagnosis
 
 
 class MistakeId(StrEnum):
@@ -356,57 +358,6 @@ MISTAKES = {m.id: m for m in [
             "read the fused tensor the way the block stores it (GPT-OSS: gate_up[..., ::2] is gate, "
             "gate_up[..., 1::2] is up, its bias the same way; Mixtral-style [gate; up] halves elsewhere)"),
 ]}
-
-
-class _Readable(Mapping):
-    """Reading a record by key too (``d["id"]``, ``d.get("fix")``, ``set(d)``): what reports held before they were
-    typed, so code written against the dicts keeps working."""
-
-    def __getitem__(self, key: str) -> Any:
-        if key not in self._names():
-            raise KeyError(key)
-        return getattr(self, key)
-
-    def __iter__(self) -> Iterator[str]:
-        return iter(self._names())
-
-    def __len__(self) -> int:
-        return len(self._names())
-
-    def _names(self) -> tuple[str, ...]:
-        return tuple(f.name for f in fields(self))
-
-
-@dataclass
-class Candidate(_Readable):
-    """One mistake replayed for a failing layer, and how far the module's output is from that replay."""
-
-    id: str
-    detail: str
-    distance: float
-
-
-@dataclass
-class Diagnosis(_Readable):
-    """The known mistake that explains a failing layer (``LayerResult.diagnosis``), with the evidence."""
-
-    id: str  # a MistakeId value
-    message: str
-    fix: str = ""
-    distance: float | None = None  # the module's distance from the mistake's replay (None: a finding, no replay)
-    reference_distance: float | None = None  # the module's distance from transformers
-    candidates: list[Candidate] = field(default_factory=list)  # every replay tried; [] for findings
-
-
-@dataclass
-class Separability(_Readable):
-    """Whether a run at its dtype and tolerance can tell one known mistake from a correct module on a layer."""
-
-    id: str
-    detail: str
-    distance: float  # how far the mistake moves the output
-    checked: bool  # the mistake is sure to fail at this dtype and tolerance
-    message: str | None  # when not checked: why, and what to run instead
 
 
 def diagnosis(mistake_id: MistakeId | str, distance: float | None, reference_distance: float | None,

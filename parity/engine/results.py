@@ -12,7 +12,7 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any, Literal
 
-from parity.definitions.mistakes import Candidate, Diagnosis, Separability
+from parity.definitions.records import Candidate, Diagnosis, Separability
 
 __all__ = ["Candidate", "Diagnosis", "LayerResult", "Report", "Separability", "WeightsKind"]
 

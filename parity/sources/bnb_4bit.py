@@ -38,7 +38,7 @@ from pathlib import Path
 from parity.definitions.distribution import install_command
 from parity.definitions.files import shown
 from parity.errors import CheckpointError, QuantizedLayoutError
-from parity.sources.checkpoint import Checkpoint, rewrapped
+from parity.sources.checkpoint import Checkpoint, dequantized_on_read, split_companions
 
 QUANT_METHOD = "bitsandbytes"
 EXTRA = "bnb"  # pyproject.toml's extra that installs bitsandbytes
@@ -154,17 +154,17 @@ class Bnb4bitCheckpoint(Checkpoint):
     storage, not tensors of the model)."""
 
     scheme: BnbScheme
-    state_map: dict[str, str]
+    companions: dict[str, str]
     as_stored: dict[str, str]
 
     def state_of(self, name: str):
         """bitsandbytes' QuantState of ``name`` read from its stored companions, None when it has none."""
-        keys = [f"{name}.{suffix}" for suffix in COMPANIONS if f"{name}.{suffix}" in self.state_map]
+        keys = [f"{name}.{suffix}" for suffix in COMPANIONS if f"{name}.{suffix}" in self.companions]
         if not any(BLOB in key for key in keys):
             return None
         stored = {}
         for key in keys:
-            stored.update(self.reader(self.state_map[key], [key]))
+            stored.update(self.reader(self.companions[key], [key]))
         functional = require_library(self.location)
         try:
             return functional.QuantState.from_dict({k[len(name) + 1:]: v for k, v in stored.items()}, device="cpu")
@@ -175,9 +175,9 @@ class Bnb4bitCheckpoint(Checkpoint):
     def row_scales(self, name: str):
         """LLM.int8: the SCB (each row's largest magnitude, float32) stored beside weight ``name``, None without."""
         key = name.removesuffix("weight") + "SCB"
-        if not name.endswith(".weight") or key not in self.state_map:
+        if not name.endswith(".weight") or key not in self.companions:
             return None
-        return self.reader(self.state_map[key], [key])[key].float()
+        return self.reader(self.companions[key], [key])[key].float()
 
     def int8_checked(self, name: str, codes, scb):
         """LLM.int8 codes whose SCB holds one scale per row, else a QuantizedLayoutError saying what it holds."""
@@ -272,15 +272,9 @@ def wrap(checkpoint: Checkpoint, folder: Path | str) -> Checkpoint:
     if scheme is None:
         return checkpoint
     require_library(shown(folder))  # before anything is computed: exit 2 naming the extra
-    states = {n: f for n, f in checkpoint.weight_map.items() if n.endswith(tuple(f".{s}" for s in COMPANIONS + INT8))}
-    weights = {n: f for n, f in checkpoint.weight_map.items() if n not in states}
-    wrapped = rewrapped(checkpoint, Bnb4bitCheckpoint, weights)
-    wrapped.scheme, wrapped.state_map, wrapped.as_stored = scheme, states, {}
+    weights, states = split_companions(checkpoint, tuple(f".{s}" for s in COMPANIONS + INT8))
     quantized = sum(1 for n in states if BLOB in n or n.endswith(".SCB"))
-    wrapped.notes.append(f"{scheme.describe()} (config.json quantization_config): {quantized} quantized matrices, "
-                         "dequantized with bitsandbytes (" + ("int8_vectorwise_dequant" if scheme.quant_type == "int8"
-                                                              else "dequantize_4bit, each matrix read as one flat run "
-                                                              "of blocks") + ")"
-                         + (f"; left unquantized: {', '.join(scheme.not_converted)}" if scheme.not_converted else "")
-                         + "; target and reference both get the same dequantized float32 weights")
-    return wrapped
+    how = ("int8_vectorwise_dequant" if scheme.quant_type == "int8"
+           else "dequantize_4bit, each matrix read as one flat run of blocks")
+    return dequantized_on_read(checkpoint, Bnb4bitCheckpoint, scheme, weights, states, matrices=quantized,
+                               dequantized_with=f"bitsandbytes ({how})")

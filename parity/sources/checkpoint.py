@@ -80,8 +80,26 @@ def refuse_pickle(folder: Path, pickles: list[str] | None = None) -> None:
         )
 
 
-def rewrapped(checkpoint: Checkpoint, kind: type, weight_map: dict[str, str]) -> Checkpoint:
-    """``checkpoint`` as a quantized format's subclass ``kind`` (which dequantizes on read), holding ``weight_map``:
-    its weights, the scales and other tensors the format stores beside them kept apart by the format's module."""
+def split_companions(checkpoint: Checkpoint, suffixes: tuple[str, ...]) -> tuple[dict[str, str], dict[str, str]]:
+    """``checkpoint``'s weight map as a quantized format reads it: its weights, and the tensors whose names end in one
+    of ``suffixes`` (the scales, zero points, quant states the format stores beside a weight: part of its storage,
+    not tensors of the model)."""
+    companions = {n: f for n, f in checkpoint.weight_map.items() if n.endswith(suffixes)}
+    return {n: f for n, f in checkpoint.weight_map.items() if n not in companions}, companions
+
+
+def dequantized_on_read(checkpoint: Checkpoint, kind: type, scheme, weights: dict[str, str],
+                        companions: dict[str, str], *, matrices: int, dequantized_with: str,
+                        stated_in: str = "quantization_config") -> Checkpoint:
+    """``checkpoint`` as a quantized format's subclass ``kind`` (which dequantizes on read), holding ``weights`` as its
+    weight map and ``companions`` (the tensors the format stores beside them) apart, with the ``scheme`` its config
+    states; its note says what the report rests on: the scheme, how many ``matrices`` are quantized, what dequantizes
+    them, what was left unquantized (a scheme's ``not_converted``), and that target and reference read the same."""
     fields = {f.name: getattr(checkpoint, f.name) for f in dataclasses.fields(Checkpoint)}
-    return kind(**{**fields, "weight_map": weight_map, "notes": list(checkpoint.notes)})
+    wrapped = kind(**{**fields, "weight_map": weights, "notes": list(checkpoint.notes)})
+    wrapped.scheme, wrapped.companions, wrapped.as_stored = scheme, companions, {}
+    left = getattr(scheme, "not_converted", ())
+    wrapped.notes.append(f"{scheme.describe()} (config.json {stated_in}): {matrices} quantized matrices, dequantized "
+                         f"with {dequantized_with}" + (f"; left unquantized: {', '.join(left)}" if left else "")
+                         + "; target and reference both get the same dequantized float32 weights")
+    return wrapped

@@ -29,7 +29,7 @@ from types import SimpleNamespace
 from parity.definitions.distribution import install_command
 from parity.definitions.files import shown
 from parity.errors import CheckpointError, QuantizedLayoutError
-from parity.sources.checkpoint import Checkpoint, rewrapped
+from parity.sources.checkpoint import Checkpoint, dequantized_on_read, split_companions
 
 QUANT_METHOD = "fp8"
 COMPRESSED = "compressed-tensors"
@@ -196,18 +196,18 @@ class FP8Checkpoint(Checkpoint):
     ``weight_map`` (they are part of their weight's storage, not tensors of the model)."""
 
     scheme: FP8Scheme
-    scale_map: dict[str, str]
+    companions: dict[str, str]
     as_stored: dict[str, str]  # tensor name -> its dtype in the file, for the tensors the last read returned
 
     def quantized(self, name: str) -> BlockQuantized | None:
         """How tensor ``name`` is stored, when it is FP8-quantized: its codes, scales (as a grid) and block."""
         scale_name = name + self.scheme.suffix
-        if scale_name not in self.scale_map or not self.has(name):
+        if scale_name not in self.companions or not self.has(name):
             return None
         codes = self.reader(self.weight_map[name], [name])[name]
         if codes.dtype.itemsize != 1 or codes.dim() != 2:
             return None
-        scales = self.reader(self.scale_map[scale_name], [scale_name])[scale_name]
+        scales = self.reader(self.companions[scale_name], [scale_name])[scale_name]
         return BlockQuantized(codes, as_grid(scales.float()), self.scheme.block_for(codes.shape), scale_name,
                               self.scheme.power_of_two)
 
@@ -222,8 +222,8 @@ class FP8Checkpoint(Checkpoint):
         self.as_stored = {name: str(out[name].dtype).removeprefix("torch.") for name in names}
         for name in names:
             scale_name = name + self.scheme.suffix
-            if scale_name in self.scale_map and out[name].dtype.itemsize == 1:
-                scales = self.reader(self.scale_map[scale_name], [scale_name])[scale_name]
+            if scale_name in self.companions and out[name].dtype.itemsize == 1:
+                scales = self.reader(self.companions[scale_name], [scale_name])[scale_name]
                 out[name] = self.dequantize(name, out[name], scales)
         return out
 
@@ -251,13 +251,8 @@ def wrap(checkpoint: Checkpoint, folder: Path | str) -> Checkpoint:
         return checkpoint
     require_library(shown(folder), scheme.method)  # before anything is computed: exit 2 naming the extra
     aside = (scheme.suffix,) if scheme.method == QUANT_METHOD else COMPANIONS
-    scales = {n: f for n, f in checkpoint.weight_map.items() if n.endswith(aside)}
-    weights = {n: f for n, f in checkpoint.weight_map.items() if n not in scales}
-    wrapped = rewrapped(checkpoint, FP8Checkpoint, weights)
-    wrapped.scheme, wrapped.scale_map, wrapped.as_stored = scheme, scales, {}
+    weights, scales = split_companions(checkpoint, aside)
     quantized = sum(1 for n in scales if n.endswith(scheme.suffix) and n[:-len(scheme.suffix)] in weights)
-    wrapped.notes.append(f"{scheme.describe()} (config.json quantization_config): {quantized} quantized matrices, "
-                         "dequantized with compressed-tensors in the stated blocks (partial edge blocks included)"
-                         + (f"; left unquantized: {', '.join(scheme.not_converted)}" if scheme.not_converted else "")
-                         + "; target and reference both get the same dequantized float32 weights")
-    return wrapped
+    how = "compressed-tensors in the stated blocks (partial edge blocks included)"
+    return dequantized_on_read(checkpoint, FP8Checkpoint, scheme, weights, scales, matrices=quantized,
+                               dequantized_with=how)

@@ -32,7 +32,7 @@ from types import SimpleNamespace
 from parity.definitions.distribution import install_command
 from parity.definitions.files import shown
 from parity.errors import CheckpointError, QuantizedLayoutError
-from parity.sources.checkpoint import Checkpoint, rewrapped
+from parity.sources.checkpoint import Checkpoint, dequantized_on_read
 
 COMPRESSED = "compressed-tensors"
 PACKED = "pack-quantized"
@@ -315,7 +315,7 @@ class IntGroupCheckpoint(Checkpoint):
 
     scheme: IntScheme
     modules: dict[str, str]  # X.weight -> X (the module prefix of its packed tensors)
-    part_map: dict[str, str]  # packed tensor name -> file
+    companions: dict[str, str]  # packed tensor name -> file
     as_stored: dict[str, str]
 
     def grouped(self, name: str) -> GroupQuantized | None:
@@ -327,10 +327,10 @@ class IntGroupCheckpoint(Checkpoint):
     def unpack(self, name: str) -> tuple[GroupQuantized, object]:
         """The module's grid and its dequantized weight (float32)."""
         prefix = self.modules[name]
-        names = [f"{prefix}.{part}" for part in PARTS[self.scheme.method] if f"{prefix}.{part}" in self.part_map]
+        names = [f"{prefix}.{part}" for part in PARTS[self.scheme.method] if f"{prefix}.{part}" in self.companions]
         files: dict[str, list[str]] = {}
         for member in names:
-            files.setdefault(self.part_map[member], []).append(member)
+            files.setdefault(self.companions[member], []).append(member)
         parts = {}
         for file_name, members in files.items():
             parts.update({key[len(prefix) + 1:]: value for key, value in self.reader(file_name, members).items()})
@@ -370,9 +370,9 @@ class IntGroupCheckpoint(Checkpoint):
         if self.scheme.method == "awq":
             return [packed[1] * per_word, packed[0]]
         shape_name = f"{self.modules[name]}.weight_shape"
-        if shape_name not in self.part_map:
+        if shape_name not in self.companions:
             return list(packed)
-        return [int(v) for v in self.reader(self.part_map[shape_name], [shape_name])[shape_name].tolist()]
+        return [int(v) for v in self.reader(self.companions[shape_name], [shape_name])[shape_name].tolist()]
 
     def stored_dtype(self, name: str) -> str | None:
         """The dtype tensor ``name`` had in its file when last read (see FP8Checkpoint.stored_dtype)."""
@@ -399,11 +399,8 @@ def wrap(checkpoint: Checkpoint, folder: Path | str) -> Checkpoint | None:
     modules = {n.rsplit(".", 1)[0] + ".weight": n.rsplit(".", 1)[0] for n in parts if n.endswith("." + codes)}
     weights = {n: f for n, f in checkpoint.weight_map.items() if n not in parts}
     weights.update({name: parts[prefix + "." + codes] for name, prefix in modules.items()})
-    wrapped = rewrapped(checkpoint, IntGroupCheckpoint, weights)
-    wrapped.scheme, wrapped.modules, wrapped.part_map, wrapped.as_stored = scheme, modules, parts, {}
     reader = "compressed-tensors" if scheme.method == PACKED else "parity's unpacker (GPTQ/AWQ layouts)"
-    wrapped.notes.append(f"{scheme.describe()} (config.json quantization_config): {len(modules)} quantized matrices, "
-                         f"dequantized with {reader}"
-                         + (f"; left unquantized: {', '.join(scheme.not_converted)}" if scheme.not_converted else "")
-                         + "; target and reference both get the same dequantized float32 weights")
+    wrapped = dequantized_on_read(checkpoint, IntGroupCheckpoint, scheme, weights, parts, matrices=len(modules),
+                                  dequantized_with=reader)
+    wrapped.modules = modules
     return wrapped

@@ -25,7 +25,7 @@ from pathlib import Path
 from parity.definitions.distribution import install_command
 from parity.definitions.files import shown
 from parity.errors import CheckpointError, QuantizedLayoutError
-from parity.sources.checkpoint import Checkpoint, rewrapped
+from parity.sources.checkpoint import Checkpoint, dequantized_on_read, split_companions
 
 EXTRA = "mlx"  # pyproject.toml's extra that installs mlx
 COMPANIONS = (".scales", ".biases")
@@ -310,13 +310,9 @@ def wrap(checkpoint: Checkpoint, folder: Path | str) -> Checkpoint:
     if scheme is None:
         return checkpoint
     require_mlx(shown(folder))  # before anything is computed: exit 2 naming the extra
-    companions = {n: f for n, f in checkpoint.weight_map.items() if n.endswith(COMPANIONS)}
-    weights = {n: f for n, f in checkpoint.weight_map.items() if n not in companions}
-    wrapped = rewrapped(checkpoint, MLXCheckpoint, weights)
-    wrapped.scheme, wrapped.companions, wrapped.as_stored = scheme, companions, {}
-    wrapped.dims = config_dims(checkpoint.raw_config)
+    weights, companions = split_companions(checkpoint, COMPANIONS)
     quantized = sum(1 for n in companions if n.endswith(".scales") and n[:-len("scales")] + "weight" in weights)
-    wrapped.notes.append(f"{scheme.describe()} (config.json quantization): {quantized} quantized matrices, "
-                         "dequantized with mlx.core.dequantize; target and reference both get the same dequantized "
-                         "float32 weights")
+    wrapped = dequantized_on_read(checkpoint, MLXCheckpoint, scheme, weights, companions, matrices=quantized,
+                                  dequantized_with="mlx.core.dequantize", stated_in="quantization")
+    wrapped.dims = config_dims(checkpoint.raw_config)
     return wrapped

@@ -23,7 +23,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from parity.definitions.mistakes import Candidate, Diagnosis, MistakeId, diagnosis
+from parity.definitions.mistakes import MistakeId, diagnosis
+from parity.definitions.records import Candidate, Diagnosis
 from parity.engine.block import (
     BLOCK_UNIT,
     NUDGE,

@@ -33,7 +33,8 @@ from torch import nn
 
 from parity.definitions.aliases import load_aliases
 from parity.definitions.families import TANH_GELUS, configured_activation
-from parity.definitions.mistakes import Candidate, Diagnosis, MistakeId, Separability, diagnosis
+from parity.definitions.mistakes import MistakeId, diagnosis
+from parity.definitions.records import Candidate, Diagnosis, Separability
 from parity.engine.reference import activation_module, activation_name, replace_activation
 
 EXACT_GELUS = {"gelu", "gelu_python"}

@@ -20,6 +20,10 @@ from dataclasses import dataclass
 
 import torch
 
+from parity.definitions.mapping import TensorRoute
+from parity.engine.compare.storage import Storage
+from parity.engine.layer import route_tensor
+
 # A group's scale in B's file may exceed the step A's values there call for ((max - min) / (2^bits - 1)) by this before
 # it is grid_too_coarse: mlx.core.quantize moves the scale so the group's larger-magnitude end is a code exactly
 # (edge / round(edge / scale)): by at most (q + 0.5) / q with q >= round((2^bits - 1) / 2), 1.25x at 2 bits, 1.07x at
@@ -57,6 +61,21 @@ def held(checkpoint, key: str, expert: int | None) -> AffineStorage | None:
         return None
     return AffineStorage(found.codes, found.scales, found.biases, found.params.group_size, found.params.bits,
                          found.scale_dtype)
+
+
+def stored(checkpoint, key: str, route: TensorRoute, expert: int | None) -> Storage | None:
+    """How an MLX affine-quantized checkpoint stores ``key`` (``parity.sources.mlx_affine``): each value's step is its
+    group's scale, read from the file; None for a tensor stored unquantized."""
+    store = held(checkpoint, key, expert)
+    if store is None:
+        return None
+    bad = ~(torch.isfinite(store.scales) & torch.isfinite(store.biases))
+    problem = None
+    if bool(bad.any()):
+        first = [int(i) for i in bad.nonzero()[0]]
+        problem = f"group {first}: {int(bad.sum())} of {bad.numel()} groups have a NaN/Inf scale or bias"
+    return Storage(store.name, True, route_tensor(route, store.steps()), "file", route, nonfinite_scale=problem,
+                   zeroed=not bool(store.codes.any()), affine=store)
 
 
 def expand(per_group: torch.Tensor, group: int) -> torch.Tensor:
@@ -116,6 +135,15 @@ def requantize(x: torch.Tensor, store: AffineStorage) -> tuple[torch.Tensor, tor
     """A's matrix (stored layout) as a faithful MLX export holds it (float32), and each value's step."""
     codes, scales, biases = quantize(x, store)
     return values(codes, scales, biases, store.group_size), expand(scales.abs(), store.group_size)
+
+
+def reference(x: torch.Tensor, storage: Storage) -> tuple[torch.Tensor, str, torch.Tensor]:
+    """A's matrix (stored layout) as B's MLX storage would hold it (``requantize``), how it was made, and each value's
+    step."""
+    store = storage.affine
+    values, each = requantize(x, store)
+    return (values, f"re-quantized with mlx.core.quantize ({store.bits}-bit, groups of {store.group_size}, A cast to "
+            f"{store.dtype} first)", each)
 
 
 def coarse_groups(x: torch.Tensor, store: AffineStorage) -> dict | None:

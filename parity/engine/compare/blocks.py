@@ -14,7 +14,8 @@ from typing import Any
 import torch
 
 from parity.definitions.mapping import TensorRoute
-from parity.definitions.mistakes import Diagnosis, MistakeId, diagnosis
+from parity.definitions.mistakes import MistakeId, diagnosis
+from parity.definitions.records import Diagnosis
 from parity.engine.block import (
     BLOCK_UNIT,
     BlockReader,

@@ -20,11 +20,30 @@ from collections.abc import Callable
 
 import torch
 
+from parity.definitions.mapping import TensorRoute
+from parity.engine.compare.storage import Storage
+from parity.engine.layer import route_tensor
+
 # A block's absmax in B's file may exceed its largest magnitude in A by this before the block is grid_too_coarse:
 # without double quant the absmax is A's largest magnitude exactly; with it, an 8-bit blockwise code of
 # (absmax - mean): measured on tests/test_quantized_bnb.py's tiny LLaMA, every decoder matrix, 0.9923 to 1.0087 x
 # (NF4 and FP4 alike).  A block read with another's absmax or a scale twice too large exceeds it.
 GRID_FACTOR = 1.1
+
+
+def stored(checkpoint, key: str, route: TensorRoute) -> Storage | None:
+    """How a bitsandbytes 4-bit checkpoint stores ``key`` (``parity.sources.bnb_4bit``): each value's step is its
+    code's step in the code book times its block's absmax, read from the file; None for a tensor stored unquantized."""
+    packed = getattr(checkpoint, "packed", None)
+    held = packed(key) if packed is not None else None
+    if held is None:
+        return None
+    each = steps(held.codes, held.absmax, held.levels, held.blocksize, held.shape)
+    bad = ~torch.isfinite(held.absmax)
+    problem = (f"block {int(bad.nonzero()[0, 0])} ({key}.absmax): {int(bad.sum())} of {bad.numel()} blocks have a "
+               "NaN/Inf absmax") if bool(bad.any()) else None
+    return Storage(held.quant_type, True, route_tensor(route, each), "file", route, nonfinite_scale=problem,
+                   zeroed=not bool(held.levels[held.codes].any()), codebook=held)
 
 
 def library():
@@ -86,6 +105,16 @@ def requantize(x: torch.Tensor, book) -> tuple[torch.Tensor, torch.Tensor]:
     flat.dtype = torch.float32
     values = library().dequantize_4bit(packed, flat).float().reshape(x.shape)
     return values, steps(codes, absmax_of(state), book.levels, book.blocksize, x.shape)
+
+
+def reference(x: torch.Tensor, storage: Storage) -> tuple[torch.Tensor, str, torch.Tensor]:
+    """A's matrix (stored layout) as B's bitsandbytes storage would hold it (``requantize``), how it was made, and each
+    value's step."""
+    book = storage.codebook
+    values, each = requantize(x, book)
+    how = ("int8_vectorwise_quant (one scale per row)" if book.quant_type == "int8" else
+           f"quantize_4bit in blocks of {book.blocksize}" + (" (double quant)" if book.nested else ""))
+    return values, f"re-quantized to {storage.dtype} with bitsandbytes' {how}", each
 
 
 def coarse_blocks(x: torch.Tensor, book) -> dict | None:

@@ -16,6 +16,10 @@ from collections.abc import Callable
 
 import torch
 
+from parity.definitions.mapping import TensorRoute
+from parity.engine.compare.storage import Storage, dtype_name
+from parity.engine.layer import route_tensor
+
 CODES = torch.float8_e4m3fn
 # A block's scale in B's file may exceed the one the format chooses for A's values there (largest magnitude / 448) by
 # this before it is grid_too_coarse: scale_fmt "ue8m0" rounds it up to a power of two (up to 2x); a float scale is
@@ -44,6 +48,25 @@ def code_spacing(codes: torch.Tensor) -> torch.Tensor:
 def steps(codes: torch.Tensor, scales: torch.Tensor, block: tuple[int, int]) -> torch.Tensor:
     """Each stored value's step: the e4m3 spacing at its code times its block's scale."""
     return code_spacing(codes) * expand(scales, block, codes.shape)
+
+
+def stored(checkpoint, key: str, route: TensorRoute) -> Storage | None:
+    """How an FP8 block-quantized checkpoint stores ``key`` (``parity.sources.fp8_blocks``): each value's step is the
+    e4m3 spacing at its code times its block's scale, read from the file; None for a tensor stored unquantized."""
+    quantized = getattr(checkpoint, "quantized", None)
+    held = quantized(key) if quantized is not None else None
+    if held is None:
+        return None
+    each = steps(held.codes, held.scales, held.block)
+    bad = ~torch.isfinite(held.scales)
+    problem = None
+    if bool(bad.any()):
+        first = [int(i) for i in bad.nonzero()[0]]
+        problem = (f"block {first} ({held.scale_name} = {float(held.scales[tuple(first)])}): {int(bad.sum())} of "
+                   f"{bad.numel()} blocks have a NaN/Inf scale")
+    return Storage(dtype_name(held.codes.dtype), True, route_tensor(route, each), "file", route,
+                   nonfinite_scale=problem, zeroed=not bool(held.codes.float().any()), block=held.block,
+                   power_of_two=held.power_of_two, scales=held.scales)
 
 
 def library_args(block: tuple[int, int]):
@@ -108,6 +131,15 @@ def requantize(x: torch.Tensor, block: tuple[int, int], *, power_of_two: bool = 
     """A's matrix (stored layout) as a faithful FP8 export holds it, dequantized (float32), and each value's step."""
     codes, scales = quantize(x, block, power_of_two=power_of_two)
     return codes * expand(scales, block, codes.shape), steps(codes, scales, block)
+
+
+def reference(x: torch.Tensor, storage: Storage) -> tuple[torch.Tensor, str, torch.Tensor]:
+    """A's matrix (stored layout) as B's FP8 storage would hold it (``requantize``), how it was made, and each value's
+    step."""
+    values, each = requantize(x, storage.block, power_of_two=storage.power_of_two)
+    scale = "the power of two at or above " if storage.power_of_two else ""
+    return (values, f"re-quantized to {storage.dtype} in {storage.block[0]}x{storage.block[1]} blocks with "
+            f"compressed-tensors (scale: {scale}the block's largest magnitude / 448)", each)
 
 
 def even_block(shape, block: tuple[int, int]) -> tuple[int, int]:

@@ -1,6 +1,6 @@
 """What a GGUF file's quantized blocks say, read from their bytes (``parity compare``): each value's step and where its
 grid starts, the blocks' float16 scales, and whether their codes are empty.  The layouts are ggml's, as gguf's own
-dequantizer reads them (``gguf.quants``); ``conversion`` judges B against A with what these return."""
+dequantizer reads them (``gguf.quants``); ``gguf_grid`` judges B against A with what these return."""
 
 from __future__ import annotations
 

@@ -1,0 +1,297 @@
+"""A GGUF B judged against its own grid, for ``parity compare``: how each tensor is stored (a float type, a type whose
+blocks carry their scale, or one whose grid parity cannot read), A made as B's file would hold it, and how far each of
+B's values may lie from A's.
+
+* a quantized type's step is read from the file (``gguf_blocks``): the float16 scale ``d`` in the first two bytes of
+  Q4_0, Q4_1, Q5_0, Q5_1, Q8_0 blocks, MXFP4's E8M0 exponent, the K-quants' super-block scales; for the other types it
+  is estimated from the levels the block holds (``level_steps``; evidence only: the function judges them);
+* A is re-quantized with ``gguf.quants.quantize`` in B's stored layout (``requantize``), or for the K-quants (which
+  gguf cannot write) quantized by round-to-nearest on the grid A's own blocks call for (``k_requantize``).  Types with
+  neither (IQ1 to IQ4, NVFP4) have A rounded to the nearest value B's block holds (``on_levels``);
+* each block's step is held to what a quantizer of the format chooses for A's values there (``coarse_blocks``:
+  grid_too_coarse), and a K-quant value at an end of its block's grid may lie farther (``k_ends``).
+
+Everything but ``stored``, ``reference`` and ``bounds`` works in the layout the file stores; ``conversion`` dispatches
+here for a GGUF B.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from parity.definitions.mapping import TensorRoute
+from parity.engine.compare.gguf_blocks import (
+    K_FORMAT,
+    K_QUANTS,
+    SCALE_FIRST,
+    SIGNED_K,
+    SUPER_BLOCK,
+    block_grid,
+    codes_zero,
+    mxfp4_steps,
+    read_blocks,
+    scale_problem,
+)
+from parity.engine.compare.storage import Storage, dtype_name, spacing, stored_layout, unstored
+from parity.engine.layer import route_tensor
+
+FLOAT_TYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
+# A grid parity cannot read (IQ1 to IQ4, NVFP4: no quantizer here, their grids codebooks): A is rounded to the nearest
+# value B holds among each LEVEL_GROUP values (the types scale their values in groups of 32 or 16: llama.cpp's
+# ggml-common.h), and B is judged by the function within LEVELS_FACTOR x what that rounding does.  Measured on a tiny
+# LLaMA (d 256, d_ff 512, Gaussian weights) quantized by ggml's own quantizers (ggml-python 0.0.45's
+# ggml_quantize_chunk, importance all ones): B's deviation over that rounding's was 1.00 to 1.01 for IQ4_NL and
+# IQ4_XS (they round each value to its nearest level: the rounding is B), 1.24 to 2.06 for IQ1_S, IQ1_M, IQ2_XXS,
+# IQ2_XS, IQ2_S, IQ3_XXS, IQ3_S (they choose 8 values at once from a codebook), so 3 x; groups of 256 (the whole
+# super-block) left those ratios at up to 5.3, groups of 8 at 1.0 to 1.4 with B's own values too near.  Their values
+# move farther than the levels around A's value (60 to 90 thousand of 131 thousand per matrix for IQ1 to IQ3, and
+# for IQ4_XS's search of its scales): each value's distance in steps is evidence, not a rule.
+LEVEL_GROUP = 32
+LEVELS_FACTOR = 3.0
+# A quantizer may search the scale (llama.cpp tries steps between range/(levels + 1) and range/(levels - 1), then
+# refits them by least squares): a value at the end of its block's grid may lie this many times the scale's
+# rounding farther from A's.
+SEARCH = 2.0
+# What B's step may exceed the step the format's quantizer chooses for A's values by before the block is judged too
+# coarse (grid_too_coarse).  K-quants: llama.cpp's scale search tries steps up to range/(levels - 1) and refits them
+# (15/14 = 1.07 x for Q4_K); measured on re-writes of its quantizers, 1.105 (reference) and 1.122 (importance
+# matrix) at most.  Q4_0..Q8_0: gguf's quantizer fixes d (amax / levels); llama.cpp's importance-matrix search for
+# Q4_0/Q5_0/Q4_1/Q5_1 moves it by up to (levels / (levels - 0.9)) = 1.127 x (Q4_0), Q8_0 not at all.  A grid 2x too
+# coarse (one bit of the code passed off) exceeds both.
+K_GRID_FACTOR = 1.5
+LEGACY_GRID_FACTOR = 1.25
+FLOAT16_ROUNDING = 1 + 2.0 ** -10  # a block's d is stored as float16: B's step may exceed the exact one by this
+
+
+def stored(path, info, tensor: torch.Tensor, route: TensorRoute, expert: int | None = None) -> Storage:
+    """How the GGUF file at ``path`` stores the tensor its index describes as ``info`` (``tensor``: as read; for MoE,
+    one ``expert``'s slice of a tensor that may stack every expert, as GGUF's ``*_exps`` do)."""
+    from parity.sources.gguf_header import qtype_name
+
+    name = qtype_name(info.qtype)
+    if name in FLOAT_TYPES:
+        return Storage(dtype_name(FLOAT_TYPES[name]), route=route)
+    if name not in K_QUANTS and name not in SCALE_FIRST and name != "MXFP4":
+        group = min(qtype_block(info.qtype), LEVEL_GROUP)
+        return Storage(name, True, route_tensor(route, level_steps(tensor, group)), "estimated", route, info.qtype,
+                       levels=tensor.float() if tensor.numel() % group == 0 else None)
+    stacked = expert is not None and len(info.shape) == tensor.dim() + 1  # this expert's blocks only
+    raw = read_blocks(path, info, expert if stacked else None)
+    steps, offsets, scales = block_grid(raw, name, tuple(tensor.shape))
+    if name == "MXFP4":
+        steps = mxfp4_steps(steps, tensor)
+    return Storage(name, True, route_tensor(route, steps), "file", route, info.qtype,
+                   None if offsets is None else route_tensor(route, offsets),
+                   nonfinite_scale=scale_problem(scales, tensor.numel() // len(raw), tensor.shape[-1]),
+                   zeroed=codes_zero(raw, name))
+
+
+def level_steps(values: torch.Tensor, group: int) -> torch.Tensor:
+    """Each value's step on a grid parity cannot read, from the values its block holds (``group`` values, stored
+    layout): the larger gap from the value to the next distinct value its block holds below and above it, so that a
+    value of A rounded to either of the block's levels around it lies within one step; a block of one distinct value
+    takes the tensor's median step."""
+    if values.numel() % group:
+        return torch.zeros_like(values, dtype=torch.float32)
+    flat = values.float().reshape(-1, group)
+    ordered = flat.sort(dim=1).values
+    above = torch.searchsorted(ordered, flat.contiguous(), right=True)  # the first level above each value
+    below = torch.searchsorted(ordered, flat.contiguous()) - 1  # the last level below it
+    up = torch.where(above < group, ordered.gather(1, above.clamp(max=group - 1)) - flat, 0.0)
+    down = torch.where(below >= 0, flat - ordered.gather(1, below.clamp(min=0)), 0.0)
+    gaps = torch.maximum(up, down)
+    finite = gaps[gaps > 0]
+    fallback = float(finite.median()) if finite.numel() else 0.0
+    return torch.where(gaps > 0, gaps, torch.full_like(gaps, fallback)).reshape(values.shape)
+
+
+def on_levels(a: torch.Tensor, levels: torch.Tensor, group: int) -> torch.Tensor:
+    """A's values (stored layout) each rounded to the nearest value B's block holds (``levels``: B's values, same
+    layout, blocks of ``group``): A as B's grid can hold it where no quantizer of the type is known here.  B's own value
+    is one of those levels, so each value of A moves no farther than B's does: for a format that rounds each value to
+    its nearest level (IQ4_NL, NVFP4) this is B exactly, for one that picks values jointly (IQ1 to IQ3's
+    lattices of 8 values) a lower bound of B's rounding."""
+    flat, ordered = a.float().reshape(-1, group), levels.float().reshape(-1, group).sort(dim=1).values
+    index = torch.searchsorted(ordered, flat.contiguous()).clamp(1, group - 1)
+    low, high = ordered.gather(1, index - 1), ordered.gather(1, index)
+    rounded = torch.where((flat - low).abs() <= (high - flat).abs(), low, high)
+    # a value farther outside its block's levels than the gap between the block's last two: not a value B's block
+    # could hold (B holds another tensor there, which is what the compare is to find), so A's own value is kept
+    below = flat < ordered[:, :1] - (ordered[:, 1:2] - ordered[:, :1])
+    above = flat > ordered[:, -1:] + (ordered[:, -1:] - ordered[:, -2:-1])
+    return torch.where(below | above, flat, rounded).reshape(a.shape)
+
+
+def on_lattice(a: torch.Tensor, steps: torch.Tensor | None, offsets: torch.Tensor | None = None) -> torch.Tensor:
+    """A's values rounded to the nearest point of B's per-value grid (``offsets`` + k x ``steps``): used only where
+    no quantizer of the type is known here (types whose step is estimated), never for a type judged by its grid."""
+    a = a.float()
+    if steps is None:
+        return a
+    start = offsets if offsets is not None else torch.zeros_like(steps)
+    safe = torch.where(steps > 0, steps, torch.ones_like(steps))
+    return torch.where(steps > 0, torch.round((a - start) / safe) * safe + start, a)
+
+
+def reference(a: torch.Tensor, storage: Storage) -> tuple[torch.Tensor, str, torch.Tensor | None]:
+    """A's tensor (reference layout) as a GGUF B's storage would hold it (float32), how it was made, and each value's
+    step as the format's quantizer chose it for A (stored layout; None where it cannot be had): re-quantized where a
+    quantizer runs here, else rounded onto the levels or the grid B's blocks hold.  Also what any quantized storage
+    whose blocks span a fused tensor's halves falls back to (B's grid, read from the file)."""
+    stored = stored_layout(storage.route, a.float())
+    if stored is not None and storage.dtype in K_QUANTS and stored.shape[-1] % SUPER_BLOCK == 0:
+        values, steps = k_requantize(stored, storage.dtype)
+        return (unstored(storage.route, values), f"re-quantized to {storage.dtype} by rounding to the nearest level "
+                "of the grid A's own blocks call for (gguf cannot quantize it)", steps)
+    quantized = requantize(a, storage)
+    if quantized is not None:
+        return quantized[0], f"re-quantized to {storage.dtype} with gguf.quants.quantize", quantized[1]
+    if stored is not None and storage.levels is not None:
+        return (unstored(storage.route, on_levels(stored, storage.levels, min(block_values(storage), LEVEL_GROUP))),
+                f"rounded to the nearest value B's {storage.dtype} block holds (no quantizer for it here)", None)
+    return (on_lattice(a, storage.steps, storage.offsets),
+            f"rounded onto B's {storage.dtype} block grid, read from the file (no quantizer for it here)", None)
+
+
+def requantize(a: torch.Tensor, storage: Storage) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+    """A quantized the way B's file is (gguf.quants, in B's stored layout), dequantized, and the step gguf's
+    quantizer chose for each value's block (stored layout; None for MXFP4, whose step is not one per block); None
+    where gguf cannot quantize the type."""
+    import numpy as np
+    from gguf.constants import GGMLQuantizationType
+    from gguf.quants import QuantError, dequantize, quantize
+
+    stored = stored_layout(storage.route, a.float())
+    if stored is None or storage.qtype is None:
+        return None
+    qtype = GGMLQuantizationType(storage.qtype)
+    try:
+        blocks = quantize(np.ascontiguousarray(stored.numpy(), dtype=np.float32), qtype)
+        values = dequantize(blocks, qtype)
+    except (QuantError, NotImplementedError):  # the K-quants, among others: gguf has no quantizer for them
+        return None
+    back = torch.from_numpy(np.ascontiguousarray(values, dtype=np.float32)).reshape(stored.shape)
+    steps = None
+    if storage.dtype in SCALE_FIRST:  # the d gguf's quantizer chose for each of A's blocks
+        from gguf.constants import GGML_QUANT_SIZES
+
+        raw = np.ascontiguousarray(blocks).reshape(-1, GGML_QUANT_SIZES[qtype][1])
+        steps = block_grid(raw, storage.dtype, tuple(stored.shape))[0]
+    return unstored(storage.route, back), steps
+
+
+def k_statistics(x: torch.Tensor, name: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """What a K-quant quantizer makes of A's values ``x`` (stored layout, float32), per sub-block: the step they
+    call for (their range over ``K_FORMAT``'s levels) and the minimum below zero; per super-block the unit d of
+    the sub-block scales and dmin of the minima.  Shapes: [super-blocks, sub-blocks] and [super-blocks, 1]."""
+    span, sub, levels = K_FORMAT[name]
+    blocks = x.reshape(-1, SUPER_BLOCK // sub, sub)
+    if name in SIGNED_K:
+        ideal, mins = blocks.abs().amax(-1) / span, torch.zeros(blocks.shape[:2], dtype=x.dtype)
+    else:
+        low = blocks.amin(-1).clamp(max=0)
+        ideal, mins = (blocks.amax(-1) - low) / span, -low
+    return ideal, mins, ideal.amax(-1, keepdim=True) / levels, mins.amax(-1, keepdim=True) / levels
+
+
+def k_requantize(x: torch.Tensor, name: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """A's values ``x`` (stored layout, float32) quantized to K-quant ``name`` by round-to-nearest: each sub-block's
+    step its range over the levels, rounded to a multiple of the float16 d (Q2_K/Q4_K/Q5_K: the minimum likewise under
+    dmin), each value to the nearest level (clamped to the codes).  Returns the values and each value's step."""
+    span, sub, levels = K_FORMAT[name]
+    blocks = x.reshape(-1, SUPER_BLOCK // sub, sub)
+    ideal, mins, quantum, mquantum = k_statistics(x, name)
+    d = quantum.to(torch.float16).to(x.dtype)
+    safe_d = torch.where(d > 0, d, torch.ones_like(d))
+    if name in SIGNED_K:  # signed scale: the largest magnitude maps to code -span (Q6_K: -32, Q3_K: -4)
+        pick = blocks.gather(-1, blocks.abs().argmax(-1, keepdim=True)).squeeze(-1)
+        step = torch.where(d > 0, torch.round(-pick / span / safe_d).clamp(-levels - 1, levels), 0.0) * d
+        safe = torch.where(step != 0, step, torch.ones_like(step)).unsqueeze(-1)
+        values = torch.where(step.unsqueeze(-1) != 0, torch.round(blocks / safe).clamp(-span, span - 1) * safe, 0.0)
+    else:
+        dmin = mquantum.to(torch.float16).to(x.dtype)
+        safe_m = torch.where(dmin > 0, dmin, torch.ones_like(dmin))
+        step = torch.where(d > 0, torch.round(ideal / safe_d).clamp(0, levels), 0.0) * d
+        offset = (-torch.where(dmin > 0, torch.round(mins / safe_m).clamp(0, levels), 0.0) * dmin).unsqueeze(-1)
+        safe = torch.where(step != 0, step, torch.ones_like(step)).unsqueeze(-1)
+        codes = torch.where(step.unsqueeze(-1) != 0, torch.round((blocks - offset) / safe).clamp(0, span), 0.0)
+        values = offset + codes * safe * (step.unsqueeze(-1) != 0)
+    steps = step.abs().unsqueeze(-1).expand(-1, -1, sub)
+    return values.reshape(x.shape), steps.reshape(x.shape)
+
+
+def bounds(allowed: torch.Tensor, x: torch.Tensor, b: torch.Tensor, storage: Storage, a_dtype: str,
+           a_steps: torch.Tensor | None) -> tuple[torch.Tensor, dict | None]:
+    """A GGUF B's values' allowed distance from A's (``allowed``: the step and A's own rounding, reference layout;
+    ``x``: A in the stored layout) and its blocks coarser than the format's quantizer chooses for A (``coarse_blocks``).
+
+    In a K-quant a value at either end of its block's grid (its code clamped, or in a zero-step block) may lie farther
+    by as much as the rounding of the block's scale to a multiple of d (and of its minimum to a multiple of dmin) moves
+    it: (levels x d + dmin) / 2, with d and dmin those A's values call for, plus the float16 rounding of d and dmin
+    themselves (times ``SEARCH``).  A type whose blocks carry d is held to the d gguf's quantizer chose
+    (``a_steps``)."""
+    b_steps = stored_layout(storage.route, storage.steps.float())
+    if storage.dtype in K_QUANTS and x.shape[-1] % SUPER_BLOCK == 0:
+        span, sub, levels = K_FORMAT[storage.dtype]
+        ideal, _, quantum, mquantum = k_statistics(x, storage.dtype)
+        # d and dmin are float16: a step moves by up to levels x half d's float16 spacing (a subnormal d: by much)
+        d_rounding, m_rounding = (levels * spacing(unit, "float16") / 2 for unit in (quantum, mquantum))
+        offsets = None if storage.offsets is None else stored_layout(storage.route, storage.offsets.float())
+        ends = k_ends(stored_layout(storage.route, b.float()), b_steps, offsets, storage.dtype,
+                      SEARCH * ((span * quantum + mquantum) / 2 + span * d_rounding + m_rounding))
+        allowed = allowed + unstored(storage.route, ends).float()  # 0 away from the grid's ends
+        limit = K_GRID_FACTOR * (ideal + quantum / 2) + d_rounding
+        return allowed, coarse_blocks(b_steps, ideal, limit, sub, x, a_dtype)
+    if a_steps is None:
+        return allowed, None
+    group = block_values(storage)
+    needed = a_steps.float().reshape(-1, group)[:, 0]
+    return allowed, coarse_blocks(b_steps, needed, LEGACY_GRID_FACTOR * needed + spacing(needed, "float16"), group, x,
+                                  a_dtype)
+
+
+def block_values(storage: Storage) -> int:
+    return qtype_block(storage.qtype)
+
+
+def qtype_block(qtype: int) -> int:
+    """Values per block of a GGUF quantized type (gguf's own table)."""
+    from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
+
+    return GGML_QUANT_SIZES[GGMLQuantizationType(qtype)][0]
+
+
+def k_ends(b: torch.Tensor, steps: torch.Tensor, offsets: torch.Tensor | None, name: str,
+           extra: torch.Tensor) -> torch.Tensor:
+    """Where B's value sits at an end of its block's grid (its code clamped: Q2_K/Q4_K/Q5_K codes 0 and 2^bits - 1,
+    Q3_K's and Q6_K's -2^(bits-1) and 2^(bits-1) - 1) or its block's step is zero: ``extra`` (per super-block) plus
+    (``SEARCH`` - 1) steps, since a quantizer searching steps up to a level either side of range/levels clamps values
+    that far; else 0.  Stored layout."""
+    span = K_FORMAT[name][0]
+    start = offsets if offsets is not None else torch.zeros_like(b)
+    codes = torch.round((b - start) / torch.where(steps > 0, steps, torch.ones_like(steps)))
+    at_end = (codes.abs() >= span - 1) if name in SIGNED_K else (codes <= 0) | (codes >= span)
+    per_value = extra.expand(-1, SUPER_BLOCK).reshape(b.shape) + (SEARCH - 1) * steps
+    return torch.where(at_end | (steps == 0), per_value, torch.zeros_like(per_value))
+
+
+def coarse_blocks(b_steps: torch.Tensor, needed: torch.Tensor, limit: torch.Tensor, group: int, x: torch.Tensor,
+                  a_dtype: str) -> dict | None:
+    """Blocks (of ``group`` values, stored layout) whose step in B's file exceeds ``limit``: the most a quantizer of
+    the format chooses for A's values there (``needed``: the step they call for; never less than A's own storage
+    rounding at the block's largest value).  None when no block does; else how many, and the worst, with evidence."""
+    chosen = b_steps.reshape(-1, group)[:, 0]
+    top = x.reshape(-1, group).abs().amax(-1)
+    bound = torch.maximum(limit.reshape(-1) * FLOAT16_ROUNDING, spacing(top, a_dtype))
+    over = (chosen / bound).nan_to_num(0.0)
+    if not bool((over > 1).any()):
+        return None
+    worst = int(over.argmax())
+    start = worst * group % x.shape[-1]
+    needed = float(needed.reshape(-1)[worst])
+    return {"blocks_too_coarse": int((over > 1).sum()), "blocks": len(chosen), "worst_block": worst,
+            "row": worst * group // x.shape[-1], "values": [start, start + group - 1],
+            "b_step": float(chosen[worst]), "a_step": needed, "limit": float(bound[worst]),
+            "times_coarser": float(chosen[worst]) / needed if needed else math.inf}

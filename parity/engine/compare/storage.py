@@ -1,0 +1,70 @@
+"""How a checkpoint stores one tensor (``Storage``), and the two layouts a compare moves between: the layout the file
+stores a tensor in (where each format's blocks and groups lie) and the reference's (transformers' parameter, where A
+and B are compared).  Every format's grid module fills a ``Storage`` and works in the stored layout; ``conversion``
+dispatches to them.  Kept apart from ``conversion`` so that a format's module can use these without importing the
+dispatch that imports it."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+
+from parity.definitions.mapping import TensorRoute
+
+if TYPE_CHECKING:
+    from parity.engine.compare.affine_grid import AffineStorage
+    from parity.engine.compare.group_grid import Grid
+
+
+@dataclass
+class Storage:
+    """How a checkpoint stores one tensor: its dtype name (``float16`` or a GGUF type such as ``Q8_0``), and for
+    a quantized type the per-value step (routed to the reference's layout, like the tensor)."""
+
+    dtype: str
+    quantized: bool = False
+    steps: torch.Tensor | None = None
+    step_source: str | None = None  # "file" (the block's scale) | "estimated" (the block's value lattice)
+    route: TensorRoute | None = None
+    qtype: int | None = None  # GGMLQuantizationType value, for re-quantizing A
+    offsets: torch.Tensor | None = None  # where a K-quant's grid starts (-dmin x min), per value; None: at zero
+    nonfinite_scale: str | None = None  # the first block whose scale is NaN/Inf, in words (read from the file)
+    zeroed: bool = False  # every quantization code of the tensor (this expert's blocks) is zero
+    block: tuple[int, int] | None = None  # FP8 block quantization: the block each weight_scale_inv covers
+    power_of_two: bool = False  # FP8 block quantization with power-of-two (ue8m0) scales
+    scales: torch.Tensor | None = None  # FP8 block quantization: each block's scale, read from the file
+    levels: torch.Tensor | None = None  # a grid parity cannot read (IQ, NVFP4): B's own values, stored layout
+    codebook: object | None = None  # bitsandbytes 4-bit: parity.sources.bnb_4bit.Packed4bit, read from the file
+    affine: AffineStorage | None = None  # MLX affine quantization: codes, scales, biases (stored layout)
+    group: Grid | None = None  # integer group quantization (GPTQ, AWQ, pack-quantized): B's own grid
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def stored_layout(route: TensorRoute | None, tensor: torch.Tensor) -> torch.Tensor | None:
+    """A reference-layout tensor put back into the layout its checkpoint stores it in (undoing a transpose);
+    None for a chunk of a fused tensor (its blocks span both halves)."""
+    if route is None or route.chunk is not None:
+        return None
+    return tensor.t() if route.transform == "transpose" else tensor
+
+
+def unstored(route: TensorRoute | None, tensor: torch.Tensor) -> torch.Tensor:
+    """A tensor in its checkpoint's stored layout put into the reference's layout (``stored_layout`` undone)."""
+    tensor = tensor.float()
+    return tensor.t() if route is not None and route.transform == "transpose" else tensor
+
+
+def spacing(values: torch.Tensor, dtype: str) -> torch.Tensor:
+    """One unit in the last place of ``dtype`` (a torch dtype's name; float32 for anything else, such as a GGUF
+    quantized type dequantized) at each value, in float32: the rounding that storing the value in it may cause."""
+    kind = getattr(torch, dtype, None)
+    info = torch.finfo(kind if isinstance(kind, torch.dtype) and kind.is_floating_point else torch.float32)
+    limit = min(info.max, torch.finfo(torch.float32).max)
+    exponent = torch.frexp(values.float().nan_to_num(0.0, limit, -limit))[1]
+    magnitude = torch.ldexp(torch.ones_like(exponent, dtype=torch.float32), exponent - 1)
+    return info.eps * torch.where(values == 0, info.tiny, magnitude.clamp_min(info.tiny))
