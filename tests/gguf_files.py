@@ -161,10 +161,11 @@ def _q6_k(x: np.ndarray, coarsen: float) -> np.ndarray:
     return np.concatenate([ql, qh, ls.astype(np.int8).view(np.uint8), _half(d)], axis=1)
 
 
-def write_k_gguf(model, path: Path, qtype: Q, edits: dict | None = None, extra: dict | None = None) -> Path:
+def write_k_gguf(model, path: Path, qtype: Q, edits: dict | None = None, extra: dict | None = None,
+                 metadata: dict | None = None) -> Path:
     """The FFN tensors of a tiny LLaMA as a GGUF of ``qtype`` (``k_quantize``); ``edits``: GGUF name -> a function
     of (values, bytes) returning the bytes to write instead (a broken export); ``extra``: name -> values of tensors
-    written before the model's own."""
+    written before the model's own; ``metadata``: more keys (str or int values), written as given."""
     config, state = model.config, model.state_dict()
     meta = {"block_count": config.num_hidden_layers, "embedding_length": config.hidden_size,
             "feed_forward_length": config.intermediate_size, "attention.head_count": config.num_attention_heads,
@@ -174,6 +175,8 @@ def write_k_gguf(model, path: Path, qtype: Q, edits: dict | None = None, extra: 
     for key, value in meta.items():
         (writer.add_float32 if isinstance(value, float) else writer.add_uint32)(f"llama.{key}", value)
     writer.add_token_list([f"tok{i}" for i in range(64)])
+    for key, value in (metadata or {}).items():
+        (writer.add_string if isinstance(value, str) else writer.add_uint32)(key, value)
     for name, values in (extra or {}).items():
         writer.add_tensor(name, quantize(values, qtype), raw_dtype=qtype)
     for layer in range(config.num_hidden_layers):

@@ -87,7 +87,27 @@ def open_gguf(path: Path) -> GGUFCheckpoint:
     types = Counter(qtype_name(info.qtype) for name, info in header.tensors.items() if ".ffn_" in name)
     notes.append("GGUF FFN tensor types: " + ", ".join(f"{t} ({n})" for t, n in types.most_common())
                  + "; target and reference both get the same dequantized float32 weights")
+    weighted = importance_matrix(header.metadata)
+    if weighted is not None:
+        notes.append(f"GGUF quantized with an importance matrix ({weighted}): llama.cpp's importance-weighted "
+                     "quantizer moves values of little importance several steps and refits each block's scale, so "
+                     "each value's distance in steps and each block's grid are evidence, not a verdict; a compare "
+                     "judges such a tensor by its layer's function")
     return GGUFCheckpoint(header, raw_config, notes)
+
+
+def importance_matrix(metadata: dict) -> str | None:
+    """What B's metadata says of the importance matrix it was quantized with, in words, or None when it names none.
+    llama-quantize records ``quantize.imatrix.file`` (with ``.dataset``, ``.chunks_count``, ``.entries_count``) when
+    given ``--imatrix``; its quantizers then weigh each value's error by that matrix (llama.cpp's ggml-quants.c)."""
+    keys = {key.removeprefix("quantize.imatrix."): value for key, value in metadata.items()
+            if key.startswith("quantize.imatrix.")}
+    if not keys:
+        return None
+    said = [f"{name} {keys[name]!r}" for name in ("file", "dataset") if isinstance(keys.get(name), str)]
+    if isinstance(keys.get("chunks_count"), int):
+        said.append(f"{keys['chunks_count']} chunks")
+    return "quantize.imatrix: " + (", ".join(said) or ", ".join(sorted(keys)))
 
 
 def claims(path: Path) -> bool:

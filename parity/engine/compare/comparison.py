@@ -39,7 +39,7 @@ from parity.definitions.mistakes import Candidate, Diagnosis, MistakeId, diagnos
 from parity.definitions.project import CompareSpec
 from parity.definitions.selection import Selection, parse_selection
 from parity.engine.block import BLOCK_UNIT
-from parity.engine.compare import conversion, folds, group_grid
+from parity.engine.compare import conversion, folds, gguf_grid, group_grid
 from parity.engine.compare.blocks import BlockComparison
 from parity.engine.compare.findings import (
     activations_differ,
@@ -314,6 +314,9 @@ class Comparison:
         if any(s.levels is not None for s in b.storage.values()):  # a grid parity cannot read: B's own levels
             factor = conversion.LEVELS_FACTOR
         why = None
+        if any(s.importance is not None for s in b.storage.values()):  # an importance-weighted GGUF quantizer
+            levels = any(s.levels is not None and s.importance is not None for s in b.storage.values())
+            factor = max(factor, gguf_grid.IMPORTANCE_LEVELS_FACTOR if levels else gguf_grid.IMPORTANCE_FACTOR)
         if any(s.group is not None for s in b.storage.values()):  # integer groups: GPTQ judged by the function
             factor, why = group_grid.layer_factor(group_tensors(a, b), room=scale / conv_dev if conv_dev else math.inf)
         tolerance = max(parity_tolerance(noise, scale, None), factor * conv_dev)

@@ -11,7 +11,8 @@ B's tensors are compared name by name in one layout.  How B stores a tensor deci
   B within one ulp of that dtype of A's cast (``ulp_excess``: value_corrupted otherwise);
 * a quantized format: every value within its block's quantization step of A's value, never less than A's own
   storage rounding (``quantized_bounds``), the step read from the file; each block's step held to what a quantizer
-  of the format chooses for A's values there (grid_too_coarse).
+  of the format chooses for A's values there (grid_too_coarse).  A GGUF whose metadata names an importance matrix:
+  steps and grid are evidence only, the function judges (``gguf_grid.IMPORTANCE_FACTOR``).
 
 ``reference_conversion`` makes A's tensor as B's storage would hold it, from A alone: cast, or re-quantized the way
 B's format does.  The function-level deviation that conversion alone causes is what B is judged against.
@@ -46,7 +47,12 @@ def storage_of(checkpoint, key: str, stored: torch.Tensor, route: TensorRoute, e
         return (fp8_grid.stored(checkpoint, key, route) or codebook_grid.stored(checkpoint, key, route)
                 or affine_grid.stored(checkpoint, key, route, expert) or (Storage(**grouped) if grouped else None)
                 or Storage(as_stored or dtype_name(stored.dtype), route=route))
-    return gguf_grid.stored(header.path, info, stored, route, expert)
+    from parity.sources.gguf import importance_matrix
+
+    storage = gguf_grid.stored(header.path, info, stored, route, expert)
+    if storage.quantized:
+        storage.importance = importance_matrix(header.metadata)
+    return storage
 
 
 def convert_like(a: torch.Tensor, storage: Storage) -> tuple[torch.Tensor, str]:
@@ -86,8 +92,8 @@ def quantized_bounds(a: torch.Tensor, b: torch.Tensor, storage: Storage, a_dtype
     step, where a block's values all equal its minimum, is a fact about the block); each format's grid module adds
     what its grid's ends and scales' rounding allow and judges its blocks' steps (``gguf_grid.bounds``: the
     K-quants' clamped ends)."""
-    if storage.levels is not None:  # a grid read off B's own values (LEVEL_GROUP): the steps are evidence only
-        return torch.full_like(storage.steps.float(), math.inf), None
+    if storage.levels is not None or storage.importance is not None:  # B's own levels, or an importance-weighted
+        return torch.full_like(storage.steps.float(), math.inf), None  # quantizer (IMPORTANCE_FACTOR): evidence only
     if storage.group is not None:  # integer groups (GPTQ moves values by more than a step): the steps are evidence,
         x, held = stored_layout(storage.route, a.float()), stored_layout(storage.route, b.float())  # unless biased
         biased = x is not None and abs(group_grid.bias(x, held, storage.group)) > group_grid.BIAS_LIMIT
