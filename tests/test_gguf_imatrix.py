@@ -86,6 +86,8 @@ def test_an_importance_weighted_q4_0_export_passes_by_its_function(model, a, roo
     assert max(steps) > 1.5, steps  # the values that moved, reported as evidence
     for entry in data["layers"]:
         assert entry["conversion"]["ratio_to_conversion"] < 2.0, entry["conversion"]
+        assert "3 x" in entry["conversion"]["tolerance_rule"] and "importance matrix" in entry["conversion"][
+            "tolerance_rule"], entry["conversion"]["tolerance_rule"]
         assert all(row["grid"] is None and row["steps"]["values_beyond_step"] == 0
                    for row in entry["conversion"]["tensors"])
 

@@ -317,6 +317,7 @@ class Comparison:
         if any(s.importance is not None for s in b.storage.values()):  # an importance-weighted GGUF quantizer
             levels = any(s.levels is not None and s.importance is not None for s in b.storage.values())
             factor = max(factor, gguf_grid.IMPORTANCE_LEVELS_FACTOR if levels else gguf_grid.IMPORTANCE_FACTOR)
+            why = "B's metadata names an importance matrix (quantize.imatrix): each value's steps are evidence only"
         if any(s.group is not None for s in b.storage.values()):  # integer groups: GPTQ judged by the function
             factor, why = group_grid.layer_factor(group_tensors(a, b), room=scale / conv_dev if conv_dev else math.inf)
         tolerance = max(parity_tolerance(noise, scale, None), factor * conv_dev)
