@@ -1,13 +1,14 @@
-"""Naming the routing mistake of a block too large to hold (engine.check.block_check's streamed blocks).
+"""Naming the mistake of a block too large to hold (engine.check.block_check's streamed blocks).
 
 A held block's mistakes are replayed on transformers' block whole (engine.routing_mistakes).  A streamed block's
 experts are never held together, so its replays run on a few of the tokens where the user's block failed, around
 ``ExpertsOnDemand``: a stand-in for the experts module that computes each (token, expert) pair the block asks for
 from that expert's stored values, read one expert at a time through the same reader the streamed pass uses, and
-keeps each pair's output, so that replays choosing the same experts do not read them again.  The replays that
-change the routing, or move the score onto an expert's input, run (routing_mistakes.NOT_REPLAYED_ON_STAND_IN says
-which do not); the verdict on the few tokens
-uses the held path's rule and tolerance (routing_mistakes.replay_fits, from block_check.streamed_mistake).
+keeps each pair's output, so that replays choosing the same experts do not read them again.  Every replay the held
+block gets runs: those that change the routing, or where the score is applied, change what the block asks of the
+stand-in; those inside an expert (a clamp, alpha, up + 1, gate and up exchanged or their layout misread) change each
+expert it builds, their pairs kept apart.  The verdict on the few tokens uses the held path's rule and tolerance
+(routing_mistakes.replay_fits, from block_check.streamed_mistake).
 """
 
 from __future__ import annotations
