@@ -90,21 +90,6 @@ def test_a_correct_block_of_many_experts_passes_streamed(many_experts, monkeypat
     assert streamed.passed and streamed.layers[0].coverage["never_chosen"] == [], streamed
 
 
-@pytest.mark.parametrize(("model_type", "port", "said"), [
-    ("gpt_oss", ports.GptOssHalves, "layout misread"),
-    ("llama4_text", ports.Llama4ScoreOnOutput, "hands them its tokens already routed and scaled")],
-    ids=lambda v: getattr(v, "__name__", str(v)))
-def test_a_streamed_mistake_that_is_not_replayed_is_unexplained_and_says_why(blocks, monkeypatch, model_type, port,
-                                                                             said):
-    """Mistakes inside an expert, and blocks that hand their experts tokens already scaled, are not replayed on a
-    streamed block: 'unexplained', saying which (never a wrong name)."""
-    held = check(str(blocks[model_type]), target=port)
-    streamed = streamed_check(monkeypatch, blocks[model_type], port)
-    assert all(r.diagnosis.id != "unexplained" for r in held.layers), held
-    assert streamed.layers and all(r.diagnosis.id == "unexplained" and said in r.diagnosis.message
-                                   for r in streamed.layers), streamed
-
-
 def test_experts_on_demand_computes_each_pair_once_one_expert_at_a_time():
     """Asked again for the same tokens and experts it builds nothing; each expert is built once per call for every
     token needing it, the one before it let go; an exchange computes the other expert's function."""

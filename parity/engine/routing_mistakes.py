@@ -43,14 +43,28 @@ ADDITIONS = {"__add__", "__radd__", "add", "__iadd__", "add_"}
 def stands_in(experts: nn.Module) -> bool:
     """Whether ``experts`` stands where a block's experts module is, computing the (token, expert) pairs the block
     asks for without holding every expert (engine.check.block_replay.ExpertsOnDemand: a block too large to hold),
-    and exchanging two experts under its own ``exchanged(first, second)``.  Only the replays that change the routing
-    (or scale an expert's input) run on it: what it computes for a pair is the expert's own function on the token."""
+    exchanging two experts under its own ``exchanged(first, second)`` and running each expert it builds under a
+    replay's change under ``each(key, change)``: the replays inside an expert change each expert alone (``_within``),
+    their settings read off its ``template`` (the experts module on the meta device; none: they are not replayed)."""
     return isinstance(experts, nn.Module) and callable(getattr(experts, "exchanged", None)) \
-        and isinstance(getattr(experts, "num_experts", None), int)
+        and callable(getattr(experts, "each", None)) and isinstance(getattr(experts, "num_experts", None), int)
 
 
-NOT_REPLAYED_ON_STAND_IN = ("mistakes inside an expert (its SwiGLU clamp, alpha or up + 1; gate and up exchanged or "
-                            "their layout misread)")
+def _expert_view(parts: Parts) -> nn.Module | None:
+    """What the replays inside an expert read its settings off (limit, alpha, the gate/up layout): the experts
+    module, or a stand-in's template."""
+    return getattr(parts.experts, "template", None) if stands_in(parts.experts) else parts.experts
+
+
+def _within(parts: Parts, key: str, change: Callable[[nn.Module], AbstractContextManager]
+            ) -> Callable[[], AbstractContextManager]:
+    """A replay inside the experts: ``change`` applied to the experts module, or on a stand-in to each expert it
+    builds (one expert alone in the same module class, so the same change computes the same mistake), its pairs
+    kept under ``key``."""
+    experts = parts.experts
+    if stands_in(experts):
+        return lambda: experts.each(key, change)
+    return lambda: change(experts)
 
 
 @dataclass(frozen=True)
@@ -222,8 +236,10 @@ def _probe(parts: Parts) -> None:
     captured: list = []
     hook = parts.router.register_forward_hook(lambda module, args, out: captured.append(out))
     try:
-        with torch.no_grad(), _inside(parts.router, {}, parts.router_calls), \
-                _inside(parts.experts, {}, parts.expert_calls):
+        # a stand-in's own bookkeeping is not the experts' computation: the calls are seen inside each expert it builds
+        seeing = parts.experts.each(None, lambda expert: _inside(expert, {}, parts.expert_calls)) \
+            if stands_in(parts.experts) else _inside(parts.experts, {}, parts.expert_calls)
+        with torch.no_grad(), _inside(parts.router, {}, parts.router_calls), seeing:
             parts.block(x.to(device=param.device, dtype=param.dtype))
     finally:
         hook.remove()
@@ -489,7 +505,9 @@ def _placement(parts: Parts) -> list[Replay]:
     output (the mistake scales their input), experts called with the input alone get it scaled (the mistake
     scales their output)."""
     taken = len(inspect.signature(parts.experts.forward).parameters)
-    if taken >= 3 or stands_in(parts.experts):
+    if stands_in(parts.experts):  # called as the experts module it stands for is
+        taken = 3 if getattr(parts.experts, "routed", True) else 1
+    if taken >= 3:
         return [Replay(MistakeId.ROUTER_SCORE_ON_INPUT, "each expert run on its input times the routing weight",
                        lambda: _forward_replaced(parts.experts, _scores_on_input))]
     if taken == 1 and parts.weights_at is not None:
@@ -523,34 +541,38 @@ def _top_k(parts: Parts) -> list[Replay]:
 def _swiglu(parts: Parts) -> list[Replay]:
     """GPT-OSS's experts: the clamp at ``limit`` (missing, or at 0), ``alpha``, ``(up + 1)``; a fused gate/up
     read in the other layout (interleaved as halves, halves as interleaved)."""
-    experts, found = parts.experts, []
+    experts, found = _expert_view(parts), []
+    if experts is None:
+        return found
     limit, alpha = getattr(experts, "limit", None), getattr(experts, "alpha", None)
     if isinstance(limit, (int, float)) and "clamp" in parts.expert_calls:
-        found += [Replay(MistakeId.SWIGLU_CLAMP_MISSING, f"limit {limit} -> {to}", lambda to=to: _setting(experts,
-                                                                                                      "limit", to))
+        found += [Replay(MistakeId.SWIGLU_CLAMP_MISSING, f"limit {limit} -> {to}",
+                         _within(parts, f"limit {to}", lambda module, to=to: _setting(module, "limit", to)))
                   for to in (float("inf"), 0.0)]  # no clamp, or a limit read as 0
     if isinstance(alpha, (int, float)) and alpha != 1:
         found.append(Replay(MistakeId.SWIGLU_ALPHA_MISSING, f"alpha {alpha} -> 1",
-                            lambda: _setting(experts, "alpha", 1.0)))
+                            _within(parts, "alpha 1", lambda module: _setting(module, "alpha", 1.0))))
     if "+1" in parts.expert_calls:
         found.append(Replay(MistakeId.SWIGLU_UP_PLUS_ONE_MISSING, "(up + 1) computed as up",
-                            lambda: _inside(experts, dict.fromkeys(ADDITIONS, _one_dropped))))
+                            _within(parts, "up + 1", lambda module: _inside(module, dict.fromkeys(ADDITIONS,
+                                                                                                 _one_dropped)))))
     concatenated = getattr(experts, "is_concatenated", None)  # set by transformers' experts decorator
     if isinstance(concatenated, bool) and isinstance(getattr(experts, "gate_up_proj", None), torch.Tensor):
         detail = "gate_up_proj's rows 0::2, 1::2 read as gate and up" if concatenated \
             else "gate_up_proj's halves read as gate and up"
-        found.append(Replay(MistakeId.GATE_UP_INTERLEAVING_MISREAD, detail,
-                            lambda: _layout_misread(experts, stored_interleaved=not concatenated)))
+        found.append(Replay(MistakeId.GATE_UP_INTERLEAVING_MISREAD, detail, _within(
+            parts, "layout", lambda module: _layout_misread(module, stored_interleaved=not concatenated))))
     return found
 
 
 def _gate_up(parts: Parts) -> list[Replay]:
     """Every expert's gate and up exchanged (the activation applied to the up branch), in the fused layout the
     block holds them (halves, or interleaved rows)."""
-    experts = parts.experts
+    experts = _expert_view(parts)
     if not isinstance(getattr(experts, "gate_up_proj", None), torch.Tensor) or not getattr(experts, "has_gate", True):
         return []
-    return [Replay(MistakeId.GATE_UP_SWAPPED, "every expert's gate and up exchanged", lambda: _swapped(experts))]
+    return [Replay(MistakeId.GATE_UP_SWAPPED, "every expert's gate and up exchanged",
+                   _within(parts, "gate and up", _swapped))]
 
 
 def _swapped(experts: nn.Module) -> AbstractContextManager:
@@ -570,13 +592,10 @@ def _exchanges(parts: Parts, pairs: Iterable[tuple[int, int]] | None) -> list[Re
 
 
 def _replays(parts: Parts, exchanged: Iterable[tuple[int, int]] | None) -> list[Replay]:
-    """Every replay that applies; on a stand-in only those that change the routing or where the score is applied
-    (``stands_in``; NOT_REPLAYED_ON_STAND_IN: what changes an expert's own computation is left out)."""
-    routing = (_scoring(parts) + _renormalisation(parts) + _router_settings(parts), _shared(parts) + _top_k(parts))
-    if stands_in(parts.experts):  # the score on the input: each pair computed on its token times its weight
-        return routing[0] + _placement(parts) + routing[1] + _exchanges(parts, exchanged)
-    return (routing[0] + _placement(parts) + routing[1] + _swiglu(parts) + _gate_up(parts)
-            + _exchanges(parts, exchanged))
+    """Every replay that applies, in the same order on a block holding its experts and on a stand-in (``stands_in``:
+    those inside an expert then change each expert it builds)."""
+    return (_scoring(parts) + _renormalisation(parts) + _router_settings(parts) + _placement(parts) + _shared(parts)
+            + _top_k(parts) + _swiglu(parts) + _gate_up(parts) + _exchanges(parts, exchanged))
 
 
 def replays(block: nn.Module, *, exchanged: Iterable[tuple[int, int]] | None = None) -> list[Replay]:

@@ -6,7 +6,7 @@ with whatever transformers itself keeps in float32: DeepSeek's router) and float
 block runs twice in float32 on the same inputs (engine.block.block_inputs).  Tokens whose choice of experts moves
 within float32 noise are set aside: the verdict is on the others, and the report counts them and says whether the
 block's output on them matches one of the choices transformers' block makes there.  A failing block is named by the
-routing mistakes replayed on transformers' block (engine.routing_mistakes); one too large to hold has its routing
+routing mistakes replayed on transformers' block (engine.routing_mistakes); one too large to hold has the same
 replays run on a few of its failing tokens around engine.check.block_replay.ExpertsOnDemand (``streamed_mistake``).
 """
 
@@ -48,16 +48,16 @@ from parity.engine.check.guard import guarded
 from parity.engine.check.run import place, run_module, skip_init, user_code
 from parity.engine.experts import expert_reference, sliced_expert, slices_agree
 from parity.engine.results import LayerResult
-from parity.engine.routing_mistakes import NOT_REPLAYED_ON_STAND_IN, replay_fits, suspect_pairs
+from parity.engine.routing_mistakes import replay_fits, suspect_pairs
 from parity.engine.verdict import Runs, judge, shape_failure
 from parity.errors import ParityError, ShapeMismatchError, TargetError, UsageError
 
 HELD_BYTES = 2 * 2**30  # a block whose experts take more in float64 is streamed: one expert held at a time
 REACH_SAMPLE = 4  # a streamed block's inputs are scaled on this many experts' gates
 REPEAT_TOKENS = 2  # a streamed block's determinism is checked on this many tokens, run twice
-UNREPLAYABLE = ("this block is too large to hold whole and does not hand its experts each token's chosen experts and "
-                "their weights (it hands them its tokens already routed and scaled), so no routing mistake was "
-                "replayed on it; check a smaller layer of the same family, or one expert at a time (--experts)")
+UNREPLAYABLE = ("this block is too large to hold whole and hands its experts neither each token's chosen experts and "
+                "their weights nor its tokens once per expert, so no mistake was replayed on it; check a smaller "
+                "layer of the same family, or one expert at a time (--experts)")
 
 
 class BlockCheck(BlockReader):
@@ -436,18 +436,20 @@ def streamed_mistake(reader: Any, layer: int, block64: nn.Module, x: torch.Tenso
     """The routing mistake whose replay on transformers' streamed block (``block64``, its experts module replaced by
     ``ExpertsOnDemand`` reading through ``reader``, an engine.block.BlockReader) reproduces the user's output
     ``got`` on a few of the tokens of ``x`` where it fails, by ``result``'s tolerance; the pairs of experts to
-    replay exchanged are found from every judged token.  None fitting is ``unexplained``, saying which mistakes
-    were not replayed."""
+    replay exchanged are found from every judged token; the replays inside an expert change each expert the stand-in
+    builds.  None fitting is ``unexplained``."""
     site, count, tolerance = reader.site, reader.side.num_experts, result.tolerance
     x64 = x.double()
     call = experts_call(block64, site, x64)
-    if len(call) != 3 or sum(not a.is_floating_point() for a in call) != 1:  # tokens already routed and scaled
+    routed = len(call) == 3 and sum(not a.is_floating_point() for a in call) == 1
+    if not routed and (len(call) != 1 or call[0].shape[0] % count):  # neither the choice nor the tokens per expert
         return diagnosis(MistakeId.UNEXPLAINED, None, result.max_abs_diff, UNREPLAYABLE)
     width = x.shape[-1]
     tokens = failing_tokens(out64, got, kept, tolerance)
     wrong = (got.double().reshape(-1, width) - out64.reshape(-1, width)).abs().amax(-1) > tolerance
     pairs = suspect_pairs(chosen_in(call, count), wrong & kept, kept)
-    block64.set_submodule(site.experts, ExpertsOnDemand(count, expert_builder(reader, layer)))
+    block64.set_submodule(site.experts, ExpertsOnDemand(count, expert_builder(reader, layer),
+                                                        template=reader.meta_experts(layer), routed=routed))
     few_x = x64.reshape(-1, width)[tokens].unsqueeze(0)
     few_got = got.double().reshape(-1, width)[tokens].unsqueeze(0)
     try:
@@ -456,13 +458,13 @@ def streamed_mistake(reader: Any, layer: int, block64: nn.Module, x: torch.Tenso
         raise
     except Exception as exc:  # noqa: BLE001 - the verdict stands; only its explanation is missing, and said so
         return diagnosis(MistakeId.UNEXPLAINED, None, result.max_abs_diff, "this block is too large to hold whole and "
-                         f"its routing replays could not run around experts read on demand ({type(exc).__name__}: "
+                         f"its replays could not run around experts read on demand ({type(exc).__name__}: "
                          f"{exc})")
     if not found:
         return diagnosis(MistakeId.UNEXPLAINED, None, result.max_abs_diff,
-                         f"this block is too large to hold whole: routing mistakes were replayed on {len(tokens)} of "
-                         f"the tokens where it fails, none reproduces it; {NOT_REPLAYED_ON_STAND_IN} were not "
-                         "replayed (check a smaller layer of the same family, or one expert at a time: --experts)")
+                         f"this block is too large to hold whole: its mistakes were replayed on {len(tokens)} of the "
+                         "tokens where it fails, none reproduces it (check a smaller layer of the same family, or one "
+                         "expert at a time: --experts)")
     first, detail, distance, reference = found[0]
     equally = "; ".join(f"equally {other}: {why}" for other, why, _, _ in found[1:])
     where = f", replayed on {len(tokens)} of the tokens where it fails"

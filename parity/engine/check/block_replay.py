@@ -1,13 +1,14 @@
-"""Naming the routing mistake of a block too large to hold (engine.check.block_check's streamed blocks).
+"""Naming the mistake of a block too large to hold (engine.check.block_check's streamed blocks).
 
 A held block's mistakes are replayed on transformers' block whole (engine.routing_mistakes).  A streamed block's
 experts are never held together, so its replays run on a few of the tokens where the user's block failed, around
 ``ExpertsOnDemand``: a stand-in for the experts module that computes each (token, expert) pair the block asks for
 from that expert's stored values, read one expert at a time through the same reader the streamed pass uses, and
-keeps each pair's output, so that replays choosing the same experts do not read them again.  The replays that
-change the routing, or move the score onto an expert's input, run (routing_mistakes.NOT_REPLAYED_ON_STAND_IN says
-which do not); the verdict on the few tokens
-uses the held path's rule and tolerance (routing_mistakes.replay_fits, from block_check.streamed_mistake).
+keeps each pair's output, so that replays choosing the same experts do not read them again.  Every replay the held
+block gets runs: those that change the routing, or where the score is applied, change what the block asks of the
+stand-in; those inside an expert (a clamp, alpha, up + 1, gate and up exchanged or their layout misread) change each
+expert it builds, their pairs kept apart.  The verdict on the few tokens uses the held path's rule and tolerance
+(routing_mistakes.replay_fits, from block_check.streamed_mistake).
 """
 
 from __future__ import annotations
@@ -28,16 +29,29 @@ REPLAY_TOKENS = 8  # a streamed block's mistakes are replayed on this many of th
 class ExpertsOnDemand(nn.Module):
     """transformers' experts module of a streamed block, each (token, expert) pair computed when asked for, in
     float64: ``build(e)`` is expert e alone in transformers' experts module (built from its stored values, dropped
-    once its pairs are computed); a pair's output (at routing weight 1) is kept by the token's values and the expert
-    computed, so another replay choosing it again costs nothing.  ``reads`` counts the experts built.  Its
-    ``exchanged`` makes it a stand-in engine.routing_mistakes runs only the routing replays on (``stands_in``)."""
+    once its pairs are computed); a pair's output (at routing weight 1) is kept by the replay it was computed under,
+    the token's values and the expert computed, so another replay choosing it again costs nothing.  ``reads`` counts
+    the experts built.  Its ``exchanged`` and ``each`` make it a stand-in engine.routing_mistakes replays on
+    (``stands_in``): the routing replays change what the block asks of it, the replays inside an expert change each
+    expert it builds (``each``), their settings read off ``template`` (the layer's experts module, on the meta
+    device).  ``routed``: the block hands it each token's chosen experts and their weights; otherwise (Llama 4's) its
+    tokens repeated once per expert, scaled by the routing weight, zero where the expert is not chosen (such a row's
+    output is zero, as the streamed pass computes it: engine.block.streamed)."""
 
-    def __init__(self, count: int, build: Callable[[int], nn.Module]):
+    def __init__(self, count: int, build: Callable[[int], nn.Module], *, template: nn.Module | None = None,
+                 routed: bool = True):
         super().__init__()
         self.num_experts, self.build = count, build
+        self.templates, self.routed = (template,), routed  # in a tuple: not a submodule (none of the block's values)
         self.order = list(range(count))  # an exchange replay: asked for one expert, compute the other
-        self.cache: dict[tuple[bytes, int], torch.Tensor] = {}
+        self.cache: dict[tuple[str, bytes, int], torch.Tensor] = {}
         self.reads = 0
+        self.key: str | None = ""  # the replay the pairs are computed under ("": none; None: a probe, not kept)
+        self.change: Callable[[nn.Module], contextlib.AbstractContextManager] | None = None
+
+    @property
+    def template(self) -> nn.Module | None:
+        return self.templates[0]
 
     @contextlib.contextmanager
     def exchanged(self, first: int, second: int) -> Iterator[None]:
@@ -47,40 +61,75 @@ class ExpertsOnDemand(nn.Module):
         finally:
             self.order = list(range(self.num_experts))
 
+    @contextlib.contextmanager
+    def each(self, key: str | None, change: Callable[[nn.Module], contextlib.AbstractContextManager]
+             ) -> Iterator[None]:
+        """Every expert built runs under ``change(module)`` (a replay inside an expert); its pairs kept under
+        ``key``, apart from the correct experts' (None: not kept, so a probe sees every expert it asks for run)."""
+        self.key, self.change = key, change
+        try:
+            yield
+        finally:
+            self.key, self.change = "", None
+
     def forward(self, *args: Any, **kwargs: Any) -> torch.Tensor:
         """The experts' output for what the block hands them, (tokens, chosen experts, their weights), positional
-        or by any names (as engine.block.experts_call reads the call)."""
-        hidden, index, weights = [a for a in [*args, *kwargs.values()] if isinstance(a, torch.Tensor)][:3]
+        or by any names (as engine.block.experts_call reads the call); or (tokens repeated per expert and scaled,)."""
+        tensors = [a for a in [*args, *kwargs.values()] if isinstance(a, torch.Tensor)]
+        if not self.routed:
+            return self.per_expert(tensors[0])
+        hidden, index, weights = tensors[:3]
         if index.is_floating_point():
             index, weights = weights, index
         flat = hidden.detach().reshape(-1, hidden.shape[-1]).double()
-        keys = [hashlib.blake2b(row.contiguous().numpy().tobytes(), digest_size=16).digest() for row in flat]
         index = index.reshape(len(flat), -1).long()
         weights = weights.reshape(len(flat), -1).double()
         pairs = [(token, slot, self.order[int(e)]) for token in range(len(flat))
                  for slot, e in enumerate(index[token].tolist()) if 0 <= e < self.num_experts]
-        self.compute(flat, keys, {(token, expert) for token, _, expert in pairs})
+        outs = self.compute(flat, {(token, expert) for token, _, expert in pairs})
         out = torch.zeros_like(flat)
         for token, slot, expert in pairs:
-            out[token] += weights[token, slot] * self.cache[(keys[token], expert)]
+            out[token] += weights[token, slot] * outs[(token, expert)]
         return out.to(hidden.dtype).reshape(hidden.shape)
 
-    def compute(self, flat: torch.Tensor, keys: list[bytes], wanted: set[tuple[int, int]]) -> None:
-        """The pairs not kept yet, each expert built once for all the tokens that need it, one expert at a time."""
+    def per_expert(self, hidden: torch.Tensor) -> torch.Tensor:
+        """[count x tokens, d]: each expert's block of rows computed by that expert, its zero rows left zero."""
+        flat = hidden.detach().reshape(-1, hidden.shape[-1]).double()
+        rows = len(flat) // self.num_experts
+        pairs = [(row, self.order[row // rows]) for row in range(len(flat)) if bool(flat[row].ne(0).any())]
+        outs = self.compute(flat, set(pairs))
+        out = torch.zeros_like(flat)
+        for pair in pairs:
+            out[pair[0]] = outs[pair]
+        return out.to(hidden.dtype).reshape(hidden.shape)
+
+    def compute(self, flat: torch.Tensor, wanted: set[tuple[int, int]]) -> dict[tuple[int, int], torch.Tensor]:
+        """Each (row, expert) pair's output, computing those not kept yet: each expert built once for all the rows
+        that need it, one expert at a time (under the replay's ``change``, where one is active)."""
+        keys = {row: hashlib.blake2b(flat[row].contiguous().numpy().tobytes(), digest_size=16).digest()
+                for row, _ in wanted}
+        found = {(row, e): self.cache[(self.key, keys[row], e)] for row, e in wanted
+                 if self.key is not None and (self.key, keys[row], e) in self.cache}
         missing: dict[int, list[int]] = {}
-        for token, expert in sorted(wanted):
-            if (keys[token], expert) not in self.cache and token not in missing.get(expert, []):
-                missing.setdefault(expert, []).append(token)
-        for expert, tokens in sorted(missing.items()):
+        for row, expert in sorted(set(wanted) - set(found)):
+            missing.setdefault(expert, []).append(row)
+        for expert, rows in sorted(missing.items()):
             module = self.build(expert)
             self.reads += 1
-            rows = flat[tokens]
-            with torch.no_grad():
-                outs = module(rows, torch.zeros(len(tokens), 1, dtype=torch.long),
-                              torch.ones(len(tokens), 1, dtype=rows.dtype))
+            with torch.no_grad(), self.change(module) if self.change is not None else contextlib.nullcontext():
+                outs = self.run(module, flat[rows])
             del module
-            for token, out in zip(tokens, outs, strict=True):
-                self.cache[(keys[token], expert)] = out.double()
+            for row, out in zip(rows, outs, strict=True):
+                found[(row, expert)] = out.double()
+                if self.key is not None:
+                    self.cache[(self.key, keys[row], expert)] = found[(row, expert)]
+        return found
+
+    def run(self, module: nn.Module, rows: torch.Tensor) -> torch.Tensor:
+        """One expert's module on its rows: every row routed to it at weight 1, or (not ``routed``) the rows alone."""
+        if not self.routed:
+            return module(rows)
+        return module(rows, torch.zeros(len(rows), 1, dtype=torch.long), torch.ones(len(rows), 1, dtype=rows.dtype))
 
 
 def failing_tokens(out64: torch.Tensor, got: torch.Tensor, kept: torch.Tensor, tolerance: float) -> torch.Tensor:
