@@ -69,6 +69,18 @@ class Checkpoint:
         return out
 
 
+    def will_need(self, names: list[str]) -> None:
+        """Tell the reader these tensors will be read soon (a local safetensors file: the kernel reads their bytes
+        ahead, safetensors_files.will_need); nothing where the reader cannot be told (a hub reader, another
+        format), and nothing is fetched for it."""
+        known = [name for name in names if name in self.weight_map]
+        hint = getattr(self.reader, "will_need", None)
+        if hint is None:
+            return
+        for file_name in self.files_for(known):
+            hint(file_name, [name for name in known if self.weight_map[name] == file_name])
+
+
 def refuse_pickle(folder: Path, pickles: list[str] | None = None) -> None:
     pickles = pickles or [p.name for pattern in PICKLE_PATTERNS for p in sorted(folder.glob(pattern))]
     if pickles:

@@ -176,7 +176,8 @@ class BlockCheck(BlockReader):
         meta = self.meta_experts(layer)
         where = self.site.path.format(layer=layer)
         used = [e for e in range(count) if any(bool(chosen_in(call, count)[:, e].any()) for call in calls)]
-        with ReadAhead(functools.partial(self.stored_expert, layer), used) as ahead, one_compute_thread():
+        with ReadAhead(functools.partial(self.stored_expert, layer), used,
+                       functools.partial(self.side.reader.will_need, layer)) as ahead, one_compute_thread():
             outs = streamed(calls, count, self.expert_runs(layer, meta, where, ahead, used))
         out = []
         for block, x, call_out in ((block64, x64, outs[0]), (block32, inputs.x, outs[1])):
@@ -194,7 +195,8 @@ class BlockCheck(BlockReader):
                                               where)
 
         def one(expert: int, dtype: torch.dtype, last: bool) -> nn.Module:
-            routed = self.routed(layer, ahead(expert, last=last), None)
+            # sliced, no whole copy of the expert is made: the next one's read may start at its first use
+            routed = self.routed(layer, ahead(expert, last=last or slicing), None)
             sliced = sliced_expert(meta, config, routed, where, dtype) if slicing else None
             return sliced if sliced is not None else expert_reference(meta, config, routed, where).experts.to(dtype)
         return one
@@ -249,10 +251,11 @@ class ReadAhead:
     computing instead of adding to it.  The next read starts at an expert's last use (its float32 run: the float64
     copy, the largest, is gone by then), so the peak grows by one expert's stored size at most."""
 
-    def __init__(self, read: Callable[[int], dict[str, torch.Tensor]], order: list[int]):
+    def __init__(self, read: Callable[[int], dict[str, torch.Tensor]], order: list[int],
+                 hint: Callable[[int], None] | None = None):
         from concurrent.futures import ThreadPoolExecutor
 
-        self.read, self.next = read, dict(zip(order, order[1:], strict=False))
+        self.read, self.next, self.hint = read, dict(zip(order, order[1:], strict=False)), hint
         self.pool = ThreadPoolExecutor(1, thread_name_prefix="parity-read-ahead")
         self.pending: dict[int, Any] = {}
         self.current: tuple[int | None, dict[str, torch.Tensor]] = (None, {})
@@ -273,6 +276,9 @@ class ReadAhead:
         following = self.next.get(expert)
         if last and following is not None and following not in self.pending:
             self.pending[following] = self.pool.submit(self.read, following)
+            after = self.next.get(following)
+            if self.hint is not None and after is not None:  # the disk reads on while ``following`` is copied
+                self.hint(after)
         return self.current[1]
 
 
