@@ -444,3 +444,36 @@ def test_a_failing_read_ahead_is_raised_where_the_expert_is_used_and_its_thread_
         assert float(ahead(1)["w"][0]) == 1.0 and hinted == [2, 3]
         ahead(2)
     assert not [t for t in threading.enumerate() if t.name.startswith("parity-read-ahead")]
+
+
+@pytest.mark.parametrize("slice_units", [5, None], ids=["sliced", "whole"])
+def test_a_streamed_blocks_replays_compute_each_expert_as_its_streamed_pass_did(blocks, monkeypatch, slice_units):
+    """The routing replays of a failing streamed block build each expert they read as the streamed pass computed it:
+    a cache-sized slice at a time where that pass measured the module computing an expert sliced as whole (no whole
+    float64 copy per expert read: the memory goal holds through the replays), whole otherwise; the mistake is named
+    as on the held block either way."""
+    from parity.engine import experts
+    from parity.engine.check import block_check
+
+    built = []
+    original = block_check.expert_builder
+
+    def recorded(*args, **kwargs):
+        build = original(*args, **kwargs)
+
+        def one(expert):
+            module = build(expert)
+            built.append(type(module).__name__)
+            return module
+        return one
+
+    monkeypatch.setattr(block_check, "expert_builder", recorded)
+    if slice_units:
+        monkeypatch.setattr(experts, "SLICE_BYTES", slice_units * 8 * 3 * 32)
+    folder = blocks["deepseek_v3"]
+    held = check(str(folder), target=ports.DeepSeekBiasInWeights)
+    streamed = streamed_check(monkeypatch, folder, ports.DeepSeekBiasInWeights)
+    assert not held.passed and not streamed.passed
+    for a, b in zip(held.layers, streamed.layers, strict=True):
+        assert b.diagnosis.id == a.diagnosis.id == "selection_bias_in_weights", b.diagnosis
+    assert built and set(built) == {"SlicedExpert" if slice_units else "DeepseekV3Experts"}, set(built)

@@ -69,6 +69,7 @@ class BlockCheck(BlockReader):
         self.sources: dict[str, str] = {}  # how the user's block was filled (its first layer), for the report
         self.target_notes: list[str] = []
         self.skipped: list[int] = []  # layers selected that hold no sparse block (dense ones before MoE ones)
+        self.sliced: dict[int, bool] = {}  # streamed layers whose experts are computed sliced (``expert_runs``)
 
     def units(self, layer: int) -> list[tuple[BlockCheck, None]]:
         """The layer's one block unit; none for a layer without a sparse block (recorded: the report says so)."""
@@ -193,6 +194,7 @@ class BlockCheck(BlockReader):
         config = self.session.config
         slicing = bool(used) and slices_agree(meta, config, self.routed(layer, ahead(used[0], last=False), None),
                                               where)
+        self.sliced[layer] = slicing
 
         def one(expert: int, dtype: torch.dtype, last: bool) -> nn.Module:
             # sliced, no whole copy of the expert is made: the next one's read may start at its first use
@@ -366,7 +368,8 @@ def streamed_mistake(reader: Any, layer: int, block64: nn.Module, x: torch.Tenso
     tokens = failing_tokens(out64, got, kept, tolerance)
     wrong = (got.double().reshape(-1, width) - out64.reshape(-1, width)).abs().amax(-1) > tolerance
     pairs = suspect_pairs(chosen_in(call, count), wrong & kept, kept)
-    block64.set_submodule(site.experts, ExpertsOnDemand(count, expert_builder(reader, layer)))
+    block64.set_submodule(site.experts, ExpertsOnDemand(count, expert_builder(
+        reader, layer, sliced=getattr(reader, "sliced", {}).get(layer, False))))
     few_x = x64.reshape(-1, width)[tokens].unsqueeze(0)
     few_got = got.double().reshape(-1, width)[tokens].unsqueeze(0)
     try:

@@ -20,7 +20,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from parity.engine.experts import expert_reference
+from parity.engine.experts import expert_reference, sliced_expert
 
 REPLAY_TOKENS = 8  # a streamed block's mistakes are replayed on this many of the tokens where it failed
 
@@ -93,14 +93,18 @@ def failing_tokens(out64: torch.Tensor, got: torch.Tensor, kept: torch.Tensor, t
     return order[error[order] > 0]
 
 
-def expert_builder(reader: Any, layer: int) -> Callable[[int], nn.Module]:
+def expert_builder(reader: Any, layer: int, *, sliced: bool = False) -> Callable[[int], nn.Module]:
     """Expert e alone in transformers' experts module, float64, from its stored values (the reader keeps only the
-    last expert read)."""
+    last expert read); ``sliced`` (the streamed pass measured the module computing an expert sliced as it does
+    whole: engine.experts.slices_agree): computed a cache-sized slice at a time (engine.experts.SlicedExpert), as
+    the streamed pass computes it, instead of from a whole float64 copy of the expert (DeepSeek V3's: 0.33 GiB
+    beside the stored one, per expert a replay reads)."""
     meta = reader.meta_experts(layer)
     where = reader.site.path.format(layer=layer)
     config = reader.side.config
 
     def build(expert: int) -> nn.Module:
         routed = reader.routed(layer, reader.stored_expert(layer, expert), None)
-        return expert_reference(meta, config, routed, where).experts.to(torch.float64)
+        part = sliced_expert(meta, config, routed, where, torch.float64) if sliced else None
+        return part if part is not None else expert_reference(meta, config, routed, where).experts.to(torch.float64)
     return build
