@@ -16,9 +16,14 @@ time, engine.experts.SlicedExpert): the floor of a check whose truth is computed
 expert's float32 size + 1 GiB.  Whether each goal is met is printed with the measured ratio (``moe_summary``), in
 wall seconds and in CPU seconds of the same run (a shared machine's load distorts these least).
 
-Measured (docs/performance.md, row (i); 2 cores shared with other sessions, load 10-15, one run each): peak RSS met
-(1.57 GiB against 1.66); time met in the last run, 033884d: 1.16 x wall, 1.18 x CPU against the goal's 1.3 x; not in
-the run before it, fbd3116, without one_compute_thread: 1.37 x wall, 1.46 x CPU.  No idle run yet.
+Measured (docs/performance.md, row (i), one run each): peak RSS met in every run since fbd3116 (1.45-1.57 GiB against
+1.66).  Time: the last idle run (1fbee1f, load 1.3) took 1.48 x twice the floor in wall time, NOT met, 1.20 x in CPU
+seconds, met; the near-idle run before it (36d15e1) 1.27 x wall, 1.04 x CPU: met in CPU seconds, not reliably in wall
+time.  Since then (speed28b) the streamed pass overlaps its reads with its computing (posix_fadvise WILLNEED on the
+expert after the next, the next read from an expert's first use); its effect on this row is in docs/performance.md.
+
+``python scripts/bench_moe.py [FOLDER]`` runs the same check with BIASED_LAZY_BLOCK (a routing mistake: the replays
+of engine.check.block_replay read experts again) and prints its time, peak RSS and the mistake named.
 """
 
 from __future__ import annotations
