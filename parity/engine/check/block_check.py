@@ -251,7 +251,9 @@ class ReadAhead:
     """A streamed block's experts as stored, in the order they are used, each read by a worker thread while the one
     before it is computed: a block larger than memory waits on the disk for every expert, and that wait overlaps the
     computing instead of adding to it.  The next read starts at an expert's last use (its float32 run: the float64
-    copy, the largest, is gone by then), so the peak grows by one expert's stored size at most."""
+    copy, the largest, is gone by then), or at its first use where it is computed sliced (no whole copy is made), so
+    the peak grows by one expert's stored size at most; ``hint`` (the reader's ``will_need``) is told of the expert
+    after that one as its read starts, so the disk reads on while the thread copies the next from the page cache."""
 
     def __init__(self, read: Callable[[int], dict[str, torch.Tensor]], order: list[int],
                  hint: Callable[[int], None] | None = None):
