@@ -16,9 +16,14 @@ time, engine.experts.SlicedExpert): the floor of a check whose truth is computed
 expert's float32 size + 1 GiB.  Whether each goal is met is printed with the measured ratio (``moe_summary``), in
 wall seconds and in CPU seconds of the same run (a shared machine's load distorts these least).
 
-Measured (docs/performance.md, row (i); 2 cores shared with other sessions, load 10-15, one run each): peak RSS met
-(1.57 GiB against 1.66); time met in the last run, 033884d: 1.16 x wall, 1.18 x CPU against the goal's 1.3 x; not in
-the run before it, fbd3116, without one_compute_thread: 1.37 x wall, 1.46 x CPU.  No idle run yet.
+Measured (docs/performance.md, row (i), one run each): peak RSS met in every run since fbd3116 (1.45-1.57 GiB against
+1.66).  Time: the last idle run (1fbee1f, load 1.3) took 1.48 x twice the floor in wall time, NOT met, 1.20 x in CPU
+seconds, met; the near-idle run before it (36d15e1) 1.27 x wall, 1.04 x CPU: met in CPU seconds, not reliably in wall
+time.  Since then (speed28b) the streamed pass overlaps its reads with its computing (posix_fadvise WILLNEED on the
+expert after the next, the next read from an expert's first use); its effect on this row is in docs/performance.md.
+
+``python scripts/bench_moe.py [FOLDER]`` runs the same check with BIASED_LAZY_BLOCK (a routing mistake: the replays
+of engine.check.block_replay read experts again) and prints its time, peak RSS and the mistake named.
 """
 
 from __future__ import annotations
@@ -110,6 +115,10 @@ class LazyDeepSeekBlock(nn.Module):
             out.index_add_(0, token, y * weights[token, slot, None].to(x.dtype))
         return (out + self.shared_experts(x)).reshape(shape)
 '''
+
+# The same block with a routing mistake (the selection bias put into the routing weights, a real porting slip): a
+# failing streamed block, whose mistake parity names by replays that read experts again (engine.check.block_replay).
+BIASED_LAZY_BLOCK = LAZY_BLOCK.replace("weights = scores.gather(1, index)", "weights = biased.gather(1, index)")
 
 # The floor: every expert read once (bfloat16 -> float32) and applied to its share of parity's tokens; with "check",
 # computed in float64 and in float32 as parity's reference must (the truth and the noise floor).
@@ -262,3 +271,42 @@ def print_moe(results: dict) -> None:
               if "parity_own_over_float64_floor" in summary else ""))
     print(f"goal: peak RSS <= 4 x one expert's float32 size + 1 GiB: {parity['peak_rss'] / GIB:.2f} GiB, "
           f"{said[summary['peak_within_goal']]}")
+
+
+def broken_run(folder: Path, work: Path, python: str) -> dict:
+    """parity's block check of BIASED_LAZY_BLOCK as a whole process: wall and CPU seconds, peak RSS, and what the
+    report concluded (its verdict and the mistake it names)."""
+    import os
+    import subprocess
+    import tempfile
+    import time
+
+    (work / "biased_block.py").write_text(BIASED_LAZY_BLOCK)
+    cmd = [python, "-m", "parity", str(folder), "--target", "biased_block:LazyDeepSeekBlock", "--block", "--json",
+           str(work / "broken.json")]
+    env = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[1]), PARITY_BENCH_MOE=str(folder))
+    with tempfile.NamedTemporaryFile("r", suffix=".time") as stats:
+        started = time.perf_counter()
+        code = subprocess.run(["/usr/bin/time", "-o", stats.name, "-f", "%M %U %S", *cmd], env=env, cwd=work,
+                              stdout=subprocess.DEVNULL).returncode
+        wall = time.perf_counter() - started
+        peak_kib, user, system = stats.read().split()[-3:]
+    layer = (json.loads((work / "broken.json").read_text()).get("layers") or [{}])[0] \
+        if (work / "broken.json").is_file() else {}
+    return {"exit": code, "wall_s": wall, "cpu_s": float(user) + float(system), "peak_rss": int(peak_kib) * 1024,
+            "passed": layer.get("passed"), "diagnosis": (layer.get("diagnosis") or {}).get("id"),
+            "port_s": sum(port_seconds(work))}
+
+
+if __name__ == "__main__":  # PYTHONPATH=$PWD python scripts/bench_moe.py [FOLDER]: the broken port's row
+    import sys
+    import tempfile
+
+    target = Path(sys.argv[1]) if len(sys.argv) > 1 else Path("/tmp/parity-bench/deepseek-v3-moe-layer")
+    with tempfile.TemporaryDirectory() as tmp:
+        row = broken_run(target, Path(tmp), sys.executable)
+    expert = 3 * DEEPSEEK_V3_LAYER["hidden_size"] * DEEPSEEK_V3_LAYER["moe_intermediate_size"] * 4
+    print(json.dumps(row))
+    print(f"bias in the weights: exit {row['exit']}, {row['diagnosis']}; {row['wall_s']:.1f} s ({row['cpu_s']:.1f} "
+          f"s CPU; the port's runs {row['port_s']:.1f} s), peak {row['peak_rss'] / GIB:.2f} GiB against the goal's "
+          f"{(4 * expert + GIB) / GIB:.2f} GiB")

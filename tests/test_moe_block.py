@@ -371,3 +371,108 @@ def test_a_streamed_block_computed_a_slice_at_a_time_has_the_held_verdict_truth_
             assert b.max_abs_diff <= b.tolerance / 10 or b.max_abs_diff <= 2 * a.max_abs_diff
         else:
             assert b.max_abs_diff > 100 * b.tolerance and 0.5 <= b.max_abs_diff / a.max_abs_diff <= 2.0
+
+
+def test_will_need_hints_the_kernel_with_each_named_tensors_bytes_and_passes_over_the_rest(tmp_path, monkeypatch):
+    """safetensors_files.will_need asks posix_fadvise(WILLNEED) for exactly the named tensors' byte ranges (the
+    header's offsets made absolute); a name the header does not hold, and a file that is not there, are passed over
+    (a hint: the read itself says what is wrong)."""
+    import os
+
+    from safetensors.torch import save_file
+
+    from parity.sources import safetensors_files as files
+
+    path = tmp_path / "model.safetensors"
+    save_file({"a": torch.ones(3, 5), "b": torch.zeros(7, dtype=torch.bfloat16)}, path)
+    with path.open("rb") as handle:
+        spans = files.parse_header(handle.read(files.header_length(handle.read(8), path.name)), path.name)
+    calls = []
+    monkeypatch.setattr(os, "posix_fadvise", lambda fd, offset, length, advice: calls.append((offset, length, advice)),
+                        raising=False)
+    files.will_need(path, ["b", "not-a-tensor"])
+    assert calls == [(spans["b"].start, 14, os.POSIX_FADV_WILLNEED)]
+    calls.clear()
+    files.will_need(tmp_path / "absent.safetensors", ["a"])
+    files.local_reader(lambda name: tmp_path / name).will_need("model.safetensors", ["a", "b"])
+    assert calls == [(spans["a"].start, 60, os.POSIX_FADV_WILLNEED), (spans["b"].start, 14, os.POSIX_FADV_WILLNEED)]
+
+
+@pytest.mark.parametrize("sliced", [False, True], ids=["whole", "sliced"])
+def test_a_streamed_block_hints_the_expert_after_the_next_and_keeps_the_held_verdict(blocks, monkeypatch, sliced):
+    """While one expert is computed, the next is read by the read-ahead thread (from its first use where the expert
+    is computed sliced: no whole copy of it is held) and the kernel is told the one after that will be read
+    (safetensors_files.will_need): the hints name that expert's own stored tensors, every expert from the third on,
+    and change no value: the verdict, the distance and the noise floor are the held block's."""
+    from parity.engine import experts
+    from parity.sources import safetensors_files as files
+
+    hinted = []
+    monkeypatch.setattr(files, "will_need", lambda path, names: hinted.append(sorted(names)))
+    if sliced:
+        monkeypatch.setattr(experts, "SLICE_BYTES", 5 * 8 * 3 * 32)
+    folder = blocks["qwen2_moe"]
+    held = check(str(folder), target=ports.QwenSharedBlock)
+    streamed = streamed_check(monkeypatch, folder, ports.QwenSharedBlock)
+    assert held.passed and streamed.passed, streamed
+    for a, b in zip(held.layers, streamed.layers, strict=True):
+        assert b.noise_floor > 0 and 0.5 <= b.noise_floor / a.noise_floor <= 2.0, (a.noise_floor, b.noise_floor)
+        assert b.max_abs_diff <= b.tolerance / 10 or b.max_abs_diff <= 2 * a.max_abs_diff
+    wanted = [sorted(f"model.layers.{layer.layer}.mlp.experts.{e}.{p}.weight" for p in ("gate_proj", "up_proj",
+                                                                                        "down_proj"))
+              for layer in streamed.layers for e in (2, 3)]
+    assert hinted == wanted
+
+
+def test_a_failing_read_ahead_is_raised_where_the_expert_is_used_and_its_thread_joined():
+    """ReadAhead: an expert whose read fails raises that error when the expert is asked for, and leaving the block
+    joins the worker thread (no read left running behind the error)."""
+    import threading
+
+    from parity.engine.check.block_check import ReadAhead
+    from parity.errors import CheckpointError
+
+    def read(expert):
+        if expert == 2:
+            raise CheckpointError("expert 2 is defective")
+        return {"w": torch.full((2,), float(expert))}
+
+    hinted = []
+    with pytest.raises(CheckpointError, match="expert 2"), ReadAhead(read, [0, 1, 2, 3], hinted.append) as ahead:
+        assert float(ahead(0, last=True)["w"][0]) == 0.0 and hinted == [2]
+        assert float(ahead(1)["w"][0]) == 1.0 and hinted == [2, 3]
+        ahead(2)
+    assert not [t for t in threading.enumerate() if t.name.startswith("parity-read-ahead")]
+
+
+@pytest.mark.parametrize("slice_units", [5, None], ids=["sliced", "whole"])
+def test_a_streamed_blocks_replays_compute_each_expert_as_its_streamed_pass_did(blocks, monkeypatch, slice_units):
+    """The routing replays of a failing streamed block build each expert they read as the streamed pass computed it:
+    a cache-sized slice at a time where that pass measured the module computing an expert sliced as whole (no whole
+    float64 copy per expert read: the memory goal holds through the replays), whole otherwise; the mistake is named
+    as on the held block either way."""
+    from parity.engine import experts
+    from parity.engine.check import block_check
+
+    built = []
+    original = block_check.expert_builder
+
+    def recorded(*args, **kwargs):
+        build = original(*args, **kwargs)
+
+        def one(expert):
+            module = build(expert)
+            built.append(type(module).__name__)
+            return module
+        return one
+
+    monkeypatch.setattr(block_check, "expert_builder", recorded)
+    if slice_units:
+        monkeypatch.setattr(experts, "SLICE_BYTES", slice_units * 8 * 3 * 32)
+    folder = blocks["deepseek_v3"]
+    held = check(str(folder), target=ports.DeepSeekBiasInWeights)
+    streamed = streamed_check(monkeypatch, folder, ports.DeepSeekBiasInWeights)
+    assert not held.passed and not streamed.passed
+    for a, b in zip(held.layers, streamed.layers, strict=True):
+        assert b.diagnosis.id == a.diagnosis.id == "selection_bias_in_weights", b.diagnosis
+    assert built and set(built) == {"SlicedExpert" if slice_units else "DeepseekV3Experts"}, set(built)

@@ -96,7 +96,7 @@ class Affine(torch.nn.Module):
 def _builder(routed: bool):
     built, alive = [], []
 
-    def build(expert):
+    def build(expert, *, whole=False):
         assert all(ref() is None for ref in alive), "an expert built while another is held"
         built.append(expert)
         module = Affine(expert, routed)

@@ -101,6 +101,18 @@ class LayerReader:
         self._check_routes(routes, tensors, prefix)
         return common_dtype(tensors) if dtype is None else {n: t.to(dtype) for n, t in tensors.items()}
 
+    def will_need(self, layer: int, expert: int | None = None) -> None:
+        """Tell the checkpoint that ``read(layer, expert)`` comes soon (its tensors stored apart; a stack over experts
+        is read once per layer anyway): a local safetensors file has the kernel read their bytes ahead."""
+        try:
+            prefix = self.layer_prefix(layer, expert)
+        except MissingTensorError:  # the read itself says so, in its turn
+            return
+        stacked = set(self.mapping.experts.stacked) if self.mapping.experts is not None else set()
+        routes = [*self.reference_routes(layer), *self.mapping.tensors]
+        self.checkpoint.will_need(list(dict.fromkeys(prefix + r.source for r in routes
+                                                     if r.reads and r.source not in stacked)))
+
     def read_one(self, layer: int, expert: int | None, name: str, dtype: torch.dtype) -> torch.Tensor:
         """One of the layer's FFN tensors (relative name), checked as ``read`` checks it, in ``dtype``."""
         key = self.layer_prefix(layer, expert) + name

@@ -68,6 +68,17 @@ class Checkpoint:
             out.update(self.reader(file_name, in_file))
         return out
 
+    def will_need(self, names: list[str]) -> None:
+        """Tell the reader these tensors will be read soon (a local safetensors file: the kernel reads their bytes
+        ahead, safetensors_files.will_need); nothing where the reader cannot be told (the hub's reader, which would
+        have to download for it; another format's)."""
+        known = [name for name in names if name in self.weight_map]
+        hint = getattr(self.reader, "will_need", None)
+        if hint is None:
+            return
+        for file_name in self.files_for(known):
+            hint(file_name, [name for name in known if self.weight_map[name] == file_name])
+
 
 def refuse_pickle(folder: Path, pickles: list[str] | None = None) -> None:
     pickles = pickles or [p.name for pattern in PICKLE_PATTERNS for p in sorted(folder.glob(pattern))]

@@ -78,6 +78,7 @@ class BlockCheck(BlockReader):
         self.half = ""  # the block's half-precision parameters, said where it fails (low_precision_compute)
         self.flat_input = False  # the block takes its tokens flattened, [batch·tokens, d] (run_target)
         self.skipped: list[int] = []  # layers selected that hold no sparse block (dense ones before MoE ones)
+        self.sliced: dict[int, bool] = {}  # streamed layers whose experts are computed sliced (``expert_runs``)
 
     def units(self, layer: int) -> list[tuple[BlockCheck, None]]:
         """The layer's one block unit; none for a layer without a sparse block (recorded: the report says so)."""
@@ -189,7 +190,8 @@ class BlockCheck(BlockReader):
         meta = self.meta_experts(layer)
         where = self.site.path.format(layer=layer)
         used = [e for e in range(count) if any(bool(chosen_in(call, count)[:, e].any()) for call in calls)]
-        with ReadAhead(functools.partial(self.stored_expert, layer), used) as ahead, one_compute_thread():
+        with ReadAhead(functools.partial(self.stored_expert, layer), used,
+                       functools.partial(self.side.reader.will_need, layer)) as ahead, one_compute_thread():
             outs = streamed(calls, count, self.expert_runs(layer, meta, where, ahead, used))
         out = []
         for block, x, call_out in ((block64, x64, outs[0]), (block32, inputs.x, outs[1])):
@@ -205,9 +207,11 @@ class BlockCheck(BlockReader):
         config = self.session.config
         slicing = bool(used) and slices_agree(meta, config, self.routed(layer, ahead(used[0], last=False), None),
                                               where)
+        self.sliced[layer] = slicing
 
         def one(expert: int, dtype: torch.dtype, last: bool) -> nn.Module:
-            routed = self.routed(layer, ahead(expert, last=last), None)
+            # sliced, no whole copy of the expert is made: the next one's read may start at its first use
+            routed = self.routed(layer, ahead(expert, last=last or slicing), None)
             sliced = sliced_expert(meta, config, routed, where, dtype) if slicing else None
             return sliced if sliced is not None else expert_reference(meta, config, routed, where).experts.to(dtype)
         return one
@@ -290,12 +294,15 @@ class ReadAhead:
     """A streamed block's experts as stored, in the order they are used, each read by a worker thread while the one
     before it is computed: a block larger than memory waits on the disk for every expert, and that wait overlaps the
     computing instead of adding to it.  The next read starts at an expert's last use (its float32 run: the float64
-    copy, the largest, is gone by then), so the peak grows by one expert's stored size at most."""
+    copy, the largest, is gone by then), or at its first use where it is computed sliced (no whole copy is made), so
+    the peak grows by one expert's stored size at most; ``hint`` (the reader's ``will_need``) is told of the expert
+    after that one as its read starts, so the disk reads on while the thread copies the next from the page cache."""
 
-    def __init__(self, read: Callable[[int], dict[str, torch.Tensor]], order: list[int]):
+    def __init__(self, read: Callable[[int], dict[str, torch.Tensor]], order: list[int],
+                 hint: Callable[[int], None] | None = None):
         from concurrent.futures import ThreadPoolExecutor
 
-        self.read, self.next = read, dict(zip(order, order[1:], strict=False))
+        self.read, self.next, self.hint = read, dict(zip(order, order[1:], strict=False)), hint
         self.pool = ThreadPoolExecutor(1, thread_name_prefix="parity-read-ahead")
         self.pending: dict[int, Any] = {}
         self.current: tuple[int | None, dict[str, torch.Tensor]] = (None, {})
@@ -316,6 +323,9 @@ class ReadAhead:
         following = self.next.get(expert)
         if last and following is not None and following not in self.pending:
             self.pending[following] = self.pool.submit(self.read, following)
+            after = self.next.get(following)
+            if self.hint is not None and after is not None:  # the disk reads on while ``following`` is copied
+                self.hint(after)
         return self.current[1]
 
 
@@ -448,12 +458,14 @@ def streamed_mistake(reader: Any, layer: int, block64: nn.Module, x: torch.Tenso
     tokens = failing_tokens(out64, got, kept, tolerance)
     wrong = (got.double().reshape(-1, width) - out64.reshape(-1, width)).abs().amax(-1) > tolerance
     pairs = suspect_pairs(chosen_in(call, count), wrong & kept, kept)
-    block64.set_submodule(site.experts, ExpertsOnDemand(count, expert_builder(reader, layer),
-                                                        template=reader.meta_experts(layer), routed=routed))
+    block64.set_submodule(site.experts, ExpertsOnDemand(count, expert_builder(
+        reader, layer, sliced=getattr(reader, "sliced", {}).get(layer, False)), template=reader.meta_experts(layer),
+        routed=routed))
     few_x = x64.reshape(-1, width)[tokens].unsqueeze(0)
     few_got = got.double().reshape(-1, width)[tokens].unsqueeze(0)
     try:
-        found = replay_fits(block64, few_x, few_got, tolerance=tolerance, exchanged=pairs)
+        with one_compute_thread():  # a few tokens: many small operations, as in the streamed pass
+            found = replay_fits(block64, few_x, few_got, tolerance=tolerance, exchanged=pairs)
     except ParityError:  # the checkpoint's defect in an expert only a replay chose: said as the streamed pass says it
         raise
     except Exception as exc:  # noqa: BLE001 - the verdict stands; only its explanation is missing, and said so

@@ -21,7 +21,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from parity.engine.experts import expert_reference
+from parity.engine.experts import expert_reference, sliced_expert
 
 REPLAY_TOKENS = 8  # a streamed block's mistakes are replayed on this many of the tokens where it failed
 
@@ -38,7 +38,7 @@ class ExpertsOnDemand(nn.Module):
     tokens repeated once per expert, scaled by the routing weight, zero where the expert is not chosen (such a row's
     output is zero, as the streamed pass computes it: engine.block.streamed)."""
 
-    def __init__(self, count: int, build: Callable[[int], nn.Module], *, template: nn.Module | None = None,
+    def __init__(self, count: int, build: Callable[..., nn.Module], *, template: nn.Module | None = None,
                  routed: bool = True):
         super().__init__()
         self.num_experts, self.build = count, build
@@ -114,7 +114,7 @@ class ExpertsOnDemand(nn.Module):
         for row, expert in sorted(set(wanted) - set(found)):
             missing.setdefault(expert, []).append(row)
         for expert, rows in sorted(missing.items()):
-            module = self.build(expert)
+            module = self.build(expert, whole=self.change is not None)  # a change inside an expert: built whole
             self.reads += 1
             with torch.no_grad(), self.change(module) if self.change is not None else contextlib.nullcontext():
                 outs = self.run(module, flat[rows])
@@ -142,14 +142,18 @@ def failing_tokens(out64: torch.Tensor, got: torch.Tensor, kept: torch.Tensor, t
     return order[error[order] > 0]
 
 
-def expert_builder(reader: Any, layer: int) -> Callable[[int], nn.Module]:
+def expert_builder(reader: Any, layer: int, *, sliced: bool = False) -> Callable[..., nn.Module]:
     """Expert e alone in transformers' experts module, float64, from its stored values (the reader keeps only the
-    last expert read)."""
+    last expert read); ``sliced`` (the streamed pass measured the module computing an expert sliced as it does
+    whole: engine.experts.slices_agree): computed a cache-sized slice at a time (engine.experts.SlicedExpert), as
+    the streamed pass computes it, instead of from a whole float64 copy of the expert (DeepSeek V3's: 0.33 GiB
+    beside the stored one, per expert a replay reads)."""
     meta = reader.meta_experts(layer)
     where = reader.site.path.format(layer=layer)
     config = reader.side.config
 
-    def build(expert: int) -> nn.Module:
+    def build(expert: int, *, whole: bool = False) -> nn.Module:
         routed = reader.routed(layer, reader.stored_expert(layer, expert), None)
-        return expert_reference(meta, config, routed, where).experts.to(torch.float64)
+        part = sliced_expert(meta, config, routed, where, torch.float64) if sliced and not whole else None
+        return part if part is not None else expert_reference(meta, config, routed, where).experts.to(torch.float64)
     return build
