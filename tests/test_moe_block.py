@@ -460,10 +460,9 @@ def test_a_streamed_blocks_replays_compute_each_expert_as_its_streamed_pass_did(
     def recorded(*args, **kwargs):
         build = original(*args, **kwargs)
 
-        def one(expert, *, whole=False):
-            module = build(expert, whole=whole)
-            if not whole:  # a replay inside an expert (whole=True) changes its module: built whole
-                built.append(type(module).__name__)
+        def one(expert, *, stored=None):
+            module = build(expert, stored=stored)
+            built.append(type(module).__name__)
             return module
         return one
 

@@ -56,12 +56,36 @@ EXPERT_MISTAKES = [("gpt_oss", ports.GptOssNoClamp, "swiglu_clamp_missing"),
                    ("llama4_text", ports.Llama4ScoreOnOutput, "router_score_on_output")]
 
 
+@pytest.mark.parametrize("sliced", [False, True], ids=["whole", "sliced"])
 @pytest.mark.parametrize(("model_type", "port", "named"), EXPERT_MISTAKES,
                          ids=[p.__name__ for _, p, _ in EXPERT_MISTAKES])
 def test_a_streamed_block_with_a_mistake_inside_its_experts_is_named_as_when_held(blocks, monkeypatch, model_type,
-                                                                                   port, named):
+                                                                                   port, named, sliced):
+    """Also where the streamed pass computes each expert a few units at a time (``sliced``): every expert a replay
+    builds is computed so too (no whole float64 copy: the memory goal holds through the replays), the changes that
+    act on each unit alone applied to each slice, the fused gate/up read in the other layout (rows moved between
+    units) built from the expert's stored tensors rearranged."""
+    from parity.engine import experts
+    from parity.engine.check import block_check
+
     held = check(str(blocks[model_type]), target=port)
+    built = []
+    original = block_check.expert_builder
+
+    def recorded(*args, **kwargs):
+        build = original(*args, **kwargs)
+
+        def one(expert, *, stored=None):
+            module = build(expert, stored=stored)
+            built.append(type(module).__name__)
+            return module
+        return one
+
+    monkeypatch.setattr(block_check, "expert_builder", recorded)
+    if sliced:
+        monkeypatch.setattr(experts, "SLICE_BYTES", 5 * 8 * 3 * 32)  # 5 units of a 32-wide expert
     streamed = streamed_check(monkeypatch, blocks[model_type], port)
+    assert built and (set(built) == {"SlicedExpert"}) == sliced, set(built)
     assert not streamed.passed and streamed.layers
     for a, b in zip(held.layers, streamed.layers, strict=True):
         assert a.diagnosis.id == named, held
@@ -96,7 +120,7 @@ class Affine(torch.nn.Module):
 def _builder(routed: bool):
     built, alive = [], []
 
-    def build(expert, *, whole=False):
+    def build(expert, *, stored=None):
         assert all(ref() is None for ref in alive), "an expert built while another is held"
         built.append(expert)
         module = Affine(expert, routed)

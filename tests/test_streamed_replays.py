@@ -107,7 +107,7 @@ def test_experts_on_demand_computes_each_pair_once_one_expert_at_a_time():
         def forward(self, x, index, weights):
             return x * (self.expert + 1) * weights
 
-    def build(expert, *, whole=False):
+    def build(expert, *, stored=None):
         assert all(ref() is None for ref in alive), "an expert built while another is held"
         built.append(expert)
         module = Scale(expert)

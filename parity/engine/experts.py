@@ -11,8 +11,10 @@ decorator sets on the module.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import inspect
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -233,6 +235,7 @@ class SlicedExpert(nn.Module):
         self.biased = hasattr(meta_experts, "gate_up_proj_bias")
         self.units = routed["up"].shape[0]
         self.routed_call = True  # called with (tokens, index, weights); False: with the tokens alone (Llama 4's)
+        self.change: Callable[[nn.Module], contextlib.AbstractContextManager] | None = None  # ``under``
 
     def part(self, start: int) -> dict[str, torch.Tensor]:
         """Units start..start+width of the expert as stored, in parity's [out, in] roles."""
@@ -254,12 +257,24 @@ class SlicedExpert(nn.Module):
                 self.module.register_parameter(name, held)
             held[0].copy_(tensor)
 
+    @contextlib.contextmanager
+    def under(self, change: Callable[[nn.Module], contextlib.AbstractContextManager]) -> Iterator[None]:
+        """Each slice computed with ``change`` applied to the module once the slice is loaded (a replay inside an
+        expert that acts on each intermediate unit alone, as the clamp, alpha, (up + 1) and gate/up exchanged do:
+        the same mistake as on the whole expert)."""
+        self.change = change
+        try:
+            yield
+        finally:
+            self.change = None
+
     def forward(self, *args: torch.Tensor) -> torch.Tensor:
         out = None
         with torch.no_grad():
             for start in range(0, self.units, self.width):
                 self.load(start)
-                part = self.module(*args)
+                with self.change(self.module) if self.change is not None else contextlib.nullcontext():
+                    part = self.module(*args)
                 out = part if out is None else out.add_(part)
         return out
 

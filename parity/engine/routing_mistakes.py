@@ -56,14 +56,16 @@ def _expert_view(parts: Parts) -> nn.Module | None:
     return getattr(parts.experts, "template", None) if stands_in(parts.experts) else parts.experts
 
 
-def _within(parts: Parts, key: str, change: Callable[[nn.Module], AbstractContextManager]
-            ) -> Callable[[], AbstractContextManager]:
+def _within(parts: Parts, key: str, change: Callable[[nn.Module], AbstractContextManager], *,
+            stored: Callable[[dict], dict] | None = None) -> Callable[[], AbstractContextManager]:
     """A replay inside the experts: ``change`` applied to the experts module, or on a stand-in to each expert it
-    builds (one expert alone in the same module class, so the same change computes the same mistake), its pairs
-    kept under ``key``."""
+    builds (one expert alone in the same module class, so the same change computes the same mistake; it acts on
+    each intermediate unit alone, so a stand-in may apply it to each slice of an expert), its pairs kept under
+    ``key``.  ``stored``: the same mistake as one expert's stored tensors rearranged (a change that moves rows
+    between units), which a stand-in builds its experts from instead."""
     experts = parts.experts
     if stands_in(experts):
-        return lambda: experts.each(key, change)
+        return (lambda: experts.each(key, stored=stored)) if stored is not None else lambda: experts.each(key, change)
     return lambda: change(experts)
 
 
@@ -410,6 +412,21 @@ def _layout_misread(experts: nn.Module, stored_interleaved: bool) -> AbstractCon
     return _gate_up_rows(experts, lambda rows: torch.cat([rows[0::2], rows[1::2]], dim=0))
 
 
+def _halves_misread(routed: dict[str, torch.Tensor], *, stored_interleaved: bool) -> dict[str, torch.Tensor]:
+    """One expert's stored tensors (parity's roles: gate and up [units, d], their biases) as a port reading the
+    fused gate/up in the other layout gets them (``_layout_misread`` on the tensors, before any module holds
+    them): interleaved rows read as halves, or halves read as interleaved rows."""
+    out = dict(routed)
+    for gate, up in (("gate", "up"), ("gate_bias", "up_bias")):
+        if gate in routed and up in routed:
+            if stored_interleaved:
+                out[gate], out[up] = interleave_rows(routed[gate], routed[up]).chunk(2, dim=0)
+            else:
+                fused = torch.cat([routed[gate], routed[up]], dim=0)
+                out[gate], out[up] = fused[0::2], fused[1::2]
+    return out
+
+
 @contextmanager
 def _gate_up_rows(experts: nn.Module, rearranged: Callable[[torch.Tensor], torch.Tensor]) -> Iterator[None]:
     """The experts' fused gate_up_proj (and its bias) holding its gate/up rows ``rearranged`` (rows along dim 0,
@@ -561,7 +578,8 @@ def _swiglu(parts: Parts) -> list[Replay]:
         detail = "gate_up_proj's rows 0::2, 1::2 read as gate and up" if concatenated \
             else "gate_up_proj's halves read as gate and up"
         found.append(Replay(MistakeId.GATE_UP_INTERLEAVING_MISREAD, detail, _within(
-            parts, "layout", lambda module: _layout_misread(module, stored_interleaved=not concatenated))))
+            parts, "layout", lambda module: _layout_misread(module, stored_interleaved=not concatenated),
+            stored=lambda routed: _halves_misread(routed, stored_interleaved=not concatenated))))
     return found
 
 

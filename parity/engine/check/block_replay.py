@@ -21,7 +21,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from parity.engine.experts import expert_reference, sliced_expert
+from parity.engine.experts import SlicedExpert, expert_reference, sliced_expert
 
 REPLAY_TOKENS = 8  # a streamed block's mistakes are replayed on this many of the tokens where it failed
 
@@ -48,6 +48,7 @@ class ExpertsOnDemand(nn.Module):
         self.reads = 0
         self.key: str | None = ""  # the replay the pairs are computed under ("": none; None: a probe, not kept)
         self.change: Callable[[nn.Module], contextlib.AbstractContextManager] | None = None
+        self.stored: Callable[[dict], dict] | None = None  # ``each``
 
     @property
     def template(self) -> nn.Module | None:
@@ -62,15 +63,23 @@ class ExpertsOnDemand(nn.Module):
             self.order = list(range(self.num_experts))
 
     @contextlib.contextmanager
-    def each(self, key: str | None, change: Callable[[nn.Module], contextlib.AbstractContextManager]
-             ) -> Iterator[None]:
-        """Every expert built runs under ``change(module)`` (a replay inside an expert); its pairs kept under
-        ``key``, apart from the correct experts' (None: not kept, so a probe sees every expert it asks for run)."""
-        self.key, self.change = key, change
+    def each(self, key: str | None, change: Callable[[nn.Module], contextlib.AbstractContextManager] | None = None,
+             *, stored: Callable[[dict], dict] | None = None) -> Iterator[None]:
+        """Every expert built runs under ``change(module)`` (a replay inside an expert, acting on each intermediate
+        unit alone: on each slice of an expert computed sliced), or is built from its stored tensors rearranged by
+        ``stored`` (one that moves rows between units); its pairs kept under ``key``, apart from the correct
+        experts' (None: not kept, so a probe sees every expert it asks for run)."""
+        self.key, self.change, self.stored = key, change, stored
         try:
             yield
         finally:
-            self.key, self.change = "", None
+            self.key, self.change, self.stored = "", None, None
+
+    def changed(self, module: nn.Module) -> contextlib.AbstractContextManager:
+        """``module`` (one expert built) under the active replay's change: on each slice of a sliced expert."""
+        if self.change is None:
+            return contextlib.nullcontext()
+        return module.under(self.change) if isinstance(module, SlicedExpert) else self.change(module)
 
     def forward(self, *args: Any, **kwargs: Any) -> torch.Tensor:
         """The experts' output for what the block hands them, (tokens, chosen experts, their weights), positional
@@ -114,9 +123,9 @@ class ExpertsOnDemand(nn.Module):
         for row, expert in sorted(set(wanted) - set(found)):
             missing.setdefault(expert, []).append(row)
         for expert, rows in sorted(missing.items()):
-            module = self.build(expert, whole=self.change is not None)  # a change inside an expert: built whole
+            module = self.build(expert, stored=self.stored)
             self.reads += 1
-            with torch.no_grad(), self.change(module) if self.change is not None else contextlib.nullcontext():
+            with torch.no_grad(), self.changed(module):
                 outs = self.run(module, flat[rows])
             del module
             for row, out in zip(rows, outs, strict=True):
@@ -152,8 +161,9 @@ def expert_builder(reader: Any, layer: int, *, sliced: bool = False) -> Callable
     where = reader.site.path.format(layer=layer)
     config = reader.side.config
 
-    def build(expert: int, *, whole: bool = False) -> nn.Module:
+    def build(expert: int, *, stored: Callable[[dict], dict] | None = None) -> nn.Module:
         routed = reader.routed(layer, reader.stored_expert(layer, expert), None)
-        part = sliced_expert(meta, config, routed, where, torch.float64) if sliced and not whole else None
+        routed = routed if stored is None else stored(routed)
+        part = sliced_expert(meta, config, routed, where, torch.float64) if sliced else None
         return part if part is not None else expert_reference(meta, config, routed, where).experts.to(torch.float64)
     return build
