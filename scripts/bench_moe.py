@@ -17,10 +17,10 @@ expert's float32 size + 1 GiB.  Whether each goal is met is printed with the mea
 wall seconds and in CPU seconds of the same run (a shared machine's load distorts these least).
 
 Measured (docs/performance.md, row (i), one run each): peak RSS met in every run since fbd3116 (1.45-1.57 GiB against
-1.66).  Time: the last idle run (1fbee1f, load 1.3) took 1.48 x twice the floor in wall time, NOT met, 1.20 x in CPU
-seconds, met; the near-idle run before it (36d15e1) 1.27 x wall, 1.04 x CPU: met in CPU seconds, not reliably in wall
-time.  Since then (speed28b) the streamed pass overlaps its reads with its computing (posix_fadvise WILLNEED on the
-expert after the next, the next read from an expert's first use); its effect on this row is in docs/performance.md.
+1.66).  Time: before the reads overlapped the computing, the idle runs took 1.48 x (1fbee1f) and 1.27 x (36d15e1)
+twice the floor in wall time, 1.20 x and 1.04 x in CPU seconds.  Since (speed28b: posix_fadvise WILLNEED on the
+expert after the next, the next read from an expert's first use), two idle runs of 2026-12-02 took 1.21 x and 1.17 x
+wall, 1.14 x and 1.12 x CPU: met in both; the broken port's row 97.6 s, 1.45 GiB, its mistake named.
 
 ``python scripts/bench_moe.py [FOLDER]`` runs the same check with BIASED_LAZY_BLOCK (a routing mistake: the replays
 of engine.check.block_replay read experts again) and prints its time, peak RSS and the mistake named.
