@@ -60,3 +60,39 @@ def streamed_check(monkeypatch, folder: Path, port):
     with monkeypatch.context() as patched:
         patched.setattr(block_check, "HELD_BYTES", 0)
         return check(str(folder), target=port)
+
+
+def recorded_builds(monkeypatch, *, slice_units: int | None = None) -> list[str]:
+    """The class of each expert a streamed block's replays build (engine.check.block_replay's ``expert_builder``),
+    appended as the check runs; ``slice_units``: the streamed pass computes each expert of a 32-wide block that many
+    intermediate units at a time (engine.experts.SLICE_BYTES)."""
+    from parity.engine import experts
+    from parity.engine.check import block_check
+
+    built: list[str] = []
+    original = block_check.expert_builder
+
+    def recorded(*args, **kwargs):
+        build = original(*args, **kwargs)
+
+        def one(expert, *, stored=None):
+            module = build(expert, stored=stored)
+            built.append(type(module).__name__)
+            return module
+        return one
+
+    monkeypatch.setattr(block_check, "expert_builder", recorded)
+    if slice_units:
+        monkeypatch.setattr(experts, "SLICE_BYTES", slice_units * 8 * 3 * 32)
+    return built
+
+
+def assert_named_as_held(held, streamed, named: str) -> None:
+    """A failing block streamed gets the held block's name, from replays on the tokens where it fails, the replay
+    within tolerance of the port and the correct block beyond it."""
+    assert not streamed.passed and streamed.layers
+    for a, b in zip(held.layers, streamed.layers, strict=True):
+        assert a.diagnosis.id == named, held
+        assert b.unverifiable is None and b.max_abs_diff > 100 * b.tolerance
+        assert b.diagnosis.id == named and "replayed on 8 of the tokens where it fails" in b.diagnosis.message, b
+        assert b.diagnosis.distance <= b.tolerance < b.diagnosis.reference_distance

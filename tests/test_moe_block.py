@@ -17,7 +17,7 @@ from parity.api import check
 
 from . import moe_block_ports as ports
 from .derived_checkpoints import MOE, build
-from .moe_blocks import FAMILIES, streamed_check
+from .moe_blocks import FAMILIES, recorded_builds, streamed_check
 from .support import run_json, run_main
 
 HERE = Path(__file__).resolve().parent
@@ -451,24 +451,7 @@ def test_a_streamed_blocks_replays_compute_each_expert_as_its_streamed_pass_did(
     a cache-sized slice at a time where that pass measured the module computing an expert sliced as whole (no whole
     float64 copy per expert read: the memory goal holds through the replays), whole otherwise; the mistake is named
     as on the held block either way."""
-    from parity.engine import experts
-    from parity.engine.check import block_check
-
-    built = []
-    original = block_check.expert_builder
-
-    def recorded(*args, **kwargs):
-        build = original(*args, **kwargs)
-
-        def one(expert, *, stored=None):
-            module = build(expert, stored=stored)
-            built.append(type(module).__name__)
-            return module
-        return one
-
-    monkeypatch.setattr(block_check, "expert_builder", recorded)
-    if slice_units:
-        monkeypatch.setattr(experts, "SLICE_BYTES", slice_units * 8 * 3 * 32)
+    built = recorded_builds(monkeypatch, slice_units=slice_units)
     folder = blocks["deepseek_v3"]
     held = check(str(folder), target=ports.DeepSeekBiasInWeights)
     streamed = streamed_check(monkeypatch, folder, ports.DeepSeekBiasInWeights)

@@ -16,7 +16,7 @@ import torch
 from parity.api import check
 
 from . import moe_block_ports as ports
-from .moe_blocks import streamed_check
+from .moe_blocks import assert_named_as_held, recorded_builds, streamed_check
 
 
 class GptOssWritten(ports.GptOssBlock):
@@ -65,33 +65,11 @@ def test_a_streamed_block_with_a_mistake_inside_its_experts_is_named_as_when_hel
     builds is computed so too (no whole float64 copy: the memory goal holds through the replays), the changes that
     act on each unit alone applied to each slice, the fused gate/up read in the other layout (rows moved between
     units) built from the expert's stored tensors rearranged."""
-    from parity.engine import experts
-    from parity.engine.check import block_check
-
     held = check(str(blocks[model_type]), target=port)
-    built = []
-    original = block_check.expert_builder
-
-    def recorded(*args, **kwargs):
-        build = original(*args, **kwargs)
-
-        def one(expert, *, stored=None):
-            module = build(expert, stored=stored)
-            built.append(type(module).__name__)
-            return module
-        return one
-
-    monkeypatch.setattr(block_check, "expert_builder", recorded)
-    if sliced:
-        monkeypatch.setattr(experts, "SLICE_BYTES", 5 * 8 * 3 * 32)  # 5 units of a 32-wide expert
+    built = recorded_builds(monkeypatch, slice_units=5 if sliced else None)
     streamed = streamed_check(monkeypatch, blocks[model_type], port)
     assert built and (set(built) == {"SlicedExpert"}) == sliced, set(built)
-    assert not streamed.passed and streamed.layers
-    for a, b in zip(held.layers, streamed.layers, strict=True):
-        assert a.diagnosis.id == named, held
-        assert b.unverifiable is None and b.max_abs_diff > 100 * b.tolerance
-        assert b.diagnosis.id == named and "replayed on 8 of the tokens where it fails" in b.diagnosis.message, b
-        assert b.diagnosis.distance <= b.tolerance < b.diagnosis.reference_distance
+    assert_named_as_held(held, streamed, named)
 
 
 @pytest.mark.parametrize(("model_type", "port"), [("llama4_text", ports.Llama4Block), ("gpt_oss", GptOssWritten),

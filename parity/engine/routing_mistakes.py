@@ -19,6 +19,7 @@ other experts matches), so a block of 256 experts replays a handful of pairs, no
 
 from __future__ import annotations
 
+import functools
 import inspect
 import itertools
 from collections.abc import Callable, Iterable, Iterator
@@ -30,7 +31,7 @@ from torch import nn
 from torch.overrides import TorchFunctionMode
 
 from parity.definitions.mistakes import MistakeId
-from parity.engine.experts import interleave_rows
+from parity.engine.experts import interleave_rows, layout_misread
 
 CLEARLY = 4.0  # a replay names the mistake when the block is at least this x farther from the correct block
 MAX_PAIRWISE = 8  # blocks with at most this many experts replay every pair of them without evidence
@@ -412,21 +413,6 @@ def _layout_misread(experts: nn.Module, stored_interleaved: bool) -> AbstractCon
     return _gate_up_rows(experts, lambda rows: torch.cat([rows[0::2], rows[1::2]], dim=0))
 
 
-def _halves_misread(routed: dict[str, torch.Tensor], *, stored_interleaved: bool) -> dict[str, torch.Tensor]:
-    """One expert's stored tensors (parity's roles: gate and up [units, d], their biases) as a port reading the
-    fused gate/up in the other layout gets them (``_layout_misread`` on the tensors, before any module holds
-    them): interleaved rows read as halves, or halves read as interleaved rows."""
-    out = dict(routed)
-    for gate, up in (("gate", "up"), ("gate_bias", "up_bias")):
-        if gate in routed and up in routed:
-            if stored_interleaved:
-                out[gate], out[up] = interleave_rows(routed[gate], routed[up]).chunk(2, dim=0)
-            else:
-                fused = torch.cat([routed[gate], routed[up]], dim=0)
-                out[gate], out[up] = fused[0::2], fused[1::2]
-    return out
-
-
 @contextmanager
 def _gate_up_rows(experts: nn.Module, rearranged: Callable[[torch.Tensor], torch.Tensor]) -> Iterator[None]:
     """The experts' fused gate_up_proj (and its bias) holding its gate/up rows ``rearranged`` (rows along dim 0,
@@ -579,7 +565,7 @@ def _swiglu(parts: Parts) -> list[Replay]:
             else "gate_up_proj's halves read as gate and up"
         found.append(Replay(MistakeId.GATE_UP_INTERLEAVING_MISREAD, detail, _within(
             parts, "layout", lambda module: _layout_misread(module, stored_interleaved=not concatenated),
-            stored=lambda routed: _halves_misread(routed, stored_interleaved=not concatenated))))
+            stored=functools.partial(layout_misread, stored_interleaved=not concatenated))))
     return found
 
 

@@ -25,6 +25,7 @@ measures, per layer, how far each mistake moves the output against that dtype's 
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -87,19 +88,9 @@ def _swap_halves(name: str) -> Callable[[dict], dict]:
 def _reordered(interleaved: bool) -> Callable[[dict], dict]:
     """One expert's gate and up (and their biases) fused in one layout and read in the other: a port that takes
     the halves of GPT-OSS's interleaved gate_up_proj (``interleaved``), or alternate rows of [gate; up]."""
-    from parity.engine.experts import interleave_rows
+    from parity.engine.experts import layout_misread
 
-    def tensors(t: dict) -> dict:
-        out = dict(t)
-        for gate, up in (("gate", "up"), ("gate_bias", "up_bias")):
-            if gate in t and up in t:
-                if interleaved:
-                    out[gate], out[up] = interleave_rows(t[gate], t[up]).chunk(2, dim=0)
-                else:
-                    fused = torch.cat([t[gate], t[up]], dim=0)
-                    out[gate], out[up] = fused[0::2], fused[1::2]
-        return out
-    return tensors
+    return functools.partial(layout_misread, stored_interleaved=interleaved)
 
 
 def _replace(name: str, fn: Callable[[torch.Tensor], torch.Tensor]) -> Callable[[dict], dict]:
