@@ -35,8 +35,9 @@ import torch
 
 from parity import __version__
 from parity.definitions.families import configured_activation
-from parity.definitions.mistakes import Candidate, Diagnosis, MistakeId, diagnosis
+from parity.definitions.mistakes import MistakeId, diagnosis
 from parity.definitions.project import CompareSpec
+from parity.definitions.records import Candidate, Diagnosis
 from parity.definitions.selection import Selection, parse_selection
 from parity.engine.block import BLOCK_UNIT
 from parity.engine.compare import conversion, folds, gguf_grid, group_grid

@@ -43,9 +43,8 @@ def storage_of(checkpoint, key: str, stored: torch.Tensor, route: TensorRoute, e
     info = header.tensors.get(key) if header is not None else None
     if info is None:
         as_stored = getattr(checkpoint, "stored_dtype", lambda _: None)(key)  # before a read's upcast to one dtype
-        grouped = group_grid.stored(checkpoint, key, route)  # integer groups: each value's grid read from the file
         return (fp8_grid.stored(checkpoint, key, route) or codebook_grid.stored(checkpoint, key, route)
-                or affine_grid.stored(checkpoint, key, route, expert) or (Storage(**grouped) if grouped else None)
+                or affine_grid.stored(checkpoint, key, route, expert) or group_grid.stored(checkpoint, key, route)
                 or Storage(as_stored or dtype_name(stored.dtype), route=route))
     from parity.sources.gguf import importance_matrix
 

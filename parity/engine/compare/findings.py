@@ -10,7 +10,8 @@ import math
 
 import torch
 
-from parity.definitions.mistakes import Candidate, Diagnosis, MistakeId, diagnosis
+from parity.definitions.mistakes import MistakeId, diagnosis
+from parity.definitions.records import Candidate, Diagnosis
 from parity.engine.compare import affine_grid, codebook_grid, fp8_grid, group_grid
 from parity.engine.compare.conversion import Storage, step_excess, stored_layout, unstored
 

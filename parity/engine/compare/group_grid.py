@@ -25,6 +25,7 @@ from dataclasses import dataclass
 
 import torch
 
+from parity.engine.compare.storage import Storage
 from parity.engine.layer import route_tensor
 
 # B's function may deviate from A's by this many times what round-to-nearest on B's own grid does.  Measured on
@@ -115,9 +116,9 @@ def grid_of(held, bits: int) -> Grid:
     return Grid(steps, zeros, held.low, held.high, held.scales, held.zeros, held.g_idx, held.method, bits)
 
 
-def stored(checkpoint, key: str, route) -> dict | None:
-    """``conversion.Storage``'s fields for tensor ``key`` of an integer group-quantized checkpoint, None for a
-    tensor stored unquantized (or another checkpoint)."""
+def stored(checkpoint, key: str, route) -> Storage | None:
+    """How an integer group-quantized checkpoint stores tensor ``key`` (each value's grid read from the file), None
+    for a tensor stored unquantized (or another checkpoint)."""
     grouped = getattr(checkpoint, "grouped", None)
     held = grouped(key) if grouped is not None else None
     if held is None:
@@ -130,9 +131,9 @@ def stored(checkpoint, key: str, route) -> dict | None:
         first = [int(i) for i in bad.nonzero()[0]]
         problem = (f"group {first} (scale {float(held.scales[tuple(first)])}): {int(bad.sum())} of {bad.numel()} "
                    "groups have a NaN/Inf scale")
-    return {"dtype": f"int{bits}", "quantized": True, "steps": route_tensor(route, grid.steps.abs()),
-            "step_source": "file", "route": route, "nonfinite_scale": problem, "group": grid,
-            "zeroed": bool((held.codes.float() == grid.zeros).all())}
+    zeroed = bool((held.codes.float() == grid.zeros).all())
+    return Storage(f"int{bits}", quantized=True, steps=route_tensor(route, grid.steps.abs()), step_source="file",
+                   route=route, nonfinite_scale=problem, group=grid, zeroed=zeroed)
 
 
 def round_to(x: torch.Tensor, grid: Grid) -> torch.Tensor:
