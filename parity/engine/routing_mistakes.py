@@ -12,7 +12,9 @@ sigmoid, its top-k taken before the softmax, its division by the top-k sum skipp
 its router and experts call when run once on a probe input; never the family's name.
 
 The replay whose output reproduces the user's block within the tolerance, and clearly closer than the
-correct block does, names the mistake; where two replays reproduce it equally both are named.  Experts
+correct block does, names the mistake; where two replays reproduce it equally both are named.  Where none alone
+does, two mistakes made at once (DeepSeek-V3's inference Gate scoring with a softmax also skips the renormalisation)
+are replayed together, pairs of replays in distinct places of the block (``paired``), and named together.  Experts
 exchanged are replayed pairwise among the experts the mismatching tokens use (every token routed only to
 other experts matches), so a block of 256 experts replays a handful of pairs, not 32,640.
 """
