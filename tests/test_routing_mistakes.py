@@ -48,6 +48,7 @@ FAMILIES = {
                                                  "router_wrong_top_k:-1", "router_wrong_top_k:+1",
                                                  "experts_exchanged:2,5", "router_renormalization_missing",
                                                  "routed_scaling_dropped", "selection_bias_in_weights",
+                                                 "selection_bias_missing", "selection_bias_missing:best",
                                                  "shared_expert_missing", "gate_up_interleaving_misread"]),
     "llama4_text": (dict(interleave_moe_layer_step=1), "feed_forward", "llama4",
                     ["router_softmax_instead_of_sigmoid", "router_softmax_instead_of_sigmoid:every",
@@ -148,9 +149,11 @@ def route(t: dict, h: torch.Tensor, config, style: str, mistake: str, k: int) ->
 
 def deepseek_route(t: dict, logits, config, mistake: str, k: int, renorm: bool) -> torch.Tensor:
     scores = logits.softmax(-1) if mistake == "router_softmax_instead_of_sigmoid" else logits.sigmoid()
-    choice = scores + t["selection_bias"]
+    choice = scores if mistake.startswith("selection_bias_missing") else scores + t["selection_bias"]
     groups = choice.view(len(choice), config.n_group, -1)
-    best_groups = groups.topk(2, dim=-1).values.sum(-1).topk(config.topk_group, dim=-1).indices
+    best_two = groups.topk(2, dim=-1).values.sum(-1)
+    group_scores = groups.amax(-1) if mistake == "selection_bias_missing:best" else best_two
+    best_groups = group_scores.topk(config.topk_group, dim=-1).indices
     allowed = torch.zeros_like(groups[..., 0]).scatter(1, best_groups, 1.0).bool()
     index = choice.masked_fill(~allowed.repeat_interleave(groups.shape[-1], dim=1), float("-inf")).topk(k).indices
     values = (choice if mistake == "selection_bias_in_weights" else scores).gather(1, index)
@@ -303,6 +306,7 @@ def test_the_replays_are_those_the_block_calls_for(families, model_type):
     assert (MistakeId.SWIGLU_CLAMP_MISSING in found) == (model_type == "gpt_oss")
     assert (MistakeId.SHARED_EXPERT_GATE_MISSING in found) == (model_type in ("qwen2_moe", "qwen3_next"))
     assert (MistakeId.SELECTION_BIAS_IN_WEIGHTS in found) == (model_type == "deepseek_v3")
+    assert (MistakeId.SELECTION_BIAS_MISSING in found) == (model_type == "deepseek_v3")  # not GPT-OSS's router.bias
     assert (MistakeId.ROUTER_SCORE_ON_OUTPUT in found) == (model_type == "llama4_text")
 
 
@@ -317,6 +321,17 @@ def test_a_setting_decides_which_replay_applies():
     assert MistakeId.ROUTER_RENORMALIZATION_ADDED in off and MistakeId.ROUTER_RENORMALIZATION_MISSING not in off
     assert MistakeId.ROUTED_SCALING_DROPPED in ids("deepseek_v3")
     assert MistakeId.ROUTED_SCALING_DROPPED not in ids("deepseek_v3", routed_scaling_factor=1.0)
+
+
+def test_a_selection_bias_that_chooses_nothing_is_not_replayed_missing():
+    """One value for every expert (zero, as transformers initialises it, or any constant) moves every score alike and
+    changes no choice: leaving it out is the correct block, so it is not a mistake to replay."""
+    block, _ = tiny_block("deepseek_v3")
+    for value in (0.0, 0.3):
+        with torch.no_grad():
+            block.gate.e_score_correction_bias.fill_(value)
+        found = {r.id for r in replays(block)}
+        assert MistakeId.SELECTION_BIAS_MISSING not in found and MistakeId.SELECTION_BIAS_IN_WEIGHTS in found
 
 
 def test_experts_exchanged_in_a_large_block_are_found_from_the_tokens():

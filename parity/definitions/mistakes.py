@@ -86,6 +86,7 @@ class MistakeId(StrEnum):
     ROUTER_RENORMALIZATION_MISSING = "router_renormalization_missing"
     ROUTER_RENORMALIZATION_ADDED = "router_renormalization_added"
     SELECTION_BIAS_IN_WEIGHTS = "selection_bias_in_weights"
+    SELECTION_BIAS_MISSING = "selection_bias_missing"
     ROUTED_SCALING_DROPPED = "routed_scaling_dropped"
     ROUTER_SCORE_ON_OUTPUT = "router_score_on_output"
     ROUTER_SCORE_ON_INPUT = "router_score_on_input"
@@ -321,6 +322,11 @@ MISTAKES = {m.id: m for m in [
             "into the routing weights; it only chooses the experts",
             "choose experts by score + bias, but weight each chosen expert by its score alone "
             "(scores.gather(1, topk_indices))"),
+    Mistake(MistakeId.SELECTION_BIAS_MISSING, "the experts are chosen without the expert-selection bias "
+            "(e_score_correction_bias): by their scores alone",
+            "choose experts (and score their groups) by score + bias, weighting each chosen expert by its score alone; "
+            "load the bias at every width (DeepSeek-V3's inference Gate creates it only when dim == 7168, "
+            "torchtitan's expert_bias only when load balancing is on)"),
     Mistake(MistakeId.ROUTED_SCALING_DROPPED, "the routed experts' weights are not multiplied by "
             "routed_scaling_factor", "multiply the (renormalised) top-k weights by config.routed_scaling_factor"),
     Mistake(MistakeId.ROUTER_SCORE_ON_OUTPUT, "the router score multiplies the expert's output where the block "
@@ -360,13 +366,25 @@ MISTAKES = {m.id: m for m in [
 ]}
 
 
+TOGETHER = " + "  # two mistakes made at once, named together: "router_softmax_instead_of_sigmoid + ..."
+
+
+def together(*ids: MistakeId | str) -> str:
+    """The id of mistakes made at once (a whole MoE block's replays composed, where no one alone reproduces it): each
+    a catalogue id, joined by TOGETHER, so that a consumer matching on one finds it by splitting."""
+    return TOGETHER.join(str(i) for i in ids)
+
+
 def diagnosis(mistake_id: MistakeId | str, distance: float | None, reference_distance: float | None,
               detail: str = "", candidates: list[Candidate] | None = None) -> Diagnosis:
     """A diagnosis as reports carry it, with the distances of the hypotheses replayed for it
-    (``candidates``; none for findings that need no replay)."""
-    mistake = MISTAKES[mistake_id]
-    message = mistake.message + (f" ({detail})" if detail else "")
-    return Diagnosis(str(mistake.id), message, mistake.fix, distance, reference_distance, list(candidates or []))
+    (``candidates``; none for findings that need no replay).  An id of mistakes made at once (``together``) says
+    each one's message and fix."""
+    mistakes = [MISTAKES[MistakeId(part)] for part in str(mistake_id).split(TOGETHER)]
+    message = ", and ".join(m.message for m in mistakes) + (f" ({detail})" if detail else "")
+    fix = "; ".join(m.fix for m in mistakes)
+    return Diagnosis(together(*(m.id for m in mistakes)), message, fix, distance, reference_distance,
+                     list(candidates or []))
 
 
 # Where each id comes from: a replay (diagnose.py replays it on transformers' MLP) or a finding (measured
@@ -464,6 +482,9 @@ PRODUCED_BY: dict[MistakeId, str] = {
                                             "sum (or norm_topk_prob on)",
     MistakeId.SELECTION_BIAS_IN_WEIGHTS: "replay: engine.routing_mistakes, the router's selection bias added to "
                                          "the gathered weights",
+    MistakeId.SELECTION_BIAS_MISSING: "replay: engine.routing_mistakes, the selection bias held at 0 (and each group "
+                                      "scored by its best expert, as DeepSeek-V3's inference Gate does without one); "
+                                      "not where the bias is one value for every expert (it chooses nothing)",
     MistakeId.ROUTED_SCALING_DROPPED: "replay: engine.routing_mistakes, routed_scaling_factor set to 1",
     MistakeId.ROUTER_SCORE_ON_OUTPUT: "replay: engine.routing_mistakes, the block's experts run on unscaled "
                                       "input, their outputs scaled",

@@ -12,7 +12,9 @@ sigmoid, its top-k taken before the softmax, its division by the top-k sum skipp
 its router and experts call when run once on a probe input; never the family's name.
 
 The replay whose output reproduces the user's block within the tolerance, and clearly closer than the
-correct block does, names the mistake; where two replays reproduce it equally both are named.  Experts
+correct block does, names the mistake; where two replays reproduce it equally both are named.  Where none alone
+does, two mistakes made at once (DeepSeek-V3's inference Gate scoring with a softmax also skips the renormalisation)
+are replayed together, pairs of replays in distinct places of the block (``paired``), and named together.  Experts
 exchanged are replayed pairwise among the experts the mismatching tokens use (every token routed only to
 other experts matches), so a block of 256 experts replays a handful of pairs, not 32,640.
 """
@@ -30,13 +32,24 @@ import torch
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
-from parity.definitions.mistakes import MistakeId
+from parity.definitions.mistakes import MistakeId, together
 from parity.engine.experts import interleave_rows, layout_misread
 
 CLEARLY = 4.0  # a replay names the mistake when the block is at least this x farther from the correct block
 MAX_PAIRWISE = 8  # blocks with at most this many experts replay every pair of them without evidence
 MAX_SUSPECTS = 12  # at most this many suspect experts are replayed pairwise (66 pairs)
 PROBE_TOKENS = 4  # what a router and its experts call is seen on a few tokens: k experts each, not every expert
+# where in the block each mistake is: two replays of distinct places compose (a port may make both mistakes at once);
+# the replays inside an expert and the exchanges of experts are not paired (each would multiply the experts built)
+PLACE = {MistakeId.ROUTER_SIGMOID_INSTEAD_OF_SOFTMAX: "scoring", MistakeId.ROUTER_SOFTMAX_INSTEAD_OF_SIGMOID: "scoring",
+         MistakeId.ROUTER_TOPK_BEFORE_SOFTMAX: "scoring", MistakeId.ROUTER_SOFTMAX_BEFORE_TOPK: "scoring",
+         MistakeId.ROUTER_RENORMALIZATION_MISSING: "renormalisation",
+         MistakeId.ROUTER_RENORMALIZATION_ADDED: "renormalisation",
+         MistakeId.SELECTION_BIAS_IN_WEIGHTS: "selection bias", MistakeId.SELECTION_BIAS_MISSING: "selection bias",
+         MistakeId.ROUTED_SCALING_DROPPED: "scaling", MistakeId.ROUTER_SCORE_ON_OUTPUT: "placement",
+         MistakeId.ROUTER_SCORE_ON_INPUT: "placement", MistakeId.SHARED_EXPERT_MISSING: "shared expert",
+         MistakeId.SHARED_EXPERT_GATE_MISSING: "shared expert", MistakeId.SHARED_EXPERT_GATE_AFTER_SUM: "shared expert",
+         MistakeId.ROUTER_WRONG_TOP_K: "top-k"}
 DIVISIONS = {"__itruediv__", "__truediv__", "div", "div_", "true_divide"}
 ADDITIONS = {"__add__", "__radd__", "add", "__iadd__", "add_"}
 
@@ -74,7 +87,7 @@ def _within(parts: Parts, key: str, change: Callable[[nn.Module], AbstractContex
 class Replay:
     """One mistake: under ``apply()``, calling the block computes it; leaving restores the block."""
 
-    id: MistakeId
+    id: MistakeId | str  # a catalogue id, or two made at once (``together``)
     detail: str
     apply: Callable[[], AbstractContextManager]
     experts: tuple[int, int] | None = None  # the pair an exchange swaps
@@ -108,7 +121,8 @@ Rule = Callable[[Callable, tuple, dict], object]  # returns NotImplemented to le
 
 class _Rewrite(TorchFunctionMode):
     """Every torch call passes through, but those a rule rewrites (by the function's name); every name seen is
-    recorded, with ``+1`` for an addition of the number 1 and ``/sum`` for a division by a row sum."""
+    recorded, with ``+1`` for an addition of the number 1, ``/sum`` for a division by a row sum and ``top-2/group``
+    for the best two of each of several groups of experts (DeepSeek V3's group score)."""
 
     def __init__(self, rules: dict[str, Rule] | None = None, seen: list[str] | None = None):
         super().__init__()
@@ -122,6 +136,8 @@ class _Rewrite(TorchFunctionMode):
             self.seen.append("+1")
         if name in DIVISIONS and _divides_by_row_sum(args):
             self.seen.append("/sum")
+        if name == "topk" and _top_two_per_group(args, kwargs):
+            self.seen.append("top-2/group")
         rule = self.rules.get(name)
         if rule is not None:
             out = rule(func, args, kwargs)
@@ -133,6 +149,15 @@ class _Rewrite(TorchFunctionMode):
 def _adds_one(args: tuple) -> bool:
     return len(args) == 2 and isinstance(args[0], torch.Tensor) and not isinstance(args[1], torch.Tensor) \
         and isinstance(args[1], (int, float)) and args[1] == 1
+
+
+def _top_two_per_group(args: tuple, kwargs: dict) -> bool:
+    """``scores.view(tokens, groups, per_group).topk(2, dim=-1)``, more than one group: the group scores DeepSeek V3
+    sums (its inference Gate without a selection bias takes each group's best alone)."""
+    k = args[1] if len(args) > 1 else kwargs.get("k")
+    scores = args[0] if args else None
+    return isinstance(scores, torch.Tensor) and scores.dim() == 3 and scores.shape[1] > 1 and k == 2 \
+        and kwargs.get("dim", args[2] if len(args) > 2 else -1) in (-1, 2)
 
 
 def _divides_by_row_sum(args: tuple) -> bool:
@@ -329,6 +354,15 @@ def _one_dropped(func, args, kwargs):
     return args[0] if _adds_one(args) else NotImplemented
 
 
+def _best_of_group(func, args, kwargs):
+    """A group's score its best expert's where the block sums its best two: the second of each group's top-2 read
+    as 0."""
+    if not _top_two_per_group(args, kwargs):
+        return NotImplemented
+    values, index = func(*args, **kwargs)
+    return torch.return_types.topk((torch.cat([values[..., :1], torch.zeros_like(values[..., 1:])], dim=-1), index))
+
+
 def _biased(bias: torch.Tensor) -> Rule:
     def gather(func, args, kwargs):
         out = func(*args, **kwargs)
@@ -494,13 +528,54 @@ def _router_settings(parts: Parts) -> list[Replay]:
     if scaled is not None:
         found.append(Replay(MistakeId.ROUTED_SCALING_DROPPED, f"routed_scaling_factor {scaled.routed_scaling_factor} "
                             "-> 1", lambda: _setting(scaled, "routed_scaling_factor", 1.0)))
-    held = [*parts.router.named_buffers(), *((n, p) for n, p in parts.router.named_parameters() if not p.requires_grad)]
-    bias = next(((name, b) for name, b in held  # a buffer (DeepSeek), or a frozen parameter (Ernie 4.5's statics)
-                 if b.is_floating_point() and b.numel() == parts.num_experts), None)
+    bias = selection_bias(parts)
     if bias is not None and "gather" in parts.router_calls:
         found.append(Replay(MistakeId.SELECTION_BIAS_IN_WEIGHTS, f"{bias[0]} added to the weights",
                             lambda: _inside(parts.router, {"gather": _biased(bias[1])})))
     return found
+
+
+def selection_bias(parts: Parts) -> tuple[str, torch.Tensor] | None:
+    """The bias a router adds to the scores to choose experts: one value per expert, held as a buffer (DeepSeek's
+    e_score_correction_bias) or a frozen parameter (Ernie 4.5's statics), the router's or the block's own
+    (MiniMax-M2 hands its router the block's); never the experts' own, nor a bias named ``bias``, which a linear map
+    adds to the logits (GPT-OSS's router: it weights as well as chooses)."""
+    experts = {id(t) for t in [*parts.experts.parameters(), *parts.experts.buffers()]}
+    for module in (parts.router, parts.block):
+        held = [*module.named_buffers(), *((n, p) for n, p in module.named_parameters() if not p.requires_grad)]
+        found = next(((name, b) for name, b in held if id(b) not in experts and name.rsplit(".", 1)[-1] != "bias"
+                      and b.is_floating_point() and b.numel() == parts.num_experts), None)
+        if found is not None:
+            return found
+    return None
+
+
+def _selection_bias_missing(parts: Parts) -> list[Replay]:
+    """The experts chosen without the selection bias: it held at 0; where the router scores groups of experts by
+    their best two, also each group by its best alone (DeepSeek-V3's inference Gate without a bias: ``amax``).  None
+    where the bias is one value for every expert (zero, as transformers initialises it): adding it chooses nothing,
+    so leaving it out is the correct block."""
+    bias = selection_bias(parts)
+    if bias is None or not bool((bias[1] != bias[1].reshape(-1)[0]).any()):
+        return []
+    name, values = bias
+    found = [Replay(MistakeId.SELECTION_BIAS_MISSING, f"{name} left out of the choice",
+                    lambda: _values(values, torch.zeros_like(values)))]
+    if "top-2/group" in parts.router_calls:
+        found.append(Replay(MistakeId.SELECTION_BIAS_MISSING, f"{name} left out of the choice and each group scored "
+                            "by its best expert (DeepSeek-V3's inference Gate without a bias)",
+                            lambda: _together(lambda: _values(values, torch.zeros_like(values)),
+                                              lambda: _inside(parts.router, {"topk": _best_of_group}))))
+    return found
+
+
+@contextmanager
+def _together(*applies: Callable[[], AbstractContextManager]) -> Iterator[None]:
+    """Changes made at once, undone in the reverse order."""
+    with ExitStack() as stack:
+        for apply in applies:
+            stack.enter_context(apply())
+        yield
 
 
 def _placement(parts: Parts) -> list[Replay]:
@@ -598,8 +673,18 @@ def _exchanges(parts: Parts, pairs: Iterable[tuple[int, int]] | None) -> list[Re
 def _replays(parts: Parts, exchanged: Iterable[tuple[int, int]] | None) -> list[Replay]:
     """Every replay that applies, in the same order on a block holding its experts and on a stand-in (``stands_in``:
     those inside an expert then change each expert it builds)."""
-    return (_scoring(parts) + _renormalisation(parts) + _router_settings(parts) + _placement(parts) + _shared(parts)
-            + _top_k(parts) + _swiglu(parts) + _gate_up(parts) + _exchanges(parts, exchanged))
+    return (_scoring(parts) + _renormalisation(parts) + _router_settings(parts) + _selection_bias_missing(parts)
+            + _placement(parts) + _shared(parts) + _top_k(parts) + _swiglu(parts) + _gate_up(parts)
+            + _exchanges(parts, exchanged))
+
+
+def paired(singles: list[Replay]) -> list[Replay]:
+    """Two mistakes made at once: every two of ``singles`` in distinct places of the block (PLACE: the scoring, the
+    renormalisation, the selection bias, the scaling, where the score is applied, the shared expert, the top-k),
+    each pair one replay applying both."""
+    placed = [r for r in singles if r.id in PLACE]
+    return [Replay(together(a.id, b.id), f"{a.detail}, with {b.detail}", functools.partial(_together, a.apply, b.apply))
+            for a, b in itertools.combinations(placed, 2) if PLACE[a.id] != PLACE[b.id]]
 
 
 def replays(block: nn.Module, *, exchanged: Iterable[tuple[int, int]] | None = None) -> list[Replay]:
@@ -667,21 +752,47 @@ def name_mistake(block: nn.Module, x: torch.Tensor, got: torch.Tensor | tuple, *
 
 def replay_fits(block: nn.Module, x: torch.Tensor, got: torch.Tensor | tuple, *, tolerance: float,
                 tokens: torch.Tensor | None = None, exchanged: Iterable[tuple[int, int]] | None = None
-                ) -> list[tuple[MistakeId, str, float, float]]:
+                ) -> list[tuple[MistakeId | str, str, float, float]]:
     """(id, what the replay changes, the output's distance from the replay, its distance from the correct block) of
-    each replay reproducing ``got``: within ``tolerance`` (max abs) and at least CLEARLY times closer than the correct
-    block is.  Closest first; those that fit equally (within CLEARLY of the closest, or all within tolerance /
-    CLEARLY) are all returned.  [] when the block agrees, no replay fits, or ``got`` is not the block's shape.
-    ``tokens``: a bool mask over the flattened tokens, the ones judged (near-tied tokens, whose choice of experts
-    may flip legitimately, set aside).  ``exchanged``: the pairs of experts to replay exchanged, found from more
-    tokens than ``x`` holds (default: ``suspect_pairs`` on ``x``'s own evidence)."""
+    each replay reproducing ``got`` (``replay_search``'s ``fits``)."""
+    return replay_search(block, x, got, tolerance=tolerance, tokens=tokens, exchanged=exchanged).fits
+
+
+@dataclass
+class Search:
+    """What naming a block's mistake replayed and found."""
+
+    fits: list[tuple[MistakeId | str, str, float, float]] = field(default_factory=list)
+    tried: list[str] = field(default_factory=list)  # the ids replayed alone, each once, in order
+    pairs: int = 0  # the pairs of mistakes replayed together (none where one alone fits)
+    stopped: str = ""  # why some pairs were not replayed
+
+    def untold(self) -> str:
+        """What was replayed, for a failure none of it explains."""
+        if not self.tried:
+            return ""
+        pairs = f"; {self.pairs} pairs of them in distinct places of the block, together" if self.pairs else ""
+        return f"replayed alone: {', '.join(self.tried)}{pairs}{'; ' + self.stopped if self.stopped else ''}"
+
+
+def replay_search(block: nn.Module, x: torch.Tensor, got: torch.Tensor | tuple, *, tolerance: float,
+                  tokens: torch.Tensor | None = None, exchanged: Iterable[tuple[int, int]] | None = None) -> Search:
+    """The replays reproducing ``got``: within ``tolerance`` (max abs) and at least CLEARLY times closer than the
+    correct block is.  Closest first; those that fit equally (within CLEARLY of the closest, or all within tolerance /
+    CLEARLY) are all returned.  Where no replay alone fits, two made at once (``paired``) are replayed, and those that
+    fit named together; on a stand-in for the experts (``stands_in``) the pairs stop once they have built as many
+    experts as the replays alone did.  No fits when the block agrees, no replay fits, or ``got`` is not the block's
+    shape.  ``tokens``: a bool mask over the flattened tokens, the ones judged (near-tied tokens, whose choice of
+    experts may flip legitimately, set aside).  ``exchanged``: the pairs of experts to replay exchanged, found from
+    more tokens than ``x`` holds (default: ``suspect_pairs`` on ``x``'s own evidence)."""
     parts = find_parts(block)
     if parts is None:
-        return []
+        return Search()
     width, got = parts.width, _outputs(got)[0]  # a block may return (hidden, router_logits)
     got = _flat(got, width) if isinstance(got, torch.Tensor) and got.numel() == x.numel() else None
     if got is None:
-        return []
+        return Search()
+    stand_in = parts.experts if stands_in(parts.experts) else None
     with torch.no_grad():
         reference, uses = _reference(parts, x, width)
         judged = torch.ones(len(got), dtype=torch.bool) if tokens is None else tokens.reshape(-1).cpu()
@@ -689,17 +800,48 @@ def replay_fits(block: nn.Module, x: torch.Tensor, got: torch.Tensor | tuple, *,
         wrong = (reference - got).abs().amax(-1) > tolerance
         reference_distance = float((reference - got).abs().max())
         if not reference_distance > tolerance:
-            return []
-        fits = []
+            return Search()
         pairs = suspect_pairs(uses, wrong, judged) if exchanged is None else exchanged
-        for order, replay in enumerate(_replays(parts, pairs)):
-            distance = _distance(block, replay, x, got, width, judged)
-            if distance is not None and distance <= tolerance and distance * CLEARLY <= reference_distance:
-                fits.append((distance, order, replay))
+        singles = _replays(parts, pairs)
+        search = Search(tried=list(dict.fromkeys(str(replay.id) for replay in singles)))
+        reads = getattr(stand_in, "reads", 0)
+        fits = _fitting(block, singles, x, got, width, judged, tolerance, reference_distance)
+        if not fits:
+            budget = getattr(stand_in, "reads", 0) - reads  # the experts the replays alone built
+            reads += budget
+            together = paired(singles)
+            if stand_in is not None:  # each such pair runs the experts on new inputs: every expert chosen built again
+                costly = [r for r in together if MistakeId.ROUTER_SCORE_ON_INPUT in str(r.id).split(" + ")]
+                together = [r for r in together if r not in costly]
+                if costly:
+                    search.stopped = (f"the {len(costly)} pairs with {MistakeId.ROUTER_SCORE_ON_INPUT} not replayed "
+                                      "around experts read on demand: each would build every expert it chooses again")
+            for done, replay in enumerate(together):
+                if stand_in is not None and stand_in.reads - reads > budget:
+                    search.stopped = "; ".join(filter(None, [search.stopped, (
+                        f"the other {len(together) - done} pairs not replayed: those replayed had built as many "
+                        f"experts as the replays alone ({budget})")]))
+                    break
+                search.pairs += 1
+                fits += _fitting(block, [replay], x, got, width, judged, tolerance, reference_distance, order=done)
     # replays that compute the same function (top-k before the softmax, and renormalising after it) land within float
     # noise of each other in either order: at or below tolerance / CLEARLY they are one distance, so the first named
     # is the same on every layer and seed instead of whichever rounding favoured
     fits.sort(key=lambda fit: (max(fit[0], tolerance / CLEARLY), fit[1]))
-    fits = [(distance, replay) for distance, _, replay in fits]
-    bound = max(min(distance for distance, _ in fits) * CLEARLY, tolerance / CLEARLY) if fits else 0.0
-    return [(replay.id, replay.detail, distance, reference_distance) for distance, replay in fits if distance <= bound]
+    bound = max(min(distance for distance, _, _ in fits) * CLEARLY, tolerance / CLEARLY) if fits else 0.0
+    search.fits = [(replay.id, replay.detail, distance, reference_distance)
+                   for distance, _, replay in fits if distance <= bound]
+    return search
+
+
+def _fitting(block: nn.Module, replays: list[Replay], x: torch.Tensor, got: torch.Tensor, width: int,
+             judged: torch.Tensor, tolerance: float, reference_distance: float, *, order: int = 0
+             ) -> list[tuple[float, int, Replay]]:
+    """(distance, order, replay) of each of ``replays`` within ``tolerance`` of ``got`` and CLEARLY closer than the
+    correct block."""
+    fits = []
+    for at, replay in enumerate(replays, start=order):
+        distance = _distance(block, replay, x, got, width, judged)
+        if distance is not None and distance <= tolerance and distance * CLEARLY <= reference_distance:
+            fits.append((distance, at, replay))
+    return fits

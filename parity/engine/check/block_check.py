@@ -48,7 +48,7 @@ from parity.engine.check.guard import guarded
 from parity.engine.check.run import place, run_module, skip_init, user_code
 from parity.engine.experts import expert_reference, sliced_expert, slices_agree
 from parity.engine.results import LayerResult
-from parity.engine.routing_mistakes import replay_fits, suspect_pairs
+from parity.engine.routing_mistakes import replay_search, suspect_pairs
 from parity.engine.verdict import Runs, judge, shape_failure
 from parity.errors import ParityError, ShapeMismatchError, TargetError, UsageError
 
@@ -430,11 +430,13 @@ def holds_block(session: Any) -> bool:
 
 def named_mistake(block64: nn.Module, x: torch.Tensor, got: torch.Tensor, result: LayerResult,
                   kept: torch.Tensor) -> Diagnosis:
-    """The routing mistake whose replay on transformers' block reproduces the user's output (engine.routing_mistakes);
-    replays that fit equally are all said, each a candidate with its distance; none fitting is ``unexplained``."""
-    found = replay_fits(block64, x, got, tolerance=result.tolerance, tokens=kept)
+    """The routing mistake whose replay on transformers' block reproduces the user's output (engine.routing_mistakes),
+    or two made at once where none alone does; replays that fit equally are all said, each a candidate with its
+    distance; none fitting is ``unexplained``, saying what was replayed."""
+    search = replay_search(block64, x, got, tolerance=result.tolerance, tokens=kept)
+    found = search.fits
     if not found:
-        return diagnosis(MistakeId.UNEXPLAINED, None, result.max_abs_diff)
+        return diagnosis(MistakeId.UNEXPLAINED, None, result.max_abs_diff, search.untold())
     first, detail, distance, reference = found[0]
     equally = "; ".join(f"equally {other}: {why}" for other, why, _, _ in found[1:])
     return diagnosis(first, distance, reference, detail + (f"; {equally}" if equally else ""),
@@ -465,18 +467,20 @@ def streamed_mistake(reader: Any, layer: int, block64: nn.Module, x: torch.Tenso
     few_got = got.double().reshape(-1, width)[tokens].unsqueeze(0)
     try:
         with one_compute_thread():  # a few tokens: many small operations, as in the streamed pass
-            found = replay_fits(block64, few_x, few_got, tolerance=tolerance, exchanged=pairs)
+            search = replay_search(block64, few_x, few_got, tolerance=tolerance, exchanged=pairs)
     except ParityError:  # the checkpoint's defect in an expert only a replay chose: said as the streamed pass says it
         raise
     except Exception as exc:  # noqa: BLE001 - the verdict stands; only its explanation is missing, and said so
         return diagnosis(MistakeId.UNEXPLAINED, None, result.max_abs_diff, "this block is too large to hold whole and "
                          f"its replays could not run around experts read on demand ({type(exc).__name__}: "
                          f"{exc})")
+    found = search.fits
     if not found:
         return diagnosis(MistakeId.UNEXPLAINED, None, result.max_abs_diff,
                          f"this block is too large to hold whole: its mistakes were replayed on {len(tokens)} of the "
-                         "tokens where it fails, none reproduces it (check a smaller layer of the same family, or one "
-                         "expert at a time: --experts)")
+                         "tokens where it fails, none reproduces it"
+                         + (f" ({search.untold()})" if search.untold() else "") + "; check a smaller layer of the "
+                         "same family, or one expert at a time: --experts")
     first, detail, distance, reference = found[0]
     equally = "; ".join(f"equally {other}: {why}" for other, why, _, _ in found[1:])
     where = f", replayed on {len(tokens)} of the tokens where it fails"

@@ -7,8 +7,10 @@ from that expert's stored values, read one expert at a time through the same rea
 keeps each pair's output, so that replays choosing the same experts do not read them again.  Every replay the held
 block gets runs: those that change the routing, or where the score is applied, change what the block asks of the
 stand-in; those inside an expert (a clamp, alpha, up + 1, gate and up exchanged or their layout misread) change each
-expert it builds, their pairs kept apart.  The verdict on the few tokens uses the held path's rule and tolerance
-(routing_mistakes.replay_fits, from block_check.streamed_mistake).
+expert it builds, their pairs kept apart.  Two mistakes at once (where none alone fits) are replayed the same way,
+but for those with the score on the experts' input, which run every expert chosen on new inputs.  The verdict on
+the few tokens uses the held path's rule and tolerance (routing_mistakes.replay_search, from
+block_check.streamed_mistake).
 """
 
 from __future__ import annotations
