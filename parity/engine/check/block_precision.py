@@ -98,8 +98,9 @@ def low_precision_mistake(low: torch.Tensor, out64: torch.Tensor, got: torch.Ten
     tolerance = LOW_PRECISION_RATIO * error
     said = (f"it computes in {name} inside its forward ({seen.said()}), its parameters float32: transformers' block "
             f"with its routed experts in {name} deviates from float64 by {error:.2e}")
-    if distance <= tolerance:
-        return diagnosis(MistakeId.LOW_PRECISION_COMPUTE, distance, max_abs_diff,
+    if distance <= tolerance:  # its distance: from transformers' block computing so, as a replay's would be
+        from_low = float((got.double().reshape(-1, width)[kept] - low.reshape(-1, width)[kept]).abs().max())
+        return diagnosis(MistakeId.LOW_PRECISION_COMPUTE, from_low, max_abs_diff,
                          f"{said}, this block by {distance:.2e} ({distance / error:.1f}x): at {name}'s precision it "
                          f"computes what transformers' block does; compute its experts in float32 to check them at "
                          f"float32's")
