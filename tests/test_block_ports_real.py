@@ -343,3 +343,136 @@ def test_a_whole_block_is_not_reported_at_a_dtype_it_did_not_run_in(blocks, caps
                               "--dtype", "bfloat16")
     assert code == 2, out
     assert "float32 on the CPU only" in err and "--dtype bfloat16" in err, err
+
+
+# -- torchtitan style: router.gate, experts stacked under shape-suffixed names, a selection-bias buffer for every
+#    family, the experts computed in bfloat16 inside the forward --------------------------------------------------
+
+class SuffixRouter(nn.Module):
+    """Softmax of ``gate`` in float32, top-k of the scores plus a selection bias, the weights gathered from the scores
+    without it, renormalised where asked."""
+
+    def __init__(self, d: int, e: int, k: int, renormalise: bool):
+        super().__init__()
+        self.gate = nn.Linear(d, e, bias=False)
+        self.top_k, self.renormalise = k, renormalise
+
+    def forward(self, x_TD: torch.Tensor, bias_E: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:  # noqa: N803
+        scores_TE = F.softmax(self.gate(x_TD).float(), dim=-1)
+        ids_TK = (scores_TE if bias_E is None else scores_TE + bias_E).topk(self.top_k, dim=-1).indices
+        weights_TK = scores_TE.gather(-1, ids_TK)
+        if self.renormalise:
+            weights_TK = weights_TK / weights_TK.sum(-1, keepdim=True)
+        return weights_TK, ids_TK
+
+
+class SuffixNamedMoe(nn.Module):
+    """Every expert's gate, down and up stacked as ``w1_EFD`` [E, F, D], ``w2_EDF`` [E, D, F], ``w3_EFD`` (a shape
+    suffix, one capital per dimension), a ``tokens_per_expert_E`` counter not persistent; the tokens sorted by expert,
+    each expert run on its slice in ``compute``, the outputs scaled in float32 and scatter-added back.  Takes its
+    tokens as [T, D] (a [batch, tokens, D] input does not unpack)."""
+
+    compute = torch.float32
+
+    def __init__(self, config):
+        super().__init__()
+        e, d, k = config.num_experts, config.hidden_size, config.num_experts_per_tok
+        f = self.width(config)
+        self.router = SuffixRouter(d, e, k, self.renormalise(config))
+        self.w1_EFD, self.w3_EFD = nn.Parameter(torch.empty(e, f, d)), nn.Parameter(torch.empty(e, f, d))
+        self.w2_EDF = nn.Parameter(torch.empty(e, d, f))
+        self.register_buffer("tokens_per_expert_E", torch.zeros(e), persistent=False)
+
+    def width(self, config) -> int:
+        return config.moe_intermediate_size
+
+    def renormalise(self, config) -> bool:
+        return config.norm_topk_prob
+
+    def selection_bias(self) -> torch.Tensor | None:
+        return None
+
+    def forward(self, x_TD: torch.Tensor) -> torch.Tensor:  # noqa: N803
+        _, _ = x_TD.shape
+        weights_TK, ids_TK = self.router(x_TD, self.selection_bias())
+        order_N = ids_TK.reshape(-1).argsort(stable=True)
+        counts = torch.bincount(ids_TK.reshape(-1), minlength=self.w1_EFD.shape[0]).tolist()
+        tokens_N = order_N // ids_TK.shape[1]
+        c = self.compute
+        outs = [(F.silu(x_e @ self.w1_EFD[e].to(c).T) * (x_e @ self.w3_EFD[e].to(c).T)) @ self.w2_EDF[e].to(c).T
+                for e, x_e in enumerate(x_TD[tokens_N].to(c).split(counts))]
+        y_ND = torch.cat(outs).float() * weights_TK.reshape(-1)[order_N, None]
+        return torch.zeros_like(x_TD).index_add_(0, tokens_N, y_ND.to(x_TD.dtype))
+
+
+class SuffixNamedWithBias(SuffixNamedMoe):
+    """A persistent ``expert_bias_E`` selection-bias buffer, registered whatever the family (zero when built)."""
+
+    def __init__(self, config):
+        super().__init__(config)
+        self.register_buffer("expert_bias_E", torch.zeros(config.num_experts))
+
+    def selection_bias(self) -> torch.Tensor | None:
+        return self.expert_bias_E
+
+
+class SuffixNamedOtherWidth(SuffixNamedMoe):
+    def width(self, config) -> int:
+        return config.intermediate_size  # the dense FFN's width, not an expert's
+
+
+class HalfInside(SuffixNamedMoe):
+    """Parameters float32, the experts computed in bfloat16: the tokens and each expert's weights cast in forward."""
+
+    compute = torch.bfloat16
+
+
+class HalfInsideRenormalising(HalfInside):
+    def renormalise(self, config) -> bool:
+        return not config.norm_topk_prob
+
+
+def test_stacks_under_shape_suffixed_names_are_filled_and_pass(blocks):
+    report = check(str(blocks["qwen3_moe"]), target=SuffixNamedMoe, block=True, seed=1)
+    assert report.passed, report
+    tensors = report.routes["tensors"]
+    assert tensors["w1_EFD"] == "every expert's gate" and tensors["w2_EDF"] == "every expert's down", tensors
+    assert tensors["router.gate.weight"].endswith("gate.weight"), tensors
+
+
+def test_a_selection_bias_buffer_is_zero_where_the_family_has_none(blocks):
+    report = check(str(blocks["qwen3_moe"]), target=SuffixNamedWithBias, block=True)
+    assert report.passed, report
+    assert report.routes["tensors"]["expert_bias_E"].startswith("zero"), report.routes
+
+
+def test_a_selection_bias_buffer_gets_the_layers_where_the_family_has_one(blocks, capsys):
+    code, out, err = run_main(capsys, str(blocks["deepseek_v3"]), "--target", f"{HERE}:SuffixNamedWithBias", "--block")
+    assert "Traceback" not in out + err
+    assert "expert_bias_E ← transformers: gate.e_score_correction_bias" in out, out + err
+
+
+def test_stacked_experts_of_another_width_are_a_shape_mismatch(blocks):
+    report = check(str(blocks["qwen3_moe"]), target=SuffixNamedOtherWidth, block=True)
+    assert not report.passed
+    assert {r.diagnosis.id for r in report.layers} == {"shape_mismatch"}
+    assert all("'w1_EFD' is [4, 72, 32]" in r.diagnosis.message for r in report.layers), report.layers[0].diagnosis
+
+
+def test_a_block_computing_its_experts_in_bfloat16_inside_is_named_low_precision_compute(blocks):
+    report = check(str(blocks["qwen3_moe"]), target=HalfInside, block=True)
+    assert not report.passed
+    assert {r.diagnosis.id for r in report.layers} == {"low_precision_compute"}
+    for layer in report.layers:
+        message = layer.diagnosis.message
+        assert "bfloat16 inside its forward" in message and "computes what transformers' block does" in message
+        assert layer.max_abs_diff > 100 * layer.tolerance  # bfloat16's error, far beyond float32's tolerance
+
+
+def test_a_block_computing_in_bfloat16_inside_is_named_for_its_routing_mistake(blocks):
+    report = check(str(blocks["qwen3_moe"]), target=HalfInsideRenormalising, block=True)
+    assert not report.passed
+    for layer in report.layers:  # top-k of the logits then a softmax over them is the same function: said equally
+        assert layer.diagnosis.id in {"router_renormalization_added", "router_topk_before_softmax"}, layer.diagnosis
+        assert "router_renormalization_added" in {c.id for c in layer.diagnosis.candidates}, layer.diagnosis
+        assert "matched at bfloat16's precision" in layer.diagnosis.message

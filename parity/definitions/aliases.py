@@ -8,6 +8,7 @@ here guesses by similarity.
 from __future__ import annotations
 
 import functools
+import re
 import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -20,6 +21,7 @@ SIDES = ("in", "out")
 _ROLE_KEYS = {"kind", "side", "names", "fuses"}
 _OTHER_TABLES = {"biases", "layout", "constructor", "config_fields", "groups", "leaves"}
 # what parity knows about a checkpoint's FFN that [config_fields.facts] may name
+_SHAPE_SUFFIX = re.compile(r"(.*[^_.])_([A-Z]{1,4})")  # 'experts.w1_EFD' -> ('experts.w1', 'EFD')
 FACTS = ("ffn_bias", "ffn_width", "ffn_activation", "gelu_approximate", "head_dim", "rope_theta")
 
 
@@ -77,7 +79,14 @@ class Aliases:
         return self.leaves.get(leaf.lower())
 
     def roles_of(self, name: str) -> set[tuple[str, str]]:
-        """Every (role, "weight" | "bias") the parameter ``name`` may be, by its last component(s)."""
+        """Every (role, "weight" | "bias") the parameter ``name`` may be, by its last component(s).  A name none of
+        the table's names is may carry a shape suffix, one capital letter per dimension (Shazeer's shape-suffix
+        style: torchtitan's ``w1_EFD``, llama-models' ``router_DE``): it is read as the name before the suffix."""
+        found = self._roles_of(name)
+        suffixed = _SHAPE_SUFFIX.fullmatch(name)
+        return found or (self._roles_of(suffixed.group(1)) if suffixed else found)
+
+    def _roles_of(self, name: str) -> set[tuple[str, str]]:
         parts = name.lower().split(".")
         leaf, found = parts[-1], set()
         kind = self.leaf_kind(leaf)

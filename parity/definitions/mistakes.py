@@ -409,7 +409,9 @@ PRODUCED_BY: dict[MistakeId, str] = {
                                "routing_mistakes, every expert's gate and up exchanged in the fused gate_up_proj)",
     MistakeId.MISSING_TRANSPOSE: "replay: diagnose.hypotheses (square weights); finding: target.shape_message",
     MistakeId.BIAS_DROPPED: "replay: diagnose.hypotheses, biases zeroed",
-    MistakeId.LOW_PRECISION_COMPUTE: "replay: diagnose._low_precision_signature, the reference in half precision",
+    MistakeId.LOW_PRECISION_COMPUTE: "replay: diagnose._low_precision_signature, the reference in half precision; "
+                                      "a whole block's: check.block_precision, transformers' block with its experts "
+                                      "in the dtype the block was seen computing in",
     MistakeId.INTERMEDIATE_SIZE_MISMATCH: "finding: target.shape_message, d_ff differs from the checkpoint's",
     MistakeId.SHAPE_MISMATCH: "finding: target.shape_message, another shape disagreement",
     MistakeId.UNEXPLAINED: "finding: diagnose.diagnose, no replay within the tolerance",

@@ -42,6 +42,7 @@ from parity.engine.block import (
     streamed,
 )
 from parity.engine.check.block_fill import fill_block
+from parity.engine.check.block_precision import HalfSeen, experts_in, low_precision_mistake
 from parity.engine.check.block_replay import ExpertsOnDemand, expert_builder, failing_tokens
 from parity.engine.check.build import build_target
 from parity.engine.check.guard import guarded
@@ -128,7 +129,8 @@ class BlockCheck(BlockReader):
             result = shape_failure(layer, None, exc, session.checkpoint.weights)
             result.unit = BLOCK_UNIT
             return result, session.target_name()
-        got = self.run_target(target, name, inputs.x, changes)
+        with HalfSeen() as seen:  # what it computes in, where its parameters do not say (torchtitan's experts)
+            got = self.run_target(target, name, inputs.x, changes)
         # determinism: a second identical run; a streamed block's reads all its experts again, so it is two on a few
         # tokens instead (what a dropout or a train-mode switch moves shows on any token)
         few = inputs.x[:1, :REPEAT_TOKENS]
@@ -148,17 +150,32 @@ class BlockCheck(BlockReader):
             result.passed = False
             result.unverifiable = ("every token's choice of experts moves within float32 noise: no token decides "
                                    "the routing, so no output can be judged")
+        inside = seen.dtype() is not None and not self.half  # half precision inside a float32 block's forward
         if not result.passed and result.unverifiable is None and result.diagnosis is None and session.diagnose:
-            result.diagnosis = (streamed_mistake(self, layer, block64, inputs.x, out64, got, result=result, kept=kept)
-                                if large else named_mistake(block64, inputs.x.double(), got, result, kept))
+            result.diagnosis = (
+                streamed_mistake(self, layer, block64, inputs.x, out64, got, result=result, kept=kept) if large
+                else self.low_precision(block64, inputs.x, out64, got, kept, seen, result) if inside
+                else named_mistake(block64, inputs.x.double(), got, result, kept))
         if result.diagnosis is not None and result.diagnosis.id == MistakeId.UNEXPLAINED:
+            half = self.half or (f"it computes in {seen.said()} inside its forward, its parameters float32; build "
+                                 "it computing in float32 to check its routing and experts" if inside and large
+                                 else "")  # held: low_precision_mistake measured it against the precision already
             result.diagnosis = residual_included(inputs.x, out64, got, kept, result) or (
-                diagnosis(MistakeId.LOW_PRECISION_COMPUTE, None, result.max_abs_diff, self.half) if self.half
+                diagnosis(MistakeId.LOW_PRECISION_COMPUTE, None, result.max_abs_diff, half) if half
                 else result.diagnosis)
         if changes:
             result.passed = False
             result.diagnosis = diagnosis(MistakeId.GLOBAL_STATE_MODIFIED, None, None, "; ".join(changes[:6]))
         return result, name
+
+    def low_precision(self, block64: nn.Module, x: torch.Tensor, out64: torch.Tensor, got: torch.Tensor,
+                      kept: torch.Tensor, seen: HalfSeen, result: LayerResult) -> Diagnosis:
+        """A held block seen computing in half precision, judged against transformers' block with its experts in
+        that dtype (engine.check.block_precision), its routing mistakes replayed at that precision's tolerance."""
+        with experts_in(block64, self.site.experts, seen.dtype()):
+            low = block_output(block64, x.double())
+        fits = functools.partial(_fits_within, block64, x.double(), got, kept)
+        return low_precision_mistake(low, out64, got, kept, seen, fits, max_abs_diff=result.max_abs_diff)
 
     def experts_bytes(self, layer: int) -> int:
         """The float64 size of the layer's experts held at once (transformers' fused parameters)."""
@@ -353,6 +370,10 @@ def _sampled_reach(sampled: Callable[[torch.Tensor, torch.Tensor | None], torch.
         best = sampled(x, chosen)
         return best if chosen is None or bool((best > 0).all()) else torch.where(best > 0, best, sampled(x, None))
     return reach
+
+
+def _fits_within(block64: nn.Module, x: torch.Tensor, got: torch.Tensor, kept: torch.Tensor, tolerance: float) -> list:
+    return replay_fits(block64, x, got, tolerance=tolerance, tokens=kept)
 
 
 def _judged_weights(own: MappingABC, experts: str, *, large: bool) -> dict[str, torch.Tensor]:

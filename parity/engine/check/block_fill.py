@@ -50,7 +50,7 @@ def fill_block(module: nn.Module, spellings: dict[str, dict[str, torch.Tensor]],
             if rival is not None:
                 raise MappingError(_unfilled(name, state, offered, where))
             found, by_suffix[name] = suffixed, suffixed[1]
-        found = found or _by_shape(name, state[name], offered)
+        found = found or _by_shape(name, state[name], offered) or _absent_bias(name, state[name], count, offered)
         if found is None:
             raise MappingError(_unfilled(name, state, offered, where))
         values[name], sources[name] = found
@@ -105,7 +105,9 @@ def _stacked(name: str, target: torch.Tensor, aliases: Any, experts: Callable[[i
              count: int) -> tuple[torch.Tensor, str] | None:
     """Every expert's projection of one role stacked in one parameter ([E, out, in], or [E, in, out] for a module
     computing x @ W: MLX's switch_mlp.gate_proj, a port's experts.w1), told apart by shape alone; None where the shape
-    fits neither or both (a square projection)."""
+    fits both (a square projection).  One that fits neither is still that role's stack, held at a width or model size
+    other than the layer's: returned as stored, so the copy fails as a shape mismatch (the block's own sizes are
+    wrong, a verdict) instead of as a name parity cannot route."""
     if target.dim() not in (2, 3) or target.shape[0] != count or "shared" in name:
         return None
     found = _expert_role(name, aliases)
@@ -119,8 +121,10 @@ def _stacked(name: str, target: torch.Tensor, aliases: Any, experts: Callable[[i
         return (torch.stack([experts(e)[key] for e in range(count)]), f"every expert's {key}") \
             if tuple(target.shape[1:]) == tuple(first.shape) else None
     as_stored, transposed = tuple(target.shape[1:]) == tuple(first.shape), tuple(target.shape[1:]) == first.shape[::-1]
-    if as_stored == transposed:
+    if as_stored and transposed:
         return None
+    if not as_stored and not transposed:  # named for the role, sized otherwise: the block's width, said as a mismatch
+        return torch.stack([experts(e)[key] for e in range(count)]), f"every expert's {key}"
     stack = torch.stack([experts(e)[key] if as_stored else experts(e)[key].t() for e in range(count)])
     return stack, f"every expert's {key}" + ("" if as_stored else " (transposed: x @ W)")
 
@@ -174,6 +178,21 @@ def _by_shape(name: str, target: torch.Tensor, offered: dict[str, dict[str, torc
     found = [n for n in outside if names[n].dim() == 2 and tuple(names[n].shape) == tuple(target.shape)[::-1]]
     return (names[found[0]].t(), f"transformers: {found[0]} (transposed: the one tensor of shape "
                                  f"{list(target.shape)[::-1]}, used as x @ W)") if len(found) == 1 else None
+
+
+def _absent_bias(name: str, target: torch.Tensor, count: int, offered: dict[str, dict[str, torch.Tensor]]
+                 ) -> tuple[torch.Tensor, str] | None:
+    """A per-expert bias, [E], in a block whose layer holds no per-expert vector outside its experts: zero, the value
+    transformers' block computes with.  torchtitan's MoE registers its selection bias (``expert_bias``) for every
+    family, Qwen3-MoE's and Llama 4's included, and their checkpoints hold none (its own loaders leave it zero).  Only
+    an additive bias, by its name: zero is neutral there and nowhere else (a per-expert scale would be ones)."""
+    leaf = name.rsplit(".", 1)[-1].lower()
+    if target.dim() != 1 or target.shape[0] != count or "bias" not in leaf:
+        return None
+    names = offered[next(iter(offered))]
+    if any(names[n].dim() == 1 and names[n].shape[0] == count for n in names if not n.startswith("experts.")):
+        return None
+    return torch.zeros_like(target), f"zero: the layer holds no per-expert vector of shape {[count]}"
 
 
 def _unfilled(name: str, state: dict[str, torch.Tensor], offered: dict[str, dict[str, torch.Tensor]],
