@@ -373,7 +373,7 @@ def _sampled_reach(sampled: Callable[[torch.Tensor, torch.Tensor | None], torch.
 
 
 def _fits_within(block64: nn.Module, x: torch.Tensor, got: torch.Tensor, kept: torch.Tensor, tolerance: float) -> list:
-    return replay_fits(block64, x, got, tolerance=tolerance, tokens=kept)
+    return replay_search(block64, x, got, tolerance=tolerance, tokens=kept).fits
 
 
 def _judged_weights(own: MappingABC, experts: str, *, large: bool) -> dict[str, torch.Tensor]:
