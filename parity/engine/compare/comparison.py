@@ -320,8 +320,8 @@ class Comparison:
             factor = max(factor, gguf_grid.IMPORTANCE_LEVELS_FACTOR if levels else gguf_grid.IMPORTANCE_FACTOR)
             why = (f"B's metadata names an importance matrix (quantize.imatrix), in a type whose llama.cpp quantizer "
                    f"uses it: each value within {gguf_grid.IMPORTANCE_STEPS:g} steps of A's, each block's step within "
-                   f"{gguf_grid.IMPORTANCE_GRID_FACTOR:g} x A's, B's least-squares scale on A within "
-                   f"{gguf_grid.IMPORTANCE_SCALE:g} x (tensor, row) and {gguf_grid.IMPORTANCE_BLOCK_SCALE:g} x (block)")
+                   f"{gguf_grid.IMPORTANCE_GRID_FACTOR:g} x A's, B's least-squares factor on A near 1 (tensor, "
+                   "row, block)")
         if any(s.group is not None for s in b.storage.values()):  # integer groups: GPTQ judged by the function
             factor, why = group_grid.layer_factor(group_tensors(a, b), room=scale / conv_dev if conv_dev else math.inf)
         tolerance = max(parity_tolerance(noise, scale, None), factor * conv_dev)

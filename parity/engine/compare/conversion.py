@@ -120,7 +120,7 @@ def importance_excess(a: torch.Tensor, b: torch.Tensor, storage: Storage) -> dic
     x, held = stored_layout(storage.route, a.float()), stored_layout(storage.route, b.float())
     if storage.importance is None or x is None or x.dim() < 2:
         return None
-    return gguf_grid.importance_scales(x, held, gguf_grid.scale_group(storage))
+    return gguf_grid.importance_scales(x, held, gguf_grid.scale_group(storage), levels=storage.levels is not None)
 
 
 def step_excess(a: torch.Tensor, b: torch.Tensor, steps: torch.Tensor, allowed: torch.Tensor | None = None) -> dict:

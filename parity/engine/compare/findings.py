@@ -87,35 +87,37 @@ def block_finding(rows: list[dict], storage: dict[str, Storage], reference_dista
 
 def scale_finding(rows: list[dict], storage: dict[str, Storage], reference_distance: float,
                   candidates: list[Candidate]) -> Diagnosis | None:
-    """An importance-weighted GGUF tensor whose least-squares scale on A is off 1 beyond what a weighted quantizer's
+    """An importance-weighted GGUF tensor whose least-squares factor on A lies outside what a weighted quantizer's
     refit makes (``gguf_grid.importance_scales``): the whole tensor (tensor_scaled; sign_flipped near -1), else a row
     or a block of it (quantization_exceeds_step: values moved together, not by quantization); None when none is."""
-    from parity.engine.compare.gguf_grid import IMPORTANCE_BLOCK_SCALE, IMPORTANCE_SCALE
-
     scaled = [row for row in rows if (row.get("scale") or {}).get("beyond")]
     if not scaled:
         return None
-    whole = [row for row in scaled if abs(row["scale"]["tensor"] - 1) > IMPORTANCE_SCALE - 1]
+
+    def outside(factor: float, bounds: list[float]) -> bool:
+        return not bounds[0] <= factor <= bounds[1]
+
+    whole = [row for row in scaled if outside(row["scale"]["tensor"], row["scale"]["bounds"])]
     if whole:
         flipped = all(abs(row["scale"]["tensor"] + 1) < 0.1 for row in whole)
         detail = "; ".join(f"{named_in_b(row, storage)} is A's x {row['scale']['tensor']:.4g} (least squares over "
-                           f"the tensor; an importance-weighted quantizer keeps it within {IMPORTANCE_SCALE:g}x)"
-                           for row in whole)
+                           "the tensor; an importance-weighted quantizer keeps it within "
+                           f"{row['scale']['bounds'][0]:g} to {row['scale']['bounds'][1]:g})" for row in whole)
         return diagnosis(MistakeId.SIGN_FLIPPED if flipped else MistakeId.TENSOR_SCALED, None, reference_distance,
                          detail, candidates)
     details = []
     for row in scaled:
         found = row["scale"]
-        if abs(found["row"] - 1) > IMPORTANCE_SCALE - 1:
+        if outside(found["row"], found["bounds"]):
             details.append(f"{named_in_b(row, storage)}: row {found['worst_row']} (as the file stores it) is A's x "
-                           f"{found['row']:.4g} (least squares; an importance-weighted quantizer keeps each row "
-                           f"within {IMPORTANCE_SCALE:g}x)")
+                           f"{found['row']:.4g} (least squares; an importance-weighted quantizer keeps each row within "
+                           f"{found['bounds'][0]:g} to {found['bounds'][1]:g})")
         else:
-            group = found["block_values"]
+            group, low, high = found["block_values"], *found["block_bounds"]
             details.append(f"{named_in_b(row, storage)}: the block of values {found['worst_block'] * group}-"
                            f"{found['worst_block'] * group + group - 1} (flattened, as the file stores them) is A's x "
                            f"{found['block']:.4g} (least squares; an importance-weighted quantizer refits each "
-                           f"block's scale to A's values, within {IMPORTANCE_BLOCK_SCALE:g}x)")
+                           f"block's scale to A's values, within {low:g} to {high:g})")
     return diagnosis(MistakeId.QUANTIZATION_EXCEEDS_STEP, None, reference_distance, "; ".join(details), candidates)
 
 

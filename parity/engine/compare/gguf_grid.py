@@ -9,9 +9,11 @@ B's values may lie from A's.
   gguf cannot write) quantized by round-to-nearest on the grid A's own blocks call for (``k_requantize``).  Types with
   neither (IQ1 to IQ4, NVFP4) have A rounded to the nearest value B's block holds (``on_levels``);
 * each block's step is held to what a quantizer of the format chooses for A's values there (``coarse_blocks``:
-  grid_too_coarse), and a K-quant value at an end of its block's grid may lie farther (``k_ends``).  Where B's
-  metadata names an importance matrix (llama-quantize ``--imatrix``), steps and grid are evidence only and the
-  function judges (``IMPORTANCE_FACTOR``).
+  grid_too_coarse; a row using one level in k of its grids: ``skipped_levels``), and a K-quant value at an end of its
+  block's grid may lie farther (``k_ends``).  Where B's metadata names an importance matrix (llama-quantize
+  ``--imatrix``) and B's type is one whose llama.cpp quantizer uses it (``IMPORTANCE_WEIGHTED``), the steps and grid
+  are held to what a weighted quantizer does (``IMPORTANCE_STEPS``, ``IMPORTANCE_GRID_FACTOR``), B's least-squares
+  scale on A near 1 (``importance_scales``), the function within ``IMPORTANCE_FACTOR``.
 
 Everything but ``stored``, ``reference`` and ``bounds`` works in the layout the file stores; ``conversion`` dispatches
 here for a GGUF B.
@@ -77,9 +79,10 @@ FLOAT16_ROUNDING = 1 + 2.0 ** -10  # a block's d is stored as float16: B's step 
 # (d 256, d_ff 768, 20 chunks of 128 tokens of this project's text): Q4_0 to Q6_K and Q2_K/Q3_K values up to 9.4
 # steps from A's (up to 5.8 away from either end of the grid), block steps up to 1.8 x A's; the layer's function
 # 0.56 to 1.9 x round-to-nearest (a trained tiny Qwen2: up to 1.34 x).  Such a B is judged by the function within
-# this factor and its steps and grid are evidence only.  The IQ types chosen with an importance matrix (a codebook's
-# eight values at once, weighted) moved the same layers 0.61 to 3.1 x the rounding onto B's own levels (IQ2_XS and
-# IQ2_S at 3.1 x on one layer, IQ1 at up to 2.37 x): LEVELS_FACTOR does not hold them, so 4 x.
+# this factor, its steps and grid by the wider bounds below (IMPORTANCE_STEPS on).  The IQ types chosen with an
+# importance matrix (a codebook's eight values at once, weighted) moved the same layers 0.61 to 3.1 x the rounding
+# onto B's own levels (IQ2_XS and IQ2_S at 3.1 x on one layer, IQ1 at up to 2.37 x): LEVELS_FACTOR does not hold
+# them, so 4 x.
 IMPORTANCE_FACTOR = 3.0
 IMPORTANCE_LEVELS_FACTOR = 4.0
 # The GGUF types whose llama.cpp quantizer uses the importance matrix: only these are relaxed by B's metadata naming one
@@ -106,12 +109,26 @@ IMPORTANCE_WEIGHTED = {
     "IQ4_NL",  # quantize_row_iq4_nl_impl via quantize_iq4_nl: qw when given
     "IQ4_XS",  # quantize_iq4_xs -> quantize_row_iq4_nl_impl: qw when given
 }
-# What a weighted quantizer cannot do, kept for an importance-weighted B (``bounds``, ``importance_scales``); the
-# measurements are in docs/compare.md ("GGUF files written by llama.cpp itself").
+# What a weighted quantizer cannot do, kept for an importance-weighted B (``bounds``, ``importance_scales``).  Measured
+# with llama.cpp's own llama-imatrix and llama-quantize (llama-cpp-python 0.3.36's vendored copy, built here) on a
+# byte-level tiny LLaMA (d 256, d_ff 768, 2 layers, 79 AdamW steps on this project's docs; imatrix: 20 chunks of 128
+# tokens of the same text), exported with --imatrix to Q4_0, Q4_1, Q5_0, Q5_1, Q2_K, Q3_K_M, Q4_K_M, Q5_K_M, Q6_K,
+# IQ4_XS, IQ3_S, IQ2_XS, IQ1_M (every FFN tensor of both layers):
+# * a value's distance from A's: at most 4.15 steps (the earlier trained LLaMA and Qwen2: 9.4), so 16;
+# * a block's step over what A's values call for: at most 1.54 x (Q2_K; earlier 1.8 x), so 3;
+# * B's least-squares factor on A, sum(A B) / sum(A A): whole tensors 0.949 to 0.999 (IQ: 0.897 to 1.019), rows
+#   0.912 to 1.008 (IQ: 0.789 to 1.057), blocks 0.676 to 1.156 (Q2_K; Q4_0 0.860 to 1.131; IQ: 0.329 to 1.386).  A
+#   quantizer refitting a scale by least squares shrinks B toward zero (sum(A B) = sum(B B) < sum(A A)), the fewer the
+#   bits the more, so the bounds below 1 are the looser.  A whole tensor x1.25, a row x1.5, a block x2 or negated
+#   lie beyond them.  The IQ types (``Storage.levels``) get their own, wider.
+# * the share of each block's codes on one residue mod k, per row (``skipped_levels``): at most 0.688 (Q6_K, k = 2);
+#   a grid with one bit passed off holds nearly 1.
 IMPORTANCE_STEPS = 16.0  # each value within this many of its block's steps from A's
-IMPORTANCE_GRID_FACTOR = 3.0  # each block's used step within this x what A's values there call for
-IMPORTANCE_SCALE = 1.1  # the least-squares factor of B on A, whole tensor and each row, within [1/1.1.., 1.1]
-IMPORTANCE_BLOCK_SCALE = 1.5  # and of each block
+IMPORTANCE_GRID_FACTOR = 3.0  # each block's step within this x what A's values there call for
+IMPORTANCE_SCALE = (0.77, 1.12)  # B's least-squares factor on A, whole tensor and each row
+IMPORTANCE_BLOCK_SCALE = (0.4, 1.5)  # and each block (a K-quant's sub-block)
+IMPORTANCE_LEVELS_SCALE = (0.6, 1.2)  # the IQ types: tensor and row
+IMPORTANCE_LEVELS_BLOCK_SCALE = (0.1, 2.0)  # and each block of LEVEL_GROUP values
 
 
 def stored(path, info, tensor: torch.Tensor, route: TensorRoute, expert: int | None = None) -> Storage:
@@ -336,10 +353,11 @@ def skipped_levels(b: torch.Tensor, steps: torch.Tensor, offsets: torch.Tensor |
     return found
 
 
-def importance_scales(x: torch.Tensor, b: torch.Tensor, group: int) -> dict:
+def importance_scales(x: torch.Tensor, b: torch.Tensor, group: int, *, levels: bool = False) -> dict:
     """How B's values scale against A's (stored layout, ``group`` values per block): the least-squares factor
     sum(A B) / sum(A A) of the whole tensor, of each row and of each block, the ones farthest from 1 with where
-    they are, and whether any lies beyond ``IMPORTANCE_SCALE`` (tensor, row) or ``IMPORTANCE_BLOCK_SCALE`` (block).
+    they are, and whether any lies outside ``IMPORTANCE_SCALE`` (tensor, row) or ``IMPORTANCE_BLOCK_SCALE`` (block;
+    ``levels``: an IQ type's grid, ``IMPORTANCE_LEVELS_SCALE`` and ``IMPORTANCE_LEVELS_BLOCK_SCALE``).
     An importance-weighted quantizer moves values of little importance several steps but refits each block's scale
     to the values, so B stays A's in scale while every value check is relaxed; a block, a row or the tensor
     multiplied (or negated) after quantizing is not."""
@@ -350,16 +368,17 @@ def importance_scales(x: torch.Tensor, b: torch.Tensor, group: int) -> dict:
         return torch.where(energy > 0, (a2 * b2).sum(-1) / energy.clamp_min(1e-300), 1.0)
 
     def worst(found: torch.Tensor) -> tuple[int, float]:
-        at = int((found - 1).abs().argmax())
+        at = int(found.log().nan_to_num(-math.inf).abs().argmax()) if bool((found > 0).all()) else int(found.argmin())
         return at, float(found[at])
 
     tensor = float(factors(xf.reshape(1, -1), bf.reshape(1, -1))[0])
     row_at, row = worst(factors(xf.reshape(xf.shape[0], -1), bf.reshape(bf.shape[0], -1)))
     block_at, block = worst(factors(xf.reshape(-1, group), bf.reshape(-1, group)))
-    beyond = (abs(tensor - 1) > IMPORTANCE_SCALE - 1 or abs(row - 1) > IMPORTANCE_SCALE - 1
-              or abs(block - 1) > IMPORTANCE_BLOCK_SCALE - 1)
+    (low, high), (block_low, block_high) = ((IMPORTANCE_LEVELS_SCALE, IMPORTANCE_LEVELS_BLOCK_SCALE) if levels
+                                            else (IMPORTANCE_SCALE, IMPORTANCE_BLOCK_SCALE))
+    beyond = not (low <= tensor <= high and low <= row <= high and block_low <= block <= block_high)
     return {"tensor": tensor, "worst_row": row_at, "row": row, "worst_block": block_at, "block": block,
-            "block_values": group, "beyond": beyond}
+            "block_values": group, "bounds": [low, high], "block_bounds": [block_low, block_high], "beyond": beyond}
 
 
 def scale_group(storage: Storage) -> int:
