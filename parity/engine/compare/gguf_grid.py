@@ -329,18 +329,21 @@ def bounds(allowed: torch.Tensor, x: torch.Tensor, b: torch.Tensor, storage: Sto
 
 def skipped_levels(b: torch.Tensor, steps: torch.Tensor, offsets: torch.Tensor | None, group: int) -> dict | None:
     """Rows of B (stored layout; blocks of ``group`` values) whose codes use one level in k of their blocks' grids
-    (k of 2 to ``SKIP_MAX``): in each block, the share of its codes on the residue mod k most of them are on,
-    averaged over the row's blocks, at least ``SKIP_SHARE``.  A quantizer rounding to the nearest level, weighted or
-    not, leaves about 1/k + a little there (0.57 for k = 2 in 32 values); values rounded onto k times the step before
-    quantizing, d kept, leave nearly 1 (a bit of the code passed off, which no step read from the file shows).  The
-    worst such row with its k, or None."""
+    (k of 2 to ``SKIP_MAX``, leaving at least 4 of the levels its codes span): in each block, the share of its codes
+    on the residue mod k most of them are on, averaged over the row's blocks, at least ``SKIP_SHARE``.  A quantizer
+    rounding to the nearest level, weighted or not, leaves about 1/k + a little there (0.57 for k = 2 in 32 values);
+    values rounded onto k times the step before quantizing, d kept, leave nearly 1 (a bit of the code passed off,
+    which no step read from the file shows).  The worst such row with its k, or None."""
     flat, step = b.reshape(-1, group), steps.reshape(-1, group)
     start = offsets.reshape(-1, group) if offsets is not None else torch.zeros_like(flat)
     safe = torch.where(step > 0, step, torch.ones_like(step))
     codes = torch.round((flat - start) / safe).long()
     rows = b.shape[0]
     found = None
-    for k in range(2, SKIP_MAX + 1):
+    # one level in k of a grid keeps at least 4 levels: Q2_K's 4 codes are never judged so, Q3_K's 8 only for k = 2
+    # (a block of few levels holding most values on one of them is a fact about A's values, not a passed-off bit)
+    spread = int(codes.max() - codes.min()) + 1 if codes.numel() else 0
+    for k in range(2, min(SKIP_MAX, spread // 4) + 1):
         residue = torch.remainder(codes, k)
         counts = torch.stack([(residue == r).sum(-1) for r in range(k)], -1)
         varied = (codes != codes[:, :1]).any(-1).reshape(rows, -1)  # a block of one code says nothing
