@@ -5,8 +5,12 @@ it by least squares, keeping the codes: values of little importance end several 
 exceeds what A's values call for.  Exports of a trained tiny LLaMA by llama.cpp's own tools did exactly that, and
 every one of Q4_0 to Q6_K failed ``quantization_exceeds_step`` or ``grid_too_coarse`` on every layer while its
 function sat at 0.56 to 1.9 x round-to-nearest (docs/compare.md).  llama-quantize names the matrix in the file
-(``quantize.imatrix.*``); where it does, each value's steps and each block's grid are evidence and the function
-judges (conversion.IMPORTANCE_FACTOR); where it does not, the same values remain a finding.
+(``quantize.imatrix.*``); where it does, in a type whose llama.cpp quantizer uses the matrix
+(``gguf_grid.IMPORTANCE_WEIGHTED``: not Q8_0), the per-value and grid rules are relaxed to what a weighted quantizer
+does (``gguf_grid.IMPORTANCE_STEPS``, ``IMPORTANCE_GRID_FACTOR``), B's least-squares scale on A is held near 1
+(``IMPORTANCE_SCALE``, ``IMPORTANCE_BLOCK_SCALE``), and the function within ``gguf_grid.IMPORTANCE_FACTOR`` x
+round-to-nearest; where it does not, the same values remain a finding.  The metadata is only a claim: a round-to-
+nearest export carrying it, or a weighted one edited after quantizing, still fails on the layer edited.
 
 The weighted quantizer here follows that description (a scale search, the weighted least-squares refit), written
 for these tests; the importance of each input column is log-normal, as squared activations are.
@@ -88,8 +92,10 @@ def test_an_importance_weighted_q4_0_export_passes_by_its_function(model, a, roo
         assert entry["conversion"]["ratio_to_conversion"] < 2.0, entry["conversion"]
         assert "3 x" in entry["conversion"]["tolerance_rule"] and "importance matrix" in entry["conversion"][
             "tolerance_rule"], entry["conversion"]["tolerance_rule"]
-        assert all(row["grid"] is None and row["steps"]["values_beyond_step"] == 0
-                   for row in entry["conversion"]["tensors"])
+        for row in entry["conversion"]["tensors"]:  # within the weighted bounds, which are finite
+            assert row["grid"] is None and row["steps"]["values_beyond_step"] == 0, row
+            assert row["scale"] is not None and not row["scale"]["beyond"], row["scale"]
+            assert abs(row["scale"]["tensor"] - 1) < 0.02 and 0.6 < row["scale"]["block"] < 1.4, row["scale"]
 
 
 def test_the_same_values_without_a_named_importance_matrix_are_a_finding(model, a, root, capsys):
@@ -123,3 +129,104 @@ def test_a_broken_layer_of_an_importance_weighted_export_still_fails_on_that_lay
     found = data["layers"][1]["diagnosis"]
     if broken == "exchanged":
         assert found["id"] == "gate_up_exchanged", found
+
+
+def block_scales(rows, blocks, factor, *, weighted=True):
+    """A Q4_0 edit: the weighted (or the plain round-to-nearest) quantization of the tensor, then the float16 d of
+    each (row, block) listed multiplied by ``factor``: an export edited after quantizing."""
+    def edit(values, data):
+        data = (weighted_q4_0(values, importance_of(values.shape[1], values.shape[1])) if weighted else data).copy()
+        view = data.reshape(values.shape[0], values.shape[1] // 32, 18)
+        for r in rows:
+            for block in blocks:
+                d = view[r, block, :2].copy().view(np.float16).astype(np.float32)
+                view[r, block, :2] = (d * factor).astype(np.float16).view(np.uint8)
+        return data
+    return edit
+
+
+def coarse_twice(*, weighted=True):
+    """A Q4_0 edit: each block's values rounded onto twice the step its largest value calls for, then quantized (the
+    weighted quantizer keeps d, the codes all even: one bit passed off)."""
+    def edit(values, data):
+        x = values.reshape(-1, 32)
+        d = np.abs(x).max(-1, keepdims=True) / 8
+        y = (np.round(x / (2 * d)) * 2 * d).reshape(values.shape).astype(np.float32)
+        if weighted:
+            return weighted_q4_0(y, importance_of(values.shape[1], values.shape[1]))
+        from gguf.quants import quantize
+        return quantize(y, Q.Q4_0)
+    return edit
+
+
+DOWN = "blk.1.ffn_down.weight"
+EVERY_ROW, EVERY_BLOCK = range(256), range(16)  # down_proj [256, 512] as stored: 16 blocks of 32 per row
+EDITED = {  # name: (edit, weighted, the finding expected on layer 1)
+    "weighted, one block's d x2": (block_scales([5], [3], 2.0), True, "quantization_exceeds_step"),
+    "weighted, one block's d x3": (block_scales([5], [3], 3.0), True, "quantization_exceeds_step"),
+    "weighted, one block's d negated": (block_scales([5], [3], -1.0), True, "quantization_exceeds_step"),
+    "weighted, four blocks of a row x2": (block_scales([5], [0, 3, 7, 11], 2.0), True, "quantization_exceeds_step"),
+    "weighted, one row x1.5": (block_scales([5], EVERY_BLOCK, 1.5), True, "quantization_exceeds_step"),
+    "weighted, grid twice as coarse": (coarse_twice(), True, "grid_too_coarse"),
+    "round-to-nearest, every d x1.4": (block_scales(EVERY_ROW, EVERY_BLOCK, 1.4, weighted=False), False,
+                                       "tensor_scaled"),
+    "round-to-nearest, every d x1.25": (block_scales(EVERY_ROW, EVERY_BLOCK, 1.25, weighted=False), False,
+                                        "tensor_scaled"),
+    "round-to-nearest, one row x1.5": (block_scales([5], EVERY_BLOCK, 1.5, weighted=False), False,
+                                       "quantization_exceeds_step"),
+    "round-to-nearest, one block's d negated": (block_scales([5], [3], -1.0, weighted=False), False,
+                                                "quantization_exceeds_step"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(EDITED))
+def test_an_export_naming_an_importance_matrix_edited_after_quantizing_fails_on_that_layer(model, a, root, capsys,
+                                                                                            case):
+    """The metadata is a claim, not a licence: a weighted quantizer refits each block's scale to A's values and
+    keeps its codes dense, so a block, a row or the tensor multiplied, or a grid with one bit passed off, is a
+    finding on layer 1 whatever the keys say; layer 0 (faithful) passes."""
+    edit, weighted, expected = EDITED[case]
+    path = root / f"edited-{sorted(EDITED).index(case)}.gguf"
+    b = (export(model, path, metadata=IMATRIX, edits={DOWN: edit}) if weighted
+         else write_k_gguf(model, path, Q.Q4_0, {DOWN: edit}, metadata=IMATRIX))
+    code, data, err = run_json(capsys, "compare", a, b)
+    assert code == 1, err
+    assert [entry["passed"] for entry in data["layers"]] == [True, False], [e["diagnosis"] for e in data["layers"]]
+    found = data["layers"][1]["diagnosis"]
+    assert found["id"] == expected, found
+    assert "down_proj" in found["message"], found
+
+
+def test_q8_0_is_not_relaxed_by_an_importance_matrix(model, a, root, capsys):
+    """llama.cpp's quantize_q8_0 ignores the importance matrix: a Q8_0 file naming one is judged as any Q8_0 is,
+    every d of layer 1's down_proj x1.02 (values up to 3 steps off) a finding; a faithful one passes."""
+    from gguf.quants import quantize
+
+    def scaled(values, _data):
+        data = quantize(values, Q.Q8_0).copy()
+        view = data.reshape(values.shape[0], -1, 34)
+        d = view[:, :, :2].copy().view(np.float16).astype(np.float32)
+        view[:, :, :2] = (d * 1.02).astype(np.float16).view(np.uint8)
+        return data
+
+    faithful = write_k_gguf(model, root / "q8-faithful.gguf", Q.Q8_0, metadata=IMATRIX)
+    code, data, err = run_json(capsys, "compare", a, faithful)
+    assert code == 0, err
+    assert all("importance matrix" not in entry["conversion"]["tolerance_rule"] for entry in data["layers"])
+    assert all(row["scale"] is None for entry in data["layers"] for row in entry["conversion"]["tensors"])
+    b = write_k_gguf(model, root / "q8-scaled.gguf", Q.Q8_0, {DOWN: scaled}, metadata=IMATRIX)
+    code, data, err = run_json(capsys, "compare", a, b)
+    assert code == 1, err
+    assert [entry["passed"] for entry in data["layers"]] == [True, False]
+    assert data["layers"][1]["diagnosis"]["id"] == "quantization_exceeds_step", data["layers"][1]["diagnosis"]
+
+
+def test_a_round_to_nearest_block_on_twice_its_step_is_too_coarse_without_the_matrix_too(model, a, root, capsys):
+    """gguf's round-to-nearest Q4_0 of values already on twice their step keeps d (the largest value's) and writes
+    only even codes: the step the block uses is 2 d, a grid too coarse, with or without the keys."""
+    b = write_k_gguf(model, root / "coarse-plain.gguf", Q.Q4_0, {DOWN: coarse_twice(weighted=False)})
+    code, data, err = run_json(capsys, "compare", a, b)
+    assert code == 1, err
+    assert [entry["passed"] for entry in data["layers"]] == [True, False]
+    found = data["layers"][1]["diagnosis"]
+    assert found["id"] == "grid_too_coarse" and "down_proj" in found["message"], found

@@ -91,8 +91,8 @@ def open_gguf(path: Path) -> GGUFCheckpoint:
     if weighted is not None:
         notes.append(f"GGUF quantized with an importance matrix ({weighted}): llama.cpp's importance-weighted "
                      "quantizer moves values of little importance several steps and refits each block's scale, so "
-                     "each value's distance in steps and each block's grid are evidence, not a verdict; a compare "
-                     "judges such a tensor by its layer's function")
+                     "a compare holds the tensors of the types it weights (not Q8_0) to wider per-value and grid "
+                     "bounds, B's least-squares scale on A near 1, and its layer's function")
     return GGUFCheckpoint(header, raw_config, notes)
 
 

@@ -49,6 +49,7 @@ from parity.engine.compare.findings import (
     block_replay_finding,
     grid_finding,
     group_replay_finding,
+    scale_finding,
 )
 from parity.engine.compare.inventory import inventory
 from parity.engine.compare.mistakes import Hypothesis, hypotheses
@@ -318,7 +319,10 @@ class Comparison:
         if any(s.importance is not None for s in b.storage.values()):  # an importance-weighted GGUF quantizer
             levels = any(s.levels is not None and s.importance is not None for s in b.storage.values())
             factor = max(factor, gguf_grid.IMPORTANCE_LEVELS_FACTOR if levels else gguf_grid.IMPORTANCE_FACTOR)
-            why = "B's metadata names an importance matrix (quantize.imatrix): each value's steps are evidence only"
+            why = (f"B's metadata names an importance matrix (quantize.imatrix), in a type whose llama.cpp quantizer "
+                   f"uses it: each value within {gguf_grid.IMPORTANCE_STEPS:g} steps of A's, each block's step within "
+                   f"{gguf_grid.IMPORTANCE_GRID_FACTOR:g} x A's, B's least-squares factor on A near 1 (tensor, "
+                   "row, block)")
         if any(s.group is not None for s in b.storage.values()):  # integer groups: GPTQ judged by the function
             factor, why = group_grid.layer_factor(group_tensors(a, b), room=scale / conv_dev if conv_dev else math.inf)
         tolerance = max(parity_tolerance(noise, scale, None), factor * conv_dev)
@@ -340,6 +344,7 @@ class Comparison:
         overflowed = [(row["name"], row["overflow"]) for row in rows if row.get("overflow")]
         beyond = [row for row in rows if (row.get("steps") or {}).get("values_beyond_step")
                   or (row.get("ulps") or {}).get("values_beyond_ulp")]
+        scaled = any((row.get("scale") or {}).get("beyond") for row in rows)
         found = block_finding(rows, b.storage, result.max_abs_diff)
         if found is not None:  # a defect of B's blocks, read from its file: whatever the layer's tolerance
             result.passed, result.unverifiable, result.diagnosis = False, None, found
@@ -359,7 +364,7 @@ class Comparison:
             result.diagnosis = diagnosis(mistake, None, result.max_abs_diff,
                                          "; ".join(f"{n}: {why}" for n, why in overflowed))
             return
-        if result.passed and not beyond and not any(row.get("grid") for row in rows):
+        if result.passed and not beyond and not scaled and not any(row.get("grid") for row in rows):
             return
         replay = not result.passed  # within its tolerance, a replay could only name what the function cannot show
         result.passed = False
@@ -398,6 +403,9 @@ class Comparison:
         replayed = group_replay_finding(beyond, a.routed, b.routed, b.storage, reference_distance, candidates)
         if replayed is not None:  # an integer group mistake B's values are unbiased against
             return replayed
+        rescaled = scale_finding(rows, b.storage, reference_distance, candidates)
+        if rescaled is not None:  # an importance-weighted tensor, a row or a block multiplied after quantizing
+            return rescaled
         coarse = grid_finding(rows, b.storage, reference_distance, candidates)
         if coarse is not None:
             return coarse
@@ -502,7 +510,7 @@ def tensor_rows(a: SideLayer, b: SideLayer) -> tuple[list[dict], dict[str, torch
                                "a_shape": list(ta.shape), "b_shape": list(tb.shape), "identical": False,
                                "relative_distance": None, "conversion": None, "conversion_distance": None,
                                "differs": True, "steps": None, "step_source": store.step_source, "grid": None,
-                               "ulps": None, "overflow": None}
+                               "ulps": None, "scale": None, "overflow": None}
         rows.append(row)
         if ta.shape != tb.shape:
             exact = False
@@ -522,6 +530,8 @@ def tensor_rows(a: SideLayer, b: SideLayer) -> tuple[list[dict], dict[str, torch
         if store.quantized and store.steps is not None and store.steps.shape == ta.shape:
             allowed, row["grid"] = conversion.quantized_bounds(a32, b32, store, row["a_dtype"], a_steps)
             row["steps"] = conversion.step_excess(a32, b32, store.steps, allowed)
+        if store.importance is not None and ta.dim() == 2:  # a weighted quantizer refits scales to A's values
+            row["scale"] = conversion.importance_excess(a32, b32, store)
         elif not store.quantized and not same:  # each value of a cast or re-save held to its own rounding
             row["ulps"] = conversion.ulp_excess(converted[name], b32, store.dtype)
     return rows, converted, exact

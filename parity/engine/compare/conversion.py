@@ -11,8 +11,10 @@ B's tensors are compared name by name in one layout.  How B stores a tensor deci
   B within one ulp of that dtype of A's cast (``ulp_excess``: value_corrupted otherwise);
 * a quantized format: every value within its block's quantization step of A's value, never less than A's own
   storage rounding (``quantized_bounds``), the step read from the file; each block's step held to what a quantizer
-  of the format chooses for A's values there (grid_too_coarse).  A GGUF whose metadata names an importance matrix:
-  steps and grid are evidence only, the function judges (``gguf_grid.IMPORTANCE_FACTOR``).
+  of the format chooses for A's values there (grid_too_coarse).  A GGUF whose metadata names an importance matrix,
+  in a type whose llama.cpp quantizer uses it: each value within ``gguf_grid.IMPORTANCE_STEPS`` steps, each block's
+  step within ``IMPORTANCE_GRID_FACTOR`` x A's, B's least-squares scale on A near 1 (``importance_excess``), the
+  function within ``IMPORTANCE_FACTOR`` x the conversion's.
 
 ``reference_conversion`` makes A's tensor as B's storage would hold it, from A alone: cast, or re-quantized the way
 B's format does.  The function-level deviation that conversion alone causes is what B is judged against.
@@ -49,7 +51,7 @@ def storage_of(checkpoint, key: str, stored: torch.Tensor, route: TensorRoute, e
     from parity.sources.gguf import importance_matrix
 
     storage = gguf_grid.stored(header.path, info, stored, route, expert)
-    if storage.quantized:
+    if storage.dtype in gguf_grid.IMPORTANCE_WEIGHTED:  # a type whose llama.cpp quantizer uses the matrix
         storage.importance = importance_matrix(header.metadata)
     return storage
 
@@ -91,8 +93,8 @@ def quantized_bounds(a: torch.Tensor, b: torch.Tensor, storage: Storage, a_dtype
     step, where a block's values all equal its minimum, is a fact about the block); each format's grid module adds
     what its grid's ends and scales' rounding allow and judges its blocks' steps (``gguf_grid.bounds``: the
     K-quants' clamped ends)."""
-    if storage.levels is not None or storage.importance is not None:  # B's own levels, or an importance-weighted
-        return torch.full_like(storage.steps.float(), math.inf), None  # quantizer (IMPORTANCE_FACTOR): evidence only
+    if storage.levels is not None:  # B's own levels (importance-weighted or not): the steps are evidence only
+        return torch.full_like(storage.steps.float(), math.inf), None
     if storage.group is not None:  # integer groups (GPTQ moves values by more than a step): the steps are evidence,
         x, held = stored_layout(storage.route, a.float()), stored_layout(storage.route, b.float())  # unless biased
         biased = x is not None and abs(group_grid.bias(x, held, storage.group)) > group_grid.BIAS_LIMIT
@@ -109,6 +111,15 @@ def quantized_bounds(a: torch.Tensor, b: torch.Tensor, storage: Storage, a_dtype
     if storage.codebook is not None:  # bitsandbytes 4-bit: each block's absmax against A's largest magnitude
         return allowed, codebook_grid.coarse_blocks(x, storage.codebook)
     return gguf_grid.bounds(allowed, x, b, storage, a_dtype, a_steps)  # K-quants' ends; each block's d against A's
+
+
+def importance_excess(a: torch.Tensor, b: torch.Tensor, storage: Storage) -> dict | None:
+    """For a B quantized with an importance matrix (``Storage.importance``): B's least-squares scale on A, whole
+    tensor, worst row and worst block (``gguf_grid.importance_scales``, stored layout), else None."""
+    x, held = stored_layout(storage.route, a.float()), stored_layout(storage.route, b.float())
+    if storage.importance is None or x is None or x.dim() < 2:
+        return None
+    return gguf_grid.importance_scales(x, held, gguf_grid.scale_group(storage), levels=storage.levels is not None)
 
 
 def step_excess(a: torch.Tensor, b: torch.Tensor, steps: torch.Tensor, allowed: torch.Tensor | None = None) -> dict:

@@ -86,6 +86,42 @@ def block_finding(rows: list[dict], storage: dict[str, Storage], reference_dista
     return None
 
 
+def scale_finding(rows: list[dict], storage: dict[str, Storage], reference_distance: float,
+                  candidates: list[Candidate]) -> Diagnosis | None:
+    """An importance-weighted GGUF tensor whose least-squares factor on A lies outside what a weighted quantizer's
+    refit makes (``gguf_grid.importance_scales``): the whole tensor (tensor_scaled; sign_flipped near -1), else a row
+    or a block of it (quantization_exceeds_step: values moved together, not by quantization); None when none is."""
+    scaled = [row for row in rows if (row.get("scale") or {}).get("beyond")]
+    if not scaled:
+        return None
+
+    def outside(factor: float, bounds: list[float]) -> bool:
+        return not bounds[0] <= factor <= bounds[1]
+
+    whole = [row for row in scaled if outside(row["scale"]["tensor"], row["scale"]["bounds"])]
+    if whole:
+        flipped = all(abs(row["scale"]["tensor"] + 1) < 0.1 for row in whole)
+        detail = "; ".join(f"{named_in_b(row, storage)} is A's x {row['scale']['tensor']:.4g} (least squares over "
+                           "the tensor; an importance-weighted quantizer keeps it within "
+                           f"{row['scale']['bounds'][0]:g} to {row['scale']['bounds'][1]:g})" for row in whole)
+        return diagnosis(MistakeId.SIGN_FLIPPED if flipped else MistakeId.TENSOR_SCALED, None, reference_distance,
+                         detail, candidates)
+    details = []
+    for row in scaled:
+        found = row["scale"]
+        if outside(found["row"], found["bounds"]):
+            details.append(f"{named_in_b(row, storage)}: row {found['worst_row']} (as the file stores it) is A's x "
+                           f"{found['row']:.4g} (least squares; an importance-weighted quantizer keeps each row within "
+                           f"{found['bounds'][0]:g} to {found['bounds'][1]:g})")
+        else:
+            group, low, high = found["block_values"], *found["block_bounds"]
+            details.append(f"{named_in_b(row, storage)}: the block of values {found['worst_block'] * group}-"
+                           f"{found['worst_block'] * group + group - 1} (flattened, as the file stores them) is A's x "
+                           f"{found['block']:.4g} (least squares; an importance-weighted quantizer refits each "
+                           f"block's scale to A's values, within {low:g} to {high:g})")
+    return diagnosis(MistakeId.QUANTIZATION_EXCEEDS_STEP, None, reference_distance, "; ".join(details), candidates)
+
+
 def grid_finding(rows: list[dict], storage: dict[str, Storage], reference_distance: float,
                  candidates: list[Candidate]) -> Diagnosis | None:
     """B's blocks on a coarser grid than the format's own quantizer chooses for A's values (grid_too_coarse): every
@@ -96,6 +132,13 @@ def grid_finding(rows: list[dict], storage: dict[str, Storage], reference_distan
     details = []
     for row in coarse:
         grid = row["grid"]
+        if "every" in grid:  # one level in k used throughout a row (gguf_grid.skipped_levels), d unchanged
+            details.append(f"{named_in_b(row, storage)}: {grid['rows_skipping']} of {grid['rows']} rows hold their "
+                           f"codes on one level in {grid['every']} of their blocks' grids; the worst, row "
+                           f"{grid['row']} (as the file stores it), has {grid['share']:.0%} of each block's codes on "
+                           f"one residue mod {grid['every']} (a quantizer rounding to the nearest level leaves about "
+                           f"{1 / grid['every'] + 0.07:.0%}): a grid {grid['every']} x as coarse as its step")
+            continue
         details.append(f"{named_in_b(row, storage)}: {grid['blocks_too_coarse']} of {grid['blocks']} blocks; the "
                        f"worst, block {grid['worst_block']} (row {grid['row']}, values {grid['values'][0]}-"
                        f"{grid['values'][1]} as the file stores them), has step {grid['b_step']:.4g} where A's values "

@@ -9,9 +9,11 @@ B's values may lie from A's.
   gguf cannot write) quantized by round-to-nearest on the grid A's own blocks call for (``k_requantize``).  Types with
   neither (IQ1 to IQ4, NVFP4) have A rounded to the nearest value B's block holds (``on_levels``);
 * each block's step is held to what a quantizer of the format chooses for A's values there (``coarse_blocks``:
-  grid_too_coarse), and a K-quant value at an end of its block's grid may lie farther (``k_ends``).  Where B's
-  metadata names an importance matrix (llama-quantize ``--imatrix``), steps and grid are evidence only and the
-  function judges (``IMPORTANCE_FACTOR``).
+  grid_too_coarse; a row using one level in k of its grids: ``skipped_levels``), and a K-quant value at an end of its
+  block's grid may lie farther (``k_ends``).  Where B's metadata names an importance matrix (llama-quantize
+  ``--imatrix``) and B's type is one whose llama.cpp quantizer uses it (``IMPORTANCE_WEIGHTED``), the steps and grid
+  are held to what a weighted quantizer does (``IMPORTANCE_STEPS``, ``IMPORTANCE_GRID_FACTOR``), B's least-squares
+  scale on A near 1 (``importance_scales``), the function within ``IMPORTANCE_FACTOR``.
 
 Everything but ``stored``, ``reference`` and ``bounds`` works in the layout the file stores; ``conversion`` dispatches
 here for a GGUF B.
@@ -64,6 +66,11 @@ SEARCH = 2.0
 # coarse (one bit of the code passed off) exceeds both.
 K_GRID_FACTOR = 1.5
 LEGACY_GRID_FACTOR = 1.25
+# A row whose blocks' codes sit on one residue mod k (2 <= k <= SKIP_MAX) for at least SKIP_SHARE of them on average
+# holds one level in k (``skipped_levels``): a quantizer rounding to the nearest level leaves 0.57 (k = 2, blocks of
+# 32), 0.60 (blocks of 16), the mean of many blocks within a few hundredths of it.
+SKIP_MAX = 4
+SKIP_SHARE = 0.9
 FLOAT16_ROUNDING = 1 + 2.0 ** -10  # a block's d is stored as float16: B's step may exceed the exact one by this
 # A GGUF quantized with an importance matrix (``Storage.importance``): llama.cpp's weighted quantizers choose each
 # block's scale by the error weighted with it and refit it by least squares, so values of little importance lie
@@ -72,11 +79,56 @@ FLOAT16_ROUNDING = 1 + 2.0 ** -10  # a block's d is stored as float16: B's step 
 # (d 256, d_ff 768, 20 chunks of 128 tokens of this project's text): Q4_0 to Q6_K and Q2_K/Q3_K values up to 9.4
 # steps from A's (up to 5.8 away from either end of the grid), block steps up to 1.8 x A's; the layer's function
 # 0.56 to 1.9 x round-to-nearest (a trained tiny Qwen2: up to 1.34 x).  Such a B is judged by the function within
-# this factor and its steps and grid are evidence only.  The IQ types chosen with an importance matrix (a codebook's
-# eight values at once, weighted) moved the same layers 0.61 to 3.1 x the rounding onto B's own levels (IQ2_XS and
-# IQ2_S at 3.1 x on one layer, IQ1 at up to 2.37 x): LEVELS_FACTOR does not hold them, so 4 x.
+# this factor, its steps and grid by the wider bounds below (IMPORTANCE_STEPS on).  The IQ types chosen with an
+# importance matrix (a codebook's eight values at once, weighted) moved the same layers 0.61 to 3.1 x the rounding
+# onto B's own levels (IQ2_XS and IQ2_S at 3.1 x on one layer, IQ1 at up to 2.37 x): LEVELS_FACTOR does not hold
+# them, so 4 x.
 IMPORTANCE_FACTOR = 3.0
 IMPORTANCE_LEVELS_FACTOR = 4.0
+# The GGUF types whose llama.cpp quantizer uses the importance matrix: only these are relaxed by B's metadata naming one
+# (llama.cpp's ggml/src/ggml-quants.c, vendored in llama-cpp-python 0.3.36; quantize_q8_0, quantize_mxfp4,
+# quantize_nvfp4, quantize_tq1_0/tq2_0 ignore quant_weights, quantize_q1_0/q2_0 call their reference quantizer row by
+# row whatever it is: those are judged as without the matrix).
+IMPORTANCE_WEIGHTED = {
+    "Q4_0",  # quantize_row_q4_0_impl: make_qx_quants(..., weight = qw x sqrt(sigma2 + x^2))
+    "Q4_1",  # quantize_row_q4_1_impl: make_qkx3_quants with the weights
+    "Q5_0",  # quantize_row_q5_0_impl: make_qx_quants with the weights
+    "Q5_1",  # quantize_row_q5_1_impl: make_qkx3_quants with the weights
+    "Q2_K",  # quantize_row_q2_K_impl (asserts quant_weights): make_qp_quants, make_qkx3_quants
+    "Q3_K",  # quantize_row_q3_K_impl: make_qx_quants with qw per 16 values
+    "Q4_K",  # quantize_row_q4_K_impl: make_qkx3_quants, make_qp_quants with qw per 32 values
+    "Q5_K",  # quantize_row_q5_K_impl: likewise
+    "Q6_K",  # quantize_row_q6_K_impl: make_qx_quants with qw per 16 values
+    "IQ1_S",  # quantize_row_iq1_s_impl (asserts quant_weights)
+    "IQ1_M",  # quantize_row_iq1_m_impl: qw when given
+    "IQ2_XXS",  # quantize_row_iq2_xxs_impl (asserts quant_weights)
+    "IQ2_XS",  # quantize_row_iq2_xs_impl (asserts quant_weights)
+    "IQ2_S",  # quantize_row_iq2_s_impl: qw when given
+    "IQ3_XXS",  # quantize_row_iq3_xxs_impl: qw when given
+    "IQ3_S",  # quantize_row_iq3_s_impl: qw when given
+    "IQ4_NL",  # quantize_row_iq4_nl_impl via quantize_iq4_nl: qw when given
+    "IQ4_XS",  # quantize_iq4_xs -> quantize_row_iq4_nl_impl: qw when given
+}
+# What a weighted quantizer cannot do, kept for an importance-weighted B (``bounds``, ``importance_scales``).  Measured
+# with llama.cpp's own llama-imatrix and llama-quantize (llama-cpp-python 0.3.36's vendored copy, built here) on a
+# byte-level tiny LLaMA (d 256, d_ff 768, 2 layers, 79 AdamW steps on this project's docs; imatrix: 20 chunks of 128
+# tokens of the same text), exported with --imatrix to Q4_0, Q4_1, Q5_0, Q5_1, Q2_K, Q3_K_M, Q4_K_M, Q5_K_M, Q6_K,
+# IQ4_XS, IQ3_S, IQ2_XS, IQ1_M (every FFN tensor of both layers):
+# * a value's distance from A's: at most 4.15 steps (the earlier trained LLaMA and Qwen2: 9.4), so 16;
+# * a block's step over what A's values call for: at most 1.54 x (Q2_K; earlier 1.8 x), so 3;
+# * B's least-squares factor on A, sum(A B) / sum(A A): whole tensors 0.949 to 0.999 (IQ: 0.897 to 1.019), rows
+#   0.912 to 1.008 (IQ: 0.789 to 1.057), blocks 0.676 to 1.156 (Q2_K; Q4_0 0.860 to 1.131; IQ: 0.329 to 1.386).  A
+#   quantizer refitting a scale by least squares shrinks B toward zero (sum(A B) = sum(B B) < sum(A A)), the fewer the
+#   bits the more, so the bounds below 1 are the looser.  A whole tensor x1.25, a row x1.5, a block x2 or negated
+#   lie beyond them.  The IQ types (``Storage.levels``) get their own, wider.
+# * the share of each block's codes on one residue mod k, per row (``skipped_levels``): at most 0.688 (Q6_K, k = 2);
+#   a grid with one bit passed off holds nearly 1.
+IMPORTANCE_STEPS = 16.0  # each value within this many of its block's steps from A's
+IMPORTANCE_GRID_FACTOR = 3.0  # each block's step within this x what A's values there call for
+IMPORTANCE_SCALE = (0.77, 1.12)  # B's least-squares factor on A, whole tensor and each row
+IMPORTANCE_BLOCK_SCALE = (0.4, 1.5)  # and each block (a K-quant's sub-block)
+IMPORTANCE_LEVELS_SCALE = (0.6, 1.2)  # the IQ types: tensor and row
+IMPORTANCE_LEVELS_BLOCK_SCALE = (0.1, 2.0)  # and each block of LEVEL_GROUP values
 
 
 def stored(path, info, tensor: torch.Tensor, route: TensorRoute, expert: int | None = None) -> Storage:
@@ -245,25 +297,99 @@ def bounds(allowed: torch.Tensor, x: torch.Tensor, b: torch.Tensor, storage: Sto
     by as much as the rounding of the block's scale to a multiple of d (and of its minimum to a multiple of dmin) moves
     it: (levels x d + dmin) / 2, with d and dmin those A's values call for, plus the float16 rounding of d and dmin
     themselves (times ``SEARCH``).  A type whose blocks carry d is held to the d gguf's quantizer chose
-    (``a_steps``)."""
+    (``a_steps``).  Rows whose codes use one level in k (``skipped_levels``) are a grid as coarse, d unchanged.  An
+    importance-weighted B (``Storage.importance``) gets ``IMPORTANCE_STEPS`` steps per value and
+    ``IMPORTANCE_GRID_FACTOR`` per block."""
+    weighted = storage.importance is not None
     b_steps = stored_layout(storage.route, storage.steps.float())
+    held = stored_layout(storage.route, b.float())
+    if weighted:
+        allowed = IMPORTANCE_STEPS * allowed
     if storage.dtype in K_QUANTS and x.shape[-1] % SUPER_BLOCK == 0:
         span, sub, levels = K_FORMAT[storage.dtype]
         ideal, _, quantum, mquantum = k_statistics(x, storage.dtype)
         # d and dmin are float16: a step moves by up to levels x half d's float16 spacing (a subnormal d: by much)
         d_rounding, m_rounding = (levels * spacing(unit, "float16") / 2 for unit in (quantum, mquantum))
         offsets = None if storage.offsets is None else stored_layout(storage.route, storage.offsets.float())
-        ends = k_ends(stored_layout(storage.route, b.float()), b_steps, offsets, storage.dtype,
-                      SEARCH * ((span * quantum + mquantum) / 2 + span * d_rounding + m_rounding))
-        allowed = allowed + unstored(storage.route, ends).float()  # 0 away from the grid's ends
-        limit = K_GRID_FACTOR * (ideal + quantum / 2) + d_rounding
-        return allowed, coarse_blocks(b_steps, ideal, limit, sub, x, a_dtype)
+        if not weighted:  # 0 away from the grid's ends; IMPORTANCE_STEPS holds a weighted B's ends too
+            ends = k_ends(held, b_steps, offsets, storage.dtype,
+                          SEARCH * ((span * quantum + mquantum) / 2 + span * d_rounding + m_rounding))
+            allowed = allowed + unstored(storage.route, ends).float()
+        limit = (IMPORTANCE_GRID_FACTOR if weighted else K_GRID_FACTOR) * (ideal + quantum / 2) + d_rounding
+        return allowed, (coarse_blocks(b_steps, ideal, limit, sub, x, a_dtype)
+                         or skipped_levels(held, b_steps, offsets, sub))
     if a_steps is None:
         return allowed, None
     group = block_values(storage)
     needed = a_steps.float().reshape(-1, group)[:, 0]
-    return allowed, coarse_blocks(b_steps, needed, LEGACY_GRID_FACTOR * needed + spacing(needed, "float16"), group, x,
-                                  a_dtype)
+    limit = (IMPORTANCE_GRID_FACTOR if weighted else LEGACY_GRID_FACTOR) * needed + spacing(needed, "float16")
+    return allowed, (coarse_blocks(b_steps, needed, limit, group, x, a_dtype)
+                     or skipped_levels(held, b_steps, None, group))
+
+
+def skipped_levels(b: torch.Tensor, steps: torch.Tensor, offsets: torch.Tensor | None, group: int) -> dict | None:
+    """Rows of B (stored layout; blocks of ``group`` values) whose codes use one level in k of their blocks' grids
+    (k of 2 to ``SKIP_MAX``, leaving at least 4 of the levels its codes span): in each block, the share of its codes
+    on the residue mod k most of them are on, averaged over the row's blocks, at least ``SKIP_SHARE``.  A quantizer
+    rounding to the nearest level, weighted or not, leaves about 1/k + a little there (0.57 for k = 2 in 32 values);
+    values rounded onto k times the step before quantizing, d kept, leave nearly 1 (a bit of the code passed off,
+    which no step read from the file shows).  The worst such row with its k, or None."""
+    flat, step = b.reshape(-1, group), steps.reshape(-1, group)
+    start = offsets.reshape(-1, group) if offsets is not None else torch.zeros_like(flat)
+    safe = torch.where(step > 0, step, torch.ones_like(step))
+    codes = torch.round((flat - start) / safe).long()
+    rows = b.shape[0]
+    found = None
+    # one level in k of a grid keeps at least 4 levels: Q2_K's 4 codes are never judged so, Q3_K's 8 only for k = 2
+    # (a block of few levels holding most values on one of them is a fact about A's values, not a passed-off bit)
+    spread = int(codes.max() - codes.min()) + 1 if codes.numel() else 0
+    for k in range(2, min(SKIP_MAX, spread // 4) + 1):
+        residue = torch.remainder(codes, k)
+        counts = torch.stack([(residue == r).sum(-1) for r in range(k)], -1)
+        varied = (codes != codes[:, :1]).any(-1).reshape(rows, -1)  # a block of one code says nothing
+        per_block = (counts.amax(-1).float() / group).reshape(rows, -1)
+        share = (per_block * varied).sum(-1) / varied.sum(-1).clamp_min(1)
+        if bool((share >= SKIP_SHARE).any()):
+            worst = int(share.argmax())
+            found = {"every": k, "rows_skipping": int((share >= SKIP_SHARE).sum()), "rows": rows, "row": worst,
+                     "share": float(share[worst])}
+    return found
+
+
+def importance_scales(x: torch.Tensor, b: torch.Tensor, group: int, *, levels: bool = False) -> dict:
+    """How B's values scale against A's (stored layout, ``group`` values per block): the least-squares factor
+    sum(A B) / sum(A A) of the whole tensor, of each row and of each block, the ones farthest from 1 with where
+    they are, and whether any lies outside ``IMPORTANCE_SCALE`` (tensor, row) or ``IMPORTANCE_BLOCK_SCALE`` (block;
+    ``levels``: an IQ type's grid, ``IMPORTANCE_LEVELS_SCALE`` and ``IMPORTANCE_LEVELS_BLOCK_SCALE``).
+    An importance-weighted quantizer moves values of little importance several steps but refits each block's scale
+    to the values, so B stays A's in scale while every value check is relaxed; a block, a row or the tensor
+    multiplied (or negated) after quantizing is not."""
+    xf, bf = x.double(), b.double()
+
+    def factors(a2: torch.Tensor, b2: torch.Tensor) -> torch.Tensor:
+        energy = (a2 * a2).sum(-1)
+        return torch.where(energy > 0, (a2 * b2).sum(-1) / energy.clamp_min(1e-300), 1.0)
+
+    def worst(found: torch.Tensor) -> tuple[int, float]:
+        at = int(found.log().nan_to_num(-math.inf).abs().argmax()) if bool((found > 0).all()) else int(found.argmin())
+        return at, float(found[at])
+
+    tensor = float(factors(xf.reshape(1, -1), bf.reshape(1, -1))[0])
+    row_at, row = worst(factors(xf.reshape(xf.shape[0], -1), bf.reshape(bf.shape[0], -1)))
+    block_at, block = worst(factors(xf.reshape(-1, group), bf.reshape(-1, group)))
+    (low, high), (block_low, block_high) = ((IMPORTANCE_LEVELS_SCALE, IMPORTANCE_LEVELS_BLOCK_SCALE) if levels
+                                            else (IMPORTANCE_SCALE, IMPORTANCE_BLOCK_SCALE))
+    beyond = not (low <= tensor <= high and low <= row <= high and block_low <= block <= block_high)
+    return {"tensor": tensor, "worst_row": row_at, "row": row, "worst_block": block_at, "block": block,
+            "block_values": group, "bounds": [low, high], "block_bounds": [block_low, block_high], "beyond": beyond}
+
+
+def scale_group(storage: Storage) -> int:
+    """The values one scale of B's type covers: a K-quant's sub-block, a grid parity cannot read ``LEVEL_GROUP``,
+    else the block."""
+    if storage.dtype in K_QUANTS:
+        return K_FORMAT[storage.dtype][1]
+    return min(block_values(storage), LEVEL_GROUP) if storage.levels is not None else block_values(storage)
 
 
 def block_values(storage: Storage) -> int:

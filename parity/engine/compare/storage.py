@@ -39,7 +39,7 @@ class Storage:
     codebook: object | None = None  # bitsandbytes 4-bit: parity.sources.bnb_4bit.Packed4bit, read from the file
     affine: AffineStorage | None = None  # MLX affine quantization: codes, scales, biases (stored layout)
     group: Grid | None = None  # integer group quantization (GPTQ, AWQ, pack-quantized): B's own grid
-    importance: str | None = None  # GGUF: the importance matrix B's metadata names (gguf_grid.IMPORTANCE_FACTOR)
+    importance: str | None = None  # GGUF: the importance matrix B's metadata names, in a type it weights (gguf_grid)
 
 
 def dtype_name(dtype: torch.dtype) -> str:
