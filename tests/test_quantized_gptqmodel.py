@@ -129,3 +129,27 @@ def test_a_three_bit_gptq_export_passes_and_with_gate_and_up_exchanged_is_named(
     assert code == 1, report
     assert [layer["passed"] for layer in report["layers"]] == [True, False]
     assert report["layers"][1]["diagnosis"]["id"] == "gate_up_exchanged", report["layers"][1]["diagnosis"]
+
+
+# --- act order: a g_idx naming the wrong groups -----------------------------------------------------------------------
+
+def test_an_act_order_g_idx_rolled_by_one_group_fails_named_by_the_codes_it_moved(model_a, root, capsys):
+    """GPTQModel 7.7.0's act-order export (desc_act True, int4 symmetric, groups of 32, a LLaMA whose norms carry
+    outlier channels) with layer 1's down_proj g_idx rolled by one group (each column read with the next group's
+    scale): its function sat at 2.67 x the deviation of min-max in B's groups, under 3 x, and passed.  On this
+    fixture's act-order GPTQ-like export the same edit fails the function, but no replay of the function explained it
+    (conversion_unexplained).  B's grid rounds A 1.35 x worse than min-max in its groups, which no faithful export
+    does (0.98 to 1.03 x): the tensor is held to its values, and the g_idx replay, whose codes B's reproduce, names
+    it."""
+    b = quantizer.int_export(model_a, root / "act-order", "gptq", fields={"sym": True})
+    broken = root / "rolled"
+    shutil.copytree(b, broken)
+    tensors = load_file(broken / "model.safetensors")
+    g_idx = tensors[LAYER1 + "down_proj.g_idx"]
+    tensors[LAYER1 + "down_proj.g_idx"] = ((g_idx + 1) % (int(g_idx.max()) + 1)).to(g_idx.dtype)
+    save_file(tensors, broken / "model.safetensors", metadata={"format": "pt"})
+    code, report = compare(capsys, model_a, broken)
+    assert code == 1, report
+    assert [layer["passed"] for layer in report["layers"]] == [True, False]
+    found = report["layers"][1]["diagnosis"]
+    assert found["id"] == "g_idx_ignored" and "down_proj" in found["message"], found

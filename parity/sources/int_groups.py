@@ -16,11 +16,12 @@ Who unpacks what, and why:
   "group" mode was removed); a file that holds one is dequantized here with each column's scale taken from the group
   it names, as the releases that wrote it did.
 * GPTQ and AWQ are unpacked by the small code below.  The ecosystem's libraries do not install here without
-  replacing the project's torch: ``pip install --dry-run gptqmodel==7.7.0`` (sdist, compiled on install) resolves to
-  torch 2.14.1 and the CUDA 13 wheels in place of the installed torch 2.13 (1m09s to resolve), and autoawq 0.2.9 (the
-  last release; the project is archived) failed in pip's resolver after 32 s in a scratch venv sharing the system's
-  packages.  transformers 5's GPTQ and AWQ integrations load through gptqmodel.  The layouts are pinned to those
-  libraries' own code, cited at each function.
+  replacing the project's torch: gptqmodel 7.7.0 requires torch 2.14.1, which pip installs in place of the
+  project's 2.13 (in a scratch venv: the CUDA 13 build), and autoawq 0.2.9 (the last release; the project is
+  archived) failed in pip's resolver after 32 s in a scratch venv sharing the system's packages.  transformers 5's
+  GPTQ and AWQ integrations load through gptqmodel.  The layouts are pinned to those libraries' own code, cited at
+  each function, and gptqmodel 7.7.0's own GPTQ (2, 3, 4 and 8 bits) and AWQ GEMM exports, quantized on CPU in that
+  venv, read here as it reads them (docs/compare.md, "Checked on the tools' own files").
 """
 
 from __future__ import annotations
