@@ -82,7 +82,7 @@ def hypotheses(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor], storage: 
         found.extend(fused_hypotheses(name, a[name]))
         found.extend(tensor_hypotheses(name, a[name], b[name], storage[name]))
         factor = scale_factor(a[name], b[name])
-        if factor is not None and abs(factor + 1) >= 1e-2:
+        if factor is not None and abs(factor + 1) >= 1e-2 and abs(factor - 1) > 0.05:  # not a tensor merely rounded
             scaled[name] = factor
         found.extend(block_hypotheses(name, a[name], storage[name]))
         found.extend(codebook_hypotheses(name, a[name], storage[name]))
