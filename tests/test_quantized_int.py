@@ -480,7 +480,7 @@ def test_an_awq_layout_mistake_is_named_from_its_packed_shapes(model_a, root, ca
 
 
 @pytest.mark.parametrize(("fields", "said"), [
-    ({"bits": 3}, "quantization_config.bits is 3"),
+    ({"bits": 5}, "quantization_config.bits is 5"),
     ({"group_size": 0}, "quantization_config.group_size is 0"),
     ({"checkpoint_format": "marlin"}, "checkpoint_format is 'marlin'"),
 ])

@@ -16,15 +16,17 @@ Who unpacks what, and why:
   "group" mode was removed); a file that holds one is dequantized here with each column's scale taken from the group
   it names, as the releases that wrote it did.
 * GPTQ and AWQ are unpacked by the small code below.  The ecosystem's libraries do not install here without
-  replacing the project's torch: ``pip install --dry-run gptqmodel==7.7.0`` (sdist, compiled on install) resolves to
-  torch 2.14.1 and the CUDA 13 wheels in place of the installed torch 2.13 (1m09s to resolve), and autoawq 0.2.9 (the
-  last release; the project is archived) failed in pip's resolver after 32 s in a scratch venv sharing the system's
-  packages.  transformers 5's GPTQ and AWQ integrations load through gptqmodel.  The layouts are pinned to those
-  libraries' own code, cited at each function.
+  replacing the project's torch: gptqmodel 7.7.0 requires torch 2.14.1, which pip installs in place of the
+  project's 2.13 (in a scratch venv: the CUDA 13 build), and autoawq 0.2.9 (the last release; the project is
+  archived) failed in pip's resolver after 32 s in a scratch venv sharing the system's packages.  transformers 5's
+  GPTQ and AWQ integrations load through gptqmodel.  The layouts are pinned to those libraries' own code, cited at
+  each function, and gptqmodel 7.7.0's own GPTQ (2, 3, 4 and 8 bits) and AWQ GEMM exports, quantized on CPU in that
+  venv, read here as it reads them (docs/compare.md, "Checked on the tools' own files").
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from pathlib import Path
 from types import SimpleNamespace
@@ -107,7 +109,9 @@ def scheme_of(raw_config: dict, where: str) -> IntScheme | None:
     if method not in ("gptq", "awq"):
         return None
     # transformers' GPTQConfig / AwqConfig say "bits"; AutoAWQ's own quant_config says "w_bit"
-    bits = _positive_int(config, "bits" if "bits" in config or method == "gptq" else "w_bit", where, {2, 4, 8})
+    # GPTQ's 3 bits pack 32 codes into three words (GPTQModel writes them); AWQ's GEMM packs 2, 4 or 8
+    bits = _positive_int(config, "bits" if "bits" in config or method == "gptq" else "w_bit", where,
+                         {2, 3, 4, 8} if method == "gptq" else {2, 4, 8})
     group = config.get("group_size", config.get("q_group_size"))
     if isinstance(group, bool) or not isinstance(group, int) or group == 0 or group < -1:
         raise CheckpointError(f"{where}: config.json's quantization_config.group_size is {group!r}; expected a "
@@ -170,31 +174,59 @@ def require_library(where: str):
                            unpack=unpack_from_int32)
 
 
-def unpack_rows(packed, bits: int):
-    """int32 words packed along their first axis, low bits first (GPTQModel's ``PackableQuantLinear.pack``:
-    ``qweight[row] |= code << (bits x j)`` for the j-th input of the row's 32 / bits): [rows x 32 / bits, columns]
-    of codes in [0, 2^bits)."""
+def per_block(bits: int) -> tuple[int, int]:
+    """(int32 words, codes) of the smallest run of whole words that holds whole codes: one word of 32 / bits codes
+    for 2, 4 and 8 bits; three words of 32 codes for 3 bits."""
+    words = bits // math.gcd(bits, 32)
+    return words, 32 * words // bits
+
+
+def packed_count(words: int, bits: int) -> int | None:
+    """How many codes ``words`` int32 words hold at ``bits`` each; None where they are not whole runs of words
+    (``per_block``): another width than the stated one."""
+    run, codes = per_block(bits)
+    return None if words % run else words // run * codes
+
+
+def unpack_stream(words, bits: int):
+    """Codes packed as one little-endian bit stream along the first axis of ``words`` ([words, ...] int32 or int64),
+    each run of ``per_block(bits)`` words holding its codes low bits first; a code may straddle two words (GPTQ's
+    3 bits: codes 10 and 21 of each 32).  Returns [codes, ...]."""
     import torch
 
-    shifts = torch.arange(0, 32, bits, dtype=torch.int64)
-    words = packed.to(torch.int64) & 0xFFFFFFFF
-    codes = (words.unsqueeze(1) >> shifts.view(1, -1, 1)) & ((1 << bits) - 1)
-    return codes.reshape(-1, packed.shape[-1])
+    run, count = per_block(bits)
+    words = words.to(torch.int64) & 0xFFFFFFFF
+    blocks = words.reshape(-1, run, *words.shape[1:])
+    codes = []
+    for k in range(count):
+        word, offset = divmod(k * bits, 32)
+        value = blocks[:, word] >> offset
+        if offset + bits > 32:  # the code's high bits open the next word
+            value = value | (blocks[:, word + 1] << (32 - offset))
+        codes.append(value & ((1 << bits) - 1))
+    return torch.stack(codes, 1).reshape(-1, *words.shape[1:])
+
+
+def unpack_rows(packed, bits: int):
+    """int32 words packed along their first axis, low bits first (GPTQModel's ``PackableQuantLinear.pack``:
+    ``qweight[row] |= code << (bits x j)`` for the j-th input of the row's 32 / bits; at 3 bits, 32 inputs in three
+    words as one bit stream, GPTQModel 7.7.0's ``dequantize_weight``): [rows x 32 / bits, columns] of codes in
+    [0, 2^bits)."""
+    return unpack_stream(packed, bits)
 
 
 def unpack_columns(packed, bits: int, *, order=None):
-    """int32 words packed along their last axis, low bits first: [rows, columns x 32 / bits].  ``order``: the
-    column each field holds within its word (AWQ_ORDER), None for the linear order GPTQ's qzeros use."""
-    import torch
-
-    per_word = 32 // bits
-    shifts = torch.arange(0, 32, bits, dtype=torch.int64)
-    fields = ((packed.to(torch.int64) & 0xFFFFFFFF).unsqueeze(-1) >> shifts) & ((1 << bits) - 1)
-    if order is not None:  # field i holds column order[i]: put each back in its column
-        placed = torch.empty_like(fields)
+    """int32 words packed along their last axis, low bits first (at 3 bits as one bit stream, as ``unpack_rows``):
+    [rows, columns x 32 / bits].  ``order``: the column each field holds within its word (AWQ_ORDER), None for the
+    linear order GPTQ's qzeros use."""
+    fields = unpack_stream(packed.t(), bits).t()
+    if order is not None:  # field i of each word holds column order[i]: put each back in its column
+        per_word = len(order)
+        fields = fields.reshape(packed.shape[0], -1, per_word)
+        placed = fields.clone()
         placed[..., list(order)] = fields
-        fields = placed
-    return fields.reshape(packed.shape[0], packed.shape[1] * per_word)
+        fields = placed.reshape(packed.shape[0], -1)
+    return fields
 
 
 def layout_error(where: str, name: str, said: str, mistake: str) -> QuantizedLayoutError:
@@ -237,11 +269,15 @@ def read_gptq(where: str, name: str, scheme: IntScheme, parts: dict) -> GroupQua
     import torch
 
     qweight, qzeros, scales = parts["qweight"], parts["qzeros"], parts["scales"]
-    outputs, inputs = qweight.shape[1], qweight.shape[0] * 32 // scheme.bits
+    outputs, inputs = qweight.shape[1], packed_count(qweight.shape[0], scheme.bits)
     g_idx = parts.get("g_idx")
     if g_idx is not None and g_idx.numel() != inputs:
         raise bits_error(where, name, scheme, qweight.shape[0], g_idx.numel(), "input rows (g_idx's length)")
-    if qzeros.shape[-1] * 32 // scheme.bits != outputs:
+    if inputs is None:
+        raise layout_error(where, name, f"its qweight's {qweight.shape[0]} packed rows are not whole runs of "
+                           f"{per_block(scheme.bits)[0]} int32 words, as config.json's bits {scheme.bits} packs them",
+                           "group_bits_mismatched")
+    if packed_count(qzeros.shape[-1], scheme.bits) != outputs:
         raise bits_error(where, name, scheme, qzeros.shape[-1], outputs, "zero points per group (the outputs)")
     check_groups(where, name, scheme, inputs, outputs, scales)
     codes = unpack_rows(qweight, scheme.bits).t()
@@ -364,11 +400,10 @@ class IntGroupCheckpoint(Checkpoint):
 
     def logical_shape(self, name: str, packed: list[int]) -> list[int]:
         """A quantized module's [out, in] from its packed codes' shape (pack-quantized: its weight_shape)."""
-        per_word = 32 // self.scheme.bits
         if self.scheme.method == "gptq":
-            return [packed[1], packed[0] * per_word]
+            return [packed[1], packed[0] * 32 // self.scheme.bits]
         if self.scheme.method == "awq":
-            return [packed[1] * per_word, packed[0]]
+            return [packed[1] * 32 // self.scheme.bits, packed[0]]
         shape_name = f"{self.modules[name]}.weight_shape"
         if shape_name not in self.companions:
             return list(packed)

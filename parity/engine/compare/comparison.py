@@ -366,7 +366,9 @@ class Comparison:
             return
         if result.passed and not beyond and not scaled and not any(row.get("grid") for row in rows):
             return
-        replay = not result.passed  # within its tolerance, a replay could only name what the function cannot show
+        # within its tolerance, a replay could only name what the function cannot show; but an integer group matrix
+        # held to its values (group_grid: biased, no grid of A's, most codes moved) is a mistake the replays name
+        replay = not result.passed or any(b.storage[row["name"]].group is not None for row in beyond)
         result.passed = False
         result.diagnosis = self.explain(unit, a, b, x, out64, result.tolerance if replay else -math.inf,
                                         result.max_abs_diff or math.inf, rows, beyond)
@@ -530,6 +532,8 @@ def tensor_rows(a: SideLayer, b: SideLayer) -> tuple[list[dict], dict[str, torch
         if store.quantized and store.steps is not None and store.steps.shape == ta.shape:
             allowed, row["grid"] = conversion.quantized_bounds(a32, b32, store, row["a_dtype"], a_steps)
             row["steps"] = conversion.step_excess(a32, b32, store.steps, allowed)
+            if store.group is not None and row["steps"]["values_beyond_step"]:  # held to its values: it differs
+                row["differs"] = True
         if store.importance is not None and ta.dim() == 2:  # a weighted quantizer refits scales to A's values
             row["scale"] = conversion.importance_excess(a32, b32, store)
         elif not store.quantized and not same:  # each value of a cast or re-save held to its own rounding

@@ -96,8 +96,15 @@ def quantized_bounds(a: torch.Tensor, b: torch.Tensor, storage: Storage, a_dtype
     if storage.levels is not None:  # B's own levels (importance-weighted or not): the steps are evidence only
         return torch.full_like(storage.steps.float(), math.inf), None
     if storage.group is not None:  # integer groups (GPTQ moves values by more than a step): the steps are evidence,
-        x, held = stored_layout(storage.route, a.float()), stored_layout(storage.route, b.float())  # unless biased
-        biased = x is not None and abs(group_grid.bias(x, held, storage.group)) > group_grid.BIAS_LIMIT
+        x, held = stored_layout(storage.route, a.float()), stored_layout(storage.route, b.float())  # unless biased,
+        # or on a grid that is no grid of A's (a g_idx naming the wrong groups: the function, judged against min-max
+        # in B's groups, may pass it; GPTQModel 7.7.0's act-order export with down_proj's g_idx rolled by one group,
+        # x 2.67 under 3 x, grid 1.35 x min-max's, where every faithful export measured sits at 0.98 to 1.03 x)
+        grid = storage.group  # or with most of its codes moved (group_grid.MOVED_LIMIT)
+        biased = x is not None and (abs(group_grid.bias(x, held, grid)) > group_grid.BIAS_LIMIT
+                                    or group_grid.roughness(x, grid) > group_grid.SOUND
+                                    or group_grid.moved(held, group_grid.round_to(x, grid), grid)
+                                    > group_grid.MOVED_LIMIT)
         return torch.full_like(storage.steps.float(), 0.0 if biased else math.inf), None
     allowed = torch.maximum(STEP_SLACK * storage.steps.float(), spacing(a, a_dtype))
     x = stored_layout(storage.route, a.float())

@@ -192,6 +192,11 @@ def group_replay_finding(beyond: list[dict], a: dict[str, torch.Tensor], b: dict
             continue
         held = stored_layout(store.route, b[name].float())
         from_a = group_grid.bias(x, held, store.group)
+        if abs(from_a) <= group_grid.BIAS_LIMIT:  # beyond its bound for its grid, no grid of A's: by codes moved
+            found = rough_replay(name, row, x, held, store, storage, reference_distance, candidates)
+            if found is not None:
+                return found
+            continue
         for mistake, detail, values in group_grid.mistakes(x, store.group):
             off = group_grid.bias(x, held, store.group, reference=values)
             candidates.append(Candidate(mistake, f"{name}: {detail}", abs(off)))
@@ -200,4 +205,25 @@ def group_replay_finding(beyond: list[dict], a: dict[str, torch.Tensor], b: dict
                                  f"{named_in_b(row, storage)}: {detail}: B's values lie {from_a:+.2f} steps on "
                                  f"average from A rounded to nearest on B's grid, {off:+.2f} from this replay",
                                  candidates)
+    return None
+
+
+def rough_replay(name: str, row: dict, x: torch.Tensor, held: torch.Tensor, store: Storage,
+                 storage: dict[str, Storage], reference_distance: float, candidates: list[Candidate]
+                 ) -> Diagnosis | None:
+    """An integer group-quantized tensor on a grid that is no grid of A's (``group_grid.roughness`` beyond SOUND):
+    the conversion mistake replayed on A's tensor whose codes B's reproduce, at most half as many of B's codes
+    differing from it as from A rounded to nearest on B's grid (GPTQ's own compensation moves 5 to 30 %)."""
+    grid = store.group
+    own = group_grid.moved(held, group_grid.round_to(x, grid), grid)
+    rough = group_grid.roughness(x, grid)
+    for mistake, detail, values in group_grid.mistakes(x, grid):
+        share = group_grid.moved(held, values, grid)
+        candidates.append(Candidate(mistake, f"{name}: {detail}", share))
+        if share <= own / 2:
+            return diagnosis(mistake, None, reference_distance,
+                             f"{named_in_b(row, storage)}: {detail}: B's grid rounds A's values {rough:.2f} x worse "
+                             f"(root mean square) than min-max in its groups, so it is no grid of A's; {own:.0%} of "
+                             f"B's codes differ from A rounded to nearest on it, {share:.0%} from this replay",
+                             candidates)
     return None

@@ -77,12 +77,19 @@ def hypotheses(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor], storage: 
                 for which, said in ((pairs, ""), (pairs[:1], ", biases as A's")):  # a converter may miss the biases
                     found.append(Hypothesis(MistakeId.GATE_UP_REORDERED, f"B's {gate} and {up}: {how}{said}",
                                             lambda t, p=which, i=interleaved: _refused_layout(t, p, i)))
+    scaled = {}
     for name in differing:
         found.extend(fused_hypotheses(name, a[name]))
         found.extend(tensor_hypotheses(name, a[name], b[name], storage[name]))
+        factor = scale_factor(a[name], b[name])
+        if factor is not None and abs(factor + 1) >= 1e-2 and abs(factor - 1) > 0.05:  # not a tensor merely rounded
+            scaled[name] = factor
         found.extend(block_hypotheses(name, a[name], storage[name]))
         found.extend(codebook_hypotheses(name, a[name], storage[name]))
         found.extend(affine_hypotheses(name, a[name], storage[name]))
+    if len(scaled) > 1:  # a reader that misapplies a scale does so to every tensor of the layer (every scale halved)
+        found.append(Hypothesis(MistakeId.TENSOR_SCALED, ", ".join(f"{n} x {f:.4g}" for n, f in scaled.items()),
+                                lambda t, s=scaled: {**t, **{n: t[n].float() * f for n, f in s.items()}}))
     # integer groups: a zero point off by one moves each value a step, which the tensor's largest distance may not show
     found.extend(group_hypotheses(a, storage))
     return found
@@ -165,6 +172,14 @@ def _replace(name: str, value: torch.Tensor) -> Callable[[dict], dict]:
     return lambda t: {**t, name: value}
 
 
+def scale_factor(a: torch.Tensor, b: torch.Tensor) -> float | None:
+    """The least-squares factor of B's tensor on A's, where it is finite, not zero and not one (within 1e-3)."""
+    af = a.float()
+    denominator = float((af * af).sum())
+    factor = float((af * b.float()).sum()) / denominator if denominator else math.nan
+    return factor if math.isfinite(factor) and abs(factor - 1) > 1e-3 and factor != 0 else None
+
+
 def tensor_hypotheses(name: str, a: torch.Tensor, b: torch.Tensor, storage: conversion.Storage) -> list[Hypothesis]:
     """What one tensor may have suffered: transposed (square), scaled or negated (the least-squares factor of B
     on A), zero-filled, constant, cut short (a zero tail), its bytes read as the other 16-bit dtype."""
@@ -172,9 +187,8 @@ def tensor_hypotheses(name: str, a: torch.Tensor, b: torch.Tensor, storage: conv
     af, bf = a.float(), b.float()
     if a.dim() == 2 and a.shape[0] == a.shape[1]:
         found.append(Hypothesis(MistakeId.TENSOR_TRANSPOSED, f"{name} transposed", _replace(name, af.t())))
-    denominator = float((af * af).sum())
-    factor = float((af * bf).sum()) / denominator if denominator else math.nan
-    if math.isfinite(factor) and abs(factor - 1) > 1e-3 and factor != 0:
+    factor = scale_factor(af, bf)
+    if factor is not None:
         mistake = MistakeId.SIGN_FLIPPED if abs(factor + 1) < 1e-2 else MistakeId.TENSOR_SCALED
         found.append(Hypothesis(mistake, f"{name} x {factor:.4g}",
                                 _replace(name, -af if mistake == MistakeId.SIGN_FLIPPED else af * factor)))
