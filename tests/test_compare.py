@@ -252,7 +252,8 @@ def test_bfloat16_bytes_read_as_float16_are_named(a_bf16, root):
 
 def test_a_quantization_beyond_its_step_is_named(a_f32, llama, state, root):
     """Layer 2's up_proj re-quantized to Q8_0 from an already Q4_0-rounded copy: its values sit many Q8_0
-    steps from A's, which the Q8_0 file's own block scales show."""
+    steps from A's, which the Q8_0 file's own block scales show, on a grid coarser than its step (most of a row's
+    codes on one residue: named grid_too_coarse, the more specific of the two)."""
     from gguf.quants import dequantize, quantize
 
     def rounded(s):
@@ -261,7 +262,7 @@ def test_a_quantization_beyond_its_step_is_named(a_f32, llama, state, root):
 
     b = gguf_from_hf(Edited(llama, edited(state, **{"2_up": rounded})), root / "requant.gguf", "llama", Q.Q8_0)
     report = parity.compare(str(a_f32), str(b))
-    assert_named(report, 2, "quantization_exceeds_step")
+    assert_named(report, 2, "grid_too_coarse")
     row = next(r for r in report.layers[2].conversion["tensors"] if r["name"] == "up_proj.weight")
     assert row["steps"]["values_beyond_step"] > 0 and row["steps"]["max_steps"] > 4
 

@@ -13,8 +13,8 @@ B's tensors are compared name by name in one layout.  How B stores a tensor deci
   storage rounding (``quantized_bounds``), the step read from the file; each block's step held to what a quantizer
   of the format chooses for A's values there (grid_too_coarse).  A GGUF whose metadata names an importance matrix,
   in a type whose llama.cpp quantizer uses it: each value within ``gguf_grid.IMPORTANCE_STEPS`` steps, each block's
-  step within ``IMPORTANCE_GRID_FACTOR`` x A's, B's least-squares scale on A near 1 (``importance_excess``), the
-  function within ``IMPORTANCE_FACTOR`` x the conversion's.
+  step within ``IMPORTANCE_GRID_FACTOR`` x A's, B's least-squares scale on A near 1 (``scale_excess``; integer
+  groups too: ``group_grid.value_scales``), the function within ``IMPORTANCE_FACTOR`` x the conversion's.
 
 ``reference_conversion`` makes A's tensor as B's storage would hold it, from A alone: cast, or re-quantized the way
 B's format does.  The function-level deviation that conversion alone causes is what B is judged against.
@@ -120,13 +120,16 @@ def quantized_bounds(a: torch.Tensor, b: torch.Tensor, storage: Storage, a_dtype
     return gguf_grid.bounds(allowed, x, b, storage, a_dtype, a_steps)  # K-quants' ends; each block's d against A's
 
 
-def importance_excess(a: torch.Tensor, b: torch.Tensor, storage: Storage) -> dict | None:
-    """For a B quantized with an importance matrix (``Storage.importance``): B's least-squares scale on A, whole
-    tensor, worst row and worst block (``gguf_grid.importance_scales``, stored layout), else None."""
+def scale_excess(a: torch.Tensor, b: torch.Tensor, storage: Storage) -> dict | None:
+    """For a B whose quantizer moves values by more than a step (an importance matrix, ``Storage.importance``;
+    integer groups, ``Storage.group``): B's least-squares scale on A, whole tensor, worst row and worst block
+    (``storage.least_squares_scales``, stored layout, each format's bounds), else None."""
     x, held = stored_layout(storage.route, a.float()), stored_layout(storage.route, b.float())
-    if storage.importance is None or x is None or x.dim() < 2:
+    if x is None or x.dim() != 2:
         return None
-    return gguf_grid.importance_scales(x, held, gguf_grid.scale_group(storage), levels=storage.levels is not None)
+    if storage.importance is not None:
+        return gguf_grid.importance_scales(x, held, gguf_grid.scale_group(storage), levels=storage.levels is not None)
+    return group_grid.value_scales(x, held, storage.group) if storage.group is not None else None
 
 
 def step_excess(a: torch.Tensor, b: torch.Tensor, steps: torch.Tensor, allowed: torch.Tensor | None = None) -> dict:

@@ -38,7 +38,14 @@ from parity.engine.compare.gguf_blocks import (
     read_blocks,
     scale_problem,
 )
-from parity.engine.compare.storage import Storage, dtype_name, spacing, stored_layout, unstored
+from parity.engine.compare.storage import (
+    Storage,
+    dtype_name,
+    least_squares_scales,
+    spacing,
+    stored_layout,
+    unstored,
+)
 from parity.engine.layer import route_tensor
 
 FLOAT_TYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
@@ -357,31 +364,15 @@ def skipped_levels(b: torch.Tensor, steps: torch.Tensor, offsets: torch.Tensor |
 
 
 def importance_scales(x: torch.Tensor, b: torch.Tensor, group: int, *, levels: bool = False) -> dict:
-    """How B's values scale against A's (stored layout, ``group`` values per block): the least-squares factor
-    sum(A B) / sum(A A) of the whole tensor, of each row and of each block, the ones farthest from 1 with where
-    they are, and whether any lies outside ``IMPORTANCE_SCALE`` (tensor, row) or ``IMPORTANCE_BLOCK_SCALE`` (block;
-    ``levels``: an IQ type's grid, ``IMPORTANCE_LEVELS_SCALE`` and ``IMPORTANCE_LEVELS_BLOCK_SCALE``).
-    An importance-weighted quantizer moves values of little importance several steps but refits each block's scale
-    to the values, so B stays A's in scale while every value check is relaxed; a block, a row or the tensor
-    multiplied (or negated) after quantizing is not."""
-    xf, bf = x.double(), b.double()
-
-    def factors(a2: torch.Tensor, b2: torch.Tensor) -> torch.Tensor:
-        energy = (a2 * a2).sum(-1)
-        return torch.where(energy > 0, (a2 * b2).sum(-1) / energy.clamp_min(1e-300), 1.0)
-
-    def worst(found: torch.Tensor) -> tuple[int, float]:
-        at = int(found.log().nan_to_num(-math.inf).abs().argmax()) if bool((found > 0).all()) else int(found.argmin())
-        return at, float(found[at])
-
-    tensor = float(factors(xf.reshape(1, -1), bf.reshape(1, -1))[0])
-    row_at, row = worst(factors(xf.reshape(xf.shape[0], -1), bf.reshape(bf.shape[0], -1)))
-    block_at, block = worst(factors(xf.reshape(-1, group), bf.reshape(-1, group)))
-    (low, high), (block_low, block_high) = ((IMPORTANCE_LEVELS_SCALE, IMPORTANCE_LEVELS_BLOCK_SCALE) if levels
-                                            else (IMPORTANCE_SCALE, IMPORTANCE_BLOCK_SCALE))
-    beyond = not (low <= tensor <= high and low <= row <= high and block_low <= block <= block_high)
-    return {"tensor": tensor, "worst_row": row_at, "row": row, "worst_block": block_at, "block": block,
-            "block_values": group, "bounds": [low, high], "block_bounds": [block_low, block_high], "beyond": beyond}
+    """How B's values scale against A's (``storage.least_squares_scales``, stored layout, ``group`` values per
+    block), judged by ``IMPORTANCE_SCALE`` (tensor, row) and ``IMPORTANCE_BLOCK_SCALE`` (block; ``levels``: an IQ
+    type's grid, ``IMPORTANCE_LEVELS_SCALE`` and ``IMPORTANCE_LEVELS_BLOCK_SCALE``).  An importance-weighted quantizer
+    moves values of little importance several steps but refits each block's scale to the values, so B stays A's in
+    scale while every value check is relaxed; a block, a row or the tensor multiplied (or negated) after quantizing
+    is not."""
+    bounds = (IMPORTANCE_LEVELS_SCALE, IMPORTANCE_LEVELS_BLOCK_SCALE) if levels \
+        else (IMPORTANCE_SCALE, IMPORTANCE_BLOCK_SCALE)
+    return least_squares_scales(x, b, group, bounds=bounds[0], block_bounds=bounds[1])
 
 
 def scale_group(storage: Storage) -> int:

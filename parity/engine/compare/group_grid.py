@@ -25,7 +25,7 @@ from dataclasses import dataclass
 
 import torch
 
-from parity.engine.compare.storage import Storage
+from parity.engine.compare.storage import Storage, least_squares_scales
 from parity.engine.layer import route_tensor
 
 # B's function may deviate from A's by this many times what round-to-nearest on B's own grid does.  Measured on
@@ -125,6 +125,27 @@ def grid_of(held, bits: int) -> Grid:
     steps = held.scales[:, held.g_idx]
     zeros = held.zeros[:, held.g_idx]
     return Grid(steps, zeros, held.low, held.high, held.scales, held.zeros, held.g_idx, held.method, bits)
+
+
+# B's least-squares factor on A (storage.least_squares_scales) for integer-group matrices: whole tensor and each row
+# within SCALE, each group within GROUP_SCALE.  Measured on gptqmodel 7.7.0's own GPTQ exports of a trained tiny
+# LLaMA and Qwen2 (14 exports: 2, 3, 4 and 8 bits, groups of 32 and 128, act order on and off, outlier norm
+# channels x20-x100): tensors 0.992-1.000, rows 0.898-1.103 (2 bits; 4 bits 0.936-1.082), groups 0.68-1.295 (2
+# bits; 4 bits 0.865-1.177).  GPTQ moves values by more than a step, but each group's scale is still fitted to the
+# group's values; a group, a row or the matrix multiplied, negated or zeroed after quantizing is not (one group x2
+# and one row x1.5 of a GPTQ export passed under the layer's tolerance before this rule).
+SCALE = (0.8, 1.2)
+GROUP_SCALE = (0.5, 1.6)
+
+
+def value_scales(x: torch.Tensor, held: torch.Tensor, grid: Grid) -> dict:
+    """B's least-squares factor on A (stored layout [out, in]) per matrix, row and group (the columns of each group
+    gathered by g_idx, act order's included), against ``SCALE`` and ``GROUP_SCALE``."""
+    order = torch.argsort(grid.g_idx, stable=True)
+    size = int(torch.bincount(grid.g_idx).max())
+    if bool((torch.bincount(grid.g_idx) != size).any()):  # groups of unequal sizes: each row's whole as one group
+        size = x.shape[1]
+    return least_squares_scales(x[:, order], held[:, order], size, bounds=SCALE, block_bounds=GROUP_SCALE)
 
 
 def stored(checkpoint, key: str, route) -> Storage | None:

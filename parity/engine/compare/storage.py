@@ -6,6 +6,7 @@ dispatch that imports it."""
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -69,3 +70,29 @@ def spacing(values: torch.Tensor, dtype: str) -> torch.Tensor:
     exponent = torch.frexp(values.float().nan_to_num(0.0, limit, -limit))[1]
     magnitude = torch.ldexp(torch.ones_like(exponent, dtype=torch.float32), exponent - 1)
     return info.eps * torch.where(values == 0, info.tiny, magnitude.clamp_min(info.tiny))
+
+
+def least_squares_scales(x: torch.Tensor, b: torch.Tensor, group: int, *, bounds: tuple[float, float],
+                         block_bounds: tuple[float, float]) -> dict:
+    """B's least-squares factor on A, sum(A B) / sum(A A), of the whole tensor, of each row and of each block of
+    ``group`` values (stored layout [rows, values]), the ones farthest from 1 with where they are, and whether any
+    lies outside ``bounds`` (tensor, row) or ``block_bounds`` (block).  A quantizer that moves values by more than a
+    step (an importance matrix, GPTQ's compensation) still fits each block's scale to A's values there: a block, a
+    row or the tensor multiplied or negated after quantizing does not."""
+    xf, bf = x.double(), b.double()
+
+    def factors(a2: torch.Tensor, b2: torch.Tensor) -> torch.Tensor:
+        energy = (a2 * a2).sum(-1)
+        return torch.where(energy > 0, (a2 * b2).sum(-1) / energy.clamp_min(1e-300), 1.0)
+
+    def worst(found: torch.Tensor) -> tuple[int, float]:
+        at = int(found.log().nan_to_num(-math.inf).abs().argmax()) if bool((found > 0).all()) else int(found.argmin())
+        return at, float(found[at])
+
+    tensor = float(factors(xf.reshape(1, -1), bf.reshape(1, -1))[0])
+    row_at, row = worst(factors(xf.reshape(xf.shape[0], -1), bf.reshape(bf.shape[0], -1)))
+    block_at, block = worst(factors(xf.reshape(-1, group), bf.reshape(-1, group)))
+    (low, high), (block_low, block_high) = bounds, block_bounds
+    beyond = not (low <= tensor <= high and low <= row <= high and block_low <= block <= block_high)
+    return {"tensor": tensor, "worst_row": row_at, "row": row, "worst_block": block_at, "block": block,
+            "block_values": group, "bounds": [low, high], "block_bounds": [block_low, block_high], "beyond": beyond}
