@@ -23,7 +23,7 @@ from safetensors.torch import load_file, save_file
 from parity.engine.compare import group_grid
 
 from . import test_quantized_int as quantizer
-from .derived_checkpoints import build
+from .derived_checkpoints import format_fixtures
 from .support import compare_json as compare
 
 LAYER1 = "model.layers.1.mlp."
@@ -44,14 +44,7 @@ def outlier_hessian(inputs: int, seed: int) -> torch.Tensor:
     return h + 0.01 * h.diagonal().mean() * torch.eye(inputs, dtype=torch.float64)
 
 
-@pytest.fixture(scope="module")
-def root(tmp_path_factory) -> Path:
-    return tmp_path_factory.mktemp("gptq-outliers")
-
-
-@pytest.fixture(scope="module")
-def model_a(root) -> Path:
-    return build("llama", root / "a", 3, **quantizer.SIZES)
+root, model_a = format_fixtures("gptq-outliers", quantizer.SIZES)
 
 
 def outlier_export(a: Path, dest: Path, group: int, act_order: bool, breaks: dict[str, str] | None = None) -> Path:

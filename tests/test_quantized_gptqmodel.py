@@ -11,27 +11,19 @@ import json
 import shutil
 from pathlib import Path
 
-import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
 from parity.sources import int_groups
 
 from . import test_quantized_int as quantizer
-from .derived_checkpoints import build
+from .derived_checkpoints import format_fixtures
 from .support import compare_json as compare
 
 LAYER1 = "model.layers.1.mlp."
 
 
-@pytest.fixture(scope="module")
-def root(tmp_path_factory) -> Path:
-    return tmp_path_factory.mktemp("gptqmodel")
-
-
-@pytest.fixture(scope="module")
-def model_a(root) -> Path:
-    return build("llama", root / "a", 3, **quantizer.SIZES)
+root, model_a = format_fixtures("gptqmodel", quantizer.SIZES)
 
 
 def test_every_scale_of_a_layer_halved_is_named_tensor_scaled(model_a, root, capsys):
