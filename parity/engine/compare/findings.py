@@ -88,9 +88,11 @@ def block_finding(rows: list[dict], storage: dict[str, Storage], reference_dista
 
 def scale_finding(rows: list[dict], storage: dict[str, Storage], reference_distance: float,
                   candidates: list[Candidate]) -> Diagnosis | None:
-    """An importance-weighted GGUF tensor whose least-squares factor on A lies outside what a weighted quantizer's
-    refit makes (``gguf_grid.importance_scales``): the whole tensor (tensor_scaled; sign_flipped near -1), else a row
-    or a block of it (quantization_exceeds_step: values moved together, not by quantization); None when none is."""
+    """A tensor whose quantizer moves values by more than a step but refits each block's scale to A's values (an
+    importance-weighted GGUF type, ``gguf_grid.importance_scales``; integer groups, ``group_grid.value_scales``) and
+    whose least-squares factor on A lies outside what that refit makes: the whole tensor (tensor_scaled; sign_flipped
+    near -1), else a row or a block of it (quantization_exceeds_step: values moved together, not by quantization);
+    None when none is."""
     scaled = [row for row in rows if (row.get("scale") or {}).get("beyond")]
     if not scaled:
         return None
@@ -102,7 +104,7 @@ def scale_finding(rows: list[dict], storage: dict[str, Storage], reference_dista
     if whole:
         flipped = all(abs(row["scale"]["tensor"] + 1) < 0.1 for row in whole)
         detail = "; ".join(f"{named_in_b(row, storage)} is A's x {row['scale']['tensor']:.4g} (least squares over "
-                           "the tensor; an importance-weighted quantizer keeps it within "
+                           f"the tensor; {refitting(row, storage)} keeps it within "
                            f"{row['scale']['bounds'][0]:g} to {row['scale']['bounds'][1]:g})" for row in whole)
         return diagnosis(MistakeId.SIGN_FLIPPED if flipped else MistakeId.TENSOR_SCALED, None, reference_distance,
                          detail, candidates)
@@ -111,15 +113,20 @@ def scale_finding(rows: list[dict], storage: dict[str, Storage], reference_dista
         found = row["scale"]
         if outside(found["row"], found["bounds"]):
             details.append(f"{named_in_b(row, storage)}: row {found['worst_row']} (as the file stores it) is A's x "
-                           f"{found['row']:.4g} (least squares; an importance-weighted quantizer keeps each row within "
+                           f"{found['row']:.4g} (least squares; {refitting(row, storage)} keeps each row within "
                            f"{found['bounds'][0]:g} to {found['bounds'][1]:g})")
         else:
             group, low, high = found["block_values"], *found["block_bounds"]
             details.append(f"{named_in_b(row, storage)}: the block of values {found['worst_block'] * group}-"
                            f"{found['worst_block'] * group + group - 1} (flattened, as the file stores them) is A's x "
-                           f"{found['block']:.4g} (least squares; an importance-weighted quantizer refits each "
-                           f"block's scale to A's values, within {low:g} to {high:g})")
+                           f"{found['block']:.4g} (least squares; {refitting(row, storage)} refits each block's "
+                           f"scale to A's values, within {low:g} to {high:g})")
     return diagnosis(MistakeId.QUANTIZATION_EXCEEDS_STEP, None, reference_distance, "; ".join(details), candidates)
+
+
+def refitting(row: dict, storage: dict[str, Storage]) -> str:
+    """The quantizer whose refit a ``scale`` record's bounds were measured on, in words."""
+    return "an importance-weighted quantizer" if storage[row["name"]].importance is not None else "GPTQ"
 
 
 def grid_finding(rows: list[dict], storage: dict[str, Storage], reference_distance: float,

@@ -142,9 +142,8 @@ def value_scales(x: torch.Tensor, held: torch.Tensor, grid: Grid) -> dict:
     """B's least-squares factor on A (stored layout [out, in]) per matrix, row and group (the columns of each group
     gathered by g_idx, act order's included), against ``SCALE`` and ``GROUP_SCALE``."""
     order = torch.argsort(grid.g_idx, stable=True)
-    size = int(torch.bincount(grid.g_idx).max())
-    if bool((torch.bincount(grid.g_idx) != size).any()):  # groups of unequal sizes: each row's whole as one group
-        size = x.shape[1]
+    counts = torch.bincount(grid.g_idx)
+    size = int(counts.max()) if bool((counts == counts.max()).all()) else x.shape[1]  # unequal: each row one group
     return least_squares_scales(x[:, order], held[:, order], size, bounds=SCALE, block_bounds=GROUP_SCALE)
 
 
