@@ -509,3 +509,13 @@ PRODUCED_BY: dict[MistakeId, str] = {
     MistakeId.GATE_UP_INTERLEAVING_MISREAD: "replay: engine.routing_mistakes, the experts' fused gate/up rearranged "
                                             "into the other layout (halves interleaved, or the reverse)",
 }
+
+
+def fit_diagnosis(found: list[tuple[MistakeId | str, str, float, float]], *, note: str = "") -> Diagnosis:
+    """The diagnosis naming the closest of ``found`` (engine.routing_mistakes' ``Search.fits``: id, what the
+    replay changes, its distance, the correct block's) with what its replay changes and ``note``; the
+    others that fit equally said beside it, each a candidate with its distance."""
+    first, detail, distance, reference = found[0]
+    equally = "; ".join(f"equally {other}: {why}" for other, why, _, _ in found[1:])
+    return diagnosis(first, distance, reference, detail + note + (f"; {equally}" if equally else ""),
+                     [Candidate(str(mistake), why, fit) for mistake, why, fit, _ in found])

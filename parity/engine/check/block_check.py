@@ -23,8 +23,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from parity.definitions.mistakes import MistakeId, diagnosis
-from parity.definitions.records import Candidate, Diagnosis
+from parity.definitions.mistakes import MistakeId, diagnosis, fit_diagnosis
+from parity.definitions.records import Diagnosis
 from parity.engine.block import (
     BLOCK_UNIT,
     NUDGE,
@@ -49,7 +49,7 @@ from parity.engine.check.guard import guarded
 from parity.engine.check.run import place, run_module, skip_init, user_code
 from parity.engine.experts import expert_reference, sliced_expert, slices_agree
 from parity.engine.results import LayerResult
-from parity.engine.routing_mistakes import replay_search, suspect_pairs
+from parity.engine.routing_mistakes import replay_fits, replay_search, suspect_pairs
 from parity.engine.verdict import Runs, judge, shape_failure
 from parity.errors import ParityError, ShapeMismatchError, TargetError, UsageError
 
@@ -174,7 +174,7 @@ class BlockCheck(BlockReader):
         that dtype (engine.check.block_precision), its routing mistakes replayed at that precision's tolerance."""
         with experts_in(block64, self.site.experts, seen.dtype()):
             low = block_output(block64, x.double())
-        fits = functools.partial(_fits_within, block64, x.double(), got, kept)
+        fits = functools.partial(replay_fits, block64, x.double(), got, tokens=kept)
         return low_precision_mistake(low, out64, got, kept, seen, fits, max_abs_diff=result.max_abs_diff)
 
     def experts_bytes(self, layer: int) -> int:
@@ -272,10 +272,7 @@ class BlockCheck(BlockReader):
             self.target_notes.append(f"{name} fails on an input of shape {list(x.shape)} and runs on the tokens "
                                      f"flattened, [batch·tokens, d]: it is called so")
             return out
-        if out.numel() != x.numel():
-            raise TargetError(f"target {name}: forward on an input of shape {list(x.shape)} returned shape "
-                              f"{list(out.shape)}; transformers' block returns {list(x.shape)}")
-        return out.reshape(x.shape)
+        return _shaped_as(x, out, given=x, name=name)
 
     def run_flat(self, target: nn.Module, name: str, x: torch.Tensor, changes: list[str]) -> torch.Tensor:
         """The user's block on [batch·tokens, d], its output reshaped to ``x``'s shape."""
@@ -283,10 +280,7 @@ class BlockCheck(BlockReader):
         with torch.no_grad(), guarded(changes), \
                 user_code(f"target {name} failed on an input of shape {list(flat.shape)}"):
             out = run_module(target, flat.clone())
-        if out.numel() != x.numel():
-            raise TargetError(f"target {name}: forward on an input of shape {list(flat.shape)} returned shape "
-                              f"{list(out.shape)}; transformers' block returns {list(flat.shape)}")
-        return out.reshape(x.shape)
+        return _shaped_as(x, out, given=flat, name=name)
 
     def agreeing(self, block64: nn.Module, inputs: BlockInputs, got: torch.Tensor, out32: torch.Tensor,
                  tolerance: float | None) -> int:
@@ -372,10 +366,6 @@ def _sampled_reach(sampled: Callable[[torch.Tensor, torch.Tensor | None], torch.
     return reach
 
 
-def _fits_within(block64: nn.Module, x: torch.Tensor, got: torch.Tensor, kept: torch.Tensor, tolerance: float) -> list:
-    return replay_search(block64, x, got, tolerance=tolerance, tokens=kept).fits
-
-
 def _judged_weights(own: MappingABC, experts: str, *, large: bool) -> dict[str, torch.Tensor]:
     """What the verdict checks for all-zero or identical weight matrices: the block's matrices, not its vectors.
     A stacked experts tensor is a matrix per expert only when it has three dimensions: [E, 2I] is every expert's
@@ -384,6 +374,15 @@ def _judged_weights(own: MappingABC, experts: str, *, large: bool) -> dict[str, 
     inside = experts + "."
     return {name: own[name] for name in own if not (large and name.startswith(inside))
             and (own[name].dim() >= 3 if name.startswith(inside) else sum(n > 1 for n in own[name].shape) >= 2)}
+
+
+def _shaped_as(x: torch.Tensor, out: torch.Tensor, *, given: torch.Tensor, name: str) -> torch.Tensor:
+    """The user's block's output (on ``given``: ``x`` or its tokens flattened) in ``x``'s shape, or a TargetError
+    saying what it returned where transformers' block returns ``given``'s shape."""
+    if out.numel() != x.numel():
+        raise TargetError(f"target {name}: forward on an input of shape {list(given.shape)} returned shape "
+                          f"{list(out.shape)}; transformers' block returns {list(given.shape)}")
+    return out.reshape(x.shape)
 
 
 def residual_included(x: torch.Tensor, out64: torch.Tensor, got: torch.Tensor, kept: torch.Tensor,
@@ -458,10 +457,7 @@ def named_mistake(block64: nn.Module, x: torch.Tensor, got: torch.Tensor, result
     found = search.fits
     if not found:
         return diagnosis(MistakeId.UNEXPLAINED, None, result.max_abs_diff, search.untold())
-    first, detail, distance, reference = found[0]
-    equally = "; ".join(f"equally {other}: {why}" for other, why, _, _ in found[1:])
-    return diagnosis(first, distance, reference, detail + (f"; {equally}" if equally else ""),
-                     [Candidate(str(mistake), why, fit) for mistake, why, fit, _ in found])
+    return fit_diagnosis(found)
 
 
 def streamed_mistake(reader: Any, layer: int, block64: nn.Module, x: torch.Tensor, out64: torch.Tensor,
@@ -502,8 +498,4 @@ def streamed_mistake(reader: Any, layer: int, block64: nn.Module, x: torch.Tenso
                          "tokens where it fails, none reproduces it"
                          + (f" ({search.untold()})" if search.untold() else "") + "; check a smaller layer of the "
                          "same family, or one expert at a time: --experts")
-    first, detail, distance, reference = found[0]
-    equally = "; ".join(f"equally {other}: {why}" for other, why, _, _ in found[1:])
-    where = f", replayed on {len(tokens)} of the tokens where it fails"
-    return diagnosis(first, distance, reference, detail + where + (f"; {equally}" if equally else ""),
-                     [Candidate(str(mistake), why, fit) for mistake, why, fit, _ in found])
+    return fit_diagnosis(found, note=f", replayed on {len(tokens)} of the tokens where it fails")

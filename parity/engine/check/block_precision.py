@@ -20,10 +20,10 @@ import torch
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
-from parity.definitions.mistakes import MistakeId, diagnosis
-from parity.definitions.records import Candidate, Diagnosis
+from parity.definitions.mistakes import MistakeId, diagnosis, fit_diagnosis
+from parity.definitions.records import Diagnosis
 
-Fits = Callable[[float], list]  # tolerance -> engine.routing_mistakes.replay_fits's answer on the block's output
+Fits = Callable[..., list]  # fits(tolerance=...): engine.routing_mistakes.replay_fits's answer on the block's output
 
 HALF = (torch.bfloat16, torch.float16)
 # docs/precision.md: a correct module's error is at most 1.61x the reference's own at bfloat16 (2.44 at float16);
@@ -104,14 +104,10 @@ def low_precision_mistake(low: torch.Tensor, out64: torch.Tensor, got: torch.Ten
                          f"{said}, this block by {distance:.2e} ({distance / error:.1f}x): at {name}'s precision it "
                          f"computes what transformers' block does; compute its experts in float32 to check them at "
                          f"float32's")
-    found = fits(tolerance)
+    found = fits(tolerance=tolerance)
     if not found:  # beyond what the precision explains: a mistake, not named; the precision said beside it
         return diagnosis(MistakeId.UNEXPLAINED, None, max_abs_diff,
                          f"{said}, this block by {distance:.2e}, more than {LOW_PRECISION_RATIO:g}x that: not the "
                          f"precision, and no routing mistake replayed at {name}'s tolerance reproduces it")
-    first, detail, fit, reference = found[0]
-    equally = "; ".join(f"equally {other}: {why}" for other, why, _, _ in found[1:])
-    return diagnosis(first, fit, reference, f"{detail}; matched at {name}'s precision, within "
-                     f"{LOW_PRECISION_RATIO:g}x transformers' own {name} error ({tolerance:.2e}): {said}"
-                     + (f"; {equally}" if equally else ""),
-                     [Candidate(str(mistake), why, d) for mistake, why, d, _ in found])
+    return fit_diagnosis(found, note=f"; matched at {name}'s precision, within {LOW_PRECISION_RATIO:g}x "
+                         f"transformers' own {name} error ({tolerance:.2e}): {said}")
