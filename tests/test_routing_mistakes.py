@@ -1,5 +1,5 @@
 """Routing mistakes of a whole mixture-of-experts block, named by replaying each on transformers' own block
-(parity/engine/routing_mistakes.py).
+(parity/engine/routing_replays.py, run by parity/engine/routing_mistakes.py).
 
 Each family's block is taken from a tiny model built with transformers' own classes from its config (one MoE
 layer, eager experts, float64, every parameter and the selection bias drawn afresh).  The blocks under test are
@@ -15,7 +15,9 @@ import torch
 import torch.nn.functional as F
 
 from parity.definitions.mistakes import MISTAKES, PRODUCED_BY, MistakeId
-from parity.engine.routing_mistakes import find_parts, name_mistake, replays
+from parity.engine.routing_mistakes import name_mistake
+from parity.engine.routing_parts import find_parts
+from parity.engine.routing_replays import replays
 
 COMMON = dict(hidden_size=32, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=2, head_dim=16,
               vocab_size=64, pad_token_id=0, bos_token_id=1, eos_token_id=2)
@@ -292,7 +294,7 @@ def test_every_replay_restores_the_block(families, model_type):
                 during = transformers_out(block, x)
             assert not torch.equal(during, before), f"{replay} leaves the output as it was"
             assert torch.equal(transformers_out(block, x), before), replay
-            assert replay.id in MISTAKES and "routing_mistakes" in PRODUCED_BY[replay.id]
+            assert replay.id in MISTAKES and "routing_replays" in PRODUCED_BY[replay.id]
     assert all(torch.equal(state[name], t) for name, t in block.state_dict().items())
     assert "forward" not in vars(block) and all("forward" not in vars(m) for m in block.modules())
 
@@ -337,7 +339,7 @@ def test_a_selection_bias_that_chooses_nothing_is_not_replayed_missing():
 def test_experts_exchanged_in_a_large_block_are_found_from_the_tokens():
     """Past MAX_PAIRWISE experts no pair is replayed blindly: the pairs come from the experts only the
     mismatching tokens use, and the exchanged pair is named."""
-    from parity.engine.routing_mistakes import MAX_PAIRWISE
+    from parity.engine.routing_replays import MAX_PAIRWISE
 
     values = dict(num_local_experts=16, num_experts=16)
     block, config = tiny_block("mixtral", values)

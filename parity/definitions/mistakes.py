@@ -78,7 +78,7 @@ class MistakeId(StrEnum):
     GROUP_SIZE_WRONG = "group_size_wrong"
     GROUP_SCALES_TRANSPOSED = "group_scales_transposed"
     CONVERSION_UNEXPLAINED = "conversion_unexplained"
-    # routing mistakes of a whole mixture-of-experts block (engine.routing_mistakes replays each on transformers' block)
+    # routing mistakes of a whole mixture-of-experts block (engine.routing_replays: each replayed on transformers' own)
     ROUTER_SIGMOID_INSTEAD_OF_SOFTMAX = "router_sigmoid_instead_of_softmax"
     ROUTER_SOFTMAX_INSTEAD_OF_SIGMOID = "router_softmax_instead_of_sigmoid"
     ROUTER_TOPK_BEFORE_SOFTMAX = "router_topk_before_softmax"
@@ -406,7 +406,7 @@ PRODUCED_BY: dict[MistakeId, str] = {
     MistakeId.WRONG_ACTIVATION: "replay: diagnose.other_activations, every other ACT2FN activation in place of the "
                                 "reference's, when no named mistake explains the layer",
     MistakeId.GATE_UP_SWAPPED: "replay: diagnose.hypotheses, gate and up weights exchanged (a whole MoE block: "
-                               "routing_mistakes, every expert's gate and up exchanged in the fused gate_up_proj)",
+                               "routing_replays, every expert's gate and up exchanged in the fused gate_up_proj)",
     MistakeId.MISSING_TRANSPOSE: "replay: diagnose.hypotheses (square weights); finding: target.shape_message",
     MistakeId.BIAS_DROPPED: "replay: diagnose.hypotheses, biases zeroed",
     MistakeId.LOW_PRECISION_COMPUTE: "replay: diagnose._low_precision_signature, the reference in half precision; "
@@ -472,41 +472,41 @@ PRODUCED_BY: dict[MistakeId, str] = {
     MistakeId.GROUP_SIZE_WRONG: "finding (compare): B's scale grid is another group size's",
     MistakeId.GROUP_SCALES_TRANSPOSED: "finding (compare): B's scale grid is the stated one reversed",
     MistakeId.CONVERSION_UNEXPLAINED: "finding (compare): no conversion replay within the tolerance",
-    MistakeId.ROUTER_SIGMOID_INSTEAD_OF_SOFTMAX: "replay: engine.routing_mistakes, the router's softmax computed "
+    MistakeId.ROUTER_SIGMOID_INSTEAD_OF_SOFTMAX: "replay: engine.routing_replays, the router's softmax computed "
                                                  "as a sigmoid",
-    MistakeId.ROUTER_SOFTMAX_INSTEAD_OF_SIGMOID: "replay: engine.routing_mistakes, the router's sigmoid computed "
+    MistakeId.ROUTER_SOFTMAX_INSTEAD_OF_SIGMOID: "replay: engine.routing_replays, the router's sigmoid computed "
                                                  "as a softmax",
-    MistakeId.ROUTER_TOPK_BEFORE_SOFTMAX: "replay: engine.routing_mistakes, the router's top-k taken of its logits",
-    MistakeId.ROUTER_SOFTMAX_BEFORE_TOPK: "replay: engine.routing_mistakes, the router's top-k taken of a softmax",
-    MistakeId.ROUTER_RENORMALIZATION_MISSING: "replay: engine.routing_mistakes, the router's division by the top-k "
+    MistakeId.ROUTER_TOPK_BEFORE_SOFTMAX: "replay: engine.routing_replays, the router's top-k taken of its logits",
+    MistakeId.ROUTER_SOFTMAX_BEFORE_TOPK: "replay: engine.routing_replays, the router's top-k taken of a softmax",
+    MistakeId.ROUTER_RENORMALIZATION_MISSING: "replay: engine.routing_replays, the router's division by the top-k "
                                               "sum skipped (or norm_topk_prob off)",
-    MistakeId.ROUTER_RENORMALIZATION_ADDED: "replay: engine.routing_mistakes, the router's weights divided by their "
+    MistakeId.ROUTER_RENORMALIZATION_ADDED: "replay: engine.routing_replays, the router's weights divided by their "
                                             "sum (or norm_topk_prob on)",
-    MistakeId.SELECTION_BIAS_IN_WEIGHTS: "replay: engine.routing_mistakes, the router's selection bias added to "
+    MistakeId.SELECTION_BIAS_IN_WEIGHTS: "replay: engine.routing_replays, the router's selection bias added to "
                                          "the gathered weights",
-    MistakeId.SELECTION_BIAS_MISSING: "replay: engine.routing_mistakes, the selection bias held at 0 (and each group "
+    MistakeId.SELECTION_BIAS_MISSING: "replay: engine.routing_replays, the selection bias held at 0 (and each group "
                                       "scored by its best expert, as DeepSeek-V3's inference Gate does without one); "
                                       "not where the bias is one value for every expert (it chooses nothing)",
-    MistakeId.ROUTED_SCALING_DROPPED: "replay: engine.routing_mistakes, routed_scaling_factor set to 1",
-    MistakeId.ROUTER_SCORE_ON_OUTPUT: "replay: engine.routing_mistakes, the block's experts run on unscaled "
+    MistakeId.ROUTED_SCALING_DROPPED: "replay: engine.routing_replays, routed_scaling_factor set to 1",
+    MistakeId.ROUTER_SCORE_ON_OUTPUT: "replay: engine.routing_replays, the block's experts run on unscaled "
                                       "input, their outputs scaled",
-    MistakeId.ROUTER_SCORE_ON_INPUT: "replay: engine.routing_mistakes, the block's experts run on scaled input, "
+    MistakeId.ROUTER_SCORE_ON_INPUT: "replay: engine.routing_replays, the block's experts run on scaled input, "
                                      "one top-k rank at a time",
     MistakeId.BLOCK_RESIDUAL_INCLUDED: "check: engine.check.block_check, the block's output minus its input "
                                        "within tolerance of transformers' block",
-    MistakeId.SHARED_EXPERT_MISSING: "replay: engine.routing_mistakes, the shared expert's output zeroed",
-    MistakeId.SHARED_EXPERT_GATE_MISSING: "replay: engine.routing_mistakes, the shared expert's gate fully open",
-    MistakeId.SHARED_EXPERT_GATE_AFTER_SUM: "replay: engine.routing_mistakes, the routed output times the shared "
+    MistakeId.SHARED_EXPERT_MISSING: "replay: engine.routing_replays, the shared expert's output zeroed",
+    MistakeId.SHARED_EXPERT_GATE_MISSING: "replay: engine.routing_replays, the shared expert's gate fully open",
+    MistakeId.SHARED_EXPERT_GATE_AFTER_SUM: "replay: engine.routing_replays, the routed output times the shared "
                                             "expert's gate",
-    MistakeId.ROUTER_WRONG_TOP_K: "replay: engine.routing_mistakes, the router's top_k set to k - 1 and k + 1",
-    MistakeId.EXPERTS_EXCHANGED: "replay: engine.routing_mistakes, two experts' weights exchanged (the pairs "
+    MistakeId.ROUTER_WRONG_TOP_K: "replay: engine.routing_replays, the router's top_k set to k - 1 and k + 1",
+    MistakeId.EXPERTS_EXCHANGED: "replay: engine.routing_replays, two experts' weights exchanged (the pairs "
                                  "among the experts the mismatching tokens use)",
-    MistakeId.SWIGLU_CLAMP_MISSING: "replay: engine.routing_mistakes, the experts' limit set to infinity, and to 0 "
+    MistakeId.SWIGLU_CLAMP_MISSING: "replay: engine.routing_replays, the experts' limit set to infinity, and to 0 "
                                     "(one expert: diagnose.hypotheses, the same)",
-    MistakeId.SWIGLU_ALPHA_MISSING: "replay: engine.routing_mistakes, the experts' alpha set to 1 (one expert: "
+    MistakeId.SWIGLU_ALPHA_MISSING: "replay: engine.routing_replays, the experts' alpha set to 1 (one expert: "
                                     "diagnose.hypotheses, the same)",
-    MistakeId.SWIGLU_UP_PLUS_ONE_MISSING: "replay: engine.routing_mistakes, the experts' (up + 1) computed as up",
-    MistakeId.GATE_UP_INTERLEAVING_MISREAD: "replay: engine.routing_mistakes, the experts' fused gate/up rearranged "
+    MistakeId.SWIGLU_UP_PLUS_ONE_MISSING: "replay: engine.routing_replays, the experts' (up + 1) computed as up",
+    MistakeId.GATE_UP_INTERLEAVING_MISREAD: "replay: engine.routing_replays, the experts' fused gate/up rearranged "
                                             "into the other layout (halves interleaved, or the reverse)",
 }
 

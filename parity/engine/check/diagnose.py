@@ -88,7 +88,7 @@ def _swap_halves(name: str) -> Callable[[dict], dict]:
 def _reordered(interleaved: bool) -> Callable[[dict], dict]:
     """One expert's gate and up (and their biases) fused in one layout and read in the other: a port that takes
     the halves of GPT-OSS's interleaved gate_up_proj (``interleaved``), or alternate rows of [gate; up]."""
-    from parity.engine.experts import layout_misread
+    from parity.engine.gate_up_layout import layout_misread
 
     return functools.partial(layout_misread, stored_interleaved=interleaved)
 

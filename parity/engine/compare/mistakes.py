@@ -15,7 +15,7 @@ import torch
 
 from parity.definitions.mistakes import MistakeId
 from parity.engine.compare import affine_grid, codebook_grid, conversion, fp8_grid, group_grid
-from parity.engine.experts import interleave_rows
+from parity.engine.gate_up_layout import interleave_rows
 
 
 @dataclass
