@@ -196,4 +196,4 @@ class SuiteWriter(TextWriter):
             self.say(line)
 
 
-register_renderers(compare=render_compare)  # str(CompareReport) (engine.compare.comparison) is this table
+register_renderers(compare=render_compare)  # str(CompareReport) (engine.compare.report) is this table

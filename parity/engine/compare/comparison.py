@@ -24,10 +24,8 @@ from __future__ import annotations
 import copy
 import dataclasses
 import gc
-import hashlib
 import math
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -52,9 +50,17 @@ from parity.engine.compare.findings import (
     scale_finding,
 )
 from parity.engine.compare.inventory import inventory
+from parity.engine.compare.layer_tensors import (
+    SideLayer,
+    group_tensors,
+    pair_fingerprint,
+    read_side,
+    shape_finding,
+    tensor_rows,
+)
 from parity.engine.compare.mistakes import Hypothesis, hypotheses
+from parity.engine.compare.report import CompareLayer, CompareReport, conversion_record, unloadable
 from parity.engine.inputs import make_inputs
-from parity.engine.layer import FINGERPRINT_SCHEME, route_tensor, weights_fingerprint
 from parity.engine.layout.resolve import CHECK_ADVICE, COMPARE_ADVICE, require_values, resolve
 from parity.engine.memory import young_objects_only
 from parity.engine.reference import activation_name
@@ -70,82 +76,14 @@ from parity.errors import (
     QuantizedLayoutError,
     SyntheticWeightsError,
     UsageError,
-    WeightDefectError,
 )
 from parity.sources.skeleton import reference_label
 
 QUANT_FACTOR = 2.0  # a quantized B passes within this x the deviation re-quantizing A's tensors causes
 CAST_FACTOR = 4.0  # a cast B within this x the deviation rounding A's tensors to B's dtype causes
 NEIGHBOURS = 2  # a shifted layer is searched this many layers either side
-DIFFERS = 1e-6  # a tensor differs when max|B - A|/max|A| exceeds 2 x its conversion's own + this
 
 
-@dataclass
-class SideLayer:
-    """One checkpoint's FFN tensors of one layer, under the reference's names, as stored (GGUF: dequantized)."""
-
-    routed: dict[str, torch.Tensor]
-    storage: dict[str, conversion.Storage]
-    fingerprint: str | None = None  # of the stored tensors (weights_fingerprint), for a baseline's entry
-    finite: bool = False  # read through the checked path: no NaN/Inf anywhere (no overflow to look for)
-    facts: dict = field(default_factory=dict)  # what the read's one pass found, under the reference's names
-
-
-@dataclass
-class CompareLayer(LayerResult):
-    """A layer of B judged against A's: a check's verdict and metrics, plus what the conversion changed."""
-
-    # {kind, tolerance_rule, conversion_deviation, ratio_to_conversion, identical, tensors: [...]}
-    conversion: dict | None = None
-
-
-@dataclass
-class CompareReport(Report):
-    """The report of ``parity compare A B``: a check's Report (``target`` names B), plus ``comparison``."""
-
-    # {reference, candidate, mappings, inventory, outside_ffn}: see parity/schema/report.schema.json
-    comparison: dict = field(default_factory=dict)
-
-    def __str__(self) -> str:
-        """The comparison's text table (``parity.outputs.compare_text`` registers it when imported)."""
-        from parity.engine import results
-
-        renderer = results._RENDERERS.get("compare")
-        return renderer(self) if renderer is not None else super().__str__()
-
-
-def read_side(side: Side, layer: int, truth: bool, expert: int | None = None) -> SideLayer:
-    """The layer's (expert's, for MoE) FFN tensors of one checkpoint, routed to the reference's names.  The truth
-    (A) must be finite (a NaN there is bad input, exit 2); B's Inf is a finding (cast_overflow), so B is read raw."""
-    routes = side.reader.reference_routes(layer)
-    prefix = side.reader.layer_prefix(layer, expert)
-    try:
-        stored = side.read_layer(layer, expert, dtype=None)
-        facts = side.reader.facts
-    except WeightDefectError:
-        if truth:
-            raise
-        sources = list(dict.fromkeys(r.source for r in routes))
-        raw = (side.checkpoint.read([prefix + s for s in sources]) if expert is None
-               else side.reader._read(prefix, sources, expert))  # stacked experts: sliced to this one
-        stored, facts = {key[len(prefix):]: value for key, value in raw.items()}, None
-    routed = {r.target: route_tensor(r, stored[r.source]) for r in routes}
-    storage = {r.target: conversion.storage_of(side.checkpoint, prefix + r.source, stored[r.source], r, expert)
-               for r in routes}
-    named = {r.target: facts.get(r.source) for r in routes if r.chunk is None} if facts is not None else {}
-    return SideLayer(routed, storage, weights_fingerprint(stored, facts), finite=facts is not None, facts=named)
-
-
-def pair_fingerprint(a: SideLayer, b: SideLayer) -> str | None:
-    """One fingerprint for both sides' stored layer: a baseline entry made from another A or another B is
-    reported as made from other weights, never compared."""
-    if a.fingerprint is None or b.fingerprint is None:
-        return None
-    digest = hashlib.blake2b(f"{a.fingerprint}|{b.fingerprint}".encode(), digest_size=8)
-    return FINGERPRINT_SCHEME + digest.hexdigest()
-
-
-# a compare has no --atol: a tolerance as large as the output is the conversion's own deviation
 CONVERSION_TOO_LARGE = "A converted as B stores it deviates that far: B's storage cannot carry this layer's function"
 EXPLAINS = 0.5  # a replay names the mistake only when B is at most this fraction of its distance from A away from it
 
@@ -330,7 +268,7 @@ class Comparison:
         result = judge(layer, expert, runs, a.routed, truth.z, tolerance, self.a.checkpoint.weights, a.facts,
                        too_large=CONVERSION_TOO_LARGE)
         result = CompareLayer(**{f.name: getattr(result, f.name) for f in dataclasses.fields(LayerResult)})
-        result.conversion = conversion_record(rows, b, conv_dev, result.max_abs_diff, factor, changed, why=why)
+        result.conversion = conversion_record(rows, b.storage, conv_dev, result.max_abs_diff, factor, changed, why=why)
         result.fingerprint = pair_fingerprint(a, b)
         self.verdict(result, (layer, expert), a, b, x, truth.out64, rows)
         gc.collect()
@@ -499,111 +437,6 @@ def held_from(theirs: dict[str, torch.Tensor], a: SideLayer, b: SideLayer, mista
         return []
     taken = {n: theirs[n] for n in closer}
     return [Hypothesis(mistake, f"{detail} ({', '.join(closer)})", lambda t, taken=taken: {**t, **taken})]
-
-
-def tensor_rows(a: SideLayer, b: SideLayer) -> tuple[list[dict], dict[str, torch.Tensor], bool]:
-    """Per tensor: how each side stores it, whether B's is bit-identical to A's, how far it is (relative) against
-    how far its conversion alone moves it, and for a quantized B how many values lie beyond their step.  Also A's
-    tensors converted as B stores them (float32), and whether every one of B's equals its conversion exactly."""
-    rows, converted, exact = [], {}, True
-    for name, ta in a.routed.items():
-        tb, store = b.routed[name], b.storage[name]
-        row: dict[str, Any] = {"name": name, "a_dtype": a.storage[name].dtype, "storage": store.dtype,
-                               "a_shape": list(ta.shape), "b_shape": list(tb.shape), "identical": False,
-                               "relative_distance": None, "conversion": None, "conversion_distance": None,
-                               "differs": True, "steps": None, "step_source": store.step_source, "grid": None,
-                               "ulps": None, "scale": None, "overflow": None}
-        rows.append(row)
-        if ta.shape != tb.shape:
-            exact = False
-            continue
-        row["identical"] = ta.dtype == tb.dtype and bool(torch.equal(ta, tb))
-        row["overflow"] = None if b.finite else conversion.overflow(ta, tb, store.dtype)
-        a32, b32 = ta.float(), tb.float()
-        scale = float(a32.abs().max()) if a32.numel() else 0.0
-        converted[name], row["conversion"], a_steps = conversion.reference_conversion(ta, store)
-        row["conversion_distance"] = conversion.relative_distance(converted[name], a32, scale=scale)
-        same = bool(torch.equal(converted[name], b32))
-        exact = exact and same
-        row["relative_distance"] = (row["conversion_distance"] if same else
-                                    conversion.relative_distance(b32, a32, scale=scale))
-        row["differs"] = not row["identical"] and not (
-            row["relative_distance"] <= 2 * row["conversion_distance"] + DIFFERS)
-        if store.quantized and store.steps is not None and store.steps.shape == ta.shape:
-            allowed, row["grid"] = conversion.quantized_bounds(a32, b32, store, row["a_dtype"], a_steps)
-            row["steps"] = conversion.step_excess(a32, b32, store.steps, allowed)
-            if store.group is not None and row["steps"]["values_beyond_step"]:  # held to its values: it differs
-                row["differs"] = True
-        if (store.importance is not None or store.group is not None) and ta.dim() == 2:  # values moved by more
-            row["scale"] = conversion.scale_excess(a32, b32, store)  # than a step, each block's scale refit to A's
-        elif not store.quantized and not same:  # each value of a cast or re-save held to its own rounding
-            row["ulps"] = conversion.ulp_excess(converted[name], b32, store.dtype)
-    return rows, converted, exact
-
-
-def shape_finding(a: SideLayer, b: SideLayer) -> Diagnosis | None:
-    """A tensor of B whose shape is not A's: transposed (A's shape reversed), truncated (smaller along a
-    dimension, holding A's leading values), or another shape (shape_mismatch)."""
-    for name, ta in a.routed.items():
-        tb = b.routed[name]
-        if ta.shape == tb.shape:
-            continue
-        shapes = f"{name}: A {list(ta.shape)}, B {list(tb.shape)}"
-        if ta.dim() == 2 and tuple(tb.shape) == tuple(reversed(ta.shape)):
-            distance = conversion.relative_distance(tb.t(), ta)
-            return diagnosis(MistakeId.TENSOR_TRANSPOSED, None, None,
-                             f"{shapes}; B transposed back is {distance:.2e} (relative) from A",
-                             [Candidate(str(MistakeId.TENSOR_TRANSPOSED), f"{name}.T", distance)])
-        if tb.dim() == ta.dim() and all(sb <= sa for sb, sa in zip(tb.shape, ta.shape, strict=True)):
-            lead = ta[tuple(slice(0, s) for s in tb.shape)]
-            distance = conversion.relative_distance(tb, lead)
-            return diagnosis(MistakeId.TENSOR_TRUNCATED, None, None,
-                             f"{shapes}; B is {distance:.2e} (relative) from A's leading block of that shape",
-                             [Candidate(str(MistakeId.TENSOR_TRUNCATED), f"{name} = A's leading block", distance)])
-        return diagnosis(MistakeId.SHAPE_MISMATCH, None, None, shapes)
-    return None
-
-
-def unloadable(layer: int, found: Diagnosis, rows: list[dict], weights: str) -> CompareLayer:
-    """A layer of B that A's MLP cannot hold: failed, with the shape finding."""
-    result = CompareLayer(layer=layer, passed=False, max_abs_diff=None, max_rel_diff=None, mean_abs_diff=None,
-                          max_at=None, noise_floor=None, tolerance=None, ratio_to_noise=None, preactivation_range=None,
-                          weights=weights, diagnosis=found)
-    result.conversion = {"kind": "shape differs", "tolerance_rule": None, "conversion_deviation": None,
-                         "ratio_to_conversion": None, "identical": False, "tensors": plain_rows(rows)}
-    return result
-
-
-def conversion_record(rows: list[dict], b: SideLayer, conv_dev: float, max_abs: float | None, factor: float,
-                      changed: bool, *, why: str | None = None) -> dict:
-    """What the layer's conversion is and what it may change (the JSON's ``layers[].conversion``)."""
-    kinds = sorted({f"{row['a_dtype']} -> {row['storage']}" for row in rows if row["a_dtype"] != row["storage"]})
-    quantized = any(s.quantized for s in b.storage.values())
-    kind = ("quantized " if quantized else "cast ") + ", ".join(kinds) if kinds else "same dtype"
-    rule = ("16 x noise floor (same dtype: only float32 noise may differ)" if not changed else
-            f"max(16 x noise floor, {factor:g} x the deviation of A's tensors "
-            f"{'re-quantized' if quantized else 'rounded'} as B stores them)" + (f"; {why}" if why else ""))
-    identical = all(row["identical"] for row in rows)
-    return {"kind": kind, "tolerance_rule": rule, "conversion_deviation": conv_dev,
-            "ratio_to_conversion": (max_abs / conv_dev if conv_dev else None) if max_abs is not None else None,
-            "identical": identical, "tensors": plain_rows(rows)}
-
-
-def group_tensors(a: SideLayer, b: SideLayer) -> dict:
-    """Each integer group-quantized tensor of B's layer: (A's values, B's, B's grid), in the layout the file stores,
-    for ``group_grid.layer_factor``."""
-    found = {}
-    for name, store in b.storage.items():
-        x = conversion.stored_layout(store.route, a.routed[name].float()) if store.group is not None else None
-        held = conversion.stored_layout(store.route, b.routed[name].float()) if x is not None else None
-        if held is not None and held.shape == x.shape:
-            found[name] = (x, held, store.group)
-    return found
-
-
-def plain_rows(rows: list[dict]) -> list[dict]:
-    """The rows as JSON holds them (the overflow text is the diagnosis's)."""
-    return [{k: v for k, v in row.items() if k != "overflow"} for row in rows]
 
 
 def open_comparison(spec: CompareSpec) -> Comparison:
