@@ -31,7 +31,8 @@ SIZES = dict(hidden_size=160, intermediate_size=200, num_key_value_heads=2)
 FFN = ("gate_proj", "up_proj", "down_proj")
 
 
-def quant_state(value: torch.Tensor, quant_type: str, double_quant: bool, how: str | None):
+def quant_state(value: torch.Tensor, quant_type: str, double_quant: bool, how: str | None,
+                storage: torch.dtype = torch.uint8):
     """bitsandbytes' packed codes and QuantState of ``value`` as a faithful writer makes them, or with mistake
     ``how``: as_nf4 (FP4 codes stated as NF4), fp4_map (NF4 codes beside FP4's quant_map), block128 (quantized in
     128-value blocks, stated as 64), offset (double quant's absmax written without its offset), coarse (every absmax
@@ -41,7 +42,8 @@ def quant_state(value: torch.Tensor, quant_type: str, double_quant: bool, how: s
         quant_type = "fp4"
     nested = double_quant or how == "offset"
     packed, state = functional.quantize_4bit(value.float(), blocksize=128 if how == "block128" else 64,
-                                             compress_statistics=nested, quant_type=quant_type)
+                                             compress_statistics=nested, quant_type=quant_type,
+                                             quant_storage=storage)
     if how == "offset":  # absmax written as plain float32, dequantized without the stored offset
         absmax = functional.dequantize_blockwise(state.absmax, state.state2)
         state = functional.QuantState(absmax=absmax, shape=state.shape, code=state.code, blocksize=64,
@@ -62,10 +64,12 @@ def quant_state(value: torch.Tensor, quant_type: str, double_quant: bool, how: s
 
 
 def bnb_export(a: Path, dest: Path, quant_type: str = "nf4", double_quant: bool = True,
-               breaks: dict[str, str] | None = None, keep: tuple[str, ...] = ()) -> Path:
+               breaks: dict[str, str] | None = None, keep: tuple[str, ...] = (),
+               storage: torch.dtype = torch.uint8) -> Path:
     """A's folder written as a bitsandbytes 4-bit checkpoint (every linear weight of the decoder layers), the tensors
     named in ``breaks`` written with that mistake (``quant_state``'s); modules named in ``keep`` stay unquantized,
-    cast to bfloat16 and listed in llm_int8_skip_modules."""
+    cast to bfloat16 and listed in llm_int8_skip_modules; the packed codes held in ``storage``
+    (``bnb_4bit_quant_storage``: the same bytes, viewed as that dtype)."""
     from transformers import BitsAndBytesConfig
 
     shutil.copytree(a, dest)
@@ -75,13 +79,14 @@ def bnb_export(a: Path, dest: Path, quant_type: str = "nf4", double_quant: bool 
         if ".layers." not in name or value.dim() != 2 or kept:
             out[name] = value.bfloat16() if kept else value
             continue
-        packed, state = quant_state(value, quant_type, double_quant, (breaks or {}).get(name))
+        packed, state = quant_state(value, quant_type, double_quant, (breaks or {}).get(name), storage)
         out[name] = packed
         out.update({f"{name}.{key}": tensor for key, tensor in state.as_dict(packed=True).items()})
     save_file(out, dest / "model.safetensors", metadata={"format": "pt"})
     config = json.loads((dest / "config.json").read_text())
     stated = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type=quant_type,
-                                bnb_4bit_use_double_quant=double_quant, llm_int8_skip_modules=list(keep) or None)
+                                bnb_4bit_use_double_quant=double_quant, llm_int8_skip_modules=list(keep) or None,
+                                bnb_4bit_quant_storage=storage)
     config["quantization_config"] = json.loads(json.dumps(stated.to_dict()))
     (dest / "config.json").write_text(json.dumps(config, indent=2))
     return dest
@@ -116,6 +121,19 @@ def test_a_faithful_bnb_export_passes_on_every_layer(model_a, root, capsys, quan
             assert row["steps"]["max_steps"] <= (0.55 if double_quant else 0.5 + 1e-3)
             assert "bitsandbytes' quantize_4bit" in row["conversion"]
     assert any(f"bitsandbytes 4-bit {quant_type.upper()}" in note for note in report["notes"])
+
+
+def test_codes_held_in_another_storage_dtype_are_read_as_their_bytes(model_a, root, capsys):
+    """``bnb_4bit_quant_storage=torch.bfloat16`` (for FSDP) keeps the same packed bytes viewed as bfloat16: [n / 4, 1]
+    elements of two bytes.  transformers' own save of stories260K's stand-in so stored was exit 2 ('2752 bytes, too
+    few for the 11008 4-bit codes': the elements counted as bytes)."""
+    b = bnb_export(model_a, root / "faithful-bf16-storage", storage=torch.bfloat16)
+    assert load_file(b / "model.safetensors")["model.layers.0.mlp.up_proj.weight"].dtype == torch.bfloat16
+    code, report = compare(capsys, model_a, b)
+    assert code == 0, report
+    for layer in report["layers"]:
+        assert layer["conversion"]["ratio_to_conversion"] == pytest.approx(1.0, abs=1e-6)
+        assert all(row["steps"]["values_beyond_step"] == 0 for row in layer["conversion"]["tensors"])
 
 
 @pytest.mark.parametrize(("tensor", "how", "named"), [

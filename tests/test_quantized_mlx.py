@@ -50,7 +50,7 @@ def quantize(value: torch.Tensor, group: int, bits: int, dtype: str, how: str | 
     """``value`` [out, in] (or experts stacked, [E, out, in]) as mlx_lm.convert stores it (weight, scales, biases),
     with mistake ``how``: exchanged (scales and biases swapped; "exchanged@2": in expert 2 only), transposed (both
     stored [groups, out]), coarse (4 bits: every scale doubled and the codes halved, rounded down), nan (row 3's
-    scales NaN), zeroed (every code zero)."""
+    scales NaN), zeroed (every code zero), shifted (every bias one step up: its group's scale added)."""
     w = mx.array(value.float().numpy()).astype(getattr(mx, dtype))
     packed, scales, biases = mx.quantize(w, group_size=group, bits=bits)
     if how == "coarse":
@@ -64,6 +64,8 @@ def quantize(value: torch.Tensor, group: int, bits: int, dtype: str, how: str | 
         scales = mx.where((mx.arange(scales.shape[0]) == 3)[:, None], mx.array(float("nan"), scales.dtype), scales)
     if how == "zeroed":
         packed = mx.zeros_like(packed)
+    if how == "shifted":
+        biases = biases + scales
     if how is not None and how.startswith("exchanged@"):
         expert = int(how.split("@")[1])
         scales, biases = mx.array(np.array(scales.astype(mx.float32))), mx.array(np.array(biases.astype(mx.float32)))
@@ -178,6 +180,9 @@ def test_mixed_precision_modules_are_judged_by_their_own_storage(model_a, root, 
      "groups have a NaN/Inf scale or bias"),
     ("zeroed", dict(breaks={f"{LAYER1}.down_proj.weight": "zeroed"}), "down_proj", "zeroed_tensor",
      "every code is zero"),
+    # mlx_lm's stories260K stand-in with up's biases + scales was named quantization_exceeds_step, no replay near
+    ("shifted", dict(breaks={f"{LAYER1}.up_proj.weight": "shifted"}), "up_proj", "zero_point_off_by_one",
+     "X.biases one step up"),
 ])
 def test_an_mlx_conversion_mistake_fails_its_layer_only_and_is_named(model_a, root, capsys, case, export, tensor,
                                                                      named, evidence):

@@ -99,10 +99,12 @@ def test_mlx_bits_stated_wrong_are_named_bits_where_the_misread_width_is_another
 
 # --- compressed-tensors pack-quantized, as llm-compressor 0.14.0.1's AWQModifier writes it --------------------------
 
-def awq_scales(tensors: dict[str, torch.Tensor], layers: int) -> dict[str, torch.Tensor]:
+def awq_scales(tensors: dict[str, torch.Tensor], layers: int, norm: str = "post_attention_layernorm",
+               offset: float = 0.0) -> dict[str, torch.Tensor]:
     """AWQ's smoothing as llm-compressor's AWQModifier applies it to LLaMA: each input channel of gate and up times s,
-    post_attention_layernorm divided by s; up's output rows divided by s2, down's input columns times s2.  The ranges
-    are those read off the real export (s 0.50 to 1.99, s2 0.36 to 2.75)."""
+    the norm before them (``norm``) divided by s; up's output rows divided by s2, down's input columns times s2.  The
+    ranges are those read off the real export (s 0.50 to 1.99, s2 0.36 to 2.75).  ``offset``: what the model's RMSNorm
+    adds to its weight (Gemma's x * (1 + w): 1), the scale dividing that sum, as on llm-compressor's Gemma 3 export."""
     out = dict(tensors)
     generator = torch.Generator().manual_seed(11)
     for layer in range(layers):
@@ -110,7 +112,7 @@ def awq_scales(tensors: dict[str, torch.Tensor], layers: int) -> dict[str, torch
         hidden, inner = out[p + "mlp.gate_proj.weight"].shape[1], out[p + "mlp.up_proj.weight"].shape[0]
         s = torch.exp(torch.empty(hidden).uniform_(-0.7, 0.7, generator=generator))
         s2 = torch.exp(torch.empty(inner).uniform_(-1.0, 1.0, generator=generator))
-        out[p + "post_attention_layernorm.weight"] = out[p + "post_attention_layernorm.weight"].float() / s
+        out[p + f"{norm}.weight"] = (out[p + f"{norm}.weight"].float() + offset) / s - offset
         for name in ("gate_proj", "up_proj"):
             out[p + f"mlp.{name}.weight"] = out[p + f"mlp.{name}.weight"].float() * s
         out[p + "mlp.up_proj.weight"] = out[p + "mlp.up_proj.weight"] / s2[:, None]
@@ -118,12 +120,14 @@ def awq_scales(tensors: dict[str, torch.Tensor], layers: int) -> dict[str, torch
     return out
 
 
-def llmcompressor_awq(a: Path, dest: Path, *, exchanged: bool = False) -> Path:
+def llmcompressor_awq(a: Path, dest: Path, *, exchanged: bool = False, norm: str = "post_attention_layernorm",
+                      offset: float = 0.0) -> Path:
     """A's folder as llm-compressor 0.14.0.1 writes ``oneshot(recipe=AWQModifier(scheme="W4A16_ASYM"))`` with
     ``save_compressed=True``: AWQ's scales folded (above), every decoder Linear int4 asymmetric (groups of 32 here) by
     compressed-tensors' own compressor (weight_packed, bfloat16 weight_scale, int32 weight_zero_point packed along the
     outputs, int64 weight_shape), config_groups' weights with ``zp_dtype "torch.int8"`` and ``actorder null``, ignore
-    ["lm_head"]; ``exchanged``: layer 1's gate_proj and up_proj tensors written under each other's names."""
+    ["lm_head"]; ``exchanged``: layer 1's gate_proj and up_proj tensors written under each other's names; ``norm``,
+    ``offset``: ``awq_scales``'."""
     ct = pytest.importorskip("compressed_tensors")
     from compressed_tensors.compressors.pack_quantized.base import PackedQuantizationCompressor
     from compressed_tensors.quantization import QuantizationConfig, preset_name_to_scheme
@@ -136,7 +140,7 @@ def llmcompressor_awq(a: Path, dest: Path, *, exchanged: bool = False) -> Path:
     args = scheme.weights
     shutil.copytree(a, dest)
     out = {}
-    for name, value in awq_scales(load_file(a / "model.safetensors"), 3).items():
+    for name, value in awq_scales(load_file(a / "model.safetensors"), 3, norm, offset).items():
         if ".layers." not in name or value.dim() != 2:
             out[name] = value.bfloat16()
             continue
@@ -180,3 +184,17 @@ def test_an_llm_compressor_awq_export_passes_and_with_gate_and_up_exchanged_is_n
     layers = report["layers"]
     assert [layer["passed"] for layer in layers] == [True, False, True]
     assert layers[1]["diagnosis"]["id"] == "gate_up_exchanged", layers[1]["diagnosis"]
+
+
+def test_an_awq_fold_into_gemmas_one_plus_w_norm_is_undone(root, capsys):
+    """llm-compressor 0.14.0.1's AWQ export of the Gemma 3 270M stand-in (model_type gemma3_text) failed on every
+    layer: its pre_feedforward_layernorm holds (1 + w) / s - 1, and the norm's offset was looked for in a module
+    named after the model_type (transformers.models.gemma3_text, which does not exist: Gemma 3's text model lives in
+    gemma3), so no fold was read and up's rows, divided by s2, were judged as they are."""
+    gemma = build("gemma3_text", root / "gemma3", 7, num_hidden_layers=3, hidden_size=256, intermediate_size=512,
+                  num_attention_heads=2, num_key_value_heads=1, head_dim=64)
+    b = llmcompressor_awq(gemma, root / "gemma3-awq", norm="pre_feedforward_layernorm", offset=1.0)
+    code, report = compare(capsys, gemma, b)
+    assert code == 0, report
+    assert all("AWQ's folded scales undone" in t["conversion"] and "pre_feedforward_layernorm" in t["conversion"]
+               for layer in report["layers"] for t in layer["conversion"]["tensors"])

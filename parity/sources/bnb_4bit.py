@@ -125,13 +125,15 @@ def code_book(quant_type: str):
 def check_layout(location: str, name: str, packed, state) -> None:
     """The stored tensors are the layout the quant state states, else a QuantizedLayoutError saying what they are:
     ``absmax`` one per block of ``blocksize`` values (another count: the blocks of another size), ``quant_map`` the
-    stated type's code book (another type's: the codes were written for it), the packed codes two a byte."""
+    stated type's code book (another type's: the codes were written for it), the packed codes two a byte (counted in
+    bytes: ``bnb_4bit_quant_storage`` may hold them as bfloat16 or float32 elements, the same bytes viewed so)."""
     import torch
 
     numel = math.prod(state.shape)
     blocks = math.ceil(numel / state.blocksize)
-    if packed.numel() * 2 < numel:
-        raise CheckpointError(f"{location}: {name} holds {packed.numel()} bytes, too few for the {numel} 4-bit codes "
+    size = packed.numel() * packed.element_size()
+    if size * 2 < numel:
+        raise CheckpointError(f"{location}: {name} holds {size} bytes, too few for the {numel} 4-bit codes "
                               f"of its quant_state shape {list(state.shape)}")
     if state.absmax.numel() != blocks:
         implied = numel / max(state.absmax.numel(), 1)

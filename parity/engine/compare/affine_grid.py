@@ -168,11 +168,16 @@ def coarse_groups(x: torch.Tensor, store: AffineStorage) -> dict | None:
 
 def mistakes(x: torch.Tensor, store: AffineStorage) -> list[tuple[str, str, torch.Tensor]]:
     """The MLX conversion mistakes that keep B's shapes, each as (mistake id, detail, A's matrix as the broken
-    export reads back; stored layout): scales and biases exchanged; a square scale grid transposed."""
+    export reads back; stored layout): scales and biases exchanged; each bias one step (its group's scale) up or
+    down, which is a zero point one code off (scale x code + bias = scale x (code - zero)); a square scale grid
+    transposed."""
     codes, scales, biases = quantize(x, store)
     group = store.group_size
     found = [("mlx_scales_biases_exchanged", "X.scales and X.biases exchanged (bias x code + scale)",
               values(codes, biases, scales, group))]
+    found += [("zero_point_off_by_one", f"X.biases one step {'up' if shift > 0 else 'down'} (each group's bias "
+               f"{'+' if shift > 0 else '-'} its scale: a zero point one code off)",
+               values(codes, scales, biases + shift * scales, group)) for shift in (1, -1)]
     if scales.shape[-1] == scales.shape[-2] and scales.shape[-1] > 1:
         found.append(("mlx_scales_transposed", f"X.scales and X.biases transposed (grid {list(scales.shape)})",
                       values(codes, scales.transpose(-1, -2), biases.transpose(-1, -2), group)))

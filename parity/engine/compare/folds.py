@@ -28,13 +28,19 @@ FFN_NORMS = ("pre_feedforward_layernorm", "post_attention_layernorm")
 
 def norm_offset(config) -> float:
     """What transformers' RMSNorm of this model adds to its weight (Gemma: 1, ``x * (1 + w)``; LLaMA: 0), asked of
-    its own class: the norm built with a zero weight, run on ones."""
+    its own class: the norm built with a zero weight, run on ones.  The modeling module is the one transformers' auto
+    mapping names for the model_type (gemma3_text's classes live in transformers.models.gemma3)."""
     import importlib
+
+    import transformers
+    from transformers.models.auto.modeling_auto import MODEL_MAPPING_NAMES
 
     kind = getattr(config, "model_type", "")
     try:
-        module = importlib.import_module(f"transformers.models.{kind}.modeling_{kind}")
-    except ImportError:
+        named = MODEL_MAPPING_NAMES.get(kind)
+        module = (importlib.import_module(getattr(transformers, named).__module__) if named
+                  else importlib.import_module(f"transformers.models.{kind}.modeling_{kind}"))
+    except (ImportError, AttributeError):
         return 0.0
     norms = [getattr(module, n) for n in dir(module) if n.endswith("RMSNorm") and isinstance(getattr(module, n), type)]
     if not norms:
