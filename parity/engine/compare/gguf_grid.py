@@ -82,7 +82,7 @@ SKIP_SHARE = 0.9
 # asymmetric ones' top code above their minimum m), and the least share of it every block's codes reach
 # (``short_reach``): each quantizer of these types picks d from the block's own largest value, so the codes reach
 # the top whatever rounds the others.  Measured on llama-quantize's own exports (llama-cpp-python 0.3.36's vendored
-# llama.cpp) of the stories260K, Gemma 3 270M and Qwen2.5 0.5B stand-ins, with and without --imatrix, 6.9 million
+# llama.cpp) of the stories260K, Gemma 3 270M and Qwen2.5 0.5B stand-ins, with and without --imatrix, 39.9 million
 # blocks: every block reaches top - 1 or top (Q4_0 7 of 8, Q4_1 14 of 15, Q5_0 15 of 16, Q5_1 30 of 31, Q8_0 127);
 # gguf's quantizer reaches the top.  A block re-quantized onto a grid twice as coarse (d x2, codes halved) reaches
 # half, which no bound on d against A's values sees where an importance matrix lets d range over 3 x.
