@@ -159,6 +159,21 @@ def coarse_twice(*, weighted=True):
     return edit
 
 
+def coarser_block(row, block):
+    """A Q4_0 edit: the weighted quantization, then one block re-quantized onto a grid twice as coarse (d x2, its
+    codes halved): the block's codes reach 4 of Q4_0's 8, which no quantizer choosing d from the block writes."""
+    def edit(values, _data):
+        data = weighted_q4_0(values, importance_of(values.shape[1], values.shape[1])).copy()
+        blk = data.reshape(values.shape[0], values.shape[1] // 32, 18)[row, block]
+        d = blk[:2].copy().view(np.float16).astype(np.float32)
+        low, high = (blk[2:] & 15).astype(int) - 8, (blk[2:] >> 4).astype(int) - 8
+        low, high = (np.clip(np.floor(q / 2 + 0.5), -8, 7).astype(np.uint8) + 8 for q in (low, high))
+        blk[2:] = low | (high << 4)
+        blk[:2] = (d * 2).astype(np.float16).view(np.uint8)
+        return data
+    return edit
+
+
 DOWN = "blk.1.ffn_down.weight"
 EVERY_ROW, EVERY_BLOCK = range(256), range(16)  # down_proj [256, 512] as stored: 16 blocks of 32 per row
 EDITED = {  # name: (edit, weighted, the finding expected on layer 1)
@@ -168,6 +183,7 @@ EDITED = {  # name: (edit, weighted, the finding expected on layer 1)
     "weighted, four blocks of a row x2": (block_scales([5], [0, 3, 7, 11], 2.0), True, "quantization_exceeds_step"),
     "weighted, one row x1.5": (block_scales([5], EVERY_BLOCK, 1.5), True, "quantization_exceeds_step"),
     "weighted, grid twice as coarse": (coarse_twice(), True, "grid_too_coarse"),
+    "weighted, one block re-quantized twice as coarse": (coarser_block(5, 3), True, "grid_too_coarse"),
     "round-to-nearest, every d x1.4": (block_scales(EVERY_ROW, EVERY_BLOCK, 1.4, weighted=False), False,
                                        "tensor_scaled"),
     "round-to-nearest, every d x1.25": (block_scales(EVERY_ROW, EVERY_BLOCK, 1.25, weighted=False), False,
@@ -230,3 +246,28 @@ def test_a_round_to_nearest_block_on_twice_its_step_is_too_coarse_without_the_ma
     assert [entry["passed"] for entry in data["layers"]] == [True, False]
     found = data["layers"][1]["diagnosis"]
     assert found["id"] == "grid_too_coarse" and "down_proj" in found["message"], found
+
+
+
+def test_a_low_bit_block_left_near_zero_is_within_its_bounds_and_a_negated_one_is_not():
+    """llama.cpp's weighted Q2_K leaves a sub-block of little importance at scale zero, and its IQ1 to IQ3 blocks
+    range from near zero to nearly 3 x A's: on llama-quantize --imatrix exports of the Gemma 3 270M and Qwen2.5 0.5B
+    stand-ins, block factors of -0.05 to 2.88, beyond the bounds the 4- to 8-bit types keep (they failed every such
+    export).  Those types' blocks are held to ``IMPORTANCE_LOW_BITS_BLOCK_SCALE``: a block at zero is within, a
+    block negated is not; a Q4_K block at zero still is a finding."""
+    import torch
+
+    from parity.engine.compare import gguf_grid
+
+    x = torch.from_numpy(np.random.default_rng(3).standard_normal((8, 256)))
+    at_zero, negated, doubled = 0.97 * x, 0.97 * x, 0.97 * x
+    at_zero[5, 48:64] = 0.0
+    negated[5, 48:64] *= -1
+    doubled[5, 32:64] *= 2.9
+    assert not gguf_grid.importance_scales(x, at_zero, 16, dtype="Q2_K")["beyond"]
+    assert not gguf_grid.importance_scales(x, doubled, 32, levels=True, dtype="IQ3_XXS")["beyond"]
+    for dtype, levels in (("Q2_K", False), ("IQ2_XXS", True)):
+        found = gguf_grid.importance_scales(x, negated, 16, levels=levels, dtype=dtype)
+        assert found["beyond"] and found["block"] < -0.5, found
+    at_zero[5, 32:48] = 0.0  # the whole of a Q4_K sub-block of 32
+    assert gguf_grid.importance_scales(x, at_zero, 32, dtype="Q4_K")["beyond"]

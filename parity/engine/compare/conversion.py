@@ -128,7 +128,8 @@ def scale_excess(a: torch.Tensor, b: torch.Tensor, storage: Storage) -> dict | N
     if x is None or x.dim() != 2:
         return None
     if storage.importance is not None:
-        return gguf_grid.importance_scales(x, held, gguf_grid.scale_group(storage), levels=storage.levels is not None)
+        return gguf_grid.importance_scales(x, held, gguf_grid.scale_group(storage), levels=storage.levels is not None,
+                                           dtype=storage.dtype)
     return group_grid.value_scales(x, held, storage.group) if storage.group is not None else None
 
 

@@ -12,7 +12,7 @@ import torch
 
 from parity.definitions.mistakes import MistakeId, diagnosis
 from parity.definitions.records import Candidate, Diagnosis
-from parity.engine.compare import affine_grid, codebook_grid, fp8_grid, group_grid
+from parity.engine.compare import affine_grid, codebook_grid, fp8_grid, gguf_grid, group_grid
 from parity.engine.compare.conversion import Storage, step_excess, stored_layout, unstored
 
 ACTIVATION_GRID = (-20.0, 20.0, 4001)  # where two activations are compared, in float64
@@ -145,6 +145,15 @@ def grid_finding(rows: list[dict], storage: dict[str, Storage], reference_distan
                            f"{grid['row']} (as the file stores it), has {grid['share']:.0%} of each block's codes on "
                            f"one residue mod {grid['every']} (a quantizer rounding to the nearest level leaves about "
                            f"{1 / grid['every'] + 0.07:.0%}): a grid {grid['every']} x as coarse as its step")
+            continue
+        if "reach" in grid:  # codes reaching part of the block's grid (gguf_grid.short_reach)
+            details.append(f"{named_in_b(row, storage)}: {grid['blocks_too_coarse']} of {grid['blocks']} blocks "
+                           f"hold codes reaching less than {gguf_grid.REACH:.0%} of their grid; the worst, block "
+                           f"{grid['worst_block']} (row {grid['row']}, values {grid['values'][0]}-{grid['values'][1]} "
+                           f"as the file stores them), reaches {grid['reach']:.3g} of {grid['top']}: its step "
+                           f"{grid['b_step']:.4g} is {grid['top'] / max(grid['reach'], 1e-30):.2f}x what its own "
+                           f"values need (a quantizer picks d from the block's largest value, so its codes reach the "
+                           f"top), where A's values there call for {grid['a_step']:.4g}")
             continue
         details.append(f"{named_in_b(row, storage)}: {grid['blocks_too_coarse']} of {grid['blocks']} blocks; the "
                        f"worst, block {grid['worst_block']} (row {grid['row']}, values {grid['values'][0]}-"

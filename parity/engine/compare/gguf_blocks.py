@@ -61,11 +61,11 @@ def block_grid(raw, name: str, shape: tuple[int, ...]):
         block = math.prod(shape) // len(raw)
         units = np.ldexp(np.float32(1.0), raw[:, 0].astype(np.int32) - 128).astype(np.float32)
         steps, offsets, scales = np.repeat(units, block), None, {}
-    else:  # SCALE_FIRST: a float16 d in bytes 0-1 (Q4_1 and Q5_1: their minimum m in bytes 2-3)
+    else:  # SCALE_FIRST: a float16 d in bytes 0-1 (Q4_1 and Q5_1: their minimum m in bytes 2-3, the grid's start)
         block = math.prod(shape) // len(raw)
         d = float16_at(raw, 0).reshape(-1)
         scales = {"d": d, **({"m": float16_at(raw, 2).reshape(-1)} if name in ("Q4_1", "Q5_1") else {})}
-        steps, offsets = np.repeat(np.abs(d), block), None
+        steps, offsets = np.repeat(np.abs(d), block), np.repeat(scales["m"], block) if "m" in scales else None
     as_torch = [None if t is None else torch.from_numpy(np.ascontiguousarray(t)).reshape(shape)
                 for t in (steps, offsets)]
     return as_torch[0], as_torch[1], scales

@@ -78,6 +78,16 @@ LEGACY_GRID_FACTOR = 1.25
 # 32), 0.60 (blocks of 16), the mean of many blocks within a few hundredths of it.
 SKIP_MAX = 4
 SKIP_SHARE = 0.9
+# The largest code a block of Q4_0..Q8_0 can hold (the symmetric types' largest magnitude, -8 for Q4_0; the
+# asymmetric ones' top code above their minimum m), and the least share of it every block's codes reach
+# (``short_reach``): each quantizer of these types picks d from the block's own largest value, so the codes reach
+# the top whatever rounds the others.  Measured on llama-quantize's own exports (llama-cpp-python 0.3.36's vendored
+# llama.cpp) of the stories260K, Gemma 3 270M and Qwen2.5 0.5B stand-ins, with and without --imatrix, 39.9 million
+# blocks: every block reaches top - 1 or top (Q4_0 7 of 8, Q4_1 14 of 15, Q5_0 15 of 16, Q5_1 30 of 31, Q8_0 127);
+# gguf's quantizer reaches the top.  A block re-quantized onto a grid twice as coarse (d x2, codes halved) reaches
+# half, which no bound on d against A's values sees where an importance matrix lets d range over 3 x.
+TOP_CODE = {"Q4_0": 8, "Q5_0": 16, "Q8_0": 127, "Q4_1": 15, "Q5_1": 31}
+REACH = 0.75
 FLOAT16_ROUNDING = 1 + 2.0 ** -10  # a block's d is stored as float16: B's step may exceed the exact one by this
 # A GGUF quantized with an importance matrix (``Storage.importance``): llama.cpp's weighted quantizers choose each
 # block's scale by the error weighted with it and refit it by least squares, so values of little importance lie
@@ -130,12 +140,21 @@ IMPORTANCE_WEIGHTED = {
 #   lie beyond them.  The IQ types (``Storage.levels``) get their own, wider.
 # * the share of each block's codes on one residue mod k, per row (``skipped_levels``): at most 0.688 (Q6_K, k = 2);
 #   a grid with one bit passed off holds nearly 1.
-IMPORTANCE_STEPS = 16.0  # each value within this many of its block's steps from A's
+# Re-measured on llama-quantize --imatrix exports of the stories260K, Gemma 3 270M and Qwen2.5 0.5B stand-ins (their
+# real FFN shapes, lightly trained; llama-imatrix on 32 x 128 tokens): a value of a column the matrix barely weights
+# lies up to 28.1 steps from A's (Qwen2.5's Q6_K, the same few outlier weights in Q3_K to Q6_K, Q4_1, Q5_1: 18 to 25),
+# which 16 failed; block factors 0.50 to 1.39 (Q4_0), 0.42 (Q3_K), and for the 1- to 3-bit types (Q2_K, IQ1 to IQ3)
+# -0.05 (a Q2_K sub-block whose scale is zero) to 2.88 (IQ3_XXS), which 0.4 to 1.5 and 0.1 to 2.0 failed.
+IMPORTANCE_STEPS = 64.0  # each value within this many of its block's steps from A's
 IMPORTANCE_GRID_FACTOR = 3.0  # each block's step within this x what A's values there call for
 IMPORTANCE_SCALE = (0.77, 1.12)  # B's least-squares factor on A, whole tensor and each row
-IMPORTANCE_BLOCK_SCALE = (0.4, 1.5)  # and each block (a K-quant's sub-block)
+IMPORTANCE_BLOCK_SCALE = (0.2, 1.8)  # and each block (a K-quant's sub-block)
 IMPORTANCE_LEVELS_SCALE = (0.6, 1.2)  # the IQ types: tensor and row
-IMPORTANCE_LEVELS_BLOCK_SCALE = (0.1, 2.0)  # and each block of LEVEL_GROUP values
+IMPORTANCE_LEVELS_BLOCK_SCALE = (0.1, 2.0)  # and each block of LEVEL_GROUP values (IQ4_NL, IQ4_XS)
+# The 1- to 3-bit weighted types, whose blocks a weighted quantizer may leave near zero or well above A's: a block's
+# factor only beyond these (a block negated) is a finding; their tensors and rows keep the bounds above.
+LOW_BITS = {"Q2_K", "IQ1_S", "IQ1_M", "IQ2_XXS", "IQ2_XS", "IQ2_S", "IQ3_XXS", "IQ3_S"}
+IMPORTANCE_LOW_BITS_BLOCK_SCALE = (-0.5, 4.0)
 
 
 def stored(path, info, tensor: torch.Tensor, route: TensorRoute, expert: int | None = None) -> Storage:
@@ -322,6 +341,9 @@ def bounds(allowed: torch.Tensor, x: torch.Tensor, b: torch.Tensor, storage: Sto
             ends = k_ends(held, b_steps, offsets, storage.dtype,
                           SEARCH * ((span * quantum + mquantum) / 2 + span * d_rounding + m_rounding))
             allowed = allowed + unstored(storage.route, ends).float()
+        else:  # a sub-block a weighted quantizer left at scale zero (Q2_K's of little importance): A's own step there
+            zero = ideal.unsqueeze(-1).expand(-1, -1, sub).reshape(x.shape) * (b_steps == 0)
+            allowed = allowed + IMPORTANCE_STEPS * unstored(storage.route, zero).float()
         limit = (IMPORTANCE_GRID_FACTOR if weighted else K_GRID_FACTOR) * (ideal + quantum / 2) + d_rounding
         return allowed, (coarse_blocks(b_steps, ideal, limit, sub, x, a_dtype)
                          or skipped_levels(held, b_steps, offsets, sub))
@@ -330,8 +352,37 @@ def bounds(allowed: torch.Tensor, x: torch.Tensor, b: torch.Tensor, storage: Sto
     group = block_values(storage)
     needed = a_steps.float().reshape(-1, group)[:, 0]
     limit = (IMPORTANCE_GRID_FACTOR if weighted else LEGACY_GRID_FACTOR) * needed + spacing(needed, "float16")
+    offsets = None if storage.offsets is None else stored_layout(storage.route, storage.offsets.float())
     return allowed, (coarse_blocks(b_steps, needed, limit, group, x, a_dtype)
+                     or short_reach(held, b_steps, offsets, storage.dtype, x, group)
                      or skipped_levels(held, b_steps, None, group))
+
+
+def short_reach(b: torch.Tensor, steps: torch.Tensor, offsets: torch.Tensor | None, name: str, x: torch.Tensor,
+                group: int) -> dict | None:
+    """Blocks of a Q4_0..Q8_0 B (stored layout, ``group`` values each) whose codes reach less than ``REACH`` of the
+    type's top code (``TOP_CODE``: the largest |value| / d, or (largest value - m) / d for Q4_1/Q5_1): a step larger
+    than the block's own values need, which a quantizer choosing d from them never writes.  The worst, in
+    ``coarse_blocks``' terms (A's need: its block's largest magnitude, or range above min(0, min), over the top code),
+    with the reach, or None."""
+    top = TOP_CODE.get(name)
+    if top is None:
+        return None
+    flat, step = b.reshape(-1, group), steps.reshape(-1, group)[:, 0]
+    start = offsets.reshape(-1, group) if offsets is not None else torch.zeros_like(flat)
+    reach = (flat - start).abs().amax(-1) / step.clamp_min(1e-30)
+    short = (step > 0) & (reach < REACH * top)
+    if not bool(short.any()):
+        return None
+    worst = int(torch.where(short, reach, math.inf).argmin())
+    values = x.reshape(-1, group)[worst].float()
+    low = values.min().clamp(max=0) if offsets is not None else -values.abs().max()
+    need = float((values.max().clamp(min=0) - low) / top) if offsets is not None else float(values.abs().max() / top)
+    chosen, start_at = float(step[worst]), worst * group % x.shape[-1]
+    return {"blocks_too_coarse": int(short.sum()), "blocks": len(step), "worst_block": worst,
+            "row": worst * group // x.shape[-1], "values": [start_at, start_at + group - 1], "b_step": chosen,
+            "a_step": need, "limit": chosen * float(reach[worst]) / top, "reach": float(reach[worst]), "top": top,
+            "times_coarser": chosen / need if need else math.inf}
 
 
 def skipped_levels(b: torch.Tensor, steps: torch.Tensor, offsets: torch.Tensor | None, group: int) -> dict | None:
@@ -363,15 +414,18 @@ def skipped_levels(b: torch.Tensor, steps: torch.Tensor, offsets: torch.Tensor |
     return found
 
 
-def importance_scales(x: torch.Tensor, b: torch.Tensor, group: int, *, levels: bool = False) -> dict:
+def importance_scales(x: torch.Tensor, b: torch.Tensor, group: int, *, levels: bool = False, dtype: str = "") -> dict:
     """How B's values scale against A's (``storage.least_squares_scales``, stored layout, ``group`` values per
     block), judged by ``IMPORTANCE_SCALE`` (tensor, row) and ``IMPORTANCE_BLOCK_SCALE`` (block; ``levels``: an IQ
-    type's grid, ``IMPORTANCE_LEVELS_SCALE`` and ``IMPORTANCE_LEVELS_BLOCK_SCALE``).  An importance-weighted quantizer
+    type's grid, ``IMPORTANCE_LEVELS_SCALE`` and ``IMPORTANCE_LEVELS_BLOCK_SCALE``; a ``dtype`` of ``LOW_BITS``: its
+    blocks by ``IMPORTANCE_LOW_BITS_BLOCK_SCALE``).  An importance-weighted quantizer
     moves values of little importance several steps but refits each block's scale to the values, so B stays A's in
     scale while every value check is relaxed; a block, a row or the tensor multiplied (or negated) after quantizing
     is not."""
     bounds = (IMPORTANCE_LEVELS_SCALE, IMPORTANCE_LEVELS_BLOCK_SCALE) if levels \
         else (IMPORTANCE_SCALE, IMPORTANCE_BLOCK_SCALE)
+    if dtype in LOW_BITS:
+        bounds = (bounds[0], IMPORTANCE_LOW_BITS_BLOCK_SCALE)
     return least_squares_scales(x, b, group, bounds=bounds[0], block_bounds=bounds[1])
 
 
