@@ -85,3 +85,26 @@ def test_padded_words_stated_as_eight_bits_are_still_named(model_a, root, capsys
     for layer in report["layers"]:
         assert not layer["passed"]
         assert layer["diagnosis"]["id"] == "group_bits_mismatched", layer["diagnosis"]
+
+
+def test_at_two_bits_only_the_whole_matrix_is_held_to_its_factor():
+    """gptqmodel 7.7.0's int2 act-order export of the Gemma 3 270M stand-in had faithful groups whose least-squares
+    factor on A was -2.2 (four levels: GPTQ's compensation outweighs a group of small values) and a row at 0.7987;
+    both failed quantization_exceeds_step.  At 2 bits a row's or group's factor is not judged; the matrix's is, and at
+    4 bits the same group still fails."""
+    from types import SimpleNamespace
+
+    from parity.engine.compare import group_grid
+
+    generator = torch.Generator().manual_seed(0)
+    a = torch.randn(8, 64, generator=generator, dtype=torch.float64)
+    a[0, :32] *= 0.01  # one group of tiny values ...
+    b = a.clone()
+    b[0, :32] = -2.2 * a[0, :32]  # ... that B holds at -2.2 x: the matrix's factor stays near 1
+    g_idx = torch.arange(64) // 32
+    two = group_grid.value_scales(a, b, SimpleNamespace(g_idx=g_idx, bits=2))
+    four = group_grid.value_scales(a, b, SimpleNamespace(g_idx=g_idx, bits=4))
+    assert four["beyond"] and four["block"] < 0, four
+    assert not two["beyond"] and 0.99 < two["tensor"] < 1.01, two
+    whole = group_grid.value_scales(a, 2 * a, SimpleNamespace(g_idx=g_idx, bits=2))
+    assert whole["beyond"], whole
