@@ -188,34 +188,46 @@ def packed_count(words: int, bits: int) -> int | None:
     return None if words % run else words // run * codes
 
 
-def unpack_stream(words, bits: int):
+def holds(words: int, count: int, bits: int) -> bool:
+    """Whether ``words`` int32 words are what ``count`` codes of ``bits`` take: whole runs (``per_block``), or
+    ceil(count x bits / 32) words with the last partly filled, as GPTQModel 7.7.0 allocates a dimension that is not
+    a multiple of 32 / bits (``_register_gptq_buffers``, ``pack_original``: stories260K's d_ff 172 in 22 words at 4
+    bits; its ``dequantize_weight`` drops the tail codes past the scales' outputs and g_idx's inputs)."""
+    run, per_run = per_block(bits)
+    return words in (-(-count * bits // 32), -(-count // per_run) * run)
+
+
+def unpack_stream(words, bits: int, count: int | None = None):
     """Codes packed as one little-endian bit stream along the first axis of ``words`` ([words, ...] int32 or int64),
     each run of ``per_block(bits)`` words holding its codes low bits first; a code may straddle two words (GPTQ's
-    3 bits: codes 10 and 21 of each 32).  Returns [codes, ...]."""
+    3 bits: codes 10 and 21 of each 32).  ``count``: the codes meant, where the last run is cut short (``holds``).
+    Returns [codes, ...]."""
     import torch
 
-    run, count = per_block(bits)
+    run, per_run = per_block(bits)
     words = words.to(torch.int64) & 0xFFFFFFFF
+    if words.shape[0] % run:  # a last run cut short: its missing words hold nothing
+        words = torch.cat([words, words.new_zeros(run - words.shape[0] % run, *words.shape[1:])])
     blocks = words.reshape(-1, run, *words.shape[1:])
     codes = []
-    for k in range(count):
+    for k in range(per_run):
         word, offset = divmod(k * bits, 32)
         value = blocks[:, word] >> offset
         if offset + bits > 32:  # the code's high bits open the next word
             value = value | (blocks[:, word + 1] << (32 - offset))
         codes.append(value & ((1 << bits) - 1))
-    return torch.stack(codes, 1).reshape(-1, *words.shape[1:])
+    return torch.stack(codes, 1).reshape(-1, *words.shape[1:])[:count]
 
 
-def unpack_rows(packed, bits: int):
+def unpack_rows(packed, bits: int, count: int | None = None):
     """int32 words packed along their first axis, low bits first (GPTQModel's ``PackableQuantLinear.pack``:
     ``qweight[row] |= code << (bits x j)`` for the j-th input of the row's 32 / bits; at 3 bits, 32 inputs in three
     words as one bit stream, GPTQModel 7.7.0's ``dequantize_weight``): [rows x 32 / bits, columns] of codes in
     [0, 2^bits)."""
-    return unpack_stream(packed, bits)
+    return unpack_stream(packed, bits, count)
 
 
-def unpack_columns(packed, bits: int, *, order=None):
+def unpack_columns(packed, bits: int, *, order=None, count: int | None = None):
     """int32 words packed along their last axis, low bits first (at 3 bits as one bit stream, as ``unpack_rows``):
     [rows, columns x 32 / bits].  ``order``: the column each field holds within its word (AWQ_ORDER), None for the
     linear order GPTQ's qzeros use."""
@@ -226,7 +238,7 @@ def unpack_columns(packed, bits: int, *, order=None):
         placed = fields.clone()
         placed[..., list(order)] = fields
         fields = placed.reshape(packed.shape[0], -1)
-    return fields
+    return fields[:, :count]
 
 
 def layout_error(where: str, name: str, said: str, mistake: str) -> QuantizedLayoutError:
@@ -269,19 +281,21 @@ def read_gptq(where: str, name: str, scheme: IntScheme, parts: dict) -> GroupQua
     import torch
 
     qweight, qzeros, scales = parts["qweight"], parts["qzeros"], parts["scales"]
-    outputs, inputs = qweight.shape[1], packed_count(qweight.shape[0], scheme.bits)
     g_idx = parts.get("g_idx")
-    if g_idx is not None and g_idx.numel() != inputs:
-        raise bits_error(where, name, scheme, qweight.shape[0], g_idx.numel(), "input rows (g_idx's length)")
+    outputs = qweight.shape[1]
+    # the inputs are g_idx's length: GPTQModel pads a dimension that is not a multiple of 32 / bits (``holds``)
+    inputs = packed_count(qweight.shape[0], scheme.bits) if g_idx is None else g_idx.numel()
+    if g_idx is not None and not holds(qweight.shape[0], inputs, scheme.bits):
+        raise bits_error(where, name, scheme, qweight.shape[0], inputs, "input rows (g_idx's length)")
     if inputs is None:
         raise layout_error(where, name, f"its qweight's {qweight.shape[0]} packed rows are not whole runs of "
                            f"{per_block(scheme.bits)[0]} int32 words, as config.json's bits {scheme.bits} packs them",
                            "group_bits_mismatched")
-    if packed_count(qzeros.shape[-1], scheme.bits) != outputs:
+    if not holds(qzeros.shape[-1], outputs, scheme.bits):
         raise bits_error(where, name, scheme, qzeros.shape[-1], outputs, "zero points per group (the outputs)")
     check_groups(where, name, scheme, inputs, outputs, scales)
-    codes = unpack_rows(qweight, scheme.bits).t()
-    zeros = unpack_columns(qzeros, scheme.bits).float() + (1.0 if scheme.v1 else 0.0)
+    codes = unpack_rows(qweight, scheme.bits, inputs).t()
+    zeros = unpack_columns(qzeros, scheme.bits, count=outputs).float() + (1.0 if scheme.v1 else 0.0)
     sequential = torch.arange(inputs) // (scheme.group_size or inputs)
     g_idx = sequential if g_idx is None else g_idx.to(torch.int64)
     if int(g_idx.min()) < 0 or int(g_idx.max()) >= scales.shape[0]:

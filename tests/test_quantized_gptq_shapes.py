@@ -1,0 +1,110 @@
+"""``parity compare`` on GPTQ files of a real model's shapes as GPTQModel 7.7.0 writes them (issue 29).
+
+stories260K's d_ff is 172, no multiple of 32 / bits: GPTQModel allocates ceil(172 x bits / 32) int32 words along that
+dimension (``_register_gptq_buffers``; ``pack_original`` leaves the last word's tail zero) and its
+``dequantize_weight`` drops the tail codes past g_idx's inputs and the scales' outputs.  Its own int4 export of a
+stand-in with those shapes (down_proj's qweight [22, 64] for 172 inputs, gate's qzeros [1, 22] for 172 outputs) was
+refused on every layer as ``group_bits_mismatched`` (4.09 bits each).  GPTQModel is not installed here: the export
+below packs the codes itself, as it lays them out.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from . import test_quantized_int as quantizer
+from .derived_checkpoints import format_fixtures
+from .support import compare_json as compare
+
+SIZES = dict(hidden_size=64, intermediate_size=172, num_key_value_heads=2)
+GROUP = 128
+
+root, model_a = format_fixtures("gptq-shapes", SIZES)
+
+
+def padded(codes: torch.Tensor, bits: int) -> torch.Tensor:
+    """[n, cols] codes (n not a multiple of 32 / bits) packed along the first axis in ceil(n x bits / 32) words, the
+    last word's tail zero, as GPTQModel's ``pack_original`` writes them."""
+    per = 32 // bits
+    tail = torch.zeros(-codes.shape[0] % per, codes.shape[1], dtype=codes.dtype)
+    return quantizer.pack_rows(torch.cat([codes, tail]), bits)
+
+
+def uneven_export(a: Path, dest: Path, *, stated_bits: int = 4) -> Path:
+    """A's folder as GPTQModel writes int4 in groups of 128 (symmetric, v1: zero points stored minus one), each
+    group's codes rounded to nearest from its symmetric range; ``stated_bits``: the bits config.json states."""
+    bits = 4
+    shutil.copytree(a, dest)
+    out = {}
+    for name, value in load_file(a / "model.safetensors").items():
+        if ".layers." not in name or value.dim() != 2:
+            out[name] = value
+            continue
+        w = value.float()
+        g_idx = torch.arange(w.shape[1]) // GROUP
+        groups = int(g_idx.max()) + 1
+        scales, zeros = torch.zeros(w.shape[0], groups), torch.zeros(w.shape[0], groups)
+        for g in range(groups):
+            scales[:, g], zeros[:, g] = quantizer.group_params(w[:, g_idx == g], bits, sym=True)
+        codes = torch.clamp(torch.round(w / scales[:, g_idx] + zeros[:, g_idx]), 0, (1 << bits) - 1).long()
+        module = name.removesuffix(".weight")
+        out.update({f"{module}.qweight": padded(codes.t(), bits),
+                    f"{module}.qzeros": padded((zeros - 1).long(), bits).t().contiguous(),
+                    f"{module}.scales": scales.t().contiguous().half(), f"{module}.g_idx": g_idx.to(torch.int32)})
+    save_file(out, dest / "model.safetensors", metadata={"format": "pt"})
+    config = json.loads((dest / "config.json").read_text())
+    config["quantization_config"] = {"bits": stated_bits, "group_size": GROUP, "desc_act": False, "sym": True,
+                                     "quant_method": "gptq", "checkpoint_format": "gptq", "pack_dtype": "int32"}
+    (dest / "config.json").write_text(json.dumps(config, indent=2))
+    return dest
+
+
+def test_a_dimension_no_multiple_of_the_word_is_read_as_gptqmodel_pads_it(model_a, root, capsys):
+    """down_proj's 172 inputs in 22 words, gate's and up's 172 outputs' zero points in 22: the export passes on every
+    layer, round to nearest on its own grid (x conv 1.00)."""
+    b = uneven_export(model_a, root / "int4")
+    stored = load_file(b / "model.safetensors")
+    assert stored["model.layers.0.mlp.down_proj.qweight"].shape == (22, 64)
+    assert stored["model.layers.0.mlp.gate_proj.qzeros"].shape == (1, 22)
+    code, report = compare(capsys, model_a, b)
+    assert code == 0, report
+    for layer in report["layers"]:
+        assert layer["passed"], layer
+        assert layer["conversion"]["ratio_to_conversion"] < 1.01, layer["conversion"]
+
+
+def test_padded_words_stated_as_eight_bits_are_still_named(model_a, root, capsys):
+    """The padding read is no licence for another width: 22 words hold 172 codes at 4 bits, at 8 they would be 43."""
+    code, report = compare(capsys, model_a, uneven_export(model_a, root / "int4-as-8", stated_bits=8))
+    assert code == 1, report
+    for layer in report["layers"]:
+        assert not layer["passed"]
+        assert layer["diagnosis"]["id"] == "group_bits_mismatched", layer["diagnosis"]
+
+
+def test_at_two_bits_only_the_whole_matrix_is_held_to_its_factor():
+    """gptqmodel 7.7.0's int2 act-order export of the Gemma 3 270M stand-in had faithful groups whose least-squares
+    factor on A was -2.2 (four levels: GPTQ's compensation outweighs a group of small values) and a row at 0.7987;
+    both failed quantization_exceeds_step.  At 2 bits a row's or group's factor is not judged; the matrix's is, and at
+    4 bits the same group still fails."""
+    from types import SimpleNamespace
+
+    from parity.engine.compare import group_grid
+
+    generator = torch.Generator().manual_seed(0)
+    a = torch.randn(8, 64, generator=generator, dtype=torch.float64)
+    a[0, :32] *= 0.01  # one group of tiny values ...
+    b = a.clone()
+    b[0, :32] = -2.2 * a[0, :32]  # ... that B holds at -2.2 x: the matrix's factor stays near 1
+    g_idx = torch.arange(64) // 32
+    two = group_grid.value_scales(a, b, SimpleNamespace(g_idx=g_idx, bits=2))
+    four = group_grid.value_scales(a, b, SimpleNamespace(g_idx=g_idx, bits=4))
+    assert four["beyond"] and four["block"] < 0, four
+    assert not two["beyond"] and 0.99 < two["tensor"] < 1.01, two
+    whole = group_grid.value_scales(a, 2 * a, SimpleNamespace(g_idx=g_idx, bits=2))
+    assert whole["beyond"], whole
