@@ -102,9 +102,39 @@ def test_at_two_bits_only_the_whole_matrix_is_held_to_its_factor():
     b = a.clone()
     b[0, :32] = -2.2 * a[0, :32]  # ... that B holds at -2.2 x: the matrix's factor stays near 1
     g_idx = torch.arange(64) // 32
-    two = group_grid.value_scales(a, b, SimpleNamespace(g_idx=g_idx, bits=2))
-    four = group_grid.value_scales(a, b, SimpleNamespace(g_idx=g_idx, bits=4))
+    two = group_grid.value_scales(a, b, SimpleNamespace(g_idx=g_idx, bits=2, method="gptq", fold=None))
+    four = group_grid.value_scales(a, b, SimpleNamespace(g_idx=g_idx, bits=4, method="gptq", fold=None))
     assert four["beyond"] and four["block"] < 0, four
     assert not two["beyond"] and 0.99 < two["tensor"] < 1.01, two
-    whole = group_grid.value_scales(a, 2 * a, SimpleNamespace(g_idx=g_idx, bits=2))
+    whole = group_grid.value_scales(a, 2 * a, SimpleNamespace(g_idx=g_idx, bits=2, method="gptq", fold=None))
     assert whole["beyond"], whole
+
+
+def test_an_awq_group_clipped_below_gptqs_bound_passes_and_one_scaled_up_fails():
+    """AWQ's clip search shrinks a group's range by up to half (gptqmodel's ``_compute_best_clip(max_shrink=0.5)``):
+    its AWQ GEMM export of the Qwen2.5 0.5B stand-in held a down_proj group at 0.467 x A, under GPTQ's 0.5, and failed
+    quantization_exceeds_step on a faithful layer.  An AWQ group (``method "awq"``, or scales folded and undone) is
+    held to 0.35-1.6: that group passes there, fails as GPTQ; a group x2 or x0.2 fails either way."""
+    from types import SimpleNamespace
+
+    from parity.engine.compare import group_grid
+
+    generator = torch.Generator().manual_seed(1)
+    a = torch.randn(8, 1024, generator=generator, dtype=torch.float64)  # eight groups a row: its row stays near 1
+    g_idx = torch.arange(1024) // 128
+    awq, folded, gptq = (SimpleNamespace(g_idx=g_idx, bits=4, method="awq", fold=None),
+                         SimpleNamespace(g_idx=g_idx, bits=4, method="pack-quantized", fold="up_proj's rows"),
+                         SimpleNamespace(g_idx=g_idx, bits=4, method="gptq", fold=None))
+
+    def with_group(factor: float) -> torch.Tensor:
+        b = a.clone()
+        b[3, 128:256] = factor * a[3, 128:256]
+        return b
+
+    clipped = with_group(0.467)
+    for grid in (awq, folded):
+        found = group_grid.value_scales(a, clipped, grid)
+        assert not found["beyond"] and abs(found["block"] - 0.467) < 1e-6, found
+        for factor in (2.0, 0.2):
+            assert group_grid.value_scales(a, with_group(factor), grid)["beyond"], factor
+    assert group_grid.value_scales(a, clipped, gptq)["beyond"]

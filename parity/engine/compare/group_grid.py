@@ -142,11 +142,19 @@ GROUP_SCALE = (0.5, 1.6)
 # compensation outweighs a group's own values), and failed quantization_exceeds_step on two faithful layers.  There
 # only the whole matrix is held to SCALE.
 ANY = (-math.inf, math.inf)
+# AWQ clips each group's range before rounding (its clip search shrinks a group's largest magnitude by up to half:
+# gptqmodel 7.7.0's looper/awq_processor.py ``_compute_best_clip(max_shrink=0.5)``, as AutoAWQ's auto_clip), so a
+# group whose largest values were clipped scales below A's, never above: gptqmodel's AWQ GEMM export of the Qwen2.5
+# 0.5B stand-in (d 896, d_ff 4864, groups of 128) has a down_proj group at 0.467 (its fold undone by least squares),
+# every other worst group of its three layers 0.69-0.85.  Its groups are held to AWQ_GROUP_SCALE; tensor and rows to
+# SCALE as GPTQ's.
+AWQ_GROUP_SCALE = (0.35, GROUP_SCALE[1])
 
 
 def value_scales(x: torch.Tensor, held: torch.Tensor, grid: Grid) -> dict:
     """B's least-squares factor on A (stored layout [out, in]) per matrix, row and group (the columns of each group
-    gathered by g_idx, act order's included), against ``SCALE`` and ``GROUP_SCALE``."""
+    gathered by g_idx, act order's included), against ``SCALE`` and ``GROUP_SCALE`` (``AWQ_GROUP_SCALE`` for an AWQ
+    export, whose clip search shrinks groups)."""
     order = torch.argsort(grid.g_idx, stable=True)
     counts = torch.bincount(grid.g_idx)
     size = int(counts.max()) if bool((counts == counts.max()).all()) else x.shape[1]  # unequal: each row one group
@@ -155,7 +163,9 @@ def value_scales(x: torch.Tensor, held: torch.Tensor, grid: Grid) -> dict:
         found["beyond"] = not SCALE[0] <= found["tensor"] <= SCALE[1]
         found["bounds"] = list(SCALE)
         return found
-    return least_squares_scales(x[:, order], held[:, order], size, bounds=SCALE, block_bounds=GROUP_SCALE)
+    clipped = grid.method == "awq" or grid.fold is not None
+    return least_squares_scales(x[:, order], held[:, order], size, bounds=SCALE,
+                                block_bounds=AWQ_GROUP_SCALE if clipped else GROUP_SCALE)
 
 
 def stored(checkpoint, key: str, route) -> Storage | None:
