@@ -150,17 +150,18 @@ def awq_module(w: torch.Tensor, how: str | None) -> dict[str, torch.Tensor]:
             "scales": (scales if how == "scales_t" else scales.t()).contiguous().half()}
 
 
-def awq_fold(tensors: dict[str, torch.Tensor], seed: int) -> dict[str, torch.Tensor]:
+def awq_fold(tensors: dict[str, torch.Tensor], seed: int, *, norm: bool = True) -> dict[str, torch.Tensor]:
     """AWQ's scaling folded as AutoAWQ folds it for LLaMA (awq/quantize/scale.py: scale_ln_fcs, scale_fc_fc): each
     input channel of gate and up multiplied by s and the post-attention norm divided by it; each output row of up
     divided by s2 and the matching column of down multiplied by it.  Every layer's function (norm and FFN) is
-    unchanged; the FFN alone computes another function of its own input."""
+    unchanged; the FFN alone computes another function of its own input.  ``norm`` False: s = 1 (the norm kept, as
+    llm-compressor's AWQ may choose for a layer), s2 folded alone."""
     out = dict(tensors)
     generator = torch.Generator().manual_seed(seed)
     for layer in range(2):
         p = f"model.layers.{layer}."
         hidden, inner = out[p + "mlp.gate_proj.weight"].shape[1], out[p + "mlp.up_proj.weight"].shape[0]
-        s = torch.exp(torch.empty(hidden).uniform_(-0.7, 0.7, generator=generator))
+        s = torch.exp(torch.empty(hidden).uniform_(-0.7, 0.7, generator=generator)) if norm else torch.ones(hidden)
         s2 = torch.exp(torch.empty(inner).uniform_(-0.7, 0.7, generator=generator))
         out[p + "post_attention_layernorm.weight"] = out[p + "post_attention_layernorm.weight"] / s
         for name in ("gate_proj", "up_proj"):
@@ -171,9 +172,10 @@ def awq_fold(tensors: dict[str, torch.Tensor], seed: int) -> dict[str, torch.Ten
 
 
 def int_export(a: Path, dest: Path, method: str, breaks: dict[str, str] | None = None, fields: dict | None = None,
-               fold: bool = False, keep: tuple[str, ...] = ()) -> Path:
+               fold: bool | str = False, keep: tuple[str, ...] = ()) -> Path:
     """A's folder as a GPTQ or AWQ release: every linear weight of the decoder layers quantized (int4, groups of
-    32), the modules named in ``breaks`` written with that mistake; ``fold``: AWQ's scales folded first; ``fields``
+    32), the modules named in ``breaks`` written with that mistake; ``fold``: AWQ's scales folded first ("s2": only
+    up's and down's, the norm kept); ``fields``
     replace quantization_config's own (GPTQ's ``sym`` and ``desc_act`` are how it quantizes); modules named in
     ``keep`` stay in float16, listed in modules_to_not_convert."""
     stated = {"gptq": {"quant_method": "gptq", "bits": BITS, "group_size": GROUP, "desc_act": True, "sym": False,
@@ -185,7 +187,7 @@ def int_export(a: Path, dest: Path, method: str, breaks: dict[str, str] | None =
     shutil.copytree(a, dest)
     tensors = load_file(a / "model.safetensors")
     if fold:
-        tensors = awq_fold(tensors, 7)
+        tensors = awq_fold(tensors, 7, norm=fold != "s2")
     out = {}
     for seed, (name, value) in enumerate(sorted(tensors.items())):
         if ".layers." not in name or value.dim() != 2 or any(f".{k}." in name for k in keep):
@@ -454,6 +456,26 @@ def test_a_faithful_awq_export_with_its_scales_folded_passes(model_a, root, caps
     code, report = compare(capsys, model_a, b)
     assert code == 0, report
     assert any("AWQ GEMM" in note for note in report["notes"])
+
+
+def test_an_awq_export_folding_s2_with_its_norm_kept_passes_and_a_scaled_up_still_fails(model_a, root, capsys):
+    """llm-compressor's AWQ may keep a layer's norm (s = 1) and still fold s2 into up's rows and down's columns (its
+    export of the Qwen2.5 0.5B stand-in failed layer 0, tensor_scaled x2.27): undone where up and down carry it
+    together; up's scales x2 on top of that fold moves up alone, and still fails named."""
+    b = int_export(model_a, root / "awq-s2", "awq", fold="s2")
+    code, report = compare(capsys, model_a, b)
+    assert code == 0, report
+    for layer in report["layers"]:
+        said = [row["conversion"] for row in layer["conversion"]["tensors"] if row["name"] != "gate_proj.weight"]
+        assert said and all("divided by s2" in text for text in said), said
+    broken = root / "awq-s2-up-doubled"
+    shutil.copytree(b, broken)
+    tensors = load_file(broken / "model.safetensors")
+    tensors["model.layers.1.mlp.up_proj.scales"] = tensors["model.layers.1.mlp.up_proj.scales"] * 2
+    save_file(tensors, broken / "model.safetensors", metadata={"format": "pt"})
+    code, report = compare(capsys, model_a, broken)
+    assert code == 1 and [layer["passed"] for layer in report["layers"]] == [True, False], report["layers"]
+    assert report["layers"][1]["diagnosis"]["id"] == "tensor_scaled", report["layers"][1]["diagnosis"]
 
 
 def test_awq_codes_packed_in_the_linear_order_fail_named(model_a, root, capsys):

@@ -19,8 +19,9 @@ import math
 import torch
 
 # A norm fold is read when A's and B's norm weights differ relatively by more than this (a bfloat16 round trip moves
-# them by 2^-8 at most); s2 is undone only with it (AWQ folds both, AutoAWQ and llm-compressor alike: without a norm
-# fold a least-squares factor of up's rows would be read off a quantization error, such as a zero point one off).
+# them by 2^-8 at most); s2 is undone with it (AWQ folds both, AutoAWQ and llm-compressor alike), or where up and down
+# carry it together (``carries_s2``): a least-squares factor of up's rows alone would be read off a quantization
+# error, such as a zero point one off.
 NORM_DIFFERS = 2.0 ** -7
 # the norm before the FFN, by the names transformers' decoder layers give it (LLaMA / Qwen2 / Mistral; Gemma 2 and 3)
 FFN_NORMS = ("pre_feedforward_layernorm", "post_attention_layernorm")
@@ -145,6 +146,30 @@ def second_scales(up_a, up_b, down_a, down_b) -> torch.Tensor:
     return torch.where(inverse != 0, 1.0 / inverse, 1.0).float()
 
 
+# s2 is also undone without a norm fold where B's up rows and down columns carry one factor and its inverse (the
+# logs of the two least-squares estimates correlate at least this much) and it moves the typical channel by more than
+# rounding does (median |log s2| at least S2_SPREAD): llm-compressor 0.14's AWQ export of the Qwen2.5 0.5B stand-in
+# kept layer 0's norm (s = 1) and folded s2 from 0.24 to 4.1 (correlation 0.994-0.998, median |log| 0.35-0.45, every
+# layer); a GPTQ export of it: correlation -0.01 to 0, median |log| 0.01.  A mistake in up or down alone (a zero point
+# one off, a tensor scaled) moves one of the two, not both.
+S2_CORRELATION = 0.9
+S2_SPREAD = 0.05
+
+
+def carries_s2(up_a, up_b, down_a, down_b) -> bool:
+    """Whether B's up rows are A's divided by some s2 and B's down columns A's times the same s2 (AWQ's scale_fc_fc),
+    s2 beyond rounding: a fold of its own, where the norm shows none."""
+    if up_a.shape != up_b.shape or down_a.shape != down_b.shape or down_a.shape[1] != up_a.shape[0]:
+        return False
+    from_up = least_squares(up_a.double(), up_b.double(), 1)
+    from_down = least_squares(down_a.double(), down_b.double(), 0)
+    if not bool((from_up > 0).all() and (from_down > 0).all()):
+        return False
+    logs = torch.stack([from_up.log(), -from_down.log()])
+    spread = float(logs[0].abs().median())
+    return spread >= S2_SPREAD and float(torch.corrcoef(logs)[0, 1]) >= S2_CORRELATION
+
+
 def undo(a_side, b_side, layer: int, a, b) -> str | None:
     """B's FFN put back on A's input where AWQ's scales are folded into it (in place: ``b``'s tensors and grids);
     what was undone, in words, or None."""
@@ -168,7 +193,9 @@ def undo(a_side, b_side, layer: int, a, b) -> str | None:
     if len(ups) == 1 and len(downs) == 1 and b.routed[ups[0]].shape == a.routed[ups[0]].shape:
         c = second_scales(a.routed[ups[0]], b.routed[ups[0]], a.routed[downs[0]], b.routed[downs[0]])
         spread = float(c.clamp_min(1e-30).log().abs().max())
-        if folded is not None and math.isfinite(spread):
+        paired = folded is not None or carries_s2(a.routed[ups[0]], b.routed[ups[0]], a.routed[downs[0]],
+                                                   b.routed[downs[0]])
+        if paired and math.isfinite(spread):
             rescale(b, ups[0], c[:, None])
             rescale(b, downs[0], 1.0 / c[None, :])
             said.append(f"up's rows divided by s2 and down's columns multiplied by it (s2 from {float(c.min()):.3g} "
