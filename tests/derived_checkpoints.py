@@ -148,3 +148,28 @@ def quantized_layer_one_named(capsys, a: Path, broken: Path, named: str, tensor:
     assert found["id"] == named, found
     assert tensor in found["message"]
     return found
+
+
+def quantized_copy(a: Path, dest: Path, quantize) -> dict[str, torch.Tensor]:
+    """A's folder copied to ``dest``, and A's tensors with each decoder layer's matrix replaced by what
+    ``quantize(name, value)`` returns for it (the tensors a format stores for that module); every other tensor as A
+    holds it.  The caller edits and saves them (save_quantized), as each format's export does."""
+    from safetensors.torch import load_file
+
+    shutil.copytree(a, dest)
+    out = {}
+    for name, value in load_file(a / "model.safetensors").items():
+        out.update(quantize(name, value) if ".layers." in name and value.dim() == 2 else {name: value})
+    return out
+
+
+def save_quantized(dest: Path, tensors: dict[str, torch.Tensor], quantization: dict) -> Path:
+    """``tensors`` saved as ``dest``'s model.safetensors and ``quantization`` as its config.json's
+    quantization_config."""
+    from safetensors.torch import save_file
+
+    save_file(tensors, dest / "model.safetensors", metadata={"format": "pt"})
+    config = json.loads((dest / "config.json").read_text())
+    config["quantization_config"] = quantization
+    (dest / "config.json").write_text(json.dumps(config, indent=2))
+    return dest

@@ -21,7 +21,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from .derived_checkpoints import format_fixtures, quantized_layer_one_named
+from .derived_checkpoints import format_fixtures, quantized_copy, quantized_layer_one_named, save_quantized
 from .support import compare_json as compare
 from .support import run_main
 
@@ -246,25 +246,18 @@ def int8_export(a: Path, dest: Path, breaks: dict[str, str] | None = None) -> Pa
     per column)."""
     from transformers import BitsAndBytesConfig
 
-    shutil.copytree(a, dest)
-    out = {}
-    for name, value in load_file(a / "model.safetensors").items():
-        if ".layers." not in name or value.dim() != 2:
-            out[name] = value
-            continue
+    def stored(name: str, value: torch.Tensor) -> dict[str, torch.Tensor]:
         how = (breaks or {}).get(name)
         codes, scb, _ = functional.int8_vectorwise_quant(value.float().contiguous())
         if how == "scb_cols":
             codes, scb, _ = functional.int8_vectorwise_quant(value.float().t().contiguous())
             codes = codes.t().contiguous()
         prefix = name.removesuffix("weight")
-        out[name], out[prefix + "SCB"] = codes, scb / 127 if how == "scb127" else scb
-        out[prefix + "weight_format"] = torch.tensor(0, dtype=torch.uint8)
-    save_file(out, dest / "model.safetensors", metadata={"format": "pt"})
-    config = json.loads((dest / "config.json").read_text())
-    config["quantization_config"] = json.loads(json.dumps(BitsAndBytesConfig(load_in_8bit=True).to_dict()))
-    (dest / "config.json").write_text(json.dumps(config, indent=2))
-    return dest
+        return {name: codes, prefix + "SCB": scb / 127 if how == "scb127" else scb,
+                prefix + "weight_format": torch.tensor(0, dtype=torch.uint8)}
+
+    return save_quantized(dest, quantized_copy(a, dest, stored),
+                          json.loads(json.dumps(BitsAndBytesConfig(load_in_8bit=True).to_dict())))
 
 
 def test_a_faithful_llm_int8_export_passes_on_every_layer(model_a, root, capsys):

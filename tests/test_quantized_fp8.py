@@ -21,7 +21,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from .derived_checkpoints import build, format_fixtures, quantized_layer_one_named
+from .derived_checkpoints import build, format_fixtures, quantized_copy, quantized_layer_one_named, save_quantized
 from .support import compare_json as compare
 from .support import run_main
 
@@ -238,24 +238,17 @@ def ct_export(a: Path, dest: Path, preset: str, breaks: dict[str, str] | None = 
     from compressed_tensors.quantization import QuantizationConfig, preset_name_to_scheme
 
     scheme = preset_name_to_scheme(preset, ["Linear"])
-    shutil.copytree(a, dest)
-    out = {}
-    for name, value in load_file(a / "model.safetensors").items():
-        if ".layers." not in name or value.dim() != 2:
-            out[name] = value
-            continue
-        strategy = str(getattr(scheme.weights.strategy, "value", scheme.weights.strategy))
+    strategy = str(getattr(scheme.weights.strategy, "value", scheme.weights.strategy))
+
+    def stored(name: str, value: torch.Tensor) -> dict[str, torch.Tensor]:
         block = {"tensor": tuple(value.shape), "channel": (1, value.shape[1])}.get(strategy, BLOCK)
         codes, scale = quantize(value, block)
         scale = 1.0 / scale if (breaks or {}).get(name) == "inverted" else scale
-        out[name], out[name + "_scale"] = codes, scale.reshape(1) if strategy == "tensor" else scale
-    save_file(out, dest / "model.safetensors", metadata={"format": "pt"})
+        return {name: codes, name + "_scale": scale.reshape(1) if strategy == "tensor" else scale}
+
     quantization = QuantizationConfig(config_groups={"group_0": scheme}, ignore=["lm_head"], format=fmt,
                                       quantization_status="compressed").model_dump(mode="json")
-    config = json.loads((dest / "config.json").read_text())
-    config["quantization_config"] = {**quantization, "quant_method": "compressed-tensors"}
-    (dest / "config.json").write_text(json.dumps(config, indent=2))
-    return dest
+    return save_quantized(dest, quantized_copy(a, dest, stored), {**quantization, "quant_method": "compressed-tensors"})
 
 
 @pytest.mark.parametrize("preset", ["FP8_BLOCK", "FP8_DYNAMIC", "FP8"])

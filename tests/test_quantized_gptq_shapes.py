@@ -10,15 +10,13 @@ below packs the codes itself, as it lays them out.
 
 from __future__ import annotations
 
-import json
-import shutil
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 
 from . import test_quantized_int as quantizer
-from .derived_checkpoints import format_fixtures
+from .derived_checkpoints import format_fixtures, quantized_copy, save_quantized
 from .support import compare_json as compare
 
 SIZES = dict(hidden_size=64, intermediate_size=172, num_key_value_heads=2)
@@ -39,12 +37,8 @@ def uneven_export(a: Path, dest: Path, *, stated_bits: int = 4) -> Path:
     """A's folder as GPTQModel writes int4 in groups of 128 (symmetric, v1: zero points stored minus one), each
     group's codes rounded to nearest from its symmetric range; ``stated_bits``: the bits config.json states."""
     bits = 4
-    shutil.copytree(a, dest)
-    out = {}
-    for name, value in load_file(a / "model.safetensors").items():
-        if ".layers." not in name or value.dim() != 2:
-            out[name] = value
-            continue
+
+    def stored(name: str, value: torch.Tensor) -> dict[str, torch.Tensor]:
         w = value.float()
         g_idx = torch.arange(w.shape[1]) // GROUP
         groups = int(g_idx.max()) + 1
@@ -53,15 +47,13 @@ def uneven_export(a: Path, dest: Path, *, stated_bits: int = 4) -> Path:
             scales[:, g], zeros[:, g] = quantizer.group_params(w[:, g_idx == g], bits, sym=True)
         codes = torch.clamp(torch.round(w / scales[:, g_idx] + zeros[:, g_idx]), 0, (1 << bits) - 1).long()
         module = name.removesuffix(".weight")
-        out.update({f"{module}.qweight": padded(codes.t(), bits),
-                    f"{module}.qzeros": padded((zeros - 1).long(), bits).t().contiguous(),
-                    f"{module}.scales": scales.t().contiguous().half(), f"{module}.g_idx": g_idx.to(torch.int32)})
-    save_file(out, dest / "model.safetensors", metadata={"format": "pt"})
-    config = json.loads((dest / "config.json").read_text())
-    config["quantization_config"] = {"bits": stated_bits, "group_size": GROUP, "desc_act": False, "sym": True,
-                                     "quant_method": "gptq", "checkpoint_format": "gptq", "pack_dtype": "int32"}
-    (dest / "config.json").write_text(json.dumps(config, indent=2))
-    return dest
+        return {f"{module}.qweight": padded(codes.t(), bits),
+                f"{module}.qzeros": padded((zeros - 1).long(), bits).t().contiguous(),
+                f"{module}.scales": scales.t().contiguous().half(), f"{module}.g_idx": g_idx.to(torch.int32)}
+
+    return save_quantized(dest, quantized_copy(a, dest, stored), {
+        "bits": stated_bits, "group_size": GROUP, "desc_act": False, "sym": True, "quant_method": "gptq",
+        "checkpoint_format": "gptq", "pack_dtype": "int32"})
 
 
 def test_a_dimension_no_multiple_of_the_word_is_read_as_gptqmodel_pads_it(model_a, root, capsys):

@@ -7,7 +7,6 @@ GPTQ-like quantizer and packers, and a 3-bit packer written here from GPTQModel'
 
 from __future__ import annotations
 
-import json
 import shutil
 from pathlib import Path
 
@@ -17,7 +16,7 @@ from safetensors.torch import load_file, save_file
 from parity.sources import int_groups
 
 from . import test_quantized_int as quantizer
-from .derived_checkpoints import format_fixtures
+from .derived_checkpoints import format_fixtures, quantized_copy, save_quantized
 from .support import compare_json as compare
 
 LAYER1 = "model.layers.1.mlp."
@@ -70,12 +69,8 @@ def three_bit_export(a: Path, dest: Path, exchanged: bool = False) -> Path:
     each group's codes rounded to nearest from its min-max range (0 to 7).  ``exchanged``: layer 1's gate_proj and
     up_proj tensors written under each other's names."""
     group, top = 16, 7
-    shutil.copytree(a, dest)
-    out = {}
-    for name, value in load_file(a / "model.safetensors").items():
-        if ".layers." not in name or value.dim() != 2:
-            out[name] = value
-            continue
+
+    def stored(name: str, value: torch.Tensor) -> dict[str, torch.Tensor]:
         w = value.float()
         tiles = w.reshape(w.shape[0], -1, group)
         low, high = tiles.amin(-1).clamp(max=0), tiles.amax(-1).clamp(min=0)
@@ -84,20 +79,18 @@ def three_bit_export(a: Path, dest: Path, exchanged: bool = False) -> Path:
         g_idx = torch.arange(w.shape[1]) // group
         codes = torch.clamp(torch.round(w / scales[:, g_idx] + zeros[:, g_idx]), 0, top)
         module = name.removesuffix(".weight")
-        out.update({f"{module}.qweight": pack_stream(codes.t(), 3),
-                    f"{module}.qzeros": pack_stream((zeros - 1).long() & top, 3).t().contiguous(),
-                    f"{module}.scales": scales.t().contiguous().half(), f"{module}.g_idx": g_idx.to(torch.int32)})
+        return {f"{module}.qweight": pack_stream(codes.t(), 3),
+                f"{module}.qzeros": pack_stream((zeros - 1).long() & top, 3).t().contiguous(),
+                f"{module}.scales": scales.t().contiguous().half(), f"{module}.g_idx": g_idx.to(torch.int32)}
+
+    out = quantized_copy(a, dest, stored)
     if exchanged:
         for part in ("qweight", "qzeros", "scales", "g_idx"):
             gate, up = LAYER1 + f"gate_proj.{part}", LAYER1 + f"up_proj.{part}"
             out[gate], out[up] = out[up], out[gate]
-    save_file(out, dest / "model.safetensors", metadata={"format": "pt"})
-    config = json.loads((dest / "config.json").read_text())
-    config["quantization_config"] = {"bits": 3, "group_size": group, "desc_act": False, "sym": False,
-                                     "quant_method": "gptq", "checkpoint_format": "gptq", "pack_dtype": "int32",
-                                     "meta": {"quantizer": ["gptqmodel:7.7.0"], "act_group_aware": True}}
-    (dest / "config.json").write_text(json.dumps(config, indent=2))
-    return dest
+    return save_quantized(dest, out, {"bits": 3, "group_size": group, "desc_act": False, "sym": False,
+                                      "quant_method": "gptq", "checkpoint_format": "gptq", "pack_dtype": "int32",
+                                      "meta": {"quantizer": ["gptqmodel:7.7.0"], "act_group_aware": True}})
 
 
 def test_the_three_bit_stream_is_read_code_by_code():

@@ -22,7 +22,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from .derived_checkpoints import build, format_fixtures, quantized_layer_one_named
+from .derived_checkpoints import build, format_fixtures, quantized_copy, quantized_layer_one_named
 from .support import compare_json as compare
 from .support import run_main
 
@@ -230,12 +230,8 @@ def ct_export(a: Path, dest: Path, preset: str, breaks: dict[str, str] | None = 
     if group is not None:  # the preset's scheme in groups of ``group``
         scheme.weights = scheme.weights.model_copy(update={"group_size": group})
     args = scheme.weights
-    shutil.copytree(a, dest)
-    out = {}
-    for name, value in load_file(a / "model.safetensors").items():
-        if ".layers." not in name or value.dim() != 2:
-            out[name] = value
-            continue
+
+    def stored(name: str, value: torch.Tensor) -> dict[str, torch.Tensor]:
         tiles = value.float().reshape(value.shape[0], -1, args.group_size)
         scale, zero = calculate_qparams(tiles.amin(-1), tiles.amax(-1), args)
         state = {"weight": value.float(), "weight_scale": scale.float(), "weight_zero_point": zero}
@@ -243,10 +239,11 @@ def ct_export(a: Path, dest: Path, preset: str, breaks: dict[str, str] | None = 
         if (breaks or {}).get(name) == "zeros_plus1":  # the codes of the true zero point, stored one code up
             high = (1 << (args.num_bits - 1)) - 1
             shifted = {**state, "weight_zero_point": (zero + 1).clamp(max=high).to(zero.dtype)}
-            stored = PackedQuantizationCompressor.compress(shifted, scheme)
-            compressed["weight_zero_point"] = stored["weight_zero_point"]
-        out.update({f"{name.removesuffix('.weight')}.{key}": t for key, t in compressed.items()})
-    save_file(out, dest / "model.safetensors", metadata={"format": "pt"})
+            compressed["weight_zero_point"] = PackedQuantizationCompressor.compress(shifted,
+                                                                                   scheme)["weight_zero_point"]
+        return {f"{name.removesuffix('.weight')}.{key}": t for key, t in compressed.items()}
+
+    save_file(quantized_copy(a, dest, stored), dest / "model.safetensors", metadata={"format": "pt"})
     return stated_pack_quantized(dest, scheme)
 
 
