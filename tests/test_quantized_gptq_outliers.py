@@ -207,3 +207,24 @@ def test_awq_packed_order_read_linearly_is_not_taken_for_gptq(model_a, root, cap
     assert [layer["passed"] for layer in report["layers"]] == [True, False]
     assert report["layers"][1]["diagnosis"]["id"] == "packed_order_wrong"
     assert all("GPTQ's compensation" not in layer["conversion"]["tolerance_rule"] for layer in report["layers"])
+
+
+def test_a_replay_names_a_gptq_layer_within_gptqs_own_reach_of_round_to_nearest():
+    """A replay converts A by round to nearest; a GPTQ export lies from it as far as its compensation moves a faithful
+    export (llm-compressor's GPTQ int4/32 export of the stories260K stand-in with gate and up exchanged: the exchange
+    replay 3.74 from B, A 13.2, the layer's tolerance 2.49, so it was named tensor_scaled x -0.017).  An integer-group
+    B not folded by AWQ widens the replay's reach by GPTQ_FACTOR / FACTOR; AWQ (round to nearest on its grid), a folded
+    export and every other storage keep the tolerance."""
+    from types import SimpleNamespace
+
+    from parity.engine.compare.comparison import compensated
+
+    def held(method: str | None, fold: str | None = None) -> dict:
+        group = None if method is None else SimpleNamespace(method=method, fold=fold)
+        return {"gate_proj.weight": SimpleNamespace(group=group)}
+
+    widened = group_grid.GPTQ_FACTOR / group_grid.FACTOR
+    assert widened > 1
+    assert compensated(held("gptq")) == widened and compensated(held("pack-quantized")) == widened
+    assert compensated(held("awq")) == 1.0 and compensated(held("pack-quantized", fold="s2")) == 1.0
+    assert compensated(held(None)) == 1.0

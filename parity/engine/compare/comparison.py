@@ -335,7 +335,7 @@ class Comparison:
                 shifted = self.replay_all(layer, search(unit, a, b), a, b, x, out_b, candidates)
                 if shifted is not None and (best is None or shifted[0] < best[0]):
                     best = shifted
-        if best is not None and best[0] <= min(tolerance, EXPLAINS * reference_distance):
+        if best is not None and best[0] <= min(tolerance * compensated(b.storage), EXPLAINS * reference_distance):
             return diagnosis(best[1], best[0], reference_distance, best[2], candidates)
         replayed = block_replay_finding(beyond, a.routed, b.routed, b.storage, reference_distance, candidates)
         if replayed is not None:  # an FP8 mistake B's every value reproduces: before what its grid shows
@@ -487,6 +487,17 @@ def same_files(a: Side, b: Side) -> bool:
     """A and B one set of files (one folder, one file, one hub snapshot): compared (it shows parity reads the
     checkpoint end to end), and said in every view, since its pass proves nothing about a conversion."""
     return Path(a.checkpoint.location).expanduser().resolve() == Path(b.checkpoint.location).expanduser().resolve()
+
+
+def compensated(storage: dict) -> float:
+    """How much farther than the layer's tolerance a replay may lie from B and still name its mistake: a replay
+    converts A by round to nearest, and an integer-group B quantized by GPTQ lies from any such replay as far as its
+    compensation moves a faithful export from round to nearest (``group_grid.GPTQ_FACTOR`` over ``FACTOR``; the
+    stories260K stand-in's llm-compressor GPTQ int4/32 export with gate and up exchanged: the exchange replay 3.74 from
+    B, A 13.2, the layer's 3 x tolerance 2.49).  AWQ rounds to nearest on its grid: 1, as for every other format."""
+    grids = [s.group for s in storage.values() if s.group is not None]
+    gptq = any(grid.method != "awq" and grid.fold is None for grid in grids)
+    return group_grid.GPTQ_FACTOR / group_grid.FACTOR if gptq else 1.0
 
 
 def run_comparison(comparison: Comparison, layers: Selection = None,
