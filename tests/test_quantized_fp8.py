@@ -303,3 +303,49 @@ def test_an_fp8_release_from_the_hugging_face_cache_is_read_as_a_local_one(model
     assert report["comparison"]["candidate"]["checkpoint"].startswith("someone/tiny-llama-fp8")
     assert all(row["storage"] == "float8_e4m3fn" for layer in report["layers"]
                for row in layer["conversion"]["tensors"])
+
+
+def bf16_llm_compressor_export(a: Path, dest: Path, inverted: str | None = None) -> Path:
+    """A bfloat16 A's folder as llm-compressor 0.14 writes FP8_BLOCK for it: each block's scale its largest magnitude
+    / 448 rounded to bfloat16 and stored so, the codes compressed-tensors' ``quantize`` of the bfloat16 weight by the
+    bfloat16 scale (bfloat16 arithmetic: its export of the Gemma 3 270M stand-in holds exactly these codes, 3 % of
+    them other than float32 arithmetic's); ``inverted``: that tensor's scales stored as 1 / scale."""
+    from compressed_tensors.quantization import QuantizationConfig, preset_name_to_scheme
+    from compressed_tensors.quantization.lifecycle.forward import quantize as ct_quantize
+
+    from parity.engine.compare.fp8_grid import library_args
+
+    args = library_args(BLOCK)
+
+    def stored(name: str, value: torch.Tensor) -> dict[str, torch.Tensor]:
+        rows, cols = (math.ceil(n / b) for n, b in zip(value.shape, BLOCK, strict=True))
+        padded = torch.zeros(rows * BLOCK[0], cols * BLOCK[1])
+        padded[:value.shape[0], :value.shape[1]] = value.float().abs()
+        peak = padded.reshape(rows, BLOCK[0], cols, BLOCK[1]).amax(dim=(1, 3))
+        scale = (peak / 448).to(torch.bfloat16)
+        codes = ct_quantize(value, scale, torch.zeros_like(scale), args, dtype=torch.float8_e4m3fn).contiguous()
+        return {name: codes, name + "_scale": 1 / scale if name == inverted else scale}
+
+    scheme = preset_name_to_scheme("FP8_BLOCK", ["Linear"])
+    quantization = QuantizationConfig(config_groups={"group_0": scheme}, ignore=["lm_head"], format="float-quantized",
+                                      quantization_status="compressed").model_dump(mode="json")
+    return save_quantized(dest, quantized_copy(a, dest, stored), {**quantization, "quant_method": "compressed-tensors"})
+
+
+def test_an_fp8_export_computed_in_bfloat16_is_its_conversion_exactly_and_its_inverted_scale_named(model_a, root,
+                                                                                                   capsys):
+    """llm-compressor quantizes a bfloat16 model in bfloat16 and stores its scales so: A is re-quantized in the dtype
+    B's scales are stored in (fp8_grid.quantize), so a faithful export is its conversion exactly (it sat at 0.96 to
+    1.30 x on the Gemma 3 stand-in) and a scale stored inverted is named (it was grid_too_coarse there)."""
+    a = root / "a-bf16"
+    shutil.copytree(model_a, a)
+    save_file({k: v.to(torch.bfloat16) for k, v in load_file(model_a / "model.safetensors").items()},
+              a / "model.safetensors", metadata={"format": "pt"})
+    code, report = compare(capsys, a, bf16_llm_compressor_export(a, root / "bf16-llmc"))
+    assert code == 0, report
+    for layer in report["layers"]:
+        assert layer["conversion"]["ratio_to_conversion"] == pytest.approx(1.0, abs=1e-6), layer["conversion"]
+    broken = bf16_llm_compressor_export(a, root / "bf16-llmc-inverted", "model.layers.1.mlp.up_proj.weight")
+    code, report = compare(capsys, a, broken)
+    assert code == 1 and [layer["passed"] for layer in report["layers"]] == [True, False], report["layers"]
+    assert report["layers"][1]["diagnosis"]["id"] == "fp8_scale_inverted", report["layers"][1]["diagnosis"]

@@ -82,6 +82,7 @@ class BlockQuantized:
     block: tuple[int, int]
     scale_name: str
     power_of_two: bool = False
+    scale_dtype: str = "float32"  # as the file stores the scales (llm-compressor keeps a bfloat16 model's dtype)
 
 
 def scheme_of(raw_config: dict, where: str) -> FP8Scheme | None:
@@ -209,7 +210,7 @@ class FP8Checkpoint(Checkpoint):
             return None
         scales = self.reader(self.companions[scale_name], [scale_name])[scale_name]
         return BlockQuantized(codes, as_grid(scales.float()), self.scheme.block_for(codes.shape), scale_name,
-                              self.scheme.power_of_two)
+                              self.scheme.power_of_two, str(scales.dtype).removeprefix("torch."))
 
     def stored_dtype(self, name: str) -> str | None:
         """The dtype tensor ``name`` had in its file when last read (torch's name: ``bfloat16``), None if not read:

@@ -179,7 +179,8 @@ def block_replay_finding(beyond: list[dict], a: dict[str, torch.Tensor], b: dict
             continue
         else:
             found = (fp8_grid.replays(stored, store.block, lambda t, s=store: unstored(s.route, t),
-                                      power_of_two=store.power_of_two) if store.block is not None
+                                      power_of_two=store.power_of_two, scale_dtype=store.scale_dtype)
+                     if store.block is not None
                      else codebook_grid.replays(stored, store.codebook, lambda t, s=store: unstored(s.route, t)))
         for mistake, detail, values in found:
             excess = step_excess(values, b[name].float(), store.steps)

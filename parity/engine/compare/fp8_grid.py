@@ -66,7 +66,7 @@ def stored(checkpoint, key: str, route: TensorRoute) -> Storage | None:
                    f"{bad.numel()} blocks have a NaN/Inf scale")
     return Storage(dtype_name(held.codes.dtype), True, route_tensor(route, each), "file", route,
                    nonfinite_scale=problem, zeroed=not bool(held.codes.float().any()), block=held.block,
-                   power_of_two=held.power_of_two, scales=held.scales)
+                   power_of_two=held.power_of_two, scale_dtype=held.scale_dtype, scales=held.scales)
 
 
 def library_args(block: tuple[int, int]):
@@ -108,35 +108,42 @@ def coarse_blocks(x: torch.Tensor, scales: torch.Tensor, block: tuple[int, int])
             "times_coarser": float(scales.reshape(-1)[worst] / needed.reshape(-1)[worst])}
 
 
-def quantize(x: torch.Tensor, block: tuple[int, int], *, power_of_two: bool = False
+def quantize(x: torch.Tensor, block: tuple[int, int], *, power_of_two: bool = False, scale_dtype: str = "float32"
              ) -> tuple[torch.Tensor, torch.Tensor]:
     """A's matrix (stored layout) quantized the way the format does: each block's scale from its largest magnitude
     (compressed-tensors' ``calculate_qparams``; with ``power_of_two``, scale_fmt "ue8m0", the power of two at or
-    above it, as transformers' Fp8Quantize rounds it), the codes by compressed-tensors' ``quantize``.  Returns the
+    above it, as transformers' Fp8Quantize rounds it), the codes by compressed-tensors' ``quantize``, both in the
+    dtype B stores its scales in (``scale_dtype``: llm-compressor keeps a bfloat16 model's scales in bfloat16 and
+    divides in bfloat16; its FP8_BLOCK export of the Gemma 3 270M stand-in holds exactly these codes, where float32
+    arithmetic gave 3 % of them another code and its faithful layers 0.96 to 1.30 x the conversion's deviation).
+    Returns the
     codes (as float32 values of e4m3) and the scales [ceil(rows / block[0]), ceil(cols / block[1])]."""
     from compressed_tensors.quantization.lifecycle.forward import quantize as ct_quantize
     from compressed_tensors.quantization.utils import calculate_qparams
 
     args = library_args(block)
-    tiles = block_tiles(x, block)
+    tiles = block_tiles(x.float(), block)
     scales, zeros = calculate_qparams(tiles.amin(dim=(1, 3)), tiles.amax(dim=(1, 3)), args)
     if power_of_two:
         scales = torch.exp2(torch.ceil(torch.log2(scales.clamp_min(torch.finfo(torch.float32).tiny))))
-    codes = ct_quantize(x.float(), scales, zeros, args, dtype=CODES)
+    dtype = getattr(torch, scale_dtype)  # the codes computed in the dtype B keeps its scales in, as its writer did;
+    dtype = dtype if dtype.itemsize >= 2 else torch.float32  # ue8m0 (float8_e8m0fnu) powers of two: in float32
+    scales = scales.to(dtype)
+    codes = ct_quantize(x.to(dtype), scales, zeros, args, dtype=CODES)
     return codes.float(), scales.float()
 
 
-def requantize(x: torch.Tensor, block: tuple[int, int], *, power_of_two: bool = False
+def requantize(x: torch.Tensor, block: tuple[int, int], *, power_of_two: bool = False, scale_dtype: str = "float32"
                ) -> tuple[torch.Tensor, torch.Tensor]:
     """A's matrix (stored layout) as a faithful FP8 export holds it, dequantized (float32), and each value's step."""
-    codes, scales = quantize(x, block, power_of_two=power_of_two)
+    codes, scales = quantize(x, block, power_of_two=power_of_two, scale_dtype=scale_dtype)
     return codes * expand(scales, block, codes.shape), steps(codes, scales, block)
 
 
 def reference(x: torch.Tensor, storage: Storage) -> tuple[torch.Tensor, str, torch.Tensor]:
     """A's matrix (stored layout) as B's FP8 storage would hold it (``requantize``), how it was made, and each value's
     step."""
-    values, each = requantize(x, storage.block, power_of_two=storage.power_of_two)
+    values, each = requantize(x, storage.block, power_of_two=storage.power_of_two, scale_dtype=storage.scale_dtype)
     scale = "the power of two at or above " if storage.power_of_two else ""
     return (values, f"re-quantized to {storage.dtype} in {storage.block[0]}x{storage.block[1]} blocks with "
             f"compressed-tensors (scale: {scale}the block's largest magnitude / 448)", each)
@@ -150,12 +157,12 @@ def even_block(shape, block: tuple[int, int]) -> tuple[int, int]:
     return math.ceil(rows / grid[0]), math.ceil(cols / grid[1])
 
 
-def mistakes(x: torch.Tensor, block: tuple[int, int], *, power_of_two: bool = False
+def mistakes(x: torch.Tensor, block: tuple[int, int], *, power_of_two: bool = False, scale_dtype: str = "float32"
              ) -> list[tuple[str, str, torch.Tensor]]:
     """The FP8 conversion mistakes that keep B's grid the stated shape, each as (mistake id, detail, A's matrix as
     the broken export reads back; stored layout): the scale inverted; the scales transposed (a square grid: another
     shape is refused when the file is read); the codes quantized in blocks of another size than the stated one."""
-    codes, scales = quantize(x, block, power_of_two=power_of_two)
+    codes, scales = quantize(x, block, power_of_two=power_of_two, scale_dtype=scale_dtype)
     found = [("fp8_scale_inverted", "codes times 1 / weight_scale_inv (the scale stored inverted)",
               codes * expand(1.0 / scales, block, codes.shape))]
     if scales.shape[0] == scales.shape[1] and scales.shape[0] > 1:
@@ -163,14 +170,14 @@ def mistakes(x: torch.Tensor, block: tuple[int, int], *, power_of_two: bool = Fa
                       codes * expand(scales.t(), block, codes.shape)))
     other = even_block(x.shape, block)
     if other != tuple(block):
-        codes_other, scales_other = quantize(x, other, power_of_two=power_of_two)
+        codes_other, scales_other = quantize(x, other, power_of_two=power_of_two, scale_dtype=scale_dtype)
         found.append(("fp8_block_size_wrong", f"quantized in {other[0]}x{other[1]} blocks, read in the stated "
                       f"{block[0]}x{block[1]}", codes_other * expand(scales_other, block, codes.shape)))
     return found
 
 
 def replays(x: torch.Tensor, block: tuple[int, int], back: Callable[[torch.Tensor], torch.Tensor], *,
-            power_of_two: bool = False) -> list[tuple[str, str, torch.Tensor]]:
+            power_of_two: bool = False, scale_dtype: str = "float32") -> list[tuple[str, str, torch.Tensor]]:
     """``mistakes`` with each result put into the reference's layout by ``back``."""
-    found = mistakes(x, block, power_of_two=power_of_two)
+    found = mistakes(x, block, power_of_two=power_of_two, scale_dtype=scale_dtype)
     return [(mistake, detail, back(values)) for mistake, detail, values in found]

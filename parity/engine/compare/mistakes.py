@@ -104,7 +104,8 @@ def block_hypotheses(name: str, a: torch.Tensor, storage: conversion.Storage) ->
     return [Hypothesis(MistakeId(mistake), f"{name}: {detail}", _replace(name, values))
             for mistake, detail, values in fp8_grid.replays(stored, storage.block,
                                                             lambda t: conversion.unstored(storage.route, t),
-                                                            power_of_two=storage.power_of_two)]
+                                                            power_of_two=storage.power_of_two,
+                                                            scale_dtype=storage.scale_dtype)]
 
 
 def codebook_hypotheses(name: str, a: torch.Tensor, storage: conversion.Storage) -> list[Hypothesis]:

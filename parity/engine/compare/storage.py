@@ -35,6 +35,7 @@ class Storage:
     zeroed: bool = False  # every quantization code of the tensor (this expert's blocks) is zero
     block: tuple[int, int] | None = None  # FP8 block quantization: the block each weight_scale_inv covers
     power_of_two: bool = False  # FP8 block quantization with power-of-two (ue8m0) scales
+    scale_dtype: str = "float32"  # FP8: the dtype its scales are stored in (llm-compressor: the model's, bfloat16)
     scales: torch.Tensor | None = None  # FP8 block quantization: each block's scale, read from the file
     levels: torch.Tensor | None = None  # a grid parity cannot read (IQ, NVFP4): B's own values, stored layout
     codebook: object | None = None  # bitsandbytes 4-bit: parity.sources.bnb_4bit.Packed4bit, read from the file
