@@ -18,8 +18,9 @@ def stands_in(experts: nn.Module) -> bool:
     """Whether ``experts`` stands where a block's experts module is, computing the (token, expert) pairs the block
     asks for without holding every expert (engine.check.block_replay.ExpertsOnDemand: a block too large to hold),
     exchanging two experts under its own ``exchanged(first, second)`` and running each expert it builds under a
-    replay's change under ``each(key, change)``: the replays inside an expert change each expert alone (``_within``),
-    their settings read off its ``template`` (the experts module on the meta device; none: they are not replayed)."""
+    replay's change under ``each(key, change)``: the replays inside an expert change each expert alone
+    (``routing_replays._within``), their settings read off its ``template`` (the experts module on the meta device;
+    none: they are not replayed)."""
     return isinstance(experts, nn.Module) and callable(getattr(experts, "exchanged", None)) \
         and callable(getattr(experts, "each", None)) and isinstance(getattr(experts, "num_experts", None), int)
 

@@ -33,7 +33,7 @@ class ExpertsOnDemand(nn.Module):
     float64: ``build(e)`` is expert e alone in transformers' experts module (built from its stored values, dropped
     once its pairs are computed); a pair's output (at routing weight 1) is kept by the replay it was computed under,
     the token's values and the expert computed, so another replay choosing it again costs nothing.  ``reads`` counts
-    the experts built.  Its ``exchanged`` and ``each`` make it a stand-in engine.routing_mistakes replays on
+    the experts built.  Its ``exchanged`` and ``each`` make it a stand-in engine.routing_replays replays on
     (``stands_in``): the routing replays change what the block asks of it, the replays inside an expert change each
     expert it builds (``each``), their settings read off ``template`` (the layer's experts module, on the meta
     device).  ``routed``: the block hands it each token's chosen experts and their weights; otherwise (Llama 4's) its
