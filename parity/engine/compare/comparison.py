@@ -496,7 +496,7 @@ def compensated(storage: dict) -> float:
     stories260K stand-in's llm-compressor GPTQ int4/32 export with gate and up exchanged: the exchange replay 3.74 from
     B, A 13.2, the layer's 3 x tolerance 2.49).  AWQ rounds to nearest on its grid: 1, as for every other format."""
     grids = [s.group for s in storage.values() if s.group is not None]
-    gptq = any(grid.method != "awq" and grid.fold is None for grid in grids)
+    gptq = any(not group_grid.by_awq(grid) for grid in grids)
     return group_grid.GPTQ_FACTOR / group_grid.FACTOR if gptq else 1.0
 
 

@@ -121,6 +121,12 @@ class Grid:
         return (codes - (self.zeros if zeros is None else zeros)) * steps
 
 
+def by_awq(grid) -> bool:
+    """Whether ``grid`` was written by AWQ: its method says so, or its scales were folded into the norm and up/down
+    (``folds``, undone).  AWQ clips each group's range and rounds to nearest on its grid; GPTQ compensates."""
+    return grid.method == "awq" or grid.fold is not None
+
+
 def grid_of(held, bits: int) -> Grid:
     """The per-value grid of one matrix as ``int_groups.GroupQuantized`` holds it."""
     steps = held.scales[:, held.g_idx]
@@ -163,9 +169,8 @@ def value_scales(x: torch.Tensor, held: torch.Tensor, grid: Grid) -> dict:
         found["beyond"] = not SCALE[0] <= found["tensor"] <= SCALE[1]
         found["bounds"] = list(SCALE)
         return found
-    clipped = grid.method == "awq" or grid.fold is not None
     return least_squares_scales(x[:, order], held[:, order], size, bounds=SCALE,
-                                block_bounds=AWQ_GROUP_SCALE if clipped else GROUP_SCALE)
+                                block_bounds=AWQ_GROUP_SCALE if by_awq(grid) else GROUP_SCALE)
 
 
 def stored(checkpoint, key: str, route) -> Storage | None:
@@ -349,7 +354,7 @@ def layer_factor(tensors: dict[str, tuple[torch.Tensor, torch.Tensor, Grid]], *,
                       for name, s in seen.items())
     low, high = COMPENSATED
     honest = all(s["rough"] <= SOUND and abs(s["bias"]) <= BIAS_LIMIT and s["moved"] <= high for s in seen.values())
-    rounded = any(grid.method == "awq" or grid.fold for _, _, grid in tensors.values())  # AWQ: round to nearest
+    rounded = any(by_awq(grid) for _, _, grid in tensors.values())  # AWQ: round to nearest
     if seen and honest and not rounded and any(s["moved"] >= low for s in seen.values()):
         factor = max(FACTOR, min(GPTQ_FACTOR, WIDEST * room))
         return factor, (f"GPTQ's compensation: {factor:.3g} x, since every matrix is unbiased on a grid of A's with at "
