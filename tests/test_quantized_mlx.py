@@ -46,6 +46,35 @@ def pack4(codes: np.ndarray) -> np.ndarray:
     return sum(words[..., k] << np.uint32(4 * k) for k in range(8)).astype(np.uint32)
 
 
+def microscaled(value: torch.Tensor, mode: str, dtype: str, how: str | None = None) -> dict:
+    """``value`` as mlx_lm.convert stores it in a microscaled ``mode`` (weight, uint8 scales; no biases), with
+    mistake ``how``: doubled (every scale twice as large), coarse (row 2's scales twice as large: its groups' grid
+    twice as coarse as mlx chooses), gguf_order (each 32-value block's codes packed in
+    ggml's MXFP4 order: value j and j + 16 in byte j), transposed (a square scale grid stored transposed), nan (row
+    3's scales the byte mlx reads as no number), affine (quantized in affine mode: scales and biases in ``dtype``)."""
+    w = mx.array(value.float().numpy()).astype(getattr(mx, dtype))
+    if how == "affine":
+        return quantize(value, 64, 4, dtype)
+    packed, scales = mx.quantize(w, mode=mode)
+    scales = np.array(scales)
+    twice = 8 if mode == "nvfp4" else 1  # a scale byte twice as large: e4m3's exponent one up, e8m0's byte one up
+    if how == "doubled":
+        scales = scales + twice
+    if how == "coarse":
+        scales[2] += twice
+    if how == "gguf_order":
+        words = np.array(packed).reshape(packed.shape[0], -1, 4)  # a 32-value block is four words
+        nibbles = np.stack([(words >> np.uint32(4 * k)) & np.uint32(15) for k in range(8)], -1).reshape(
+            packed.shape[0], -1, 32)
+        mlx_read = np.stack([nibbles[..., :16], nibbles[..., 16:]], -1).reshape(nibbles.shape)  # byte j: j, j + 16
+        packed = mx.array(pack4(mlx_read.reshape(packed.shape[0], -1)))
+    if how == "transposed":
+        scales = np.ascontiguousarray(scales.T)
+    if how == "nan":
+        scales[3] = 255
+    return {"weight": to_torch(packed), "scales": torch.from_numpy(scales.astype(np.uint8))}
+
+
 def quantize(value: torch.Tensor, group: int, bits: int, dtype: str, how: str | None = None) -> dict:
     """``value`` [out, in] (or experts stacked, [E, out, in]) as mlx_lm.convert stores it (weight, scales, biases),
     with mistake ``how``: exchanged (scales and biases swapped; "exchanged@2": in expert 2 only), transposed (both
@@ -78,13 +107,18 @@ def quantize(value: torch.Tensor, group: int, bits: int, dtype: str, how: str | 
 
 
 def mlx_export(a: Path, dest: Path, *, group: int = 64, bits: int = 4, dtype: str = "bfloat16",
-               breaks: dict[str, str] | None = None, modules: dict | None = None, written: dict | None = None
-               ) -> Path:
+               breaks: dict[str, str] | None = None, modules: dict | None = None, written: dict | None = None,
+               mode: str | None = None, stated: str | None = None) -> Path:
     """A's folder as mlx_lm.convert -q writes it: every 2-D weight whose input width is a multiple of the group
     quantized, the rest cast to ``dtype``.  ``modules``: config.json's per-module entries ({group_size, bits} or
     False), which the tensors follow unless ``written`` says what a module was really quantized with (a config that
-    misstates it); ``breaks``: tensor name -> a mistake of ``quantize``."""
+    misstates it); ``breaks``: tensor name -> a mistake of ``quantize`` (of ``microscaled`` with ``mode``: a
+    microscaled mode, whose group size and bits are mlx's defaults, as ``--q-mode`` writes them); ``stated``: the
+    mode config.json states, where it misstates ``mode``."""
     breaks, modules, written = breaks or {}, modules or {}, written or {}
+    if mode is not None:
+        _, scales = mx.quantize(mx.zeros((2, 256)), mode=mode)
+        group, bits = 256 // scales.shape[-1], {"mxfp8": 8}.get(mode, 4)
     shutil.copytree(a, dest)
     out = {}
     for name, value in switch_mlp(load_file(a / "model.safetensors")).items():
@@ -93,11 +127,14 @@ def mlx_export(a: Path, dest: Path, *, group: int = 64, bits: int = 4, dtype: st
         if value.dim() not in (2, 3) or "norm" in name or entry is False or value.shape[-1] % entry["group_size"]:
             out[name] = value.to(getattr(torch, dtype))
             continue
-        parts = quantize(value, entry["group_size"], entry["bits"], dtype, breaks.get(name))
+        parts = (microscaled(value, mode, dtype, breaks.get(name)) if mode is not None
+                 else quantize(value, entry["group_size"], entry["bits"], dtype, breaks.get(name)))
         out.update({f"{module}.{part}": tensor for part, tensor in parts.items()})
     save_file(out, dest / "model.safetensors", metadata={"format": "mlx"})
     config = json.loads((dest / "config.json").read_text())
     config["quantization"] = {"group_size": group, "bits": bits, **modules}
+    if mode is not None or stated is not None:
+        config["quantization"]["mode"] = stated or mode
     config["quantization_config"] = config["quantization"]
     (dest / "config.json").write_text(json.dumps(config, indent=2))
     return dest
@@ -218,8 +255,9 @@ def test_a_faithful_qwen2_export_passes(root, capsys):
 
 @pytest.mark.parametrize(("quantization", "said"), [
     ({"group_size": 64, "bits": 7}, "config.json's quantization is"),
-    ({"group_size": 32, "bits": 4, "mode": "mxfp4"}, "quantization.mode is 'mxfp4'"),
-    ({"group_size": 64, "bits": 4, "model.layers.0.mlp.up_proj": {"bits": 4}}, "quantization['model.layers.0"),
+    ({"group_size": 32, "bits": 4, "mode": "mxfp5"}, "Invalid quantization mode 'mxfp5'"),
+    ({"group_size": 64, "bits": 4, "mode": "mxfp4"}, "mxfp4 quantization requires group size 32"),
+    ({"group_size": 64, "bits": 4, "model.layers.0.mlp.up_proj": {"bits": 0}}, "quantization['model.layers.0"),
 ])
 def test_an_mlx_config_parity_cannot_read_is_exit_2_naming_the_field(model_a, root, capsys, quantization, said):
     b = mlx_export(model_a, root / f"config-{len(list(root.iterdir()))}")
@@ -237,7 +275,7 @@ def test_without_mlx_an_mlx_b_is_exit_2_naming_the_extra(model_a, root, capsys, 
         monkeypatch.setitem(sys.modules, module, None)  # import of it raises ImportError
     code, out, err = run_main(capsys, "compare", model_a, b)
     assert code == 2, out + err
-    assert "MLX affine-quantized" in err and "'mlx'" in err and "Traceback" not in err
+    assert "MLX-quantized" in err and "'mlx'" in err and "Traceback" not in err
 
 
 def test_mlx_experts_in_switch_mlp_are_judged_one_by_one_and_a_broken_one_is_named(root, capsys):
@@ -283,3 +321,86 @@ def test_an_mlx_release_from_the_hugging_face_cache_is_read_as_a_local_one(model
     assert code == 0, report
     assert all(row["storage"] == "mlx affine 4-bit/64 (bfloat16 scales)" for layer in report["layers"]
                for row in layer["conversion"]["tensors"])
+
+
+MODES = ("mxfp4", "mxfp8", "nvfp4")
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_a_faithful_microscaled_export_passes_on_every_layer(model_a, root, capsys, mode):
+    """``mlx_lm.convert -q --q-mode {mxfp4, mxfp8, nvfp4}``: uint8 scales (e8m0, e8m0, e4m3) and no biases, each
+    code a floating-point value; every layer passes, B exactly A's re-quantization, each value within its code's gap
+    times its group's scale (or, at the top level, what a scale rounded down clips)."""
+    b = mlx_export(model_a, root / f"faithful-{mode}", mode=mode)
+    code, report = compare(capsys, model_a, b)
+    assert code == 0, report
+    group = 16 if mode == "nvfp4" else 32
+    for layer in report["layers"]:
+        conversion = layer["conversion"]
+        assert conversion["conversion_deviation"] > 0
+        assert conversion["ratio_to_conversion"] == pytest.approx(1.0, abs=1e-6)
+        for row in conversion["tensors"]:
+            assert row["storage"] == f"mlx {mode}/{group}"
+            assert row["step_source"] == "file" and row["steps"]["values_beyond_step"] == 0
+            # half a gap, plus A's own bfloat16 rounding (measured 0.53); nvfp4's e4m3 scale rounded down clips the
+            # top level (measured 1.47 on mlx-lm's own exports)
+            assert 0 < row["steps"]["max_steps"] <= (2.0 if mode == "nvfp4" else 0.6)
+    assert any(f"MLX {mode}, groups of {group}" in note for note in report["notes"])
+    inventory = report["comparison"]["inventory"]
+    assert inventory["shape_differs"] == [] and inventory["dtype_changes"] == {f"F32 -> {mode.upper()}": 10,
+                                                                               "F32 -> BF16": 5}
+
+
+@pytest.mark.parametrize(("case", "mode", "tensor", "named", "evidence"), [
+    ("doubled", "mxfp4", "up_proj", "tensor_scaled", "up_proj.weight x 1.9"),
+    ("coarse", "mxfp4", "down_proj", "grid_too_coarse", "blocks"),
+    ("gguf_order", "mxfp4", "gate_proj", "packed_order_wrong", "ggml's MXFP4 order"),
+    ("nan", "mxfp8", "up_proj", "nonfinite_scale", "groups have a NaN/Inf scale"),
+    ("coarse", "nvfp4", "gate_proj", "grid_too_coarse", "blocks"),
+    ("affine", "mxfp4", "down_proj", "mlx_mode_wrong", "as MLX's affine mode stores them; config.json states mxfp4"),
+])
+def test_a_microscaled_conversion_mistake_fails_its_layer_only_and_is_named(model_a, root, capsys, case, mode,
+                                                                            tensor, named, evidence):
+    broken = mlx_export(model_a, root / f"broken-{mode}-{case}", mode=mode,
+                        breaks={f"{LAYER1}.{tensor}.weight": case})
+    found = quantized_layer_one_named(capsys, model_a, broken, named, tensor)
+    assert evidence in found["message"], found["message"]
+    if found["distance"] is not None:
+        assert found["distance"] <= 0.5 * found["reference_distance"]
+
+
+def test_a_microscaled_export_whose_config_says_affine_fails_every_layer_naming_the_mode(model_a, root, capsys):
+    """An mxfp4 export whose config.json lost its mode (read as affine, mlx's default): the uint8 scales without
+    biases are named on every layer, not dequantized on the wrong grid."""
+    b = mlx_export(model_a, root / "mode-lost", mode="mxfp4", stated="affine")
+    code, report = compare(capsys, model_a, b)
+    assert code == 1, report
+    assert [layer["diagnosis"]["id"] for layer in report["layers"]] == ["mlx_mode_wrong"] * 2
+    assert "uint8 with no" in report["layers"][0]["diagnosis"]["message"]
+
+
+def test_gate_and_up_exchanged_in_an_nvfp4_export_is_named(model_a, root, capsys):
+    a = root / "a-swapped-nvfp4"
+    shutil.copytree(model_a, a)
+    tensors = load_file(a / "model.safetensors")
+    gate, up = f"{LAYER1}.gate_proj.weight", f"{LAYER1}.up_proj.weight"
+    tensors[gate], tensors[up] = tensors[up].clone(), tensors[gate].clone()
+    save_file(tensors, a / "model.safetensors", metadata={"format": "pt"})
+    code, report = compare(capsys, model_a, mlx_export(a, root / "swapped-nvfp4", mode="nvfp4"))
+    assert code == 1, report
+    assert [layer["passed"] for layer in report["layers"]] == [True, False]
+    assert report["layers"][1]["diagnosis"]["id"] == "gate_up_exchanged"
+
+
+def test_mxfp4_experts_in_switch_mlp_are_judged_one_by_one(root, capsys):
+    """A Qwen2-MoE's stacked experts in mxfp4 (GPT-OSS's own format, as mlx-lm writes it): each expert's slice is
+    read with its own scales; every (layer, expert) of a faithful export passes."""
+    from .derived_checkpoints import MOE
+
+    moe = build("qwen2_moe", root / "moe-mx", 5, **{**MOE, **SIZES, "moe_intermediate_size": 64,
+                                                    "shared_expert_intermediate_size": 64})
+    code, report = compare(capsys, moe, mlx_export(moe, root / "moe-mxfp4", mode="mxfp4"))
+    assert code == 0, report
+    units = [unit for unit in report["layers"] if unit["unit"] != "block"]
+    assert len(units) == 2 * (MOE["num_experts"] + 1)
+    assert all(row["storage"] == "mlx mxfp4/32" for unit in units for row in unit["conversion"]["tensors"])

@@ -66,11 +66,12 @@ class MistakeId(StrEnum):
     BNB_CODE_BOOK_WRONG = "bnb_code_book_wrong"
     BNB_BLOCK_SIZE_WRONG = "bnb_block_size_wrong"
     BNB_DOUBLE_QUANT_NOT_UNDONE = "bnb_double_quant_not_undone"
-    # MLX-LM affine-quantized safetensors (parity.sources.mlx_affine, engine.compare.affine_grid)
+    # MLX-LM affine-quantized safetensors (parity.sources.mlx_quantized, engine.compare.mlx_grid)
     MLX_GROUP_SIZE_WRONG = "mlx_group_size_wrong"
     MLX_BITS_MISMATCHED = "mlx_bits_mismatched"
     MLX_SCALES_TRANSPOSED = "mlx_scales_transposed"
     MLX_SCALES_BIASES_EXCHANGED = "mlx_scales_biases_exchanged"
+    MLX_MODE_WRONG = "mlx_mode_wrong"
     ZERO_POINT_OFF_BY_ONE = "zero_point_off_by_one"
     PACKED_ORDER_WRONG = "packed_order_wrong"
     G_IDX_IGNORED = "g_idx_ignored"
@@ -267,22 +268,31 @@ MISTAKES = {m.id: m for m in [
             "reverse): every uint32 is unpacked into the wrong number of codes",
             "state the bits the tensor was quantized with (quantization.bits, or a per-module entry for this "
             "module), or re-quantize it with the stated width (mlx_lm.convert -q --q-bits)"),
-    Mistake(MistakeId.MLX_SCALES_TRANSPOSED, "checkpoint B's MLX scales and biases are transposed: stored [in / "
-            "group_size, out] where MLX reads [out, in / group_size]",
+    Mistake(MistakeId.MLX_SCALES_TRANSPOSED, "checkpoint B's MLX scales (and affine's biases) are transposed: stored "
+            "[in / group_size, out] where MLX reads [out, in / group_size]",
             "write X.scales and X.biases as mlx.core.quantize returns them: one row per output, one column per "
             "group of group_size input values"),
     Mistake(MistakeId.MLX_SCALES_BIASES_EXCHANGED, "checkpoint B's MLX X.scales holds the groups' biases and "
             "X.biases their scales: every value dequantizes as bias x code + scale",
             "write mlx.core.quantize's outputs in its order: (weight, scales, biases)"),
+    Mistake(MistakeId.MLX_MODE_WRONG, "checkpoint B's MLX-quantized tensor is stored in another mode than "
+            "config.json's quantization states: uint8 scales and no biases (a microscaled mode: mxfp4, mxfp8, "
+            "nvfp4) where affine is stated, or a float scale and bias per group (affine) where a microscaled mode is; "
+            "every value would be decoded on another grid",
+            "state the mode the tensor was quantized with (quantization.mode, or the module's own entry), or "
+            "re-quantize it in the stated one (mlx_lm.convert -q --q-mode)"),
     Mistake(MistakeId.ZERO_POINT_OFF_BY_ONE, "checkpoint B's integer zero points are one code off the ones its "
             "codes were quantized with: every value of a group moves by one step (GPTQ's v1 format stores each zero "
             "point minus one and its readers add one; a writer that skips or repeats that)",
             "write zero points as the format states: checkpoint_format 'gptq' (v1) stores zero - 1, 'gptq_v2' and "
             "AWQ store the zero itself; state the checkpoint_format the exporter used"),
-    Mistake(MistakeId.PACKED_ORDER_WRONG, "checkpoint B's AWQ codes were packed in the linear order 0..7 within "
-            "each int32 where AWQ's GEMM layout packs output columns 0 2 4 6 1 3 5 7: each eight outputs' values are "
-            "read in other places", "pack qweight and qzeros in AWQ's order (AutoAWQ's WQLinear_GEMM.from_linear), "
-            "or state another format (GPTQ packs along the inputs, in linear order)"),
+    Mistake(MistakeId.PACKED_ORDER_WRONG, "checkpoint B's codes were packed in another order than its format "
+            "reads them in: AWQ's in the linear order 0..7 within each int32 where AWQ's GEMM layout packs output "
+            "columns 0 2 4 6 1 3 5 7, or an MLX mxfp4 block copied from ggml's MXFP4 (value j and j + 16 in byte j) "
+            "where MLX reads values 2j and 2j + 1 from it: values are read in other places",
+            "pack in the format's own order: qweight and qzeros in AWQ's (AutoAWQ's WQLinear_GEMM.from_linear), or "
+            "state another format (GPTQ packs along the inputs, in linear order); an MLX tensor as "
+            "mlx.core.quantize packs it, never ggml's blocks copied byte for byte"),
     Mistake(MistakeId.G_IDX_IGNORED, "checkpoint B's codes were quantized with act-order groups (each input column "
             "in the group GPTQ's ordering put it in), but its g_idx assigns each column the group of its position: "
             "columns are read with another group's scale and zero point",
@@ -465,7 +475,10 @@ PRODUCED_BY: dict[MistakeId, str] = {
     MistakeId.ZERO_POINT_OFF_BY_ONE: "replay (compare): A quantized on B's grid with zero points one code off, "
                                      "read with B's",
     MistakeId.PACKED_ORDER_WRONG: "replay (compare): A quantized on B's AWQ grid, packed in the linear order and "
-                                  "read in AWQ's",
+                                  "read in AWQ's; or A quantized with mlx.core.quantize (mxfp4), its blocks in "
+                                  "ggml's MXFP4 order read in MLX's",
+    MistakeId.MLX_MODE_WRONG: "finding (compare): B's scales and biases are another mode's storage than the stated "
+                              "mode's",
     MistakeId.G_IDX_IGNORED: "replay (compare): A quantized in the groups that fit its columns best, read with B's "
                              "g_idx",
     MistakeId.GROUP_BITS_MISMATCHED: "finding (compare): B's packed word counts against the stated bits",

@@ -21,7 +21,7 @@ from collections.abc import Callable
 import torch
 
 from parity.definitions.mapping import TensorRoute
-from parity.engine.compare.storage import Storage
+from parity.engine.compare.storage import Storage, level_steps
 from parity.engine.layer import route_tensor
 
 # A block's absmax in B's file may exceed its largest magnitude in A by this before the block is grid_too_coarse:
@@ -50,16 +50,6 @@ def library():
     from parity.sources.bnb_4bit import require_library
 
     return require_library("bitsandbytes 4-bit")
-
-
-def level_steps(levels: torch.Tensor) -> torch.Tensor:
-    """Each code's step: the wider of the two gaps beside its level in the sorted code book (at an end, its one gap)."""
-    order = levels.argsort()
-    gaps = levels[order].diff()
-    wide = torch.maximum(torch.cat([gaps[:1], gaps]), torch.cat([gaps, gaps[-1:]]))
-    steps = torch.empty_like(levels)
-    steps[order] = wide
-    return steps
 
 
 def expand(absmax: torch.Tensor, blocksize: int, numel: int) -> torch.Tensor:

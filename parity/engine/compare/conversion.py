@@ -20,7 +20,7 @@ B's tensors are compared name by name in one layout.  How B stores a tensor deci
 B's format does.  The function-level deviation that conversion alone causes is what B is judged against.
 
 This module keeps the dispatch; each format's storage, re-quantization and grid live beside it: ``gguf_grid`` (GGUF's
-types, its blocks read by ``gguf_blocks``), ``fp8_grid``, ``codebook_grid`` (bitsandbytes), ``affine_grid`` (MLX),
+types, its blocks read by ``gguf_blocks``), ``fp8_grid``, ``codebook_grid`` (bitsandbytes), ``mlx_grid`` (MLX),
 ``group_grid`` (GPTQ, AWQ, pack-quantized); ``storage`` holds ``Storage`` and the two layouts they all work in.
 """
 
@@ -31,7 +31,7 @@ import math
 import torch
 
 from parity.definitions.mapping import TensorRoute
-from parity.engine.compare import affine_grid, codebook_grid, fp8_grid, gguf_grid, group_grid
+from parity.engine.compare import codebook_grid, fp8_grid, gguf_grid, group_grid, mlx_grid
 from parity.engine.compare.gguf_grid import LEVELS_FACTOR as LEVELS_FACTOR  # comparison.py reads it here
 from parity.engine.compare.storage import Storage, dtype_name, spacing, stored_layout, unstored
 
@@ -46,7 +46,7 @@ def storage_of(checkpoint, key: str, stored: torch.Tensor, route: TensorRoute, e
     if info is None:
         as_stored = getattr(checkpoint, "stored_dtype", lambda _: None)(key)  # before a read's upcast to one dtype
         return (fp8_grid.stored(checkpoint, key, route) or codebook_grid.stored(checkpoint, key, route)
-                or affine_grid.stored(checkpoint, key, route, expert) or group_grid.stored(checkpoint, key, route)
+                or mlx_grid.stored(checkpoint, key, route, expert) or group_grid.stored(checkpoint, key, route)
                 or Storage(as_stored or dtype_name(stored.dtype), route=route))
     from parity.sources.gguf import importance_matrix
 
@@ -77,7 +77,7 @@ def reference_conversion(a: torch.Tensor, storage: Storage) -> tuple[torch.Tenso
     if stored is not None and storage.group is not None:  # integer groups: round to nearest on B's own grid
         rounded, how = group_grid.reference(stored, storage.group)
         return unstored(storage.route, rounded), how, None
-    for held, grid in ((storage.block, fp8_grid), (storage.codebook, codebook_grid), (storage.affine, affine_grid)):
+    for held, grid in ((storage.block, fp8_grid), (storage.codebook, codebook_grid), (storage.mlx, mlx_grid)):
         if stored is not None and held is not None:  # re-quantized by the format's own library, in B's stored layout
             values, how, steps = grid.reference(stored, storage)
             return unstored(storage.route, values), how, steps
@@ -110,9 +110,9 @@ def quantized_bounds(a: torch.Tensor, b: torch.Tensor, storage: Storage, a_dtype
     x = stored_layout(storage.route, a.float())
     if x is None:
         return allowed, None
-    if storage.affine is not None:  # MLX: plus dtype rounding and clamped ends; each group's scale against A's range
-        allowed = allowed + unstored(storage.route, affine_grid.allowance(x, storage.affine))
-        return allowed, affine_grid.coarse_groups(x, storage.affine)
+    if storage.mlx is not None:  # MLX: plus dtype rounding and clamped ends; each group's scale against A's range
+        allowed = allowed + unstored(storage.route, mlx_grid.allowance(x, storage.mlx))
+        return allowed, mlx_grid.coarse_groups(x, storage.mlx)
     if storage.block is not None and storage.scales is not None:  # FP8: each block's scale against A's amax / 448
         return allowed, fp8_grid.coarse_blocks(x, storage.scales, storage.block)
     if storage.codebook is not None:  # bitsandbytes 4-bit: each block's absmax against A's largest magnitude

@@ -12,7 +12,7 @@ import torch
 
 from parity.definitions.mistakes import MistakeId, diagnosis
 from parity.definitions.records import Candidate, Diagnosis
-from parity.engine.compare import affine_grid, codebook_grid, fp8_grid, gguf_grid, group_grid
+from parity.engine.compare import codebook_grid, fp8_grid, gguf_grid, group_grid, mlx_grid
 from parity.engine.compare.conversion import Storage, step_excess, stored_layout, unstored
 
 ACTIVATION_GRID = (-20.0, 20.0, 4001)  # where two activations are compared, in float64
@@ -173,8 +173,8 @@ def block_replay_finding(beyond: list[dict], a: dict[str, torch.Tensor], b: dict
     for row in beyond:
         name, store = row["name"], storage[row["name"]]
         stored = stored_layout(store.route, a[name].float())
-        if store.affine is not None and stored is not None:  # MLX affine: its own replays
-            found = affine_grid.replays(stored, store.affine, lambda t, s=store: unstored(s.route, t))
+        if store.mlx is not None and stored is not None:  # MLX affine: its own replays
+            found = mlx_grid.replays(stored, store.mlx, lambda t, s=store: unstored(s.route, t))
         elif (store.block is None and store.codebook is None) or stored is None or stored.dim() != 2:
             continue
         else:

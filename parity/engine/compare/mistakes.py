@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from parity.definitions.mistakes import MistakeId
-from parity.engine.compare import affine_grid, codebook_grid, conversion, fp8_grid, group_grid
+from parity.engine.compare import codebook_grid, conversion, fp8_grid, group_grid, mlx_grid
 from parity.engine.gate_up_layout import interleave_rows
 
 
@@ -86,7 +86,7 @@ def hypotheses(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor], storage: 
             scaled[name] = factor
         found.extend(block_hypotheses(name, a[name], storage[name]))
         found.extend(codebook_hypotheses(name, a[name], storage[name]))
-        found.extend(affine_hypotheses(name, a[name], storage[name]))
+        found.extend(mlx_hypotheses(name, a[name], storage[name]))
     if len(scaled) > 1:  # a reader that misapplies a scale does so to every tensor of the layer (every scale halved)
         found.append(Hypothesis(MistakeId.TENSOR_SCALED, ", ".join(f"{n} x {f:.4g}" for n, f in scaled.items()),
                                 lambda t, s=scaled: {**t, **{n: t[n].float() * f for n, f in s.items()}}))
@@ -119,14 +119,14 @@ def codebook_hypotheses(name: str, a: torch.Tensor, storage: conversion.Storage)
                                                                  lambda t: conversion.unstored(storage.route, t))]
 
 
-def affine_hypotheses(name: str, a: torch.Tensor, storage: conversion.Storage) -> list[Hypothesis]:
-    """An MLX affine-quantized tensor's conversion mistakes (``affine_grid.mistakes``): A quantized with
+def mlx_hypotheses(name: str, a: torch.Tensor, storage: conversion.Storage) -> list[Hypothesis]:
+    """An MLX affine-quantized tensor's conversion mistakes (``mlx_grid.mistakes``): A quantized with
     mlx.core.quantize, then read back the way the mistake reads it.  None for other storage."""
     stored = conversion.stored_layout(storage.route, a.float())
-    if storage.affine is None or stored is None:
+    if storage.mlx is None or stored is None:
         return []
     return [Hypothesis(MistakeId(mistake), f"{name}: {detail}", _replace(name, values))
-            for mistake, detail, values in affine_grid.replays(stored, storage.affine,
+            for mistake, detail, values in mlx_grid.replays(stored, storage.mlx,
                                                                lambda t: conversion.unstored(storage.route, t))]
 
 

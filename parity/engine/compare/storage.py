@@ -15,8 +15,8 @@ import torch
 from parity.definitions.mapping import TensorRoute
 
 if TYPE_CHECKING:
-    from parity.engine.compare.affine_grid import AffineStorage
     from parity.engine.compare.group_grid import Grid
+    from parity.engine.compare.mlx_grid import MLXStorage
 
 
 @dataclass
@@ -39,7 +39,7 @@ class Storage:
     scales: torch.Tensor | None = None  # FP8 block quantization: each block's scale, read from the file
     levels: torch.Tensor | None = None  # a grid parity cannot read (IQ, NVFP4): B's own values, stored layout
     codebook: object | None = None  # bitsandbytes 4-bit: parity.sources.bnb_4bit.Packed4bit, read from the file
-    affine: AffineStorage | None = None  # MLX affine quantization: codes, scales, biases (stored layout)
+    mlx: MLXStorage | None = None  # MLX affine quantization: codes, scales, biases (stored layout)
     group: Grid | None = None  # integer group quantization (GPTQ, AWQ, pack-quantized): B's own grid
     importance: str | None = None  # GGUF: the importance matrix B's metadata names, in a type it weights (gguf_grid)
 
@@ -71,6 +71,17 @@ def spacing(values: torch.Tensor, dtype: str) -> torch.Tensor:
     exponent = torch.frexp(values.float().nan_to_num(0.0, limit, -limit))[1]
     magnitude = torch.ldexp(torch.ones_like(exponent, dtype=torch.float32), exponent - 1)
     return info.eps * torch.where(values == 0, info.tiny, magnitude.clamp_min(info.tiny))
+
+
+def level_steps(levels: torch.Tensor) -> torch.Tensor:
+    """Each code's step: the wider of the two gaps beside its level in the sorted code book (at an end, its one gap):
+    bitsandbytes' NF4/FP4 code books, an MLX microscaled mode's levels."""
+    order = levels.argsort()
+    gaps = levels[order].diff()
+    wide = torch.maximum(torch.cat([gaps[:1], gaps]), torch.cat([gaps, gaps[-1:]]))
+    steps = torch.empty_like(levels)
+    steps[order] = wide
+    return steps
 
 
 def least_squares_scales(x: torch.Tensor, b: torch.Tensor, group: int, *, bounds: tuple[float, float],
