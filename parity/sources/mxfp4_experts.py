@@ -1,0 +1,180 @@
+"""MXFP4 expert weights as GPT-OSS's release stores them in safetensors: config.json says
+``quantization_config = {quant_method: "mxfp4", modules_to_not_convert: [...]}``, and each quantized expert tensor X
+(``mlp.experts.gate_up_proj``, ``mlp.experts.down_proj``) is stored as ``X_blocks`` (uint8 [E, out, in / 32, 16]: two
+FP4 e2m1 codes a byte, the value of even index in the low nibble) and ``X_scales`` (uint8 [E, out, in / 32]: one e8m0
+exponent per 32 input values, bias 127).  The true weight is 2^(scale - 127) x the code's value; transformers'
+parameter holds it as [E, in, out] (its experts compute x @ W).
+
+``read`` returns X dequantized by transformers itself (``transformers.integrations.mxfp4.convert_moe_packed_tensors``,
+the converter its Mxfp4 quantizer runs on CPU when it dequantizes), in float32, under X's own name and layout, so that
+the derived routes of GPT-OSS's experts read it as they read an unquantized release.  The stored codes and exponents
+are kept for the grid (``mxfp4_held``); the blocks and scales must have the shapes the format calls for
+(a CheckpointError naming both otherwise).  No extra is needed: the converter is
+transformers'.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import cached_property
+from pathlib import Path
+
+from parity.definitions.files import shown
+from parity.errors import CheckpointError
+from parity.sources.checkpoint import Checkpoint, dequantized_on_read, split_companions
+
+QUANT_METHOD = "mxfp4"  # transformers' Mxfp4Config.quant_method
+BLOCKS, SCALES = "_blocks", "_scales"
+BLOCK = 32  # values per e8m0 scale (OCP MX): each block's 16 bytes hold 32 codes
+
+
+@dataclass(frozen=True)
+class Mxfp4Scheme:
+    """What config.json's quantization_config states: the modules left unquantized."""
+
+    not_converted: tuple[str, ...] = ()
+
+    def describe(self) -> str:
+        return "MXFP4 experts (GPT-OSS's blocks and e8m0 scales, groups of 32)"
+
+
+@dataclass
+class Mxfp4Held:
+    """One quantized tensor as its file stores it ([E, out, in], or one expert's [out, in]): each value's code's e2m1
+    value (float32) and its block's exponent (int, bias removed)."""
+
+    levels: object  # torch.Tensor
+    exponents: object
+    dtype: str = "float32"  # the dtype the model was most likely quantized from (``model_dtype``)
+
+
+def scheme_of(raw_config: dict) -> Mxfp4Scheme | None:
+    """The scheme config.json states, None for a checkpoint not MXFP4-quantized this way."""
+    config = raw_config.get("quantization_config")
+    if not isinstance(config, dict) or config.get("quant_method") != QUANT_METHOD:
+        return None
+    kept = config.get("modules_to_not_convert") or []
+    return Mxfp4Scheme(tuple(str(m) for m in kept if isinstance(m, str)))
+
+
+def fp4_values():
+    """The 16 e2m1 values transformers decodes a nibble with (its own table, float32)."""
+    import torch
+    from transformers.integrations.mxfp4 import FP4_VALUES
+
+    return torch.tensor(FP4_VALUES, dtype=torch.float32)
+
+
+def check_layout(location: str, name: str, blocks, scales) -> None:
+    """Blocks [..., out, G, 16] uint8 beside scales [..., out, G] uint8, else a QuantizedLayoutError saying what they
+    are (the scales transposed, another block size, another dtype)."""
+    import torch
+
+    said = (f"{location}: {name}{BLOCKS} is {str(blocks.dtype).removeprefix('torch.')} {list(blocks.shape)} with "
+            f"{name}{SCALES} {str(scales.dtype).removeprefix('torch.')} {list(scales.shape)}")
+    if blocks.dtype != torch.uint8 or scales.dtype != torch.uint8:
+        raise CheckpointError(f"{said}; MXFP4 stores both as uint8 (two e2m1 codes a byte, one e8m0 exponent a block)")
+    if blocks.dim() < 3 or blocks.shape[-1] != BLOCK // 2:
+        raise CheckpointError(f"{said}: MXFP4 blocks are [..., out, in / 32, 16] (32 codes in 16 bytes), not "
+                              f"{blocks.shape[-1]} bytes a block")
+    if tuple(scales.shape) != tuple(blocks.shape[:-1]):
+        raise CheckpointError(f"{said}: one scale per block calls for {name}{SCALES} {list(blocks.shape[:-1])}")
+
+
+class Mxfp4Checkpoint(Checkpoint):
+    """An HF folder whose experts are MXFP4 blocks and scales: X read under its own name, dequantized by transformers
+    (float32); X_blocks and X_scales kept apart from ``weight_map`` (X's storage)."""
+
+    scheme: Mxfp4Scheme
+    companions: dict[str, str]
+    as_stored: dict[str, str]
+    mxfp4_names: set[str]  # the tensors stored as blocks and scales
+
+    def stored_parts(self, name: str):
+        """(blocks, scales) of a quantized ``name`` as read and checked, else None."""
+        if name not in self.mxfp4_names:
+            return None
+        parts = [name + BLOCKS, name + SCALES]
+        read = {n: self.reader(self.companions[n], [n])[n] for n in parts}
+        check_layout(self.location, name, read[parts[0]], read[parts[1]])
+        return read[parts[0]], read[parts[1]]
+
+    def mxfp4_held(self, name: str, *, expert: int | None = None) -> Mxfp4Held | None:
+        """How ``name`` is stored when it is MXFP4 (``expert``: that expert's slice alone), in the file's layout:
+        each value's e2m1 value and its block's exponent; None for a tensor stored unquantized."""
+        import torch
+
+        found = self.stored_parts(name)
+        if found is None:
+            return None
+        blocks, scales = found
+        if expert is not None and blocks.dim() == 4:
+            blocks, scales = blocks[expert], scales[expert]
+        codes = torch.stack([blocks & 0x0F, blocks >> 4], dim=-1).reshape(*blocks.shape[:-2], -1).long()
+        exponents = (scales.long() - 127).repeat_interleave(BLOCK, dim=-1)
+        return Mxfp4Held(fp4_values()[codes], exponents, self.model_dtype)
+
+    def describe(self, names: list[str]) -> dict[str, tuple[list[int], str]] | None:
+        """Shape and dtype of these tensors from the local safetensors headers, a quantized one as the tensor it
+        holds (transformers' [E, in, out], ``MXFP4``); None for a hub checkpoint."""
+        if self.repo_id is not None or self.weights != "real":
+            return None
+        from parity.sources.safetensors_files import describe_local
+
+        wanted = {n: self.weight_map[n] for n in names if n not in self.mxfp4_names}
+        wanted |= {n + BLOCKS: self.companions[n + BLOCKS] for n in names if n in self.mxfp4_names}
+        found: dict[str, tuple[list[int], str]] = {}
+        try:
+            for file_name in sorted(set(wanted.values())):
+                found.update(describe_local(self.fetch(file_name), [n for n, f in wanted.items() if f == file_name]))
+        except CheckpointError:  # an unreadable header: the inventory says it cannot tell, the read says why
+            return None
+        for name in names:
+            if name in self.mxfp4_names:
+                shape = found.pop(name + BLOCKS)[0]
+                found[name] = ([*shape[:-3], shape[-2] * BLOCK, shape[-3]], "MXFP4")
+        return {name: found[name] for name in names}
+
+    @cached_property
+    def model_dtype(self) -> str:
+        """The dtype of the tensors left unquantized (a norm's weight; float32 where the header cannot say): what the
+        experts were most likely quantized from."""
+        described = self.describe([n for n in self.weight_map if n.endswith("norm.weight")][:1]) or {}
+        kinds = {"BF16": "bfloat16", "F16": "float16"}
+        return next((kinds[kind] for _, kind in described.values() if kind in kinds), "float32")
+
+    def stored_dtype(self, name: str) -> str | None:
+        """The dtype tensor ``name`` had in its file when last read (a quantized one: ``mxfp4``)."""
+        return self.as_stored.get(name)
+
+    def read(self, names: list[str]):
+        import torch
+        from transformers.integrations.mxfp4 import convert_moe_packed_tensors
+
+        plain = [n for n in names if n not in self.mxfp4_names]
+        out = super().read(plain) if plain else {}
+        self.as_stored = {name: str(out[name].dtype).removeprefix("torch.") for name in plain}
+        for name in names:
+            found = self.stored_parts(name)
+            if found is not None:
+                out[name] = convert_moe_packed_tensors(*found, dtype=torch.float32)
+                self.as_stored[name] = "mxfp4"
+        return out
+
+
+def wrap(checkpoint: Checkpoint, folder: Path | str) -> Checkpoint:
+    """``checkpoint`` as an Mxfp4Checkpoint when its config states GPT-OSS's MXFP4, else unchanged."""
+    scheme = scheme_of(checkpoint.raw_config)
+    if scheme is None:
+        return checkpoint
+    weights, companions = split_companions(checkpoint, (BLOCKS, SCALES))
+    quantized = {n.removesuffix(BLOCKS) for n in companions if n.endswith(BLOCKS)}
+    for name in sorted(quantized):
+        if name + SCALES not in companions:
+            raise CheckpointError(f"{shown(folder)}: {name}{BLOCKS} has no {name}{SCALES} beside it; MXFP4 stores "
+                                  "one e8m0 exponent per block of 32 values")
+        weights[name] = companions[name + BLOCKS]
+    wrapped = dequantized_on_read(checkpoint, Mxfp4Checkpoint, scheme, weights, companions, matrices=len(quantized),
+                                  dequantized_with="transformers' convert_moe_packed_tensors")
+    wrapped.mxfp4_names = quantized
+    return wrapped
