@@ -272,13 +272,13 @@ def test_a_compressed_tensors_scale_inverted_fails_its_layer_named(model_a, root
     assert "down_proj" in report["layers"][1]["diagnosis"]["message"]
 
 
-def test_a_compressed_tensors_format_parity_does_not_read_yet_is_exit_2_naming_it(model_a, root, capsys):
-    """NVFP4 (4-bit float groups): pack-quantized int weights are read by parity.sources.int_groups
-    (tests/test_quantized_int.py)."""
+def test_a_compressed_tensors_format_its_tensors_are_not_in_is_exit_2_naming_it(model_a, root, capsys):
+    """A config stating NVFP4 (read by parity.sources.fp4_packed, tests/test_quantized_fp4.py) over FP8 tensors:
+    exit 2 naming the format and the tensors it calls for, never the FP8 codes judged as NVFP4 or as weights."""
     b = ct_export(model_a, root / "ct-nvfp4", "NVFP4", fmt="nvfp4-pack-quantized")
     code, out, err = run_main(capsys, "compare", model_a, b)
     assert code == 2, out + err
-    assert "format 'nvfp4-pack-quantized' with 4-bit float weights, strategy 'tensor_group'" in err
+    assert "states format 'nvfp4-pack-quantized', yet no tensor is stored as X.weight_packed" in err
     assert "Traceback" not in err
 
 

@@ -8,7 +8,7 @@ from pathlib import Path
 
 from parity.definitions.files import shown
 from parity.errors import CheckpointError
-from parity.sources import bnb_4bit, fp8_blocks, int_groups, mlx_quantized, mxfp4_experts
+from parity.sources import bnb_4bit, fp4_packed, fp8_blocks, int_groups, mlx_quantized, mxfp4_experts
 from parity.sources.checkpoint import Checkpoint
 from parity.sources.safetensors_files import (
     CONFIG,
@@ -56,5 +56,6 @@ def open_path(path: Path, allow_pickle: bool = False) -> Checkpoint:
     checkpoint = bnb_4bit.wrap(checkpoint, folder)  # bitsandbytes 4-bit weights: dequantized on read
     checkpoint = mlx_quantized.wrap(checkpoint, folder)  # MLX-quantized weights: dequantized on read
     checkpoint = mxfp4_experts.wrap(checkpoint, folder)  # GPT-OSS's MXFP4 experts: dequantized on read
-    # integer group-quantized (GPTQ, AWQ, compressed-tensors pack-quantized), else FP8: dequantized on read
-    return int_groups.wrap(checkpoint, folder) or fp8_blocks.wrap(checkpoint, folder)
+    # integer groups (GPTQ, AWQ, compressed-tensors pack-quantized), FP4 (nvfp4, mxfp4), else FP8: dequantized on read
+    return (int_groups.wrap(checkpoint, folder) or fp4_packed.wrap(checkpoint, folder)
+            or fp8_blocks.wrap(checkpoint, folder))

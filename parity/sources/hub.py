@@ -21,7 +21,7 @@ from parity.errors import (
     OfflineError,
     PickleRefusedError,
 )
-from parity.sources import bnb_4bit, fp8_blocks, int_groups, mlx_quantized, mxfp4_experts
+from parity.sources import bnb_4bit, fp4_packed, fp8_blocks, int_groups, mlx_quantized, mxfp4_experts
 from parity.sources.checkpoint import Checkpoint
 from parity.sources.hub_errors import (
     describe_transport,
@@ -123,8 +123,9 @@ def open_hub(repo_id: str, revision: str | None = None) -> Checkpoint:
     checkpoint = bnb_4bit.wrap(checkpoint, f"'{repo_id}'")  # bitsandbytes 4-bit weights: dequantized on read
     checkpoint = mlx_quantized.wrap(checkpoint, f"'{repo_id}'")  # MLX-quantized weights: dequantized on read
     checkpoint = mxfp4_experts.wrap(checkpoint, f"'{repo_id}'")  # GPT-OSS's MXFP4 experts: dequantized on read
-    # integer group-quantized (GPTQ, AWQ, compressed-tensors pack-quantized), else FP8: dequantized on read
-    return int_groups.wrap(checkpoint, f"'{repo_id}'") or fp8_blocks.wrap(checkpoint, f"'{repo_id}'")
+    # integer groups (GPTQ, AWQ, compressed-tensors pack-quantized), FP4 (nvfp4, mxfp4), else FP8: dequantized on read
+    return (int_groups.wrap(checkpoint, f"'{repo_id}'") or fp4_packed.wrap(checkpoint, f"'{repo_id}'")
+            or fp8_blocks.wrap(checkpoint, f"'{repo_id}'"))
 
 
 def _pinned(config_path: Path, revision: str | None) -> str | None:

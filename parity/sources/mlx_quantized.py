@@ -419,16 +419,13 @@ class MLXCheckpoint(Checkpoint):
         inventory outside the FFN does not report every quantized tensor as reshaped; None for a hub checkpoint."""
         if self.repo_id is not None or self.weights != "real":
             return None
-        from parity.sources.safetensors_files import describe_local
+        from parity.sources.safetensors_files import describe_files
 
         scales = {n: n.removesuffix("weight") + "scales" for n in names if n.endswith(".weight")}
         scales = {n: s for n, s in scales.items() if s in self.companions}
         wanted = {**{n: self.weight_map[n] for n in names}, **{s: self.companions[s] for s in scales.values()}}
-        found: dict[str, tuple[list[int], str]] = {}
-        try:
-            for file_name in sorted(set(wanted.values())):
-                found.update(describe_local(self.fetch(file_name), [n for n, f in wanted.items() if f == file_name]))
-        except CheckpointError:  # an unreadable header: the inventory says it cannot tell, the read says why
+        found = describe_files(self.fetch, wanted)
+        if found is None:
             return None
         for name, scale in scales.items():
             params = self.scheme.params_for(name)

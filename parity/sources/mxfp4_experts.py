@@ -8,8 +8,8 @@ parameter holds it as [E, in, out] (its experts compute x @ W).
 ``read`` returns X dequantized by transformers itself (``transformers.integrations.mxfp4.convert_moe_packed_tensors``,
 the converter its Mxfp4 quantizer runs on CPU when it dequantizes), in float32, under X's own name and layout, so that
 the derived routes of GPT-OSS's experts read it as they read an unquantized release.  The stored codes and exponents
-are kept for the grid (``mxfp4_held``); the blocks and scales must have the shapes the format calls for
-(a CheckpointError naming both otherwise).  No extra is needed: the converter is
+are kept for the grid (``fp4_held``, judged by ``engine.compare.fp4_grid``); the blocks and scales must have the
+shapes the format calls for (a CheckpointError naming both otherwise).  No extra is needed: the converter is
 transformers'.
 """
 
@@ -22,6 +22,7 @@ from pathlib import Path
 from parity.definitions.files import shown
 from parity.errors import CheckpointError
 from parity.sources.checkpoint import Checkpoint, dequantized_on_read, split_companions
+from parity.sources.fp4 import Fp4Held, e2m1_values
 
 QUANT_METHOD = "mxfp4"  # transformers' Mxfp4Config.quant_method
 BLOCKS, SCALES = "_blocks", "_scales"
@@ -38,16 +39,6 @@ class Mxfp4Scheme:
         return "MXFP4 experts (GPT-OSS's blocks and e8m0 scales, groups of 32)"
 
 
-@dataclass
-class Mxfp4Held:
-    """One quantized tensor as its file stores it ([E, out, in], or one expert's [out, in]): each value's code's e2m1
-    value (float32) and its block's exponent (int, bias removed)."""
-
-    levels: object  # torch.Tensor
-    exponents: object
-    dtype: str = "float32"  # the dtype the model was most likely quantized from (``model_dtype``)
-
-
 def scheme_of(raw_config: dict) -> Mxfp4Scheme | None:
     """The scheme config.json states, None for a checkpoint not MXFP4-quantized this way."""
     config = raw_config.get("quantization_config")
@@ -55,14 +46,6 @@ def scheme_of(raw_config: dict) -> Mxfp4Scheme | None:
         return None
     kept = config.get("modules_to_not_convert") or []
     return Mxfp4Scheme(tuple(str(m) for m in kept if isinstance(m, str)))
-
-
-def fp4_values():
-    """The 16 e2m1 values transformers decodes a nibble with (its own table, float32)."""
-    import torch
-    from transformers.integrations.mxfp4 import FP4_VALUES
-
-    return torch.tensor(FP4_VALUES, dtype=torch.float32)
 
 
 def check_layout(location: str, name: str, blocks, scales) -> None:
@@ -99,9 +82,10 @@ class Mxfp4Checkpoint(Checkpoint):
         check_layout(self.location, name, read[parts[0]], read[parts[1]])
         return read[parts[0]], read[parts[1]]
 
-    def mxfp4_held(self, name: str, *, expert: int | None = None) -> Mxfp4Held | None:
-        """How ``name`` is stored when it is MXFP4 (``expert``: that expert's slice alone), in the file's layout:
-        each value's e2m1 value and its block's exponent; None for a tensor stored unquantized."""
+    def fp4_held(self, name: str, *, expert: int | None = None):
+        """How ``name`` is stored when it is MXFP4 (``expert``: that expert's slice alone), in the file's layout
+        (``Fp4Held``): each value's e2m1 level and each block's scale, 2^(exponent - 127); None for a tensor
+        stored unquantized."""
         import torch
 
         found = self.stored_parts(name)
@@ -111,29 +95,9 @@ class Mxfp4Checkpoint(Checkpoint):
         if expert is not None and blocks.dim() == 4:
             blocks, scales = blocks[expert], scales[expert]
         codes = torch.stack([blocks & 0x0F, blocks >> 4], dim=-1).reshape(*blocks.shape[:-2], -1).long()
-        exponents = (scales.long() - 127).repeat_interleave(BLOCK, dim=-1)
-        return Mxfp4Held(fp4_values()[codes], exponents, self.model_dtype)
-
-    def describe(self, names: list[str]) -> dict[str, tuple[list[int], str]] | None:
-        """Shape and dtype of these tensors from the local safetensors headers, a quantized one as the tensor it
-        holds (transformers' [E, in, out], ``MXFP4``); None for a hub checkpoint."""
-        if self.repo_id is not None or self.weights != "real":
-            return None
-        from parity.sources.safetensors_files import describe_local
-
-        wanted = {n: self.weight_map[n] for n in names if n not in self.mxfp4_names}
-        wanted |= {n + BLOCKS: self.companions[n + BLOCKS] for n in names if n in self.mxfp4_names}
-        found: dict[str, tuple[list[int], str]] = {}
-        try:
-            for file_name in sorted(set(wanted.values())):
-                found.update(describe_local(self.fetch(file_name), [n for n, f in wanted.items() if f == file_name]))
-        except CheckpointError:  # an unreadable header: the inventory says it cannot tell, the read says why
-            return None
-        for name in names:
-            if name in self.mxfp4_names:
-                shape = found.pop(name + BLOCKS)[0]
-                found[name] = ([*shape[:-3], shape[-2] * BLOCK, shape[-3]], "MXFP4")
-        return {name: found[name] for name in names}
+        exponents = scales.to(torch.int32) - 127
+        return Fp4Held(e2m1_values()[codes], torch.ldexp(torch.ones(exponents.shape), exponents), BLOCK,
+                       self.model_dtype, "mxfp4 (GPT-OSS blocks)")
 
     @cached_property
     def model_dtype(self) -> str:

@@ -223,6 +223,19 @@ def describe_local(path: Path, names: list[str]) -> dict[str, tuple[list[int], s
     return {name: (list(spans[name].shape), spans[name].dtype) for name in names}
 
 
+def describe_files(fetch, wanted: dict[str, str]) -> dict[str, tuple[list[int], str]] | None:
+    """``describe_local`` of each tensor of ``wanted`` (tensor name -> its file's name, a local path by ``fetch``),
+    one header read per file; None where a header cannot be read (an inventory then says it cannot tell; the read
+    that follows says why)."""
+    found: dict[str, tuple[list[int], str]] = {}
+    try:
+        for file_name in sorted(set(wanted.values())):
+            found.update(describe_local(fetch(file_name), [n for n, f in wanted.items() if f == file_name]))
+    except CheckpointError:
+        return None
+    return found
+
+
 class DuplicateKey(ValueError):
     """A JSON object naming one key twice: ``json.loads`` would silently keep the last value."""
 

@@ -21,7 +21,7 @@ B's format does.  The function-level deviation that conversion alone causes is w
 
 This module keeps the dispatch; each format's storage, re-quantization and grid live beside it: ``gguf_grid`` (GGUF's
 types, its blocks read by ``gguf_blocks``), ``fp8_grid``, ``codebook_grid`` (bitsandbytes), ``mlx_grid`` (MLX),
-``group_grid`` (GPTQ, AWQ, pack-quantized), ``mxfp4_grid`` (GPT-OSS); ``storage`` holds ``Storage`` and the two
+``group_grid`` (GPTQ, AWQ, pack-quantized), ``fp4_grid`` (FP4 groups); ``storage`` holds ``Storage`` and the two
 layouts they all work in.
 """
 
@@ -32,7 +32,7 @@ import math
 import torch
 
 from parity.definitions.mapping import TensorRoute
-from parity.engine.compare import codebook_grid, fp8_grid, gguf_grid, group_grid, mlx_grid, mxfp4_grid
+from parity.engine.compare import codebook_grid, fp4_grid, fp8_grid, gguf_grid, group_grid, mlx_grid
 from parity.engine.compare.gguf_grid import LEVELS_FACTOR as LEVELS_FACTOR  # comparison.py reads it here
 from parity.engine.compare.storage import Storage, dtype_name, spacing, stored_layout, unstored
 
@@ -48,7 +48,7 @@ def storage_of(checkpoint, key: str, stored: torch.Tensor, route: TensorRoute, e
         as_stored = getattr(checkpoint, "stored_dtype", lambda _: None)(key)  # before a read's upcast to one dtype
         return (fp8_grid.stored(checkpoint, key, route) or codebook_grid.stored(checkpoint, key, route)
                 or mlx_grid.stored(checkpoint, key, route, expert) or group_grid.stored(checkpoint, key, route)
-                or mxfp4_grid.stored(checkpoint, key, route, expert, stored.shape)
+                or fp4_grid.stored(checkpoint, key, route, expert, stored.shape)
                 or Storage(as_stored or dtype_name(stored.dtype), route=route))
     from parity.sources.gguf import importance_matrix
 
@@ -75,8 +75,8 @@ def reference_conversion(a: torch.Tensor, storage: Storage) -> tuple[torch.Tenso
         if not isinstance(target, torch.dtype) or target == a.dtype:
             return a.float(), "as stored", None
         return a.to(target).float(), f"rounded to {storage.dtype}", None
-    if storage.mxfp4 is not None:  # GPT-OSS's MXFP4: A rounded onto B's own blocks (reference layout)
-        return mxfp4_grid.reference(a, storage)
+    if storage.fp4 is not None:  # FP4 groups: A rounded onto B's own grid (reference layout)
+        return fp4_grid.reference(a, storage)
     stored = stored_layout(storage.route, a.float())
     if stored is not None and storage.group is not None:  # integer groups: round to nearest on B's own grid
         rounded, how = group_grid.reference(stored, storage.group)
@@ -111,8 +111,8 @@ def quantized_bounds(a: torch.Tensor, b: torch.Tensor, storage: Storage, a_dtype
                                     > group_grid.MOVED_LIMIT)
         return torch.full_like(storage.steps.float(), 0.0 if biased else math.inf), None
     allowed = torch.maximum(STEP_SLACK * storage.steps.float(), spacing(a, a_dtype))
-    if storage.mxfp4 is not None:  # GPT-OSS's MXFP4: each block's scale against A's amax / 6 (reference layout)
-        return allowed, mxfp4_grid.coarse_blocks(a, storage.mxfp4)
+    if storage.fp4 is not None:  # FP4 groups: each group's scale against A's amax / 6
+        return allowed, fp4_grid.coarse_groups(a, storage.fp4)
     x = stored_layout(storage.route, a.float())
     if x is None:
         return allowed, None

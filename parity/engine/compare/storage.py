@@ -15,9 +15,9 @@ import torch
 from parity.definitions.mapping import TensorRoute
 
 if TYPE_CHECKING:
+    from parity.engine.compare.fp4_grid import Fp4Storage
     from parity.engine.compare.group_grid import Grid
     from parity.engine.compare.mlx_grid import MLXStorage
-    from parity.engine.compare.mxfp4_grid import Mxfp4Storage
 
 
 @dataclass
@@ -41,7 +41,7 @@ class Storage:
     levels: torch.Tensor | None = None  # a grid parity cannot read (IQ, NVFP4): B's own values, stored layout
     codebook: object | None = None  # bitsandbytes 4-bit: parity.sources.bnb_4bit.Packed4bit, read from the file
     mlx: MLXStorage | None = None  # MLX affine quantization: codes, scales, biases (stored layout)
-    mxfp4: Mxfp4Storage | None = None  # GPT-OSS's MXFP4 experts: each value's level, scale, block (reference layout)
+    fp4: Fp4Storage | None = None  # FP4 groups (GPT-OSS MXFP4, compressed-tensors NVFP4/MXFP4): level, scale, group
     group: Grid | None = None  # integer group quantization (GPTQ, AWQ, pack-quantized): B's own grid
     importance: str | None = None  # GGUF: the importance matrix B's metadata names, in a type it weights (gguf_grid)
 

@@ -1,0 +1,110 @@
+"""FP4 groups judged against their own grid, for ``parity compare``: GPT-OSS's MXFP4 experts
+(``parity.sources.mxfp4_experts``) and compressed-tensors' nvfp4- and mxfp4-pack-quantized weights
+(``parity.sources.fp4_packed``).  Each value is an e2m1 code times its group's scale (GPT-OSS and MXFP4: an e8m0
+power of two per 32 values; NVFP4: an e4m3 scale per 16 values divided by the tensor's global scale); its step is the
+gap beside its code's level (the wider of the two, ``storage.level_steps``) times that scale, both read from the file.
+
+A is rounded onto B's own grid (cast to the dtype B left its other tensors in, then each value to the nearest e2m1
+level of its group's scale read from the file) rather than re-quantized: no quantizer of GPT-OSS's layout runs on CPU
+(transformers' ``quantize_to_mxfp4`` needs triton's kernels), and the writers of each format choose the scale
+differently (OCP's floor(log2(amax)) - 2, as mlx writes it, clips values between 6 and 8 x the scale; ggml's differs
+from it on 14 % of a normal matrix's values; llm-compressor's NVFP4 observer divides amax / 6 by its global scale and
+rounds to e4m3).  So the function is judged against the rounding onto B's grid, and each group's scale is held to
+``GRID_FACTOR`` x the scale A's values there call for (amax / 6, the smallest that clips nothing): every writer's
+choice lies within 0.75 to 2 x of it; a power-of-two scale one too high is 1.5 to 4 x.
+
+Everything here works in the reference's layout: each value's scale, level and group are routed as the tensor is
+(GPT-OSS's gate and up are a fused tensor's interleaved columns, whose groups run along the inputs of both).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from parity.definitions.mapping import TensorRoute
+from parity.engine.compare.storage import Storage, level_steps
+from parity.engine.layer import route_tensor
+from parity.sources.fp4 import e2m1_values
+
+GRID_FACTOR = 2.0 * (1 + 2 ** -7)  # a group's scale over amax / 6 before it is grid_too_coarse (above)
+TOP = 6.0  # e2m1's largest magnitude
+
+
+@dataclass
+class Fp4Storage:
+    """How B stores one FP4 tensor (one expert's slice), each fact per value in the reference's layout: its code's
+    e2m1 level, its group's scale and its group's index in the file ([expert,] out, group)."""
+
+    levels: torch.Tensor
+    scales: torch.Tensor
+    groups: torch.Tensor
+    per_row: int  # groups per stored row (in / group)
+    group: int
+    dtype: str = "float32"  # what A is cast to before it is rounded (the dtype B left its other tensors in)
+
+
+def stored(checkpoint, key: str, route: TensorRoute, expert: int | None, shape) -> Storage | None:
+    """How an FP4 checkpoint stores ``key`` (``expert``'s slice, read as ``shape``: the file's [out, in], or
+    transformers' [in, out] where the checkpoint's experts compute x @ W), None for a tensor stored unquantized or a
+    checkpoint of another format."""
+    held = getattr(checkpoint, "fp4_held", None)
+    found = held(key, expert=expert) if held is not None else None
+    if found is None:
+        return None
+    levels, group = found.levels, found.group
+    scales = found.scales.float().repeat_interleave(group, dim=-1)
+    book = e2m1_values().unique()
+    steps = level_steps(book)[torch.searchsorted(book, levels.contiguous())] * scales.abs()
+    outputs, inputs = levels.shape[-2], levels.shape[-1]
+    per_row = inputs // group
+    index = torch.arange(outputs)[:, None] * per_row + torch.arange(inputs)[None, :] // group
+    index = index + torch.arange(levels[..., 0, 0].numel()).reshape(levels.shape[:-2] + (1, 1)) * outputs * per_row
+    if tuple(shape) != tuple(levels.shape):  # read in transformers' [..., in, out]
+        levels, scales, steps, index = (t.transpose(-1, -2) for t in (levels, scales, steps, index))
+    bad = ~torch.isfinite(scales)
+    problem = None
+    if bool(bad.any()):
+        first = int(index[bad][0])
+        problem = (f"group {[first // per_row, first % per_row]}: {int(torch.unique(index[bad]).numel())} of "
+                   f"{index.numel() // group} groups have a NaN/Inf scale")
+    store = Fp4Storage(*(route_tensor(route, t) for t in (levels, scales, index)), per_row, group, found.dtype)
+    return Storage(found.name, True, route_tensor(route, steps), "file", route, nonfinite_scale=problem,
+                   zeroed=not bool(levels.any()), fp4=store)
+
+
+def reference(a: torch.Tensor, storage: Storage) -> tuple[torch.Tensor, str, None]:
+    """A's tensor (reference layout) rounded onto B's own grid: cast to the dtype B left its other tensors in, then
+    each value to the nearest e2m1 level of its group's scale, read from the file (no re-quantization, above)."""
+    store = storage.fp4
+    book = e2m1_values().unique()
+    finite = torch.isfinite(store.scales) & (store.scales > 0)
+    unit = torch.where(finite, store.scales, torch.ones_like(store.scales))
+    cast = a.to(getattr(torch, store.dtype)).float()
+    scaled = (cast / unit).clamp(-TOP, TOP)
+    nearest = book[(scaled[..., None] - book).abs().argmin(-1)]
+    return (torch.where(finite, nearest * unit, cast), f"cast to {store.dtype}, rounded to the nearest e2m1 level of "
+            f"B's groups of {store.group}, each group's scale read from the file", None)
+
+
+def coarse_groups(a: torch.Tensor, store: Fp4Storage) -> dict | None:
+    """Groups whose scale in B's file exceeds ``GRID_FACTOR`` x the one A's values there call for (their largest
+    magnitude / 6): None when none does; else how many and the worst, with evidence (the keys
+    ``findings.grid_finding`` words; a group's step is its top level's gap, 2 x its scale)."""
+    count = int(store.groups.max()) + 1
+    ids = store.groups.reshape(-1)
+    amax = torch.zeros(count).scatter_reduce(0, ids, a.float().abs().reshape(-1), "amax", include_self=False)
+    scale = torch.zeros(count).scatter_reduce(0, ids, store.scales.abs().reshape(-1), "amax", include_self=False)
+    present = torch.zeros(count, dtype=torch.bool).index_fill(0, ids, True)
+    needed = amax / TOP
+    over = torch.where(present & (needed > 0), scale / (GRID_FACTOR * needed), torch.zeros_like(scale))
+    over = over.nan_to_num(0.0, posinf=0.0)  # a NaN/Inf scale is nonfinite_scale's
+    if not bool((over > 1).any()):
+        return None
+    worst = int(over.argmax())
+    first = worst % store.per_row * store.group
+    b_step, a_step = 2 * float(scale[worst]), 2 * float(needed[worst])
+    return {"blocks_too_coarse": int((over > 1).sum()), "blocks": int(present.sum()), "worst_block": worst,
+            "row": worst // store.per_row, "values": [first, first + store.group - 1], "b_step": b_step,
+            "a_step": a_step, "limit": GRID_FACTOR * a_step, "times_coarser": b_step / a_step}

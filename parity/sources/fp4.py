@@ -1,0 +1,32 @@
+"""What an FP4 tensor stored in groups is, whoever wrote it (GPT-OSS's MXFP4 experts, ``mxfp4_experts``;
+compressed-tensors' NVFP4 and MXFP4, ``fp4_packed``): each value an e2m1 code times its group's scale.  The readers
+fill ``Fp4Held``; ``engine.compare.fp4_grid`` judges it."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import torch
+
+@dataclass
+class Fp4Held:
+    """One FP4 tensor as its file stores it ([E, out, in], or one expert's or matrix's [out, in]): each value's e2m1
+    level (float32), each group's scale as the reader multiplies it (float32, [..., out, in / group]), the group size,
+    the dtype B left its other tensors in, and what reports call the storage."""
+
+    levels: torch.Tensor
+    scales: torch.Tensor
+    group: int
+    dtype: str
+    name: str
+
+
+def e2m1_values():
+    """The 16 e2m1 values a nibble decodes to (transformers' FP4_VALUES, the table its MXFP4 dequantizer uses;
+    compressed-tensors' unpacker gives the same values), float32."""
+    import torch
+    from transformers.integrations.mxfp4 import FP4_VALUES
+
+    return torch.tensor(FP4_VALUES, dtype=torch.float32)

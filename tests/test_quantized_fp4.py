@@ -1,0 +1,143 @@
+"""``parity compare A B`` where B is compressed-tensors' NVFP4 or MXFP4 (what llm-compressor's NVFP4A16 and MXFP4A16
+schemes write): each Linear's ``weight_packed`` (two e2m1 codes a byte), ``weight_scale`` (e4m3 per 16 values, or an
+e8m0 exponent per 32) and, for NVFP4, ``weight_global_scale``; config.json's ``quantization_config`` with format
+``nvfp4-pack-quantized`` / ``mxfp4-pack-quantized``.
+
+A is a tiny LLaMA built with transformers' own classes.  B is written the way llm-compressor writes it, with
+compressed-tensors' own pieces: the global scale (``generate_gparam``) and each group's scale
+(``calculate_qparams``) from A's values, then the format's registered compressor (``compress``); faithful, and with
+one mistake in layer 1 only.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from .derived_checkpoints import format_fixtures, quantized_layer_one_named
+from .support import compare_json as compare
+
+pytest.importorskip("compressed_tensors")
+
+SIZES = dict(hidden_size=128, intermediate_size=192, num_key_value_heads=2, head_dim=64)
+LAYER1 = "model.layers.1.mlp."
+FORMATS = {"nvfp4": dict(strategy="tensor_group", group_size=16), "mxfp4": dict(strategy="group", group_size=32)}
+
+
+def arguments(form: str):
+    from compressed_tensors.quantization import QuantizationArgs
+
+    extra = {"scale_dtype": torch.uint8} if form == "mxfp4" else {}
+    return QuantizationArgs(num_bits=4, type="float", symmetric=True, dynamic=False, **FORMATS[form], **extra)
+
+
+def compressed(weight: torch.Tensor, form: str, how: str | None = None) -> dict[str, torch.Tensor]:
+    """``weight`` [out, in] as llm-compressor stores it in ``form``, with mistake ``how``: global (the global scale
+    doubled: every value halved), row (row 3's scales twice as large, after compressing), exchanged_rows (rows 0 and
+    1 of the packed codes exchanged, their scales kept)."""
+    from compressed_tensors.compressors.base import BaseCompressor
+    from compressed_tensors.quantization import QuantizationScheme
+    from compressed_tensors.quantization.utils.helpers import calculate_qparams, generate_gparam
+
+    args = arguments(form)
+    weight = weight.to(torch.bfloat16)
+    groups = weight.float().reshape(weight.shape[0], -1, args.group_size)
+    zero = torch.zeros(1)
+    state = {"weight": weight}
+    if form == "nvfp4":
+        state["weight_global_scale"] = generate_gparam(weight.float().min(), weight.float().max())
+    state["weight_scale"], _ = calculate_qparams(torch.minimum(groups.amin(-1), zero),
+                                                torch.maximum(groups.amax(-1), zero), args,
+                                                global_scale=state.get("weight_global_scale"))
+    scheme = QuantizationScheme(targets=["Linear"], weights=args)
+    out = BaseCompressor.load_from_registry(f"{form}-pack-quantized").compress(state, scheme)
+    if how == "global":
+        out["weight_global_scale"] = out["weight_global_scale"] * 2
+    if how == "row":
+        scale = out["weight_scale"].clone()
+        scale[3] = (scale[3].float() * 2).to(scale.dtype) if form == "nvfp4" else scale[3] + 1
+        out["weight_scale"] = scale
+    if how == "exchanged_rows":
+        packed = out["weight_packed"].clone()
+        packed[[0, 1]] = packed[[1, 0]]
+        out["weight_packed"] = packed
+    return {k: v.contiguous() for k, v in out.items()}
+
+
+def export(a: Path, dest: Path, form: str, breaks: dict[str, str] | None = None) -> Path:
+    """A's folder as llm-compressor's FP4 schemes save it: every decoder Linear packed, lm_head and the rest in
+    bfloat16 (``ignore: ["lm_head"]``)."""
+    breaks = breaks or {}
+    shutil.copytree(a, dest)
+    out = {}
+    for name, value in load_file(a / "model.safetensors").items():
+        if name.startswith("model.layers.") and name.endswith("proj.weight"):
+            module = name.removesuffix(".weight")
+            out.update({f"{module}.{k}": t for k, t in compressed(value, form, breaks.get(name)).items()})
+        else:
+            out[name] = value.to(torch.bfloat16)
+    save_file(out, dest / "model.safetensors", metadata={"format": "pt"})
+    config = json.loads((dest / "config.json").read_text())
+    config["quantization_config"] = {
+        "quant_method": "compressed-tensors", "format": f"{form}-pack-quantized", "quantization_status": "compressed",
+        "config_groups": {"group_0": {"targets": ["Linear"], "weights": arguments(form).model_dump(mode="json")}},
+        "ignore": ["lm_head"]}
+    (dest / "config.json").write_text(json.dumps(config, indent=2))
+    return dest
+
+
+root, model_a = format_fixtures("fp4", SIZES)
+
+
+@pytest.mark.parametrize("form", FORMATS)
+def test_a_faithful_fp4_export_passes_on_every_layer(model_a, root, capsys, form):
+    code, report = compare(capsys, model_a, export(model_a, root / f"faithful-{form}", form))
+    assert code == 0, report
+    group = FORMATS[form]["group_size"]
+    for layer in report["layers"]:
+        conversion = layer["conversion"]
+        assert conversion["conversion_deviation"] > 0
+        # A rounded onto B's own groups (no re-quantization): measured 0.96 to 1.02 of B's deviation
+        assert 0.9 <= conversion["ratio_to_conversion"] <= 1.1
+        for row in conversion["tensors"]:
+            assert row["storage"] == f"{form}/{group}" and row["step_source"] == "file"
+            assert row["steps"]["values_beyond_step"] == 0
+    assert any(f"compressed-tensors {form}-pack-quantized, groups of {group}" in note for note in report["notes"])
+    inventory = report["comparison"]["inventory"]
+    assert inventory["shape_differs"] == [] and f"F32 -> {form.upper()}" in inventory["dtype_changes"]
+
+
+@pytest.mark.parametrize("form", FORMATS)
+@pytest.mark.parametrize(("case", "tensor", "named"), [
+    ("global", "up_proj", None),
+    ("row", "down_proj", "grid_too_coarse"),
+    ("exchanged_rows", "gate_proj", None),
+])
+def test_an_fp4_mistake_fails_its_layer_only(model_a, root, capsys, form, case, tensor, named):
+    if case == "global" and form == "mxfp4":
+        pytest.skip("mxfp4 has no global scale")
+    broken = export(model_a, root / f"broken-{form}-{case}", form, {f"{LAYER1}{tensor}.weight": case})
+    if named is not None:
+        quantized_layer_one_named(capsys, model_a, broken, named, tensor)
+        return
+    code, report = compare(capsys, model_a, broken)
+    assert code == 1, report
+    assert [layer["passed"] for layer in report["layers"]] == [True, False]
+
+
+def test_gate_and_up_exchanged_in_an_nvfp4_export_is_named(model_a, root, capsys):
+    a = root / "a-swapped"
+    shutil.copytree(model_a, a)
+    tensors = load_file(a / "model.safetensors")
+    gate, up = f"{LAYER1}gate_proj.weight", f"{LAYER1}up_proj.weight"
+    tensors[gate], tensors[up] = tensors[up].clone(), tensors[gate].clone()
+    save_file(tensors, a / "model.safetensors", metadata={"format": "pt"})
+    code, report = compare(capsys, model_a, export(a, root / "swapped", "nvfp4"))
+    assert code == 1, report
+    assert [layer["passed"] for layer in report["layers"]] == [True, False]
+    assert report["layers"][1]["diagnosis"]["id"] == "gate_up_exchanged"
