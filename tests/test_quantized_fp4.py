@@ -114,7 +114,7 @@ def test_a_faithful_fp4_export_passes_on_every_layer(model_a, root, capsys, form
 
 @pytest.mark.parametrize("form", FORMATS)
 @pytest.mark.parametrize(("case", "tensor", "named"), [
-    ("global", "up_proj", None),
+    ("global", "up_proj", "fp4_scale_power_off"),
     ("row", "down_proj", "grid_too_coarse"),
     ("exchanged_rows", "gate_proj", None),
 ])

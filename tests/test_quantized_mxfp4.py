@@ -110,10 +110,10 @@ def test_a_faithful_mxfp4_release_passes_on_every_expert(model_a, root, capsys):
 
 
 @pytest.mark.parametrize(("case", "tensor", "experts", "named"), [
-    ("doubled", "down_proj", range(4), {"tensor_scaled", "grid_too_coarse"}),
+    ("doubled", "down_proj", range(4), {"fp4_scale_power_off"}),
     ("coarse", "down_proj", [1], {"grid_too_coarse"}),
-    ("bias128", "gate_up_proj", range(4), None),
-    ("swapped_nibbles", "down_proj", range(4), None),
+    ("bias128", "gate_up_proj", range(4), {"fp4_scale_power_off"}),
+    ("swapped_nibbles", "down_proj", range(4), {"packed_order_wrong"}),
 ])
 def test_an_mxfp4_mistake_fails_its_layer_only(model_a, root, capsys, case, tensor, experts, named):
     broken = release(model_a, root / f"broken-{case}", {EXPERTS.format(1) + tensor: case})

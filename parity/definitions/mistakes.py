@@ -72,6 +72,7 @@ class MistakeId(StrEnum):
     MLX_SCALES_TRANSPOSED = "mlx_scales_transposed"
     MLX_SCALES_BIASES_EXCHANGED = "mlx_scales_biases_exchanged"
     MLX_MODE_WRONG = "mlx_mode_wrong"
+    FP4_SCALE_POWER_OFF = "fp4_scale_power_off"
     ZERO_POINT_OFF_BY_ONE = "zero_point_off_by_one"
     PACKED_ORDER_WRONG = "packed_order_wrong"
     G_IDX_IGNORED = "g_idx_ignored"
@@ -275,6 +276,12 @@ MISTAKES = {m.id: m for m in [
     Mistake(MistakeId.MLX_SCALES_BIASES_EXCHANGED, "checkpoint B's MLX X.scales holds the groups' biases and "
             "X.biases their scales: every value dequantizes as bias x code + scale",
             "write mlx.core.quantize's outputs in its order: (weight, scales, biases)"),
+    Mistake(MistakeId.FP4_SCALE_POWER_OFF, "checkpoint B's FP4 group scales are a power of two off the ones its "
+            "codes were chosen for: an e8m0 exponent stored or read with bias 126 or 128 where the format's is 127 "
+            "(transformers' MXFP4 dequantizer notes it), or an NVFP4 global scale doubled or halved; every value of "
+            "the tensor is twice or half what it should be, and the halved grid clips A's largest values",
+            "store each e8m0 exponent as floor(log2(scale)) + 127 and read it back the same way; write NVFP4's "
+            "weight_global_scale as the quantizer used it (compressed-tensors' compress)"),
     Mistake(MistakeId.MLX_MODE_WRONG, "checkpoint B's MLX-quantized tensor is stored in another mode than "
             "config.json's quantization states: uint8 scales and no biases (a microscaled mode: mxfp4, mxfp8, "
             "nvfp4) where affine is stated, or a float scale and bias per group (affine) where a microscaled mode is; "
@@ -289,7 +296,8 @@ MISTAKES = {m.id: m for m in [
     Mistake(MistakeId.PACKED_ORDER_WRONG, "checkpoint B's codes were packed in another order than its format "
             "reads them in: AWQ's in the linear order 0..7 within each int32 where AWQ's GEMM layout packs output "
             "columns 0 2 4 6 1 3 5 7, or an MLX mxfp4 block copied from ggml's MXFP4 (value j and j + 16 in byte j) "
-            "where MLX reads values 2j and 2j + 1 from it: values are read in other places",
+            "where MLX reads values 2j and 2j + 1 from it, or FP4 codes with each byte's two nibbles exchanged: "
+            "values are read in other places",
             "pack in the format's own order: qweight and qzeros in AWQ's (AutoAWQ's WQLinear_GEMM.from_linear), or "
             "state another format (GPTQ packs along the inputs, in linear order); an MLX tensor as "
             "mlx.core.quantize packs it, never ggml's blocks copied byte for byte"),
@@ -476,7 +484,10 @@ PRODUCED_BY: dict[MistakeId, str] = {
                                      "read with B's",
     MistakeId.PACKED_ORDER_WRONG: "replay (compare): A quantized on B's AWQ grid, packed in the linear order and "
                                   "read in AWQ's; or A quantized with mlx.core.quantize (mxfp4), its blocks in "
-                                  "ggml's MXFP4 order read in MLX's",
+                                  "ggml's MXFP4 order read in MLX's; or A rounded onto B's FP4 groups, each "
+                                  "byte's nibbles exchanged",
+    MistakeId.FP4_SCALE_POWER_OFF: "replay (compare): A rounded onto B's FP4 groups at twice or half B's scale, "
+                                   "read at B's",
     MistakeId.MLX_MODE_WRONG: "finding (compare): B's scales and biases are another mode's storage than the stated "
                               "mode's",
     MistakeId.G_IDX_IGNORED: "replay (compare): A quantized in the groups that fit its columns best, read with B's "

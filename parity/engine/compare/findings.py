@@ -12,7 +12,7 @@ import torch
 
 from parity.definitions.mistakes import MistakeId, diagnosis
 from parity.definitions.records import Candidate, Diagnosis
-from parity.engine.compare import codebook_grid, fp8_grid, gguf_grid, group_grid, mlx_grid
+from parity.engine.compare import codebook_grid, fp4_grid, fp8_grid, gguf_grid, group_grid, mlx_grid
 from parity.engine.compare.conversion import Storage, step_excess, stored_layout, unstored
 
 ACTIVATION_GRID = (-20.0, 20.0, 4001)  # where two activations are compared, in float64
@@ -166,14 +166,17 @@ def grid_finding(rows: list[dict], storage: dict[str, Storage], reference_distan
 def block_replay_finding(beyond: list[dict], a: dict[str, torch.Tensor], b: dict[str, torch.Tensor],
                          storage: dict[str, Storage], reference_distance: float, candidates: list[Candidate]
                          ) -> Diagnosis | None:
-    """Values of an FP8 block-quantized (or bitsandbytes 4-bit) tensor beyond their step from A's, every one of them
-    within its step of a conversion mistake replayed on A's tensor (``fp8_grid.mistakes``, ``codebook_grid.mistakes``):
-    that mistake, with the counts as evidence.  Judged value by value, since a mistake confined to the partial edge
-    blocks (blocks of another size) may move the layer's function less than FP8 itself does."""
+    """Values of an FP8 block-quantized (bitsandbytes 4-bit, MLX, FP4) tensor beyond their step from A's, every one of
+    them within its step of a conversion mistake replayed on A's tensor (``fp8_grid.mistakes``, ``codebook_grid``'s,
+    ``mlx_grid``'s, ``fp4_grid``'s): that mistake, with the counts as evidence.  Judged value by value, since a
+    mistake confined to the partial edge blocks (blocks of another size) may move the layer's function less than FP8
+    itself does."""
     for row in beyond:
         name, store = row["name"], storage[row["name"]]
         stored = stored_layout(store.route, a[name].float())
-        if store.mlx is not None and stored is not None:  # MLX affine: its own replays
+        if store.fp4 is not None:  # FP4 groups: replayed in the reference's layout
+            found = fp4_grid.mistakes(a[name].float(), store.fp4)
+        elif store.mlx is not None and stored is not None:  # MLX: its own replays
             found = mlx_grid.replays(stored, store.mlx, lambda t, s=store: unstored(s.route, t))
         elif (store.block is None and store.codebook is None) or stored is None or stored.dim() != 2:
             continue

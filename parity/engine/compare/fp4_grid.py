@@ -35,11 +35,12 @@ TOP = 6.0  # e2m1's largest magnitude
 @dataclass
 class Fp4Storage:
     """How B stores one FP4 tensor (one expert's slice), each fact per value in the reference's layout: its code's
-    e2m1 level, its group's scale and its group's index in the file ([expert,] out, group)."""
+    e2m1 level, its group's scale, its group's index in the file ([expert,] out, group) and its own."""
 
     levels: torch.Tensor
     scales: torch.Tensor
     groups: torch.Tensor
+    positions: torch.Tensor  # each value's flat index in the file's [..., out, in]: its byte is position // 2
     per_row: int  # groups per stored row (in / group)
     group: int
     dtype: str = "float32"  # what A is cast to before it is rounded (the dtype B left its other tensors in)
@@ -61,31 +62,60 @@ def stored(checkpoint, key: str, route: TensorRoute, expert: int | None, shape) 
     per_row = inputs // group
     index = torch.arange(outputs)[:, None] * per_row + torch.arange(inputs)[None, :] // group
     index = index + torch.arange(levels[..., 0, 0].numel()).reshape(levels.shape[:-2] + (1, 1)) * outputs * per_row
+    positions = torch.arange(levels.numel()).reshape(levels.shape)
     if tuple(shape) != tuple(levels.shape):  # read in transformers' [..., in, out]
-        levels, scales, steps, index = (t.transpose(-1, -2) for t in (levels, scales, steps, index))
+        levels, scales, steps, index, positions = (t.transpose(-1, -2) for t in (levels, scales, steps, index,
+                                                                                   positions))
     bad = ~torch.isfinite(scales)
     problem = None
     if bool(bad.any()):
         first = int(index[bad][0])
         problem = (f"group {[first // per_row, first % per_row]}: {int(torch.unique(index[bad]).numel())} of "
                    f"{index.numel() // group} groups have a NaN/Inf scale")
-    store = Fp4Storage(*(route_tensor(route, t) for t in (levels, scales, index)), per_row, group, found.dtype)
+    store = Fp4Storage(*(route_tensor(route, t) for t in (levels, scales, index, positions)), per_row, group,
+                       found.dtype)
     return Storage(found.name, True, route_tensor(route, steps), "file", route, nonfinite_scale=problem,
                    zeroed=not bool(levels.any()), fp4=store)
 
 
-def reference(a: torch.Tensor, storage: Storage) -> tuple[torch.Tensor, str, None]:
-    """A's tensor (reference layout) rounded onto B's own grid: cast to the dtype B left its other tensors in, then
-    each value to the nearest e2m1 level of its group's scale, read from the file (no re-quantization, above)."""
-    store = storage.fp4
+def rounded(a: torch.Tensor, store: Fp4Storage, scales: torch.Tensor | None = None) -> torch.Tensor:
+    """A's tensor (reference layout) cast to the dtype B left its other tensors in, then each value rounded to the
+    nearest e2m1 level of its group's scale (``scales``: another grid's, per value; default B's)."""
+    scales = store.scales if scales is None else scales
     book = e2m1_values().unique()
-    finite = torch.isfinite(store.scales) & (store.scales > 0)
-    unit = torch.where(finite, store.scales, torch.ones_like(store.scales))
+    finite = torch.isfinite(scales) & (scales > 0)
+    unit = torch.where(finite, scales, torch.ones_like(scales))
     cast = a.to(getattr(torch, store.dtype)).float()
     scaled = (cast / unit).clamp(-TOP, TOP)
-    nearest = book[(scaled[..., None] - book).abs().argmin(-1)]
-    return (torch.where(finite, nearest * unit, cast), f"cast to {store.dtype}, rounded to the nearest e2m1 level of "
-            f"B's groups of {store.group}, each group's scale read from the file", None)
+    return torch.where(finite, book[(scaled[..., None] - book).abs().argmin(-1)] * unit, cast)
+
+
+def reference(a: torch.Tensor, storage: Storage) -> tuple[torch.Tensor, str, None]:
+    """A's tensor (reference layout) rounded onto B's own grid (``rounded``; no re-quantization, above), and how."""
+    store = storage.fp4
+    return (rounded(a, store), f"cast to {store.dtype}, rounded to the nearest e2m1 level of B's groups of "
+            f"{store.group}, each group's scale read from the file", None)
+
+
+def mistakes(a: torch.Tensor, store: Fp4Storage) -> list[tuple[str, str, torch.Tensor]]:
+    """The FP4 conversion mistakes that keep B's shapes, each as (mistake id, detail, A's tensor as the broken export
+    reads back; reference layout): each byte's two codes exchanged (the odd value in the low nibble); every scale a
+    power of two off (an e8m0 exponent bias of 126 or 128 where the format's is 127, an NVFP4 global scale doubled or
+    halved: the codes of one grid read with a scale twice or half theirs)."""
+    found = []
+    flat = store.positions.reshape(-1)
+    where = torch.full((int(flat.max()) + 1,), -1, dtype=torch.long).index_put_((flat,), torch.arange(flat.numel()))
+    partner = where[flat ^ 1]
+    if bool((partner >= 0).all()):  # both values of every byte are in this tensor (always, but a chunk may split)
+        held = rounded(a, store).reshape(-1)
+        found.append(("packed_order_wrong", "each byte's two e2m1 codes exchanged (the even value in the high "
+                      "nibble)", held[partner].reshape(store.levels.shape)))
+    for power in (1, -1):
+        factor = 2.0 ** power
+        found.append(("fp4_scale_power_off", f"every scale read {'twice' if power > 0 else 'half'} the one its "
+                      "codes were chosen for (an exponent bias or a global scale a power of two off)",
+                      rounded(a, store, store.scales / factor) * factor))
+    return found
 
 
 def coarse_groups(a: torch.Tensor, store: Fp4Storage) -> dict | None:

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from parity.definitions.mistakes import MistakeId
-from parity.engine.compare import codebook_grid, conversion, fp8_grid, group_grid, mlx_grid
+from parity.engine.compare import codebook_grid, conversion, fp4_grid, fp8_grid, group_grid, mlx_grid
 from parity.engine.gate_up_layout import interleave_rows
 
 
@@ -87,6 +87,9 @@ def hypotheses(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor], storage: 
         found.extend(block_hypotheses(name, a[name], storage[name]))
         found.extend(codebook_hypotheses(name, a[name], storage[name]))
         found.extend(mlx_hypotheses(name, a[name], storage[name]))
+        if storage[name].fp4 is not None:  # FP4 groups: replayed in the reference's layout (fp4_grid.mistakes)
+            found.extend(Hypothesis(MistakeId(mistake), f"{name}: {detail}", _replace(name, values))
+                         for mistake, detail, values in fp4_grid.mistakes(a[name], storage[name].fp4))
     if len(scaled) > 1:  # a reader that misapplies a scale does so to every tensor of the layer (every scale halved)
         found.append(Hypothesis(MistakeId.TENSOR_SCALED, ", ".join(f"{n} x {f:.4g}" for n, f in scaled.items()),
                                 lambda t, s=scaled: {**t, **{n: t[n].float() * f for n, f in s.items()}}))
