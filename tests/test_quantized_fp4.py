@@ -141,3 +141,25 @@ def test_gate_and_up_exchanged_in_an_nvfp4_export_is_named(model_a, root, capsys
     assert code == 1, report
     assert [layer["passed"] for layer in report["layers"]] == [True, False]
     assert report["layers"][1]["diagnosis"]["id"] == "gate_up_exchanged"
+
+
+@pytest.mark.parametrize(("edit", "said"), [
+    (lambda t: {**t, "weight_packed": t["weight_packed"].view(torch.int8)}, "packs two e2m1 codes a byte"),
+    (lambda t: {**t, "weight_packed": t["weight_packed"][:0]}, "packs two e2m1 codes a byte"),
+    (lambda t: {**t, "weight_scale": t["weight_scale"].float()}, "stores its scales as float8_e4m3fn"),
+    (lambda t: {**t, "weight_scale": t["weight_scale"][:, :-1]}, "one scale per group of 16"),
+    (lambda t: {**t, "weight_global_scale": t["weight_global_scale"].repeat(2)}, "holds 2 values"),
+])
+def test_an_nvfp4_tensor_of_another_layout_is_exit_2_naming_it(model_a, root, capsys, edit, said):
+    """Hostile layouts of layer 1's up_proj: exit 2 naming the tensor and what the format stores, never a traceback."""
+    from .support import run_main
+
+    b = export(model_a, root / f"hostile-{len(list(root.iterdir()))}", "nvfp4")
+    tensors = load_file(b / "model.safetensors")
+    module = f"{LAYER1}up_proj"
+    parts = edit({k.rsplit(".", 1)[1]: v for k, v in tensors.items() if k.startswith(module + ".")})
+    tensors = {k: v for k, v in tensors.items() if not k.startswith(module + ".")}
+    save_file({**tensors, **{f"{module}.{k}": v.contiguous() for k, v in parts.items()}}, b / "model.safetensors")
+    code, out, err = run_main(capsys, "compare", model_a, b)
+    assert code == 2, out + err
+    assert said in err and "up_proj" in err and "Traceback" not in err and "internal error" not in err

@@ -139,3 +139,30 @@ def test_an_mxfp4_release_from_the_hugging_face_cache_is_read_as_a_local_one(mod
     assert code == 0, report
     assert all(row["storage"] in ("mxfp4 (GPT-OSS blocks)", "bfloat16") for unit in report["layers"]
                for row in unit["conversion"].get("tensors", []))
+
+
+@pytest.mark.parametrize(("edit", "said"), [
+    ("config", "modules_to_not_convert is 5"),
+    ("unstacked", "[experts, out, in / 32, 16]"),
+    ("int8", "stores both as uint8"),
+])
+def test_an_mxfp4_release_of_another_layout_is_exit_2_naming_it(model_a, root, capsys, edit, said):
+    from .support import run_main
+
+    b = release(model_a, root / f"hostile-{edit}")
+    if edit == "config":
+        config = json.loads((b / "config.json").read_text())
+        config["quantization_config"]["modules_to_not_convert"] = 5
+        (b / "config.json").write_text(json.dumps(config))
+    else:
+        tensors = load_file(b / "model.safetensors")
+        name = EXPERTS.format(1) + "down_proj"
+        if edit == "unstacked":
+            tensors[name + "_blocks"], tensors[name + "_scales"] = (tensors[name + "_blocks"][0].contiguous(),
+                                                                    tensors[name + "_scales"][0].contiguous())
+        else:
+            tensors[name + "_blocks"] = tensors[name + "_blocks"].view(torch.int8)
+        save_file(tensors, b / "model.safetensors")
+    code, out, err = run_main(capsys, "compare", model_a, b)
+    assert code == 2, out + err
+    assert said in err and "Traceback" not in err and "internal error" not in err

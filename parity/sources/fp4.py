@@ -14,13 +14,15 @@ if TYPE_CHECKING:
 class Fp4Held:
     """One FP4 tensor as its file stores it ([E, out, in], or one expert's or matrix's [out, in]): each value's e2m1
     level (float32), each group's scale as the reader multiplies it (float32, [..., out, in / group]), the group size,
-    the dtype B left its other tensors in, and what reports call the storage."""
+    the dtype B left its other tensors in, what reports call the storage, and whether the scales are powers of two
+    (e8m0) or finer (NVFP4's e4m3, which ``fp4_grid`` holds to a tighter bound)."""
 
     levels: torch.Tensor
     scales: torch.Tensor
     group: int
     dtype: str
     name: str
+    power_of_two: bool = True
 
 
 def e2m1_values():

@@ -29,6 +29,13 @@ COMPRESSED = "compressed-tensors"
 FORMATS = ("nvfp4-pack-quantized", "mxfp4-pack-quantized")
 PACKED, SCALE, GLOBAL = "weight_packed", "weight_scale", "weight_global_scale"
 PARTS = (PACKED, SCALE, GLOBAL, "weight_zero_point", "input_global_scale")  # the compressor's parameter names
+# the dtype each format stores weight_scale in: compressed-tensors' compressors (NVFP4PackedCompressor's default
+# scale_dtype float8_e4m3fn, MXFP4PackedCompressor's uint8 e8m0 exponents), as llm-compressor 0.14 writes them
+SCALE_DTYPES = {"nvfp4-pack-quantized": "float8_e4m3fn", "mxfp4-pack-quantized": "uint8"}
+
+
+def dtype_name(tensor) -> str:
+    return str(tensor.dtype).removeprefix("torch.")
 
 
 @dataclass(frozen=True)
@@ -106,13 +113,24 @@ class Fp4Checkpoint(Checkpoint):
             if part not in read:
                 raise CheckpointError(f"{self.location}: {module}.{PACKED} has no {module}.{part} beside it; "
                                       f"{self.scheme.form} stores it")
+        import torch
+
         packed, scale = read[PACKED], read[SCALE]
-        columns = packed.shape[-1] * 2
-        expected = [*packed.shape[:-1], -(-columns // self.scheme.group)]
-        if packed.dim() != 2 or list(scale.shape) != expected:
-            raise CheckpointError(f"{self.location}: {module}.{PACKED} is {list(packed.shape)} with {module}.{SCALE} "
-                                  f"{list(scale.shape)}; one scale per group of {self.scheme.group} of its {columns} "
-                                  f"inputs calls for {expected}")
+        columns = packed.shape[-1] * 2 if packed.dim() else 0
+        expected = [*packed.shape[:-1], columns // self.scheme.group]
+        said = (f"{self.location}: {module}.{PACKED} is {dtype_name(packed)} {list(packed.shape)} with "
+                f"{module}.{SCALE} {dtype_name(scale)} {list(scale.shape)}")
+        if packed.dtype != torch.uint8 or packed.dim() != 2 or packed.numel() == 0:
+            raise CheckpointError(f"{said}; {self.scheme.form} packs two e2m1 codes a byte: uint8 [out, in / 2]")
+        if columns % self.scheme.group or list(scale.shape) != expected:
+            raise CheckpointError(f"{said}; one scale per group of {self.scheme.group} of its {columns} inputs calls "
+                                  f"for {expected}")
+        scale_dtype = SCALE_DTYPES[self.scheme.form]
+        if dtype_name(scale) != scale_dtype:
+            raise CheckpointError(f"{said}; {self.scheme.form} stores its scales as {scale_dtype}")
+        if GLOBAL in read and read[GLOBAL].numel() != 1:
+            raise CheckpointError(f"{self.location}: {module}.{GLOBAL} holds {read[GLOBAL].numel()} values; NVFP4 "
+                                  "stores one global scale per tensor")
         return read
 
     def decompressed(self, name: str, parts: dict):
@@ -137,7 +155,8 @@ class Fp4Checkpoint(Checkpoint):
         if GLOBAL in parts:
             scale = scale / parts[GLOBAL].float().reshape(-1)[0]
         return Fp4Held(levels, scale, self.scheme.group, self.model_dtype,
-                       f"{self.scheme.form.removesuffix('-pack-quantized')}/{self.scheme.group}")
+                       f"{self.scheme.form.removesuffix('-pack-quantized')}/{self.scheme.group}",
+                       power_of_two=self.scheme.form.startswith("mxfp4"))
 
     @cached_property
     def model_dtype(self) -> str:

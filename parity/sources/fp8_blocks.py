@@ -29,7 +29,7 @@ from types import SimpleNamespace
 from parity.definitions.distribution import install_command
 from parity.definitions.files import shown
 from parity.errors import CheckpointError, QuantizedLayoutError
-from parity.sources.checkpoint import Checkpoint, dequantized_on_read, split_companions
+from parity.sources.checkpoint import Checkpoint, dequantized_on_read, split_companions, stated_modules
 
 QUANT_METHOD = "fp8"
 COMPRESSED = "compressed-tensors"
@@ -107,8 +107,8 @@ def scheme_of(raw_config: dict, where: str) -> FP8Scheme | None:
     if scale_fmt not in ("float", "ue8m0"):
         raise CheckpointError(f"{where}: config.json's quantization_config.scale_fmt is {scale_fmt!r}; parity reads "
                               "'float' (float32 scales) and 'ue8m0' (power-of-two scales)")
-    skipped = config.get("modules_to_not_convert") or []
-    return FP8Scheme((block[0], block[1]), tuple(str(s) for s in skipped if isinstance(s, str)),
+    skipped = stated_modules(config, "modules_to_not_convert", where)
+    return FP8Scheme((block[0], block[1]), skipped,
                      scale_fmt == "ue8m0")
 
 

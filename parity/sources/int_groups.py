@@ -34,7 +34,7 @@ from types import SimpleNamespace
 from parity.definitions.distribution import install_command
 from parity.definitions.files import shown
 from parity.errors import CheckpointError, QuantizedLayoutError
-from parity.sources.checkpoint import Checkpoint, dequantized_on_read
+from parity.sources.checkpoint import Checkpoint, dequantized_on_read, stated_modules
 
 COMPRESSED = "compressed-tensors"
 PACKED = "pack-quantized"
@@ -116,20 +116,20 @@ def scheme_of(raw_config: dict, where: str) -> IntScheme | None:
     if isinstance(group, bool) or not isinstance(group, int) or group == 0 or group < -1:
         raise CheckpointError(f"{where}: config.json's quantization_config.group_size is {group!r}; expected a "
                               "positive integer (values per group) or -1 (one group per row)")
-    skipped = config.get("modules_to_not_convert") or []
+    skipped = stated_modules(config, "modules_to_not_convert", where)
     if method == "awq":
         version = str(config.get("version", "gemm")).lower()
         if version != "gemm":
             raise CheckpointError(f"{where}: config.json's quantization_config.version is {version!r}; parity reads "
                                   "AWQ's GEMM layout ('gemm') so far")
         return IntScheme("awq", bits, max(group, 0), sym=not config.get("zero_point", True),
-                         not_converted=tuple(str(s) for s in skipped))
+                         not_converted=skipped)
     form = str(config.get("checkpoint_format", "gptq"))
     if form not in ("gptq", "gptq_v2"):
         raise CheckpointError(f"{where}: config.json's quantization_config.checkpoint_format is {form!r}; parity "
                               "reads GPTQ's 'gptq' (v1) and 'gptq_v2'")
     return IntScheme("gptq", bits, max(group, 0), sym=bool(config.get("sym", True)), v1=form == "gptq",
-                     not_converted=tuple(str(s) for s in skipped))
+                     not_converted=skipped)
 
 
 def packed_scheme(config: dict, where: str) -> IntScheme:

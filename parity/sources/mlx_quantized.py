@@ -206,6 +206,9 @@ def check_shapes(location: str, name: str, packed, scales, params: MLXParams, di
     widths the module may have, ``dims`` (or a callable giving them, asked only for a misfit): its own in_features
     where transformers' model knows the module, else every size the config states (a set of all sizes alone misnames
     one where two sizes coincide, e.g. intermediate_size == vocab_size)."""
+    if packed.dim() < 2 or packed.numel() == 0:
+        raise CheckpointError(f"{location}: {name} is {list(packed.shape)}; an MLX-quantized matrix is uint32 "
+                              "[..., out, in x bits / 32] with at least one value")
     columns = packed.shape[-1] * WORD // params.bits
     expected = (*packed.shape[:-1], columns // params.group_size)
     if columns % params.group_size == 0 and tuple(scales.shape) == expected:

@@ -6,8 +6,9 @@ exponent per 32 input values, bias 127).  The true weight is 2^(scale - 127) x t
 parameter holds it as [E, in, out] (its experts compute x @ W).
 
 ``read`` returns X dequantized by transformers itself (``transformers.integrations.mxfp4.convert_moe_packed_tensors``,
-the converter its Mxfp4 quantizer runs on CPU when it dequantizes), in float32, under X's own name and layout, so that
-the derived routes of GPT-OSS's experts read it as they read an unquantized release.  The stored codes and exponents
+the converter its Mxfp4 quantizer runs on CPU when it dequantizes), in float32, under X's own name and layout
+([E, in, out]), so that the derived routes of GPT-OSS's experts read it as they read an unquantized release (they
+slice each expert and turn it to [out, in]).  The stored codes and exponents
 are kept for the grid (``fp4_held``, judged by ``engine.compare.fp4_grid``); the blocks and scales must have the
 shapes the format calls for (a CheckpointError naming both otherwise).  No extra is needed: the converter is
 transformers'.
@@ -21,7 +22,7 @@ from pathlib import Path
 
 from parity.definitions.files import shown
 from parity.errors import CheckpointError
-from parity.sources.checkpoint import Checkpoint, dequantized_on_read, split_companions
+from parity.sources.checkpoint import Checkpoint, dequantized_on_read, split_companions, stated_modules
 from parity.sources.fp4 import Fp4Held, e2m1_values
 
 QUANT_METHOD = "mxfp4"  # transformers' Mxfp4Config.quant_method
@@ -39,27 +40,25 @@ class Mxfp4Scheme:
         return "MXFP4 experts (GPT-OSS's blocks and e8m0 scales, groups of 32)"
 
 
-def scheme_of(raw_config: dict) -> Mxfp4Scheme | None:
+def scheme_of(raw_config: dict, where: str) -> Mxfp4Scheme | None:
     """The scheme config.json states, None for a checkpoint not MXFP4-quantized this way."""
     config = raw_config.get("quantization_config")
     if not isinstance(config, dict) or config.get("quant_method") != QUANT_METHOD:
         return None
-    kept = config.get("modules_to_not_convert") or []
-    return Mxfp4Scheme(tuple(str(m) for m in kept if isinstance(m, str)))
+    return Mxfp4Scheme(stated_modules(config, "modules_to_not_convert", where))
 
 
 def check_layout(location: str, name: str, blocks, scales) -> None:
-    """Blocks [..., out, G, 16] uint8 beside scales [..., out, G] uint8, else a QuantizedLayoutError saying what they
-    are (the scales transposed, another block size, another dtype)."""
+    """Blocks [E, out, G, 16] uint8 beside scales [E, out, G] uint8, else a CheckpointError saying what they are."""
     import torch
 
     said = (f"{location}: {name}{BLOCKS} is {str(blocks.dtype).removeprefix('torch.')} {list(blocks.shape)} with "
             f"{name}{SCALES} {str(scales.dtype).removeprefix('torch.')} {list(scales.shape)}")
     if blocks.dtype != torch.uint8 or scales.dtype != torch.uint8:
         raise CheckpointError(f"{said}; MXFP4 stores both as uint8 (two e2m1 codes a byte, one e8m0 exponent a block)")
-    if blocks.dim() < 3 or blocks.shape[-1] != BLOCK // 2:
-        raise CheckpointError(f"{said}: MXFP4 blocks are [..., out, in / 32, 16] (32 codes in 16 bytes), not "
-                              f"{blocks.shape[-1]} bytes a block")
+    if blocks.dim() != 4 or blocks.shape[-1] != BLOCK // 2 or blocks.numel() == 0:
+        raise CheckpointError(f"{said}: GPT-OSS's MXFP4 experts are [experts, out, in / 32, 16] (32 codes in 16 "
+                              "bytes, stacked over experts)")
     if tuple(scales.shape) != tuple(blocks.shape[:-1]):
         raise CheckpointError(f"{said}: one scale per block calls for {name}{SCALES} {list(blocks.shape[:-1])}")
 
@@ -128,7 +127,7 @@ class Mxfp4Checkpoint(Checkpoint):
 
 def wrap(checkpoint: Checkpoint, folder: Path | str) -> Checkpoint:
     """``checkpoint`` as an Mxfp4Checkpoint when its config states GPT-OSS's MXFP4, else unchanged."""
-    scheme = scheme_of(checkpoint.raw_config)
+    scheme = scheme_of(checkpoint.raw_config, shown(folder))
     if scheme is None:
         return checkpoint
     weights, companions = split_companions(checkpoint, (BLOCKS, SCALES))

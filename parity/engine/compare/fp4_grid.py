@@ -28,7 +28,10 @@ from parity.engine.compare.storage import Storage, level_steps
 from parity.engine.layer import route_tensor
 from parity.sources.fp4 import e2m1_values
 
-GRID_FACTOR = 2.0 * (1 + 2 ** -7)  # a group's scale over amax / 6 before it is grid_too_coarse (above)
+GRID_FACTOR = 2.0 * (1 + 2 ** -7)  # a power-of-two scale over amax / 6 before it is grid_too_coarse (above)
+# an e4m3 scale (NVFP4): llm-compressor's is amax / 6 rounded to e4m3 (within 1.07 x of it, and of the global scale's
+# rounding), so a group 1.2 x coarser is no rounding of it
+FINE_GRID_FACTOR = 1.2
 TOP = 6.0  # e2m1's largest magnitude
 
 
@@ -44,6 +47,7 @@ class Fp4Storage:
     per_row: int  # groups per stored row (in / group)
     group: int
     dtype: str = "float32"  # what A is cast to before it is rounded (the dtype B left its other tensors in)
+    factor: float = GRID_FACTOR  # how far a group's scale may exceed amax / 6 (``FINE_GRID_FACTOR`` for e4m3)
 
 
 def stored(checkpoint, key: str, route: TensorRoute, expert: int | None, shape) -> Storage | None:
@@ -73,7 +77,7 @@ def stored(checkpoint, key: str, route: TensorRoute, expert: int | None, shape) 
         problem = (f"group {[first // per_row, first % per_row]}: {int(torch.unique(index[bad]).numel())} of "
                    f"{index.numel() // group} groups have a NaN/Inf scale")
     store = Fp4Storage(*(route_tensor(route, t) for t in (levels, scales, index, positions)), per_row, group,
-                       found.dtype)
+                       found.dtype, GRID_FACTOR if found.power_of_two else FINE_GRID_FACTOR)
     return Storage(found.name, True, route_tensor(route, steps), "file", route, nonfinite_scale=problem,
                    zeroed=not bool(levels.any()), fp4=store)
 
@@ -104,7 +108,7 @@ def mistakes(a: torch.Tensor, store: Fp4Storage) -> list[tuple[str, str, torch.T
     halved: the codes of one grid read with a scale twice or half theirs)."""
     found = []
     flat = store.positions.reshape(-1)
-    where = torch.full((int(flat.max()) + 1,), -1, dtype=torch.long).index_put_((flat,), torch.arange(flat.numel()))
+    where = torch.full((int(flat.max()) + 2,), -1, dtype=torch.long).index_put_((flat,), torch.arange(flat.numel()))
     partner = where[flat ^ 1]
     if bool((partner >= 0).all()):  # both values of every byte are in this tensor (always, but a chunk may split)
         held = rounded(a, store).reshape(-1)
@@ -119,7 +123,7 @@ def mistakes(a: torch.Tensor, store: Fp4Storage) -> list[tuple[str, str, torch.T
 
 
 def coarse_groups(a: torch.Tensor, store: Fp4Storage) -> dict | None:
-    """Groups whose scale in B's file exceeds ``GRID_FACTOR`` x the one A's values there call for (their largest
+    """Groups whose scale in B's file exceeds ``store.factor`` x the one A's values there call for (their largest
     magnitude / 6): None when none does; else how many and the worst, with evidence (the keys
     ``findings.grid_finding`` words; a group's step is its top level's gap, 2 x its scale)."""
     count = int(store.groups.max()) + 1
@@ -128,7 +132,7 @@ def coarse_groups(a: torch.Tensor, store: Fp4Storage) -> dict | None:
     scale = torch.zeros(count).scatter_reduce(0, ids, store.scales.abs().reshape(-1), "amax", include_self=False)
     present = torch.zeros(count, dtype=torch.bool).index_fill(0, ids, True)
     needed = amax / TOP
-    over = torch.where(present & (needed > 0), scale / (GRID_FACTOR * needed), torch.zeros_like(scale))
+    over = torch.where(present & (needed > 0), scale / (store.factor * needed), torch.zeros_like(scale))
     over = over.nan_to_num(0.0, posinf=0.0)  # a NaN/Inf scale is nonfinite_scale's
     if not bool((over > 1).any()):
         return None
@@ -137,4 +141,4 @@ def coarse_groups(a: torch.Tensor, store: Fp4Storage) -> dict | None:
     b_step, a_step = 2 * float(scale[worst]), 2 * float(needed[worst])
     return {"blocks_too_coarse": int((over > 1).sum()), "blocks": int(present.sum()), "worst_block": worst,
             "row": worst // store.per_row, "values": [first, first + store.group - 1], "b_step": b_step,
-            "a_step": a_step, "limit": GRID_FACTOR * a_step, "times_coarser": b_step / a_step}
+            "a_step": a_step, "limit": store.factor * a_step, "times_coarser": b_step / a_step}

@@ -123,7 +123,7 @@ def codebook_hypotheses(name: str, a: torch.Tensor, storage: conversion.Storage)
 
 
 def mlx_hypotheses(name: str, a: torch.Tensor, storage: conversion.Storage) -> list[Hypothesis]:
-    """An MLX affine-quantized tensor's conversion mistakes (``mlx_grid.mistakes``): A quantized with
+    """An MLX-quantized tensor's conversion mistakes (``mlx_grid.mistakes``): A quantized with
     mlx.core.quantize, then read back the way the mistake reads it.  None for other storage."""
     stored = conversion.stored_layout(storage.route, a.float())
     if storage.mlx is None or stored is None:

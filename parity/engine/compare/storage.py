@@ -40,7 +40,7 @@ class Storage:
     scales: torch.Tensor | None = None  # FP8 block quantization: each block's scale, read from the file
     levels: torch.Tensor | None = None  # a grid parity cannot read (IQ, NVFP4): B's own values, stored layout
     codebook: object | None = None  # bitsandbytes 4-bit: parity.sources.bnb_4bit.Packed4bit, read from the file
-    mlx: MLXStorage | None = None  # MLX affine quantization: codes, scales, biases (stored layout)
+    mlx: MLXStorage | None = None  # MLX quantization (affine or microscaled): codes, scales, biases (stored layout)
     fp4: Fp4Storage | None = None  # FP4 groups (GPT-OSS MXFP4, compressed-tensors NVFP4/MXFP4): level, scale, group
     group: Grid | None = None  # integer group quantization (GPTQ, AWQ, pack-quantized): B's own grid
     importance: str | None = None  # GGUF: the importance matrix B's metadata names, in a type it weights (gguf_grid)
