@@ -32,3 +32,11 @@ def e2m1_values():
     from transformers.integrations.mxfp4 import FP4_VALUES
 
     return torch.tensor(FP4_VALUES, dtype=torch.float32)
+
+
+def norm_dtype(checkpoint) -> str:
+    """The dtype a quantizer left ``checkpoint``'s unquantized tensors in, read off a norm's weight in its local
+    header (bfloat16 or float16), else float32: what A is cast to before it is rounded onto B's FP4 groups."""
+    described = checkpoint.describe([n for n in checkpoint.weight_map if n.endswith("norm.weight")][:1]) or {}
+    kinds = {"BF16": "bfloat16", "F16": "float16"}
+    return next((kinds[kind] for _, kind in described.values() if kind in kinds), "float32")

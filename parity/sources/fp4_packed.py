@@ -22,7 +22,8 @@ from parity.definitions.distribution import install_command
 from parity.definitions.files import shown
 from parity.errors import CheckpointError
 from parity.sources.checkpoint import Checkpoint, dequantized_on_read
-from parity.sources.fp4 import Fp4Held
+from parity.sources.compressed_config import one_weight_scheme
+from parity.sources.fp4 import Fp4Held, norm_dtype
 
 EXTRA = "compressed-tensors"  # pyproject.toml's extra that installs compressed-tensors
 COMPRESSED = "compressed-tensors"
@@ -74,16 +75,7 @@ def scheme_of(raw_config: dict, where: str) -> Fp4Scheme | None:
     if not isinstance(config, dict) or config.get("quant_method") != COMPRESSED or config.get("format") not in FORMATS:
         return None
     config_class, _, _ = require_library(where)
-    try:
-        parsed = config_class.model_validate(config)
-    except Exception as exc:  # pydantic's ValidationError: the field and what was wrong
-        raise CheckpointError(f"{where}: config.json's quantization_config is not one compressed-tensors reads: "
-                              f"{'; '.join(str(exc).splitlines()[:3])}") from None
-    schemes = {g.weights.model_dump_json(): g for g in parsed.config_groups.values() if g.weights is not None}
-    if len(schemes) != 1:
-        raise CheckpointError(f"{where}: config.json's quantization_config (compressed-tensors) has {len(schemes)} "
-                              "weight schemes across its config_groups; parity reads checkpoints with one so far")
-    scheme = next(iter(schemes.values()))
+    parsed, scheme = one_weight_scheme(config_class, config, where)
     args = scheme.weights
     kind = str(getattr(args.type, "value", args.type))
     if kind != "float" or args.num_bits != 4 or not args.symmetric or not args.group_size:
@@ -161,12 +153,7 @@ class Fp4Checkpoint(Checkpoint):
     @cached_property
     def model_dtype(self) -> str:
         """The dtype llm-compressor left the unquantized tensors in (a norm's weight), else float32."""
-        from parity.sources.safetensors_files import describe_files
-
-        norms = [n for n in self.weight_map if n.endswith("norm.weight")][:1]
-        found = describe_files(self.fetch, {n: self.weight_map[n] for n in norms}) if self.repo_id is None else None
-        kinds = {"BF16": "bfloat16", "F16": "float16"}
-        return next((kinds[kind] for _, kind in (found or {}).values() if kind in kinds), "float32")
+        return norm_dtype(self)
 
     def describe(self, names: list[str]) -> dict[str, tuple[list[int], str]] | None:
         """Shape and dtype of these tensors from the local safetensors headers, a packed one as the matrix it holds

@@ -30,6 +30,7 @@ from parity.definitions.distribution import install_command
 from parity.definitions.files import shown
 from parity.errors import CheckpointError, QuantizedLayoutError
 from parity.sources.checkpoint import Checkpoint, dequantized_on_read, split_companions, stated_modules
+from parity.sources.compressed_config import one_weight_scheme
 
 QUANT_METHOD = "fp8"
 COMPRESSED = "compressed-tensors"
@@ -117,17 +118,8 @@ def compressed_scheme(config: dict, where: str) -> FP8Scheme:
     weights (format float-quantized, 8-bit float, one weight scheme for every group) are read; any other is refused
     naming what it is."""
     library = require_library(where, COMPRESSED)
-    try:
-        parsed = library.QuantizationConfig.model_validate(config)
-    except Exception as exc:  # pydantic's ValidationError: the field and what was wrong
-        first = str(exc).splitlines()
-        raise CheckpointError(f"{where}: config.json's quantization_config is not one compressed-tensors reads: "
-                              f"{'; '.join(first[:3])}") from None
-    schemes = {g.weights.model_dump_json(): g.weights for g in parsed.config_groups.values() if g.weights is not None}
-    if len(schemes) != 1:
-        raise CheckpointError(f"{where}: config.json's quantization_config (compressed-tensors) has {len(schemes)} "
-                              "weight schemes across its config_groups; parity reads checkpoints with one so far")
-    args = next(iter(schemes.values()))
+    parsed, scheme = one_weight_scheme(library.QuantizationConfig, config, where)
+    args = scheme.weights
     strategy = str(getattr(args.strategy, "value", args.strategy))
     readable = (parsed.format in ("float-quantized", "naive-quantized") and str(getattr(args.type, "value", args.type))
                 == "float" and args.num_bits == 8 and args.symmetric and strategy in ("block", "channel", "tensor"))

@@ -35,6 +35,7 @@ from parity.definitions.distribution import install_command
 from parity.definitions.files import shown
 from parity.errors import CheckpointError, QuantizedLayoutError
 from parity.sources.checkpoint import Checkpoint, dequantized_on_read, stated_modules
+from parity.sources.compressed_config import one_weight_scheme
 
 COMPRESSED = "compressed-tensors"
 PACKED = "pack-quantized"
@@ -136,16 +137,7 @@ def packed_scheme(config: dict, where: str) -> IntScheme:
     """compressed-tensors' pack-quantized config, read by compressed-tensors itself: integer weights, strategy group
     or channel, one weight scheme for every group; any other is refused naming what it is."""
     library = require_library(where)
-    try:
-        parsed = library.QuantizationConfig.model_validate(config)
-    except Exception as exc:  # pydantic's ValidationError: the field and what was wrong
-        raise CheckpointError(f"{where}: config.json's quantization_config is not one compressed-tensors reads: "
-                              f"{'; '.join(str(exc).splitlines()[:3])}") from None
-    schemes = {g.weights.model_dump_json(): g for g in parsed.config_groups.values() if g.weights is not None}
-    if len(schemes) != 1:
-        raise CheckpointError(f"{where}: config.json's quantization_config (compressed-tensors) has {len(schemes)} "
-                              "weight schemes across its config_groups; parity reads checkpoints with one so far")
-    scheme = next(iter(schemes.values()))
+    parsed, scheme = one_weight_scheme(library.QuantizationConfig, config, where)
     args = scheme.weights
     strategy = str(getattr(args.strategy, "value", args.strategy))
     kind = str(getattr(args.type, "value", args.type))

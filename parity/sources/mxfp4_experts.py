@@ -23,7 +23,7 @@ from pathlib import Path
 from parity.definitions.files import shown
 from parity.errors import CheckpointError
 from parity.sources.checkpoint import Checkpoint, dequantized_on_read, split_companions, stated_modules
-from parity.sources.fp4 import Fp4Held, e2m1_values
+from parity.sources.fp4 import Fp4Held, e2m1_values, norm_dtype
 
 QUANT_METHOD = "mxfp4"  # transformers' Mxfp4Config.quant_method
 BLOCKS, SCALES = "_blocks", "_scales"
@@ -102,9 +102,7 @@ class Mxfp4Checkpoint(Checkpoint):
     def model_dtype(self) -> str:
         """The dtype of the tensors left unquantized (a norm's weight; float32 where the header cannot say): what the
         experts were most likely quantized from."""
-        described = self.describe([n for n in self.weight_map if n.endswith("norm.weight")][:1]) or {}
-        kinds = {"BF16": "bfloat16", "F16": "float16"}
-        return next((kinds[kind] for _, kind in described.values() if kind in kinds), "float32")
+        return norm_dtype(self)
 
     def stored_dtype(self, name: str) -> str | None:
         """The dtype tensor ``name`` had in its file when last read (a quantized one: ``mxfp4``)."""
