@@ -150,19 +150,22 @@ def awq_module(w: torch.Tensor, how: str | None) -> dict[str, torch.Tensor]:
             "scales": (scales if how == "scales_t" else scales.t()).contiguous().half()}
 
 
-def awq_fold(tensors: dict[str, torch.Tensor], seed: int, *, norm: bool = True) -> dict[str, torch.Tensor]:
+def awq_fold(tensors: dict[str, torch.Tensor], seed: int, *, norm: bool = True, rows: bool = True
+             ) -> dict[str, torch.Tensor]:
     """AWQ's scaling folded as AutoAWQ folds it for LLaMA (awq/quantize/scale.py: scale_ln_fcs, scale_fc_fc): each
     input channel of gate and up multiplied by s and the post-attention norm divided by it; each output row of up
     divided by s2 and the matching column of down multiplied by it.  Every layer's function (norm and FFN) is
     unchanged; the FFN alone computes another function of its own input.  ``norm`` False: s = 1 (the norm kept, as
-    llm-compressor's AWQ may choose for a layer), s2 folded alone."""
+    llm-compressor's AWQ may choose for a layer), s2 folded alone; ``rows`` False: s alone (SmoothQuant's
+    ``smooth_quant``, which llm-compressor's W8A8 recipes run before quantizing, folds the norm and the FFN's inputs
+    only)."""
     out = dict(tensors)
     generator = torch.Generator().manual_seed(seed)
     for layer in range(2):
         p = f"model.layers.{layer}."
         hidden, inner = out[p + "mlp.gate_proj.weight"].shape[1], out[p + "mlp.up_proj.weight"].shape[0]
         s = torch.exp(torch.empty(hidden).uniform_(-0.7, 0.7, generator=generator)) if norm else torch.ones(hidden)
-        s2 = torch.exp(torch.empty(inner).uniform_(-0.7, 0.7, generator=generator))
+        s2 = torch.exp(torch.empty(inner).uniform_(-0.7, 0.7, generator=generator)) if rows else torch.ones(inner)
         out[p + "post_attention_layernorm.weight"] = out[p + "post_attention_layernorm.weight"] / s
         for name in ("gate_proj", "up_proj"):
             out[p + f"mlp.{name}.weight"] = out[p + f"mlp.{name}.weight"] * s
@@ -205,11 +208,11 @@ def int_export(a: Path, dest: Path, method: str, breaks: dict[str, str] | None =
     return dest
 
 
-def stated_pack_quantized(dest: Path, scheme) -> Path:
-    """``dest``'s config.json stating compressed-tensors' pack-quantized ``scheme`` for every Linear but lm_head."""
+def stated_pack_quantized(dest: Path, scheme, fmt: str = "pack-quantized") -> Path:
+    """``dest``'s config.json stating compressed-tensors' ``scheme`` in format ``fmt`` for every Linear but lm_head."""
     from compressed_tensors.quantization import QuantizationConfig
 
-    quantization = QuantizationConfig(config_groups={"group_0": scheme}, ignore=["lm_head"], format="pack-quantized",
+    quantization = QuantizationConfig(config_groups={"group_0": scheme}, ignore=["lm_head"], format=fmt,
                                       quantization_status="compressed").model_dump(mode="json")
     config = json.loads((dest / "config.json").read_text())
     config["quantization_config"] = {**quantization, "quant_method": "compressed-tensors"}
@@ -217,34 +220,43 @@ def stated_pack_quantized(dest: Path, scheme) -> Path:
     return dest
 
 
-def ct_export(a: Path, dest: Path, preset: str, breaks: dict[str, str] | None = None, *, group: int | None = None
-              ) -> Path:
-    """A's folder in compressed-tensors' pack-quantized layout, written by compressed-tensors itself: each weight's
-    scale and zero point from its ``calculate_qparams`` per group, packed by ``PackedQuantizationCompressor.compress``;
-    ``breaks``: zeros_plus1 (every zero point one code up)."""
-    from compressed_tensors.compressors.pack_quantized.base import PackedQuantizationCompressor
+def ct_export(a: Path, dest: Path, preset: str, breaks: dict[str, str] | None = None, *, group: int | None = None,
+              fmt: str = "pack-quantized", sym: bool | None = None) -> Path:
+    """A's folder in compressed-tensors' ``fmt`` layout (pack-quantized; int-quantized, what llm-compressor's W8A8
+    writes), written by compressed-tensors itself: each weight's scale and zero point from its ``calculate_qparams``
+    per group (per channel: one group per row), stored by the format's own compressor (``BaseCompressor``'s
+    registry); ``group``, ``sym``: the preset's scheme in groups of ``group``, or (a)symmetric.  ``breaks``:
+    zeros_plus1 (every zero point one code up), scale_x2 (the scales doubled over the same codes), scales_transposed
+    (the scale grid stored [groups, out])."""
+    from compressed_tensors.compressors import BaseCompressor
     from compressed_tensors.quantization import preset_name_to_scheme
     from compressed_tensors.quantization.utils import calculate_qparams
 
     scheme = preset_name_to_scheme(preset, ["Linear"])
-    if group is not None:  # the preset's scheme in groups of ``group``
-        scheme.weights = scheme.weights.model_copy(update={"group_size": group})
+    changes = {k: v for k, v in (("group_size", group), ("symmetric", sym)) if v is not None}
+    if changes:
+        scheme.weights = scheme.weights.model_copy(update=changes)
     args = scheme.weights
+    compressor = BaseCompressor.get_value_from_registry(fmt)
 
     def stored(name: str, value: torch.Tensor) -> dict[str, torch.Tensor]:
-        tiles = value.float().reshape(value.shape[0], -1, args.group_size)
+        tiles = value.float().reshape(value.shape[0], -1, args.group_size or value.shape[1])
         scale, zero = calculate_qparams(tiles.amin(-1), tiles.amax(-1), args)
         state = {"weight": value.float(), "weight_scale": scale.float(), "weight_zero_point": zero}
-        compressed = PackedQuantizationCompressor.compress(state, scheme)
-        if (breaks or {}).get(name) == "zeros_plus1":  # the codes of the true zero point, stored one code up
+        compressed = compressor.compress(state, scheme)
+        broken = (breaks or {}).get(name)
+        if broken == "zeros_plus1":  # the codes of the true zero point, stored one code up
             high = (1 << (args.num_bits - 1)) - 1
             shifted = {**state, "weight_zero_point": (zero + 1).clamp(max=high).to(zero.dtype)}
-            compressed["weight_zero_point"] = PackedQuantizationCompressor.compress(shifted,
-                                                                                   scheme)["weight_zero_point"]
+            compressed["weight_zero_point"] = compressor.compress(shifted, scheme)["weight_zero_point"]
+        elif broken == "scale_x2":
+            compressed["weight_scale"] = compressed["weight_scale"] * 2
+        elif broken == "scales_transposed":
+            compressed["weight_scale"] = compressed["weight_scale"].t().contiguous()
         return {f"{name.removesuffix('.weight')}.{key}": t for key, t in compressed.items()}
 
     save_file(quantized_copy(a, dest, stored), dest / "model.safetensors", metadata={"format": "pt"})
-    return stated_pack_quantized(dest, scheme)
+    return stated_pack_quantized(dest, scheme, fmt)
 
 
 def ct_act_order_export(a: Path, dest: Path, with_g_idx: bool = True) -> Path:
@@ -310,6 +322,61 @@ def test_a_faithful_pack_quantized_export_passes_on_every_layer(model_a, root, c
         for row in layer["conversion"]["tensors"]:
             assert row["storage"] == f"int{preset[1]}" and row["step_source"] == "file"
             assert row["steps"]["max_steps"] <= 0.5 + 1e-3  # round to nearest on its own grid
+
+
+INT_QUANTIZED = [("W8A8", {}), ("W8A8", {"sym": False}), ("W4A8", {"group": 32}), ("W8A8", {"fmt": "naive-quantized"})]
+
+
+@pytest.mark.parametrize(("preset", "options"), INT_QUANTIZED)
+def test_a_faithful_int_quantized_export_passes_on_every_layer(model_a, root, capsys, preset, options):
+    """llm-compressor's W8A8 schemes: one int8 code per value (``X.weight`` int8 beside ``X.weight_scale``, per
+    channel or group; asymmetric with ``X.weight_zero_point``), dequantized by compressed-tensors' own compressor and
+    judged on that grid: every layer at round to nearest exactly, every value within half a step."""
+    options = {"fmt": "int-quantized", **options}
+    b = ct_export(model_a, root / f"ct-int-{preset}-{len(list(root.iterdir()))}", preset, **options)
+    code, report = compare(capsys, model_a, b)
+    assert code == 0, report
+    assert any("compressed-tensors int-quantized (one code per value)" in note for note in report["notes"])
+    bits = preset[1]
+    for layer in report["layers"]:
+        assert layer["conversion"]["ratio_to_conversion"] == pytest.approx(1.0, abs=1e-6)
+        for row in layer["conversion"]["tensors"]:
+            assert row["storage"] == f"int{bits}" and row["step_source"] == "file"
+            assert row["steps"]["max_steps"] <= 0.5 + 1e-3
+    assert report["comparison"]["inventory"]["dtype_changes"] == {f"F32 -> INT{bits}": 8}  # attention, as headers
+
+
+@pytest.mark.parametrize(("options", "broken", "named"), [
+    ({"sym": False}, "zeros_plus1", "zero_point_off_by_one"),
+    ({}, "scale_x2", "tensor_scaled"),
+    ({}, "scales_transposed", "group_scales_transposed"),
+    ({"preset": "W4A8", "group": 32}, "scales_transposed", "group_scales_transposed"),
+])
+def test_an_int_quantized_mistake_fails_its_layer_named(model_a, root, capsys, options, broken, named):
+    options = {"preset": "W8A8", **options}
+    b = ct_export(model_a, root / f"ct-int-{broken}-{len(list(root.iterdir()))}", options.pop("preset"),
+                  {"model.layers.1.mlp.up_proj.weight": broken}, fmt="int-quantized", **options)
+    code, report = compare(capsys, model_a, b)
+    assert code == 1, report
+    assert [layer["passed"] for layer in report["layers"]] == [True, False]
+    found = report["layers"][1]["diagnosis"]
+    assert found["id"] == named and "up_proj" in found["message"], found
+
+
+def test_a_smoothquant_w8a8_export_passes_with_its_folded_scales_undone(model_a, root, capsys):
+    """SmoothQuant's smoothing scales folded into the post-attention norm and gate's and up's input columns, then
+    quantized per channel (llm-compressor's W8A8 recipe): the FFN alone computes another function, norm plus FFN the
+    same; the fold is read off the norms and undone, every layer passes at round to nearest and says so."""
+    folded = root / "a-smoothed"
+    shutil.copytree(model_a, folded)
+    save_file(awq_fold(load_file(model_a / "model.safetensors"), 5, rows=False), folded / "model.safetensors",
+              metadata={"format": "pt"})
+    code, report = compare(capsys, model_a, ct_export(folded, root / "ct-int-smoothed", "W8A8", fmt="int-quantized"))
+    assert code == 0, report
+    for layer in report["layers"]:
+        assert layer["conversion"]["ratio_to_conversion"] == pytest.approx(1.0, abs=0.1)
+        assert all("folded activation scales (AWQ's, SmoothQuant's) undone" in row["conversion"]
+                   for row in layer["conversion"]["tensors"])
 
 
 def test_a_pack_quantized_zero_point_off_by_one_fails_its_layer_named(model_a, root, capsys):

@@ -177,7 +177,7 @@ def test_an_llm_compressor_awq_export_passes_and_with_gate_and_up_exchanged_is_n
     enough (1.5 x min-max's rounding error) for the exchange.  Now the fold is undone and the exchange named."""
     code, report = compare(capsys, wide, llmcompressor_awq(wide, root / "awq"))
     assert code == 0, report
-    assert all("AWQ's folded scales undone" in t["conversion"] for layer in report["layers"]
+    assert all("folded activation scales (AWQ's, SmoothQuant's) undone" in t["conversion"] for layer in report["layers"]
                for t in layer["conversion"]["tensors"])
     code, report = compare(capsys, wide, llmcompressor_awq(wide, root / "awq-exchanged", exchanged=True))
     assert code == 1, report
@@ -196,5 +196,6 @@ def test_an_awq_fold_into_gemmas_one_plus_w_norm_is_undone(root, capsys):
     b = llmcompressor_awq(gemma, root / "gemma3-awq", norm="pre_feedforward_layernorm", offset=1.0)
     code, report = compare(capsys, gemma, b)
     assert code == 0, report
-    assert all("AWQ's folded scales undone" in t["conversion"] and "pre_feedforward_layernorm" in t["conversion"]
+    assert all("folded activation scales (AWQ's, SmoothQuant's) undone" in t["conversion"]
+               and "pre_feedforward_layernorm" in t["conversion"]
                for layer in report["layers"] for t in layer["conversion"]["tensors"])

@@ -1,5 +1,6 @@
 """Integer group-quantized safetensors: compressed-tensors' ``pack-quantized`` (what llm-compressor's GPTQ and AWQ
-write), GPTQ (AutoGPTQ / GPTQModel: ``quant_method "gptq"``) and AWQ (AutoAWQ's GEMM layout: ``quant_method "awq"``).
+write) and ``int-quantized`` (its W8A8 schemes: one int8 code per value, unpacked), GPTQ (AutoGPTQ / GPTQModel:
+``quant_method "gptq"``) and AWQ (AutoAWQ's GEMM layout: ``quant_method "awq"``).
 Each quantized matrix is stored as integer codes packed into int32 beside a scale (and a zero point) per group of
 ``group_size`` input values; the true weight is ``scale x (code - zero)`` of the code's group (for act-order GPTQ,
 the group ``g_idx`` names for each input column).  Modules left unquantized (``modules_to_not_convert``, compressed-
@@ -12,9 +13,10 @@ against its own grid (``parity.engine.compare.group_grid``).
 Who unpacks what, and why:
 
 * ``pack-quantized`` is unpacked and dequantized by compressed-tensors itself (``PackedQuantizationCompressor.
-  decompress``: the extra ``quant``).  compressed-tensors 0.20 no longer applies a ``weight_g_idx`` (its act-order
-  "group" mode was removed); a file that holds one is dequantized here with each column's scale taken from the group
-  it names, as the releases that wrote it did.
+  decompress``: the extra ``quant``); ``int-quantized`` (and ``naive-quantized`` of integer weights) by its
+  ``NaiveQuantizationCompressor.decompress``, its codes ``X.weight`` as stored.  compressed-tensors 0.20 no longer
+  applies a ``weight_g_idx`` (its act-order "group" mode was removed); a file that holds one is dequantized here with
+  each column's scale taken from the group it names, as the releases that wrote it did.
 * GPTQ and AWQ are unpacked by the small code below.  The ecosystem's libraries do not install here without
   replacing the project's torch: gptqmodel 7.7.0 requires torch 2.14.1, which pip installs in place of the
   project's 2.13 (in a scratch venv: the CUDA 13 build), and autoawq 0.2.9 (the last release; the project is
@@ -39,14 +41,20 @@ from parity.sources.compressed_config import one_weight_scheme
 
 COMPRESSED = "compressed-tensors"
 PACKED = "pack-quantized"
+# compressed-tensors' unpacked integer codes: llm-compressor's W8A8 schemes write "int-quantized"; "naive-quantized" is
+# its fallback compressor's name for the same layout (compressed_tensors.config.CompressionFormat)
+STORED, NAIVE = "int-quantized", "naive-quantized"
 EXTRA = "quant"  # pyproject.toml's extra that installs compressed-tensors
 # AutoAWQ's GEMM packing (awq/modules/linear/gemm.py, WQLinear_GEMM.from_linear): nibble i of each int32 holds output
 # column 8 x col + AWQ_ORDER[i]
 AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)
 # the tensors each method stores for one quantized module X, beside which X.weight does not exist
 PARTS = {"gptq": ("qweight", "qzeros", "scales", "g_idx"), "awq": ("qweight", "qzeros", "scales"),
-         PACKED: ("weight_packed", "weight_scale", "weight_zero_point", "weight_shape", "weight_g_idx")}
-CODES_PART = {"gptq": "qweight", "awq": "qweight", PACKED: "weight_packed"}
+         PACKED: ("weight_packed", "weight_scale", "weight_zero_point", "weight_shape", "weight_g_idx"),
+         STORED: ("weight", "weight_scale", "weight_zero_point")}
+CODES_PART = {"gptq": "qweight", "awq": "qweight", PACKED: "weight_packed", STORED: "weight"}
+# what W8A8's static activation quantization stores beside a weight: a runtime input scale, no part of the weights
+ACTIVATION_PARTS = ("input_scale", "input_zero_point")
 
 
 @dataclass(frozen=True)
@@ -55,7 +63,7 @@ class IntScheme:
     (0: one group per row), whether the zero point is the middle code (sym), GPTQ's v1 checkpoint format (zero
     points stored minus one) and what is left unquantized."""
 
-    method: str  # "gptq" | "awq" | "pack-quantized"
+    method: str  # "gptq" | "awq" | "pack-quantized" | "int-quantized"
     bits: int
     group_size: int
     sym: bool = True
@@ -66,7 +74,8 @@ class IntScheme:
     def describe(self) -> str:
         group = f"groups of {self.group_size}" if self.group_size else "one group per row"
         how = {"gptq": f"GPTQ ({'v1: zero points stored minus one' if self.v1 else 'v2'})",
-               "awq": "AWQ GEMM (packed order 0 2 4 6 1 3 5 7)", PACKED: "compressed-tensors pack-quantized"}
+               "awq": "AWQ GEMM (packed order 0 2 4 6 1 3 5 7)", PACKED: "compressed-tensors pack-quantized",
+               STORED: "compressed-tensors int-quantized (one code per value)"}
         return f"int{self.bits} {group}, {'symmetric' if self.sym else 'asymmetric'}, {how[self.method]}"
 
 
@@ -105,7 +114,7 @@ def scheme_of(raw_config: dict, where: str) -> IntScheme | None:
     if not isinstance(config, dict):
         return None
     method = config.get("quant_method")
-    if method == COMPRESSED and config.get("format") == PACKED:
+    if method == COMPRESSED and config.get("format") in (PACKED, STORED, NAIVE):
         return packed_scheme(config, where)
     if method not in ("gptq", "awq"):
         return None
@@ -133,20 +142,25 @@ def scheme_of(raw_config: dict, where: str) -> IntScheme | None:
                      not_converted=skipped)
 
 
-def packed_scheme(config: dict, where: str) -> IntScheme:
-    """compressed-tensors' pack-quantized config, read by compressed-tensors itself: integer weights, strategy group
-    or channel, one weight scheme for every group; any other is refused naming what it is."""
+def packed_scheme(config: dict, where: str) -> IntScheme | None:
+    """compressed-tensors' pack-quantized or int-quantized config, read by compressed-tensors itself: integer
+    weights, strategy group or channel (int-quantized: or tensor), one weight scheme for every group; any other is
+    refused naming what it is.  None for naive-quantized float weights (``fp8_blocks`` reads those)."""
     library = require_library(where)
     parsed, scheme = one_weight_scheme(library.QuantizationConfig, config, where)
     args = scheme.weights
     strategy = str(getattr(args.strategy, "value", args.strategy))
     kind = str(getattr(args.type, "value", args.type))
-    if kind != "int" or strategy not in ("group", "channel") or not 1 <= args.num_bits <= 8:
-        raise CheckpointError(f"{where}: compressed-tensors format 'pack-quantized' with {args.num_bits}-bit {kind} "
-                              f"weights, strategy {strategy!r}: parity reads integer weights of 1 to 8 bits in groups "
-                              "or per channel")
+    form = config.get("format")
+    if form == NAIVE and kind != "int":
+        return None
+    strategies = ("group", "channel") if form == PACKED else ("group", "channel", "tensor")
+    if kind != "int" or strategy not in strategies or not 1 <= args.num_bits <= 8:
+        raise CheckpointError(f"{where}: compressed-tensors format {form!r} with {args.num_bits}-bit {kind} "
+                              f"weights, strategy {strategy!r}: parity reads integer weights of 1 to 8 bits "
+                              f"{', '.join(strategies[:-1])} or {strategies[-1]} (by strategy)")
     group = args.group_size if strategy == "group" else 0
-    return IntScheme(PACKED, args.num_bits, group, sym=bool(args.symmetric),
+    return IntScheme(PACKED if form == PACKED else STORED, args.num_bits, group, sym=bool(args.symmetric),
                      not_converted=tuple(str(n) for n in parsed.ignore or []), library=scheme)
 
 
@@ -154,16 +168,17 @@ def require_library(where: str):
     """compressed-tensors (its QuantizationConfig, the pack-quantized compressor and its unpacker), or a
     CheckpointError (exit 2) naming what to install."""
     try:
+        from compressed_tensors.compressors.naive_quantized.base import NaiveQuantizationCompressor
         from compressed_tensors.compressors.pack_quantized.base import PackedQuantizationCompressor
         from compressed_tensors.compressors.pack_quantized.helpers import unpack_from_int32
         from compressed_tensors.quantization import QuantizationConfig
     except ImportError:
         raise CheckpointError(
-            f"{where}: its weights are integer-quantized in compressed-tensors' pack-quantized format, which parity "
-            f"reads with compressed-tensors, and that is not installed: "
+            f"{where}: its weights are integer-quantized in compressed-tensors' pack-quantized or int-quantized "
+            "format, which parity reads with compressed-tensors, and that is not installed: "
             f"{install_command(EXTRA, fallback='compressed-tensors')} (ffn-parity's extra '{EXTRA}')") from None
     return SimpleNamespace(QuantizationConfig=QuantizationConfig, compressor=PackedQuantizationCompressor,
-                           unpack=unpack_from_int32)
+                           naive=NaiveQuantizationCompressor, unpack=unpack_from_int32)
 
 
 def per_block(bits: int) -> tuple[int, int]:
@@ -238,10 +253,11 @@ def layout_error(where: str, name: str, said: str, mistake: str) -> QuantizedLay
 
 
 def check_groups(where: str, name: str, scheme: IntScheme, inputs: int, outputs: int, scales) -> None:
-    """The scales are [groups, out] (pack-quantized: [out, groups]) for the stated group size, else a
+    """The scales are [groups, out] (compressed-tensors: [out, groups]) for the stated group size, else a
     QuantizedLayoutError: the grid transposed, or one of another group size."""
     groups = -(-inputs // scheme.group_size) if scheme.group_size else 1
-    expected = (outputs, groups) if scheme.method == PACKED else (groups, outputs)
+    rows_first = scheme.method in (PACKED, STORED)
+    expected = (outputs, groups) if rows_first else (groups, outputs)
     found = tuple(scales.shape)
     if found == expected:
         return
@@ -249,7 +265,7 @@ def check_groups(where: str, name: str, scheme: IntScheme, inputs: int, outputs:
             f"{scheme.group_size or -1} calls for {list(expected)}")
     if found == tuple(reversed(expected)):
         raise layout_error(where, name, f"{said}: they are that grid transposed", "group_scales_transposed")
-    other = found[1] if scheme.method == PACKED else found[0]
+    other = found[1] if rows_first else found[0]
     if other and outputs in found:
         size = -(-inputs // other)
         raise layout_error(where, name, f"{said}: {other} groups, those of group_size {size}, not the stated "
@@ -348,6 +364,36 @@ def read_packed(where: str, name: str, scheme: IntScheme, parts: dict) -> tuple[
     return grid, weight.float()
 
 
+def read_stored(where: str, name: str, scheme: IntScheme, parts: dict) -> tuple[GroupQuantized, object]:
+    """compressed-tensors' int-quantized layout: ``weight`` the codes as stored (int8 [out, in]), ``weight_scale``
+    [out, groups] ([out, 1] per channel, one value per tensor), ``weight_zero_point`` beside it when asymmetric;
+    dequantized by its ``NaiveQuantizationCompressor.decompress``.  Returns the grid and the weight (float32)."""
+    import torch
+
+    library = require_library(where)
+    codes, scales = parts["weight"], parts["weight_scale"]
+    if codes.dim() != 2 or codes.dtype.is_floating_point or codes.dtype.itemsize != 1:
+        raise layout_error(where, name, f"it is {str(codes.dtype).removeprefix('torch.')} {list(codes.shape)} beside "
+                           f"its weight_scale; the stated {scheme.describe()} stores one int8 code per value of a "
+                           "matrix", "group_bits_mismatched")
+    outputs, inputs = codes.shape
+    if scales.numel() == 1 and scheme.library.weights.strategy == "tensor":
+        scales = scales.reshape(1, 1).expand(outputs, 1)
+    check_groups(where, name, scheme, inputs, outputs, scales)
+    low, high = -(1 << (scheme.bits - 1)), (1 << (scheme.bits - 1)) - 1
+    if int(codes.min()) < low or int(codes.max()) > high:
+        raise layout_error(where, name, f"its codes span {int(codes.min())} to {int(codes.max())}; "
+                           f"{scheme.bits}-bit codes lie in {low} to {high}", "group_bits_mismatched")
+    zeros = torch.zeros(scales.shape, dtype=torch.float32)
+    if "weight_zero_point" in parts and not scheme.sym:
+        zeros = parts["weight_zero_point"].reshape(scales.shape).float()
+    sequential = torch.arange(inputs) // (scheme.group_size or inputs)
+    grid = GroupQuantized(codes.to(torch.int64), scales.float().contiguous(), zeros, sequential, low, high, STORED)
+    state = {key: parts[key] for key in PARTS[STORED] if key in parts}
+    weight = library.naive.decompress(state, scheme.library)["weight"]
+    return grid, weight.float()
+
+
 READERS = {"gptq": read_gptq, "awq": read_awq}
 
 
@@ -378,6 +424,10 @@ class IntGroupCheckpoint(Checkpoint):
             parts.update({key[len(prefix) + 1:]: value for key, value in self.reader(file_name, members).items()})
         if self.scheme.method == PACKED:
             return read_packed(self.location, name, self.scheme, parts)
+        if self.scheme.method == STORED:
+            if "weight_scale" not in parts:
+                raise CheckpointError(f"{self.location}: {prefix}.weight is stored with no {prefix}.weight_scale")
+            return read_stored(self.location, name, self.scheme, parts)
         missing = [p for p in PARTS[self.scheme.method][:3] if p not in parts]
         if missing:
             raise CheckpointError(f"{self.location}: {prefix} has {CODES_PART[self.scheme.method]} but no "
@@ -410,6 +460,8 @@ class IntGroupCheckpoint(Checkpoint):
             return [packed[1], packed[0] * 32 // self.scheme.bits]
         if self.scheme.method == "awq":
             return [packed[1] * 32 // self.scheme.bits, packed[0]]
+        if self.scheme.method == STORED:
+            return list(packed)
         shape_name = f"{self.modules[name]}.weight_shape"
         if shape_name not in self.companions:
             return list(packed)
@@ -437,10 +489,14 @@ def wrap(checkpoint: Checkpoint, folder: Path | str) -> Checkpoint | None:
         return None
     codes = CODES_PART[scheme.method]
     parts = {n: f for n, f in checkpoint.weight_map.items() if n.rsplit(".", 1)[-1] in PARTS[scheme.method]}
+    if scheme.method == STORED:  # the codes keep the weight's own name: a weight is quantized where it has a scale
+        scaled = {n.rsplit(".", 1)[0] for n in parts if n.endswith(".weight_scale")}
+        parts = {n: f for n, f in parts.items() if n.rsplit(".", 1)[0] in scaled}
+        parts.update({n: f for n, f in checkpoint.weight_map.items() if n.rsplit(".", 1)[-1] in ACTIVATION_PARTS})
     modules = {n.rsplit(".", 1)[0] + ".weight": n.rsplit(".", 1)[0] for n in parts if n.endswith("." + codes)}
     weights = {n: f for n, f in checkpoint.weight_map.items() if n not in parts}
     weights.update({name: parts[prefix + "." + codes] for name, prefix in modules.items()})
-    reader = "compressed-tensors" if scheme.method == PACKED else "parity's unpacker (GPTQ/AWQ layouts)"
+    reader = "compressed-tensors" if scheme.method in (PACKED, STORED) else "parity's unpacker (GPTQ/AWQ layouts)"
     wrapped = dequantized_on_read(checkpoint, IntGroupCheckpoint, scheme, weights, parts, matrices=len(modules),
                                   dequantized_with=reader)
     wrapped.modules = modules

@@ -261,7 +261,7 @@ def reference(x: torch.Tensor, grid: Grid) -> tuple[torch.Tensor, str]:
 def describe(grid: Grid) -> str:
     return (f"rounded to the nearest int{grid.bits} code of B's own grid (each group's scale and zero point read "
             f"from the file{', act-order g_idx' if grid_order(grid) else ''})"
-            + (f"; AWQ's folded scales undone: {grid.fold}" if grid.fold else ""))
+            + (f"; folded activation scales (AWQ's, SmoothQuant's) undone: {grid.fold}" if grid.fold else ""))
 
 
 def grid_order(grid: Grid) -> bool:
