@@ -40,6 +40,8 @@ class MistakeId(StrEnum):
     GATE_UP_EXCHANGED = "gate_up_exchanged"
     GATE_UP_REORDERED = "gate_up_reordered"
     TENSOR_TRANSPOSED = "tensor_transposed"
+    ROWS_PERMUTED = "rows_permuted"
+    COLUMNS_PERMUTED = "columns_permuted"
     LAYER_SHIFTED = "layer_shifted"
     EXPERT_SHIFTED = "expert_shifted"
     ROUTER_ROWS_PERMUTED = "router_rows_permuted"
@@ -175,6 +177,14 @@ MISTAKES = {m.id: m for m in [
             "GPT-OSS's gate_up_proj; concatenate them elsewhere)"),
     Mistake(MistakeId.TENSOR_TRANSPOSED, "a tensor of checkpoint B is the transpose of A's",
             "transpose it back in the converter (Conv1D [in, out] vs nn.Linear [out, in]; GGUF stores [out, in])"),
+    Mistake(MistakeId.ROWS_PERMUTED, "a matrix of checkpoint B holds A's rows (its outputs) in another order, while "
+            "the tensors it feeds are not reordered alike", "write the rows in A's order in the converter (a "
+            "permutation of the hidden or intermediate units must be applied to every tensor that shares them, or "
+            "to none)"),
+    Mistake(MistakeId.COLUMNS_PERMUTED, "a matrix of checkpoint B holds A's columns (its inputs) in another order, "
+            "while the tensors that feed it are not reordered alike", "write the columns in A's order in the "
+            "converter (a permutation of the hidden or intermediate units must be applied to every tensor that "
+            "shares them, or to none)"),
     Mistake(MistakeId.LAYER_SHIFTED, "checkpoint B's layer holds another layer of A (a shifted or repeated layer)",
             "fix the converter's layer index (an off-by-one, or a shard written from the wrong layer)"),
     Mistake(MistakeId.EXPERT_SHIFTED, "checkpoint B's expert holds another expert of A's same layer (experts "
@@ -437,6 +447,9 @@ PRODUCED_BY: dict[MistakeId, str] = {
     MistakeId.GATE_UP_REORDERED: "replay (compare): A's gate and up fused in one layout and read in the other; "
                                  "replay: diagnose.hypotheses, one expert's gate and up read in the other layout",
     MistakeId.TENSOR_TRANSPOSED: "replay (compare): A's tensor transposed; finding: B's shape is A's reversed",
+    MistakeId.ROWS_PERMUTED: "replay (compare): A's rows in the order B's rows match them (each B row that is not "
+                             "A's same row is matched to its nearest A row by cosine)",
+    MistakeId.COLUMNS_PERMUTED: "replay (compare): A's columns in the order B's columns match them, as for the rows",
     MistakeId.LAYER_SHIFTED: "replay (compare): A's neighbouring layers, each in turn",
     MistakeId.EXPERT_SHIFTED: "replay (compare): A's other experts of the same layer, each in turn",
     MistakeId.ROUTER_ROWS_PERMUTED: "finding (compare, whole block): B's router rows match A's permuted; its experts "

@@ -47,6 +47,7 @@ from parity.engine.compare.findings import (
     block_replay_finding,
     grid_finding,
     group_replay_finding,
+    permutation_finding,
     scale_finding,
 )
 from parity.engine.compare.inventory import inventory
@@ -343,6 +344,9 @@ class Comparison:
         replayed = group_replay_finding(beyond, a.routed, b.routed, b.storage, reference_distance, candidates)
         if replayed is not None:  # an integer group mistake B's values are unbiased against
             return replayed
+        moved = permutation_finding(beyond, a.routed, b.routed, b.storage, reference_distance, candidates)
+        if moved is not None:  # rows or columns in another order: before the grid and the scales they upset
+            return moved
         rescaled = scale_finding(rows, b.storage, reference_distance, candidates)
         if rescaled is not None:  # an importance-weighted tensor, a row or a block multiplied after quantizing
             return rescaled

@@ -12,7 +12,7 @@ import torch
 
 from parity.definitions.mistakes import MistakeId, diagnosis
 from parity.definitions.records import Candidate, Diagnosis
-from parity.engine.compare import codebook_grid, fp4_grid, fp8_grid, gguf_grid, group_grid, mlx_grid
+from parity.engine.compare import codebook_grid, fp4_grid, fp8_grid, gguf_grid, group_grid, mlx_grid, permutation
 from parity.engine.compare.conversion import Storage, step_excess, stored_layout, unstored
 
 ACTIVATION_GRID = (-20.0, 20.0, 4001)  # where two activations are compared, in float64
@@ -195,6 +195,20 @@ def block_replay_finding(beyond: list[dict], a: dict[str, torch.Tensor], b: dict
                                  f"replay on A's (worst {excess['max_steps']:.2f} steps), where "
                                  f"{from_a['values_beyond_step']} lie beyond their step from A's own (worst "
                                  f"{from_a['max_steps']:.2f} steps at {from_a['at']})", candidates)
+    return None
+
+
+def permutation_finding(beyond: list[dict], a: dict[str, torch.Tensor], b: dict[str, torch.Tensor],
+                        storage: dict[str, Storage], reference_distance: float, candidates: list[Candidate]
+                        ) -> Diagnosis | None:
+    """Values of a matrix beyond what its storage allows, where its rows (or columns) are A's in another order
+    (``permutation``): named with the rows matched and their cosines as evidence, in any storage.  Judged on the
+    values, since two rows exchanged may move the layer's function less than the storage's own rounding does, and
+    a format whose scales stayed in place (codes exchanged alone) is no value-exact replay of A's order."""
+    for row in beyond:
+        name = row["name"]
+        for mistake, detail, _ in permutation.permutations(a[name], b[name]):
+            return diagnosis(mistake, None, reference_distance, f"{named_in_b(row, storage)}: {detail}", candidates)
     return None
 
 

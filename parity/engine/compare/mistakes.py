@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from parity.definitions.mistakes import MistakeId
-from parity.engine.compare import codebook_grid, conversion, fp4_grid, fp8_grid, group_grid, mlx_grid
+from parity.engine.compare import codebook_grid, conversion, fp4_grid, fp8_grid, group_grid, mlx_grid, permutation
 from parity.engine.gate_up_layout import interleave_rows
 
 
@@ -90,6 +90,8 @@ def hypotheses(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor], storage: 
         if storage[name].fp4 is not None:  # FP4 groups: replayed in the reference's layout (fp4_grid.mistakes)
             found.extend(Hypothesis(MistakeId(mistake), f"{name}: {detail}", _replace(name, values))
                          for mistake, detail, values in fp4_grid.mistakes(a[name], storage[name].fp4))
+        # after the format's own replays, which win a tie: a packed order within each block is also an order
+        found.extend(permuted_hypotheses(name, a[name], b[name]))
     if len(scaled) > 1:  # a reader that misapplies a scale does so to every tensor of the layer (every scale halved)
         found.append(Hypothesis(MistakeId.TENSOR_SCALED, ", ".join(f"{n} x {f:.4g}" for n, f in scaled.items()),
                                 lambda t, s=scaled: {**t, **{n: t[n].float() * f for n, f in s.items()}}))
@@ -170,6 +172,12 @@ def fused_hypotheses(name: str, a: torch.Tensor) -> list[Hypothesis]:
                        _replace(name, alternate)),
             Hypothesis(MistakeId.GATE_UP_REORDERED, f"{name}: alternate rows written as [gate; up] halves",
                        _replace(name, halves))]
+
+
+def permuted_hypotheses(name: str, a: torch.Tensor, b: torch.Tensor) -> list[Hypothesis]:
+    """A matrix whose rows (or columns) are A's in another order (``permutation.permutations``): A's put in it."""
+    return [Hypothesis(mistake, f"{name}: {detail}", _replace(name, value))
+            for mistake, detail, value in permutation.permutations(a, b)]
 
 
 def _replace(name: str, value: torch.Tensor) -> Callable[[dict], dict]:
