@@ -208,11 +208,13 @@ def int_export(a: Path, dest: Path, method: str, breaks: dict[str, str] | None =
     return dest
 
 
-def stated_pack_quantized(dest: Path, scheme, fmt: str = "pack-quantized") -> Path:
-    """``dest``'s config.json stating compressed-tensors' ``scheme`` in format ``fmt`` for every Linear but lm_head."""
+def stated_pack_quantized(dest: Path, scheme, fmt: str = "pack-quantized", also: dict | None = None) -> Path:
+    """``dest``'s config.json stating compressed-tensors' ``scheme`` in format ``fmt`` for every Linear but lm_head,
+    and each scheme of ``also`` (target -> scheme) as a group of its own."""
     from compressed_tensors.quantization import QuantizationConfig
 
-    quantization = QuantizationConfig(config_groups={"group_0": scheme}, ignore=["lm_head"], format=fmt,
+    groups = {"group_0": scheme, **{f"group_{i + 1}": s for i, s in enumerate((also or {}).values())}}
+    quantization = QuantizationConfig(config_groups=groups, ignore=["lm_head"], format=fmt,
                                       quantization_status="compressed").model_dump(mode="json")
     config = json.loads((dest / "config.json").read_text())
     config["quantization_config"] = {**quantization, "quant_method": "compressed-tensors"}
@@ -221,25 +223,35 @@ def stated_pack_quantized(dest: Path, scheme, fmt: str = "pack-quantized") -> Pa
 
 
 def ct_export(a: Path, dest: Path, preset: str, breaks: dict[str, str] | None = None, *, group: int | None = None,
-              fmt: str = "pack-quantized", sym: bool | None = None) -> Path:
+              fmt: str = "pack-quantized", sym: bool | None = None, also: dict[str, str] | None = None) -> Path:
     """A's folder in compressed-tensors' ``fmt`` layout (pack-quantized; int-quantized, what llm-compressor's W8A8
     writes), written by compressed-tensors itself: each weight's scale and zero point from its ``calculate_qparams``
     per group (per channel: one group per row), stored by the format's own compressor (``BaseCompressor``'s
-    registry); ``group``, ``sym``: the preset's scheme in groups of ``group``, or (a)symmetric.  ``breaks``:
-    zeros_plus1 (every zero point one code up), scale_x2 (the scales doubled over the same codes), scales_transposed
-    (the scale grid stored [groups, out])."""
+    registry); ``group``, ``sym``: the preset's scheme in groups of ``group``, or (a)symmetric; ``also``: a regex
+    target ("re:...") -> the preset its modules are quantized with instead, each stated as a config group of its
+    own.  ``breaks``: zeros_plus1 (every zero point one code up), scale_x2 (the scales doubled over the same codes),
+    scales_transposed (the scale grid stored [groups, out])."""
+    import re
+
     from compressed_tensors.compressors import BaseCompressor
     from compressed_tensors.quantization import preset_name_to_scheme
     from compressed_tensors.quantization.utils import calculate_qparams
 
-    scheme = preset_name_to_scheme(preset, ["Linear"])
-    changes = {k: v for k, v in (("group_size", group), ("symmetric", sym)) if v is not None}
-    if changes:
-        scheme.weights = scheme.weights.model_copy(update=changes)
-    args = scheme.weights
+    def scheme_of(name: str, targets: list[str]):
+        scheme = preset_name_to_scheme(name, targets)
+        changes = {k: v for k, v in (("group_size", group), ("symmetric", sym)) if v is not None}
+        if changes:
+            scheme.weights = scheme.weights.model_copy(update=changes)
+        return scheme
+
+    base = scheme_of(preset, ["Linear"])
+    others = {target: scheme_of(name, [target]) for target, name in (also or {}).items()}
     compressor = BaseCompressor.get_value_from_registry(fmt)
 
     def stored(name: str, value: torch.Tensor) -> dict[str, torch.Tensor]:
+        module = name.removesuffix(".weight")
+        scheme = next((s for t, s in others.items() if re.match(t.removeprefix("re:"), module)), base)
+        args = scheme.weights
         tiles = value.float().reshape(value.shape[0], -1, args.group_size or value.shape[1])
         scale, zero = calculate_qparams(tiles.amin(-1), tiles.amax(-1), args)
         state = {"weight": value.float(), "weight_scale": scale.float(), "weight_zero_point": zero}
@@ -253,10 +265,10 @@ def ct_export(a: Path, dest: Path, preset: str, breaks: dict[str, str] | None = 
             compressed["weight_scale"] = compressed["weight_scale"] * 2
         elif broken == "scales_transposed":
             compressed["weight_scale"] = compressed["weight_scale"].t().contiguous()
-        return {f"{name.removesuffix('.weight')}.{key}": t for key, t in compressed.items()}
+        return {f"{module}.{key}": t for key, t in compressed.items()}
 
     save_file(quantized_copy(a, dest, stored), dest / "model.safetensors", metadata={"format": "pt"})
-    return stated_pack_quantized(dest, scheme, fmt)
+    return stated_pack_quantized(dest, base, fmt, others)
 
 
 def ct_act_order_export(a: Path, dest: Path, with_g_idx: bool = True) -> Path:
@@ -377,6 +389,30 @@ def test_a_smoothquant_w8a8_export_passes_with_its_folded_scales_undone(model_a,
         assert layer["conversion"]["ratio_to_conversion"] == pytest.approx(1.0, abs=0.1)
         assert all("folded activation scales (AWQ's, SmoothQuant's) undone" in row["conversion"]
                    for row in layer["conversion"]["tensors"])
+
+
+@pytest.mark.parametrize("fmt", ["pack-quantized", "int-quantized"])
+def test_config_groups_of_several_schemes_each_judge_their_own_modules(model_a, root, capsys, fmt):
+    """llm-compressor's mixed recipes: int4 in groups of 32 for every Linear, int8 per group for down_proj (its own
+    config group, a regex target, which compressed-tensors ranks above the class name): each module read and judged
+    with its own scheme, every layer passes; a down_proj written at 4 bits under the 8-bit group is named."""
+    also = {"re:.*down_proj$": "W8A16"}
+    b = ct_export(model_a, root / f"ct-mixed-{fmt}", "W4A16", group=32, fmt=fmt, also=also)
+    code, report = compare(capsys, model_a, b)
+    assert code == 0, report
+    for layer in report["layers"]:
+        storage = {row["name"]: row["storage"] for row in layer["conversion"]["tensors"]}
+        assert storage == {"gate_proj.weight": "int4", "up_proj.weight": "int4", "down_proj.weight": "int8"}
+        assert layer["conversion"]["ratio_to_conversion"] == pytest.approx(1.0, abs=1e-6)
+    assert any("Linear: int4 groups of 32" in note and "re:.*down_proj$: int8 groups of 32" in note
+               for note in report["notes"]), report["notes"]
+    stated_as_4 = ct_export(model_a, root / f"ct-mixed-lie-{fmt}", "W4A16", group=32, fmt=fmt)
+    config = json.loads((b / "config.json").read_text())
+    (stated_as_4 / "config.json").write_text(json.dumps(config))  # down_proj's 4-bit codes under the 8-bit group
+    code, report = compare(capsys, model_a, stated_as_4)
+    assert code == 1, report
+    assert {layer["diagnosis"]["id"] for layer in report["layers"]} == {"group_bits_mismatched"}
+    assert all("down_proj" in layer["diagnosis"]["message"] for layer in report["layers"])
 
 
 def test_a_pack_quantized_zero_point_off_by_one_fails_its_layer_named(model_a, root, capsys):

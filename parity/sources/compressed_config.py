@@ -8,16 +8,49 @@ from __future__ import annotations
 from parity.errors import CheckpointError
 
 
+def parsed_config(config_class, config: dict, where: str):
+    """``config`` validated by ``config_class`` (compressed-tensors' QuantizationConfig); one it refuses is a
+    CheckpointError in compressed-tensors' words."""
+    try:
+        return config_class.model_validate(config)
+    except Exception as exc:  # pydantic's ValidationError: the field and what was wrong
+        raise CheckpointError(f"{where}: config.json's quantization_config is not one compressed-tensors reads: "
+                              f"{'; '.join(str(exc).splitlines()[:3])}") from None
+
+
+def weight_schemes(parsed) -> dict[str, object]:
+    """Each distinct weight scheme of a parsed config, keyed by its weights' JSON (groups stating one scheme count
+    once), in the config's order."""
+    return {g.weights.model_dump_json(): g for g in parsed.config_groups.values() if g.weights is not None}
+
+
+def targets_of(parsed) -> dict[str, object]:
+    """Each target of the config's groups -> its group's QuantizationScheme, in the config's order (as compressed-
+    tensors' ``apply_quantization_config`` builds it: a later group stating a target again takes it)."""
+    return {target: group for group in parsed.config_groups.values() if group.weights is not None
+            for target in group.targets}
+
+
+def module_scheme(targets: dict[str, object], module: str):
+    """The scheme compressed-tensors gives the linear module named ``module``: its own ``match_targets`` ranks the
+    targets that match it (exact name, then regex, then class name: every module here is a Linear, the only class
+    these formats quantize) and the first is taken, as ``apply_quantization_config`` does.  None where none
+    matches."""
+    import torch
+    from compressed_tensors.utils.match import match_targets
+
+    with torch.device("meta"):
+        linear = torch.nn.Linear(1, 1)
+    matched = match_targets(module, linear, targets)
+    return targets[matched[0]] if matched else None
+
+
 def one_weight_scheme(config_class, config: dict, where: str):
     """(the parsed config, its one QuantizationScheme with weights) of ``config``, validated by ``config_class``
     (compressed-tensors' QuantizationConfig); a config it refuses, or several weight schemes, is a CheckpointError
     in compressed-tensors' words."""
-    try:
-        parsed = config_class.model_validate(config)
-    except Exception as exc:  # pydantic's ValidationError: the field and what was wrong
-        raise CheckpointError(f"{where}: config.json's quantization_config is not one compressed-tensors reads: "
-                              f"{'; '.join(str(exc).splitlines()[:3])}") from None
-    schemes = {g.weights.model_dump_json(): g for g in parsed.config_groups.values() if g.weights is not None}
+    parsed = parsed_config(config_class, config, where)
+    schemes = weight_schemes(parsed)
     if len(schemes) != 1:
         raise CheckpointError(f"{where}: config.json's quantization_config (compressed-tensors) has {len(schemes)} "
                               "weight schemes across its config_groups; parity reads checkpoints with one so far")

@@ -28,6 +28,7 @@ Who unpacks what, and why:
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 from pathlib import Path
@@ -37,13 +38,14 @@ from parity.definitions.distribution import install_command
 from parity.definitions.files import shown
 from parity.errors import CheckpointError, QuantizedLayoutError
 from parity.sources.checkpoint import Checkpoint, dequantized_on_read, stated_modules
-from parity.sources.compressed_config import one_weight_scheme
+from parity.sources.compressed_config import module_scheme, parsed_config, targets_of, weight_schemes
 
 COMPRESSED = "compressed-tensors"
 PACKED = "pack-quantized"
 # compressed-tensors' unpacked integer codes: llm-compressor's W8A8 schemes write "int-quantized"; "naive-quantized" is
 # its fallback compressor's name for the same layout (compressed_tensors.config.CompressionFormat)
 STORED, NAIVE = "int-quantized", "naive-quantized"
+MIXED = "mixed-precision"  # compressed-tensors' format of a config whose groups each state their own
 EXTRA = "quant"  # pyproject.toml's extra that installs compressed-tensors
 # AutoAWQ's GEMM packing (awq/modules/linear/gemm.py, WQLinear_GEMM.from_linear): nibble i of each int32 holds output
 # column 8 x col + AWQ_ORDER[i]
@@ -70,8 +72,24 @@ class IntScheme:
     v1: bool = True
     not_converted: tuple[str, ...] = ()
     library: object | None = None  # compressed-tensors' QuantizationScheme, for pack-quantized
+    # compressed-tensors' config groups of several weight schemes: each target -> its scheme, in the config's order
+    targets: tuple[tuple[str, IntScheme], ...] = ()
+
+    def for_module(self, where: str, module: str) -> IntScheme:
+        """The scheme of quantized module ``module``: this one, or, where the config's groups state several, the one
+        compressed-tensors gives it (``compressed_config.module_scheme``); a module no group targets is a
+        CheckpointError naming it."""
+        if not self.targets:
+            return self
+        found = module_scheme(dict(self.targets), module)
+        if found is None:
+            raise CheckpointError(f"{where}: {module} is stored quantized, but no config group of config.json's "
+                                  f"quantization_config targets it (targets: {', '.join(t for t, _ in self.targets)})")
+        return found
 
     def describe(self) -> str:
+        if self.targets:
+            return "; ".join(f"{target}: {scheme.describe()}" for target, scheme in self.targets)
         group = f"groups of {self.group_size}" if self.group_size else "one group per row"
         how = {"gptq": f"GPTQ ({'v1: zero points stored minus one' if self.v1 else 'v2'})",
                "awq": "AWQ GEMM (packed order 0 2 4 6 1 3 5 7)", PACKED: "compressed-tensors pack-quantized",
@@ -92,6 +110,7 @@ class GroupQuantized:
     low: int
     high: int
     method: str
+    bits: int
 
     def values(self):
         """The dequantized weight (float32): scale x (code - zero) of each value's group."""
@@ -114,7 +133,7 @@ def scheme_of(raw_config: dict, where: str) -> IntScheme | None:
     if not isinstance(config, dict):
         return None
     method = config.get("quant_method")
-    if method == COMPRESSED and config.get("format") in (PACKED, STORED, NAIVE):
+    if method == COMPRESSED and config.get("format") in (PACKED, STORED, NAIVE, MIXED):
         return packed_scheme(config, where)
     if method not in ("gptq", "awq"):
         return None
@@ -144,24 +163,52 @@ def scheme_of(raw_config: dict, where: str) -> IntScheme | None:
 
 def packed_scheme(config: dict, where: str) -> IntScheme | None:
     """compressed-tensors' pack-quantized or int-quantized config, read by compressed-tensors itself: integer
-    weights, strategy group or channel (int-quantized: or tensor), one weight scheme for every group; any other is
-    refused naming what it is.  None for naive-quantized float weights (``fp8_blocks`` reads those)."""
+    weights, strategy group or channel (int-quantized: or tensor); groups stating several such schemes in one of
+    the two formats (``targets``: each module's found as compressed-tensors finds it); any other is refused naming
+    what it is.  None where no group is of integer weights (naive-quantized or mixed-precision floats:
+    ``fp8_blocks`` and ``fp4_packed`` read or refuse those)."""
     library = require_library(where)
-    parsed, scheme = one_weight_scheme(library.QuantizationConfig, config, where)
-    args = scheme.weights
+    parsed = parsed_config(library.QuantizationConfig, config, where)
+    schemes = weight_schemes(parsed)
+    kinds = {str(getattr(g.weights.type, "value", g.weights.type)) for g in schemes.values()}
+    if config.get("format") in (NAIVE, MIXED) and "int" not in kinds:
+        return None
+    if len(kinds) > 1:
+        raise CheckpointError(f"{where}: config.json's quantization_config groups state {' and '.join(sorted(kinds))} "
+                              "weights; parity reads one kind of compressed-tensors weights per checkpoint so far")
+    if not schemes:
+        raise CheckpointError(f"{where}: config.json's quantization_config (compressed-tensors) states no weight "
+                              "scheme in its config_groups")
+    left = tuple(str(n) for n in parsed.ignore or [])
+    read = {key: int_scheme(config.get("format"), group, left, where) for key, group in schemes.items()}
+    methods = {scheme.method for scheme in read.values()}
+    if len(methods) > 1:
+        raise CheckpointError(f"{where}: config.json's quantization_config groups are stored in "
+                              f"{' and '.join(sorted(methods))}; parity reads one compressed-tensors format per "
+                              "checkpoint so far")
+    first = next(iter(read.values()))
+    if len(read) == 1:
+        return first
+    targets = tuple((target, read[group.weights.model_dump_json()]) for target, group in targets_of(parsed).items())
+    return dataclasses.replace(first, targets=targets)
+
+
+def int_scheme(form: str, group, left: tuple[str, ...], where: str) -> IntScheme:
+    """One config group's integer scheme, in its own format where the config is mixed-precision."""
+    args = group.weights
+    form = (getattr(group, "format", None) or form) if form == MIXED else form
     strategy = str(getattr(args.strategy, "value", args.strategy))
     kind = str(getattr(args.type, "value", args.type))
-    form = config.get("format")
-    if form == NAIVE and kind != "int":
-        return None
     strategies = ("group", "channel") if form == PACKED else ("group", "channel", "tensor")
-    if kind != "int" or strategy not in strategies or not 1 <= args.num_bits <= 8:
+    if (form not in (PACKED, STORED, NAIVE) or kind != "int" or strategy not in strategies
+            or not 1 <= args.num_bits <= 8):
         raise CheckpointError(f"{where}: compressed-tensors format {form!r} with {args.num_bits}-bit {kind} "
                               f"weights, strategy {strategy!r}: parity reads integer weights of 1 to 8 bits "
-                              f"{', '.join(strategies[:-1])} or {strategies[-1]} (by strategy)")
-    group = args.group_size if strategy == "group" else 0
-    return IntScheme(PACKED if form == PACKED else STORED, args.num_bits, group, sym=bool(args.symmetric),
-                     not_converted=tuple(str(n) for n in parsed.ignore or []), library=scheme)
+                              f"{', '.join(strategies[:-1])} or {strategies[-1]} (by strategy) in pack-quantized "
+                              "or int-quantized")
+    size = args.group_size if strategy == "group" else 0
+    return IntScheme(PACKED if form == PACKED else STORED, args.num_bits, size, sym=bool(args.symmetric),
+                     not_converted=left, library=group)
 
 
 def require_library(where: str):
@@ -310,7 +357,7 @@ def read_gptq(where: str, name: str, scheme: IntScheme, parts: dict) -> GroupQua
         raise layout_error(where, name, f"g_idx names groups {int(g_idx.min())} to {int(g_idx.max())}; its scales "
                            f"hold {scales.shape[0]}", "group_size_wrong")
     return GroupQuantized(codes, scales.float().t().contiguous(), zeros.t().contiguous(), g_idx, 0,
-                          (1 << scheme.bits) - 1, "gptq")
+                          (1 << scheme.bits) - 1, "gptq", scheme.bits)
 
 
 def read_awq(where: str, name: str, scheme: IntScheme, parts: dict) -> GroupQuantized:
@@ -332,7 +379,7 @@ def read_awq(where: str, name: str, scheme: IntScheme, parts: dict) -> GroupQuan
     zeros = unpack_columns(qzeros, scheme.bits, order=order).float()
     g_idx = torch.arange(inputs) // (scheme.group_size or inputs)
     return GroupQuantized(codes, scales.float().t().contiguous(), zeros.t().contiguous(), g_idx, 0,
-                          (1 << scheme.bits) - 1, "awq")
+                          (1 << scheme.bits) - 1, "awq", scheme.bits)
 
 
 def read_packed(where: str, name: str, scheme: IntScheme, parts: dict) -> tuple[GroupQuantized, object]:
@@ -356,12 +403,20 @@ def read_packed(where: str, name: str, scheme: IntScheme, parts: dict) -> tuple[
     g_idx = parts.get("weight_g_idx")
     sequential = torch.arange(inputs) // (scheme.group_size or inputs)
     grid = GroupQuantized(codes, scales.float(), zeros, sequential if g_idx is None else g_idx.to(torch.int64),
-                          -(1 << (scheme.bits - 1)), (1 << (scheme.bits - 1)) - 1, PACKED)
+                          -(1 << (scheme.bits - 1)), (1 << (scheme.bits - 1)) - 1, PACKED, scheme.bits)
     if g_idx is not None:
         return grid, grid.values()
     state = {key: value for key, value in parts.items() if key != "weight_g_idx"}
     weight = library.compressor.decompress(state, scheme.library)["weight"]
     return grid, weight.float()
+
+
+def narrowest_bits(low: int, high: int) -> int:
+    """The fewest bits whose signed codes span ``low`` to ``high``."""
+    bits = 1
+    while low < -(1 << (bits - 1)) or high > (1 << (bits - 1)) - 1:
+        bits += 1
+    return bits
 
 
 def read_stored(where: str, name: str, scheme: IntScheme, parts: dict) -> tuple[GroupQuantized, object]:
@@ -384,11 +439,18 @@ def read_stored(where: str, name: str, scheme: IntScheme, parts: dict) -> tuple[
     if int(codes.min()) < low or int(codes.max()) > high:
         raise layout_error(where, name, f"its codes span {int(codes.min())} to {int(codes.max())}; "
                            f"{scheme.bits}-bit codes lie in {low} to {high}", "group_bits_mismatched")
+    narrow = narrowest_bits(int(codes.min()), int(codes.max()))
+    # min-max scales put every group's extreme value on the stated width's end code: a faithful export reaches it
+    if narrow < scheme.bits and bool(codes.any()):
+        raise layout_error(where, name, f"its codes span {int(codes.min())} to {int(codes.max())}, those of "
+                           f"{narrow}-bit codes, where the stated {scheme.bits}-bit scales put each group's largest "
+                           f"value at {-low} or {high}", "group_bits_mismatched")
     zeros = torch.zeros(scales.shape, dtype=torch.float32)
     if "weight_zero_point" in parts and not scheme.sym:
         zeros = parts["weight_zero_point"].reshape(scales.shape).float()
     sequential = torch.arange(inputs) // (scheme.group_size or inputs)
-    grid = GroupQuantized(codes.to(torch.int64), scales.float().contiguous(), zeros, sequential, low, high, STORED)
+    grid = GroupQuantized(codes.to(torch.int64), scales.float().contiguous(), zeros, sequential, low, high, STORED,
+                          scheme.bits)
     state = {key: parts[key] for key in PARTS[STORED] if key in parts}
     weight = library.naive.decompress(state, scheme.library)["weight"]
     return grid, weight.float()
@@ -415,24 +477,25 @@ class IntGroupCheckpoint(Checkpoint):
     def unpack(self, name: str) -> tuple[GroupQuantized, object]:
         """The module's grid and its dequantized weight (float32)."""
         prefix = self.modules[name]
-        names = [f"{prefix}.{part}" for part in PARTS[self.scheme.method] if f"{prefix}.{part}" in self.companions]
+        scheme = self.scheme.for_module(self.location, prefix)
+        names = [f"{prefix}.{part}" for part in PARTS[scheme.method] if f"{prefix}.{part}" in self.companions]
         files: dict[str, list[str]] = {}
         for member in names:
             files.setdefault(self.companions[member], []).append(member)
         parts = {}
         for file_name, members in files.items():
             parts.update({key[len(prefix) + 1:]: value for key, value in self.reader(file_name, members).items()})
-        if self.scheme.method == PACKED:
-            return read_packed(self.location, name, self.scheme, parts)
-        if self.scheme.method == STORED:
+        if scheme.method == PACKED:
+            return read_packed(self.location, name, scheme, parts)
+        if scheme.method == STORED:
             if "weight_scale" not in parts:
                 raise CheckpointError(f"{self.location}: {prefix}.weight is stored with no {prefix}.weight_scale")
-            return read_stored(self.location, name, self.scheme, parts)
-        missing = [p for p in PARTS[self.scheme.method][:3] if p not in parts]
+            return read_stored(self.location, name, scheme, parts)
+        missing = [p for p in PARTS[scheme.method][:3] if p not in parts]
         if missing:
-            raise CheckpointError(f"{self.location}: {prefix} has {CODES_PART[self.scheme.method]} but no "
+            raise CheckpointError(f"{self.location}: {prefix} has {CODES_PART[scheme.method]} but no "
                                   f"{', '.join(prefix + '.' + m for m in missing)}")
-        grid = READERS[self.scheme.method](self.location, name, self.scheme, parts)
+        grid = READERS[scheme.method](self.location, name, scheme, parts)
         return grid, grid.values()
 
     def describe(self, names: list[str]) -> dict[str, tuple[list[int], str]] | None:
@@ -450,7 +513,8 @@ class IntGroupCheckpoint(Checkpoint):
             plain = [n for n in members if n not in codes]
             described = describe_local(self.fetch(file_name), plain + list(codes.values()))
             out.update({n: described[n] for n in plain})
-            out.update({n: (self.logical_shape(n, described[part][0]), f"INT{self.scheme.bits}")
+            out.update({n: (self.logical_shape(n, described[part][0]),
+                            f"INT{self.scheme.for_module(self.location, self.modules[n]).bits}")
                         for n, part in codes.items()})
         return out
 
@@ -477,8 +541,8 @@ class IntGroupCheckpoint(Checkpoint):
         self.as_stored = {n: str(t.dtype).removeprefix("torch.") for n, t in out.items()}
         for name in names:
             if name in self.modules:
-                out[name] = self.unpack(name)[1]
-                self.as_stored[name] = f"int{self.scheme.bits}"
+                grid, out[name] = self.unpack(name)
+                self.as_stored[name] = f"int{grid.bits}"
         return out
 
 

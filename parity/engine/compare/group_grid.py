@@ -180,7 +180,7 @@ def stored(checkpoint, key: str, route) -> Storage | None:
     held = grouped(key) if grouped is not None else None
     if held is None:
         return None
-    bits = checkpoint.scheme.bits
+    bits = held.bits
     grid = grid_of(held, bits)
     bad = ~torch.isfinite(held.scales)
     problem = None
