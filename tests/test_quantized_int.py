@@ -501,6 +501,43 @@ def test_a_faithful_gptq_export_passes_symmetric_or_in_order(model_a, root, caps
         assert report["layers"][1]["diagnosis"]["id"] == "zero_point_off_by_one"
 
 
+def test_gptqmodel_dynamic_rules_give_each_module_its_own_scheme(model_a, root, capsys):
+    """GPTQModel's per-module ``dynamic`` overrides (ModelCloud's "-dynamic-cfg" releases): layer 1 quantized in
+    groups of 16 under a rule saying so, down_proj left in float16 under a "-:" rule: every layer passes, each
+    module read with its own scheme; without the rule, layer 1 is group_size_wrong."""
+    layer1 = {f"model.layers.1.mlp.{name}.weight": "group16" for name in ("gate_proj", "up_proj")}
+    dynamic = {r"-:.*\.down_proj": {}, r".*\.1\.mlp\..*": {"group_size": 16}}
+    b = int_export(model_a, root / "gptq-dynamic", "gptq", layer1, fields={"dynamic": dynamic}, keep=("down_proj",))
+    config = json.loads((b / "config.json").read_text())
+    config["quantization_config"]["modules_to_not_convert"] = None  # the "-:" rule says it
+    (b / "config.json").write_text(json.dumps(config))
+    code, report = compare(capsys, model_a, b)
+    assert code == 0, report
+    for layer in report["layers"]:
+        storage = {row["name"]: row["storage"] for row in layer["conversion"]["tensors"]}
+        assert storage == {"gate_proj.weight": "int4", "up_proj.weight": "int4", "down_proj.weight": "float16"}
+    assert any("GPTQModel's dynamic rules" in note and "left unquantized" in note for note in report["notes"])
+    config["quantization_config"]["dynamic"] = {r"-:.*\.down_proj": {}}
+    (b / "config.json").write_text(json.dumps(config))
+    code, report = compare(capsys, model_a, b)
+    assert code == 1, report
+    assert [layer["passed"] for layer in report["layers"]] == [True, False]
+    assert report["layers"][1]["diagnosis"]["id"] == "group_size_wrong"
+
+
+@pytest.mark.parametrize(("dynamic", "said"), [
+    ({"(": {}}, "not a regular expression"),
+    ({".*": {"bits": 5}}, "overrides {'bits': 5}"),
+    ([".*"], "quantization_config.dynamic is"),
+])
+def test_a_dynamic_rule_parity_cannot_read_is_exit_2_naming_it(model_a, root, capsys, dynamic, said):
+    b = int_export(model_a, root / f"gptq-dynamic-bad-{len(list(root.iterdir()))}", "gptq",
+                   fields={"dynamic": dynamic})
+    code, out, err = run_main(capsys, "compare", model_a, b)
+    assert code == 2, out + err
+    assert said in err and "Traceback" not in err
+
+
 def test_modules_left_unquantized_are_judged_by_their_own_storage(model_a, root, capsys):
     """A GPTQ release keeping down_proj in float16 (modules_to_not_convert): down_proj judged as the cast it is,
     gate and up on their int4 grids; every layer passes."""

@@ -74,11 +74,17 @@ class IntScheme:
     library: object | None = None  # compressed-tensors' QuantizationScheme, for pack-quantized
     # compressed-tensors' config groups of several weight schemes: each target -> its scheme, in the config's order
     targets: tuple[tuple[str, IntScheme], ...] = ()
+    # GPTQModel's ``dynamic`` rules: each pattern -> the scheme of the modules it matches, None for "-:" (left
+    # unquantized), in the config's order
+    dynamic: tuple[tuple[str, IntScheme | None], ...] = ()
 
     def for_module(self, where: str, module: str) -> IntScheme:
         """The scheme of quantized module ``module``: this one, or, where the config's groups state several, the one
-        compressed-tensors gives it (``compressed_config.module_scheme``); a module no group targets is a
-        CheckpointError naming it."""
+        compressed-tensors gives it (``compressed_config.module_scheme``), or the first of GPTQModel's ``dynamic``
+        rules whose pattern matches its name (``re.match``, as GPTQModel and vLLM's ``get_dynamic_override`` apply
+        them); a module no group targets, or one a "-:" rule leaves unquantized, is a CheckpointError naming it."""
+        if self.dynamic:
+            return dynamic_scheme(self, where, module)
         if not self.targets:
             return self
         found = module_scheme(dict(self.targets), module)
@@ -90,6 +96,10 @@ class IntScheme:
     def describe(self) -> str:
         if self.targets:
             return "; ".join(f"{target}: {scheme.describe()}" for target, scheme in self.targets)
+        if self.dynamic:
+            rules = "; ".join(f"{pattern!r}: {'left unquantized' if scheme is None else scheme.describe()}"
+                              for pattern, scheme in self.dynamic)
+            return f"{dataclasses.replace(self, dynamic=()).describe()}; GPTQModel's dynamic rules: {rules}"
         group = f"groups of {self.group_size}" if self.group_size else "one group per row"
         how = {"gptq": f"GPTQ ({'v1: zero points stored minus one' if self.v1 else 'v2'})",
                "awq": "AWQ GEMM (packed order 0 2 4 6 1 3 5 7)", PACKED: "compressed-tensors pack-quantized",
@@ -157,8 +167,59 @@ def scheme_of(raw_config: dict, where: str) -> IntScheme | None:
     if form not in ("gptq", "gptq_v2"):
         raise CheckpointError(f"{where}: config.json's quantization_config.checkpoint_format is {form!r}; parity "
                               "reads GPTQ's 'gptq' (v1) and 'gptq_v2'")
-    return IntScheme("gptq", bits, max(group, 0), sym=bool(config.get("sym", True)), v1=form == "gptq",
+    base = IntScheme("gptq", bits, max(group, 0), sym=bool(config.get("sym", True)), v1=form == "gptq",
                      not_converted=skipped)
+    return dataclasses.replace(base, dynamic=dynamic_rules(config, base, where))
+
+
+DYNAMIC_FIELDS = {"bits": (int,), "group_size": (int,), "sym": (bool,), "desc_act": (bool,)}
+
+
+def dynamic_rules(config: dict, base: IntScheme, where: str) -> tuple[tuple[str, IntScheme | None], ...]:
+    """GPTQModel's ``dynamic`` (pattern -> the fields it overrides; a "-:" pattern skips the modules it matches),
+    each pattern compiled and each override checked as the base fields are; anything else a CheckpointError naming
+    the rule."""
+    import re
+
+    rules = config.get("dynamic") or {}
+    if not isinstance(rules, dict):
+        raise CheckpointError(f"{where}: config.json's quantization_config.dynamic is {rules!r}; GPTQModel writes an "
+                              "object of pattern -> overrides")
+    read = []
+    for pattern, fields in rules.items():
+        said = f"{where}: config.json's quantization_config.dynamic[{pattern!r}]"
+        try:
+            re.compile(pattern.removeprefix("-:").removeprefix("+:"))
+        except re.error as exc:
+            raise CheckpointError(f"{said}: not a regular expression ({exc})") from None
+        if not isinstance(fields, dict):
+            raise CheckpointError(f"{said} is {fields!r}; expected an object of overrides")
+        if pattern.startswith("-:"):
+            read.append((pattern, None))
+            continue
+        bad = {k: v for k, v in fields.items() if k in DYNAMIC_FIELDS and (
+            type(v) not in DYNAMIC_FIELDS[k] or (k == "bits" and v not in (2, 3, 4, 8))
+            or (k == "group_size" and (v == 0 or v < -1)))}
+        if bad:
+            raise CheckpointError(f"{said} overrides {bad}; parity reads bits 2/3/4/8, a group_size (-1: one group "
+                                  "per row) and sym / desc_act booleans there")
+        changes = {"bits": fields.get("bits", base.bits), "sym": fields.get("sym", base.sym),
+                   "group_size": max(fields.get("group_size", base.group_size or -1), 0)}
+        read.append((pattern, dataclasses.replace(base, **changes)))
+    return tuple(read)
+
+
+def dynamic_scheme(base: IntScheme, where: str, module: str) -> IntScheme:
+    """The scheme GPTQModel's ``dynamic`` rules give quantized module ``module`` (``IntScheme.for_module``)."""
+    import re
+
+    for pattern, scheme in base.dynamic:
+        if re.match(pattern.removeprefix("-:").removeprefix("+:"), module):
+            if scheme is None:
+                raise CheckpointError(f"{where}: {module} is stored quantized, but config.json's quantization_config."
+                                      f"dynamic rule {pattern!r} leaves it unquantized")
+            return scheme
+    return dataclasses.replace(base, dynamic=())
 
 
 def packed_scheme(config: dict, where: str) -> IntScheme | None:
@@ -520,10 +581,11 @@ class IntGroupCheckpoint(Checkpoint):
 
     def logical_shape(self, name: str, packed: list[int]) -> list[int]:
         """A quantized module's [out, in] from its packed codes' shape (pack-quantized: its weight_shape)."""
+        bits = self.scheme.for_module(self.location, self.modules[name]).bits
         if self.scheme.method == "gptq":
-            return [packed[1], packed[0] * 32 // self.scheme.bits]
+            return [packed[1], packed[0] * 32 // bits]
         if self.scheme.method == "awq":
-            return [packed[1] * 32 // self.scheme.bits, packed[0]]
+            return [packed[1] * 32 // bits, packed[0]]
         if self.scheme.method == STORED:
             return list(packed)
         shape_name = f"{self.modules[name]}.weight_shape"
