@@ -1,6 +1,7 @@
 """What B's values and config show, named without a replay (``parity compare``): values beyond what their storage
 allows (quantization_exceeds_step, value_corrupted), defects of B's quantized blocks read from its file
-(nonfinite_scale, zeroed_tensor), a grid coarser than the format's quantizer makes of A (grid_too_coarse), and
+(nonfinite_scale, zeroed_tensor), a matrix's rows or columns in another order (rows_permuted,
+columns_permuted), a grid coarser than the format's quantizer makes of A (grid_too_coarse), and
 whether two configured activations are one function.  ``comparison`` decides when each is asked; this
 module words them, with their evidence, from the per-tensor rows it made (``tensor_rows``)."""
 
