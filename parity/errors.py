@@ -75,12 +75,14 @@ class WeightDefectError(CheckpointError):
 
 
 class QuantizedLayoutError(CheckpointError):
-    """A quantized tensor's scales do not have the layout its config states (transposed, another block size):
-    ``mistake_id`` names the conversion mistake, for a compare to report on the layer holding it."""
+    """A quantized tensor is not stored as its config states (its scales transposed or of another block size, the
+    module not one the config quantizes): ``mistake_id`` names the conversion mistake and ``kind`` the table's
+    "stored as" cell, for a compare to report on the layer holding it."""
 
-    def __init__(self, message: str, mistake_id: str):
+    def __init__(self, message: str, mistake_id: str, *, kind: str = "scales unreadable in B"):
         super().__init__(message)
         self.mistake_id = mistake_id  # a parity.definitions.mistakes.MistakeId value (errors.py imports nothing)
+        self.kind = kind
 
 
 class PickleRefusedError(CheckpointError):

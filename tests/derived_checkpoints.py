@@ -173,3 +173,22 @@ def save_quantized(dest: Path, tensors: dict[str, torch.Tensor], quantization: d
     config["quantization_config"] = quantization
     (dest / "config.json").write_text(json.dumps(config, indent=2))
     return dest
+
+
+# How a compressed-tensors config can leave down_proj unquantized while the checkpoint stores it quantized: its ignore
+# list names it, or the one config group targets gate and up only.
+UNSTATED = {"ignored": lambda q: q["ignore"].append("re:.*down_proj$"),
+            "untargeted": lambda q: q["config_groups"]["group_0"].update(targets=["re:.*(gate|up)_proj$"])}
+
+
+def assert_down_proj_not_stated(capsys, a: Path, b: Path, how: str) -> None:
+    """B's config.json rewritten so compressed-tensors would not quantize down_proj (``UNSTATED[how]``), its codes
+    and scales kept: every layer fails, named quantized_module_not_stated in a message naming down_proj."""
+    config = json.loads((b / "config.json").read_text())
+    UNSTATED[how](config["quantization_config"])
+    (b / "config.json").write_text(json.dumps(config, indent=2))
+    code, report = compare_json(capsys, a, b)
+    assert code == 1, report
+    found = [layer["diagnosis"] for layer in report["layers"]]
+    assert len(found) == 2 and all(d["id"] == "quantized_module_not_stated" and "down_proj" in d["message"]
+                                   for d in found), found

@@ -21,7 +21,15 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from .derived_checkpoints import build, format_fixtures, quantized_copy, quantized_layer_one_named, save_quantized
+from .derived_checkpoints import (
+    UNSTATED,
+    assert_down_proj_not_stated,
+    build,
+    format_fixtures,
+    quantized_copy,
+    quantized_layer_one_named,
+    save_quantized,
+)
 from .support import compare_json as compare
 from .support import run_main
 
@@ -261,6 +269,12 @@ def test_a_faithful_compressed_tensors_fp8_export_passes(model_a, root, capsys, 
         assert layer["conversion"]["ratio_to_conversion"] == pytest.approx(1.0, abs=1e-6)
         for row in layer["conversion"]["tensors"]:
             assert row["storage"] == "float8_e4m3fn" and row["steps"]["values_beyond_step"] == 0
+
+
+@pytest.mark.parametrize("how", UNSTATED)
+def test_a_module_stored_fp8_that_its_config_leaves_unquantized_is_named(model_a, root, capsys, how):
+    b = ct_export(model_a, root / f"ct-unstated-{how}", "FP8_DYNAMIC")
+    assert_down_proj_not_stated(capsys, model_a, b, how)
 
 
 def test_a_compressed_tensors_scale_inverted_fails_its_layer_named(model_a, root, capsys):

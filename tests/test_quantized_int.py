@@ -22,7 +22,14 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from .derived_checkpoints import build, format_fixtures, quantized_copy, quantized_layer_one_named
+from .derived_checkpoints import (
+    UNSTATED,
+    assert_down_proj_not_stated,
+    build,
+    format_fixtures,
+    quantized_copy,
+    quantized_layer_one_named,
+)
 from .support import compare_json as compare
 from .support import run_main
 
@@ -230,7 +237,8 @@ def ct_export(a: Path, dest: Path, preset: str, breaks: dict[str, str] | None = 
     registry); ``group``, ``sym``: the preset's scheme in groups of ``group``, or (a)symmetric; ``also``: a regex
     target ("re:...") -> the preset its modules are quantized with instead, each stated as a config group of its
     own.  ``breaks``: zeros_plus1 (every zero point one code up), scale_x2 (the scales doubled over the same codes),
-    scales_transposed (the scale grid stored [groups, out])."""
+    scales_transposed (the scale grid stored [groups, out]), scale_nan (row 3's scale NaN), scales_flat (the grid
+    stored 1-D), zero_points_short (the last row's zero points dropped)."""
     import re
 
     from compressed_tensors.compressors import BaseCompressor
@@ -265,6 +273,13 @@ def ct_export(a: Path, dest: Path, preset: str, breaks: dict[str, str] | None = 
             compressed["weight_scale"] = compressed["weight_scale"] * 2
         elif broken == "scales_transposed":
             compressed["weight_scale"] = compressed["weight_scale"].t().contiguous()
+        elif broken == "scale_nan":
+            compressed["weight_scale"] = compressed["weight_scale"].clone()
+            compressed["weight_scale"][3] = float("nan")
+        elif broken == "scales_flat":
+            compressed["weight_scale"] = compressed["weight_scale"].flatten()
+        elif broken == "zero_points_short":
+            compressed["weight_zero_point"] = compressed["weight_zero_point"][:-1]
         return {f"{module}.{key}": t for key, t in compressed.items()}
 
     save_file(quantized_copy(a, dest, stored), dest / "model.safetensors", metadata={"format": "pt"})
@@ -363,6 +378,9 @@ def test_a_faithful_int_quantized_export_passes_on_every_layer(model_a, root, ca
     ({}, "scale_x2", "tensor_scaled"),
     ({}, "scales_transposed", "group_scales_transposed"),
     ({"preset": "W4A8", "group": 32}, "scales_transposed", "group_scales_transposed"),
+    ({}, "scale_nan", "nonfinite_scale"),
+    ({"preset": "W4A8", "group": 32}, "scales_flat", "group_size_wrong"),
+    ({"sym": False}, "zero_points_short", "group_size_wrong"),
 ])
 def test_an_int_quantized_mistake_fails_its_layer_named(model_a, root, capsys, options, broken, named):
     options = {"preset": "W8A8", **options}
@@ -413,6 +431,16 @@ def test_config_groups_of_several_schemes_each_judge_their_own_modules(model_a, 
     assert code == 1, report
     assert {layer["diagnosis"]["id"] for layer in report["layers"]} == {"group_bits_mismatched"}
     assert all("down_proj" in layer["diagnosis"]["message"] for layer in report["layers"])
+
+
+@pytest.mark.parametrize("how", UNSTATED)
+@pytest.mark.parametrize("fmt", ["pack-quantized", "int-quantized"])
+def test_a_module_stored_quantized_that_its_config_leaves_unquantized_is_named(model_a, root, capsys, fmt, how):
+    """down_proj stored as codes and scales, but config.json's ignore names it or no group targets it: transformers
+    would load its codes as its weight, so every layer fails named; was a silent pass."""
+    preset = "W8A8" if fmt == "int-quantized" else "W4A16"
+    b = ct_export(model_a, root / f"ct-unstated-{fmt}-{how}", preset, fmt=fmt)
+    assert_down_proj_not_stated(capsys, model_a, b, how)
 
 
 def test_a_pack_quantized_zero_point_off_by_one_fails_its_layer_named(model_a, root, capsys):

@@ -5,7 +5,7 @@ arguments against its own format."""
 
 from __future__ import annotations
 
-from parity.errors import CheckpointError
+from parity.errors import CheckpointError, QuantizedLayoutError
 
 
 def parsed_config(config_class, config: dict, where: str):
@@ -31,18 +31,28 @@ def targets_of(parsed) -> dict[str, object]:
             for target in group.targets}
 
 
-def module_scheme(targets: dict[str, object], module: str):
-    """The scheme compressed-tensors gives the linear module named ``module``: its own ``match_targets`` ranks the
-    targets that match it (exact name, then regex, then class name: every module here is a Linear, the only class
-    these formats quantize) and the first is taken, as ``apply_quantization_config`` does.  None where none
-    matches."""
+def module_scheme(targets: dict[str, object], ignore, module: str, where: str):
+    """The scheme compressed-tensors gives the linear module named ``module``, which B stores quantized: its own
+    ``match_targets`` ranks the targets that match it (exact name, then regex, then class name: every module here
+    is a Linear, the only class these formats quantize) and the first is taken, as ``apply_quantization_config``
+    does.  A module no group targets, or one ``ignore`` names, is a QuantizedLayoutError naming it (reported on
+    the layer that holds it): compressed-tensors would not quantize it, so a model loading B would take its codes
+    for its weight."""
     import torch
     from compressed_tensors.utils.match import match_targets
 
     with torch.device("meta"):
         linear = torch.nn.Linear(1, 1)
+    ignored = match_targets(module, linear, list(ignore or ()))
     matched = match_targets(module, linear, targets)
-    return targets[matched[0]] if matched else None
+    if ignored or not matched:
+        why = (f"its ignore list names it ({ignored[0]!r})" if ignored
+               else f"no config group targets it (targets: {', '.join(targets) or 'none'})")
+        raise QuantizedLayoutError(f"{where}: {module} is stored quantized, but config.json's quantization_config "
+                                   f"leaves it unquantized: {why}; compressed-tensors would load its codes as its "
+                                   "weight", "quantized_module_not_stated",
+                                   kind="config: not quantized")
+    return targets[matched[0]]
 
 
 def one_weight_scheme(config_class, config: dict, where: str):

@@ -22,7 +22,7 @@ from parity.definitions.distribution import install_command
 from parity.definitions.files import shown
 from parity.errors import CheckpointError
 from parity.sources.checkpoint import Checkpoint, dequantized_on_read
-from parity.sources.compressed_config import one_weight_scheme
+from parity.sources.compressed_config import module_scheme, one_weight_scheme, targets_of
 from parity.sources.fp4 import Fp4Held, norm_dtype
 
 EXTRA = "compressed-tensors"  # pyproject.toml's extra that installs compressed-tensors
@@ -48,6 +48,7 @@ class Fp4Scheme:
     group: int
     not_converted: tuple[str, ...] = ()
     library: object = field(default=None, compare=False)
+    targets: tuple[str, ...] = ()  # the config group's targets (``compressed_config.module_scheme``)
 
     def describe(self) -> str:
         return f"compressed-tensors {self.form}, groups of {self.group}"
@@ -82,7 +83,8 @@ def scheme_of(raw_config: dict, where: str) -> Fp4Scheme | None:
         raise CheckpointError(f"{where}: compressed-tensors format {parsed.format!r} with {args.num_bits}-bit {kind} "
                               f"weights (symmetric {args.symmetric}, group_size {args.group_size}): parity reads "
                               "symmetric 4-bit float weights in groups")
-    return Fp4Scheme(str(parsed.format), int(args.group_size), tuple(str(n) for n in parsed.ignore or []), scheme)
+    return Fp4Scheme(str(parsed.format), int(args.group_size), tuple(str(n) for n in parsed.ignore or []), scheme,
+                     tuple(targets_of(parsed)))
 
 
 class Fp4Checkpoint(Checkpoint):
@@ -99,6 +101,7 @@ class Fp4Checkpoint(Checkpoint):
         module = self.fp4_modules.get(name)
         if module is None:
             return None
+        module_scheme(dict.fromkeys(self.scheme.targets, self.scheme), self.scheme.not_converted, module, self.location)
         wanted = [f"{module}.{p}" for p in PARTS if f"{module}.{p}" in self.companions]
         read = {n.rsplit(".", 1)[1]: self.reader(self.companions[n], [n])[n] for n in wanted}
         for part in (SCALE,) + ((GLOBAL,) if self.scheme.form.startswith("nvfp4") else ()):

@@ -30,7 +30,7 @@ from parity.definitions.distribution import install_command
 from parity.definitions.files import shown
 from parity.errors import CheckpointError, QuantizedLayoutError
 from parity.sources.checkpoint import Checkpoint, dequantized_on_read, split_companions, stated_modules
-from parity.sources.compressed_config import one_weight_scheme
+from parity.sources.compressed_config import module_scheme, one_weight_scheme, targets_of
 
 QUANT_METHOD = "fp8"
 COMPRESSED = "compressed-tensors"
@@ -53,6 +53,7 @@ class FP8Scheme:
     power_of_two: bool = False  # scale_fmt "ue8m0": each scale a power of two (DeepSeek V3.1's UE8M0 scales)
     method: str = QUANT_METHOD  # quant_method: "fp8" (transformers' layout) or "compressed-tensors"
     strategy: str = "block"  # compressed-tensors' strategy: "block", "channel" or "tensor"
+    targets: tuple[str, ...] = ()  # compressed-tensors' config group targets (``compressed_config.module_scheme``)
 
     def block_for(self, shape) -> tuple[int, int]:
         """The block one scale covers in a matrix of ``shape``: a channel's is its row, a tensor's the matrix."""
@@ -129,7 +130,8 @@ def compressed_scheme(config: dict, where: str) -> FP8Scheme:
                               "FP8 weights so far (format 'float-quantized': 8-bit float, symmetric, strategy block, "
                               "channel or tensor)")
     block = tuple(args.block_structure) if strategy == "block" else None
-    return FP8Scheme(block, tuple(str(n) for n in parsed.ignore or []), method=COMPRESSED, strategy=strategy)
+    return FP8Scheme(block, tuple(str(n) for n in parsed.ignore or []), method=COMPRESSED, strategy=strategy,
+                     targets=tuple(targets_of(parsed)))
 
 
 def require_library(where: str, method: str = QUANT_METHOD):
@@ -228,6 +230,9 @@ class FP8Checkpoint(Checkpoint):
         if codes.dim() != 2:
             raise CheckpointError(f"{self.location}: {name} is an FP8 tensor of shape {list(codes.shape)}; parity "
                                   "reads FP8 matrices (2-D), not stacked experts, so far")
+        if self.scheme.method == COMPRESSED:  # a module compressed-tensors would not quantize: the layer's finding
+            module_scheme(dict.fromkeys(self.scheme.targets, self.scheme), self.scheme.not_converted,
+                          name.removesuffix(".weight"), self.location)
         scales = as_grid(scales.float())
         check_grid(self.location, name, codes, scales, self.scheme)
         library = require_library(self.location, self.scheme.method)

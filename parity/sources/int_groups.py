@@ -72,7 +72,8 @@ class IntScheme:
     v1: bool = True
     not_converted: tuple[str, ...] = ()
     library: object | None = None  # compressed-tensors' QuantizationScheme, for pack-quantized
-    # compressed-tensors' config groups of several weight schemes: each target -> its scheme, in the config's order
+    # compressed-tensors' config groups: each target -> its scheme, in the config's order (a module none targets, or
+    # one the ignore list names, is not quantized by compressed-tensors: ``compressed_config.module_scheme``)
     targets: tuple[tuple[str, IntScheme], ...] = ()
     # GPTQModel's ``dynamic`` rules: each pattern -> the scheme of the modules it matches, None for "-:" (left
     # unquantized), in the config's order
@@ -87,15 +88,13 @@ class IntScheme:
             return dynamic_scheme(self, where, module)
         if not self.targets:
             return self
-        found = module_scheme(dict(self.targets), module)
-        if found is None:
-            raise CheckpointError(f"{where}: {module} is stored quantized, but no config group of config.json's "
-                                  f"quantization_config targets it (targets: {', '.join(t for t, _ in self.targets)})")
-        return found
+        return module_scheme(dict(self.targets), self.not_converted, module, where)
 
     def describe(self) -> str:
-        if self.targets:
+        if len({scheme.describe() for _, scheme in self.targets}) > 1:
             return "; ".join(f"{target}: {scheme.describe()}" for target, scheme in self.targets)
+        if self.targets:
+            return self.targets[0][1].describe()
         if self.dynamic:
             rules = "; ".join(f"{pattern!r}: {'left unquantized' if scheme is None else scheme.describe()}"
                               for pattern, scheme in self.dynamic)
@@ -248,8 +247,6 @@ def packed_scheme(config: dict, where: str) -> IntScheme | None:
                               f"{' and '.join(sorted(methods))}; parity reads one compressed-tensors format per "
                               "checkpoint so far")
     first = next(iter(read.values()))
-    if len(read) == 1:
-        return first
     targets = tuple((target, read[group.weights.model_dump_json()]) for target, group in targets_of(parsed).items())
     return dataclasses.replace(first, targets=targets)
 
@@ -373,6 +370,8 @@ def check_groups(where: str, name: str, scheme: IntScheme, inputs: int, outputs:
             f"{scheme.group_size or -1} calls for {list(expected)}")
     if found == tuple(reversed(expected)):
         raise layout_error(where, name, f"{said}: they are that grid transposed", "group_scales_transposed")
+    if len(found) != 2:
+        raise layout_error(where, name, f"{said}: a grid of {len(found)} dimensions", "group_size_wrong")
     other = found[1] if rows_first else found[0]
     if other and outputs in found:
         size = -(-inputs // other)
@@ -508,7 +507,12 @@ def read_stored(where: str, name: str, scheme: IntScheme, parts: dict) -> tuple[
                            f"value at {-low} or {high}", "group_bits_mismatched")
     zeros = torch.zeros(scales.shape, dtype=torch.float32)
     if "weight_zero_point" in parts and not scheme.sym:
-        zeros = parts["weight_zero_point"].reshape(scales.shape).float()
+        zero_point = parts["weight_zero_point"]
+        if zero_point.numel() != scales.numel() or zero_point.dtype.is_floating_point:
+            raise layout_error(where, name, f"its weight_zero_point is {str(zero_point.dtype).removeprefix('torch.')} "
+                               f"{list(zero_point.shape)} beside weight_scale {list(scales.shape)}; the stated "
+                               f"{scheme.describe()} stores one integer zero point per scale", "group_size_wrong")
+        zeros = zero_point.reshape(scales.shape).float()
     sequential = torch.arange(inputs) // (scheme.group_size or inputs)
     grid = GroupQuantized(codes.to(torch.int64), scales.float().contiguous(), zeros, sequential, low, high, STORED,
                           scheme.bits)
@@ -574,14 +578,21 @@ class IntGroupCheckpoint(Checkpoint):
             plain = [n for n in members if n not in codes]
             described = describe_local(self.fetch(file_name), plain + list(codes.values()))
             out.update({n: described[n] for n in plain})
-            out.update({n: (self.logical_shape(n, described[part][0]),
-                            f"INT{self.scheme.for_module(self.location, self.modules[n]).bits}")
+            out.update({n: (self.logical_shape(n, described[part][0]), f"INT{self.bits_of(n)}")
                         for n, part in codes.items()})
         return out
 
+    def bits_of(self, name: str) -> int:
+        """The stated bits of quantized ``name``, for the inventory: the config's first scheme's where its own scheme
+        is in question (the layer holding it reports that)."""
+        try:
+            return self.scheme.for_module(self.location, self.modules[name]).bits
+        except QuantizedLayoutError:
+            return self.scheme.bits
+
     def logical_shape(self, name: str, packed: list[int]) -> list[int]:
         """A quantized module's [out, in] from its packed codes' shape (pack-quantized: its weight_shape)."""
-        bits = self.scheme.for_module(self.location, self.modules[name]).bits
+        bits = self.bits_of(name)
         if self.scheme.method == "gptq":
             return [packed[1], packed[0] * 32 // bits]
         if self.scheme.method == "awq":

@@ -227,8 +227,8 @@ class Comparison:
             b = read_side(self.b, layer, truth=False, expert=expert)
         except MissingTensorError as exc:  # a conversion that dropped a tensor: B's finding, not bad input
             return self.missing(layer, expert, MistakeId.TENSOR_MISSING, str(exc))
-        except QuantizedLayoutError as exc:  # B's scales in another layout than its config states: B's finding
-            return self.missing(layer, expert, MistakeId(exc.mistake_id), str(exc), kind="scales unreadable in B")
+        except QuantizedLayoutError as exc:  # B stores its quantized tensors otherwise than its config states
+            return self.missing(layer, expert, MistakeId(exc.mistake_id), str(exc), kind=exc.kind)
         folds.undo(self.a, self.b, layer, a, b)  # AWQ's scales folded into the norm: B's FFN put back on A's input
         rows, converted, exact = tensor_rows(a, b)
         shaped = shape_finding(a, b)

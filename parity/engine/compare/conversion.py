@@ -196,7 +196,8 @@ def overflow(a: torch.Tensor, b: torch.Tensor, b_dtype: str) -> str | None:
         return None
     first = [int(i) for i in torch.unravel_index(bad.flatten().nonzero()[0, 0], bad.shape)]
     dtype = getattr(torch, b_dtype, None)
-    limit = f"; {b_dtype} ends at {torch.finfo(dtype).max:.6g}" if isinstance(dtype, torch.dtype) else ""
+    floating = isinstance(dtype, torch.dtype) and dtype.is_floating_point  # an integer storage ends at no finfo
+    limit = f"; {b_dtype} ends at {torch.finfo(dtype).max:.6g}" if floating else ""
     value = f" where A holds {float(a[tuple(first)]):.6g}" if a.shape == b.shape else ""
     return f"{int(bad.sum())} of {b.numel()} values are Inf/NaN, first at {first}{value}{limit}"
 
