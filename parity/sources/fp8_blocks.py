@@ -127,8 +127,9 @@ def compressed_scheme(config: dict, where: str) -> FP8Scheme:
     if not readable:
         raise CheckpointError(f"{where}: compressed-tensors format {parsed.format!r} with {args.num_bits}-bit "
                               f"{getattr(args.type, 'value', args.type)} weights, strategy {strategy!r}: parity reads "
-                              "FP8 weights so far (format 'float-quantized': 8-bit float, symmetric, strategy block, "
-                              "channel or tensor)")
+                              "compressed-tensors' integer weights (formats pack-quantized, int-quantized, "
+                              "naive-quantized, mixed-precision), its 8-bit float weights (float-quantized: symmetric, "
+                              "strategy block, channel or tensor) and its FP4 (nvfp4- and mxfp4-pack-quantized)")
     block = tuple(args.block_structure) if strategy == "block" else None
     return FP8Scheme(block, tuple(str(n) for n in parsed.ignore or []), method=COMPRESSED, strategy=strategy,
                      targets=tuple(targets_of(parsed)))

@@ -8,8 +8,8 @@ from pathlib import Path
 
 from parity.definitions.files import shown
 from parity.errors import CheckpointError
-from parity.sources import bnb_4bit, fp4_packed, fp8_blocks, int_groups, mlx_quantized, mxfp4_experts
 from parity.sources.checkpoint import Checkpoint
+from parity.sources.quantized import dequantizing
 from parity.sources.safetensors_files import (
     CONFIG,
     INDEX,
@@ -53,9 +53,4 @@ def open_path(path: Path, allow_pickle: bool = False) -> Checkpoint:
         return file_path
 
     checkpoint = Checkpoint(str(path), folder, raw_config, weight_map, fetch, reader=local_reader(fetch))
-    checkpoint = bnb_4bit.wrap(checkpoint, folder)  # bitsandbytes 4-bit weights: dequantized on read
-    checkpoint = mlx_quantized.wrap(checkpoint, folder)  # MLX-quantized weights: dequantized on read
-    checkpoint = mxfp4_experts.wrap(checkpoint, folder)  # GPT-OSS's MXFP4 experts: dequantized on read
-    # integer groups (GPTQ, AWQ, compressed-tensors pack-quantized), FP4 (nvfp4, mxfp4), else FP8: dequantized on read
-    return (int_groups.wrap(checkpoint, folder) or fp4_packed.wrap(checkpoint, folder)
-            or fp8_blocks.wrap(checkpoint, folder))
+    return dequantizing(checkpoint, folder)  # quantized weights: dequantized on read

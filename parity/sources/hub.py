@@ -21,7 +21,6 @@ from parity.errors import (
     OfflineError,
     PickleRefusedError,
 )
-from parity.sources import bnb_4bit, fp4_packed, fp8_blocks, int_groups, mlx_quantized, mxfp4_experts
 from parity.sources.checkpoint import Checkpoint
 from parity.sources.hub_errors import (
     describe_transport,
@@ -33,6 +32,7 @@ from parity.sources.hub_errors import (
     why_not_served,
 )
 from parity.sources.hub_ranges import RETRY_STATUSES, RETRY_WAIT_S, RangeFailed, hub_range_fetcher
+from parity.sources.quantized import dequantizing
 from parity.sources.ranges import Fetch, RangedReader
 from parity.sources.safetensors_files import (
     CONFIG,
@@ -120,12 +120,7 @@ def open_hub(repo_id: str, revision: str | None = None) -> Checkpoint:
     reader = remote_reader(repo_id, commit, fetch, offline=offline)
     checkpoint = Checkpoint(location, config_path.parent, raw_config, weight_map, fetch, reader=reader,
                             repo_id=repo_id, revision=revision)
-    checkpoint = bnb_4bit.wrap(checkpoint, f"'{repo_id}'")  # bitsandbytes 4-bit weights: dequantized on read
-    checkpoint = mlx_quantized.wrap(checkpoint, f"'{repo_id}'")  # MLX-quantized weights: dequantized on read
-    checkpoint = mxfp4_experts.wrap(checkpoint, f"'{repo_id}'")  # GPT-OSS's MXFP4 experts: dequantized on read
-    # integer groups (GPTQ, AWQ, compressed-tensors pack-quantized), FP4 (nvfp4, mxfp4), else FP8: dequantized on read
-    return (int_groups.wrap(checkpoint, f"'{repo_id}'") or fp4_packed.wrap(checkpoint, f"'{repo_id}'")
-            or fp8_blocks.wrap(checkpoint, f"'{repo_id}'"))
+    return dequantizing(checkpoint, f"'{repo_id}'")  # quantized weights: dequantized on read
 
 
 def _pinned(config_path: Path, revision: str | None) -> str | None:
