@@ -85,6 +85,15 @@ class QuantizedLayoutError(CheckpointError):
         self.kind = kind
 
 
+class UnstatedModuleError(QuantizedLayoutError):
+    """A module B stores quantized that its own config leaves unquantized (``why``), with what its loader then does
+    (``consequence``): the finding quantized_module_not_stated, reported on the layer holding it."""
+
+    def __init__(self, where: str, module: str, why: str, consequence: str):
+        super().__init__(f"{where}: {module} is stored quantized, but config.json leaves it unquantized: {why}; "
+                         f"{consequence}", "quantized_module_not_stated", kind="config: not quantized")
+
+
 class PickleRefusedError(CheckpointError):
     """A pickle-based file was found and the user did not opt in with --allow-pickle."""
 

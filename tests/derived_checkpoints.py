@@ -181,14 +181,22 @@ UNSTATED = {"ignored": lambda q: q["ignore"].append("re:.*down_proj$"),
             "untargeted": lambda q: q["config_groups"]["group_0"].update(targets=["re:.*(gate|up)_proj$"])}
 
 
-def assert_down_proj_not_stated(capsys, a: Path, b: Path, how: str) -> None:
-    """B's config.json rewritten so compressed-tensors would not quantize down_proj (``UNSTATED[how]``), its codes
-    and scales kept: every layer fails, named quantized_module_not_stated in a message naming down_proj."""
+def skip_listed(key: str, module: str = "down_proj"):
+    """The config edit naming ``module`` in a transformers skip list ``key`` (modules_to_not_convert,
+    llm_int8_skip_modules), which transformers matches as a suffix of each module's name."""
+    return lambda q: q.update({key: [*(q.get(key) or []), module]})
+
+
+def assert_module_not_stated(capsys, a: Path, b: Path, edit, module: str = "down_proj") -> None:
+    """B's config.json rewritten by ``edit`` (an UNSTATED key, or a function of its quantization_config) so its
+    loader would not quantize ``module``, its codes and scales kept: every unit fails, named
+    quantized_module_not_stated in a message naming ``module``."""
     config = json.loads((b / "config.json").read_text())
-    UNSTATED[how](config["quantization_config"])
+    (UNSTATED.get(edit) if isinstance(edit, str) else edit)(config["quantization_config"])
     (b / "config.json").write_text(json.dumps(config, indent=2))
     code, report = compare_json(capsys, a, b)
     assert code == 1, report
     found = [layer["diagnosis"] for layer in report["layers"]]
-    assert len(found) == 2 and all(d["id"] == "quantized_module_not_stated" and "down_proj" in d["message"]
-                                   for d in found), found
+    assert {layer["layer"] for layer in report["layers"]} == {0, 1}, report["layers"]
+    assert all(d["id"] == "quantized_module_not_stated" and f"{module} is stored quantized" in d["message"]
+               for d in found), found

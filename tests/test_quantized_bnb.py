@@ -21,7 +21,14 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from .derived_checkpoints import format_fixtures, quantized_copy, quantized_layer_one_named, save_quantized
+from .derived_checkpoints import (
+    assert_module_not_stated,
+    format_fixtures,
+    quantized_copy,
+    quantized_layer_one_named,
+    save_quantized,
+    skip_listed,
+)
 from .support import compare_json as compare
 from .support import run_main
 
@@ -194,6 +201,14 @@ def test_modules_left_unquantized_are_judged_by_their_own_storage(model_a, root,
         storage = {row["name"]: row["storage"] for row in layer["conversion"]["tensors"]}
         assert storage == {"gate_proj.weight": "nf4", "up_proj.weight": "nf4", "down_proj.weight": "bfloat16"}
     assert any("left unquantized: down_proj" in note for note in report["notes"])
+
+
+@pytest.mark.parametrize("width", ["4bit", "8bit"])
+def test_a_module_stored_quantized_that_llm_int8_skip_modules_names_is_named(model_a, root, capsys, width):
+    """down_proj stored in 4 or 8 bits while llm_int8_skip_modules names it: transformers would keep it a Linear and
+    load its codes as its weight (a silent pass before)."""
+    b = (bnb_export if width == "4bit" else int8_export)(model_a, root / f"unstated-{width}")
+    assert_module_not_stated(capsys, model_a, b, skip_listed("llm_int8_skip_modules"))
 
 
 def test_a_skipped_module_with_a_broken_cast_fails_as_a_cast(model_a, root, capsys):

@@ -23,12 +23,13 @@ from safetensors.torch import load_file, save_file
 
 from .derived_checkpoints import (
     UNSTATED,
-    assert_down_proj_not_stated,
+    assert_module_not_stated,
     build,
     format_fixtures,
     quantized_copy,
     quantized_layer_one_named,
     save_quantized,
+    skip_listed,
 )
 from .support import compare_json as compare
 from .support import run_main
@@ -271,10 +272,14 @@ def test_a_faithful_compressed_tensors_fp8_export_passes(model_a, root, capsys, 
             assert row["storage"] == "float8_e4m3fn" and row["steps"]["values_beyond_step"] == 0
 
 
-@pytest.mark.parametrize("how", UNSTATED)
+@pytest.mark.parametrize("how", [*UNSTATED, "modules_to_not_convert"])
 def test_a_module_stored_fp8_that_its_config_leaves_unquantized_is_named(model_a, root, capsys, how):
-    b = ct_export(model_a, root / f"ct-unstated-{how}", "FP8_DYNAMIC")
-    assert_down_proj_not_stated(capsys, model_a, b, how)
+    """compressed-tensors' ignore or targets leaving down_proj out, or transformers' FP8 layout naming it in
+    modules_to_not_convert (matched by transformers' own should_convert_module), its FP8 codes and scales kept."""
+    if how in UNSTATED:
+        assert_module_not_stated(capsys, model_a, ct_export(model_a, root / f"ct-unstated-{how}", "FP8_DYNAMIC"), how)
+    else:
+        assert_module_not_stated(capsys, model_a, fp8_export(model_a, root / "unstated"), skip_listed(how))
 
 
 def test_a_compressed_tensors_scale_inverted_fails_its_layer_named(model_a, root, capsys):

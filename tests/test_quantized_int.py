@@ -24,11 +24,12 @@ from safetensors.torch import load_file, save_file
 
 from .derived_checkpoints import (
     UNSTATED,
-    assert_down_proj_not_stated,
+    assert_module_not_stated,
     build,
     format_fixtures,
     quantized_copy,
     quantized_layer_one_named,
+    skip_listed,
 )
 from .support import compare_json as compare
 from .support import run_main
@@ -437,10 +438,16 @@ def test_config_groups_of_several_schemes_each_judge_their_own_modules(model_a, 
 @pytest.mark.parametrize("fmt", ["pack-quantized", "int-quantized"])
 def test_a_module_stored_quantized_that_its_config_leaves_unquantized_is_named(model_a, root, capsys, fmt, how):
     """down_proj stored as codes and scales, but config.json's ignore names it or no group targets it: transformers
-    would load its codes as its weight, so every layer fails named; was a silent pass."""
+    would load its codes as its weight, so every layer fails named; was a silent pass.  So for AWQ's
+    modules_to_not_convert (transformers' AWQ integration skips the modules it names)."""
     preset = "W8A8" if fmt == "int-quantized" else "W4A16"
     b = ct_export(model_a, root / f"ct-unstated-{fmt}-{how}", preset, fmt=fmt)
-    assert_down_proj_not_stated(capsys, model_a, b, how)
+    assert_module_not_stated(capsys, model_a, b, how)
+
+
+def test_an_awq_module_stored_quantized_that_modules_to_not_convert_names_is_named(model_a, root, capsys):
+    b = int_export(model_a, root / "awq-unstated", "awq", fold=True)
+    assert_module_not_stated(capsys, model_a, b, skip_listed("modules_to_not_convert"))
 
 
 def test_a_pack_quantized_zero_point_off_by_one_fails_its_layer_named(model_a, root, capsys):

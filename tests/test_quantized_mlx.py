@@ -21,7 +21,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from .derived_checkpoints import build, format_fixtures, quantized_layer_one_named
+from .derived_checkpoints import assert_module_not_stated, build, format_fixtures, quantized_layer_one_named
 from .support import compare_json as compare
 from .support import run_main
 
@@ -198,6 +198,15 @@ def test_mixed_precision_modules_are_judged_by_their_own_storage(model_a, root, 
                        {"gate_proj.weight": four, "up_proj.weight": four,
                         "down_proj.weight": "mlx affine 8-bit/32 (bfloat16 scales)"}]
     assert any("1 modules with their own, 1 left unquantized" in note for note in report["notes"])
+
+
+def test_a_module_stored_quantized_whose_own_entry_is_false_is_named(model_a, root, capsys):
+    """Each down_proj quantized (scales beside it) while its own entry in config.json's quantization says false:
+    every layer fails, named quantized_module_not_stated (was exit 2 for the whole compare)."""
+    down = [f"model.layers.{i}.mlp.down_proj" for i in (0, 1)]
+    b = mlx_export(model_a, root / "unstated", modules=dict.fromkeys(down, False),
+                   written={m: {"group_size": 64, "bits": 4} for m in down})
+    assert_module_not_stated(capsys, model_a, b, lambda quantization: None)
 
 
 @pytest.mark.parametrize(("case", "export", "tensor", "named", "evidence"), [

@@ -19,7 +19,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from .derived_checkpoints import MOE, build
+from .derived_checkpoints import MOE, assert_module_not_stated, build, skip_listed
 from .support import compare_json as compare
 
 mx = pytest.importorskip("mlx.core")
@@ -125,6 +125,13 @@ def test_an_mxfp4_mistake_fails_its_layer_only(model_a, root, capsys, case, tens
     if named is not None:
         ids = {unit["diagnosis"]["id"] for unit in report["layers"] if unit["unit"] != "block" and not unit["passed"]}
         assert ids <= named, ids
+
+
+def test_experts_stored_mxfp4_that_modules_to_not_convert_names_are_named(model_a, root, capsys):
+    """modules_to_not_convert naming the experts (transformers' Mxfp4 integration would then keep their packed
+    blocks as bfloat16 parameters): every expert and block fails, named, where they passed."""
+    b = release(model_a, root / "unstated")
+    assert_module_not_stated(capsys, model_a, b, skip_listed("modules_to_not_convert", "mlp.experts"), "experts")
 
 
 def test_an_mxfp4_release_from_the_hugging_face_cache_is_read_as_a_local_one(model_a, root, tmp_path, capsys,

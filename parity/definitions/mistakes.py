@@ -304,10 +304,12 @@ MISTAKES = {m.id: m for m in [
             "point minus one and its readers add one; a writer that skips or repeats that)",
             "write zero points as the format states: checkpoint_format 'gptq' (v1) stores zero - 1, 'gptq_v2' and "
             "AWQ store the zero itself; state the checkpoint_format the exporter used"),
-    Mistake(MistakeId.QUANTIZED_MODULE_NOT_STATED, "checkpoint B stores this module quantized, but its "
-            "quantization_config leaves it unquantized (no config group targets it, or its ignore list names it): a "
-            "model loading B takes the module's integer or FP codes for its weight",
-            "add the module to a config group's targets (or drop it from ignore), or store it unquantized"),
+    Mistake(MistakeId.QUANTIZED_MODULE_NOT_STATED, "checkpoint B stores this module quantized, but its config "
+            "leaves it unquantized (no compressed-tensors group targets it, its ignore, modules_to_not_convert or "
+            "llm_int8_skip_modules names it, or its MLX entry is false): a model loading B keeps it a plain Linear, "
+            "which takes the module's codes for its weight or refuses them",
+            "state the module as quantized (a config group's targets; out of the skip list; its MLX entry), or "
+            "store it unquantized"),
     Mistake(MistakeId.PACKED_ORDER_WRONG, "checkpoint B's codes were packed in another order than its format "
             "reads them in: AWQ's in the linear order 0..7 within each int32 where AWQ's GEMM layout packs output "
             "columns 0 2 4 6 1 3 5 7, or an MLX mxfp4 block copied from ggml's MXFP4 (value j and j + 16 in byte j) "
@@ -500,8 +502,9 @@ PRODUCED_BY: dict[MistakeId, str] = {
                                            "with scales and biases exchanged",
     MistakeId.ZERO_POINT_OFF_BY_ONE: "replay (compare): A quantized on B's grid with zero points one code off, "
                                      "read with B's",
-    MistakeId.QUANTIZED_MODULE_NOT_STATED: "finding (compare): a module stored with codes and scales that "
-                                           "compressed-tensors' match_targets gives no scheme, or its ignore names",
+    MistakeId.QUANTIZED_MODULE_NOT_STATED: "finding (compare): a module stored with codes and scales that its "
+                                           "loader's own rule leaves unquantized (compressed-tensors' match_targets, "
+                                           "transformers' should_convert_module, MLX's entry false)",
     MistakeId.PACKED_ORDER_WRONG: "replay (compare): A quantized on B's AWQ grid, packed in the linear order and "
                                   "read in AWQ's; or A quantized with mlx.core.quantize (mxfp4), its blocks in "
                                   "ggml's MXFP4 order read in MLX's; or A rounded onto B's FP4 groups, each "

@@ -38,9 +38,10 @@ from pathlib import Path
 from parity.definitions.distribution import install_command
 from parity.definitions.files import shown
 from parity.errors import CheckpointError, QuantizedLayoutError
-from parity.sources.checkpoint import Checkpoint, dequantized_on_read, split_companions
+from parity.sources.checkpoint import Checkpoint, check_converted, dequantized_on_read, split_companions
 
 QUANT_METHOD = "bitsandbytes"
+SKIP_KEY = "llm_int8_skip_modules"  # BitsAndBytesConfig's modules left unquantized
 EXTRA = "bnb"  # pyproject.toml's extra that installs bitsandbytes
 # what QuantState.as_dict(packed=True) writes beside X.weight (prefixed "X.weight.")
 COMPANIONS = ("absmax", "quant_map", "nested_absmax", "nested_quant_map", "quant_state.bitsandbytes__nf4",
@@ -84,7 +85,7 @@ def scheme_of(raw_config: dict, where: str) -> BnbScheme | None:
     config = raw_config.get("quantization_config")
     if not isinstance(config, dict) or config.get("quant_method") != QUANT_METHOD:
         return None
-    skipped = tuple(str(s) for s in config.get("llm_int8_skip_modules") or [] if isinstance(s, str))
+    skipped = tuple(str(s) for s in config.get(SKIP_KEY) or [] if isinstance(s, str))
     if not (config.get("load_in_4bit") or config.get("_load_in_4bit")):
         if config.get("load_in_8bit") or config.get("_load_in_8bit"):
             return BnbScheme("int8", False, skipped)
@@ -229,11 +230,13 @@ class Bnb4bitCheckpoint(Checkpoint):
         self.as_stored = {name: str(out[name].dtype).removeprefix("torch.") for name in names}
         for name in names:
             scb = self.row_scales(name) if out[name].dtype.itemsize == 1 else None
+            state = self.state_of(name) if scb is None else None
+            if scb is not None or state is not None:  # stored quantized: transformers must quantize it too
+                check_converted(name.rsplit(".", 1)[0], self.scheme.not_converted, self.location, SKIP_KEY)
             if scb is not None:
                 codes = self.int8_checked(name, out[name], scb)
                 out[name] = require_library(self.location).int8_vectorwise_dequant(codes, scb).float()
                 continue
-            state = self.state_of(name)
             if state is not None:
                 out[name] = self.dequantize(name, out[name], state)
                 self.as_stored[name] = state.quant_type

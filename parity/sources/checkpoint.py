@@ -15,7 +15,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from parity.errors import CheckpointError, MissingTensorError, PickleRefusedError
+from parity.errors import CheckpointError, MissingTensorError, PickleRefusedError, UnstatedModuleError
 
 PICKLE_PATTERNS = ("pytorch_model*.bin", "consolidated*.pth", "*.pt", "*.ckpt")
 
@@ -101,6 +101,18 @@ def stated_modules(config: dict, key: str, where: str) -> tuple[str, ...]:
         raise CheckpointError(f"{where}: config.json's quantization_config.{key} is {found!r}; expected a list of "
                               "module names")
     return tuple(found)
+
+
+def check_converted(module: str, skipped: tuple[str, ...], where: str, key: str = "modules_to_not_convert") -> None:
+    """Refuse quantized ``module`` where the config's skip list (``key``) names it, by transformers' own rule
+    (``should_convert_module``: a prefix up to a module boundary, a regex, or a suffix), which its FP8, AWQ,
+    bitsandbytes and MXFP4 integrations apply before loading: an unquantized Linear would take the codes."""
+    from transformers.quantizers.quantizers_utils import should_convert_module
+
+    if skipped and not should_convert_module(module, list(skipped)):
+        named = next(p for p in skipped if not should_convert_module(module, [p]))
+        raise UnstatedModuleError(where, module, f"quantization_config.{key} names it ({named!r})",
+                                  "transformers would keep it a Linear and load its codes as its weight")
 
 
 def split_companions(checkpoint: Checkpoint, suffixes: tuple[str, ...]) -> tuple[dict[str, str], dict[str, str]]:

@@ -5,7 +5,7 @@ arguments against its own format."""
 
 from __future__ import annotations
 
-from parity.errors import CheckpointError, QuantizedLayoutError
+from parity.errors import CheckpointError, UnstatedModuleError
 
 
 def parsed_config(config_class, config: dict, where: str):
@@ -46,12 +46,10 @@ def module_scheme(targets: dict[str, object], ignore, module: str, where: str):
     ignored = match_targets(module, linear, list(ignore or ()))
     matched = match_targets(module, linear, targets)
     if ignored or not matched:
-        why = (f"its ignore list names it ({ignored[0]!r})" if ignored
-               else f"no config group targets it (targets: {', '.join(targets) or 'none'})")
-        raise QuantizedLayoutError(f"{where}: {module} is stored quantized, but config.json's quantization_config "
-                                   f"leaves it unquantized: {why}; compressed-tensors would load its codes as its "
-                                   "weight", "quantized_module_not_stated",
-                                   kind="config: not quantized")
+        why = (f"quantization_config.ignore names it ({ignored[0]!r})" if ignored
+               else f"no group of quantization_config.config_groups targets it (targets: {', '.join(targets)})")
+        raise UnstatedModuleError(where, module, why, "compressed-tensors would not quantize it, so a model "
+                                  "loading B would take its codes for its weight")
     return targets[matched[0]]
 
 

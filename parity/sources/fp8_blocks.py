@@ -29,7 +29,7 @@ from types import SimpleNamespace
 from parity.definitions.distribution import install_command
 from parity.definitions.files import shown
 from parity.errors import CheckpointError, QuantizedLayoutError
-from parity.sources.checkpoint import Checkpoint, dequantized_on_read, split_companions, stated_modules
+from parity.sources.checkpoint import Checkpoint, check_converted, dequantized_on_read, split_companions, stated_modules
 from parity.sources.compressed_config import module_scheme, one_weight_scheme, targets_of
 
 QUANT_METHOD = "fp8"
@@ -231,9 +231,12 @@ class FP8Checkpoint(Checkpoint):
         if codes.dim() != 2:
             raise CheckpointError(f"{self.location}: {name} is an FP8 tensor of shape {list(codes.shape)}; parity "
                                   "reads FP8 matrices (2-D), not stacked experts, so far")
-        if self.scheme.method == COMPRESSED:  # a module compressed-tensors would not quantize: the layer's finding
-            module_scheme(dict.fromkeys(self.scheme.targets, self.scheme), self.scheme.not_converted,
-                          name.removesuffix(".weight"), self.location)
+        module = name.removesuffix(".weight")  # one its loader would not quantize: the layer's finding
+        if self.scheme.method == COMPRESSED:
+            module_scheme(dict.fromkeys(self.scheme.targets, self.scheme), self.scheme.not_converted, module,
+                          self.location)
+        else:
+            check_converted(module, self.scheme.not_converted, self.location)
         scales = as_grid(scales.float())
         check_grid(self.location, name, codes, scales, self.scheme)
         library = require_library(self.location, self.scheme.method)

@@ -37,7 +37,7 @@ from types import SimpleNamespace
 from parity.definitions.distribution import install_command
 from parity.definitions.files import shown
 from parity.errors import CheckpointError, QuantizedLayoutError
-from parity.sources.checkpoint import Checkpoint, dequantized_on_read, stated_modules
+from parity.sources.checkpoint import Checkpoint, check_converted, dequantized_on_read, stated_modules
 from parity.sources.compressed_config import module_scheme, parsed_config, targets_of, weight_schemes
 
 COMPRESSED = "compressed-tensors"
@@ -86,6 +86,8 @@ class IntScheme:
         them); a module no group targets, or one a "-:" rule leaves unquantized, is a CheckpointError naming it."""
         if self.dynamic:
             return dynamic_scheme(self, where, module)
+        if self.method == "awq":  # transformers' AWQ integration skips modules_to_not_convert
+            check_converted(module, self.not_converted, where)
         if not self.targets:
             return self
         return module_scheme(dict(self.targets), self.not_converted, module, where)

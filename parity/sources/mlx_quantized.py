@@ -29,7 +29,7 @@ from pathlib import Path
 
 from parity.definitions.distribution import install_command
 from parity.definitions.files import shown
-from parity.errors import CheckpointError, QuantizedLayoutError
+from parity.errors import CheckpointError, QuantizedLayoutError, UnstatedModuleError
 from parity.sources.checkpoint import Checkpoint, dequantized_on_read, split_companions
 
 EXTRA = "mlx"  # pyproject.toml's extra that installs mlx
@@ -355,9 +355,10 @@ class MLXCheckpoint(Checkpoint):
         packed = self.reader(self.weight_map[name], [name])[name]
         scales = self.reader(self.companions[prefix + "scales"], [prefix + "scales"])[prefix + "scales"]
         params = self.scheme.params_for(name)
-        if params is None:
-            raise CheckpointError(f"{self.location}: config.json's quantization leaves {name.removesuffix('.weight')} "
-                                  f"unquantized (false), yet {prefix}scales is stored beside it")
+        if params is None:  # mlx-lm would keep it a Linear, its packed words and scales no parameters of it
+            raise UnstatedModuleError(self.location, name.removesuffix(".weight"), "its own entry in quantization "
+                                      f"is false, yet {prefix}scales is stored beside it", "mlx-lm would keep it a "
+                                      "Linear, whose weights hold no scales")
         has_biases = prefix + "biases" in self.companions
         check_mode_storage(self.location, name, scales, has_biases, params)
         biases = self.reader(self.companions[prefix + "biases"], [prefix + "biases"])[prefix + "biases"] \

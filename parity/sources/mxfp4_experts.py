@@ -22,7 +22,7 @@ from pathlib import Path
 
 from parity.definitions.files import shown
 from parity.errors import CheckpointError
-from parity.sources.checkpoint import Checkpoint, dequantized_on_read, split_companions, stated_modules
+from parity.sources.checkpoint import Checkpoint, check_converted, dequantized_on_read, split_companions, stated_modules
 from parity.sources.fp4 import Fp4Held, e2m1_values, norm_dtype
 
 QUANT_METHOD = "mxfp4"  # transformers' Mxfp4Config.quant_method
@@ -76,6 +76,7 @@ class Mxfp4Checkpoint(Checkpoint):
         """(blocks, scales) of a quantized ``name`` as read and checked, else None."""
         if name not in self.mxfp4_names:
             return None
+        check_converted(name.rsplit(".", 1)[0], self.scheme.not_converted, self.location)
         parts = [name + BLOCKS, name + SCALES]
         read = {n: self.reader(self.companions[n], [n])[n] for n in parts}
         check_layout(self.location, name, read[parts[0]], read[parts[1]])
