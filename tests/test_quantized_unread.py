@@ -39,14 +39,15 @@ def stated(a: Path, dest: Path, method: str, *, fp8_rows: bool) -> Path:
     ("fbgemm_fp8", True, "which transformers loads with its FbgemmFp8HfQuantizer"),
     ("torchao", False, "which transformers loads with its TorchAoHfQuantizer"),
     ("hqq", False, "which transformers loads with its HqqHfQuantizer"),
-    ("gtpq", False, "which transformers' quantizers do not know either (a typo?)"),
+    ("gtpq", False, "which transformers' quantizers do not know either (did you mean 'gptq'?)"),
+    ("modelopt", False, "which transformers' quantizers do not know either; parity reads"),
 ])
 def test_a_quant_method_parity_does_not_read_is_exit_2_naming_it(model_a, root, capsys, method, fp8_rows, said):
     b = stated(model_a, root / method, method, fp8_rows=fp8_rows)
     for command in (("compare", model_a, b), (b,)):
         code, out, err = run_main(capsys, *command)
         assert code == 2, out + err
-        assert f"quantization_config.quant_method is {method!r}, {said}" in err and "Traceback" not in err
+        assert f"quantization_config.quant_method is {method!r}, {said}" in err and "Traceback" not in err, err
         assert "parity reads fp8, compressed-tensors, gptq, awq" in err
 
 

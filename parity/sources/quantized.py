@@ -5,6 +5,7 @@ model loads (an FP8 ``weight`` beside its ``weight_scale`` under fbgemm_fp8, say
 
 from __future__ import annotations
 
+import difflib
 from pathlib import Path
 
 from parity.definitions.files import shown
@@ -41,9 +42,12 @@ def refuse_unread_method(raw_config: dict, where: str) -> None:
         return
     from transformers.quantizers.auto import AUTO_QUANTIZER_MAPPING
 
-    known = (f", which transformers loads with its {AUTO_QUANTIZER_MAPPING[method].__name__}"
-             if isinstance(method, str) and method in AUTO_QUANTIZER_MAPPING
-             else ", which transformers' quantizers do not know either (a typo?)")
+    if isinstance(method, str) and method in AUTO_QUANTIZER_MAPPING:
+        known = f", which transformers loads with its {AUTO_QUANTIZER_MAPPING[method].__name__}"
+    else:
+        close = difflib.get_close_matches(str(method), [*AUTO_QUANTIZER_MAPPING, *READ_METHODS], n=1)
+        known = ", which transformers' quantizers do not know either" + (f" (did you mean {close[0]!r}?)"
+                                                                          if close else "")
     raise CheckpointError(f"{where}: config.json's quantization_config.quant_method is {method!r}{known}; parity "
                           f"reads {', '.join(READ_METHODS)} and MLX's quantization: its tensors read as plain weights "
                           "would judge other weights than the model loads, so parity cannot judge this checkpoint yet")
