@@ -685,6 +685,25 @@ def test_a_gptq_config_parity_cannot_read_is_exit_2_naming_the_field(model_a, ro
     assert said in err and "config.json" in err and "Traceback" not in err
 
 
+@pytest.mark.parametrize(("export", "edit", "field"), [
+    ("ct", lambda q: q["config_groups"]["group_0"].update(targets=["re:(unclosed"]), "config_groups.group_0.targets"),
+    ("ct", lambda q: q.update(ignore=["lm_head", "re:.*[down"]), "ignore"),
+    ("awq", lambda q: q.update(modules_to_not_convert=["(?P<x"]), "modules_to_not_convert"),
+])
+def test_a_config_pattern_that_is_no_regex_is_exit_2_naming_the_field(model_a, root, capsys, export, edit, field):
+    """A target, ignore or skip-list entry its loader matches as a regular expression that re cannot compile: exit 2
+    naming the field and the entry before anything runs (an internal error mid-compare before)."""
+    dest = root / f"regex-{export}-{field}"
+    b = ct_export(model_a, dest, "W4A16") if export == "ct" else int_export(model_a, dest, "awq", fold=True)
+    config = json.loads((b / "config.json").read_text())
+    edit(config["quantization_config"])
+    (b / "config.json").write_text(json.dumps(config))
+    code, out, err = run_main(capsys, "compare", model_a, b)
+    assert code == 2, out + err
+    assert f"config.json's quantization_config.{field} holds" in err and "no regular expression" in err, err
+    assert "internal error" not in err and "Traceback" not in err
+
+
 def test_without_compressed_tensors_a_pack_quantized_b_is_exit_2_naming_the_extra(model_a, root, capsys, monkeypatch):
     b = ct_export(model_a, root / "ct-noextra", "W4A16")
     for module in ("compressed_tensors", "compressed_tensors.quantization",

@@ -39,6 +39,7 @@ from parity.definitions.distribution import install_command
 from parity.definitions.files import shown
 from parity.errors import CheckpointError, QuantizedLayoutError
 from parity.sources.checkpoint import Checkpoint, check_converted, dequantized_on_read, split_companions
+from parity.sources.config_check import stated_modules
 
 QUANT_METHOD = "bitsandbytes"
 SKIP_KEY = "llm_int8_skip_modules"  # BitsAndBytesConfig's modules left unquantized
@@ -85,7 +86,7 @@ def scheme_of(raw_config: dict, where: str) -> BnbScheme | None:
     config = raw_config.get("quantization_config")
     if not isinstance(config, dict) or config.get("quant_method") != QUANT_METHOD:
         return None
-    skipped = tuple(str(s) for s in config.get(SKIP_KEY) or [] if isinstance(s, str))
+    skipped = stated_modules(config, SKIP_KEY, where)
     if not (config.get("load_in_4bit") or config.get("_load_in_4bit")):
         if config.get("load_in_8bit") or config.get("_load_in_8bit"):
             return BnbScheme("int8", False, skipped)

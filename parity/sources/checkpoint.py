@@ -15,7 +15,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from parity.errors import CheckpointError, MissingTensorError, PickleRefusedError, UnstatedModuleError
+from parity.errors import MissingTensorError, PickleRefusedError, UnstatedModuleError
 
 PICKLE_PATTERNS = ("pytorch_model*.bin", "consolidated*.pth", "*.pt", "*.ckpt")
 
@@ -89,18 +89,6 @@ def refuse_pickle(folder: Path, pickles: list[str] | None = None) -> None:
             "(allow_pickle=True in Python; it is then read with torch.load(weights_only=True)), or convert the "
             "checkpoint to safetensors (model.save_pretrained(..., safe_serialization=True))."
         )
-
-
-def stated_modules(config: dict, key: str, where: str) -> tuple[str, ...]:
-    """The module names a quantization_config's list ``key`` states (``modules_to_not_convert``), () where it is
-    absent or null; anything but a list of strings is a CheckpointError naming the field."""
-    found = config.get(key)
-    if found is None:
-        return ()
-    if not isinstance(found, list) or not all(isinstance(n, str) for n in found):
-        raise CheckpointError(f"{where}: config.json's quantization_config.{key} is {found!r}; expected a list of "
-                              "module names")
-    return tuple(found)
 
 
 def check_converted(module: str, skipped: tuple[str, ...], where: str, key: str = "modules_to_not_convert") -> None:

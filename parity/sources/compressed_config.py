@@ -5,6 +5,7 @@ arguments against its own format."""
 
 from __future__ import annotations
 
+from parity.definitions.patterns import regex_value
 from parity.errors import CheckpointError, UnstatedModuleError
 
 
@@ -12,10 +13,18 @@ def parsed_config(config_class, config: dict, where: str):
     """``config`` validated by ``config_class`` (compressed-tensors' QuantizationConfig); one it refuses is a
     CheckpointError in compressed-tensors' words."""
     try:
-        return config_class.model_validate(config)
+        parsed = config_class.model_validate(config)
     except Exception as exc:  # pydantic's ValidationError: the field and what was wrong
         raise CheckpointError(f"{where}: config.json's quantization_config is not one compressed-tensors reads: "
                               f"{'; '.join(str(exc).splitlines()[:3])}") from None
+    named = [(f"config_groups.{key}.targets", t) for key, g in parsed.config_groups.items() for t in g.targets]
+    for field, entry in [*named, *(("ignore", i) for i in parsed.ignore or [])]:
+        if entry.startswith("re:"):  # compressed-tensors' match_targets: re.match of what follows "re:"
+            try:
+                regex_value(entry.removeprefix("re:"))
+            except ValueError as exc:
+                raise CheckpointError(f"{where}: config.json's quantization_config.{field} {exc}") from None
+    return parsed
 
 
 def weight_schemes(parsed) -> dict[str, object]:

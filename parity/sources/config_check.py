@@ -14,6 +14,7 @@ from typing import Any
 
 from parity.definitions.families import ACTIVATION_ATTRS
 from parity.definitions.files import short, shown
+from parity.definitions.patterns import regex_value
 from parity.errors import CheckpointError
 
 MAX_WIDTH = 2**24  # hidden size, d_ff, heads, head_dim: no model comes near 16M
@@ -109,6 +110,23 @@ def check_activation(raw: dict, where: str) -> None:
             known = ", ".join(sorted(k for k in ACT2FN if isinstance(k, str))[:12])
             raise CheckpointError(f"{where}: '{key}' = {short(value)} is not an activation transformers knows "
                                   f"(transformers.activations.ACT2FN: {known}, ...); fix the config")
+
+
+def stated_modules(config: dict, key: str, where: str) -> tuple[str, ...]:
+    """The module names a quantization_config's list ``key`` states (``modules_to_not_convert``), () where it is
+    absent or null; anything but a list of strings is a CheckpointError naming the field."""
+    found = config.get(key)
+    if found is None:
+        return ()
+    if not isinstance(found, list) or not all(isinstance(n, str) for n in found):
+        raise CheckpointError(f"{where}: config.json's quantization_config.{key} is {found!r}; expected a list of "
+                              "module names")
+    for pattern in found:  # transformers' should_convert_module matches each as a regular expression too
+        try:
+            regex_value(pattern)
+        except ValueError as exc:
+            raise CheckpointError(f"{where}: config.json's quantization_config.{key} {exc}") from None
+    return tuple(found)
 
 
 def config_where(location: str, config_dir: Any) -> str:

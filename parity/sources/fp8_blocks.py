@@ -29,8 +29,9 @@ from types import SimpleNamespace
 from parity.definitions.distribution import install_command
 from parity.definitions.files import shown
 from parity.errors import CheckpointError, QuantizedLayoutError
-from parity.sources.checkpoint import Checkpoint, check_converted, dequantized_on_read, split_companions, stated_modules
+from parity.sources.checkpoint import Checkpoint, check_converted, dequantized_on_read, split_companions
 from parity.sources.compressed_config import module_scheme, one_weight_scheme, targets_of
+from parity.sources.config_check import stated_modules
 
 QUANT_METHOD = "fp8"
 COMPRESSED = "compressed-tensors"

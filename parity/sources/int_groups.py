@@ -37,8 +37,9 @@ from types import SimpleNamespace
 from parity.definitions.distribution import install_command
 from parity.definitions.files import shown
 from parity.errors import CheckpointError, QuantizedLayoutError
-from parity.sources.checkpoint import Checkpoint, check_converted, dequantized_on_read, stated_modules
+from parity.sources.checkpoint import Checkpoint, check_converted, dequantized_on_read
 from parity.sources.compressed_config import module_scheme, parsed_config, targets_of, weight_schemes
+from parity.sources.config_check import stated_modules
 
 COMPRESSED = "compressed-tensors"
 PACKED = "pack-quantized"

@@ -22,7 +22,8 @@ from pathlib import Path
 
 from parity.definitions.files import shown
 from parity.errors import CheckpointError
-from parity.sources.checkpoint import Checkpoint, check_converted, dequantized_on_read, split_companions, stated_modules
+from parity.sources.checkpoint import Checkpoint, check_converted, dequantized_on_read, split_companions
+from parity.sources.config_check import stated_modules
 from parity.sources.fp4 import Fp4Held, e2m1_values, norm_dtype
 
 QUANT_METHOD = "mxfp4"  # transformers' Mxfp4Config.quant_method
