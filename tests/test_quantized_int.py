@@ -238,8 +238,8 @@ def ct_export(a: Path, dest: Path, preset: str, breaks: dict[str, str] | None = 
     registry); ``group``, ``sym``: the preset's scheme in groups of ``group``, or (a)symmetric; ``also``: a regex
     target ("re:...") -> the preset its modules are quantized with instead, each stated as a config group of its
     own.  ``breaks``: zeros_plus1 (every zero point one code up), scale_x2 (the scales doubled over the same codes),
-    scales_transposed (the scale grid stored [groups, out]), scale_nan (row 3's scale NaN), scales_flat (the grid
-    stored 1-D), zero_points_short (the last row's zero points dropped)."""
+    scales_transposed (the scale grid stored [groups, out]), row_x2 (row 5's scale doubled), scale_nan (row 3's
+    scale NaN), scales_flat (the grid stored 1-D), zero_points_short (the last row's zero points dropped)."""
     import re
 
     from compressed_tensors.compressors import BaseCompressor
@@ -274,6 +274,9 @@ def ct_export(a: Path, dest: Path, preset: str, breaks: dict[str, str] | None = 
             compressed["weight_scale"] = compressed["weight_scale"] * 2
         elif broken == "scales_transposed":
             compressed["weight_scale"] = compressed["weight_scale"].t().contiguous()
+        elif broken == "row_x2":
+            compressed["weight_scale"] = compressed["weight_scale"].clone()
+            compressed["weight_scale"][5] *= 2
         elif broken == "scale_nan":
             compressed["weight_scale"] = compressed["weight_scale"].clone()
             compressed["weight_scale"][3] = float("nan")
@@ -406,8 +409,21 @@ def test_a_smoothquant_w8a8_export_passes_with_its_folded_scales_undone(model_a,
     assert code == 0, report
     for layer in report["layers"]:
         assert layer["conversion"]["ratio_to_conversion"] == pytest.approx(1.0, abs=0.1)
-        assert all("folded activation scales (AWQ's, SmoothQuant's) undone" in row["conversion"]
-                   for row in layer["conversion"]["tensors"])
+        undone = {row["name"] for row in layer["conversion"]["tensors"]
+                  if "folded activation scales (AWQ's, SmoothQuant's) undone" in row["conversion"]}
+        assert undone == {"gate_proj.weight", "up_proj.weight"}  # SmoothQuant scales no down_proj: no s2 undone
+
+
+def test_a_row_scale_doubled_under_a_smoothquant_fold_is_named(model_a, root, capsys):
+    """SmoothQuant folds the norm into gate's and up's inputs only: one row of up's scales doubled there fails its
+    layer, named; it passed while a norm fold alone turned on AWQ's s2 correction of up's rows."""
+    folded = root / "a-smoothed-row"
+    shutil.copytree(model_a, folded)
+    save_file(awq_fold(load_file(model_a / "model.safetensors"), 5, rows=False), folded / "model.safetensors",
+              metadata={"format": "pt"})
+    b = ct_export(folded, root / "ct-int-smoothed-row", "W8A8", {"model.layers.1.mlp.up_proj.weight": "row_x2"},
+                  fmt="int-quantized")
+    quantized_layer_one_named(capsys, model_a, b, "quantization_exceeds_step", "up_proj")
 
 
 @pytest.mark.parametrize("fmt", ["pack-quantized", "int-quantized"])
@@ -702,6 +718,39 @@ def test_a_config_pattern_that_is_no_regex_is_exit_2_naming_the_field(model_a, r
     assert code == 2, out + err
     assert f"config.json's quantization_config.{field} holds" in err and "no regular expression" in err, err
     assert "internal error" not in err and "Traceback" not in err
+
+
+HOSTILE_PARTS = {"delete": None, "int8": lambda t: t.to(torch.int8), "flat": lambda t: t.flatten(),
+                 "drop_row": lambda t: t[:-1].contiguous()}
+
+
+@pytest.mark.parametrize(("export", "part", "edit", "code"), [
+    ("ct-pack", "weight_shape", "delete", 2), ("ct-pack", "weight_scale", "delete", 2),
+    ("ct-pack", "weight_packed", "int8", 2), ("ct-pack", "weight_packed", "drop_row", 2),
+    ("ct-pack", "weight_zero_point", "drop_row", 1), ("ct-pack", "weight_zero_point", "flat", 2),
+    ("ct-int", "weight_zero_point", "flat", 1), ("gptq", "qzeros", "drop_row", 1), ("gptq", "qweight", "flat", 2),
+    ("awq", "qweight", "drop_row", 1),
+])
+def test_a_quantized_part_of_another_shape_or_dtype_is_named_never_an_internal_error(model_a, root, capsys, export,
+                                                                                      part, edit, code):
+    """Layer 1's up_proj part deleted, cast, flattened or a row short (what the format's own reader would fail on in
+    its own words, an internal error here before): exit 2 naming the tensor and what its format stores, or a layer 1
+    finding where the part is of another group layout."""
+    dest = root / f"hostile-{export}-{part}-{edit}"
+    b = {"ct-pack": lambda: ct_export(model_a, dest, "W4A16_ASYM"),
+         "ct-int": lambda: ct_export(model_a, dest, "W8A8", fmt="int-quantized", sym=False),
+         "gptq": lambda: int_export(model_a, dest, "gptq"), "awq": lambda: int_export(model_a, dest, "awq", fold=True),
+         }[export]()
+    tensors = load_file(b / "model.safetensors")
+    name = f"model.layers.1.mlp.up_proj.{part}"
+    value = tensors.pop(name)
+    if HOSTILE_PARTS[edit] is not None:
+        tensors[name] = HOSTILE_PARTS[edit](value)
+    save_file(tensors, b / "model.safetensors", metadata={"format": "pt"})
+    found, out, err = run_main(capsys, "compare", model_a, b)
+    assert found == code, out + err
+    assert "internal error" not in err and "Traceback" not in err
+    assert "up_proj" in (err if code == 2 else out), out + err
 
 
 def test_without_compressed_tensors_a_pack_quantized_b_is_exit_2_naming_the_extra(model_a, root, capsys, monkeypatch):

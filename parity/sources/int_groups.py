@@ -55,6 +55,16 @@ AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)
 PARTS = {"gptq": ("qweight", "qzeros", "scales", "g_idx"), "awq": ("qweight", "qzeros", "scales"),
          PACKED: ("weight_packed", "weight_scale", "weight_zero_point", "weight_shape", "weight_g_idx"),
          STORED: ("weight", "weight_scale", "weight_zero_point")}
+# how each part is stored, as each format's own writer stores it (GPTQModel's PackableQuantLinear.pack, AutoAWQ's
+# WQLinear_GEMM.from_linear, compressed-tensors' PackedQuantizationCompressor and NaiveQuantizationCompressor): the
+# dimensions it may have, and its dtype ("int32": packed words; "int": any integer dtype; "float")
+STORAGE = {"gptq": {"qweight": ((2,), "int32"), "qzeros": ((2,), "int32"), "scales": ((2,), "float"),
+                    "g_idx": ((1,), "int")},
+           "awq": {"qweight": ((2,), "int32"), "qzeros": ((2,), "int32"), "scales": ((2,), "float")},
+           PACKED: {"weight_packed": ((2,), "int32"), "weight_scale": ((2,), "float"),
+                    "weight_zero_point": ((2,), "int32"), "weight_shape": ((1,), "int"), "weight_g_idx": ((1,), "int")},
+           STORED: {"weight": ((2,), "int"), "weight_scale": ((0, 1, 2), "float"),
+                    "weight_zero_point": ((0, 1, 2), "int")}}
 CODES_PART = {"gptq": "qweight", "awq": "qweight", PACKED: "weight_packed", STORED: "weight"}
 # what W8A8's static activation quantization stores beside a weight: a runtime input scale, no part of the weights
 ACTIVATION_PARTS = ("input_scale", "input_zero_point")
@@ -360,6 +370,36 @@ def layout_error(where: str, name: str, said: str, mistake: str) -> QuantizedLay
     return QuantizedLayoutError(f"{where}: {name}: {said}", mistake)
 
 
+def required_parts(scheme: IntScheme) -> tuple[str, ...]:
+    """The parts a quantized module of ``scheme`` cannot be read without (an asymmetric scheme's zero points too)."""
+    zeros = () if scheme.sym else ("weight_zero_point",)
+    return {"gptq": ("qweight", "qzeros", "scales"), "awq": ("qweight", "qzeros", "scales"),
+            PACKED: ("weight_packed", "weight_scale", "weight_shape", *zeros),
+            STORED: ("weight", "weight_scale", *zeros)}[scheme.method]
+
+
+def check_parts(where: str, prefix: str, scheme: IntScheme, parts: dict) -> None:
+    """Each stored part of quantized module ``prefix`` present (those ``required_parts`` names) and of the dimensions
+    and dtype its format stores (``STORAGE``), else a CheckpointError naming it: the format's reader would fail on it
+    in its own words, or read something else."""
+    missing = [p for p in required_parts(scheme) if p not in parts]
+    if missing:
+        raise CheckpointError(f"{where}: {prefix} is stored quantized ({scheme.describe()}) without "
+                              f"{', '.join(prefix + '.' + m for m in missing)}; its format stores "
+                              f"{', '.join(required_parts(scheme))} for each quantized module")
+    for part, value in parts.items():
+        dims, kind = STORAGE[scheme.method].get(part, (None, None))
+        if dims is None:
+            continue
+        dtype = str(value.dtype).removeprefix("torch.")
+        fits = {"int32": dtype == "int32", "float": value.dtype.is_floating_point and value.dtype.itemsize > 1,
+                "int": not value.dtype.is_floating_point and dtype != "bool"}[kind]
+        if value.dim() not in dims or not fits or (part == "weight_shape" and value.numel() != 2):
+            shape = "[out, in]" if part == "weight_shape" else f"{' or '.join(f'{d}-D' for d in dims)}"
+            raise CheckpointError(f"{where}: {prefix}.{part} is {dtype} {list(value.shape)}; {scheme.describe()} "
+                                  f"stores it as {kind} {shape}")
+
+
 def check_groups(where: str, name: str, scheme: IntScheme, inputs: int, outputs: int, scales) -> None:
     """The scales are [groups, out] (compressed-tensors: [out, groups]) for the stated group size, else a
     QuantizedLayoutError: the grid transposed, or one of another group size."""
@@ -381,6 +421,13 @@ def check_groups(where: str, name: str, scheme: IntScheme, inputs: int, outputs:
         raise layout_error(where, name, f"{said}: {other} groups, those of group_size {size}, not the stated "
                            f"{scheme.group_size or -1}", "group_size_wrong")
     raise layout_error(where, name, f"{said}", "group_size_wrong")
+
+
+def check_zero_groups(where: str, name: str, qzeros, scales) -> None:
+    """GPTQ's and AWQ's qzeros hold one row of packed zero points per group, as the scales hold one of scales."""
+    if qzeros.shape[0] != scales.shape[0]:
+        raise layout_error(where, name, f"its qzeros hold {qzeros.shape[0]} groups of zero points and its scales "
+                           f"{scales.shape[0]} groups", "group_size_wrong")
 
 
 def bits_error(where: str, name: str, scheme: IntScheme, packed: int, values: int, what: str) -> QuantizedLayoutError:
@@ -412,6 +459,7 @@ def read_gptq(where: str, name: str, scheme: IntScheme, parts: dict) -> GroupQua
     if not holds(qzeros.shape[-1], outputs, scheme.bits):
         raise bits_error(where, name, scheme, qzeros.shape[-1], outputs, "zero points per group (the outputs)")
     check_groups(where, name, scheme, inputs, outputs, scales)
+    check_zero_groups(where, name, qzeros, scales)
     codes = unpack_rows(qweight, scheme.bits, inputs).t()
     zeros = unpack_columns(qzeros, scheme.bits, count=outputs).float() + (1.0 if scheme.v1 else 0.0)
     sequential = torch.arange(inputs) // (scheme.group_size or inputs)
@@ -437,6 +485,7 @@ def read_awq(where: str, name: str, scheme: IntScheme, parts: dict) -> GroupQuan
     check_groups(where, name, scheme, inputs, outputs, scales)
     if qzeros.shape[-1] * 32 // scheme.bits != outputs:
         raise bits_error(where, name, scheme, qzeros.shape[-1], outputs, "zero points per group (the outputs)")
+    check_zero_groups(where, name, qzeros, scales)
     order = AWQ_ORDER if scheme.bits == 4 else None
     codes = unpack_columns(qweight, scheme.bits, order=order).t()
     zeros = unpack_columns(qzeros, scheme.bits, order=order).float()
@@ -456,13 +505,22 @@ def read_packed(where: str, name: str, scheme: IntScheme, parts: dict) -> tuple[
     library = require_library(where)
     packed, scales = parts["weight_packed"], parts["weight_scale"]
     outputs, inputs = (int(v) for v in parts["weight_shape"].tolist())
+    if packed.shape[0] != outputs or outputs <= 0 or inputs <= 0:
+        raise CheckpointError(f"{where}: {name}'s weight_packed holds {packed.shape[0]} rows where its weight_shape "
+                              f"states [{outputs}, {inputs}]; pack-quantized stores one row of words per output")
     if packed.shape[-1] != -(-inputs * scheme.bits // 32):
         raise bits_error(where, name, scheme, packed.shape[-1], inputs, "inputs per row (weight_shape)")
     check_groups(where, name, scheme, inputs, outputs, scales)
     codes = library.unpack(packed, scheme.bits, torch.Size([outputs, inputs])).to(torch.int64)
     zeros = torch.zeros(scales.shape, dtype=torch.float32)
     if "weight_zero_point" in parts and not scheme.library.weights.symmetric:
-        zeros = library.unpack(parts["weight_zero_point"], scheme.bits, torch.Size(scales.shape), packed_dim=0).float()
+        zero_point = parts["weight_zero_point"]
+        words = [-(-scales.shape[0] * scheme.bits // 32), scales.shape[1]]  # packed along the outputs
+        if list(zero_point.shape) != words:
+            raise layout_error(where, name, f"its weight_zero_point is {list(zero_point.shape)} beside weight_scale "
+                               f"{list(scales.shape)}; {scheme.bits}-bit zero points packed along the outputs fill "
+                               f"{words}", "group_size_wrong")
+        zeros = library.unpack(zero_point, scheme.bits, torch.Size(scales.shape), packed_dim=0).float()
     g_idx = parts.get("weight_g_idx")
     sequential = torch.arange(inputs) // (scheme.group_size or inputs)
     grid = GroupQuantized(codes, scales.float(), zeros, sequential if g_idx is None else g_idx.to(torch.int64),
@@ -511,10 +569,10 @@ def read_stored(where: str, name: str, scheme: IntScheme, parts: dict) -> tuple[
     zeros = torch.zeros(scales.shape, dtype=torch.float32)
     if "weight_zero_point" in parts and not scheme.sym:
         zero_point = parts["weight_zero_point"]
-        if zero_point.numel() != scales.numel() or zero_point.dtype.is_floating_point:
-            raise layout_error(where, name, f"its weight_zero_point is {str(zero_point.dtype).removeprefix('torch.')} "
-                               f"{list(zero_point.shape)} beside weight_scale {list(scales.shape)}; the stated "
-                               f"{scheme.describe()} stores one integer zero point per scale", "group_size_wrong")
+        if zero_point.shape != parts["weight_scale"].shape:
+            raise layout_error(where, name, f"its weight_zero_point is {list(zero_point.shape)} beside weight_scale "
+                               f"{list(parts['weight_scale'].shape)}; the stated {scheme.describe()} stores one zero "
+                               "point per scale", "group_size_wrong")
         zeros = zero_point.reshape(scales.shape).float()
     sequential = torch.arange(inputs) // (scheme.group_size or inputs)
     grid = GroupQuantized(codes.to(torch.int64), scales.float().contiguous(), zeros, sequential, low, high, STORED,
@@ -553,16 +611,11 @@ class IntGroupCheckpoint(Checkpoint):
         parts = {}
         for file_name, members in files.items():
             parts.update({key[len(prefix) + 1:]: value for key, value in self.reader(file_name, members).items()})
+        check_parts(self.location, prefix, scheme, parts)
         if scheme.method == PACKED:
             return read_packed(self.location, name, scheme, parts)
         if scheme.method == STORED:
-            if "weight_scale" not in parts:
-                raise CheckpointError(f"{self.location}: {prefix}.weight is stored with no {prefix}.weight_scale")
             return read_stored(self.location, name, scheme, parts)
-        missing = [p for p in PARTS[scheme.method][:3] if p not in parts]
-        if missing:
-            raise CheckpointError(f"{self.location}: {prefix} has {CODES_PART[scheme.method]} but no "
-                                  f"{', '.join(prefix + '.' + m for m in missing)}")
         grid = READERS[scheme.method](self.location, name, scheme, parts)
         return grid, grid.values()
 

@@ -179,6 +179,8 @@ def undo(a_side, b_side, layer: int, a, b) -> str | None:
     if any(b.routed[n].dim() != 2 or b.storage[n].route is None or b.storage[n].route.chunk is not None
            or b.storage[n].route.transform == "transpose" for n in named):
         return None  # fused or transposed tensors: not folded by AWQ's known mappings
+    if any(n not in a.routed or a.routed[n].shape != b.routed[n].shape for n in named):
+        return None  # B's tensors of other shapes than A's: the layer's shape finding says so
     said = []
     folded = carried(norm_scales(a_side, b_side, layer), a, b, named)
     if folded is not None:
@@ -193,8 +195,9 @@ def undo(a_side, b_side, layer: int, a, b) -> str | None:
     if len(ups) == 1 and len(downs) == 1 and b.routed[ups[0]].shape == a.routed[ups[0]].shape:
         c = second_scales(a.routed[ups[0]], b.routed[ups[0]], a.routed[downs[0]], b.routed[downs[0]])
         spread = float(c.clamp_min(1e-30).log().abs().max())
-        paired = folded is not None or carries_s2(a.routed[ups[0]], b.routed[ups[0]], a.routed[downs[0]],
-                                                   b.routed[downs[0]])
+        # s2 only where up's rows and down's columns carry it together: a norm fold alone (SmoothQuant's, which
+        # scales gate and up only) says nothing of it, and undoing one there hid a row's scale doubled in up
+        paired = carries_s2(a.routed[ups[0]], b.routed[ups[0]], a.routed[downs[0]], b.routed[downs[0]])
         if paired and math.isfinite(spread):
             rescale(b, ups[0], c[:, None])
             rescale(b, downs[0], 1.0 / c[None, :])
