@@ -231,11 +231,13 @@ def stated_pack_quantized(dest: Path, scheme, fmt: str = "pack-quantized", also:
 
 
 def ct_export(a: Path, dest: Path, preset: str, breaks: dict[str, str] | None = None, *, group: int | None = None,
-              fmt: str = "pack-quantized", sym: bool | None = None, also: dict[str, str] | None = None) -> Path:
+              fmt: str = "pack-quantized", sym: bool | None = None, also: dict[str, str] | None = None,
+              strategy: str | None = None) -> Path:
     """A's folder in compressed-tensors' ``fmt`` layout (pack-quantized; int-quantized, what llm-compressor's W8A8
     writes), written by compressed-tensors itself: each weight's scale and zero point from its ``calculate_qparams``
     per group (per channel: one group per row), stored by the format's own compressor (``BaseCompressor``'s
-    registry); ``group``, ``sym``: the preset's scheme in groups of ``group``, or (a)symmetric; ``also``: a regex
+    registry); ``group``, ``sym``, ``strategy``: the preset's scheme in groups of ``group``, (a)symmetric, or of
+    another strategy ("tensor": one scale for the matrix, stored [1]); ``also``: a regex
     target ("re:...") -> the preset its modules are quantized with instead, each stated as a config group of its
     own.  ``breaks``: zeros_plus1 (every zero point one code up), scale_x2 (the scales doubled over the same codes),
     scales_transposed (the scale grid stored [groups, out]), row_x2 (row 5's scale doubled), scale_nan (row 3's
@@ -248,7 +250,8 @@ def ct_export(a: Path, dest: Path, preset: str, breaks: dict[str, str] | None = 
 
     def scheme_of(name: str, targets: list[str]):
         scheme = preset_name_to_scheme(name, targets)
-        changes = {k: v for k, v in (("group_size", group), ("symmetric", sym)) if v is not None}
+        changes = {k: v for k, v in (("group_size", group), ("symmetric", sym), ("strategy", strategy))
+                   if v is not None}
         if changes:
             scheme.weights = scheme.weights.model_copy(update=changes)
         return scheme
@@ -262,6 +265,8 @@ def ct_export(a: Path, dest: Path, preset: str, breaks: dict[str, str] | None = 
         scheme = next((s for t, s in others.items() if re.match(t.removeprefix("re:"), module)), base)
         args = scheme.weights
         tiles = value.float().reshape(value.shape[0], -1, args.group_size or value.shape[1])
+        if str(getattr(args.strategy, "value", args.strategy)) == "tensor":  # one scale: [1], as llm-compressor's
+            tiles = value.float().reshape(1, -1)
         scale, zero = calculate_qparams(tiles.amin(-1), tiles.amax(-1), args)
         state = {"weight": value.float(), "weight_scale": scale.float(), "weight_zero_point": zero}
         compressed = compressor.compress(state, scheme)
@@ -355,7 +360,8 @@ def test_a_faithful_pack_quantized_export_passes_on_every_layer(model_a, root, c
             assert row["steps"]["max_steps"] <= 0.5 + 1e-3  # round to nearest on its own grid
 
 
-INT_QUANTIZED = [("W8A8", {}), ("W8A8", {"sym": False}), ("W4A8", {"group": 32}), ("W8A8", {"fmt": "naive-quantized"})]
+INT_QUANTIZED = [("W8A8", {}), ("W8A8", {"sym": False}), ("W4A8", {"group": 32}), ("W8A8", {"fmt": "naive-quantized"}),
+                 ("W8A8", {"strategy": "tensor"})]
 
 
 @pytest.mark.parametrize(("preset", "options"), INT_QUANTIZED)
@@ -368,6 +374,8 @@ def test_a_faithful_int_quantized_export_passes_on_every_layer(model_a, root, ca
     code, report = compare(capsys, model_a, b)
     assert code == 0, report
     assert any("compressed-tensors int-quantized (one code per value)" in note for note in report["notes"])
+    if options.get("strategy") == "tensor":
+        assert any("int8 one scale per tensor" in note for note in report["notes"]), report["notes"]
     bits = preset[1]
     for layer in report["layers"]:
         assert layer["conversion"]["ratio_to_conversion"] == pytest.approx(1.0, abs=1e-6)
@@ -383,6 +391,8 @@ def test_a_faithful_int_quantized_export_passes_on_every_layer(model_a, root, ca
     ({}, "scales_transposed", "group_scales_transposed"),
     ({"preset": "W4A8", "group": 32}, "scales_transposed", "group_scales_transposed"),
     ({}, "scale_nan", "nonfinite_scale"),
+    ({"strategy": "tensor"}, "scale_x2", "tensor_scaled"),
+    ({"strategy": "tensor", "sym": False}, "zeros_plus1", "zero_point_off_by_one"),
     ({"preset": "W4A8", "group": 32}, "scales_flat", "group_size_wrong"),
     ({"sym": False}, "zero_points_short", "group_size_wrong"),
 ])

@@ -112,7 +112,10 @@ class IntScheme:
             rules = "; ".join(f"{pattern!r}: {'left unquantized' if scheme is None else scheme.describe()}"
                               for pattern, scheme in self.dynamic)
             return f"{dataclasses.replace(self, dynamic=()).describe()}; GPTQModel's dynamic rules: {rules}"
-        group = f"groups of {self.group_size}" if self.group_size else "one group per row"
+        strategy = getattr(self.library.weights, "strategy", None) if self.library is not None else None
+        whole = str(getattr(strategy, "value", strategy)) == "tensor"
+        group = (f"groups of {self.group_size}" if self.group_size else "one scale per tensor" if whole
+                 else "one group per row")
         how = {"gptq": f"GPTQ ({'v1: zero points stored minus one' if self.v1 else 'v2'})",
                "awq": "AWQ GEMM (packed order 0 2 4 6 1 3 5 7)", PACKED: "compressed-tensors pack-quantized",
                STORED: "compressed-tensors int-quantized (one code per value)"}
@@ -133,6 +136,7 @@ class GroupQuantized:
     high: int
     method: str
     bits: int
+    whole: bool = False  # one scale (and zero point) for the whole matrix: compressed-tensors' strategy "tensor"
 
     def values(self):
         """The dequantized weight (float32): scale x (code - zero) of each value's group."""
@@ -553,7 +557,8 @@ def read_stored(where: str, name: str, scheme: IntScheme, parts: dict) -> tuple[
                            f"its weight_scale; the stated {scheme.describe()} stores one int8 code per value of a "
                            "matrix", "group_bits_mismatched")
     outputs, inputs = codes.shape
-    if scales.numel() == 1 and scheme.library.weights.strategy == "tensor":
+    whole = scales.numel() == 1 and scheme.library.weights.strategy == "tensor"
+    if whole:
         scales = scales.reshape(1, 1).expand(outputs, 1)
     check_groups(where, name, scheme, inputs, outputs, scales)
     low, high = -(1 << (scheme.bits - 1)), (1 << (scheme.bits - 1)) - 1
@@ -573,10 +578,10 @@ def read_stored(where: str, name: str, scheme: IntScheme, parts: dict) -> tuple[
             raise layout_error(where, name, f"its weight_zero_point is {list(zero_point.shape)} beside weight_scale "
                                f"{list(parts['weight_scale'].shape)}; the stated {scheme.describe()} stores one zero "
                                "point per scale", "group_size_wrong")
-        zeros = zero_point.reshape(scales.shape).float()
+        zeros = zero_point.reshape(-1, 1).expand(scales.shape).float() if whole else zero_point.float()
     sequential = torch.arange(inputs) // (scheme.group_size or inputs)
     grid = GroupQuantized(codes.to(torch.int64), scales.float().contiguous(), zeros, sequential, low, high, STORED,
-                          scheme.bits)
+                          scheme.bits, whole)
     state = {key: parts[key] for key in PARTS[STORED] if key in parts}
     weight = library.naive.decompress(state, scheme.library)["weight"]
     return grid, weight.float()

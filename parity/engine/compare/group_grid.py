@@ -109,6 +109,7 @@ class Grid:
     bits: int
     factor: torch.Tensor | float = 1.0  # per value: what ``folds`` multiplied B's file values by (AWQ's scales undone)
     fold: str | None = None  # what ``folds`` undid, in words
+    whole: bool = False  # one group for the whole matrix (strategy "tensor"): min-max spans every row
 
     def codes(self, x: torch.Tensor) -> torch.Tensor:
         """``x`` rounded to the nearest code of each value's group (clamped to the codes' range)."""
@@ -131,7 +132,8 @@ def grid_of(held, bits: int) -> Grid:
     """The per-value grid of one matrix as ``int_groups.GroupQuantized`` holds it."""
     steps = held.scales[:, held.g_idx]
     zeros = held.zeros[:, held.g_idx]
-    return Grid(steps, zeros, held.low, held.high, held.scales, held.zeros, held.g_idx, held.method, bits)
+    return Grid(steps, zeros, held.low, held.high, held.scales, held.zeros, held.g_idx, held.method, bits,
+                whole=held.whole)
 
 
 # B's least-squares factor on A (storage.least_squares_scales) for integer-group matrices: whole tensor and each row
@@ -219,6 +221,8 @@ def minmax(x: torch.Tensor, grid: Grid) -> torch.Tensor:
     shape = (x.shape[0], grid.scales.shape[1])
     high = torch.zeros(shape).scatter_reduce(1, index, x, "amax", include_self=True)
     low = torch.zeros(shape).scatter_reduce(1, index, x, "amin", include_self=True)
+    if grid.whole:  # one scale for the matrix: its range is every row's
+        high, low = high.amax(0, keepdim=True).expand(shape), low.amin(0, keepdim=True).expand(shape)
     span = grid.high - grid.low
     zeros = grid.group_zeros
     if bool((zeros == zeros.reshape(-1)[0]).all()):  # symmetric: the zero point B's grid keeps
