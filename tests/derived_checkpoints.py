@@ -200,3 +200,25 @@ def assert_module_not_stated(capsys, a: Path, b: Path, edit, module: str = "down
     assert {layer["layer"] for layer in report["layers"]} == {0, 1}, report["layers"]
     assert all(d["id"] == "quantized_module_not_stated" and f"{module} is stored quantized" in d["message"]
                for d in found), found
+
+
+def assert_plain_module_named(capsys, a: Path, b: Path, module: str = "down_proj") -> None:
+    """B's ``module`` of every layer replaced by A's float weight (its codes and scales dropped), its compressed-tensors
+    config still quantizing it: every layer fails, quantized_module_stored_plain naming it; the same B with the
+    module in ``ignore`` passes."""
+    from safetensors.torch import load_file, save_file
+
+    theirs, ours = load_file(b / "model.safetensors"), load_file(a / "model.safetensors")
+    kept = {n: t for n, t in theirs.items() if f".{module}." not in n}
+    kept.update({n: t for n, t in ours.items() if n.endswith(f".{module}.weight")})
+    save_file(kept, b / "model.safetensors", metadata={"format": "pt"})
+    code, report = compare_json(capsys, a, b)
+    assert code == 1, report
+    found = [layer["diagnosis"] for layer in report["layers"]]
+    assert all(d["id"] == "quantized_module_stored_plain" and f"{module} is stored unquantized" in d["message"]
+               for d in found) and len(found) == 2, found
+    config = json.loads((b / "config.json").read_text())
+    config["quantization_config"]["ignore"].append(f"re:.*{module}$")
+    (b / "config.json").write_text(json.dumps(config, indent=2))
+    code, report = compare_json(capsys, a, b)
+    assert code == 0, report

@@ -19,7 +19,13 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from .derived_checkpoints import UNSTATED, assert_module_not_stated, format_fixtures, quantized_layer_one_named
+from .derived_checkpoints import (
+    UNSTATED,
+    assert_module_not_stated,
+    assert_plain_module_named,
+    format_fixtures,
+    quantized_layer_one_named,
+)
 from .support import compare_json as compare
 
 pytest.importorskip("compressed_tensors")
@@ -133,6 +139,10 @@ def test_an_fp4_mistake_fails_its_layer_only(model_a, root, capsys, form, case, 
 @pytest.mark.parametrize("how", UNSTATED)
 def test_a_module_stored_fp4_that_its_config_leaves_unquantized_is_named(model_a, root, capsys, how):
     assert_module_not_stated(capsys, model_a, export(model_a, root / f"unstated-{how}", "nvfp4"), how)
+
+
+def test_a_module_its_config_quantizes_stored_unquantized_is_named(model_a, root, capsys):
+    assert_plain_module_named(capsys, model_a, export(model_a, root / "plain", "nvfp4"))
 
 
 def test_gate_and_up_exchanged_in_an_nvfp4_export_is_named(model_a, root, capsys):

@@ -24,6 +24,7 @@ from safetensors.torch import load_file, save_file
 from .derived_checkpoints import (
     UNSTATED,
     assert_module_not_stated,
+    assert_plain_module_named,
     build,
     format_fixtures,
     quantized_copy,
@@ -280,6 +281,10 @@ def test_a_module_stored_fp8_that_its_config_leaves_unquantized_is_named(model_a
         assert_module_not_stated(capsys, model_a, ct_export(model_a, root / f"ct-unstated-{how}", "FP8_DYNAMIC"), how)
     else:
         assert_module_not_stated(capsys, model_a, fp8_export(model_a, root / "unstated"), skip_listed(how))
+
+
+def test_a_module_its_config_quantizes_stored_unquantized_is_named(model_a, root, capsys):
+    assert_plain_module_named(capsys, model_a, ct_export(model_a, root / "ct-plain", "FP8_DYNAMIC"))
 
 
 def test_a_compressed_tensors_scale_inverted_fails_its_layer_named(model_a, root, capsys):

@@ -25,6 +25,7 @@ from safetensors.torch import load_file, save_file
 from .derived_checkpoints import (
     UNSTATED,
     assert_module_not_stated,
+    assert_plain_module_named,
     build,
     format_fixtures,
     quantized_copy,
@@ -469,6 +470,14 @@ def test_a_module_stored_quantized_that_its_config_leaves_unquantized_is_named(m
     preset = "W8A8" if fmt == "int-quantized" else "W4A16"
     b = ct_export(model_a, root / f"ct-unstated-{fmt}-{how}", preset, fmt=fmt)
     assert_module_not_stated(capsys, model_a, b, how)
+
+
+@pytest.mark.parametrize("fmt", ["pack-quantized", "int-quantized"])
+def test_a_module_its_config_quantizes_stored_unquantized_is_named(model_a, root, capsys, fmt):
+    """down_proj stored as A's float weight while the config's group targets it and ignore does not name it
+    (compressed-tensors would look for its codes; red-team F3, a pass before): every layer fails, named."""
+    b = ct_export(model_a, root / f"ct-plain-{fmt}", "W8A8" if fmt == "int-quantized" else "W4A16", fmt=fmt)
+    assert_plain_module_named(capsys, model_a, b)
 
 
 def test_an_awq_module_stored_quantized_that_modules_to_not_convert_names_is_named(model_a, root, capsys):

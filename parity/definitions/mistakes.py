@@ -82,6 +82,7 @@ class MistakeId(StrEnum):
     GROUP_SIZE_WRONG = "group_size_wrong"
     GROUP_SCALES_TRANSPOSED = "group_scales_transposed"
     QUANTIZED_MODULE_NOT_STATED = "quantized_module_not_stated"
+    QUANTIZED_MODULE_STORED_PLAIN = "quantized_module_stored_plain"
     CONVERSION_UNEXPLAINED = "conversion_unexplained"
     # routing mistakes of a whole mixture-of-experts block (engine.routing_replays: each replayed on transformers' own)
     ROUTER_SIGMOID_INSTEAD_OF_SOFTMAX = "router_sigmoid_instead_of_softmax"
@@ -310,6 +311,10 @@ MISTAKES = {m.id: m for m in [
             "which takes the module's codes for its weight or refuses them",
             "state the module as quantized (a config group's targets; out of the skip list; its MLX entry), or "
             "store it unquantized"),
+    Mistake(MistakeId.QUANTIZED_MODULE_STORED_PLAIN, "checkpoint B stores this module unquantized, but its "
+            "compressed-tensors config quantizes it (a config group targets it and ignore does not name it): a model "
+            "loading B looks for its codes and scales, finds none, and does not run the weight B stores",
+            "add the module to quantization_config.ignore, or store it quantized as its group states"),
     Mistake(MistakeId.PACKED_ORDER_WRONG, "checkpoint B's codes were packed in another order than its format "
             "reads them in: AWQ's in the linear order 0..7 within each int32 where AWQ's GEMM layout packs output "
             "columns 0 2 4 6 1 3 5 7, or an MLX mxfp4 block copied from ggml's MXFP4 (value j and j + 16 in byte j) "
@@ -502,6 +507,8 @@ PRODUCED_BY: dict[MistakeId, str] = {
                                            "with scales and biases exchanged",
     MistakeId.ZERO_POINT_OFF_BY_ONE: "replay (compare): A quantized on B's grid with zero points one code off, "
                                      "read with B's",
+    MistakeId.QUANTIZED_MODULE_STORED_PLAIN: "finding (compare): a linear weight stored unquantized that "
+                                             "compressed-tensors' match_targets gives a config group, not ignored",
     MistakeId.QUANTIZED_MODULE_NOT_STATED: "finding (compare): a module stored with codes and scales that its "
                                            "loader's own rule leaves unquantized (compressed-tensors' match_targets, "
                                            "transformers' should_convert_module, MLX's entry false)",

@@ -6,7 +6,7 @@ arguments against its own format."""
 from __future__ import annotations
 
 from parity.definitions.patterns import regex_value
-from parity.errors import CheckpointError, UnstatedModuleError
+from parity.errors import CheckpointError, QuantizedLayoutError, UnstatedModuleError
 
 
 def parsed_config(config_class, config: dict, where: str):
@@ -40,6 +40,33 @@ def targets_of(parsed) -> dict[str, object]:
             for target in group.targets}
 
 
+def linear_matches(module: str, patterns) -> list[str]:
+    """The patterns (targets, or ignore entries) compressed-tensors' own ``match_targets`` finds for the linear
+    module named ``module``, best first (exact name, then regex, then class name: every module here is a Linear)."""
+    import torch
+    from compressed_tensors.utils.match import match_targets
+
+    with torch.device("meta"):
+        linear = torch.nn.Linear(1, 1)
+    return match_targets(module, linear, list(patterns or ()))
+
+
+def check_plain(targets, ignore, name: str, value, where: str) -> None:
+    """A QuantizedLayoutError (quantized_module_stored_plain) where B stores a linear weight ``name`` unquantized
+    that its config quantizes (a group targets it, ``ignore`` does not name it): compressed-tensors would look for
+    its codes and scales and find none.  Only a 2-D ``X.weight`` is a linear's (a norm's weight is 1-D)."""
+    if value.dim() != 2 or not name.endswith(".weight"):
+        return
+    module = name.removesuffix(".weight")
+    matched = linear_matches(module, targets)
+    if matched and not linear_matches(module, ignore):
+        raise QuantizedLayoutError(f"{where}: {module} is stored unquantized "
+                                   f"({str(value.dtype).removeprefix('torch.')}), but config.json's "
+                                   f"quantization_config quantizes it (target {matched[0]!r}, not in ignore): "
+                                   "compressed-tensors would look for its codes and scales and find none",
+                                   "quantized_module_stored_plain", kind="config: quantized")
+
+
 def module_scheme(targets: dict[str, object], ignore, module: str, where: str):
     """The scheme compressed-tensors gives the linear module named ``module``, which B stores quantized: its own
     ``match_targets`` ranks the targets that match it (exact name, then regex, then class name: every module here
@@ -47,13 +74,8 @@ def module_scheme(targets: dict[str, object], ignore, module: str, where: str):
     does.  A module no group targets, or one ``ignore`` names, is a QuantizedLayoutError naming it (reported on
     the layer that holds it): compressed-tensors would not quantize it, so a model loading B would take its codes
     for its weight."""
-    import torch
-    from compressed_tensors.utils.match import match_targets
-
-    with torch.device("meta"):
-        linear = torch.nn.Linear(1, 1)
-    ignored = match_targets(module, linear, list(ignore or ()))
-    matched = match_targets(module, linear, targets)
+    ignored = linear_matches(module, ignore)
+    matched = linear_matches(module, targets)
     if ignored or not matched:
         why = (f"quantization_config.ignore names it ({ignored[0]!r})" if ignored
                else f"no group of quantization_config.config_groups targets it (targets: {', '.join(targets)})")

@@ -22,7 +22,7 @@ from parity.definitions.distribution import install_command
 from parity.definitions.files import shown
 from parity.errors import CheckpointError
 from parity.sources.checkpoint import Checkpoint, dequantized_on_read
-from parity.sources.compressed_config import module_scheme, one_weight_scheme, targets_of
+from parity.sources.compressed_config import check_plain, module_scheme, one_weight_scheme, targets_of
 from parity.sources.fp4 import Fp4Held, norm_dtype
 
 EXTRA = "compressed-tensors"  # pyproject.toml's extra that installs compressed-tensors
@@ -182,6 +182,8 @@ class Fp4Checkpoint(Checkpoint):
     def read(self, names: list[str]):
         plain = [n for n in names if n not in self.fp4_modules]
         out = super().read(plain) if plain else {}
+        for name in plain:  # a linear its config quantizes, stored plain: the layer's finding
+            check_plain(self.scheme.targets, self.scheme.not_converted, name, out[name], self.location)
         self.as_stored = {name: str(out[name].dtype).removeprefix("torch.") for name in plain}
         for name in names:
             parts = self.parts_of(name)

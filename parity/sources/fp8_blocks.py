@@ -30,7 +30,7 @@ from parity.definitions.distribution import install_command
 from parity.definitions.files import shown
 from parity.errors import CheckpointError, QuantizedLayoutError
 from parity.sources.checkpoint import Checkpoint, check_converted, dequantized_on_read, split_companions
-from parity.sources.compressed_config import module_scheme, one_weight_scheme, targets_of
+from parity.sources.compressed_config import check_plain, module_scheme, one_weight_scheme, targets_of
 from parity.sources.config_check import stated_modules
 
 QUANT_METHOD = "fp8"
@@ -222,6 +222,8 @@ class FP8Checkpoint(Checkpoint):
             if scale_name in self.companions and out[name].dtype.itemsize == 1:
                 scales = self.reader(self.companions[scale_name], [scale_name])[scale_name]
                 out[name] = self.dequantize(name, out[name], scales)
+            elif self.scheme.method == COMPRESSED:  # a linear its config quantizes, stored plain: the layer's finding
+                check_plain(self.scheme.targets, self.scheme.not_converted, name, out[name], self.location)
         return out
 
     def dequantize(self, name: str, codes, scales):

@@ -38,7 +38,7 @@ from parity.definitions.distribution import install_command
 from parity.definitions.files import shown
 from parity.errors import CheckpointError, QuantizedLayoutError
 from parity.sources.checkpoint import Checkpoint, check_converted, dequantized_on_read
-from parity.sources.compressed_config import module_scheme, parsed_config, targets_of, weight_schemes
+from parity.sources.compressed_config import check_plain, module_scheme, parsed_config, targets_of, weight_schemes
 from parity.sources.config_check import stated_modules
 
 COMPRESSED = "compressed-tensors"
@@ -672,6 +672,10 @@ class IntGroupCheckpoint(Checkpoint):
     def read(self, names: list[str]):
         self.require(names)
         out = super().read([n for n in names if n not in self.modules])
+        if self.scheme.method in (PACKED, STORED):  # a linear its config quantizes, stored plain: the layer's finding
+            for name, value in out.items():
+                check_plain([t for t, _ in self.scheme.targets], self.scheme.not_converted, name, value,
+                            self.location)
         self.as_stored = {n: str(t.dtype).removeprefix("torch.") for n, t in out.items()}
         for name in names:
             if name in self.modules:
