@@ -30,7 +30,7 @@ from .derived_checkpoints import (
     skip_listed,
 )
 from .support import compare_json as compare
-from .support import run_main
+from .support import run_main, run_parity
 
 functional = pytest.importorskip("bitsandbytes.functional")
 
@@ -231,6 +231,29 @@ def test_without_bitsandbytes_a_bnb_b_is_exit_2_naming_the_extra(model_a, faithf
     code, out, err = run_main(capsys, "compare", model_a, faithful)
     assert code == 2, out + err
     assert "bitsandbytes" in err and "'bnb'" in err and "4-bit quantized" in err and "Traceback" not in err
+
+
+@pytest.mark.parametrize(("part", "edit", "said"), [
+    ("nested_absmax", lambda t: t[:0], "a nested_absmax of 0 float32 entries"),
+    ("nested_absmax", lambda t: t.to(torch.int32), "a nested_absmax of 2 int32 entries"),
+    ("nested_quant_map", lambda t: t[:16], "a nested_quant_map of 16 entries"),
+    ("absmax", lambda t: t.float(), "another dtype than the uint8 codes"),
+    ("quant_map", lambda t: t[:8], "quant_map has 8 entries"),
+])
+def test_a_quant_state_part_bitsandbytes_would_read_past_is_exit_2_naming_it(model_a, faithful, root, part, edit,
+                                                                              said):
+    """A double quant's nested_absmax empty (bitsandbytes' native dequantizer read past it and the process ended
+    with a segmentation fault), of another dtype, or a code book of another length: exit 2 naming the tensor, in a
+    real process (a crash must show as one)."""
+    b = root / f"state-{part}-{len(list(root.iterdir()))}"
+    shutil.copytree(faithful, b)
+    tensors = load_file(b / "model.safetensors")
+    name = f"model.layers.1.mlp.down_proj.weight.{part}"
+    tensors[name] = edit(tensors[name]).contiguous()
+    save_file(tensors, b / "model.safetensors", metadata={"format": "pt"})
+    done = run_parity("compare", model_a, b)
+    assert done.returncode == 2, done.stdout + done.stderr
+    assert said in done.stderr and "down_proj" in done.stderr and "Traceback" not in done.stderr, done.stderr
 
 
 @pytest.mark.parametrize(("fields", "said"), [

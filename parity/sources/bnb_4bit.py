@@ -143,13 +143,38 @@ def check_layout(location: str, name: str, packed, state) -> None:
                                    f"values of {name} {list(state.shape)}; its quant_state's blocksize "
                                    f"{state.blocksize} calls for {blocks}: it is the count of {implied:g}-value blocks",
                                    "bnb_block_size_wrong")
+    check_nested(location, name, state)
     stated = code_book(state.quant_type)
-    if state.code.shape == stated.shape and not torch.equal(state.code.float(), stated):
+    if state.code.shape != stated.shape:
+        raise CheckpointError(f"{location}: {name}.quant_map has {state.code.numel()} entries; a 4-bit code book "
+                              f"holds {stated.numel()}")
+    if not torch.equal(state.code.float(), stated):
         other = {"nf4": "fp4", "fp4": "nf4"}[state.quant_type]
         which = f"{other.upper()}'s" if torch.equal(state.code.float(), code_book(other)) else "another"
         raise QuantizedLayoutError(f"{location}: {name}.quant_map is {which} code book where its quant_state says "
                                    f"{state.quant_type}: the codes were written for one table and are read with the "
                                    "other", "bnb_code_book_wrong")
+
+
+def check_nested(location: str, name: str, state) -> None:
+    """A double-quantized absmax (uint8 codes, one per block) beside its own quant state: ``nested_absmax`` one per
+    block of ``nested_blocksize`` absmax codes and a 256-entry ``nested_quant_map``, as bitsandbytes'
+    ``quantize_blockwise`` writes them, else a CheckpointError naming the tensor: bitsandbytes' native
+    dequantizer reads past a short one (an empty nested_absmax ended the process with a segmentation fault)."""
+    if not state.nested:
+        return
+    inner = state.state2
+    blocks = math.ceil(state.absmax.numel() / inner.blocksize) if inner.blocksize else -1
+    said = (f"{location}: {name}'s double-quantized absmax ({state.absmax.numel()} {str(state.absmax.dtype)[6:]} "
+            f"codes) has")
+    if state.absmax.dtype.is_floating_point or state.absmax.element_size() != 1:
+        raise CheckpointError(f"{said} another dtype than the uint8 codes double quant stores")
+    if inner.absmax.numel() != blocks or not inner.absmax.dtype.is_floating_point:
+        raise CheckpointError(f"{said} a nested_absmax of {inner.absmax.numel()} {str(inner.absmax.dtype)[6:]} "
+                              f"entries; its nested_blocksize {inner.blocksize} calls for {blocks} floats")
+    if inner.code.numel() != 256:
+        raise CheckpointError(f"{said} a nested_quant_map of {inner.code.numel()} entries; an 8-bit code book "
+                              "holds 256")
 
 
 class Bnb4bitCheckpoint(Checkpoint):
