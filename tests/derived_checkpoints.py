@@ -222,3 +222,27 @@ def assert_plain_module_named(capsys, a: Path, b: Path, module: str = "down_proj
     (b / "config.json").write_text(json.dumps(config, indent=2))
     code, report = compare_json(capsys, a, b)
     assert code == 0, report
+
+
+# Edits of one stored tensor a hostile or broken export makes (None: the tensor deleted)
+HOSTILE_PARTS = {"delete": None, "int8": lambda t: t.to(torch.int8), "flat": lambda t: t.flatten(),
+                 "drop_row": lambda t: t[:-1], "half": lambda t: t.half(),
+                 "scalar": lambda t: t.flatten()[:1].reshape(())}
+
+
+def assert_hostile_part_refused(capsys, a: Path, b: Path, name: str, edit, code: int) -> None:
+    """B's stored tensor ``name`` replaced by ``edit(tensor)`` (deleted where ``edit`` is None): ``parity compare A
+    B`` ends with ``code`` (2: refused naming the tensor's module; 1: the layer's finding), never an internal
+    error."""
+    from safetensors.torch import load_file, save_file
+
+    tensors = load_file(b / "model.safetensors")
+    value = tensors.pop(name)
+    if edit is not None:
+        tensors[name] = edit(value).contiguous()
+    save_file(tensors, b / "model.safetensors", metadata={"format": "pt"})
+    found, out, err = run_main(capsys, "compare", a, b)
+    assert found == code, out + err
+    assert "internal error" not in err and "Traceback" not in err, err
+    module = name.split(".mlp.")[1].split(".")[0]
+    assert module in (err if code == 2 else out), out + err

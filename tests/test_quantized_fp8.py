@@ -22,7 +22,9 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from .derived_checkpoints import (
+    HOSTILE_PARTS,
     UNSTATED,
+    assert_hostile_part_refused,
     assert_module_not_stated,
     assert_plain_module_named,
     build,
@@ -285,6 +287,12 @@ def test_a_module_stored_fp8_that_its_config_leaves_unquantized_is_named(model_a
 
 def test_a_module_its_config_quantizes_stored_unquantized_is_named(model_a, root, capsys):
     assert_plain_module_named(capsys, model_a, ct_export(model_a, root / "ct-plain", "FP8_DYNAMIC"))
+
+
+@pytest.mark.parametrize(("layout", "part"), [("fp8", "weight_scale_inv"), ("ct", "weight_scale")])
+def test_a_scale_grid_stored_flat_is_named_never_an_internal_error(model_a, root, layout, part, capsys):
+    b = fp8_export(model_a, root / "flat-fp8") if layout == "fp8" else ct_export(model_a, root / "flat-ct", "FP8_BLOCK")
+    assert_hostile_part_refused(capsys, model_a, b, f"model.layers.1.mlp.up_proj.{part}", HOSTILE_PARTS["flat"], 1)
 
 
 def test_a_compressed_tensors_scale_inverted_fails_its_layer_named(model_a, root, capsys):

@@ -23,7 +23,9 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from .derived_checkpoints import (
+    HOSTILE_PARTS,
     UNSTATED,
+    assert_hostile_part_refused,
     assert_module_not_stated,
     assert_plain_module_named,
     build,
@@ -739,8 +741,6 @@ def test_a_config_pattern_that_is_no_regex_is_exit_2_naming_the_field(model_a, r
     assert "internal error" not in err and "Traceback" not in err
 
 
-HOSTILE_PARTS = {"delete": None, "int8": lambda t: t.to(torch.int8), "flat": lambda t: t.flatten(),
-                 "drop_row": lambda t: t[:-1].contiguous()}
 
 
 @pytest.mark.parametrize(("export", "part", "edit", "code"), [
@@ -760,16 +760,7 @@ def test_a_quantized_part_of_another_shape_or_dtype_is_named_never_an_internal_e
          "ct-int": lambda: ct_export(model_a, dest, "W8A8", fmt="int-quantized", sym=False),
          "gptq": lambda: int_export(model_a, dest, "gptq"), "awq": lambda: int_export(model_a, dest, "awq", fold=True),
          }[export]()
-    tensors = load_file(b / "model.safetensors")
-    name = f"model.layers.1.mlp.up_proj.{part}"
-    value = tensors.pop(name)
-    if HOSTILE_PARTS[edit] is not None:
-        tensors[name] = HOSTILE_PARTS[edit](value)
-    save_file(tensors, b / "model.safetensors", metadata={"format": "pt"})
-    found, out, err = run_main(capsys, "compare", model_a, b)
-    assert found == code, out + err
-    assert "internal error" not in err and "Traceback" not in err
-    assert "up_proj" in (err if code == 2 else out), out + err
+    assert_hostile_part_refused(capsys, model_a, b, f"model.layers.1.mlp.up_proj.{part}", HOSTILE_PARTS[edit], code)
 
 
 def test_without_compressed_tensors_a_pack_quantized_b_is_exit_2_naming_the_extra(model_a, root, capsys, monkeypatch):

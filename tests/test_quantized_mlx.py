@@ -21,7 +21,14 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from .derived_checkpoints import assert_module_not_stated, build, format_fixtures, quantized_layer_one_named
+from .derived_checkpoints import (
+    HOSTILE_PARTS,
+    assert_hostile_part_refused,
+    assert_module_not_stated,
+    build,
+    format_fixtures,
+    quantized_layer_one_named,
+)
 from .support import compare_json as compare
 from .support import run_main
 
@@ -198,6 +205,15 @@ def test_mixed_precision_modules_are_judged_by_their_own_storage(model_a, root, 
                        {"gate_proj.weight": four, "up_proj.weight": four,
                         "down_proj.weight": "mlx affine 8-bit/32 (bfloat16 scales)"}]
     assert any("1 modules with their own, 1 left unquantized" in note for note in report["notes"])
+
+
+@pytest.mark.parametrize(("part", "edit"), [("biases", "drop_row"), ("biases", "flat"), ("scales", "int8"),
+                                           ("scales", "scalar"), ("weight", "half")])
+def test_an_mlx_part_of_another_shape_or_dtype_is_exit_2_naming_it(model_a, root, capsys, part, edit):
+    """Biases a row short or flat, scales as integers or one value, codes as float16: mlx's dequantizer refused
+    each in its own words, an internal error here before."""
+    b = mlx_export(model_a, root / f"hostile-{part}-{edit}")
+    assert_hostile_part_refused(capsys, model_a, b, f"model.layers.1.mlp.down_proj.{part}", HOSTILE_PARTS[edit], 2)
 
 
 def test_a_module_stored_quantized_whose_own_entry_is_false_is_named(model_a, root, capsys):

@@ -134,9 +134,10 @@ def check_layout(location: str, name: str, packed, state) -> None:
     numel = math.prod(state.shape)
     blocks = math.ceil(numel / state.blocksize)
     size = packed.numel() * packed.element_size()
-    if size * 2 < numel:
-        raise CheckpointError(f"{location}: {name} holds {size} bytes, too few for the {numel} 4-bit codes "
-                              f"of its quant_state shape {list(state.shape)}")
+    if size != math.ceil(numel / 2):  # two codes a byte, whatever dtype quant_storage views those bytes as
+        raise CheckpointError(f"{location}: {name} holds {size} bytes ({str(packed.dtype)[6:]} "
+                              f"{list(packed.shape)}) where the {numel} 4-bit codes of its quant_state shape "
+                              f"{list(state.shape)} pack into {math.ceil(numel / 2)}")
     if state.absmax.numel() != blocks:
         implied = numel / max(state.absmax.numel(), 1)
         raise QuantizedLayoutError(f"{location}: {name}.absmax has {state.absmax.numel()} entries for the {numel} "

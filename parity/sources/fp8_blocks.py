@@ -181,6 +181,8 @@ def check_grid(location: str, name: str, codes, scales, scheme: FP8Scheme) -> No
     stated = (f"weight_block_size {list(block)}" if scheme.strategy == "block" else f"strategy {scheme.strategy!r}")
     said = (f"{location}: {name}{scheme.suffix} has shape {list(scales.shape)} for {name} {list(codes.shape)}; "
             f"config.json's {stated} calls for one scale per block, {list(grid)}")
+    if len(found) != 2:
+        raise QuantizedLayoutError(f"{said}: a grid of {len(found)} dimensions", "fp8_block_size_wrong")
     if found == tuple(reversed(grid)):
         raise QuantizedLayoutError(f"{said}: it is that grid transposed", "fp8_scales_transposed")
     raise QuantizedLayoutError(f"{said}: it is the grid of {implied_blocks(codes.shape, found)} blocks, not the "

@@ -217,6 +217,8 @@ def check_shapes(location: str, name: str, packed, scales, params: MLXParams, di
             f"{list(scales.shape)}; the stated {params.describe()} calls for scales {list(expected)}")
     if scales.dim() >= 2 and tuple(scales.shape[-2:]) == (expected[-1], expected[-2]):
         raise QuantizedLayoutError(f"{said}: they are that grid transposed", "mlx_scales_transposed")
+    if scales.dim() != packed.dim():
+        raise CheckpointError(f"{said}; a scale grid of {scales.dim()} dimensions beside {packed.dim()}")
     groups = scales.shape[-1]
     at_group = groups * params.group_size  # the input width if the group size is right: the bits are not
     bits = packed.shape[-1] * WORD // at_group if at_group else 0
@@ -233,6 +235,22 @@ def check_shapes(location: str, name: str, packed, scales, params: MLXParams, di
         raise QuantizedLayoutError(f"{said}: they fit groups of {group} at the stated {params.bits} bits ({at_bits} "
                                    f"input values), not {params.group_size}", "mlx_group_size_wrong")
     raise CheckpointError(f"{said}; they fit no group size and bit width MLX writes in {params.mode} mode")
+
+
+def check_dtypes(location: str, name: str, packed, scales, biases) -> None:
+    """The packed words uint32, affine's scales and biases floats of one shape (as ``mlx.core.quantize`` returns
+    them), else a CheckpointError naming the tensor: mlx's dequantizer refuses anything else in its own words."""
+    import torch
+
+    prefix = name.removesuffix("weight")
+    if packed.dtype not in (torch.uint32, torch.int32):  # safetensors' U32, read as torch's uint32 (or a signed view)
+        raise CheckpointError(f"{location}: {name} is {str(packed.dtype)[6:]}; MLX stores quantized codes as uint32 "
+                              "words")
+    if biases is not None and (not scales.dtype.is_floating_point or biases.shape != scales.shape
+                               or not biases.dtype.is_floating_point):
+        raise CheckpointError(f"{location}: {prefix}scales is {str(scales.dtype)[6:]} {list(scales.shape)} and "
+                              f"{prefix}biases {str(biases.dtype)[6:]} {list(biases.shape)}; MLX's affine mode stores "
+                              "one float scale and one float bias per group")
 
 
 def to_mlx(mx, tensor):
@@ -364,6 +382,7 @@ class MLXCheckpoint(Checkpoint):
         biases = self.reader(self.companions[prefix + "biases"], [prefix + "biases"])[prefix + "biases"] \
             if params.affine else None
         check_shapes(self.location, name, packed, scales, params, lambda: self.widths_of(name))
+        check_dtypes(self.location, name, packed, scales, biases)
         return Held(packed, scales, biases, params)
 
     @cached_property
