@@ -326,14 +326,33 @@ def per_expert(shared: str | None = None, dense_before: int = 0, experts_at: str
     return layer_tensors
 
 
+def block_tensors(state: dict, arch: str, layer: int, blocks: int) -> dict[str, np.ndarray]:
+    """A layer's MoE block tensors outside its experts (the router, its bias, a shared expert's gate) under the names
+    gguf's own name map gives them for ``arch``, as llama.cpp's converter writes them (a [1, d] gate as [d])."""
+    import gguf
+
+    names = gguf.get_tensor_name_map(next(a for a, n in gguf.MODEL_ARCH_NAMES.items() if n == arch), blocks)
+    out = {}
+    for key, value in state.items():
+        if not key.startswith(f"model.layers.{layer}.") or ".experts." in key or ".self_attn." in key:
+            continue
+        name = names.get_name(key, try_suffixes=(".weight", ".bias", "_bias"))
+        if name is not None and ("gate_inp" in name or "exp_probs" in name):
+            name = name.removesuffix("_bias") + ".bias" if name.endswith("_bias") else name  # exp_probs_b.bias
+            out[name.removeprefix(f"blk.{layer}.")] = value[0] if value.ndim == 2 and value.shape[0] == 1 else value
+    return out
+
+
 def moe_gguf_of_folder(folder: Path, path: Path, arch: str, layer_tensors, qtype: Q = Q.F32, edit=None,
-                       kinds: dict[str, Q] | None = None) -> Path:
+                       kinds: dict[str, Q] | None = None, router: bool = True) -> Path:
     """A GGUF file of ``arch`` holding the FFN tensors of a saved tiny MoE checkpoint: ``layer_tensors(state, layer)``
     gives one layer's {GGUF name under 'blk.N.': values} (the test spells out, per family, how llama.cpp's converter
     stacks and names them); 2-D and 3-D weights as ``qtype``, biases F32.  The metadata says the expert widths and
     counts the converter writes (expert_feed_forward_length, expert_shared_feed_forward_length, expert_count).
     ``edit(layer, tensors)`` may change a layer's tensors before they are written (a broken export); ``kinds``: the
-    type of a tensor (its name under 'blk.N.') written otherwise than ``qtype`` (a router kept in F32)."""
+    type of a tensor (its name under 'blk.N.') written otherwise than ``qtype`` (a router kept in F32); ``router``:
+    each MoE layer's router (``block_tensors``) written beside its experts, F32 unless ``kinds`` says otherwise
+    (False: a file written without it)."""
     import json
 
     from safetensors.numpy import load_file
@@ -360,11 +379,14 @@ def moe_gguf_of_folder(folder: Path, path: Path, arch: str, layer_tensors, qtype
     writer.add_eos_token_id(2)
     for layer in range(config["num_hidden_layers"]):
         found = layer_tensors(state, layer)
+        if router and any("_exps" in name for name in found):
+            found = {**{k: v for k, v in block_tensors(state, arch, layer, config["num_hidden_layers"]).items()
+                        if k not in found}, **found}
         if edit is not None:
             found = edit(layer, dict(found))
         for name, values in found.items():
             kind = (kinds[name] if kinds and name in kinds else
-                    qtype if values.ndim > 1 and name.endswith(".weight") else Q.F32)
+                    qtype if values.ndim > 1 and name.endswith(".weight") and "gate_inp" not in name else Q.F32)
             data = encode(np.ascontiguousarray(values, dtype=np.float32), kind, rng)
             writer.add_tensor(f"blk.{layer}.{name}", data, raw_dtype=kind if data.dtype == np.uint8 else None)
     writer.write_header_to_file()

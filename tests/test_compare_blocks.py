@@ -119,7 +119,8 @@ def gguf_with_router(folder: Path, path: Path, qtype: Q, *, router_qtype: Q | No
             found["ffn_gate_inp_shexp.weight"] = state[stem + "shared_expert_gate.weight"][0]  # [d], as llama.cpp
         return found
     return moe_gguf_of_folder(folder, path, "qwen2moe", layer_tensors, qtype, edit=edit,
-                              kinds={"ffn_gate_inp.weight": router_qtype} if router_qtype is not None else None)
+                              kinds={"ffn_gate_inp.weight": router_qtype} if router_qtype is not None else None,
+                              router=False)
 
 
 @pytest.mark.parametrize("qtype, router", [(Q.F32, Q.F32), (Q.Q8_0, Q.F32), (Q.Q8_0, Q.Q8_0)],
@@ -143,10 +144,23 @@ def test_a_gguf_file_whose_router_rows_are_permuted_fails_its_block_named(moe, t
     assert units(report)[(1, "block")]["diagnosis"]["id"] == "router_rows_permuted"
 
 
-def test_a_gguf_file_without_its_router_is_noted_and_its_experts_judged(moe, tmp_path, capsys):
+def test_a_gguf_file_without_its_router_fails_its_blocks_named_and_its_experts_judged(moe, tmp_path, capsys):
+    """No ffn_gate_inp: the experts are judged one by one (and pass), each layer's block unit fails tensor_missing
+    naming the router (it was a note and a pass: a block that cannot route passed on its experts alone)."""
     b = gguf_with_router(moe["qwen2_moe_q8"], tmp_path / "b.gguf", Q.Q8_0, router_qtype=None)
     code, report, err = run_json(capsys, "compare", moe["qwen2_moe_q8"], b)
-    assert code == 0 and report["passed"], err
-    assert not any(u["unit"] == "block" for u in report["layers"])
-    assert any("whole MoE blocks are not compared" in note and "gate.weight" in note for note in report["notes"]), \
-        report["notes"]
+    assert code == 1 and not report["passed"], err
+    blocks = [u for u in report["layers"] if u["unit"] == "block"]
+    assert blocks and all(u["diagnosis"]["id"] == "tensor_missing" and "gate.weight" in u["diagnosis"]["message"]
+                          for u in blocks), blocks
+    assert all(u["passed"] for u in report["layers"] if u["unit"] != "block")
+
+
+def test_a_release_without_its_router_fails_that_block_named(moe, tmp_path, capsys):
+    b = edited(moe["qwen2_moe"], tmp_path / "no-router", lambda t: t.pop("model.layers.1.mlp.gate.weight"))
+    code, report, err = run_json(capsys, "compare", moe["qwen2_moe"], b)
+    assert code == 1, err
+    failing = [key for key, u in units(report).items() if not u["passed"]]
+    assert failing == [(1, "block")], failing
+    found = units(report)[(1, "block")]["diagnosis"]
+    assert found["id"] == "tensor_missing" and "gate.weight" in found["message"], found

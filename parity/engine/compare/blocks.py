@@ -45,6 +45,7 @@ class BlockComparison:
         self.judged = tuple(f"{unit.removeprefix(self.site.path + '.')}." for unit in units
                             if unit.startswith(self.site.path + "."))
         self.unreadable: str | None = None  # why B's block could not be read (a GGUF file without its router)
+        self.lacking: dict[int, list[str]] = {}  # layer -> the block tensors of A's that B lacks (its router, say)
         self.read: tuple[int, tuple | None] | None = None  # the last layer's sides, read once for both uses
 
     def serves(self, layer: int) -> bool:
@@ -65,9 +66,11 @@ class BlockComparison:
         except ParityError as exc:
             self.unreadable = str(exc)
             return None
+        if set(own_a) - set(own_b):  # B's block cannot run as A's: that layer's block unit fails
+            self.lacking[layer] = sorted(set(own_a) - set(own_b))
+            return None
         if set(own_a) != set(own_b):
-            self.unreadable = (f"B's block of layer {layer} holds {sorted(set(own_b) ^ set(own_a))} where A's does "
-                               "not, or lacks them")
+            self.unreadable = f"B's block of layer {layer} holds {sorted(set(own_b) - set(own_a))} where A's does not"
             return None
         return own_a, own_b, experts
 
@@ -132,7 +135,7 @@ class BlockComparison:
         their own grid by their units, move neither side."""
         found = self.sides(layer)
         if found is None:
-            return None
+            return self.lacking_unit(layer, result_type) if layer in self.lacking else None
         own_a, own_b, experts = found
         meta = self.a.side.reference.meta_module(self.site.path.format(layer=layer))
         site = self.site
@@ -164,6 +167,20 @@ class BlockComparison:
                           "experts and shared experts (their units judge them)", "conversion_deviation": conv_dev,
                           "ratio_to_conversion": None,
                           "identical": all(torch.equal(own_a[n], own_b[n]) for n in own_a), "tensors": []}
+        return row
+
+    def lacking_unit(self, layer: int, result_type: type) -> LayerResult:
+        """The block unit of a layer whose B lacks tensors of A's block (its router, a shared expert's gate): failed,
+        tensor_missing naming them, since the block cannot route as A's (its experts' units pass on their own)."""
+        names = ", ".join(self.lacking[layer])
+        row = result_type(layer=layer, passed=False, max_abs_diff=None, max_rel_diff=None, mean_abs_diff=None,
+                          max_at=None, noise_floor=None, tolerance=None, ratio_to_noise=None, preactivation_range=None,
+                          weights=self.a.side.checkpoint.weights,
+                          diagnosis=diagnosis(MistakeId.TENSOR_MISSING, None, None, f"B's MoE block of layer {layer} "
+                                              f"lacks {names}, which A's holds: it cannot route tokens as A's does"))
+        row.unit = BLOCK_UNIT
+        row.conversion = {"kind": "missing in B", "tolerance_rule": None, "conversion_deviation": None,
+                          "ratio_to_conversion": None, "identical": False, "tensors": []}
         return row
 
     def expected(self, own_a: dict, own_b: dict, order: list[int] | None) -> dict[str, torch.Tensor]:
