@@ -176,9 +176,12 @@ def save_quantized(dest: Path, tensors: dict[str, torch.Tensor], quantization: d
 
 
 # How a compressed-tensors config can leave down_proj unquantized while the checkpoint stores it quantized: its ignore
-# list names it, or the one config group targets gate and up only.
-UNSTATED = {"ignored": lambda q: q["ignore"].append("re:.*down_proj$"),
-            "untargeted": lambda q: q["config_groups"]["group_0"].update(targets=["re:.*(gate|up)_proj$"])}
+# list names it, the one config group targets gate and up only, or it targets nothing.
+# Each: the edit, and the module a report then names (any projection where nothing is targeted).
+UNSTATED = {"ignored": (lambda q: q["ignore"].append("re:.*down_proj$"), "down_proj"),
+            "untargeted": (lambda q: q["config_groups"]["group_0"].update(targets=["re:.*(gate|up)_proj$"]),
+                           "down_proj"),
+            "no_targets": (lambda q: q["config_groups"]["group_0"].update(targets=[]), "_proj")}
 
 
 def skip_listed(key: str, module: str = "down_proj"):
@@ -192,7 +195,8 @@ def assert_module_not_stated(capsys, a: Path, b: Path, edit, module: str = "down
     loader would not quantize ``module``, its codes and scales kept: every unit fails, named
     quantized_module_not_stated in a message naming ``module``."""
     config = json.loads((b / "config.json").read_text())
-    (UNSTATED.get(edit) if isinstance(edit, str) else edit)(config["quantization_config"])
+    edit, module = UNSTATED[edit] if isinstance(edit, str) else (edit, module)
+    edit(config["quantization_config"])
     (b / "config.json").write_text(json.dumps(config, indent=2))
     code, report = compare_json(capsys, a, b)
     assert code == 1, report

@@ -99,9 +99,9 @@ class IntScheme:
             return dynamic_scheme(self, where, module)
         if self.method == "awq":  # transformers' AWQ integration skips modules_to_not_convert
             check_converted(module, self.not_converted, where)
-        if not self.targets:
+        if self.method not in (PACKED, STORED):
             return self
-        return module_scheme(dict(self.targets), self.not_converted, module, where)
+        return module_scheme(dict(self.targets), self.not_converted, module, where)  # no targets: none quantized
 
     def describe(self) -> str:
         if len({scheme.describe() for _, scheme in self.targets}) > 1:
