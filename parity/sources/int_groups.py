@@ -51,11 +51,8 @@ EXTRA = "quant"  # pyproject.toml's extra that installs compressed-tensors
 # AutoAWQ's GEMM packing (awq/modules/linear/gemm.py, WQLinear_GEMM.from_linear): nibble i of each int32 holds output
 # column 8 x col + AWQ_ORDER[i]
 AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)
-# the tensors each method stores for one quantized module X, beside which X.weight does not exist
-PARTS = {"gptq": ("qweight", "qzeros", "scales", "g_idx"), "awq": ("qweight", "qzeros", "scales"),
-         PACKED: ("weight_packed", "weight_scale", "weight_zero_point", "weight_shape", "weight_g_idx"),
-         STORED: ("weight", "weight_scale", "weight_zero_point")}
-# how each part is stored, as each format's own writer stores it (GPTQModel's PackableQuantLinear.pack, AutoAWQ's
+# the tensors each method stores for one quantized module X (beside which X.weight does not exist), and how each is
+# stored, as each format's own writer stores it (GPTQModel's PackableQuantLinear.pack, AutoAWQ's
 # WQLinear_GEMM.from_linear, compressed-tensors' PackedQuantizationCompressor and NaiveQuantizationCompressor): the
 # dimensions it may have, and its dtype ("int32": packed words; "int": any integer dtype; "float")
 STORAGE = {"gptq": {"qweight": ((2,), "int32"), "qzeros": ((2,), "int32"), "scales": ((2,), "float"),
@@ -65,6 +62,7 @@ STORAGE = {"gptq": {"qweight": ((2,), "int32"), "qzeros": ((2,), "int32"), "scal
                     "weight_zero_point": ((2,), "int32"), "weight_shape": ((1,), "int"), "weight_g_idx": ((1,), "int")},
            STORED: {"weight": ((2,), "int"), "weight_scale": ((0, 1, 2), "float"),
                     "weight_zero_point": ((0, 1, 2), "int")}}
+PARTS = {method: tuple(parts) for method, parts in STORAGE.items()}
 CODES_PART = {"gptq": "qweight", "awq": "qweight", PACKED: "weight_packed", STORED: "weight"}
 # what W8A8's static activation quantization stores beside a weight: a runtime input scale, no part of the weights
 ACTIVATION_PARTS = ("input_scale", "input_zero_point")
@@ -392,9 +390,7 @@ def check_parts(where: str, prefix: str, scheme: IntScheme, parts: dict) -> None
                               f"{', '.join(prefix + '.' + m for m in missing)}; its format stores "
                               f"{', '.join(required_parts(scheme))} for each quantized module")
     for part, value in parts.items():
-        dims, kind = STORAGE[scheme.method].get(part, (None, None))
-        if dims is None:
-            continue
+        dims, kind = STORAGE[scheme.method][part]  # ``parts`` holds only the method's own (PARTS)
         dtype = str(value.dtype).removeprefix("torch.")
         fits = {"int32": dtype == "int32", "float": value.dtype.is_floating_point and value.dtype.itemsize > 1,
                 "int": not value.dtype.is_floating_point and dtype != "bool"}[kind]
