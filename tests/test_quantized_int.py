@@ -109,6 +109,18 @@ def gptq(w: torch.Tensor, seed: int, act_order: bool = True, sym: bool = False) 
     return codes[:, back].long(), scales, zeros, g_idx
 
 
+def coarse_row(codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, g_idx: torch.Tensor
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Row 5 of a module's codes [out, in] and scales [out, groups] on a grid twice as coarse: each group's scale
+    doubled and each code's distance from its zero point halved (rounded), so the row keeps its values to half a step
+    of the new grid and its codes reach half the range (a scale chosen for one bit fewer)."""
+    codes, scales = codes.clone(), scales.clone()
+    zero = zeros[5, g_idx]
+    codes[5] = (torch.round((codes[5] - zero) / 2) + zero).to(codes.dtype)
+    scales[5] *= 2
+    return codes, scales
+
+
 def pack_rows(codes: torch.Tensor, bits: int) -> torch.Tensor:
     """[rows, cols] codes packed along the rows, low bits first, 32 / bits per int32 (GPTQ's qweight)."""
     per = 32 // bits
@@ -132,9 +144,9 @@ def pack_cols(codes: torch.Tensor, bits: int, order=None) -> torch.Tensor:
 def gptq_module(w: torch.Tensor, seed: int, how: str | None, act_order: bool = True, sym: bool = False
                 ) -> dict[str, torch.Tensor]:
     """One module's GPTQ tensors (v1: zeros stored minus one), written with mistake ``how``: zeros_plain (stored
-    without the minus one), sequential_g_idx (act-order codes, g_idx by position), bits8 (stated 8 in the config:
-    the config's business, the tensors as 4-bit), group16 (quantized in groups of 16), scales_t (scales [out,
-    groups])."""
+    without the minus one), sequential_g_idx (act-order codes, g_idx by position), row_coarse (``coarse_row``), bits8
+    (stated 8 in the config: the config's business, the tensors as 4-bit), group16 (quantized in groups of 16),
+    scales_t (scales [out, groups])."""
     global GROUP
     if how == "group16":
         GROUP, saved = 16, GROUP
@@ -146,6 +158,8 @@ def gptq_module(w: torch.Tensor, seed: int, how: str | None, act_order: bool = T
         codes, scales, zeros, g_idx = gptq(w, seed, act_order, sym)
     if how == "sequential_g_idx":
         g_idx = torch.arange(w.shape[1]) // GROUP
+    if how == "row_coarse":
+        codes, scales = coarse_row(codes, scales, zeros, g_idx)
     stored_zeros = zeros if how == "zeros_plain" else zeros - 1
     scales_out = scales.half() if how == "scales_t" else scales.t().contiguous().half()
     return {"qweight": pack_rows(codes.t(), BITS), "qzeros": pack_cols(stored_zeros.t().long() & 0xF, BITS),
@@ -154,8 +168,10 @@ def gptq_module(w: torch.Tensor, seed: int, how: str | None, act_order: bool = T
 
 def awq_module(w: torch.Tensor, how: str | None) -> dict[str, torch.Tensor]:
     """One module's AWQ GEMM tensors (round to nearest in sequential groups), packed in AWQ's order, or linearly
-    (``how`` "linear"); "scales_t": scales written [out, groups]."""
+    (``how`` "linear"); "scales_t": scales written [out, groups]; "row_coarse": ``coarse_row``."""
     codes, scales, zeros = rtn(w, torch.arange(w.shape[1]) // GROUP, w.shape[1] // GROUP)
+    if how == "row_coarse":
+        codes, scales = coarse_row(codes, scales, zeros, torch.arange(w.shape[1]) // GROUP)
     order = None if how == "linear" else AWQ_ORDER
     return {"qweight": pack_cols(codes.t().long(), BITS, order), "qzeros": pack_cols(zeros.t().long(), BITS, order),
             "scales": (scales if how == "scales_t" else scales.t()).contiguous().half()}
@@ -243,8 +259,9 @@ def ct_export(a: Path, dest: Path, preset: str, breaks: dict[str, str] | None = 
     another strategy ("tensor": one scale for the matrix, stored [1]); ``also``: a regex
     target ("re:...") -> the preset its modules are quantized with instead, each stated as a config group of its
     own.  ``breaks``: zeros_plus1 (every zero point one code up), scale_x2 (the scales doubled over the same codes),
-    scales_transposed (the scale grid stored [groups, out]), row_x2 (row 5's scale doubled), scale_nan (row 3's
-    scale NaN), scales_flat (the grid stored 1-D), zero_points_short (the last row's zero points dropped)."""
+    scales_transposed (the scale grid stored [groups, out]), row_x2 (row 5's scale doubled), row_coarse (row 5
+    quantized on its scales doubled, its codes halved), scale_nan (row 3's scale NaN), scales_flat (the grid stored
+    1-D), zero_points_short (the last row's zero points dropped)."""
     import re
 
     from compressed_tensors.compressors import BaseCompressor
@@ -271,9 +288,12 @@ def ct_export(a: Path, dest: Path, preset: str, breaks: dict[str, str] | None = 
         if str(getattr(args.strategy, "value", args.strategy)) == "tensor":  # one scale: [1], as llm-compressor's
             tiles = value.float().reshape(1, -1)
         scale, zero = calculate_qparams(tiles.amin(-1), tiles.amax(-1), args)
+        broken = (breaks or {}).get(name)
+        if broken == "row_coarse":  # row 5 quantized on its scales doubled: its codes reach half the range
+            scale = scale.clone()
+            scale[5] *= 2
         state = {"weight": value.float(), "weight_scale": scale.float(), "weight_zero_point": zero}
         compressed = compressor.compress(state, scheme)
-        broken = (breaks or {}).get(name)
         if broken == "zeros_plus1":  # the codes of the true zero point, stored one code up
             high = (1 << (args.num_bits - 1)) - 1
             shifted = {**state, "weight_zero_point": (zero + 1).clamp(max=high).to(zero.dtype)}
@@ -398,6 +418,8 @@ def test_a_faithful_int_quantized_export_passes_on_every_layer(model_a, root, ca
     ({"strategy": "tensor", "sym": False}, "zeros_plus1", "zero_point_off_by_one"),
     ({"preset": "W4A8", "group": 32}, "scales_flat", "group_size_wrong"),
     ({"sym": False}, "zero_points_short", "group_size_wrong"),
+    ({}, "row_coarse", "grid_too_coarse"),
+    ({"sym": False}, "row_coarse", "grid_too_coarse"),
 ])
 def test_an_int_quantized_mistake_fails_its_layer_named(model_a, root, capsys, options, broken, named):
     options = {"preset": "W8A8", **options}
@@ -649,6 +671,24 @@ def test_a_gptq_conversion_mistake_fails_its_layer_only_and_is_named(model_a, ro
     found = quantized_layer_one_named(capsys, model_a, broken, named, tensor)
     if found["distance"] is not None:  # a replay of the function: B reproduces it far closer than it is to A
         assert found["distance"] <= 0.5 * found["reference_distance"]
+
+
+@pytest.mark.parametrize("export", ["pack-quantized", "gptq", "gptq-sym", "awq"])
+def test_a_row_on_a_grid_coarser_than_its_values_need_fails_named(model_a, root, capsys, export):
+    """One row of down_proj quantized on its scales doubled, its codes halved: its values stay within half a step of
+    the coarser grid and the layer's function within its tolerance (it passed), but its codes reach half the range,
+    where every quantizer of these formats picks each group's scale from the values it rounds."""
+    breaks = {"model.layers.1.mlp.down_proj.weight": "row_coarse"}
+    dest = root / f"coarse-{export}"
+    if export == "pack-quantized":
+        broken = ct_export(model_a, dest, "W4A16", breaks, group=32)
+    else:
+        broken = int_export(model_a, dest, export[:4], breaks, fold=export == "awq",
+                            fields={"sym": True} if export == "gptq-sym" else None)
+    found = quantized_layer_one_named(capsys, model_a, broken, "grid_too_coarse", "down_proj")
+    assert "1 of 128 rows" in found["message"] and "row 5 " in found["message"], found["message"]
+    reach, side = found["message"].split(" reaches ")[1].split(" codes ")[0].split(" of ")
+    assert float(reach) <= float(side) / 2 + 0.5, found["message"]  # half the longer side, rounded
 
 
 def test_gptq_bits_stated_other_than_packed_is_named_on_every_layer(model_a, root, capsys):

@@ -235,8 +235,9 @@ MISTAKES = {m.id: m for m in [
     Mistake(MistakeId.GRID_TOO_COARSE, "checkpoint B's quantized blocks use a coarser grid (a larger step) than "
             "the format's own quantizer chooses for A's values in those blocks: fewer bits of A are kept than the "
             "format claims",
-            "re-quantize from A's original weights with the format's own quantizer (llama-quantize, "
-            "gguf.quants.quantize); the exporter chose the block scales itself"),
+            "re-quantize from A's original weights with the format's own quantizer (llama-quantize or "
+            "gguf.quants.quantize, llm-compressor, GPTQModel, mlx.core.quantize, bitsandbytes); the exporter chose "
+            "the block scales itself"),
     Mistake(MistakeId.ZEROED_TENSOR, "every quantization code of checkpoint B's tensor is zero: the blocks keep "
             "their scales but none of A's values",
             "re-export the tensor: the quantizer wrote its codes empty (an unfilled buffer, a failed pack)"),
@@ -483,7 +484,8 @@ PRODUCED_BY: dict[MistakeId, str] = {
     MistakeId.VALUE_CORRUPTED: "finding (compare): a value of a cast or re-saved B more than one ulp of B's dtype "
                                "from A's value cast to that dtype",
     MistakeId.GRID_TOO_COARSE: "finding (compare): a block's step in B's file against the step the format's "
-                               "quantizer chooses for A's values in that block",
+                               "quantizer chooses for A's values in that block; integer groups: a row's codes "
+                               "against its groups' range (group_grid.coarse_rows)",
     MistakeId.ZEROED_TENSOR: "finding (compare): every code of B's quantized tensor is zero, read from its blocks",
     MistakeId.NONFINITE_SCALE: "finding (compare): a NaN/Inf block scale in B's quantized tensor, read from its blocks",
     MistakeId.FP8_SCALE_INVERTED: "replay (compare): A quantized to FP8 blocks, its codes times 1 / each scale",

@@ -147,6 +147,18 @@ def grid_finding(rows: list[dict], storage: dict[str, Storage], reference_distan
                            f"one residue mod {grid['every']} (a quantizer rounding to the nearest level leaves about "
                            f"{1 / grid['every'] + 0.07:.0%}): a grid {grid['every']} x as coarse as its step")
             continue
+        if "rows_too_coarse" in grid:  # integer groups: a row's codes reaching part of its range (group_grid)
+            every = grid["rows_too_coarse"] == grid["rows"]
+            details.append(f"{named_in_b(row, storage)}: {grid['rows_too_coarse']} of {grid['rows']} rows hold codes "
+                           f"reaching less than {group_grid.REACH:.0%} of their group's longer side in every group; "
+                           f"the worst, row {grid['row']} (as the file stores it), reaches {grid['reach']:.3g} of "
+                           f"{grid['top']:g} codes from its zero point in group {grid['group']} ({grid['columns']} "
+                           f"columns): its scale {grid['b_step']:.4g} is "
+                           f"{grid['top'] / max(grid['reach'], 1e-30):.2f}x what its own codes need (a quantizer picks "
+                           f"each group's scale from its values, so the "
+                           f"largest lands at the end), where A's values there call for {grid['a_step']:.4g} by min-max"
+                           + (" (every row: a scale chosen for fewer bits than the codes hold)" if every else ""))
+            continue
         if "reach" in grid:  # codes reaching part of the block's grid (gguf_grid.short_reach)
             details.append(f"{named_in_b(row, storage)}: {grid['blocks_too_coarse']} of {grid['blocks']} blocks "
                            f"hold codes reaching less than {gguf_grid.REACH:.0%} of their grid; the worst, block "

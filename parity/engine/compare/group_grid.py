@@ -159,6 +159,55 @@ ANY = (-math.inf, math.inf)
 AWQ_GROUP_SCALE = (0.35, GROUP_SCALE[1])
 
 
+# A row of B (every group of it; the whole matrix for strategy "tensor") whose codes reach less than this share of
+# their group's longer side, |code - zero| / max(high - zero, zero - low), holds a grid coarser than its own values
+# need: every quantizer of these formats picks a group's scale from the values it then rounds (min-max; AWQ's clip and
+# GPTQ's mse search shrink it, never widen it), so the code of the group's largest magnitude lands at that side's end,
+# within a rounding: 7 of 8 at 4 bits, 3 of 4 at 3.  Measured on the tests' faithful exports (test_quantized_int.py,
+# test_quantized_gptqmodel.py): every row of the GPTQ-like one (act order and sequential, symmetric and not), AWQ with
+# its scales folded, pack-quantized W4A16 (groups of 32 and per channel, symmetric and not), int-quantized W8A8 and a
+# 3-bit GPTQModel export reaches 0.875 at least (one group alone, under GPTQ's compensation within it, 0.78); a row's
+# scales doubled over codes halved reaches 0.5 to 0.57, x1.5 0.67, which the function passed (one row of 128 moves
+# the layer's output little) and no least-squares factor sees (its values barely move).  At 2 bits a faithful
+# symmetric group may reach 1 of its 2, no farther than a halved one: not judged there (REACH_BITS).
+REACH = 0.7
+REACH_BITS = 3
+
+
+def coarse_rows(x: torch.Tensor, held: torch.Tensor, grid: Grid) -> dict | None:
+    """Rows of B (stored layout; ``held``: B's values, ``x``: A's) whose codes reach less than ``REACH`` of their
+    group's longer side in every group of the row (the matrix, for one scale per tensor): a step larger than the
+    row's own values need.  The worst row, with the group it reaches farthest in and the step A's values there call
+    for by min-max, or None; rows holding only their zero points are left to the scales (``value_scales``)."""
+    if grid.bits < REACH_BITS:
+        return None
+    steps = grid.steps.abs()  # ``folds`` multiplied the steps with the values: codes are B's values over them
+    codes = torch.where(steps > 0, held.float().abs() / _safe(steps), torch.zeros_like(steps)).round()
+    side = torch.maximum(grid.high - grid.group_zeros, grid.group_zeros - grid.low).clamp_min(1)
+    index = grid.g_idx.expand(codes.shape[0], -1)
+    reached = torch.zeros_like(side).scatter_reduce(1, index, codes, "amax", include_self=True) / side
+    if grid.whole:  # one scale for the matrix: its farthest code anywhere
+        reached = reached.amax().expand_as(reached).clone()
+    reach, group = reached.max(1)
+    short = (reach > 0) & (reach < REACH)
+    if not bool(short.any()):
+        return None
+    worst = int(torch.where(short, reach, math.inf).argmin())
+    group = int(group[worst])
+    columns = grid.g_idx == group
+    rows = slice(None) if grid.whole else slice(worst, worst + 1)  # one scale per tensor: A's need is the matrix's
+    values = (x.float() / torch.as_tensor(grid.factor).expand_as(x))[rows][:, columns]  # in the file's values
+    if bool((grid.group_zeros == grid.group_zeros.reshape(-1)[0]).all()):  # symmetric: the largest magnitude
+        need = float(values.abs().max()) / float(side[worst, group])
+    else:
+        need = float(values.max().clamp(min=0) - values.min().clamp(max=0)) / (grid.high - grid.low)
+    chosen = float(grid.scales[worst, group].abs())
+    return {"rows_too_coarse": int(short.sum()), "rows": len(reach), "row": worst, "group": group,
+            "columns": int(columns.sum()), "b_step": chosen, "a_step": need,
+            "reach": float(reach[worst] * side[worst, group]), "top": float(side[worst, group]),
+            "times_coarser": chosen / need if need else math.inf}
+
+
 def value_scales(x: torch.Tensor, held: torch.Tensor, grid: Grid) -> dict:
     """B's least-squares factor on A (stored layout [out, in]) per matrix, row and group (the columns of each group
     gathered by g_idx, act order's included), against ``SCALE`` and ``GROUP_SCALE`` (``AWQ_GROUP_SCALE`` for an AWQ
