@@ -673,6 +673,29 @@ def test_a_gptq_conversion_mistake_fails_its_layer_only_and_is_named(model_a, ro
         assert found["distance"] <= 0.5 * found["reference_distance"]
 
 
+@pytest.mark.parametrize(("preset", "fmt", "group"), [("W4A16", "pack-quantized", 32), ("W8A8", "int-quantized", None)])
+def test_zero_points_stored_beside_a_symmetric_scheme_are_named(model_a, root, capsys, preset, fmt, group):
+    """A symmetric scheme stores no zero points; nonzero ones in the file are subtracted by compressed-tensors'
+    decompress as stored (packed ones: an internal error before) and ignored by vLLM's kernels: named on their
+    layer.  Zero ones of the scales' shape (int-quantized) change nothing and pass."""
+    from compressed_tensors.compressors.pack_quantized.helpers import pack_to_int32
+
+    for code in (1, 0) if group is None else (1,):  # packed words must be int32, of weight_scale's shape no zero
+        b = ct_export(model_a, root / f"stray-zeros-{fmt}-{code}", preset, group=group, fmt=fmt)
+        tensors = load_file(b / "model.safetensors")
+        prefix = "model.layers.1.mlp.down_proj."
+        zeros = torch.full(tensors[prefix + "weight_scale"].shape, code, dtype=torch.int8)
+        if code:  # packed as compressed-tensors packs an asymmetric one, which its decompress then subtracts as stored
+            zeros = pack_to_int32(zeros, 4, packed_dim=0) if group else zeros
+        tensors[prefix + "weight_zero_point"] = zeros  # zero: of weight_scale's shape, packed or not
+        save_file(tensors, b / "model.safetensors", metadata={"format": "pt"})
+        if code:
+            found = quantized_layer_one_named(capsys, model_a, b, "zero_point_off_by_one", "down_proj")
+            assert "weight_zero_point" in found["message"] and "symmetric" in found["message"], found["message"]
+        else:
+            assert compare(capsys, model_a, b)[0] == 0
+
+
 @pytest.mark.parametrize("export", ["pack-quantized", "gptq", "gptq-sym", "awq"])
 def test_a_row_on_a_grid_coarser_than_its_values_need_fails_named(model_a, root, capsys, export):
     """One row of down_proj quantized on its scales doubled, its codes halved: its values stay within half a step of

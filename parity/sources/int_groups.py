@@ -400,6 +400,23 @@ def check_parts(where: str, prefix: str, scheme: IntScheme, parts: dict) -> None
                                   f"stores it as {kind} {shape}")
 
 
+def check_stray_zeros(where: str, name: str, scheme: IntScheme, parts: dict) -> None:
+    """A symmetric compressed-tensors scheme stores no zero points; its ``decompress`` subtracts one it finds in the
+    file as stored (packed words and all), where vLLM's symmetric kernels have no place for it: read two ways, or a
+    crash in the library (packed words of another shape than the scales).  Nonzero or of another shape than
+    ``weight_scale``: a QuantizedLayoutError naming it.  Zero ones of the scales' shape change no reader's values."""
+    zero_point = parts.get("weight_zero_point")
+    if not scheme.sym or scheme.method not in (PACKED, STORED) or zero_point is None:
+        return
+    scale = parts.get("weight_scale")
+    if scale is not None and zero_point.shape == scale.shape and not bool(zero_point.any()):
+        return
+    raise layout_error(where, name, f"it stores a weight_zero_point {list(zero_point.shape)} (nonzero, or not of "
+                       f"weight_scale's shape) beside the stated {scheme.describe()}, which has none: "
+                       "compressed-tensors' decompress subtracts it as stored, vLLM's symmetric kernels ignore it; "
+                       "state the scheme asymmetric (symmetric: false) or drop the tensor", "zero_point_off_by_one")
+
+
 def check_groups(where: str, name: str, scheme: IntScheme, inputs: int, outputs: int, scales) -> None:
     """The scales are [groups, out] (compressed-tensors: [out, groups]) for the stated group size, else a
     QuantizedLayoutError: the grid transposed, or one of another group size."""
@@ -613,6 +630,7 @@ class IntGroupCheckpoint(Checkpoint):
         for file_name, members in files.items():
             parts.update({key[len(prefix) + 1:]: value for key, value in self.reader(file_name, members).items()})
         check_parts(self.location, prefix, scheme, parts)
+        check_stray_zeros(self.location, name, scheme, parts)
         if scheme.method == PACKED:
             return read_packed(self.location, name, scheme, parts)
         if scheme.method == STORED:
