@@ -155,8 +155,8 @@ def grid_finding(rows: list[dict], storage: dict[str, Storage], reference_distan
                            f"{grid['top']:g} codes from its zero point in group {grid['group']} ({grid['columns']} "
                            f"columns): its scale {grid['b_step']:.4g} is "
                            f"{grid['top'] / max(grid['reach'], 1e-30):.2f}x what its own codes need (a quantizer picks "
-                           f"each group's scale from its values, so the "
-                           f"largest lands at the end), where A's values there call for {grid['a_step']:.4g} by min-max"
+                           f"each group's scale from its values, so the largest lands at the end), where A's "
+                           f"values there call for {grid['a_step']:.4g} by min-max"
                            + (" (every row: a scale chosen for fewer bits than the codes hold)" if every else ""))
             continue
         if "reach" in grid:  # codes reaching part of the block's grid (gguf_grid.short_reach)

@@ -187,7 +187,7 @@ def coarse_rows(x: torch.Tensor, held: torch.Tensor, grid: Grid) -> dict | None:
     index = grid.g_idx.expand(codes.shape[0], -1)
     reached = torch.zeros_like(side).scatter_reduce(1, index, codes, "amax", include_self=True) / side
     if grid.whole:  # one scale for the matrix: its farthest code anywhere
-        reached = reached.amax().expand_as(reached).clone()
+        reached = reached.amax().expand_as(reached)
     reach, group = reached.max(1)
     short = (reach > 0) & (reach < REACH)
     if not bool(short.any()):
@@ -197,7 +197,7 @@ def coarse_rows(x: torch.Tensor, held: torch.Tensor, grid: Grid) -> dict | None:
     columns = grid.g_idx == group
     rows = slice(None) if grid.whole else slice(worst, worst + 1)  # one scale per tensor: A's need is the matrix's
     values = (x.float() / torch.as_tensor(grid.factor).expand_as(x))[rows][:, columns]  # in the file's values
-    if bool((grid.group_zeros == grid.group_zeros.reshape(-1)[0]).all()):  # symmetric: the largest magnitude
+    if symmetric(grid):  # the largest magnitude
         need = float(values.abs().max()) / float(side[worst, group])
     else:
         need = float(values.max().clamp(min=0) - values.min().clamp(max=0)) / (grid.high - grid.low)
@@ -244,6 +244,11 @@ def stored(checkpoint, key: str, route) -> Storage | None:
                    route=route, nonfinite_scale=problem, group=grid, zeroed=zeroed)
 
 
+def symmetric(grid: Grid) -> bool:
+    """Whether B's grid keeps one zero point for every group (a symmetric scheme)."""
+    return bool((grid.group_zeros == grid.group_zeros.reshape(-1)[0]).all())
+
+
 def round_to(x: torch.Tensor, grid: Grid) -> torch.Tensor:
     """A's matrix (stored layout) rounded to the nearest point of B's grid: what a faithful round-to-nearest
     export with B's scales and zeros holds."""
@@ -274,7 +279,7 @@ def minmax(x: torch.Tensor, grid: Grid) -> torch.Tensor:
         high, low = high.amax(0, keepdim=True).expand(shape), low.amin(0, keepdim=True).expand(shape)
     span = grid.high - grid.low
     zeros = grid.group_zeros
-    if bool((zeros == zeros.reshape(-1)[0]).all()):  # symmetric: the zero point B's grid keeps
+    if symmetric(grid):  # the zero point B's grid keeps
         scales = torch.maximum(high, -low) / (span / 2)
     else:
         scales = (high - low) / span
