@@ -121,6 +121,22 @@ def coarse_row(codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, g
     return codes, scales
 
 
+def skipped_levels(codes: torch.Tensor, zeros: torch.Tensor, g_idx: torch.Tensor, how: str,
+                   high: int) -> torch.Tensor:
+    """Codes [out, in] moved onto one level in k of their grid (``SKIPPED[how]``: the rows and k): each one's
+    distance from its zero point rounded to a multiple of k (clamped to the codes' range), the scales kept: a grid k
+    times as coarse passed off as the stated one, whose values stay within a step or two of A's."""
+    rows, k = SKIPPED[how]
+    codes = codes.clone()
+    zero = zeros[rows][:, g_idx]
+    codes[rows] = torch.clamp(torch.round((codes[rows] - zero) / k) * k + zero, 0, high).to(codes.dtype)
+    return codes
+
+
+# row 5 on every other level; every row on every other level; every row on every third level
+SKIPPED = {"row_even": (slice(5, 6), 2), "levels_even": (slice(None), 2), "levels_third": (slice(None), 3)}
+
+
 def pack_rows(codes: torch.Tensor, bits: int) -> torch.Tensor:
     """[rows, cols] codes packed along the rows, low bits first, 32 / bits per int32 (GPTQ's qweight)."""
     per = 32 // bits
@@ -144,7 +160,8 @@ def pack_cols(codes: torch.Tensor, bits: int, order=None) -> torch.Tensor:
 def gptq_module(w: torch.Tensor, seed: int, how: str | None, act_order: bool = True, sym: bool = False
                 ) -> dict[str, torch.Tensor]:
     """One module's GPTQ tensors (v1: zeros stored minus one), written with mistake ``how``: zeros_plain (stored
-    without the minus one), sequential_g_idx (act-order codes, g_idx by position), row_coarse (``coarse_row``), bits8
+    without the minus one), sequential_g_idx (act-order codes, g_idx by position), row_coarse (``coarse_row``),
+    row_even / levels_even / levels_third (``skipped_levels``), bits8
     (stated 8 in the config: the config's business, the tensors as 4-bit), group16 (quantized in groups of 16),
     scales_t (scales [out, groups])."""
     global GROUP
@@ -160,6 +177,8 @@ def gptq_module(w: torch.Tensor, seed: int, how: str | None, act_order: bool = T
         g_idx = torch.arange(w.shape[1]) // GROUP
     if how == "row_coarse":
         codes, scales = coarse_row(codes, scales, zeros, g_idx)
+    if how in SKIPPED:
+        codes = skipped_levels(codes, zeros, g_idx, how, (1 << BITS) - 1)
     stored_zeros = zeros if how == "zeros_plain" else zeros - 1
     scales_out = scales.half() if how == "scales_t" else scales.t().contiguous().half()
     return {"qweight": pack_rows(codes.t(), BITS), "qzeros": pack_cols(stored_zeros.t().long() & 0xF, BITS),
@@ -168,10 +187,13 @@ def gptq_module(w: torch.Tensor, seed: int, how: str | None, act_order: bool = T
 
 def awq_module(w: torch.Tensor, how: str | None) -> dict[str, torch.Tensor]:
     """One module's AWQ GEMM tensors (round to nearest in sequential groups), packed in AWQ's order, or linearly
-    (``how`` "linear"); "scales_t": scales written [out, groups]; "row_coarse": ``coarse_row``."""
+    (``how`` "linear"); "scales_t": scales written [out, groups]; "row_coarse": ``coarse_row``; ``SKIPPED``:
+    ``skipped_levels``."""
     codes, scales, zeros = rtn(w, torch.arange(w.shape[1]) // GROUP, w.shape[1] // GROUP)
     if how == "row_coarse":
         codes, scales = coarse_row(codes, scales, zeros, torch.arange(w.shape[1]) // GROUP)
+    if how in SKIPPED:
+        codes = skipped_levels(codes, zeros, torch.arange(w.shape[1]) // GROUP, how, (1 << BITS) - 1)
     order = None if how == "linear" else AWQ_ORDER
     return {"qweight": pack_cols(codes.t().long(), BITS, order), "qzeros": pack_cols(zeros.t().long(), BITS, order),
             "scales": (scales if how == "scales_t" else scales.t()).contiguous().half()}
@@ -260,7 +282,8 @@ def ct_export(a: Path, dest: Path, preset: str, breaks: dict[str, str] | None = 
     target ("re:...") -> the preset its modules are quantized with instead, each stated as a config group of its
     own.  ``breaks``: zeros_plus1 (every zero point one code up), scale_x2 (the scales doubled over the same codes),
     scales_transposed (the scale grid stored [groups, out]), row_x2 (row 5's scale doubled), row_coarse (row 5
-    quantized on its scales doubled, its codes halved), scale_nan (row 3's scale NaN), scales_flat (the grid stored
+    quantized on its scales doubled, its codes halved), row_even / levels_even / levels_third (``SKIPPED``: codes
+    on one level in k of their grid, the scales kept), scale_nan (row 3's scale NaN), scales_flat (the grid stored
     1-D), zero_points_short (the last row's zero points dropped)."""
     import re
 
@@ -292,7 +315,15 @@ def ct_export(a: Path, dest: Path, preset: str, breaks: dict[str, str] | None = 
         if broken == "row_coarse":  # row 5 quantized on its scales doubled: its codes reach half the range
             scale = scale.clone()
             scale[5] *= 2
-        state = {"weight": value.float(), "weight_scale": scale.float(), "weight_zero_point": zero}
+        value = value.float()
+        if broken in SKIPPED:  # each value's code rounded to a distance from its zero point of a multiple of k
+            rows, k = SKIPPED[broken]
+            size = value.shape[1] // scale.shape[-1] if scale.numel() > 1 else value.shape[1]
+            step = scale.float().reshape(-1, scale.shape[-1] if scale.numel() > 1 else 1).repeat_interleave(size, 1)
+            moved = torch.round(value / step.expand_as(value) / k) * k * step.expand_as(value)
+            value = value.clone()
+            value[rows] = moved[rows]
+        state = {"weight": value, "weight_scale": scale.float(), "weight_zero_point": zero}
         compressed = compressor.compress(state, scheme)
         if broken == "zeros_plus1":  # the codes of the true zero point, stored one code up
             high = (1 << (args.num_bits - 1)) - 1
@@ -712,6 +743,28 @@ def test_a_row_on_a_grid_coarser_than_its_values_need_fails_named(model_a, root,
     assert "1 of 128 rows" in found["message"] and "row 5 " in found["message"], found["message"]
     reach, side = found["message"].split(" reaches ")[1].split(" codes ")[0].split(" of ")
     assert float(reach) <= float(side) / 2 + 0.5, found["message"]  # half the longer side, rounded
+
+
+@pytest.mark.parametrize("scope", ["row_even", "levels_even", "levels_third"])
+@pytest.mark.parametrize("export", ["pack-quantized", "int-quantized", "gptq", "gptq-sym", "awq"])
+def test_codes_on_every_other_level_of_their_grid_fail_named(model_a, root, capsys, export, scope):
+    """down_proj's codes (one row, or every row) rounded to an even distance from their zero points (or a multiple
+    of 3), the scales kept: a grid 2 (3) times as coarse passed off as the stated one.  Each value stays within a
+    step or two of A's and one row's function within the layer's tolerance, but round to nearest (and GPTQ's
+    compensation, which rounds to nearest on the same grid) fills every level alike."""
+    breaks = {"model.layers.1.mlp.down_proj.weight": scope}
+    dest = root / f"even-{export}-{scope}"
+    if export.endswith("-quantized"):
+        packed = export == "pack-quantized"
+        broken = ct_export(model_a, dest, "W4A16" if packed else "W8A8", breaks, group=32 if packed else None,
+                           fmt=export)
+    else:
+        broken = int_export(model_a, dest, export[:4], breaks, fold=export == "awq",
+                            fields={"sym": True} if export == "gptq-sym" else None)
+    found = quantized_layer_one_named(capsys, model_a, broken, "grid_too_coarse", "down_proj")
+    rows = "1 of 128 rows" if scope == "row_even" else "128 of 128 rows"
+    levels = "one level in 3 left empty" if scope == "levels_third" else "every other level"
+    assert rows in found["message"] and levels in found["message"], found["message"]
 
 
 def test_gptq_bits_stated_other_than_packed_is_named_on_every_layer(model_a, root, capsys):

@@ -485,7 +485,8 @@ PRODUCED_BY: dict[MistakeId, str] = {
                                "from A's value cast to that dtype",
     MistakeId.GRID_TOO_COARSE: "finding (compare): a block's step in B's file against the step the format's "
                                "quantizer chooses for A's values in that block; integer groups: a row's codes "
-                               "against its groups' range (group_grid.coarse_rows)",
+                               "against its groups' range (group_grid.coarse_rows), or on one level in k of it "
+                               "where A rounded to nearest fills them all (group_grid.skipped_levels)",
     MistakeId.ZEROED_TENSOR: "finding (compare): every code of B's quantized tensor is zero, read from its blocks",
     MistakeId.NONFINITE_SCALE: "finding (compare): a NaN/Inf block scale in B's quantized tensor, read from its blocks",
     MistakeId.FP8_SCALE_INVERTED: "replay (compare): A quantized to FP8 blocks, its codes times 1 / each scale",

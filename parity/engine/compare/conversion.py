@@ -109,7 +109,9 @@ def quantized_bounds(a: torch.Tensor, b: torch.Tensor, storage: Storage, a_dtype
                                     or group_grid.roughness(x, grid) > group_grid.SOUND
                                     or group_grid.moved(held, group_grid.round_to(x, grid), grid)
                                     > group_grid.MOVED_LIMIT)
-        coarse = group_grid.coarse_rows(x, held, grid) if x is not None else None  # a row's codes short of its range
+        # a row's codes short of its range, or on one level in k of it
+        coarse = (group_grid.coarse_rows(x, held, grid) or group_grid.skipped_levels(x, held, grid)
+                  if x is not None else None)
         return torch.full_like(storage.steps.float(), 0.0 if biased else math.inf), coarse
     allowed = torch.maximum(STEP_SLACK * storage.steps.float(), spacing(a, a_dtype))
     if storage.fp4 is not None:  # FP4 groups: each group's scale against A's amax / 6

@@ -147,6 +147,16 @@ def grid_finding(rows: list[dict], storage: dict[str, Storage], reference_distan
                            f"one residue mod {grid['every']} (a quantizer rounding to the nearest level leaves about "
                            f"{1 / grid['every'] + 0.07:.0%}): a grid {grid['every']} x as coarse as its step")
             continue
+        if "levels_skipped" in grid:  # integer groups: a row's codes on one level in k (group_grid.skipped_levels)
+            k = grid["one_in"]
+            levels = "every other level" if k == 2 else f"one level in {k} left empty"
+            details.append(f"{named_in_b(row, storage)}: {grid['levels_skipped']} of {grid['rows']} rows hold their "
+                           f"codes on {levels} of their grid; the worst, row {grid['row']} (as the file stores it), "
+                           f"holds {grid['b_count']} of its {grid['codes']} codes at a distance from the zero point "
+                           f"of {grid['residue']} mod {k}, where A's values rounded to nearest on the same grid put "
+                           f"{grid['a_count']} there: a grid {k} x as coarse as its scales state, each value within a "
+                           "step of A's")
+            continue
         if "rows_too_coarse" in grid:  # integer groups: a row's codes reaching part of its range (group_grid)
             every = grid["rows_too_coarse"] == grid["rows"]
             details.append(f"{named_in_b(row, storage)}: {grid['rows_too_coarse']} of {grid['rows']} rows hold codes "

@@ -208,6 +208,45 @@ def coarse_rows(x: torch.Tensor, held: torch.Tensor, grid: Grid) -> dict | None:
             "times_coarser": chosen / need if need else math.inf}
 
 
+# A row of B whose codes leave one level in k of their grid empty (k of 2 or 3, at most the codes' levels / 4) where
+# A's values rounded to nearest on the same grid (its own scales and zero points) fill it: the row holds at most
+# SKIP_LEFT of the codes A's rounding puts on that residue of (code - zero) mod k, and that is at least SKIP_MIN codes
+# (one level in 4 is one in 2 already).  Round to nearest fills every level its values cross, and GPTQ's compensation
+# moves a code a level or two either way (5 to 35 % of them, COMPENSATED), so each residue keeps about A's count;
+# codes rounded onto every other level, the scales kept (a grid twice as coarse passed off as the stated one), leave
+# a residue empty with every value within a step of A's and the function within twice round to nearest's error: one
+# such row of 128 passed, a whole matrix failed only as quantization_exceeds_step.  Measured on the tests' exports
+# (tests/test_quantized_int.py, test_quantized_gptqmodel.py, test_quantized_gptq_outliers.py: pack-quantized W4A16
+# and W8A16, int-quantized W8A8 and W4A8, the GPTQ-like one with act order and outlier Hessians, symmetric and not,
+# AWQ folded, 3-bit GPTQModel layout; faithful, and with every other mistake they test): the emptiest residue of any
+# row keeps 0.54 of A's count at k = 2, 0.48 at k = 3; a row on every other level 0.07 at most (its top code clamped
+# back onto an odd one), every row 0.016; every third level (k = 3) 0.000.
+SKIP_MAX = 3
+SKIP_LEFT = 0.2
+SKIP_MIN = 16
+
+
+def skipped_levels(x: torch.Tensor, held: torch.Tensor, grid: Grid) -> dict | None:
+    """Rows of B (stored layout; ``held``: B's values, ``x``: A's) whose codes leave one level in k of their grid
+    empty where A's values rounded to nearest on it fill it (``SKIP_LEFT``, ``SKIP_MIN``): the worst row, with k, the
+    residue and both counts, for the smallest k any row skips; None where none does."""
+    b = torch.round(held.float() / _safe(grid.steps))  # B's code - zero (``folds`` scaled values and steps alike)
+    a = grid.codes(x) - grid.zeros  # A's round to nearest on B's grid, code - zero
+    for k in range(2, min(SKIP_MAX, (grid.high - grid.low + 1) // 4) + 1):
+        counts = [torch.stack([(torch.remainder(v, k) == r).sum(1) for r in range(k)], 1) for v in (a, b)]
+        left = counts[1].float() / counts[0].clamp_min(1).float()
+        empty = (counts[0] >= SKIP_MIN) & (left <= SKIP_LEFT)
+        if not bool(empty.any()):
+            continue
+        rows = empty.any(1)
+        worst = int(torch.where(empty, left, math.inf).amin(1).argmin())
+        residue = int(torch.where(empty[worst], left[worst], math.inf).argmin())
+        return {"levels_skipped": int(rows.sum()), "rows": len(rows), "row": worst, "one_in": k, "residue": residue,
+                "b_count": int(counts[1][worst, residue]), "a_count": int(counts[0][worst, residue]),
+                "codes": int(held.shape[1])}
+    return None
+
+
 def value_scales(x: torch.Tensor, held: torch.Tensor, grid: Grid) -> dict:
     """B's least-squares factor on A (stored layout [out, in]) per matrix, row and group (the columns of each group
     gathered by g_idx, act order's included), against ``SCALE`` and ``GROUP_SCALE`` (``AWQ_GROUP_SCALE`` for an AWQ
