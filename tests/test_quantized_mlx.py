@@ -53,16 +53,21 @@ def pack4(codes: np.ndarray) -> np.ndarray:
     return sum(words[..., k] << np.uint32(4 * k) for k in range(8)).astype(np.uint32)
 
 
-def microscaled(value: torch.Tensor, mode: str, dtype: str, how: str | None = None) -> dict:
+def microscaled(value: torch.Tensor, mode: str, dtype: str, how: str | None = None, *,
+                global_scale: bool = False) -> dict:
     """``value`` as mlx_lm.convert stores it in a microscaled ``mode`` (weight, uint8 scales; no biases), with
     mistake ``how``: doubled (every scale twice as large), coarse (row 2's scales twice as large: its groups' grid
     twice as coarse as mlx chooses), gguf_order (each 32-value block's codes packed in
     ggml's MXFP4 order: value j and j + 16 in byte j), transposed (a square scale grid stored transposed), nan (row
-    3's scales the byte mlx reads as no number), affine (quantized in affine mode: scales and biases in ``dtype``)."""
+    3's scales the byte mlx reads as no number), affine (quantized in affine mode: scales and biases in ``dtype``),
+    global_x2 (the global scale stored twice the one quantized with).  ``global_scale``: nvfp4 quantized with
+    mlx's ``global_scale`` (the matrix's largest magnitude, which puts its largest group's scale at e4m3's top),
+    stored as X.global_scale (float32 scalar)."""
     w = mx.array(value.float().numpy()).astype(getattr(mx, dtype))
     if how == "affine":
         return quantize(value, 64, 4, dtype)
-    packed, scales = mx.quantize(w, mode=mode)
+    gs = mx.array(np.float32(float(mx.abs(w).max()))) if global_scale else None
+    packed, scales = mx.quantize(w, mode=mode, global_scale=gs)
     scales = np.array(scales)
     twice = 8 if mode == "nvfp4" else 1  # a scale byte twice as large: e4m3's exponent one up, e8m0's byte one up
     if how == "doubled":
@@ -79,7 +84,10 @@ def microscaled(value: torch.Tensor, mode: str, dtype: str, how: str | None = No
         scales = np.ascontiguousarray(scales.T)
     if how == "nan":
         scales[3] = 255
-    return {"weight": to_torch(packed), "scales": torch.from_numpy(scales.astype(np.uint8))}
+    stored = {"weight": to_torch(packed), "scales": torch.from_numpy(scales.astype(np.uint8))}
+    if gs is not None:
+        stored["global_scale"] = torch.tensor(float(np.array(gs)) * (2 if how == "global_x2" else 1))
+    return stored
 
 
 def quantize(value: torch.Tensor, group: int, bits: int, dtype: str, how: str | None = None) -> dict:
@@ -115,13 +123,14 @@ def quantize(value: torch.Tensor, group: int, bits: int, dtype: str, how: str | 
 
 def mlx_export(a: Path, dest: Path, *, group: int = 64, bits: int = 4, dtype: str = "bfloat16",
                breaks: dict[str, str] | None = None, modules: dict | None = None, written: dict | None = None,
-               mode: str | None = None, stated: str | None = None) -> Path:
+               mode: str | None = None, stated: str | None = None, global_scale: bool = False) -> Path:
     """A's folder as mlx_lm.convert -q writes it: every 2-D weight whose input width is a multiple of the group
     quantized, the rest cast to ``dtype``.  ``modules``: config.json's per-module entries ({group_size, bits} or
     False), which the tensors follow unless ``written`` says what a module was really quantized with (a config that
     misstates it); ``breaks``: tensor name -> a mistake of ``quantize`` (of ``microscaled`` with ``mode``: a
     microscaled mode, whose group size and bits are mlx's defaults, as ``--q-mode`` writes them); ``stated``: the
-    mode config.json states, where it misstates ``mode``."""
+    mode config.json states, where it misstates ``mode``; ``global_scale``: nvfp4 with a global scale per matrix
+    (``microscaled``)."""
     breaks, modules, written = breaks or {}, modules or {}, written or {}
     if mode is not None:
         _, scales = mx.quantize(mx.zeros((2, 256)), mode=mode)
@@ -134,7 +143,7 @@ def mlx_export(a: Path, dest: Path, *, group: int = 64, bits: int = 4, dtype: st
         if value.dim() not in (2, 3) or "norm" in name or entry is False or value.shape[-1] % entry["group_size"]:
             out[name] = value.to(getattr(torch, dtype))
             continue
-        parts = (microscaled(value, mode, dtype, breaks.get(name)) if mode is not None
+        parts = (microscaled(value, mode, dtype, breaks.get(name), global_scale=global_scale) if mode is not None
                  else quantize(value, entry["group_size"], entry["bits"], dtype, breaks.get(name)))
         out.update({f"{module}.{part}": tensor for part, tensor in parts.items()})
     save_file(out, dest / "model.safetensors", metadata={"format": "mlx"})
@@ -392,6 +401,44 @@ def test_a_microscaled_conversion_mistake_fails_its_layer_only_and_is_named(mode
     assert evidence in found["message"], found["message"]
     if found["distance"] is not None:
         assert found["distance"] <= 0.5 * found["reference_distance"]
+
+
+def test_an_nvfp4_export_with_global_scales_is_read_with_them_and_one_doubled_is_named(model_a, root, capsys):
+    """nvfp4 quantized with mlx's ``global_scale`` (stored as X.global_scale beside each matrix): mlx.core.dequantize
+    takes it, and every value's scale is its e4m3 byte times global_scale / (448 x 6).  Read without it, every layer
+    of a faithful export failed grid_too_coarse; read with it (dequantized by mlx, A re-quantized at B's global
+    scale), every layer passes at A's re-quantization.  One stored twice what it was quantized with moves the whole
+    matrix: its layer fails, named with the factor."""
+    b = mlx_export(model_a, root / "nvfp4-global", mode="nvfp4", global_scale=True)
+    code, report = compare(capsys, model_a, b)
+    assert code == 0, report
+    for layer in report["layers"]:
+        assert layer["conversion"]["ratio_to_conversion"] == pytest.approx(1.0, abs=1e-6)
+        for row in layer["conversion"]["tensors"]:
+            assert "at B's global scale" in row["conversion"] and row["steps"]["values_beyond_step"] == 0, row
+    broken = mlx_export(model_a, root / "nvfp4-global-x2", mode="nvfp4", global_scale=True,
+                        breaks={f"{LAYER1}.up_proj.weight": "global_x2"})
+    found = quantized_layer_one_named(capsys, model_a, broken, "tensor_scaled", "up_proj")
+    factor = float(re.search(r"up_proj\.weight x ([0-9.]+)", found["message"]).group(1))
+    assert 1.9 <= factor <= 2.1, found["message"]
+
+
+@pytest.mark.parametrize(("mode", "value", "said"), [
+    ("mxfp4", torch.tensor(1.0), "mlx takes a global scale in nvfp4 mode only"),
+    ("nvfp4", torch.tensor([1.0, 2.0]), "one positive finite float32 global scale per tensor"),
+    ("nvfp4", torch.tensor(float("nan")), "one positive finite float32 global scale per tensor"),
+    ("nvfp4", torch.tensor(1.0, dtype=torch.bfloat16), "one positive finite float32 global scale per tensor"),
+])
+def test_a_global_scale_mlx_cannot_take_is_exit_2_naming_it(model_a, root, capsys, mode, value, said):
+    b = mlx_export(model_a, root / f"global-{mode}-{value.numel()}-{value.dtype}-{bool(value.isnan().any())}",
+                   mode=mode)
+    tensors = load_file(b / "model.safetensors")
+    tensors[f"{LAYER1}.down_proj.global_scale"] = value
+    save_file(tensors, b / "model.safetensors", metadata={"format": "mlx"})
+    code, out, err = run_main(capsys, "compare", model_a, b)
+    assert code == 2, out + err
+    assert f"{LAYER1}.down_proj.global_scale" in err and said in err, err
+    assert "Traceback" not in err
 
 
 def test_a_microscaled_export_whose_config_says_affine_fails_every_layer_naming_the_mode(model_a, root, capsys):

@@ -33,7 +33,9 @@ from parity.errors import CheckpointError, QuantizedLayoutError, UnstatedModuleE
 from parity.sources.checkpoint import Checkpoint, dequantized_on_read, split_companions
 
 EXTRA = "mlx"  # pyproject.toml's extra that installs mlx
-COMPANIONS = (".scales", ".biases")
+# a module's parts beside its packed X.weight: its scales, affine's biases, and nvfp4's optional global scale (one
+# float32 per tensor, which mlx.core.quantize and dequantize take as ``global_scale``, nvfp4 only)
+COMPANIONS = (".scales", ".biases", ".global_scale")
 WORD = 32  # bits per packed uint32
 AFFINE = "affine"  # mlx.core.quantize's default mode: a scale and a bias per group
 
@@ -92,6 +94,7 @@ class MLXQuantized:
     params: MLXParams
     scale_dtype: str
     levels: object | None = None
+    global_scale: float | None = None  # nvfp4's, as stored (its effect is in ``scales`` already)
 
 
 @dataclass
@@ -102,6 +105,7 @@ class Held:
     scales: object
     biases: object | None
     params: MLXParams
+    global_scale: float | None = None  # nvfp4's X.global_scale, where the file stores one
 
 
 @cache
@@ -298,9 +302,24 @@ def anchor(mode: str) -> tuple[int, object]:
     return int(np.array(scale)[0, 0]), torch.from_numpy(np.array(found[:, 0] / ones)).float()
 
 
-def decode_scales(scales, mode: str):
-    """A microscaled mode's uint8 scales as float32 values relative to its reference byte (``anchor``)."""
-    return anchor(mode)[1][scales.long()]
+def decode_scales(scales, mode: str, global_scale: float | None = None):
+    """A microscaled mode's uint8 scales as float32 values relative to its reference byte (``anchor``), times what
+    nvfp4's ``global_scale`` multiplies every value by (``global_factor``)."""
+    decoded = anchor(mode)[1][scales.long()]
+    return decoded if global_scale is None else decoded * global_factor(mode, global_scale)
+
+
+@cache
+def global_factor(mode: str, global_scale: float) -> float:
+    """What mlx.core.dequantize multiplies every value by given ``global_scale`` (mlx 0.32: global_scale / (448 x
+    6), e4m3's and e2m1's largest magnitudes), asked of mlx: a group of ones dequantized with and without it."""
+    import numpy as np
+
+    mx = require_mlx(f"MLX {mode}")
+    packed, scale = mx.quantize(mx.ones((2, mode_defaults(mode, None, None)[0])), mode=mode)
+    plain, scaled = (mx.dequantize(packed, scale, mode=mode, global_scale=g, dtype=mx.float32)[0, 0]
+                     for g in (None, mx.array(np.float32(global_scale))))
+    return float(np.array(scaled / plain))
 
 
 def unpack(mx, packed, params: MLXParams):
@@ -341,7 +360,7 @@ def mode_levels(params: MLXParams):
 
 def dequantize(mx, held: Held):
     """mlx.core.dequantize of one packed weight -> float32 (affine: float32 scales and biases of the stored values;
-    a microscaled mode: its uint8 scales as stored)."""
+    a microscaled mode: its uint8 scales as stored, and nvfp4's global scale where the file stores one)."""
     import numpy as np
     import torch
 
@@ -350,8 +369,10 @@ def dequantize(mx, held: Held):
     if params.affine:
         out = mx.dequantize(words, scales, to_mlx(mx, held.biases), group_size=params.group_size, bits=params.bits)
     else:
+        gs = None if held.global_scale is None else mx.array(np.float32(held.global_scale))
         out = even_rows(mx, lambda w, s: mx.dequantize(w, s, group_size=params.group_size, bits=params.bits,
-                                                       mode=params.mode, dtype=mx.float32), words, scales)
+                                                       mode=params.mode, global_scale=gs, dtype=mx.float32),
+                        words, scales)
     return torch.from_numpy(np.array(out.astype(mx.float32)))
 
 
@@ -383,7 +404,28 @@ class MLXCheckpoint(Checkpoint):
             if params.affine else None
         check_shapes(self.location, name, packed, scales, params, lambda: self.widths_of(name))
         check_dtypes(self.location, name, packed, scales, biases)
-        return Held(packed, scales, biases, params)
+        return Held(packed, scales, biases, params, self.global_scale(name, params))
+
+    def global_scale(self, name: str, params: MLXParams) -> float | None:
+        """nvfp4's ``X.global_scale`` beside quantized ``name``, where the file stores one: a positive finite float32
+        scalar (what mlx.core.dequantize takes), else a CheckpointError naming it; beside another mode, which mlx
+        quantizes without one (its own words: "Global scale is only supported for 'nvfp4'"), a CheckpointError."""
+        import torch
+
+        part = name.removesuffix("weight") + "global_scale"
+        if part not in self.companions:
+            return None
+        value = self.reader(self.companions[part], [part])[part]
+        if params.mode != "nvfp4":
+            raise CheckpointError(f"{self.location}: {part} is stored beside {params.describe()}; mlx takes a global "
+                                  "scale in nvfp4 mode only")
+        if value.numel() != 1 or value.dtype != torch.float32 or not bool(torch.isfinite(value).all()) \
+                or float(value.reshape(())) <= 0:
+            shown_value = value.reshape(-1)[:4].tolist()
+            raise CheckpointError(f"{self.location}: {part} is {str(value.dtype).removeprefix('torch.')} "
+                                  f"{list(value.shape)} {shown_value}; mlx.core.dequantize takes one positive finite "
+                                  "float32 global scale per tensor")
+        return float(value.reshape(()))
 
     @cached_property
     def in_features(self) -> dict[str, int]:
@@ -419,8 +461,8 @@ class MLXCheckpoint(Checkpoint):
         codes = unpack(require_mlx(self.location), packed, params)
         if params.affine:
             return MLXQuantized(codes, scales.float(), biases.float(), params, str(scales.dtype).removeprefix("torch."))
-        return MLXQuantized(codes, decode_scales(scales, params.mode), None, params, self.model_dtype,
-                            mode_levels(params))
+        return MLXQuantized(codes, decode_scales(scales, params.mode, held.global_scale), None, params,
+                            self.model_dtype, mode_levels(params), held.global_scale)
 
     @cached_property
     def model_dtype(self) -> str:

@@ -60,6 +60,7 @@ class MLXStorage:
     dtype: str
     mode: str = "affine"
     levels: torch.Tensor | None = None
+    global_scale: float | None = None  # nvfp4's, as the file stores it: A is re-quantized with it
 
     @property
     def affine(self) -> bool:
@@ -90,7 +91,7 @@ def held(checkpoint, key: str, expert: int | None) -> MLXStorage | None:
     if found is None:
         return None
     return MLXStorage(found.codes, found.scales, found.biases, found.params.group_size, found.params.bits,
-                      found.scale_dtype, found.params.mode, found.levels)
+                      found.scale_dtype, found.params.mode, found.levels, found.global_scale)
 
 
 def stored(checkpoint, key: str, route: TensorRoute, expert: int | None) -> Storage | None:
@@ -163,14 +164,17 @@ def quantize(x: torch.Tensor, store: MLXStorage) -> tuple[torch.Tensor, torch.Te
     mx = require_mlx("MLX quantization")
     params = MLXParams(store.group_size, store.bits, store.mode)
     w = mx.array(x.float().contiguous().numpy()).astype(getattr(mx, store.dtype))
-    found = even_rows(mx, lambda t: mx.quantize(t, group_size=store.group_size, bits=store.bits, mode=store.mode), w)
+    gs = None if store.global_scale is None else mx.array(np.float32(store.global_scale))
+    found = even_rows(mx, lambda t: mx.quantize(t, group_size=store.group_size, bits=store.bits, mode=store.mode,
+                                                global_scale=gs), w)
     words = torch.from_numpy(np.array(found[0]).view(np.int32))
     codes = unpack(mx, words, params)
     if store.affine:
         scales, biases = (torch.from_numpy(np.array(t.astype(mx.float32))) for t in found[1:])
         return codes, scales, biases, values(codes, scales, biases, store.group_size)
     raw = torch.from_numpy(np.array(found[1]))
-    return codes, decode_scales(raw, store.mode), None, dequantize(mx, Held(words, raw, None, params))
+    return (codes, decode_scales(raw, store.mode, store.global_scale), None,
+            dequantize(mx, Held(words, raw, None, params, store.global_scale)))
 
 
 def values(codes: torch.Tensor, scales: torch.Tensor, biases: torch.Tensor | None, group: int) -> torch.Tensor:
@@ -188,6 +192,8 @@ def reference(x: torch.Tensor, storage: Storage) -> tuple[torch.Tensor, str, tor
     each = MLXStorage(codes, scales, biases, store.group_size, store.bits, store.dtype, store.mode,
                       store.levels).steps()
     said = f"{store.bits}-bit" if store.affine else store.mode
+    if store.global_scale is not None:
+        said += f" at B's global scale {store.global_scale:g}"
     return (held, f"re-quantized with mlx.core.quantize ({said}, groups of {store.group_size}, A cast to "
             f"{store.dtype} first)", each)
 
