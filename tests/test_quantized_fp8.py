@@ -64,13 +64,18 @@ def quantize(weight: torch.Tensor, block: tuple[int, int], power_of_two: bool = 
 
 
 def fp8_export(a: Path, dest: Path, breaks: dict[str, str] | None = None, keep: tuple[str, ...] = (),
-               fields: dict | None = None) -> Path:
+               fields: dict | None = None, *, block: tuple[int, int] | None = BLOCK,
+               scale_part: str = "weight_scale_inv", scale_bytes: bool = False,
+               skip_key: str = "modules_to_not_convert", activation_scales: bool = False) -> Path:
     """A's folder written as an FP8 block-quantized release (every linear weight of the decoder layers), the
     tensors named in ``breaks`` written with that mistake: inverted (1 / weight_scale_inv stored), transposed (the
     scale grid transposed), even (quantized in blocks splitting each side evenly, stated as 128x128), block64
     (quantized in 64x64 blocks, stated as 128x128), coarse16 (every scale 16 x the format's).  Modules named in
-    ``keep`` stay unquantized, cast to bfloat16 and listed in modules_to_not_convert; ``fields`` replace
-    quantization_config's own."""
+    ``keep`` stay unquantized, cast to bfloat16 and listed in ``skip_key`` (modules_to_not_convert; MiniMax writes
+    ignored_layers); ``fields`` replace quantization_config's own.  ``block``: the blocks quantized in and stated
+    (None: one scale per matrix, stored as a scalar); ``scale_part``: the scale's name beside X.weight (DeepSeek V4
+    writes X.scale, Mistral Large 4 X.qscale_weight); ``scale_bytes``: ue8m0 scales stored as uint8 exponents (MXFP8);
+    ``activation_scales``: a static activation scale (X.activation_scale, float32 scalar) beside each weight."""
     breaks = breaks or {}
     shutil.copytree(a, dest)
     tensors = load_file(a / "model.safetensors")
@@ -82,19 +87,27 @@ def fp8_export(a: Path, dest: Path, breaks: dict[str, str] | None = None, keep: 
             continue
         how = breaks.get(name)
         rows, cols = value.shape
-        block = {"even": (math.ceil(rows / math.ceil(rows / BLOCK[0])), math.ceil(cols / math.ceil(cols / BLOCK[1]))),
-                 "block64": (64, 64)}.get(how, BLOCK)
+        stated = block or (rows, cols)
+        used = {"even": (math.ceil(rows / math.ceil(rows / stated[0])), math.ceil(cols / math.ceil(cols / stated[1]))),
+                "block64": (64, 64)}.get(how, stated)
         power_of_two = (fields or {}).get("scale_fmt") == "ue8m0"
-        codes, scale = quantize(value, block, power_of_two, coarser=16.0 if how == "coarse16" else 1.0)
+        codes, scale = quantize(value, used, power_of_two, coarser=16.0 if how == "coarse16" else 1.0)
         scale = {"inverted": 1.0 / scale, "transposed": scale.t().contiguous()}.get(how, scale)
-        if power_of_two:  # stored as UE8M0 exponents, as transformers writes them
+        if block is None:
+            scale = scale.reshape(())
+        if power_of_two:  # stored as UE8M0 exponents, as transformers writes them (MXFP8: their bytes)
             scale = scale.to(torch.float8_e8m0fnu)
-        out[name], out[name.removesuffix("weight") + "weight_scale_inv"] = codes, scale
+            scale = scale.view(torch.uint8) if scale_bytes else scale
+        module = name.removesuffix(".weight")
+        out[name], out[f"{module}.{scale_part}"] = codes, scale
+        if activation_scales:
+            out[f"{module}.activation_scale"] = torch.tensor(0.01)
     save_file(out, dest / "model.safetensors", metadata={"format": "pt"})
     config = json.loads((dest / "config.json").read_text())
-    config["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
-                                     "weight_block_size": list(BLOCK), "modules_to_not_convert": list(keep) or None,
-                                     **(fields or {})}
+    config["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3",
+                                     "activation_scheme": "static" if activation_scales else "dynamic",
+                                     "weight_block_size": list(block) if block else None,
+                                     skip_key: list(keep) or None, **(fields or {})}
     (dest / "config.json").write_text(json.dumps(config, indent=2))
     return dest
 
@@ -196,15 +209,56 @@ def test_modules_left_unquantized_are_judged_by_their_own_storage(model_a, root,
 
 
 @pytest.mark.parametrize(("fields", "said"), [
-    ({"weight_block_size": None}, "weight_block_size is None"),
     ({"weight_block_size": [128]}, "weight_block_size is [128]"),
     ({"fmt": "e5m2"}, "quantization_config.fmt is 'e5m2'"),
+    ({"expert_dtype": "fp4"}, "expert_dtype is 'fp4'"),
+    ({"scale_fmt": "e8m0"}, "scale_fmt must be 'float' or 'ue8m0'"),
 ])
 def test_an_fp8_config_parity_cannot_read_is_exit_2_naming_the_field(model_a, root, capsys, fields, said):
     b = fp8_export(model_a, root / f"config-{len(list(root.iterdir()))}", fields=fields)
     code, out, err = run_main(capsys, "compare", model_a, b)
     assert code == 2, out + err
     assert said in err and "config.json" in err and "Traceback" not in err
+
+
+@pytest.mark.parametrize(("case", "export"), [
+    ("per-tensor", dict(block=None)),
+    ("deepseek-v4-scale", dict(scale_part="scale")),
+    ("mistral-large-4-qscale", dict(scale_part="qscale_weight")),
+    ("mxfp8", dict(block=(1, 32), scale_bytes=True, fields={"quant_method": "mxfp8", "scale_fmt": "ue8m0"})),
+    ("minimax-ignored-layers", dict(keep=("down_proj",), skip_key="ignored_layers")),
+    ("static-activations", dict(activation_scales=True)),
+])
+def test_fp8_releases_as_transformers_loads_them_pass_on_every_layer(model_a, root, capsys, case, export):
+    """What transformers' FineGrainedFP8 quantizer loads beyond DeepSeek V3's layout, read as it reads it: a scale
+    per tensor (weight_block_size null: a scalar weight_scale_inv), the scale names its own renamings map to
+    weight_scale_inv (DeepSeek V4's X.scale, Mistral Large 4's X.qscale_weight), quant_method "mxfp8" ([1, 32]
+    blocks, e8m0 scales stored as uint8 bytes), MiniMax's skip list under ignored_layers, static activation scales
+    beside each weight.  Each failed before (exit 2, or every layer a finding on codes read without their scales);
+    now every layer passes at A's re-quantization, its values within their own steps."""
+    keep = export.pop("keep", ())
+    b = fp8_export(model_a, root / f"release-{case}", keep=keep, **export)
+    code, report = compare(capsys, model_a, b)
+    assert code == 0, report
+    for layer in report["layers"]:
+        for row in layer["conversion"]["tensors"]:
+            if row["name"].split(".")[0] in keep:
+                assert row["storage"] == "bfloat16", row
+                continue
+            assert row["storage"] == "float8_e4m3fn" and row["step_source"] == "file", row
+            assert row["steps"]["values_beyond_step"] == 0, row
+    assert report["comparison"]["inventory"]["only_in_b"] == [], report["comparison"]["inventory"]
+
+
+def test_an_fp8_code_without_its_scale_is_exit_2_naming_it(model_a, root, capsys):
+    b = fp8_export(model_a, root / "scale-lost")
+    tensors = load_file(b / "model.safetensors")
+    del tensors["model.layers.1.mlp.up_proj.weight_scale_inv"]
+    save_file(tensors, b / "model.safetensors", metadata={"format": "pt"})
+    code, out, err = run_main(capsys, "compare", model_a, b)
+    assert code == 2, out + err
+    assert "model.layers.1.mlp.up_proj.weight is stored float8_e4m3fn without a scale" in err, err
+    assert "Traceback" not in err
 
 
 def test_without_compressed_tensors_an_fp8_b_is_exit_2_naming_the_extra(model_a, faithful, capsys, monkeypatch):

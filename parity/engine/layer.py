@@ -142,10 +142,11 @@ class LayerReader:
         """A float tensor without NaN/Inf, else CheckpointError; returns what the one pass over it found."""
         if tensor.dtype in FP8:
             raise CheckpointError(
-                f"{self.checkpoint.location}: tensor '{key}' is stored as {tensor.dtype} (FP8). Its true values are "
-                "these times the checkpoint's scale tensors (weight_scale_inv, per block), which parity does not "
-                "apply; comparing raw FP8 values would judge other weights than the model runs. Check the "
-                "checkpoint's BF16/F32 original instead"
+                f"{self.checkpoint.location}: tensor '{key}' is stored as {tensor.dtype} (FP8) where config.json "
+                "states no FP8 quantization parity reads for it: its true values are these times scale tensors "
+                "(weight_scale_inv, per block) that only a stated quantization_config applies (quant_method 'fp8' "
+                "or compressed-tensors' float-quantized); comparing raw FP8 values would judge other weights than "
+                "the model runs"
             )
         if not tensor.is_floating_point():
             raise CheckpointError(

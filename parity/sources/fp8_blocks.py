@@ -2,7 +2,10 @@
 ``quantization_config = {quant_method: "fp8", fmt: "e4m3", weight_block_size: [128, 128], ...}`` and whose quantized
 matrices are stored as ``X.weight`` (float8_e4m3fn) beside ``X.weight_scale_inv`` (float32, one per block:
 [ceil(out / 128), ceil(in / 128)]); the true weight is each code times its block's ``weight_scale_inv``.  Tensors the
-release leaves unquantized (``modules_to_not_convert``) have no scale and are read as stored.
+release leaves unquantized (``modules_to_not_convert``) have no scale and are read as stored.  The config is read by
+transformers' own ``FineGrainedFP8Config`` (quant_method "fp8" and "mxfp8": its defaults and aliases) and each
+module's stored parts are found through its FP8 quantizer's own renamings (DeepSeek V4's ``X.scale``, Mistral Large
+4's ``X.qscale_weight``); a null ``weight_block_size`` is one scale per tensor, uint8 scales are e8m0 exponents.
 
 ``read`` returns the dequantized float32 weight, dequantized by compressed-tensors (``dequantize`` with a block
 strategy of the config's ``weight_block_size``: the extra ``quant``), imported only when a checkpoint needs it.  Why
@@ -34,6 +37,9 @@ from parity.sources.compressed_config import check_plain, module_scheme, one_wei
 from parity.sources.config_check import stated_modules
 
 QUANT_METHOD = "fp8"
+# transformers loads both with its FineGrainedFP8 quantizer (quantizers/auto.py): "mxfp8" is FP8 e4m3 codes with
+# [1, 32] blocks of e8m0 scales stored as uint8 bytes (Inkling2's releases)
+TRANSFORMERS_METHODS = (QUANT_METHOD, "mxfp8")
 COMPRESSED = "compressed-tensors"
 # X.weight -> its scale: transformers' FP8 layout stores X.weight_scale_inv, compressed-tensors X.weight_scale (both the
 # factor the codes are multiplied by to dequantize)
@@ -52,7 +58,7 @@ class FP8Scheme:
     block: tuple[int, int] | None
     not_converted: tuple[str, ...] = ()
     power_of_two: bool = False  # scale_fmt "ue8m0": each scale a power of two (DeepSeek V3.1's UE8M0 scales)
-    method: str = QUANT_METHOD  # quant_method: "fp8" (transformers' layout) or "compressed-tensors"
+    method: str = QUANT_METHOD  # quant_method: "fp8" / "mxfp8" (transformers' layout) or "compressed-tensors"
     strategy: str = "block"  # compressed-tensors' strategy: "block", "channel" or "tensor"
     targets: tuple[str, ...] = ()  # compressed-tensors' config group targets (``compressed_config.module_scheme``)
 
@@ -66,7 +72,7 @@ class FP8Scheme:
 
     @property
     def suffix(self) -> str:
-        return SCALE_SUFFIX[self.method]
+        return SCALE_SUFFIX[COMPRESSED if self.method == COMPRESSED else QUANT_METHOD]
 
     def describe(self) -> str:
         how = (f"{self.block[0]}x{self.block[1]} blocks" if self.strategy == "block"
@@ -94,25 +100,87 @@ def scheme_of(raw_config: dict, where: str) -> FP8Scheme | None:
     config = raw_config.get("quantization_config")
     if isinstance(config, dict) and config.get("quant_method") == COMPRESSED:
         return compressed_scheme(config, where)
-    if not isinstance(config, dict) or config.get("quant_method") != QUANT_METHOD:
+    if not isinstance(config, dict) or config.get("quant_method") not in TRANSFORMERS_METHODS:
         return None
     fmt = config.get("fmt", "e4m3")
     if fmt != "e4m3":
         raise CheckpointError(f"{where}: config.json's quantization_config.fmt is {fmt!r}; parity reads FP8 block "
                               "quantization in e4m3 (float8_e4m3fn) only")
-    block = config.get("weight_block_size")
-    if (not isinstance(block, list) or len(block) != 2
-            or not all(isinstance(b, int) and not isinstance(b, bool) and b > 0 for b in block)):
+    block = config.get("weight_block_size", ())  # absent: transformers' default (128, 128); null: one per tensor
+    if block not in ((), None) and (not isinstance(block, list) or len(block) != 2
+                                    or not all(isinstance(b, int) and not isinstance(b, bool) and b > 0
+                                               for b in block)):
         raise CheckpointError(f"{where}: config.json's quantization_config.weight_block_size is {block!r}; expected "
                               "two positive integers such as [128, 128] (the rows and columns each weight_scale_inv "
-                              "covers)")
-    scale_fmt = config.get("scale_fmt") or "float"
-    if scale_fmt not in ("float", "ue8m0"):
-        raise CheckpointError(f"{where}: config.json's quantization_config.scale_fmt is {scale_fmt!r}; parity reads "
-                              "'float' (float32 scales) and 'ue8m0' (power-of-two scales)")
-    skipped = stated_modules(config, "modules_to_not_convert", where)
-    return FP8Scheme((block[0], block[1]), skipped,
-                     scale_fmt == "ue8m0")
+                              "covers), or null (one scale per tensor)")
+    parsed = transformers_config(config, where)
+    block = parsed.weight_block_size
+    if parsed.expert_dtype != "fp8":
+        raise CheckpointError(f"{where}: config.json's quantization_config.expert_dtype is {parsed.expert_dtype!r} "
+                              "(DeepSeek V4's FP4-packed experts); parity reads FP8 experts only so far")
+    # transformers reads MiniMax's ``ignored_layers`` as modules_to_not_convert
+    key = "modules_to_not_convert" if config.get("modules_to_not_convert") is not None or \
+        "ignored_layers" not in config else "ignored_layers"
+    skipped = stated_modules(config, key, where)
+    return FP8Scheme(None if block is None else (block[0], block[1]), skipped, parsed.scale_fmt == "ue8m0",
+                     method=config["quant_method"], strategy="tensor" if block is None else "block")
+
+
+def transformers_config(config: dict, where: str):
+    """quantization_config read by transformers' own class for its quant_method (FineGrainedFP8Config: its defaults,
+    its aliases, its checks), or a CheckpointError in its words."""
+    from transformers.quantizers.auto import AUTO_QUANTIZATION_CONFIG_MAPPING
+
+    try:
+        return AUTO_QUANTIZATION_CONFIG_MAPPING[config["quant_method"]].from_dict(dict(config))
+    except (ValueError, TypeError) as refused:
+        raise CheckpointError(f"{where}: config.json's quantization_config is not one transformers reads: "
+                              f"{refused}") from None
+
+
+def stored_parts(raw_config: dict, names, where: str) -> tuple[dict[str, str], set[str]]:
+    """The tensors transformers' FP8 quantizer loads as a quantized module's parts beside its weight (its
+    ``serialized_names``: ``weight_scale_inv``, ``activation_scale``), found through its own renamings
+    (``update_weight_conversions``: DeepSeek V4 stores ``X.scale``, Mistral Large 4 ``X.qscale_weight``; Inkling2's
+    model type keeps ``.scale`` for its norms) where an ``X.weight`` is stored beside the renamed name.  Returns
+    each weight -> its stored scale, and every such part's stored name."""
+    from types import SimpleNamespace as Stub
+
+    from transformers.quantizers.auto import AutoHfQuantizer
+
+    config = raw_config["quantization_config"]
+    quantizer = AutoHfQuantizer.from_config(transformers_config(config, where), pre_quantized=True)
+    model = Stub(config=Stub(model_type=str(raw_config.get("model_type", ""))), named_parameters=lambda: iter(()))
+    renamings = quantizer.update_weight_conversions([], model)
+    kinds = [part for part in quantizer.serialized_names["weight"] if part != "weight"]
+    weights = set(names)
+    scales, parts = {}, set()
+    for name in names:
+        renamed = name
+        for renaming in renamings:
+            renamed, _ = renaming.rename_source_key(renamed)
+        module, _, part = renamed.rpartition(".")
+        if part in kinds and f"{module}.weight" in weights:
+            parts.add(name)
+            if part == "weight_scale_inv":
+                scales[f"{module}.weight"] = name
+    return scales, parts
+
+
+def powers_of_two(scales) -> bool:
+    """Whether stored scales are e8m0 exponents (float8_e8m0fnu, or MXFP8's uint8 bytes): powers of two, whatever
+    the config's scale_fmt says."""
+    import torch
+
+    return scales.dtype in (torch.uint8, torch.float8_e8m0fnu)
+
+
+def decoded(scales):
+    """Stored scales as float32: e8m0 exponents kept as uint8 bytes (MXFP8's, which transformers' Fp8Dequantize reads
+    as 2^(byte - 127)) through torch's float8_e8m0fnu, the rest as they are."""
+    import torch
+
+    return (scales.view(torch.float8_e8m0fnu) if scales.dtype == torch.uint8 else scales).float()
 
 
 def compressed_scheme(config: dict, where: str) -> FP8Scheme:
@@ -171,15 +239,16 @@ def as_grid(scales):
     return scales.reshape(1, 1) if scales.dim() < 2 and scales.numel() == 1 else scales
 
 
-def check_grid(location: str, name: str, codes, scales, scheme: FP8Scheme) -> None:
-    """The scale grid is the one the stated scheme calls for, else a QuantizedLayoutError saying what it is."""
+def check_grid(location: str, name: str, codes, scales, scheme: FP8Scheme, scale_name: str) -> None:
+    """The scale grid (tensor ``scale_name``) is the one the stated scheme calls for, else a QuantizedLayoutError
+    saying what it is."""
     block = scheme.block_for(codes.shape)
     grid = expected_grid(codes.shape, block)
     found = tuple(scales.shape[-2:]) if scales.dim() >= 2 else tuple(scales.shape)
     if found == grid:
         return
     stated = (f"weight_block_size {list(block)}" if scheme.strategy == "block" else f"strategy {scheme.strategy!r}")
-    said = (f"{location}: {name}{scheme.suffix} has shape {list(scales.shape)} for {name} {list(codes.shape)}; "
+    said = (f"{location}: {scale_name} has shape {list(scales.shape)} for {name} {list(codes.shape)}; "
             f"config.json's {stated} calls for one scale per block, {list(grid)}")
     if len(found) != 2:
         raise QuantizedLayoutError(f"{said}: a grid of {len(found)} dimensions", "fp8_block_size_wrong")
@@ -197,18 +266,20 @@ class FP8Checkpoint(Checkpoint):
     scheme: FP8Scheme
     companions: dict[str, str]
     as_stored: dict[str, str]  # tensor name -> its dtype in the file, for the tensors the last read returned
+    scale_of: dict[str, str]  # a quantized weight -> its scale's stored name
 
     def quantized(self, name: str) -> BlockQuantized | None:
         """How tensor ``name`` is stored, when it is FP8-quantized: its codes, scales (as a grid) and block."""
-        scale_name = name + self.scheme.suffix
-        if scale_name not in self.companions or not self.has(name):
+        scale_name = self.scale_of.get(name)
+        if scale_name is None or not self.has(name):
             return None
         codes = self.reader(self.weight_map[name], [name])[name]
         if codes.dtype.itemsize != 1 or codes.dim() != 2:
             return None
         scales = self.reader(self.companions[scale_name], [scale_name])[scale_name]
-        return BlockQuantized(codes, as_grid(scales.float()), self.scheme.block_for(codes.shape), scale_name,
-                              self.scheme.power_of_two, str(scales.dtype).removeprefix("torch."))
+        return BlockQuantized(codes, as_grid(decoded(scales)), self.scheme.block_for(codes.shape), scale_name,
+                              self.scheme.power_of_two or powers_of_two(scales),
+                              str(scales.dtype).removeprefix("torch."))
 
     def stored_dtype(self, name: str) -> str | None:
         """The dtype tensor ``name`` had in its file when last read (torch's name: ``bfloat16``), None if not read:
@@ -220,10 +291,15 @@ class FP8Checkpoint(Checkpoint):
         out = super().read(names)
         self.as_stored = {name: str(out[name].dtype).removeprefix("torch.") for name in names}
         for name in names:
-            scale_name = name + self.scheme.suffix
-            if scale_name in self.companions and out[name].dtype.itemsize == 1:
+            scale_name = self.scale_of.get(name)
+            if scale_name is not None and out[name].dtype.itemsize == 1:
                 scales = self.reader(self.companions[scale_name], [scale_name])[scale_name]
                 out[name] = self.dequantize(name, out[name], scales)
+            elif out[name].dtype.itemsize == 1 and out[name].dtype.is_floating_point:
+                raise CheckpointError(f"{self.location}: {name} is stored "
+                                      f"{str(out[name].dtype).removeprefix('torch.')} without a scale beside it "
+                                      f"({name}{self.scheme.suffix}, or a name the format's loader renames to it): "
+                                      "its codes are not its values")
             elif self.scheme.method == COMPRESSED:  # a linear its config quantizes, stored plain: the layer's finding
                 check_plain(self.scheme.targets, self.scheme.not_converted, name, out[name], self.location)
         return out
@@ -242,8 +318,8 @@ class FP8Checkpoint(Checkpoint):
                           self.location)
         else:
             check_converted(module, self.scheme.not_converted, self.location)
-        scales = as_grid(scales.float())
-        check_grid(self.location, name, codes, scales, self.scheme)
+        scales = as_grid(decoded(scales))
+        check_grid(self.location, name, codes, scales, self.scheme, self.scale_of[name])
         library = require_library(self.location, self.scheme.method)
         block = self.scheme.block_for(codes.shape)
         args = library.QuantizationArgs(num_bits=8, type="float", strategy="block", block_structure=list(block),
@@ -257,9 +333,16 @@ def wrap(checkpoint: Checkpoint, folder: Path | str) -> Checkpoint:
     if scheme is None:
         return checkpoint
     require_library(shown(folder), scheme.method)  # before anything is computed: exit 2 naming the extra
-    aside = (scheme.suffix,) if scheme.method == QUANT_METHOD else COMPANIONS
-    weights, scales = split_companions(checkpoint, aside)
-    quantized = sum(1 for n in scales if n.endswith(scheme.suffix) and n[:-len(scheme.suffix)] in weights)
+    if scheme.method == COMPRESSED:
+        weights, companions = split_companions(checkpoint, COMPANIONS)
+        scale_of = {n[:-len(scheme.suffix)]: n for n in companions
+                    if n.endswith(scheme.suffix) and n[:-len(scheme.suffix)] in weights}
+    else:
+        scale_of, parts = stored_parts(checkpoint.raw_config, list(checkpoint.weight_map), shown(folder))
+        weights = {n: f for n, f in checkpoint.weight_map.items() if n not in parts}
+        companions = {n: f for n, f in checkpoint.weight_map.items() if n in parts}
     how = "compressed-tensors in the stated blocks (partial edge blocks included)"
-    return dequantized_on_read(checkpoint, FP8Checkpoint, scheme, weights, scales, matrices=quantized,
-                               dequantized_with=how)
+    wrapped = dequantized_on_read(checkpoint, FP8Checkpoint, scheme, weights, companions, matrices=len(scale_of),
+                                  dequantized_with=how)
+    wrapped.scale_of = scale_of
+    return wrapped
