@@ -13,7 +13,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
-from parity.sources import gptq_awq
+from parity.sources import int_storage
 
 from . import test_quantized_int as quantizer
 from .derived_checkpoints import format_fixtures, quantized_copy, save_quantized
@@ -98,8 +98,8 @@ def test_the_three_bit_stream_is_read_code_by_code():
     codes = torch.randint(0, 8, (64, 5), generator=torch.Generator().manual_seed(0))
     packed = pack_stream(codes, 3)
     assert packed.shape == (6, 5)
-    assert torch.equal(gptq_awq.unpack_rows(packed, 3), codes)
-    assert torch.equal(gptq_awq.unpack_columns(packed.t().contiguous(), 3), codes.t())
+    assert torch.equal(int_storage.unpack_rows(packed, 3), codes)
+    assert torch.equal(int_storage.unpack_columns(packed.t().contiguous(), 3), codes.t())
 
 
 def test_a_three_bit_gptq_export_passes_and_with_gate_and_up_exchanged_is_named(model_a, root, capsys):

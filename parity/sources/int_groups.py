@@ -1,8 +1,9 @@
-"""Integer group-quantized safetensors: compressed-tensors' ``pack-quantized`` and ``int-quantized``, GPTQ and AWQ's
-GEMM layout (their schemes: ``int_schemes``; their readers: ``compressed_int`` and ``gptq_awq``).
-Each quantized matrix is stored as integer codes (packed into int32, or one int8 per value) beside a scale (and a
-zero point) per group of ``group_size`` input values; the true weight is ``scale x (code - zero)`` of the code's
-group (for act-order GPTQ, the group ``g_idx`` names for each input column).  Modules left unquantized
+"""Integer group-quantized safetensors: compressed-tensors' ``pack-quantized`` and ``int-quantized``, GPTQ
+(``quant_method "gptq"``) and AWQ (AutoAWQ's GEMM layout: ``quant_method "awq"``): what config.json states (the
+scheme of each module, GPTQModel's ``dynamic`` rules, what is left unquantized) and the checkpoint that reads through
+``int_storage``.  Each quantized matrix is stored as integer codes (packed into int32, or one int8 per value) beside
+a scale (and a zero point) per group of ``group_size`` input values; the true weight is ``scale x (code - zero)`` of
+the code's group (for act-order GPTQ, the group ``g_idx`` names for each input column).  Modules left unquantized
 (``modules_to_not_convert``, compressed-tensors' ``ignore``) have no codes and are read as stored.
 
 The wrapper presents each quantized module as its ``X.weight`` (float32, [out, in] as ``nn.Linear`` holds it),
@@ -11,25 +12,228 @@ against its own grid (``parity.engine.compare.group_grid``)."""
 
 from __future__ import annotations
 
+import dataclasses
+from dataclasses import dataclass
 from pathlib import Path
 
 from parity.definitions.files import shown
-from parity.errors import QuantizedLayoutError
-from parity.sources.checkpoint import Checkpoint, dequantized_on_read
-from parity.sources.compressed_config import check_plain
-from parity.sources.compressed_int import check_stray_zeros, read_packed, read_stored
-from parity.sources.gptq_awq import READERS
-from parity.sources.int_schemes import (
+from parity.errors import CheckpointError, QuantizedLayoutError
+from parity.sources.checkpoint import Checkpoint, check_converted, dequantized_on_read
+from parity.sources.compressed_config import check_plain, module_scheme, parsed_config, targets_of, weight_schemes
+from parity.sources.config_check import stated_modules
+from parity.sources.int_storage import (
     ACTIVATION_PARTS,
     CODES_PART,
+    NAIVE,
     PACKED,
     PARTS,
+    READERS,
     STORED,
     GroupQuantized,
-    IntScheme,
     check_parts,
-    scheme_of,
+    check_stray_zeros,
+    read_packed,
+    read_stored,
+    require_library,
 )
+
+COMPRESSED = "compressed-tensors"
+MIXED = "mixed-precision"  # compressed-tensors' format of a config whose groups each state their own
+
+
+@dataclass(frozen=True)
+class IntScheme:
+    """What config.json's quantization_config states: the method (its packing), bits per code, values per group
+    (0: one group per row), whether the zero point is the middle code (sym), GPTQ's v1 checkpoint format (zero
+    points stored minus one) and what is left unquantized."""
+
+    method: str  # "gptq" | "awq" | "pack-quantized" | "int-quantized"
+    bits: int
+    group_size: int
+    sym: bool = True
+    v1: bool = True
+    not_converted: tuple[str, ...] = ()
+    library: object | None = None  # compressed-tensors' QuantizationScheme, for pack-quantized
+    # compressed-tensors' config groups: each target -> its scheme, in the config's order (a module none targets, or
+    # one the ignore list names, is not quantized by compressed-tensors: ``compressed_config.module_scheme``)
+    targets: tuple[tuple[str, IntScheme], ...] = ()
+    # GPTQModel's ``dynamic`` rules: each pattern -> the scheme of the modules it matches, None for "-:" (left
+    # unquantized), in the config's order
+    dynamic: tuple[tuple[str, IntScheme | None], ...] = ()
+
+    def for_module(self, where: str, module: str) -> IntScheme:
+        """The scheme of quantized module ``module``: this one, or, where the config's groups state several, the one
+        compressed-tensors gives it (``compressed_config.module_scheme``), or the first of GPTQModel's ``dynamic``
+        rules whose pattern matches its name (``re.match``, as GPTQModel and vLLM's ``get_dynamic_override`` apply
+        them); a module no group targets, or one a "-:" rule leaves unquantized, is a CheckpointError naming it."""
+        if self.dynamic:
+            return dynamic_scheme(self, where, module)
+        if self.method == "awq":  # transformers' AWQ integration skips modules_to_not_convert
+            check_converted(module, self.not_converted, where)
+        if self.method not in (PACKED, STORED):
+            return self
+        return module_scheme(dict(self.targets), self.not_converted, module, where)  # no targets: none quantized
+
+    def describe(self) -> str:
+        if len({scheme.describe() for _, scheme in self.targets}) > 1:
+            return "; ".join(f"{target}: {scheme.describe()}" for target, scheme in self.targets)
+        if self.targets:
+            return self.targets[0][1].describe()
+        if self.dynamic:
+            rules = "; ".join(f"{pattern!r}: {'left unquantized' if scheme is None else scheme.describe()}"
+                              for pattern, scheme in self.dynamic)
+            return f"{dataclasses.replace(self, dynamic=()).describe()}; GPTQModel's dynamic rules: {rules}"
+        strategy = getattr(self.library.weights, "strategy", None) if self.library is not None else None
+        whole = str(getattr(strategy, "value", strategy)) == "tensor"
+        group = (f"groups of {self.group_size}" if self.group_size else "one scale per tensor" if whole
+                 else "one group per row")
+        how = {"gptq": f"GPTQ ({'v1: zero points stored minus one' if self.v1 else 'v2'})",
+               "awq": "AWQ GEMM (packed order 0 2 4 6 1 3 5 7)", PACKED: "compressed-tensors pack-quantized",
+               STORED: "compressed-tensors int-quantized (one code per value)"}
+        return f"int{self.bits} {group}, {'symmetric' if self.sym else 'asymmetric'}, {how[self.method]}"
+
+
+def _positive_int(config: dict, key: str, where: str, allowed=None) -> int:
+    value = config.get(key)
+    if isinstance(value, bool) or not isinstance(value, int) or (allowed is not None and value not in allowed):
+        wanted = f"one of {sorted(allowed)}" if allowed is not None else "an integer"
+        raise CheckpointError(f"{where}: config.json's quantization_config.{key} is {value!r}; parity reads "
+                              f"{wanted} here")
+    return value
+
+
+def scheme_of(raw_config: dict, where: str) -> IntScheme | None:
+    """The integer group scheme config.json states; None for a checkpoint of another quantization (or none).  A
+    field parity cannot read is a CheckpointError naming it."""
+    config = raw_config.get("quantization_config")
+    if not isinstance(config, dict):
+        return None
+    method = config.get("quant_method")
+    if method == COMPRESSED and config.get("format") in (PACKED, STORED, NAIVE, MIXED):
+        return packed_scheme(config, where)
+    if method not in ("gptq", "awq"):
+        return None
+    # transformers' GPTQConfig / AwqConfig say "bits"; AutoAWQ's own quant_config says "w_bit"
+    # GPTQ's 3 bits pack 32 codes into three words (GPTQModel writes them); AWQ's GEMM packs 2, 4 or 8
+    bits = _positive_int(config, "bits" if "bits" in config or method == "gptq" else "w_bit", where,
+                         {2, 3, 4, 8} if method == "gptq" else {2, 4, 8})
+    group = config.get("group_size", config.get("q_group_size"))
+    if isinstance(group, bool) or not isinstance(group, int) or group == 0 or group < -1:
+        raise CheckpointError(f"{where}: config.json's quantization_config.group_size is {group!r}; expected a "
+                              "positive integer (values per group) or -1 (one group per row)")
+    skipped = stated_modules(config, "modules_to_not_convert", where)
+    if method == "awq":
+        version = str(config.get("version", "gemm")).lower()
+        if version != "gemm":
+            raise CheckpointError(f"{where}: config.json's quantization_config.version is {version!r}; parity reads "
+                                  "AWQ's GEMM layout ('gemm') so far")
+        return IntScheme("awq", bits, max(group, 0), sym=not config.get("zero_point", True),
+                         not_converted=skipped)
+    form = str(config.get("checkpoint_format", "gptq"))
+    if form not in ("gptq", "gptq_v2"):
+        raise CheckpointError(f"{where}: config.json's quantization_config.checkpoint_format is {form!r}; parity "
+                              "reads GPTQ's 'gptq' (v1) and 'gptq_v2'")
+    base = IntScheme("gptq", bits, max(group, 0), sym=bool(config.get("sym", True)), v1=form == "gptq",
+                     not_converted=skipped)
+    return dataclasses.replace(base, dynamic=dynamic_rules(config, base, where))
+
+
+DYNAMIC_FIELDS = {"bits": (int,), "group_size": (int,), "sym": (bool,), "desc_act": (bool,)}
+
+
+def dynamic_rules(config: dict, base: IntScheme, where: str) -> tuple[tuple[str, IntScheme | None], ...]:
+    """GPTQModel's ``dynamic`` (pattern -> the fields it overrides; a "-:" pattern skips the modules it matches),
+    each pattern compiled and each override checked as the base fields are; anything else a CheckpointError naming
+    the rule."""
+    import re
+
+    rules = config.get("dynamic") or {}
+    if not isinstance(rules, dict):
+        raise CheckpointError(f"{where}: config.json's quantization_config.dynamic is {rules!r}; GPTQModel writes an "
+                              "object of pattern -> overrides")
+    read = []
+    for pattern, fields in rules.items():
+        said = f"{where}: config.json's quantization_config.dynamic[{pattern!r}]"
+        try:
+            re.compile(pattern.removeprefix("-:").removeprefix("+:"))
+        except re.error as exc:
+            raise CheckpointError(f"{said}: not a regular expression ({exc})") from None
+        if not isinstance(fields, dict):
+            raise CheckpointError(f"{said} is {fields!r}; expected an object of overrides")
+        if pattern.startswith("-:"):
+            read.append((pattern, None))
+            continue
+        bad = {k: v for k, v in fields.items() if k in DYNAMIC_FIELDS and (
+            type(v) not in DYNAMIC_FIELDS[k] or (k == "bits" and v not in (2, 3, 4, 8))
+            or (k == "group_size" and (v == 0 or v < -1)))}
+        if bad:
+            raise CheckpointError(f"{said} overrides {bad}; parity reads bits 2/3/4/8, a group_size (-1: one group "
+                                  "per row) and sym / desc_act booleans there")
+        changes = {"bits": fields.get("bits", base.bits), "sym": fields.get("sym", base.sym),
+                   "group_size": max(fields.get("group_size", base.group_size or -1), 0)}
+        read.append((pattern, dataclasses.replace(base, **changes)))
+    return tuple(read)
+
+
+def dynamic_scheme(base: IntScheme, where: str, module: str) -> IntScheme:
+    """The scheme GPTQModel's ``dynamic`` rules give quantized module ``module`` (``IntScheme.for_module``)."""
+    import re
+
+    for pattern, scheme in base.dynamic:
+        if re.match(pattern.removeprefix("-:").removeprefix("+:"), module):
+            if scheme is None:
+                raise CheckpointError(f"{where}: {module} is stored quantized, but config.json's quantization_config."
+                                      f"dynamic rule {pattern!r} leaves it unquantized")
+            return scheme
+    return dataclasses.replace(base, dynamic=())
+
+
+def packed_scheme(config: dict, where: str) -> IntScheme | None:
+    """compressed-tensors' pack-quantized or int-quantized config, read by compressed-tensors itself: integer
+    weights, strategy group or channel (int-quantized: or tensor); groups stating several such schemes in one of
+    the two formats (``targets``: each module's found as compressed-tensors finds it); any other is refused naming
+    what it is.  None where no group is of integer weights (naive-quantized or mixed-precision floats:
+    ``fp8_blocks`` and ``fp4_packed`` read or refuse those)."""
+    library = require_library(where)
+    parsed = parsed_config(library.QuantizationConfig, config, where)
+    schemes = weight_schemes(parsed)
+    kinds = {str(getattr(g.weights.type, "value", g.weights.type)) for g in schemes.values()}
+    if config.get("format") in (NAIVE, MIXED) and "int" not in kinds:
+        return None
+    if len(kinds) > 1:
+        raise CheckpointError(f"{where}: config.json's quantization_config groups state {' and '.join(sorted(kinds))} "
+                              "weights; parity reads one kind of compressed-tensors weights per checkpoint so far")
+    if not schemes:
+        raise CheckpointError(f"{where}: config.json's quantization_config (compressed-tensors) states no weight "
+                              "scheme in its config_groups")
+    left = tuple(str(n) for n in parsed.ignore or [])
+    read = {key: int_scheme(config.get("format"), group, left, where) for key, group in schemes.items()}
+    methods = {scheme.method for scheme in read.values()}
+    if len(methods) > 1:
+        raise CheckpointError(f"{where}: config.json's quantization_config groups are stored in "
+                              f"{' and '.join(sorted(methods))}; parity reads one compressed-tensors format per "
+                              "checkpoint so far")
+    first = next(iter(read.values()))
+    targets = tuple((target, read[group.weights.model_dump_json()]) for target, group in targets_of(parsed).items())
+    return dataclasses.replace(first, targets=targets)
+
+
+def int_scheme(form: str, group, left: tuple[str, ...], where: str) -> IntScheme:
+    """One config group's integer scheme, in its own format where the config is mixed-precision."""
+    args = group.weights
+    form = (getattr(group, "format", None) or form) if form == MIXED else form
+    strategy = str(getattr(args.strategy, "value", args.strategy))
+    kind = str(getattr(args.type, "value", args.type))
+    strategies = ("group", "channel") if form == PACKED else ("group", "channel", "tensor")
+    if (form not in (PACKED, STORED, NAIVE) or kind != "int" or strategy not in strategies
+            or not 1 <= args.num_bits <= 8):
+        raise CheckpointError(f"{where}: compressed-tensors format {form!r} with {args.num_bits}-bit {kind} "
+                              f"weights, strategy {strategy!r}: parity reads integer weights of 1 to 8 bits "
+                              f"{', '.join(strategies[:-1])} or {strategies[-1]} (by strategy) in pack-quantized "
+                              "or int-quantized")
+    size = args.group_size if strategy == "group" else 0
+    return IntScheme(PACKED if form == PACKED else STORED, args.num_bits, size, sym=bool(args.symmetric),
+                     not_converted=left, library=group)
 
 
 class IntGroupCheckpoint(Checkpoint):

@@ -89,7 +89,7 @@ GPTQ_FACTOR = 8.0  # the reviewer's Hessian's 5.8 x with room: the mistakes are 
 # ... and never to more than this share of the reference output's largest magnitude (a tolerance as large as the output
 # would pass a module that outputs zeros: the layer would be unverifiable, where FACTOR alone may have judged it)
 WIDEST = 0.5
-# AWQ's packing (gptq_awq.AWQ_ORDER): field i of each int32 holds column AWQ_ORDER[i] of its eight
+# AWQ's packing (int_storage.AWQ_ORDER): field i of each int32 holds column AWQ_ORDER[i] of its eight
 AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)
 
 
@@ -129,7 +129,7 @@ def by_awq(grid) -> bool:
 
 
 def grid_of(held, bits: int) -> Grid:
-    """The per-value grid of one matrix as ``int_schemes.GroupQuantized`` holds it."""
+    """The per-value grid of one matrix as ``int_storage.GroupQuantized`` holds it."""
     steps = held.scales[:, held.g_idx]
     zeros = held.zeros[:, held.g_idx]
     return Grid(steps, zeros, held.low, held.high, held.scales, held.zeros, held.g_idx, held.method, bits,
