@@ -66,7 +66,8 @@ def quantize(weight: torch.Tensor, block: tuple[int, int], power_of_two: bool = 
 def fp8_export(a: Path, dest: Path, breaks: dict[str, str] | None = None, keep: tuple[str, ...] = (),
                fields: dict | None = None, *, block: tuple[int, int] | None = BLOCK,
                scale_part: str = "weight_scale_inv", scale_bytes: bool = False,
-               skip_key: str = "modules_to_not_convert", activation_scales: bool = False) -> Path:
+               skip_key: str = "modules_to_not_convert", activation_scales: bool = False, per_row: bool = False
+               ) -> Path:
     """A's folder written as an FP8 block-quantized release (every linear weight of the decoder layers), the
     tensors named in ``breaks`` written with that mistake: inverted (1 / weight_scale_inv stored), transposed (the
     scale grid transposed), even (quantized in blocks splitting each side evenly, stated as 128x128), block64
@@ -75,7 +76,8 @@ def fp8_export(a: Path, dest: Path, breaks: dict[str, str] | None = None, keep: 
     ignored_layers); ``fields`` replace quantization_config's own.  ``block``: the blocks quantized in and stated
     (None: one scale per matrix, stored as a scalar); ``scale_part``: the scale's name beside X.weight (DeepSeek V4
     writes X.scale, Mistral Large 4 X.qscale_weight); ``scale_bytes``: ue8m0 scales stored as uint8 exponents (MXFP8);
-    ``activation_scales``: a static activation scale (X.activation_scale, float32 scalar) beside each weight."""
+    ``activation_scales``: a static activation scale (X.activation_scale, float32 scalar) beside each weight;
+    ``per_row``: one scale per output row ([out, 1], as fbgemm_fp8 stores X.weight_scale)."""
     breaks = breaks or {}
     shutil.copytree(a, dest)
     tensors = load_file(a / "model.safetensors")
@@ -87,13 +89,13 @@ def fp8_export(a: Path, dest: Path, breaks: dict[str, str] | None = None, keep: 
             continue
         how = breaks.get(name)
         rows, cols = value.shape
-        stated = block or (rows, cols)
+        stated = (1, cols) if per_row else block or (rows, cols)
         used = {"even": (math.ceil(rows / math.ceil(rows / stated[0])), math.ceil(cols / math.ceil(cols / stated[1]))),
                 "block64": (64, 64)}.get(how, stated)
         power_of_two = (fields or {}).get("scale_fmt") == "ue8m0"
         codes, scale = quantize(value, used, power_of_two, coarser=16.0 if how == "coarse16" else 1.0)
         scale = {"inverted": 1.0 / scale, "transposed": scale.t().contiguous()}.get(how, scale)
-        if block is None:
+        if block is None and not per_row:
             scale = scale.reshape(())
         if power_of_two:  # stored as UE8M0 exponents, as transformers writes them (MXFP8: their bytes)
             scale = scale.to(torch.float8_e8m0fnu)
@@ -228,14 +230,18 @@ def test_an_fp8_config_parity_cannot_read_is_exit_2_naming_the_field(model_a, ro
     ("mxfp8", dict(block=(1, 32), scale_bytes=True, fields={"quant_method": "mxfp8", "scale_fmt": "ue8m0"})),
     ("minimax-ignored-layers", dict(keep=("down_proj",), skip_key="ignored_layers")),
     ("static-activations", dict(activation_scales=True)),
+    ("fbgemm-fp8", dict(block=None, per_row=True, scale_part="weight_scale",
+                        fields={"quant_method": "fbgemm_fp8", "activation_scale_ub": 1200.0})),
 ])
 def test_fp8_releases_as_transformers_loads_them_pass_on_every_layer(model_a, root, capsys, case, export):
     """What transformers' FineGrainedFP8 quantizer loads beyond DeepSeek V3's layout, read as it reads it: a scale
     per tensor (weight_block_size null: a scalar weight_scale_inv), the scale names its own renamings map to
     weight_scale_inv (DeepSeek V4's X.scale, Mistral Large 4's X.qscale_weight), quant_method "mxfp8" ([1, 32]
     blocks, e8m0 scales stored as uint8 bytes), MiniMax's skip list under ignored_layers, static activation scales
-    beside each weight.  Each failed before (exit 2, or every layer a finding on codes read without their scales);
-    now every layer passes at A's re-quantization, its values within their own steps."""
+    beside each weight; fbgemm_fp8 (Meta's FP8 releases: a float32 X.weight_scale per output row, read with
+    compressed-tensors' channel dequantization, fbgemm's own being CUDA only).  Each failed before (exit 2, or every
+    layer a finding on codes read without their scales); now every layer passes at A's re-quantization, its values
+    within their own steps."""
     keep = export.pop("keep", ())
     b = fp8_export(model_a, root / f"release-{case}", keep=keep, **export)
     code, report = compare(capsys, model_a, b)
@@ -248,6 +254,13 @@ def test_fp8_releases_as_transformers_loads_them_pass_on_every_layer(model_a, ro
             assert row["storage"] == "float8_e4m3fn" and row["step_source"] == "file", row
             assert row["steps"]["values_beyond_step"] == 0, row
     assert report["comparison"]["inventory"]["only_in_b"] == [], report["comparison"]["inventory"]
+
+
+def test_an_fbgemm_fp8_scale_inverted_fails_its_layer_named(model_a, root, capsys):
+    b = fp8_export(model_a, root / "fbgemm-inverted", {"model.layers.1.mlp.up_proj.weight": "inverted"}, block=None,
+                   per_row=True, scale_part="weight_scale", fields={"quant_method": "fbgemm_fp8"})
+    found = quantized_layer_one_named(capsys, model_a, b, "fp8_scale_inverted", "up_proj")
+    assert "up_proj" in found["message"], found
 
 
 def test_an_fp8_code_without_its_scale_is_exit_2_naming_it(model_a, root, capsys):

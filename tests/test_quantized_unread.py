@@ -1,6 +1,6 @@
-"""A quantized checkpoint in a method no reader of parity's takes (fbgemm_fp8's FP8 ``weight`` beside its per-row
-``weight_scale``, torchao's, HQQ's, a misspelt method): exit 2 naming the quant_method, locally and from the hub
-cache, never its stored tensors judged as plain weights (float tensors under such a method passed before)."""
+"""A quantized checkpoint in a method no reader of parity's takes (torchao's, HQQ's, quark's FP8 ``weight`` beside
+its per-row ``weight_scale``, a misspelt method): exit 2 naming the quant_method, locally and from the hub cache, never
+its stored tensors judged as plain weights (float tensors under such a method passed before)."""
 
 from __future__ import annotations
 
@@ -19,8 +19,8 @@ root, model_a = format_fixtures("unread", dict(hidden_size=64, intermediate_size
 
 
 def stated(a: Path, dest: Path, method: str, *, fp8_rows: bool) -> Path:
-    """A's folder with config.json stating ``method``; ``fp8_rows``: every decoder matrix stored as fbgemm_fp8
-    stores it (float8_e4m3fn codes, one float32 scale per output row as X.weight_scale), else A's weights kept."""
+    """A's folder with config.json stating ``method``; ``fp8_rows``: every decoder matrix stored as FP8 codes
+    (float8_e4m3fn, one float32 scale per output row as X.weight_scale), else A's weights kept."""
     shutil.copytree(a, dest)
     tensors = load_file(a / "model.safetensors")
     if fp8_rows:
@@ -36,7 +36,7 @@ def stated(a: Path, dest: Path, method: str, *, fp8_rows: bool) -> Path:
 
 
 @pytest.mark.parametrize(("method", "fp8_rows", "said"), [
-    ("fbgemm_fp8", True, "which transformers loads with its FbgemmFp8HfQuantizer"),
+    ("quark", True, "which transformers loads with its QuarkHfQuantizer"),
     ("torchao", False, "which transformers loads with its TorchAoHfQuantizer"),
     ("hqq", False, "which transformers loads with its HqqHfQuantizer"),
     ("gtpq", False, "which transformers' quantizers do not know either (did you mean 'gptq'?)"),
@@ -48,13 +48,13 @@ def test_a_quant_method_parity_does_not_read_is_exit_2_naming_it(model_a, root, 
         code, out, err = run_main(capsys, *command)
         assert code == 2, out + err
         assert f"quantization_config.quant_method is {method!r}, {said}" in err and "Traceback" not in err, err
-        assert "parity reads fp8, compressed-tensors, gptq, awq" in err
+        assert "parity reads fp8, mxfp8, fbgemm_fp8, compressed-tensors, gptq, awq" in err
 
 
 def test_an_unread_quant_method_from_the_hub_cache_is_refused_the_same_way(model_a, root, tmp_path, capsys,
                                                                             monkeypatch):
     home = use_hf_home(monkeypatch, tmp_path / "hf")
-    cache_repo(home, "someone/tiny-llama-fbgemm", stated(model_a, root / "hub-fbgemm", "fbgemm_fp8", fp8_rows=True))
-    code, out, err = run_main(capsys, "compare", model_a, "someone/tiny-llama-fbgemm")
+    cache_repo(home, "someone/tiny-llama-quark", stated(model_a, root / "hub-quark", "quark", fp8_rows=True))
+    code, out, err = run_main(capsys, "compare", model_a, "someone/tiny-llama-quark")
     assert code == 2, out + err
-    assert "'someone/tiny-llama-fbgemm': config.json's quantization_config.quant_method is 'fbgemm_fp8'" in err
+    assert "'someone/tiny-llama-quark': config.json's quantization_config.quant_method is 'quark'" in err

@@ -6,6 +6,7 @@ release leaves unquantized (``modules_to_not_convert``) have no scale and are re
 transformers' own ``FineGrainedFP8Config`` (quant_method "fp8" and "mxfp8": its defaults and aliases) and each
 module's stored parts are found through its FP8 quantizer's own renamings (DeepSeek V4's ``X.scale``, Mistral Large
 4's ``X.qscale_weight``); a null ``weight_block_size`` is one scale per tensor, uint8 scales are e8m0 exponents.
+``fbgemm_fp8`` (Meta's FP8 releases) stores one float32 ``X.weight_scale`` per output row (``FBGEMM``).
 
 ``read`` returns the dequantized float32 weight, dequantized by compressed-tensors (``dequantize`` with a block
 strategy of the config's ``weight_block_size``: the extra ``quant``), imported only when a checkpoint needs it.  Why
@@ -40,10 +41,14 @@ QUANT_METHOD = "fp8"
 # transformers loads both with its FineGrainedFP8 quantizer (quantizers/auto.py): "mxfp8" is FP8 e4m3 codes with
 # [1, 32] blocks of e8m0 scales stored as uint8 bytes (Inkling2's releases)
 TRANSFORMERS_METHODS = (QUANT_METHOD, "mxfp8")
+# Meta's FP8 releases (Llama 3.1 405B FP8): e4m3 codes with one float32 X.weight_scale per output row, which
+# transformers loads with its FbgemmFp8 quantizer (CUDA only: fbgemm_gpu's kernels; no CPU reader exists), read here
+# with compressed-tensors' channel dequantization (code x its row's scale, the same product)
+FBGEMM = "fbgemm_fp8"
 COMPRESSED = "compressed-tensors"
 # X.weight -> its scale: transformers' FP8 layout stores X.weight_scale_inv, compressed-tensors X.weight_scale (both the
 # factor the codes are multiplied by to dequantize)
-SCALE_SUFFIX = {QUANT_METHOD: "_scale_inv", COMPRESSED: "_scale"}
+SCALE_SUFFIX = {**dict.fromkeys(TRANSFORMERS_METHODS, "_scale_inv"), FBGEMM: "_scale", COMPRESSED: "_scale"}
 # compressed-tensors' other per-module tensors beside a weight: part of its storage or of the activations' scheme
 COMPANIONS = (".weight_scale", ".weight_zero_point", ".input_scale", ".input_zero_point")
 EXTRA = "quant"  # pyproject.toml's extra that installs compressed-tensors
@@ -58,7 +63,7 @@ class FP8Scheme:
     block: tuple[int, int] | None
     not_converted: tuple[str, ...] = ()
     power_of_two: bool = False  # scale_fmt "ue8m0": each scale a power of two (DeepSeek V3.1's UE8M0 scales)
-    method: str = QUANT_METHOD  # quant_method: "fp8" / "mxfp8" (transformers' layout) or "compressed-tensors"
+    method: str = QUANT_METHOD  # quant_method: "fp8" / "mxfp8" / "fbgemm_fp8" (transformers') or "compressed-tensors"
     strategy: str = "block"  # compressed-tensors' strategy: "block", "channel" or "tensor"
     targets: tuple[str, ...] = ()  # compressed-tensors' config group targets (``compressed_config.module_scheme``)
 
@@ -72,12 +77,13 @@ class FP8Scheme:
 
     @property
     def suffix(self) -> str:
-        return SCALE_SUFFIX[COMPRESSED if self.method == COMPRESSED else QUANT_METHOD]
+        return SCALE_SUFFIX[self.method]
 
     def describe(self) -> str:
         how = (f"{self.block[0]}x{self.block[1]} blocks" if self.strategy == "block"
                else f"one scale per {self.strategy}")
-        layout = ", compressed-tensors' float-quantized layout" if self.method == COMPRESSED else ""
+        layout = {COMPRESSED: ", compressed-tensors' float-quantized layout",
+                  FBGEMM: ", fbgemm_fp8's layout (Meta's FP8 releases)"}.get(self.method, "")
         return f"FP8 e4m3, {how}" + (", power-of-two (ue8m0) scales" if self.power_of_two else "") + layout
 
 
@@ -100,6 +106,10 @@ def scheme_of(raw_config: dict, where: str) -> FP8Scheme | None:
     config = raw_config.get("quantization_config")
     if isinstance(config, dict) and config.get("quant_method") == COMPRESSED:
         return compressed_scheme(config, where)
+    if isinstance(config, dict) and config.get("quant_method") == FBGEMM:
+        parsed = transformers_config(config, where)
+        return FP8Scheme(None, stated_modules({"modules_to_not_convert": parsed.modules_to_not_convert},
+                                              "modules_to_not_convert", where), method=FBGEMM, strategy="channel")
     if not isinstance(config, dict) or config.get("quant_method") not in TRANSFORMERS_METHODS:
         return None
     fmt = config.get("fmt", "e4m3")
@@ -138,9 +148,9 @@ def transformers_config(config: dict, where: str):
                               f"{refused}") from None
 
 
-def stored_parts(raw_config: dict, names, where: str) -> tuple[dict[str, str], set[str]]:
+def stored_parts(raw_config: dict, names, where: str, scale: str) -> tuple[dict[str, str], set[str]]:
     """The tensors transformers' FP8 quantizer loads as a quantized module's parts beside its weight (its
-    ``serialized_names``: ``weight_scale_inv``, ``activation_scale``), found through its own renamings
+    ``serialized_names``: ``weight_scale_inv`` (``scale``), ``activation_scale``), found through its own renamings
     (``update_weight_conversions``: DeepSeek V4 stores ``X.scale``, Mistral Large 4 ``X.qscale_weight``; Inkling2's
     model type keeps ``.scale`` for its norms) where an ``X.weight`` is stored beside the renamed name.  Returns
     each weight -> its stored scale, and every such part's stored name."""
@@ -162,7 +172,7 @@ def stored_parts(raw_config: dict, names, where: str) -> tuple[dict[str, str], s
         module, _, part = renamed.rpartition(".")
         if part in kinds and f"{module}.weight" in weights:
             parts.add(name)
-            if part == "weight_scale_inv":
+            if part == scale:
                 scales[f"{module}.weight"] = name
     return scales, parts
 
@@ -338,7 +348,8 @@ def wrap(checkpoint: Checkpoint, folder: Path | str) -> Checkpoint:
         scale_of = {n[:-len(scheme.suffix)]: n for n in companions
                     if n.endswith(scheme.suffix) and n[:-len(scheme.suffix)] in weights}
     else:
-        scale_of, parts = stored_parts(checkpoint.raw_config, list(checkpoint.weight_map), shown(folder))
+        scale_of, parts = stored_parts(checkpoint.raw_config, list(checkpoint.weight_map), shown(folder),
+                                       "weight" + scheme.suffix)
         weights = {n: f for n, f in checkpoint.weight_map.items() if n not in parts}
         companions = {n: f for n, f in checkpoint.weight_map.items() if n in parts}
     how = "compressed-tensors in the stated blocks (partial edge blocks included)"

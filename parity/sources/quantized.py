@@ -14,8 +14,8 @@ from parity.sources import bnb_4bit, fp4_packed, fp8_blocks, int_groups, mlx_qua
 from parity.sources.checkpoint import Checkpoint
 
 # the quant_method values some reader here takes (MLX states none: mlx_quantized reads config.json's "quantization")
-READ_METHODS = (fp8_blocks.QUANT_METHOD, fp8_blocks.COMPRESSED, *int_groups.READERS, mxfp4_experts.QUANT_METHOD,
-                bnb_4bit.QUANT_METHOD)
+READ_METHODS = (*fp8_blocks.TRANSFORMERS_METHODS, fp8_blocks.FBGEMM, fp8_blocks.COMPRESSED, *int_groups.READERS,
+                mxfp4_experts.QUANT_METHOD, bnb_4bit.QUANT_METHOD)
 
 
 def dequantizing(checkpoint: Checkpoint, where: Path | str) -> Checkpoint:
