@@ -308,24 +308,32 @@ def test_fp8_experts_are_judged_one_by_one_and_a_broken_one_is_named(root, capsy
     assert failed == [(1, 2, "fp8_scale_inverted")]
 
 
-def ct_export(a: Path, dest: Path, preset: str, breaks: dict[str, str] | None = None, fmt: str = "float-quantized"
-              ) -> Path:
+def ct_export(a: Path, dest: Path, preset: str, breaks: dict[str, str] | None = None, fmt: str = "float-quantized",
+              also: dict[str, str] | None = None) -> Path:
     """A's folder in compressed-tensors' layout (what llm-compressor and vLLM write): every linear weight of the
     decoder layers as X.weight (float8_e4m3fn) and X.weight_scale, the config compressed-tensors' own
     QuantizationConfig of its preset scheme ``preset`` (FP8: one scale per tensor; FP8_DYNAMIC: per output channel;
-    FP8_BLOCK: per 128x128 block).  ``breaks``: as ``fp8_export``'s (inverted)."""
+    FP8_BLOCK: per 128x128 block).  ``breaks``: as ``fp8_export``'s (inverted); ``also``: a regex target
+    ("re:...") -> the preset its modules are quantized with instead, each a config group of its own (llm-compressor's
+    non-uniform recipes)."""
+    import re
+
     from compressed_tensors.quantization import QuantizationConfig, preset_name_to_scheme
 
     scheme = preset_name_to_scheme(preset, ["Linear"])
-    strategy = str(getattr(scheme.weights.strategy, "value", scheme.weights.strategy))
+    others = {target: preset_name_to_scheme(name, [target]) for target, name in (also or {}).items()}
 
     def stored(name: str, value: torch.Tensor) -> dict[str, torch.Tensor]:
+        own = next((s for t, s in others.items() if re.match(t.removeprefix("re:"), name.removesuffix(".weight"))),
+                   scheme)
+        strategy = str(getattr(own.weights.strategy, "value", own.weights.strategy))
         block = {"tensor": tuple(value.shape), "channel": (1, value.shape[1])}.get(strategy, BLOCK)
         codes, scale = quantize(value, block)
         scale = 1.0 / scale if (breaks or {}).get(name) == "inverted" else scale
         return {name: codes, name + "_scale": scale.reshape(1) if strategy == "tensor" else scale}
 
-    quantization = QuantizationConfig(config_groups={"group_0": scheme}, ignore=["lm_head"], format=fmt,
+    groups = {"group_0": scheme, **{f"group_{i + 1}": s for i, s in enumerate(others.values())}}
+    quantization = QuantizationConfig(config_groups=groups, ignore=["lm_head"], format=fmt,
                                       quantization_status="compressed").model_dump(mode="json")
     return save_quantized(dest, quantized_copy(a, dest, stored), {**quantization, "quant_method": "compressed-tensors"})
 
@@ -340,6 +348,33 @@ def test_a_faithful_compressed_tensors_fp8_export_passes(model_a, root, capsys, 
         assert layer["conversion"]["ratio_to_conversion"] == pytest.approx(1.0, abs=1e-6)
         for row in layer["conversion"]["tensors"]:
             assert row["storage"] == "float8_e4m3fn" and row["steps"]["values_beyond_step"] == 0
+
+
+@pytest.mark.parametrize(("preset", "also", "storage"), [
+    ("FP8_DYNAMIC", {"re:.*mlp.*": "FP8"}, {"gate_proj": "tensor", "up_proj": "tensor", "down_proj": "tensor"}),
+    ("FP8_DYNAMIC", {"re:.*down_proj": "FP8_BLOCK"}, {"gate_proj": "channel", "up_proj": "channel",
+                                                       "down_proj": "128x128 blocks"}),
+])
+def test_fp8_config_groups_of_several_strategies_each_judge_their_own_modules(model_a, root, capsys, preset, also,
+                                                                              storage):
+    """llm-compressor's non-uniform FP8 recipes (its examples/quantization_non_uniform: attention per channel, the MLP
+    per tensor): each module dequantized in the scheme compressed-tensors gives it (exit 2 before: several weight
+    schemes), every layer passing at A's re-quantization in its own scheme; one per-tensor scale inverted fails its
+    layer named."""
+    b = ct_export(model_a, root / f"ct-mixed-{len(list(root.iterdir()))}", preset, also=also)
+    code, report = compare(capsys, model_a, b)
+    assert code == 0, report
+    note = next(note for note in report["notes"] if "float-quantized" in note)
+    for strategy in set(storage.values()):
+        assert (f"one scale per {strategy}" if strategy != "128x128 blocks" else strategy) in note, note
+    for layer in report["layers"]:
+        assert layer["conversion"]["ratio_to_conversion"] == pytest.approx(1.0, abs=1e-6)
+        for row in layer["conversion"]["tensors"]:
+            assert row["storage"] == "float8_e4m3fn" and row["steps"]["values_beyond_step"] == 0, row
+    broken = ct_export(model_a, root / f"ct-mixed-broken-{len(list(root.iterdir()))}", preset, also=also,
+                       breaks={"model.layers.1.mlp.up_proj.weight": "inverted"})
+    found = quantized_layer_one_named(capsys, model_a, broken, "fp8_scale_inverted", "up_proj")
+    assert "up_proj" in found["message"]
 
 
 @pytest.mark.parametrize("how", [*UNSTATED, "modules_to_not_convert"])

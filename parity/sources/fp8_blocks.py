@@ -25,6 +25,7 @@ the layer that holds it.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 from pathlib import Path
@@ -34,7 +35,7 @@ from parity.definitions.distribution import install_command
 from parity.definitions.files import shown
 from parity.errors import CheckpointError, QuantizedLayoutError
 from parity.sources.checkpoint import Checkpoint, check_converted, dequantized_on_read, split_companions
-from parity.sources.compressed_config import check_plain, module_scheme, one_weight_scheme, targets_of
+from parity.sources.compressed_config import check_plain, module_scheme, parsed_config, targets_of, weight_schemes
 from parity.sources.config_check import stated_modules
 
 QUANT_METHOD = "fp8"
@@ -66,6 +67,19 @@ class FP8Scheme:
     method: str = QUANT_METHOD  # quant_method: "fp8" / "mxfp8" / "fbgemm_fp8" (transformers') or "compressed-tensors"
     strategy: str = "block"  # compressed-tensors' strategy: "block", "channel" or "tensor"
     targets: tuple[str, ...] = ()  # compressed-tensors' config group targets (``compressed_config.module_scheme``)
+    # compressed-tensors' groups stating several FP8 schemes (llm-compressor's non-uniform recipes: attention per
+    # channel, the MLP per tensor): each target -> its own scheme, in the config's order
+    groups: tuple[tuple[str, FP8Scheme], ...] = ()
+
+    def for_module(self, module: str, where: str) -> FP8Scheme:
+        """The scheme of quantized ``module``: the one compressed-tensors gives it (``compressed_config.
+        module_scheme``: a module no group targets, or one its ignore list names, is refused), or this one where
+        transformers' quantizer converts it (``check_converted``: one modules_to_not_convert names is refused)."""
+        if self.method != COMPRESSED:
+            check_converted(module, self.not_converted, where)
+            return self
+        return module_scheme(dict(self.groups) or dict.fromkeys(self.targets, self), self.not_converted, module,
+                             where)
 
     def block_for(self, shape) -> tuple[int, int]:
         """The block one scale covers in a matrix of ``shape``: a channel's is its row, a tensor's the matrix."""
@@ -80,6 +94,8 @@ class FP8Scheme:
         return SCALE_SUFFIX[self.method]
 
     def describe(self) -> str:
+        if len({scheme.describe() for _, scheme in self.groups}) > 1:
+            return "; ".join(f"{target}: {scheme.describe()}" for target, scheme in self.groups)
         how = (f"{self.block[0]}x{self.block[1]} blocks" if self.strategy == "block"
                else f"one scale per {self.strategy}")
         layout = {COMPRESSED: ", compressed-tensors' float-quantized layout",
@@ -195,23 +211,37 @@ def decoded(scales):
 
 def compressed_scheme(config: dict, where: str) -> FP8Scheme:
     """compressed-tensors' quantization_config, read by compressed-tensors itself (``QuantizationConfig``): FP8
-    weights (format float-quantized, 8-bit float, one weight scheme for every group) are read; any other is refused
-    naming what it is."""
+    weights (format float-quantized, 8-bit float, symmetric) are read, each config group's scheme for the modules
+    compressed-tensors gives it (``FP8Scheme.for_module``); any other is refused naming what it is."""
     library = require_library(where, COMPRESSED)
-    parsed, scheme = one_weight_scheme(library.QuantizationConfig, config, where)
-    args = scheme.weights
+    parsed = parsed_config(library.QuantizationConfig, config, where)
+    schemes = weight_schemes(parsed)
+    if not schemes:
+        raise CheckpointError(f"{where}: config.json's quantization_config (compressed-tensors) states no weight "
+                              "scheme in its config_groups")
+    ignore = tuple(str(n) for n in parsed.ignore or [])
+    read = {key: float_scheme(parsed.format, group, ignore, where) for key, group in schemes.items()}
+    targets = targets_of(parsed)
+    groups = tuple((target, read[group.weights.model_dump_json()]) for target, group in targets.items())
+    return dataclasses.replace(next(iter(read.values())), targets=tuple(targets), groups=groups)
+
+
+def float_scheme(form: str, group, ignore: tuple[str, ...], where: str) -> FP8Scheme:
+    """One config group's FP8 scheme (in its own format where the config is mixed-precision), or a CheckpointError
+    naming what it is."""
+    args = group.weights
+    form = (getattr(group, "format", None) or form) if form == "mixed-precision" else form
     strategy = str(getattr(args.strategy, "value", args.strategy))
-    readable = (parsed.format in ("float-quantized", "naive-quantized") and str(getattr(args.type, "value", args.type))
+    readable = (form in ("float-quantized", "naive-quantized") and str(getattr(args.type, "value", args.type))
                 == "float" and args.num_bits == 8 and args.symmetric and strategy in ("block", "channel", "tensor"))
     if not readable:
-        raise CheckpointError(f"{where}: compressed-tensors format {parsed.format!r} with {args.num_bits}-bit "
+        raise CheckpointError(f"{where}: compressed-tensors format {form!r} with {args.num_bits}-bit "
                               f"{getattr(args.type, 'value', args.type)} weights, strategy {strategy!r}: parity reads "
                               "compressed-tensors' integer weights (formats pack-quantized, int-quantized, "
                               "naive-quantized, mixed-precision), its 8-bit float weights (float-quantized: symmetric, "
                               "strategy block, channel or tensor) and its FP4 (nvfp4- and mxfp4-pack-quantized)")
     block = tuple(args.block_structure) if strategy == "block" else None
-    return FP8Scheme(block, tuple(str(n) for n in parsed.ignore or []), method=COMPRESSED, strategy=strategy,
-                     targets=tuple(targets_of(parsed)))
+    return FP8Scheme(block, ignore, method=COMPRESSED, strategy=strategy)
 
 
 def require_library(where: str, method: str = QUANT_METHOD):
@@ -287,7 +317,8 @@ class FP8Checkpoint(Checkpoint):
         if codes.dtype.itemsize != 1 or codes.dim() != 2:
             return None
         scales = self.reader(self.companions[scale_name], [scale_name])[scale_name]
-        return BlockQuantized(codes, as_grid(decoded(scales)), self.scheme.block_for(codes.shape), scale_name,
+        block = self.scheme.for_module(name.removesuffix(".weight"), self.location).block_for(codes.shape)
+        return BlockQuantized(codes, as_grid(decoded(scales)), block, scale_name,
                               self.scheme.power_of_two or powers_of_two(scales),
                               str(scales.dtype).removeprefix("torch."))
 
@@ -322,16 +353,12 @@ class FP8Checkpoint(Checkpoint):
         if codes.dim() != 2:
             raise CheckpointError(f"{self.location}: {name} is an FP8 tensor of shape {list(codes.shape)}; parity "
                                   "reads FP8 matrices (2-D), not stacked experts, so far")
-        module = name.removesuffix(".weight")  # one its loader would not quantize: the layer's finding
-        if self.scheme.method == COMPRESSED:
-            module_scheme(dict.fromkeys(self.scheme.targets, self.scheme), self.scheme.not_converted, module,
-                          self.location)
-        else:
-            check_converted(module, self.scheme.not_converted, self.location)
+        # one its loader would not quantize: the layer's finding
+        scheme = self.scheme.for_module(name.removesuffix(".weight"), self.location)
         scales = as_grid(decoded(scales))
-        check_grid(self.location, name, codes, scales, self.scheme, self.scale_of[name])
+        check_grid(self.location, name, codes, scales, scheme, self.scale_of[name])
         library = require_library(self.location, self.scheme.method)
-        block = self.scheme.block_for(codes.shape)
+        block = scheme.block_for(codes.shape)
         args = library.QuantizationArgs(num_bits=8, type="float", strategy="block", block_structure=list(block),
                                         symmetric=True, dynamic=False)
         return library.dequantize(codes, scales, None, args=args, dtype=torch.float32)
