@@ -230,6 +230,7 @@ def test_an_fp8_config_parity_cannot_read_is_exit_2_naming_the_field(model_a, ro
     ("mxfp8", dict(block=(1, 32), scale_bytes=True, fields={"quant_method": "mxfp8", "scale_fmt": "ue8m0"})),
     ("minimax-ignored-layers", dict(keep=("down_proj",), skip_key="ignored_layers")),
     ("static-activations", dict(activation_scales=True)),
+    ("dequantize-true", dict(fields={"dequantize": True})),  # its loader's converter folds weight and scale: no name
     ("fbgemm-fp8", dict(block=None, per_row=True, scale_part="weight_scale",
                         fields={"quant_method": "fbgemm_fp8", "activation_scale_ub": 1200.0})),
 ])
@@ -261,6 +262,30 @@ def test_an_fbgemm_fp8_scale_inverted_fails_its_layer_named(model_a, root, capsy
                    per_row=True, scale_part="weight_scale", fields={"quant_method": "fbgemm_fp8"})
     found = quantized_layer_one_named(capsys, model_a, b, "fp8_scale_inverted", "up_proj")
     assert "up_proj" in found["message"], found
+
+
+@pytest.mark.parametrize("other", ["scale", "qscale_weight"])
+def test_two_scales_of_one_fp8_weight_are_exit_2_naming_both(model_a, root, capsys, other):
+    """X.weight_scale_inv beside an X.scale (or X.qscale_weight) that transformers' loader renames to it: which one
+    a loader takes is its own order, so neither is taken silently (one of them x 4 passed before)."""
+    b = fp8_export(model_a, root / f"two-scales-{other}")
+    tensors = load_file(b / "model.safetensors")
+    tensors[f"model.layers.1.mlp.up_proj.{other}"] = tensors["model.layers.1.mlp.up_proj.weight_scale_inv"] * 4
+    save_file(tensors, b / "model.safetensors", metadata={"format": "pt"})
+    code, out, err = run_main(capsys, "compare", model_a, b)
+    assert code == 2, out + err
+    assert f"up_proj.{other} and model.layers.1.mlp.up_proj.weight_scale_inv are both" in err or \
+        f"up_proj.weight_scale_inv and model.layers.1.mlp.up_proj.{other} are both" in err, err
+
+
+def test_a_scale_grid_of_three_dimensions_is_named_never_an_internal_error(model_a, root, capsys):
+    b = fp8_export(model_a, root / "grid-3d")
+    tensors = load_file(b / "model.safetensors")
+    name = "model.layers.1.mlp.up_proj.weight_scale_inv"
+    tensors[name] = tensors[name][None]
+    save_file(tensors, b / "model.safetensors", metadata={"format": "pt"})
+    found = quantized_layer_one_named(capsys, model_a, b, "fp8_block_size_wrong", "up_proj")
+    assert "a grid of 3 dimensions" in found["message"], found["message"]
 
 
 def test_an_fp8_code_without_its_scale_is_exit_2_naming_it(model_a, root, capsys):

@@ -423,6 +423,19 @@ def test_an_nvfp4_export_with_global_scales_is_read_with_them_and_one_doubled_is
     assert 1.9 <= factor <= 2.1, found["message"]
 
 
+def test_a_global_scale_beside_no_quantized_matrix_stays_in_the_inventory(model_a, root, capsys):
+    """Only a quantized matrix's X.global_scale (beside its X.scales) is part of its storage; one beside a norm or
+    beside nothing is a tensor of B's own, listed as only in B (hidden before)."""
+    b = mlx_export(model_a, root / "global-stray", mode="nvfp4")
+    tensors = load_file(b / "model.safetensors")
+    stray = ["model.layers.1.input_layernorm.global_scale", "model.layers.1.mlp.nothing.global_scale"]
+    tensors.update({name: torch.tensor(1.0) for name in stray})
+    save_file(tensors, b / "model.safetensors", metadata={"format": "mlx"})
+    code, report = compare(capsys, model_a, b)
+    assert code == 0, report
+    assert sorted(report["comparison"]["inventory"]["only_in_b"]) == stray
+
+
 @pytest.mark.parametrize(("mode", "value", "said"), [
     ("mxfp4", torch.tensor(1.0), "mlx takes a global scale in nvfp4 mode only"),
     ("nvfp4", torch.tensor([1.0, 2.0]), "one positive finite float32 global scale per tensor"),

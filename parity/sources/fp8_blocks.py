@@ -168,16 +168,20 @@ def stored_parts(raw_config: dict, names, where: str, scale: str) -> tuple[dict[
     """The tensors transformers' FP8 quantizer loads as a quantized module's parts beside its weight (its
     ``serialized_names``: ``weight_scale_inv`` (``scale``), ``activation_scale``), found through its own renamings
     (``update_weight_conversions``: DeepSeek V4 stores ``X.scale``, Mistral Large 4 ``X.qscale_weight``; Inkling2's
-    model type keeps ``.scale`` for its norms) where an ``X.weight`` is stored beside the renamed name.  Returns
-    each weight -> its stored scale, and every such part's stored name."""
+    model type keeps ``.scale`` for its norms) where an ``X.weight`` is stored beside the renamed name.  Only its
+    renamings are applied: the converters it adds (``dequantize: true`` folds weight and scale into one) say how it
+    loads them, not what they are called.  Two stored tensors naming one module's scale is a CheckpointError naming
+    both (which one a loader takes is its own order).  Returns each weight -> its stored scale, and every such part's
+    stored name."""
     from types import SimpleNamespace as Stub
 
+    from transformers.core_model_loading import WeightRenaming
     from transformers.quantizers.auto import AutoHfQuantizer
 
     config = raw_config["quantization_config"]
     quantizer = AutoHfQuantizer.from_config(transformers_config(config, where), pre_quantized=True)
     model = Stub(config=Stub(model_type=str(raw_config.get("model_type", ""))), named_parameters=lambda: iter(()))
-    renamings = quantizer.update_weight_conversions([], model)
+    renamings = [r for r in quantizer.update_weight_conversions([], model) if isinstance(r, WeightRenaming)]
     kinds = [part for part in quantizer.serialized_names["weight"] if part != "weight"]
     weights = set(names)
     scales, parts = {}, set()
@@ -188,6 +192,9 @@ def stored_parts(raw_config: dict, names, where: str, scale: str) -> tuple[dict[
         module, _, part = renamed.rpartition(".")
         if part in kinds and f"{module}.weight" in weights:
             parts.add(name)
+            if part == scale and f"{module}.weight" in scales:
+                raise CheckpointError(f"{where}: {scales[f'{module}.weight']} and {name} are both {module}'s "
+                                      f"{scale} as transformers' FP8 loader names them; keep one")
             if part == scale:
                 scales[f"{module}.weight"] = name
     return scales, parts
@@ -284,7 +291,7 @@ def check_grid(location: str, name: str, codes, scales, scheme: FP8Scheme, scale
     saying what it is."""
     block = scheme.block_for(codes.shape)
     grid = expected_grid(codes.shape, block)
-    found = tuple(scales.shape[-2:]) if scales.dim() >= 2 else tuple(scales.shape)
+    found = tuple(scales.shape)
     if found == grid:
         return
     stated = (f"weight_block_size {list(block)}" if scheme.strategy == "block" else f"strategy {scheme.strategy!r}")

@@ -533,6 +533,9 @@ def wrap(checkpoint: Checkpoint, folder: Path | str) -> Checkpoint:
         return checkpoint
     require_mlx(shown(folder))  # before anything is computed: exit 2 naming the extra
     weights, companions = split_companions(checkpoint, COMPANIONS)
+    for name in [n for n in companions if n.endswith(".global_scale")]:  # a quantized matrix's only (beside its scales)
+        if name.removesuffix("global_scale") + "scales" not in companions:
+            weights[name] = companions.pop(name)
     quantized = sum(1 for n in companions if n.endswith(".scales") and n[:-len("scales")] + "weight" in weights)
     wrapped = dequantized_on_read(checkpoint, MLXCheckpoint, scheme, weights, companions, matrices=quantized,
                                   dequantized_with="mlx.core.dequantize", stated_in="quantization")
