@@ -75,24 +75,54 @@ def compressed(weight: torch.Tensor, form: str, how: str | None = None) -> dict[
     return {k: v.contiguous() for k, v in out.items()}
 
 
-def export(a: Path, dest: Path, form: str, breaks: dict[str, str] | None = None) -> Path:
+FP8_ROWS = dict(num_bits=8, type="float", strategy="channel", symmetric=True, dynamic=False)
+
+
+def fp8_rows(weight: torch.Tensor, how: str | None = None) -> dict[str, torch.Tensor]:
+    """``weight`` [out, in] as compressed-tensors' float-quantized compressor stores FP8 per output channel (codes
+    float8_e4m3fn, X.weight_scale [out, 1] float32, from A's float32 values), quantized by compressed-tensors
+    itself; ``how`` "inverted": the scales stored as their inverses."""
+    from compressed_tensors.compressors.base import BaseCompressor
+    from compressed_tensors.quantization import QuantizationArgs, QuantizationScheme
+    from compressed_tensors.quantization.utils.helpers import calculate_qparams
+
+    args = QuantizationArgs(**FP8_ROWS)
+    weight = weight.float()
+    scale, zero = calculate_qparams(weight.float().amin(1, keepdim=True).clamp(max=0),
+                                    weight.float().amax(1, keepdim=True).clamp(min=0), args)
+    scheme = QuantizationScheme(targets=["Linear"], weights=args)
+    state = {"weight": weight, "weight_scale": scale, "weight_zero_point": zero}
+    out = BaseCompressor.load_from_registry("float-quantized").compress(state, scheme)
+    if how == "inverted":
+        out["weight_scale"] = 1.0 / out["weight_scale"]
+    return {k: v.contiguous() for k, v in out.items() if k != "weight_zero_point"}
+
+
+def export(a: Path, dest: Path, form: str, breaks: dict[str, str] | None = None, fp8: str | None = None) -> Path:
     """A's folder as llm-compressor's FP4 schemes save it: every decoder Linear packed, lm_head and the rest in
-    bfloat16 (``ignore: ["lm_head"]``)."""
+    bfloat16 (``ignore: ["lm_head"]``); ``fp8``: a module name these modules end in (``down_proj``) stored in FP8 per
+    channel instead, as llm-compressor's non-uniform nvfp4 recipe writes it (format mixed-precision, each config
+    group its own format)."""
     breaks = breaks or {}
     shutil.copytree(a, dest)
     out = {}
     for name, value in load_file(a / "model.safetensors").items():
-        if name.startswith("model.layers.") and name.endswith("proj.weight"):
-            module = name.removesuffix(".weight")
+        module = name.removesuffix(".weight")
+        if name.startswith("model.layers.") and fp8 is not None and module.endswith(fp8):
+            out.update({f"{module}.{k}": t for k, t in fp8_rows(value, breaks.get(name)).items()})
+        elif name.startswith("model.layers.") and name.endswith("proj.weight"):
             out.update({f"{module}.{k}": t for k, t in compressed(value, form, breaks.get(name)).items()})
         else:
             out[name] = value.to(torch.bfloat16)
     save_file(out, dest / "model.safetensors", metadata={"format": "pt"})
     config = json.loads((dest / "config.json").read_text())
+    groups = {"group_0": {"targets": ["Linear"], "weights": arguments(form).model_dump(mode="json")}}
+    if fp8 is not None:
+        groups["group_0"]["format"] = f"{form}-pack-quantized"
+        groups["group_1"] = {"targets": [f"re:.*{fp8}$"], "weights": FP8_ROWS, "format": "float-quantized"}
     config["quantization_config"] = {
-        "quant_method": "compressed-tensors", "format": f"{form}-pack-quantized", "quantization_status": "compressed",
-        "config_groups": {"group_0": {"targets": ["Linear"], "weights": arguments(form).model_dump(mode="json")}},
-        "ignore": ["lm_head"]}
+        "quant_method": "compressed-tensors", "quantization_status": "compressed", "config_groups": groups,
+        "format": f"{form}-pack-quantized" if fp8 is None else "mixed-precision", "ignore": ["lm_head"]}
     (dest / "config.json").write_text(json.dumps(config, indent=2))
     return dest
 
@@ -134,6 +164,27 @@ def test_an_fp4_mistake_fails_its_layer_only(model_a, root, capsys, form, case, 
     code, report = compare(capsys, model_a, broken)
     assert code == 1, report
     assert [layer["passed"] for layer in report["layers"]] == [True, False]
+
+
+def test_nvfp4_with_down_proj_in_fp8_judges_each_module_by_its_own_storage(model_a, root, capsys):
+    """llm-compressor's non-uniform nvfp4 recipe (examples/quantization_non_uniform: down_proj in FP8, the rest in
+    NVFP4; format mixed-precision, each config group its own format): gate and up read by compressed-tensors' nvfp4
+    decompress, down_proj by its FP8 dequantization, each judged on its own grid; exit 2 before (several weight
+    schemes).  down_proj's scales inverted fail its layer named."""
+    b = export(model_a, root / "nvfp4-fp8-down", "nvfp4", fp8="down_proj")
+    code, report = compare(capsys, model_a, b)
+    assert code == 0, report
+    for layer in report["layers"]:
+        storage = {row["name"]: row["storage"] for row in layer["conversion"]["tensors"]}
+        assert storage == {"gate_proj.weight": "nvfp4/16", "up_proj.weight": "nvfp4/16",
+                           "down_proj.weight": "float8_e4m3fn"}, storage
+        assert all(row["steps"]["values_beyond_step"] == 0 for row in layer["conversion"]["tensors"])
+    assert any("nvfp4-pack-quantized" in note for note in report["notes"])
+    assert any("one scale per channel" in note for note in report["notes"]), report["notes"]
+    broken = export(model_a, root / "nvfp4-fp8-down-inverted", "nvfp4", fp8="down_proj",
+                    breaks={f"{LAYER1}down_proj.weight": "inverted"})
+    found = quantized_layer_one_named(capsys, model_a, broken, "fp8_scale_inverted", "down_proj")
+    assert "down_proj" in found["message"]
 
 
 @pytest.mark.parametrize("how", UNSTATED)

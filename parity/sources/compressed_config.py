@@ -8,6 +8,14 @@ from __future__ import annotations
 from parity.definitions.patterns import regex_value
 from parity.errors import CheckpointError, QuantizedLayoutError, UnstatedModuleError
 
+MIXED = "mixed-precision"  # compressed-tensors' format of a config whose groups each state their own
+FP4_FORMATS = ("nvfp4-pack-quantized", "mxfp4-pack-quantized")  # read by fp4_packed
+
+
+def group_format(parsed, group) -> str:
+    """The format a config group is stored in: its own where the config is mixed-precision, else the config's."""
+    return str((getattr(group, "format", None) or parsed.format) if parsed.format == MIXED else parsed.format)
+
 
 def parsed_config(config_class, config: dict, where: str):
     """``config`` validated by ``config_class`` (compressed-tensors' QuantizationConfig); one it refuses is a

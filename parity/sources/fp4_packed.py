@@ -14,6 +14,8 @@ each group's scale as that compressor applies it, for ``engine.compare.fp4_grid`
 
 from __future__ import annotations
 
+import dataclasses
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import cached_property
 from pathlib import Path
@@ -22,12 +24,21 @@ from parity.definitions.distribution import install_command
 from parity.definitions.files import shown
 from parity.errors import CheckpointError
 from parity.sources.checkpoint import Checkpoint, dequantized_on_read
-from parity.sources.compressed_config import check_plain, module_scheme, one_weight_scheme, targets_of
+from parity.sources.compressed_config import (
+    FP4_FORMATS,
+    MIXED,
+    check_plain,
+    group_format,
+    module_scheme,
+    parsed_config,
+    targets_of,
+    weight_schemes,
+)
 from parity.sources.fp4 import Fp4Held, norm_dtype
 
 EXTRA = "compressed-tensors"  # pyproject.toml's extra that installs compressed-tensors
 COMPRESSED = "compressed-tensors"
-FORMATS = ("nvfp4-pack-quantized", "mxfp4-pack-quantized")
+FORMATS = FP4_FORMATS
 PACKED, SCALE, GLOBAL = "weight_packed", "weight_scale", "weight_global_scale"
 PARTS = (PACKED, SCALE, GLOBAL, "weight_zero_point", "input_global_scale")  # the compressor's parameter names
 # the dtype each format stores weight_scale in: compressed-tensors' compressors (NVFP4PackedCompressor's default
@@ -49,6 +60,9 @@ class Fp4Scheme:
     not_converted: tuple[str, ...] = ()
     library: object = field(default=None, compare=False)
     targets: tuple[str, ...] = ()  # the config group's targets (``compressed_config.module_scheme``)
+    # a mixed-precision config's other groups' targets (llm-compressor's nvfp4 recipe with down_proj in FP8): their
+    # modules are read by ``fp8_blocks`` (``wrap``'s ``rest``)
+    others: tuple[str, ...] = ()
 
     def describe(self) -> str:
         return f"compressed-tensors {self.form}, groups of {self.group}"
@@ -73,18 +87,29 @@ def scheme_of(raw_config: dict, where: str) -> Fp4Scheme | None:
     """The FP4 scheme config.json states, None for a checkpoint of another format; one parity cannot read is a
     CheckpointError naming it."""
     config = raw_config.get("quantization_config")
-    if not isinstance(config, dict) or config.get("quant_method") != COMPRESSED or config.get("format") not in FORMATS:
+    if not isinstance(config, dict) or config.get("quant_method") != COMPRESSED \
+            or config.get("format") not in (*FORMATS, MIXED):
         return None
     config_class, _, _ = require_library(where)
-    parsed, scheme = one_weight_scheme(config_class, config, where)
+    parsed = parsed_config(config_class, config, where)
+    groups = {key: g for key, g in weight_schemes(parsed).items() if group_format(parsed, g) in FORMATS}
+    if not groups:
+        return None
+    if len(groups) > 1 or len({group_format(parsed, g) for g in groups.values()}) > 1:
+        raise CheckpointError(f"{where}: config.json's quantization_config (compressed-tensors) holds "
+                              f"{len(groups)} FP4 weight schemes across its config_groups; parity reads one so far")
+    scheme = next(iter(groups.values()))
+    targets = targets_of(parsed)
+    mine = tuple(t for t, g in targets.items() if group_format(parsed, g) in FORMATS)
     args = scheme.weights
     kind = str(getattr(args.type, "value", args.type))
     if kind != "float" or args.num_bits != 4 or not args.symmetric or not args.group_size:
-        raise CheckpointError(f"{where}: compressed-tensors format {parsed.format!r} with {args.num_bits}-bit {kind} "
+        raise CheckpointError(f"{where}: compressed-tensors format {group_format(parsed, scheme)!r} with "
+                              f"{args.num_bits}-bit {kind} "
                               f"weights (symmetric {args.symmetric}, group_size {args.group_size}): parity reads "
                               "symmetric 4-bit float weights in groups")
-    return Fp4Scheme(str(parsed.format), int(args.group_size), tuple(str(n) for n in parsed.ignore or []), scheme,
-                     tuple(targets_of(parsed)))
+    return Fp4Scheme(group_format(parsed, scheme), int(args.group_size), tuple(str(n) for n in parsed.ignore or []),
+                     scheme, mine, tuple(t for t in targets if t not in mine))
 
 
 class Fp4Checkpoint(Checkpoint):
@@ -95,13 +120,21 @@ class Fp4Checkpoint(Checkpoint):
     companions: dict[str, str]
     as_stored: dict[str, str]
     fp4_modules: dict[str, str]  # X.weight -> X, for each packed matrix
+    others: Checkpoint | None  # a mixed-precision config's FP8 modules (and the plain tensors), read by fp8_blocks
+
+    def quantized(self, name: str):
+        """How an FP8 module of a mixed-precision B is stored (``fp8_blocks.FP8Checkpoint.quantized``)."""
+        return self.others.quantized(name) if self.others is not None else None
 
     def parts_of(self, name: str) -> dict | None:
         """A packed ``name``'s stored parameters under the compressor's names, checked; None for another tensor."""
         module = self.fp4_modules.get(name)
         if module is None:
             return None
-        module_scheme(dict.fromkeys(self.scheme.targets, self.scheme), self.scheme.not_converted, module, self.location)
+        stated = {**dict.fromkeys(self.scheme.others, "another"), **dict.fromkeys(self.scheme.targets, self.scheme)}
+        if module_scheme(stated, self.scheme.not_converted, module, self.location) == "another":
+            raise CheckpointError(f"{self.location}: {module} is stored {self.scheme.form}, but config.json's "
+                                  "quantization_config gives it a group of another format")
         wanted = [f"{module}.{p}" for p in PARTS if f"{module}.{p}" in self.companions]
         read = {n.rsplit(".", 1)[1]: self.reader(self.companions[n], [n])[n] for n in wanted}
         for part in (SCALE,) + ((GLOBAL,) if self.scheme.form.startswith("nvfp4") else ()):
@@ -177,13 +210,18 @@ class Fp4Checkpoint(Checkpoint):
         return {name: found[name] for name in names}
 
     def stored_dtype(self, name: str) -> str | None:
+        if self.others is not None and name not in self.fp4_modules:
+            return self.others.stored_dtype(name)
         return self.as_stored.get(name)
 
     def read(self, names: list[str]):
         plain = [n for n in names if n not in self.fp4_modules]
-        out = super().read(plain) if plain else {}
-        for name in plain:  # a linear its config quantizes, stored plain: the layer's finding
-            check_plain(self.scheme.targets, self.scheme.not_converted, name, out[name], self.location)
+        if self.others is not None:  # FP8 modules and plain tensors, as fp8_blocks reads them
+            out = self.others.read(plain) if plain else {}
+        else:
+            out = super().read(plain) if plain else {}
+            for name in plain:  # a linear its config quantizes, stored plain: the layer's finding
+                check_plain(self.scheme.targets, self.scheme.not_converted, name, out[name], self.location)
         self.as_stored = {name: str(out[name].dtype).removeprefix("torch.") for name in plain}
         for name in names:
             parts = self.parts_of(name)
@@ -193,8 +231,11 @@ class Fp4Checkpoint(Checkpoint):
         return out
 
 
-def wrap(checkpoint: Checkpoint, folder: Path | str) -> Checkpoint | None:
-    """``checkpoint`` as an Fp4Checkpoint when its config states compressed-tensors' FP4, else None."""
+def wrap(checkpoint: Checkpoint, folder: Path | str, *, rest: Callable[[Checkpoint, Path | str], Checkpoint]
+         ) -> Checkpoint | None:
+    """``checkpoint`` as an Fp4Checkpoint when its config states compressed-tensors' FP4, else None; ``rest``: the
+    reader of a mixed-precision config's other groups (``fp8_blocks.wrap``, handed in by ``quantized``, which
+    knows every reader), given the checkpoint without the packed modules."""
     scheme = scheme_of(checkpoint.raw_config, shown(folder))
     if scheme is None:
         return None
@@ -204,9 +245,15 @@ def wrap(checkpoint: Checkpoint, folder: Path | str) -> Checkpoint | None:
         raise CheckpointError(f"{shown(folder)}: config.json's quantization_config states format {scheme.form!r}, "
                               f"yet no tensor is stored as X.{PACKED}: the weights are not in that format (re-export "
                               "them, or state the format they are in)")
+    parts = {n: f for n, f in parts.items() if n.rsplit(".", 1)[0] in modules.values()}  # the packed modules' own
     weights = {n: f for n, f in checkpoint.weight_map.items() if n not in parts}
+    others = None
+    if scheme.others:  # the other groups' modules: a checkpoint of the rest, read by fp8_blocks
+        others = rest(dataclasses.replace(checkpoint, weight_map=weights), folder)
     weights.update({name: parts[prefix + "." + PACKED] for name, prefix in modules.items()})
     wrapped = dequantized_on_read(checkpoint, Fp4Checkpoint, scheme, weights, parts, matrices=len(modules),
                                   dequantized_with=f"compressed-tensors ({scheme.form} decompress)")
-    wrapped.fp4_modules = modules
+    wrapped.fp4_modules, wrapped.others = modules, others
+    if others is not None:
+        wrapped.notes.append(others.notes[-1])
     return wrapped

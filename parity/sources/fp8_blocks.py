@@ -35,7 +35,15 @@ from parity.definitions.distribution import install_command
 from parity.definitions.files import shown
 from parity.errors import CheckpointError, QuantizedLayoutError
 from parity.sources.checkpoint import Checkpoint, check_converted, dequantized_on_read, split_companions
-from parity.sources.compressed_config import check_plain, module_scheme, parsed_config, targets_of, weight_schemes
+from parity.sources.compressed_config import (
+    FP4_FORMATS,
+    check_plain,
+    group_format,
+    module_scheme,
+    parsed_config,
+    targets_of,
+    weight_schemes,
+)
 from parity.sources.config_check import stated_modules
 
 QUANT_METHOD = "fp8"
@@ -222,22 +230,21 @@ def compressed_scheme(config: dict, where: str) -> FP8Scheme:
     compressed-tensors gives it (``FP8Scheme.for_module``); any other is refused naming what it is."""
     library = require_library(where, COMPRESSED)
     parsed = parsed_config(library.QuantizationConfig, config, where)
-    schemes = weight_schemes(parsed)
+    schemes = {k: g for k, g in weight_schemes(parsed).items() if group_format(parsed, g) not in FP4_FORMATS}
     if not schemes:
         raise CheckpointError(f"{where}: config.json's quantization_config (compressed-tensors) states no weight "
                               "scheme in its config_groups")
     ignore = tuple(str(n) for n in parsed.ignore or [])
-    read = {key: float_scheme(parsed.format, group, ignore, where) for key, group in schemes.items()}
-    targets = targets_of(parsed)
+    read = {key: float_scheme(group_format(parsed, group), group, ignore, where) for key, group in schemes.items()}
+    targets = {t: g for t, g in targets_of(parsed).items() if g.weights.model_dump_json() in read}
     groups = tuple((target, read[group.weights.model_dump_json()]) for target, group in targets.items())
     return dataclasses.replace(next(iter(read.values())), targets=tuple(targets), groups=groups)
 
 
 def float_scheme(form: str, group, ignore: tuple[str, ...], where: str) -> FP8Scheme:
-    """One config group's FP8 scheme (in its own format where the config is mixed-precision), or a CheckpointError
+    """One config group's FP8 scheme (stored in ``form``: ``compressed_config.group_format``), or a CheckpointError
     naming what it is."""
     args = group.weights
-    form = (getattr(group, "format", None) or form) if form == "mixed-precision" else form
     strategy = str(getattr(args.strategy, "value", args.strategy))
     readable = (form in ("float-quantized", "naive-quantized") and str(getattr(args.type, "value", args.type))
                 == "float" and args.num_bits == 8 and args.symmetric and strategy in ("block", "channel", "tensor"))

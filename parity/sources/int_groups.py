@@ -19,7 +19,14 @@ from pathlib import Path
 from parity.definitions.files import shown
 from parity.errors import CheckpointError, QuantizedLayoutError
 from parity.sources.checkpoint import Checkpoint, check_converted, dequantized_on_read
-from parity.sources.compressed_config import check_plain, module_scheme, parsed_config, targets_of, weight_schemes
+from parity.sources.compressed_config import (
+    MIXED,
+    check_plain,
+    module_scheme,
+    parsed_config,
+    targets_of,
+    weight_schemes,
+)
 from parity.sources.config_check import stated_modules
 from parity.sources.int_storage import (
     ACTIVATION_PARTS,
@@ -38,7 +45,6 @@ from parity.sources.int_storage import (
 )
 
 COMPRESSED = "compressed-tensors"
-MIXED = "mixed-precision"  # compressed-tensors' format of a config whose groups each state their own
 
 
 @dataclass(frozen=True)
