@@ -27,6 +27,7 @@ from .derived_checkpoints import (
     quantized_layer_one_named,
 )
 from .support import compare_json as compare
+from .support import run_main
 
 pytest.importorskip("compressed_tensors")
 
@@ -185,6 +186,16 @@ def test_nvfp4_with_down_proj_in_fp8_judges_each_module_by_its_own_storage(model
                     breaks={f"{LAYER1}down_proj.weight": "inverted"})
     found = quantized_layer_one_named(capsys, model_a, broken, "fp8_scale_inverted", "down_proj")
     assert "down_proj" in found["message"]
+    tensors = load_file(b / "model.safetensors")  # down_proj stored nvfp4 where its group states FP8
+    module = f"{LAYER1}down_proj"
+    a_tensors = load_file(model_a / "model.safetensors")
+    for part in ("weight", "weight_scale"):
+        tensors.pop(f"{module}.{part}")
+    tensors.update({f"{module}.{k}": t for k, t in compressed(a_tensors[f"{module}.weight"], "nvfp4").items()})
+    save_file(tensors, b / "model.safetensors", metadata={"format": "pt"})
+    code, out, err = run_main(capsys, "compare", model_a, b)
+    assert code == 2, out + err
+    assert f"{module} is stored nvfp4-pack-quantized, but config.json's" in err, err
 
 
 @pytest.mark.parametrize("how", UNSTATED)
@@ -218,8 +229,6 @@ def test_gate_and_up_exchanged_in_an_nvfp4_export_is_named(model_a, root, capsys
 ])
 def test_an_nvfp4_tensor_of_another_layout_is_exit_2_naming_it(model_a, root, capsys, edit, said):
     """Hostile layouts of layer 1's up_proj: exit 2 naming the tensor and what the format stores, never a traceback."""
-    from .support import run_main
-
     b = export(model_a, root / f"hostile-{len(list(root.iterdir()))}", "nvfp4")
     tensors = load_file(b / "model.safetensors")
     module = f"{LAYER1}up_proj"
