@@ -1,7 +1,7 @@
 """compressed-tensors' quantization_config as its own ``QuantizationConfig`` reads it, for each reader of its formats
 (``fp8_blocks``: float-quantized; ``int_groups``: pack-quantized; ``fp4_packed``: nvfp4/mxfp4-pack-quantized): one
-validation and one rule (a single weight scheme across the config groups), each reader then judging the scheme's
-arguments against its own format."""
+validation, its groups' schemes and the one it gives each module (compressed-tensors' own ``match_targets``),
+each reader then judging its groups' arguments against its own format."""
 
 from __future__ import annotations
 
@@ -90,15 +90,3 @@ def module_scheme(targets: dict[str, object], ignore, module: str, where: str):
         raise UnstatedModuleError(where, module, why, "compressed-tensors would not quantize it, so a model "
                                   "loading B would take its codes for its weight")
     return targets[matched[0]]
-
-
-def one_weight_scheme(config_class, config: dict, where: str):
-    """(the parsed config, its one QuantizationScheme with weights) of ``config``, validated by ``config_class``
-    (compressed-tensors' QuantizationConfig); a config it refuses, or several weight schemes, is a CheckpointError
-    in compressed-tensors' words."""
-    parsed = parsed_config(config_class, config, where)
-    schemes = weight_schemes(parsed)
-    if len(schemes) != 1:
-        raise CheckpointError(f"{where}: config.json's quantization_config (compressed-tensors) has {len(schemes)} "
-                              "weight schemes across its config_groups; parity reads checkpoints with one so far")
-    return parsed, next(iter(schemes.values()))

@@ -131,9 +131,9 @@ def scheme_of(raw_config: dict, where: str) -> FP8Scheme | None:
     if isinstance(config, dict) and config.get("quant_method") == COMPRESSED:
         return compressed_scheme(config, where)
     if isinstance(config, dict) and config.get("quant_method") == FBGEMM:
-        parsed = transformers_config(config, where)
-        return FP8Scheme(None, stated_modules({"modules_to_not_convert": parsed.modules_to_not_convert},
-                                              "modules_to_not_convert", where), method=FBGEMM, strategy="channel")
+        transformers_config(config, where)  # its checks, in its words
+        return FP8Scheme(None, stated_modules(config, "modules_to_not_convert", where), method=FBGEMM,
+                         strategy="channel")
     if not isinstance(config, dict) or config.get("quant_method") not in TRANSFORMERS_METHODS:
         return None
     fmt = config.get("fmt", "e4m3")
