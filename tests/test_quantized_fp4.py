@@ -12,6 +12,7 @@ one mistake in layer 1 only.
 from __future__ import annotations
 
 import json
+import re
 import shutil
 from pathlib import Path
 
@@ -45,8 +46,8 @@ def arguments(form: str):
 
 def compressed(weight: torch.Tensor, form: str, how: str | None = None) -> dict[str, torch.Tensor]:
     """``weight`` [out, in] as llm-compressor stores it in ``form``, with mistake ``how``: global (the global scale
-    doubled: every value halved), row (row 3's scales twice as large, after compressing), exchanged_rows (rows 0 and
-    1 of the packed codes exchanged, their scales kept)."""
+    doubled: every value halved; global_1.1: x 1.1, every value / 1.1), row (row 3's scales twice as large, after
+    compressing), exchanged_rows (rows 0 and 1 of the packed codes exchanged, their scales kept)."""
     from compressed_tensors.compressors.base import BaseCompressor
     from compressed_tensors.quantization import QuantizationScheme
     from compressed_tensors.quantization.utils.helpers import calculate_qparams, generate_gparam
@@ -63,8 +64,8 @@ def compressed(weight: torch.Tensor, form: str, how: str | None = None) -> dict[
                                                 global_scale=state.get("weight_global_scale"))
     scheme = QuantizationScheme(targets=["Linear"], weights=args)
     out = BaseCompressor.load_from_registry(f"{form}-pack-quantized").compress(state, scheme)
-    if how == "global":
-        out["weight_global_scale"] = out["weight_global_scale"] * 2
+    if how in ("global", "global_1.1"):
+        out["weight_global_scale"] = out["weight_global_scale"] * (2 if how == "global" else 1.1)
     if how == "row":
         scale = out["weight_scale"].clone()
         scale[3] = (scale[3].float() * 2).to(scale.dtype) if form == "nvfp4" else scale[3] + 1
@@ -201,6 +202,16 @@ def test_nvfp4_with_down_proj_in_fp8_judges_each_module_by_its_own_storage(model
 @pytest.mark.parametrize("how", UNSTATED)
 def test_a_module_stored_fp4_that_its_config_leaves_unquantized_is_named(model_a, root, capsys, how):
     assert_module_not_stated(capsys, model_a, export(model_a, root / f"unstated-{how}", "nvfp4"), how)
+
+
+def test_an_nvfp4_global_scale_a_tenth_off_fails_named_though_its_values_stay_within_their_steps(model_a, root,
+                                                                                                  capsys):
+    """up_proj's global scale x 1.1: every value / 1.1, within e2m1's wide steps, the function within its tolerance
+    (it passed), but the tensor's least-squares factor on A is outside what round to nearest leaves."""
+    b = export(model_a, root / "nvfp4-global-1.1", "nvfp4", {f"{LAYER1}up_proj.weight": "global_1.1"})
+    found = quantized_layer_one_named(capsys, model_a, b, "tensor_scaled", "up_proj")
+    factor = float(re.search(r"is A's x ([0-9.]+)", found["message"]).group(1))
+    assert 0.88 <= factor <= 0.93 and "within 0.95 to 1.05" in found["message"], found["message"]
 
 
 def test_a_module_its_config_quantizes_stored_unquantized_is_named(model_a, root, capsys):

@@ -127,7 +127,10 @@ def scale_finding(rows: list[dict], storage: dict[str, Storage], reference_dista
 
 def refitting(row: dict, storage: dict[str, Storage]) -> str:
     """The quantizer whose refit a ``scale`` record's bounds were measured on, in words."""
-    return "an importance-weighted quantizer" if storage[row["name"]].importance is not None else "GPTQ"
+    store = storage[row["name"]]
+    if store.importance is not None:
+        return "an importance-weighted quantizer"
+    return "round to nearest on its microscaled groups" if store.microscaled else "GPTQ"
 
 
 def grid_finding(rows: list[dict], storage: dict[str, Storage], reference_distance: float,

@@ -103,8 +103,10 @@ def tensor_rows(a: SideLayer, b: SideLayer) -> tuple[list[dict], dict[str, torch
             row["steps"] = conversion.step_excess(a32, b32, store.steps, allowed)
             if store.group is not None and row["steps"]["values_beyond_step"]:  # held to its values: it differs
                 row["differs"] = True
-        if (store.importance is not None or store.group is not None) and ta.dim() == 2:  # values moved by more
-            row["scale"] = conversion.scale_excess(a32, b32, store)  # than a step, each block's scale refit to A's
+        # values moved by more than a step (each block's scale refit to A's), or steps wide enough to hide a factor
+        if (store.importance is not None or store.group is not None or store.microscaled) \
+                and ta.dim() == 2:
+            row["scale"] = conversion.scale_excess(a32, b32, store)
         elif not store.quantized and not same:  # each value of a cast or re-save held to its own rounding
             row["ulps"] = conversion.ulp_excess(converted[name], b32, store.dtype)
     return rows, converted, exact

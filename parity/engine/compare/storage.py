@@ -45,6 +45,11 @@ class Storage:
     group: Grid | None = None  # integer group quantization (GPTQ, AWQ, pack-quantized): B's own grid
     importance: str | None = None  # GGUF: the importance matrix B's metadata names, in a type it weights (gguf_grid)
 
+    @property
+    def microscaled(self) -> bool:
+        """Whether the tensor is stored in a microscaled format (FP4 groups; MLX's mxfp4, nvfp4, mxfp8)."""
+        return self.fp4 is not None or (self.mlx is not None and not self.mlx.affine)
+
 
 def dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
