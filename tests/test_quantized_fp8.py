@@ -240,9 +240,9 @@ def test_fp8_releases_as_transformers_loads_them_pass_on_every_layer(model_a, ro
     weight_scale_inv (DeepSeek V4's X.scale, Mistral Large 4's X.qscale_weight), quant_method "mxfp8" ([1, 32]
     blocks, e8m0 scales stored as uint8 bytes), MiniMax's skip list under ignored_layers, static activation scales
     beside each weight; fbgemm_fp8 (Meta's FP8 releases: a float32 X.weight_scale per output row, read with
-    compressed-tensors' channel dequantization, fbgemm's own being CUDA only).  Each failed before (exit 2, or every
-    layer a finding on codes read without their scales); now every layer passes at A's re-quantization, its values
-    within their own steps."""
+    compressed-tensors' channel dequantization, fbgemm's own being CUDA only).  All but ignored_layers and
+    dequantize: true (kept as guards: they passed before) failed before (exit 2, or the activation scales listed as
+    tensors only in B); now every layer passes at A's re-quantization, its values within their own steps."""
     keep = export.pop("keep", ())
     b = fp8_export(model_a, root / f"release-{case}", keep=keep, **export)
     code, report = compare(capsys, model_a, b)
