@@ -38,7 +38,6 @@ from parity.sources.fp4 import Fp4Held, norm_dtype
 
 EXTRA = "compressed-tensors"  # pyproject.toml's extra that installs compressed-tensors
 COMPRESSED = "compressed-tensors"
-FORMATS = FP4_FORMATS
 PACKED, SCALE, GLOBAL = "weight_packed", "weight_scale", "weight_global_scale"
 PARTS = (PACKED, SCALE, GLOBAL, "weight_zero_point", "input_global_scale")  # the compressor's parameter names
 # the dtype each format stores weight_scale in: compressed-tensors' compressors (NVFP4PackedCompressor's default
@@ -88,11 +87,11 @@ def scheme_of(raw_config: dict, where: str) -> Fp4Scheme | None:
     CheckpointError naming it."""
     config = raw_config.get("quantization_config")
     if not isinstance(config, dict) or config.get("quant_method") != COMPRESSED \
-            or config.get("format") not in (*FORMATS, MIXED):
+            or config.get("format") not in (*FP4_FORMATS, MIXED):
         return None
     config_class, _, _ = require_library(where)
     parsed = parsed_config(config_class, config, where)
-    groups = {key: g for key, g in weight_schemes(parsed).items() if group_format(parsed, g) in FORMATS}
+    groups = {key: g for key, g in weight_schemes(parsed).items() if group_format(parsed, g) in FP4_FORMATS}
     if not groups:
         return None
     if len(groups) > 1 or len({group_format(parsed, g) for g in groups.values()}) > 1:
@@ -100,7 +99,7 @@ def scheme_of(raw_config: dict, where: str) -> Fp4Scheme | None:
                               f"{len(groups)} FP4 weight schemes across its config_groups; parity reads one so far")
     scheme = next(iter(groups.values()))
     targets = targets_of(parsed)
-    mine = tuple(t for t, g in targets.items() if group_format(parsed, g) in FORMATS)
+    mine = tuple(t for t, g in targets.items() if group_format(parsed, g) in FP4_FORMATS)
     args = scheme.weights
     kind = str(getattr(args.type, "value", args.type))
     if kind != "float" or args.num_bits != 4 or not args.symmetric or not args.group_size:

@@ -22,6 +22,7 @@ from parity.sources.checkpoint import Checkpoint, check_converted, dequantized_o
 from parity.sources.compressed_config import (
     MIXED,
     check_plain,
+    group_format,
     module_scheme,
     parsed_config,
     targets_of,
@@ -213,7 +214,7 @@ def packed_scheme(config: dict, where: str) -> IntScheme | None:
         raise CheckpointError(f"{where}: config.json's quantization_config (compressed-tensors) states no weight "
                               "scheme in its config_groups")
     left = tuple(str(n) for n in parsed.ignore or [])
-    read = {key: int_scheme(config.get("format"), group, left, where) for key, group in schemes.items()}
+    read = {key: int_scheme(group_format(parsed, group), group, left, where) for key, group in schemes.items()}
     methods = {scheme.method for scheme in read.values()}
     if len(methods) > 1:
         raise CheckpointError(f"{where}: config.json's quantization_config groups are stored in "
@@ -225,9 +226,8 @@ def packed_scheme(config: dict, where: str) -> IntScheme | None:
 
 
 def int_scheme(form: str, group, left: tuple[str, ...], where: str) -> IntScheme:
-    """One config group's integer scheme, in its own format where the config is mixed-precision."""
+    """One config group's integer scheme, stored in ``form`` (``compressed_config.group_format``)."""
     args = group.weights
-    form = (getattr(group, "format", None) or form) if form == MIXED else form
     strategy = str(getattr(args.strategy, "value", args.strategy))
     kind = str(getattr(args.type, "value", args.type))
     strategies = ("group", "channel") if form == PACKED else ("group", "channel", "tensor")

@@ -28,6 +28,7 @@ import torch
 
 from parity.engine.compare.storage import Storage, least_squares_scales
 from parity.engine.layer import route_tensor
+from parity.sources.int_storage import AWQ_ORDER  # AWQ's packing: field i of each int32 holds column AWQ_ORDER[i]
 
 # B's function may deviate from A's by this many times what round-to-nearest on B's own grid does.  Measured on
 # tests/test_quantized_int.py's fixtures (tiny LLaMA, int4, groups of 32, parity's seeded inputs): the GPTQ-like export
@@ -89,8 +90,6 @@ GPTQ_FACTOR = 8.0  # the reviewer's Hessian's 5.8 x with room: the mistakes are 
 # ... and never to more than this share of the reference output's largest magnitude (a tolerance as large as the output
 # would pass a module that outputs zeros: the layer would be unverifiable, where FACTOR alone may have judged it)
 WIDEST = 0.5
-# AWQ's packing (int_storage.AWQ_ORDER): field i of each int32 holds column AWQ_ORDER[i] of its eight
-AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)
 
 
 @dataclass
