@@ -175,6 +175,22 @@ def save_quantized(dest: Path, tensors: dict[str, torch.Tensor], quantization: d
     return dest
 
 
+def parts_scaled(good: Path, dest: Path, parts: tuple[str, ...], factor: float) -> Path:
+    """``good`` copied to ``dest`` with each tensor named in ``parts`` multiplied by ``factor`` in its own dtype (a
+    scale stored off by a factor over the same codes), its safetensors metadata kept."""
+    from safetensors import safe_open
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(good, dest)
+    with safe_open(str(good / "model.safetensors"), "pt") as handle:
+        metadata = handle.metadata()
+    tensors = load_file(dest / "model.safetensors")
+    for name in parts:
+        tensors[name] = (tensors[name].float() * factor).to(tensors[name].dtype)
+    save_file(tensors, dest / "model.safetensors", metadata=metadata)
+    return dest
+
+
 # How a compressed-tensors config can leave down_proj unquantized while the checkpoint stores it quantized: its ignore
 # list names it, the one config group targets gate and up only, or it targets nothing.
 # Each: the edit, and the module a report then names (any projection where nothing is targeted).

@@ -76,6 +76,34 @@ def test_a_faithful_k_quant_export_passes(k_model, k_a, root, qtype, capsys):
         assert "gguf cannot quantize it" in entry["conversion"]["tensors"][0]["conversion"]
 
 
+# where each block's scales sit in its bytes: d (float16) first; Q4_K's and Q5_K's dmin beside it; Q6_K's d last
+SCALE_BYTES = {Q.Q4_0: (18, slice(0, 2)), Q.Q8_0: (34, slice(0, 2)), Q.Q4_K: (144, slice(0, 4)),
+               Q.Q5_K: (176, slice(0, 4)), Q.Q6_K: (210, slice(208, 210))}
+
+
+@pytest.mark.parametrize("qtype", [Q.Q4_0, Q.Q4_K, Q.Q5_K, Q.Q6_K])
+def test_every_block_scale_of_a_tensor_x_1_05_is_tensor_scaled(k_model, k_a, root, qtype, capsys):
+    """Every d (and dmin) of layer 1's down_proj x1.05 over the same codes: B is A's x1.05, and at 4 bits each value
+    stays within a step of A's (Q4_0 and Q4_K passed before ``conversion.CONVERTED_SCALE``; Q5_K, Q6_K were
+    quantization_exceeds_step).  A's conversion (gguf's quantizer, or round to nearest on B's own grid) is what
+    llama.cpp writes, each code the nearest on the final scales: B is it x1.05."""
+    size, where = SCALE_BYTES[qtype]
+
+    def scaled(_values, data):
+        blocks = data.reshape(-1, size)
+        blocks[:, where] = (blocks[:, where].copy().view(np.float16).astype(np.float32) * 1.05).astype(
+            np.float16).view(np.uint8)
+        return data
+
+    b = write_k_gguf(k_model, root / f"scaled-{qtype.name}.gguf", qtype, {"blk.1.ffn_down.weight": scaled})
+    code, data, err = run_json(capsys, "compare", k_a, b)
+    assert code == 1, err
+    assert [entry["passed"] for entry in data["layers"]] == [True, False]
+    found = layer_finding(data, 1)
+    assert found["id"] == "tensor_scaled" and "down_proj.weight" in found["message"], found
+    assert "x 1.05 over A's conversion" in found["message"] or "is A's x 1.05 " in found["message"], found
+
+
 def coarser(factor: float, qtype: Q):
     return lambda values, data: k_quantize(values, qtype, coarsen=factor)
 

@@ -21,6 +21,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from parity.engine.compare.conversion import CONVERTED_SCALE
+
 from .conftest import build_model, save
 from .gguf_files import Q, write_k_gguf
 from .support import run_json
@@ -215,7 +217,7 @@ def test_an_export_naming_an_importance_matrix_edited_after_quantizing_fails_on_
 
 def test_q8_0_is_not_relaxed_by_an_importance_matrix(model, a, root, capsys):
     """llama.cpp's quantize_q8_0 ignores the importance matrix: a Q8_0 file naming one is judged as any Q8_0 is,
-    every d of layer 1's down_proj x1.02 (values up to 3 steps off) a finding; a faithful one passes."""
+    every d of layer 1's down_proj x1.02 (values up to 3 steps off) tensor_scaled; a faithful one passes."""
     from gguf.quants import quantize
 
     def scaled(values, _data):
@@ -229,12 +231,16 @@ def test_q8_0_is_not_relaxed_by_an_importance_matrix(model, a, root, capsys):
     code, data, err = run_json(capsys, "compare", a, faithful)
     assert code == 0, err
     assert all("importance matrix" not in entry["conversion"]["tolerance_rule"] for entry in data["layers"])
-    assert all(row["scale"] is None for entry in data["layers"] for row in entry["conversion"]["tensors"])
+    for row in (row for entry in data["layers"] for row in entry["conversion"]["tensors"]):
+        # judged as any Q8_0 is: its factor on A's conversion, no importance-weighted bounds
+        assert row["scale"]["bounds"] == [None, None] and not row["scale"]["beyond"], row["scale"]
+        assert row["scale"]["converted_bounds"] == list(CONVERTED_SCALE), row["scale"]
     b = write_k_gguf(model, root / "q8-scaled.gguf", Q.Q8_0, {DOWN: scaled}, metadata=IMATRIX)
     code, data, err = run_json(capsys, "compare", a, b)
     assert code == 1, err
     assert [entry["passed"] for entry in data["layers"]] == [True, False]
-    assert data["layers"][1]["diagnosis"]["id"] == "quantization_exceeds_step", data["layers"][1]["diagnosis"]
+    found = data["layers"][1]["diagnosis"]  # every d x1.02: B is A's conversion x1.02 (values up to 3 steps off)
+    assert found["id"] == "tensor_scaled" and "x 1.02 over A's conversion" in found["message"], found
 
 
 def test_a_round_to_nearest_block_on_twice_its_step_is_too_coarse_without_the_matrix_too(model, a, root, capsys):

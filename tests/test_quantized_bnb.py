@@ -24,6 +24,7 @@ from safetensors.torch import load_file, save_file
 from .derived_checkpoints import (
     assert_module_not_stated,
     format_fixtures,
+    parts_scaled,
     quantized_copy,
     quantized_layer_one_named,
     save_quantized,
@@ -190,6 +191,21 @@ def test_bitsandbytes_cpu_kernel_misreads_rows_off_the_block_where_the_flat_read
         assert flat_steps <= 0.55, name  # double quant: the absmax read back from its 8-bit code (see above)
         # measured: 3.76 and 3.93 steps on the [200, 160] matrices; the [160, 200] ones read right either way
         assert (misread > 2.0) if list(a.shape) == [200, 160] else (misread <= 0.55), (name, misread)
+
+
+@pytest.mark.parametrize("factor", [1.05, 0.95])
+def test_every_absmax_of_a_matrix_a_twentieth_off_is_tensor_scaled(model_a, root, capsys, factor):
+    """down_proj's absmax x1.05 (x0.95) over the same codes (no double quantization: absmax stored float32): each
+    value within a step of A's, the function within 1.3 x the conversion's deviation (x1.1 and x0.9 passed too,
+    before ``conversion.CONVERTED_SCALE``); bitsandbytes' quantize_4bit of A is what a faithful export holds."""
+    good = root / "absmax-good"
+    if not good.exists():
+        bnb_export(model_a, good, double_quant=False)
+    part = "model.layers.1.mlp.down_proj.weight.absmax"
+    found = quantized_layer_one_named(capsys, model_a, parts_scaled(good, root / f"absmax-{factor}", (part,), factor),
+                                      "tensor_scaled", "down_proj")
+    said = float(found["message"].split("is A's x ")[1].split(" ")[0])  # over A, or over A's conversion
+    assert abs(said - factor) < 0.01, found["message"]
 
 
 def test_modules_left_unquantized_are_judged_by_their_own_storage(model_a, root, capsys):

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
 import torch
 from safetensors.torch import load_file
 
@@ -79,13 +80,21 @@ def test_padded_words_stated_as_eight_bits_are_still_named(model_a, root, capsys
         assert layer["diagnosis"]["id"] == "group_bits_mismatched", layer["diagnosis"]
 
 
+def fine_grid(g_idx: torch.Tensor, rows: int, bits: int, method: str, fold: str | None = None):
+    """A ``group_grid.Grid`` of ``bits`` and ``method`` for ``rows`` rows of groups ``g_idx`` whose round to nearest
+    moves no value measurably (steps of 1e-6 over a range of 2^40 codes): the factors these tests set are B's alone."""
+    from parity.engine.compare import group_grid
+
+    steps, groups = torch.full((rows, len(g_idx)), 1e-6, dtype=torch.float64), int(g_idx.max()) + 1
+    return group_grid.Grid(steps, torch.zeros_like(steps), -(1 << 40), 1 << 40, torch.full((rows, groups), 1e-6),
+                           torch.zeros(rows, groups), g_idx, method, bits, fold=fold)
+
+
 def test_at_two_bits_only_the_whole_matrix_is_held_to_its_factor():
     """gptqmodel 7.7.0's int2 act-order export of the Gemma 3 270M stand-in had faithful groups whose least-squares
     factor on A was -2.2 (four levels: GPTQ's compensation outweighs a group of small values) and a row at 0.7987;
     both failed quantization_exceeds_step.  At 2 bits a row's or group's factor is not judged; the matrix's is, and at
     4 bits the same group still fails."""
-    from types import SimpleNamespace
-
     from parity.engine.compare import group_grid
 
     generator = torch.Generator().manual_seed(0)
@@ -94,11 +103,11 @@ def test_at_two_bits_only_the_whole_matrix_is_held_to_its_factor():
     b = a.clone()
     b[0, :32] = -2.2 * a[0, :32]  # ... that B holds at -2.2 x: the matrix's factor stays near 1
     g_idx = torch.arange(64) // 32
-    two = group_grid.value_scales(a, b, SimpleNamespace(g_idx=g_idx, bits=2, method="gptq", fold=None))
-    four = group_grid.value_scales(a, b, SimpleNamespace(g_idx=g_idx, bits=4, method="gptq", fold=None))
+    two = group_grid.value_scales(a, b, fine_grid(g_idx, 8, 2, "gptq"))
+    four = group_grid.value_scales(a, b, fine_grid(g_idx, 8, 4, "gptq"))
     assert four["beyond"] and four["block"] < 0, four
     assert not two["beyond"] and 0.99 < two["tensor"] < 1.01, two
-    whole = group_grid.value_scales(a, 2 * a, SimpleNamespace(g_idx=g_idx, bits=2, method="gptq", fold=None))
+    whole = group_grid.value_scales(a, 2 * a, fine_grid(g_idx, 8, 2, "gptq"))
     assert whole["beyond"], whole
 
 
@@ -107,16 +116,13 @@ def test_an_awq_group_clipped_below_gptqs_bound_passes_and_one_scaled_up_fails()
     its AWQ GEMM export of the Qwen2.5 0.5B stand-in held a down_proj group at 0.467 x A, under GPTQ's 0.5, and failed
     quantization_exceeds_step on a faithful layer.  An AWQ group (``method "awq"``, or scales folded and undone) is
     held to 0.35-1.6: that group passes there, fails as GPTQ; a group x2 or x0.2 fails either way."""
-    from types import SimpleNamespace
-
     from parity.engine.compare import group_grid
 
     generator = torch.Generator().manual_seed(1)
     a = torch.randn(8, 1024, generator=generator, dtype=torch.float64)  # eight groups a row: its row stays near 1
     g_idx = torch.arange(1024) // 128
-    awq, folded, gptq = (SimpleNamespace(g_idx=g_idx, bits=4, method="awq", fold=None),
-                         SimpleNamespace(g_idx=g_idx, bits=4, method="pack-quantized", fold="up_proj's rows"),
-                         SimpleNamespace(g_idx=g_idx, bits=4, method="gptq", fold=None))
+    awq, folded, gptq = (fine_grid(g_idx, 8, 4, "awq"), fine_grid(g_idx, 8, 4, "pack-quantized", "up_proj's rows"),
+                         fine_grid(g_idx, 8, 4, "gptq"))
 
     def with_group(factor: float) -> torch.Tensor:
         b = a.clone()
@@ -130,3 +136,28 @@ def test_an_awq_group_clipped_below_gptqs_bound_passes_and_one_scaled_up_fails()
         for factor in (2.0, 0.2):
             assert group_grid.value_scales(a, with_group(factor), grid)["beyond"], factor
     assert group_grid.value_scales(a, clipped, gptq)["beyond"]
+
+
+def test_a_clipped_group_leaves_the_factor_on_its_conversion_at_one_and_scales_a_tenth_up_fail():
+    """AWQ's clip search (and GPTQ's mse observer) fits a group's scale to a shrunk range and clamps the values beyond
+    it: over the whole matrix B is then A's x < 1, but A rounded to nearest on B's own grid (its conversion) clamps
+    alike, so B's factor on that stays 1 (``conversion.on_conversion``); every scale x1.1 over the same codes does
+    not."""
+    from parity.engine.compare import conversion, group_grid
+
+    generator = torch.Generator().manual_seed(2)
+    a = torch.randn(16, 256, generator=generator, dtype=torch.float64)
+    g_idx = torch.arange(256) // 128
+    top = torch.stack([a[:, g_idx == g].abs().amax(1) for g in range(2)], 1)
+    scales = top * 0.6 / 7  # every group's range shrunk to 60 % of its largest magnitude, symmetric int4
+    grid = group_grid.Grid(scales[:, g_idx], torch.full((16, 256), 8.0, dtype=torch.float64), 0, 15, scales,
+                           torch.full((16, 2), 8.0), g_idx, "awq", 4)
+    clipped = grid.values(grid.codes(a))
+    bounds = conversion.CONVERTED_GROUP_SCALE
+    found = conversion.on_conversion(group_grid.value_scales(a, clipped, grid), clipped, clipped, bounds)
+    assert found["tensor"] < 0.97 and found["converted"] == pytest.approx(1.0, abs=1e-9), found
+    assert not found["beyond"], found
+    wider = group_grid.Grid(grid.steps * 1.1, grid.zeros, 0, 15, scales * 1.1, grid.group_zeros, g_idx, "awq", 4)
+    up = conversion.on_conversion(group_grid.value_scales(a, clipped * 1.1, wider), wider.values(wider.codes(a)),
+                                  clipped * 1.1, bounds)
+    assert up["beyond"] and up["converted"] > bounds[1], up  # 1.07: A clamps less on the wider grid

@@ -30,6 +30,7 @@ from .derived_checkpoints import (
     assert_plain_module_named,
     build,
     format_fixtures,
+    parts_scaled,
     quantized_copy,
     quantized_layer_one_named,
     skip_listed,
@@ -765,6 +766,29 @@ def test_codes_on_every_other_level_of_their_grid_fail_named(model_a, root, caps
     rows = "1 of 128 rows" if scope == "row_even" else "128 of 128 rows"
     levels = "one level in 3 left empty" if scope == "levels_third" else "every other level"
     assert rows in found["message"] and levels in found["message"], found["message"]
+
+
+@pytest.mark.parametrize("factor", [1.1, 0.9])
+@pytest.mark.parametrize("export", ["pack-quantized", "gptq", "awq"])
+def test_every_scale_of_a_matrix_a_tenth_off_is_tensor_scaled(model_a, root, capsys, export, factor):
+    """Every scale of down_proj x1.1 (x0.9) over the same codes: each value stays within a step of A's, every row's
+    and the whole matrix's least-squares factor within what GPTQ's compensation allows, and the layer's function
+    within 1.6 x round to nearest (these three passed before ``conversion.CONVERTED_GROUP_SCALE``).  B's factor on A
+    rounded to nearest on B's own grid is the factor itself; the faithful export's stays within 0.98 to 1.02."""
+    dest, good = root / f"tenth-{export}-{factor}", root / f"tenth-{export}"
+    if not good.exists():  # the faithful export both factors start from
+        good = (ct_export(model_a, good, "W4A16", group=32) if export == "pack-quantized"
+                else int_export(model_a, good, export, fold=export == "awq"))
+    code, report = compare(capsys, model_a, good)
+    assert code == 0, report
+    for layer in report["layers"]:
+        for row in layer["conversion"]["tensors"]:
+            assert 0.98 < row["scale"]["converted"] < 1.02, row["scale"]
+    part = "model.layers.1.mlp.down_proj." + ("weight_scale" if export == "pack-quantized" else "scales")
+    found = quantized_layer_one_named(capsys, model_a, parts_scaled(good, dest, (part,), factor), "tensor_scaled",
+                                      "down_proj")
+    said = found["message"].split(" over A's conversion")[0].rsplit(" x ", 1)[1]
+    assert abs(float(said) - factor) < 0.03, found["message"]
 
 
 def test_gptq_bits_stated_other_than_packed_is_named_on_every_layer(model_a, root, capsys):

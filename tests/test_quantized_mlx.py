@@ -27,6 +27,7 @@ from .derived_checkpoints import (
     assert_module_not_stated,
     build,
     format_fixtures,
+    parts_scaled,
     quantized_layer_one_named,
 )
 from .support import compare_json as compare
@@ -198,6 +199,18 @@ def test_a_faithful_mlx_export_passes_on_every_layer(model_a, root, capsys, grou
     # outside the FFN a quantized tensor is inventoried as the matrix it holds, not as its packed uint32 words
     inventory = report["comparison"]["inventory"]
     assert inventory["shape_differs"] == [] and inventory["dtype_changes"] == {f"F32 -> {DTYPES[dtype]}": 15}
+
+
+def test_every_scale_and_bias_of_a_matrix_x_1_05_is_tensor_scaled(model_a, root, capsys):
+    """down_proj's scales and biases x1.05 over the same codes: B is A's x1.05, each value within a step of A's and
+    the function within the conversion's deviation (it passed before ``conversion.CONVERTED_SCALE``: 0.97 x, the
+    tensor's factor on A 1.046 within 0.95-1.05).  mlx.core.quantize of A is what a faithful export holds, B x 1.0000
+    on it; this one x 1.05."""
+    good = mlx_export(model_a, root / "scaled-good")
+    parts = tuple(f"{LAYER1}.down_proj.{part}" for part in ("scales", "biases"))
+    found = quantized_layer_one_named(capsys, model_a, parts_scaled(good, root / "scaled-1.05", parts, 1.05),
+                                      "tensor_scaled", "down_proj")
+    assert "x 1.05 over A's conversion" in found["message"], found["message"]
 
 
 def test_mixed_precision_modules_are_judged_by_their_own_storage(model_a, root, capsys):
@@ -422,7 +435,7 @@ def test_an_nvfp4_export_with_global_scales_is_read_with_them_and_one_doubled_is
     factor = float(re.search(r"up_proj\.weight x ([0-9.]+)", found["message"]).group(1))
     assert 1.9 <= factor <= 2.1, found["message"]
     # x 1.1: every value within its (wide) step and the function within its tolerance, but the tensor's least-squares
-    # factor on A outside what round to nearest leaves (conversion.MICROSCALED_SCALE); it passed before
+    # factor on A outside what round to nearest leaves (conversion.NEAREST_SCALE); it passed before
     broken = mlx_export(model_a, root / "nvfp4-global-x1.1", mode="nvfp4", global_scale=True,
                         breaks={f"{LAYER1}.up_proj.weight": "global_x1.1"})
     found = quantized_layer_one_named(capsys, model_a, broken, "tensor_scaled", "up_proj")

@@ -37,13 +37,24 @@ from parity.engine.compare.gguf_grid import LEVELS_FACTOR as LEVELS_FACTOR  # co
 from parity.engine.compare.storage import Storage, dtype_name, least_squares_scales, spacing, stored_layout, unstored
 
 STEP_SLACK = 1.01  # a value may sit a step from A's (Q4_0's clamp at +8) plus the float16 rounding of d itself
-# B's least-squares factor on A over a whole tensor of a microscaled format (FP4 e2m1 in groups: MLX's nvfp4 / mxfp4,
-# compressed-tensors' and GPT-OSS's; MLX's mxfp8), whose steps are so wide (e2m1: a third to a half of the value)
-# that a tensor multiplied after quantizing stays within its steps: MLX nvfp4 with its global scale x 1.1 passed
-# (1.52 x the conversion's deviation, no value beyond a step).  Round to nearest keeps it near 1: measured 0.987 to
-# 0.998 on the tests' mlx and compressed-tensors exports, 0.9825 to 1.0048 on mlx.core.quantize of Gaussian,
-# Student-t (3 and 2 degrees), Laplace and outlier-column weights (512 x 1024) in nvfp4, mxfp4 and mxfp8.
-MICROSCALED_SCALE = (0.95, 1.05)
+# B's least-squares factor on A over a whole tensor of a format rounded to nearest on steps wide enough to hide a
+# factor (Storage.wide_steps: FP4 e2m1 in groups, MLX's nvfp4 / mxfp4 / mxfp8 and affine groups, bitsandbytes' NF4 /
+# FP4): MLX nvfp4 with its global scale x 1.1 passed (1.52 x the conversion's deviation, no value beyond a step), and
+# MLX affine, bitsandbytes NF4 and 4-bit integer groups with every scale x 1.05 (or x 1.1, 0.9 for NF4 and integer
+# groups) over the same codes.  Round to nearest keeps it near 1: measured 0.987 to 0.998 on the tests' mlx and
+# compressed-tensors exports, 0.9825 to 1.0048 on mlx.core.quantize of Gaussian, Student-t (3 and 2 degrees), Laplace
+# and outlier-column weights (512 x 1024) in nvfp4, mxfp4 and mxfp8.
+NEAREST_SCALE = (0.95, 1.05)
+# ... and B's factor on A's conversion (what a faithful export holds: A rounded to nearest on B's own grid, or
+# re-quantized by the format's library), which a faithful round to nearest holds at 1 exactly and a clip search
+# (AWQ's, GPTQ's mse observer) too (A clamps on the shrunk grid as B did): within CONVERTED_SCALE, and
+# CONVERTED_GROUP_SCALE for integer groups, whose GPTQ compensation moves codes both ways.  Measured on the tests'
+# faithful exports: mlx (affine, mxfp4, mxfp8, nvfp4) and bitsandbytes 1.0000, compressed-tensors' and GPT-OSS's
+# FP4 0.996 to 1.000; GPTQ-like (act order, outlier Hessians, symmetric and not) 0.988 to 1.018, AWQ with its scales
+# folded and undone 0.986 to 1.015, pack- and int-quantized round to nearest 1.000.  Scales x 1.05 over the same codes
+# sit at 1.046 (MLX affine, NF4), x 1.1 at 1.07 to 1.1 (integer groups, clipped or not).
+CONVERTED_SCALE = (0.98, 1.02)
+CONVERTED_GROUP_SCALE = (0.94, 1.06)
 
 
 def storage_of(checkpoint, key: str, stored: torch.Tensor, route: TensorRoute, expert: int | None = None) -> Storage:
@@ -136,24 +147,44 @@ def quantized_bounds(a: torch.Tensor, b: torch.Tensor, storage: Storage, a_dtype
     return gguf_grid.bounds(allowed, x, b, storage, a_dtype, a_steps)  # K-quants' ends; each block's d against A's
 
 
-def scale_excess(a: torch.Tensor, b: torch.Tensor, storage: Storage) -> dict | None:
+def scale_excess(a: torch.Tensor, b: torch.Tensor, storage: Storage, converted: torch.Tensor) -> dict | None:
     """For a B whose quantizer moves values by more than a step (an importance matrix, ``Storage.importance``;
     integer groups, ``Storage.group``): B's least-squares scale on A, whole tensor, worst row and worst block
-    (``storage.least_squares_scales``, stored layout, each format's bounds); for a microscaled one, whose steps
-    hide a small factor, the whole tensor's against ``MICROSCALED_SCALE``; else None."""
-    if storage.microscaled and a.dim() == 2:  # the tensor's factor is the same in either layout
+    (``storage.least_squares_scales``, stored layout, each format's bounds); for one rounded to nearest on wide steps
+    (``Storage.wide_steps``), whose steps hide a small factor, the whole tensor's against ``NEAREST_SCALE``; for
+    both of these and GGUF's types rounded to nearest (``Storage.nearest``), B's factor on A's ``converted`` tensor
+    (``CONVERTED_SCALE``, ``CONVERTED_GROUP_SCALE``); else None."""
+    if storage.wide_steps and a.dim() == 2:  # the tensor's factor is the same in either layout
         found = least_squares_scales(a.float(), b.float(), a.shape[1], bounds=group_grid.ANY,
                                      block_bounds=group_grid.ANY)
-        found["beyond"] = not MICROSCALED_SCALE[0] <= found["tensor"] <= MICROSCALED_SCALE[1]
-        found["bounds"] = list(MICROSCALED_SCALE)
-        return found
+        found["beyond"] = not NEAREST_SCALE[0] <= found["tensor"] <= NEAREST_SCALE[1]
+        found["bounds"] = list(NEAREST_SCALE)
+        return on_conversion(found, converted, b, CONVERTED_SCALE)
+    if storage.nearest and storage.importance is None and a.dim() == 2:  # GGUF: its steps are the verdict
+        found = least_squares_scales(a.float(), b.float(), a.shape[1], bounds=group_grid.ANY,
+                                     block_bounds=group_grid.ANY)
+        return on_conversion(found, converted, b, CONVERTED_SCALE)
     x, held = stored_layout(storage.route, a.float()), stored_layout(storage.route, b.float())
     if x is None or x.dim() != 2:
         return None
     if storage.importance is not None:
         return gguf_grid.importance_scales(x, held, gguf_grid.scale_group(storage), levels=storage.levels is not None,
                                            dtype=storage.dtype)
-    return group_grid.value_scales(x, held, storage.group) if storage.group is not None else None
+    if storage.group is None:
+        return None
+    found = group_grid.value_scales(x, held, storage.group)
+    return found if storage.group.bits <= 2 else on_conversion(found, converted, b, CONVERTED_GROUP_SCALE)
+
+
+def on_conversion(found: dict, converted: torch.Tensor, b: torch.Tensor, bounds: tuple[float, float]) -> dict:
+    """``found`` (a ``least_squares_scales`` record) with B's least-squares factor on A's conversion (the tensor as
+    a faithful export holds it) and ``bounds``, beyond when it lies outside them."""
+    c, held = converted.double(), b.double()
+    energy = float((c * c).sum())
+    found["converted"] = float((c * held).sum()) / energy if energy > 0 else 1.0
+    found["converted_bounds"] = list(bounds)
+    found["beyond"] = found["beyond"] or not bounds[0] <= found["converted"] <= bounds[1]
+    return found
 
 
 def step_excess(a: torch.Tensor, b: torch.Tensor, steps: torch.Tensor, allowed: torch.Tensor | None = None) -> dict:

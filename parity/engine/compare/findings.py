@@ -94,19 +94,39 @@ def scale_finding(rows: list[dict], storage: dict[str, Storage], reference_dista
     whose least-squares factor on A lies outside what that refit makes: the whole tensor (tensor_scaled; sign_flipped
     near -1), else a row or a block of it (quantization_exceeds_step: values moved together, not by quantization);
     None when none is."""
-    scaled = [row for row in rows if (row.get("scale") or {}).get("beyond")]
-    if not scaled:
-        return None
-
     def outside(factor: float, bounds: list[float]) -> bool:
         return not bounds[0] <= factor <= bounds[1]
 
-    whole = [row for row in scaled if outside(row["scale"]["tensor"], row["scale"]["bounds"])]
+    def on_a(found: dict) -> bool:
+        """Whether the tensor, a row or a block lies outside its bounds on A itself (not only on A's conversion)."""
+        return outside(found["tensor"], found["bounds"]) or outside(found["row"], found["bounds"]) or outside(
+            found["block"], found["block_bounds"])
+
+    # a grid coarser than A's values need (grid_finding) moves B off A's conversion too: that is no constant factor
+    scaled = [row for row in rows if (row.get("scale") or {}).get("beyond") and (not row.get("grid") or on_a(
+        row["scale"]))]
+    if not scaled:
+        return None
+
+    def whole_factor(found: dict, by: str = "") -> str | None:
+        """How the tensor as a whole lies outside its bounds (``by``: the quantizer whose refit keeps them), in
+        words; None where it does not."""
+        low, high = found["bounds"]
+        if outside(found["tensor"], found["bounds"]):
+            how = f"x {found['tensor']:.4g} (least squares over the tensor"
+        elif "converted" in found and outside(found["converted"], found["converted_bounds"]):
+            low, high = found["converted_bounds"]
+            how = (f"x {found['converted']:.4g} over A's conversion (least squares of B on A as a faithful export "
+                   f"holds it; over A itself x {found['tensor']:.4g}")
+        else:
+            return None
+        return f"{how}; {by} keeps it within {low:g} to {high:g})"
+
+    whole = [row for row in scaled if whole_factor(row["scale"])]
     if whole:
         flipped = all(abs(row["scale"]["tensor"] + 1) < 0.1 for row in whole)
-        detail = "; ".join(f"{named_in_b(row, storage)} is A's x {row['scale']['tensor']:.4g} (least squares over "
-                           f"the tensor; {refitting(row, storage)} keeps it within "
-                           f"{row['scale']['bounds'][0]:g} to {row['scale']['bounds'][1]:g})" for row in whole)
+        detail = "; ".join(f"{named_in_b(row, storage)} is A's {whole_factor(row['scale'], refitting(row, storage))}"
+                           for row in whole)
         return diagnosis(MistakeId.SIGN_FLIPPED if flipped else MistakeId.TENSOR_SCALED, None, reference_distance,
                          detail, candidates)
     details = []
@@ -130,7 +150,10 @@ def refitting(row: dict, storage: dict[str, Storage]) -> str:
     store = storage[row["name"]]
     if store.importance is not None:
         return "an importance-weighted quantizer"
-    return "round to nearest on its microscaled groups" if store.microscaled else "GPTQ"
+    if store.nearest:
+        return "round to nearest on its " + ("microscaled groups" if store.microscaled else
+                                             "groups" if store.wide_steps else "blocks")
+    return "AWQ's clip search" if store.group is not None and group_grid.by_awq(store.group) else "GPTQ"
 
 
 def grid_finding(rows: list[dict], storage: dict[str, Storage], reference_distance: float,

@@ -104,9 +104,9 @@ def tensor_rows(a: SideLayer, b: SideLayer) -> tuple[list[dict], dict[str, torch
             if store.group is not None and row["steps"]["values_beyond_step"]:  # held to its values: it differs
                 row["differs"] = True
         # values moved by more than a step (each block's scale refit to A's), or steps wide enough to hide a factor
-        if (store.importance is not None or store.group is not None or store.microscaled) \
+        if (store.importance is not None or store.group is not None or store.nearest) \
                 and ta.dim() == 2:
-            row["scale"] = conversion.scale_excess(a32, b32, store)
+            row["scale"] = conversion.scale_excess(a32, b32, store, converted[name])
         elif not store.quantized and not same:  # each value of a cast or re-save held to its own rounding
             row["ulps"] = conversion.ulp_excess(converted[name], b32, store.dtype)
     return rows, converted, exact

@@ -50,6 +50,21 @@ class Storage:
         """Whether the tensor is stored in a microscaled format (FP4 groups; MLX's mxfp4, nvfp4, mxfp8)."""
         return self.fp4 is not None or (self.mlx is not None and not self.mlx.affine)
 
+    @property
+    def wide_steps(self) -> bool:
+        """Whether the tensor is rounded to nearest on steps wide enough to hide a small factor over the whole tensor
+        (``conversion.NEAREST_SCALE``): a microscaled format, MLX's affine groups, bitsandbytes' 4-bit code books."""
+        return self.microscaled or self.mlx is not None or self.codebook is not None
+
+    @property
+    def nearest(self) -> bool:
+        """Whether a faithful writer rounds the tensor to the nearest code on the grid the file stores (each block's
+        codes the nearest on its own stored scales): ``wide_steps``, and GGUF's types with their scales read from
+        the file (llama.cpp's quantizers, K-quants' scale searches included, round each code on the final scales),
+        unless an importance matrix weights them.  B's factor on A's conversion is then 1."""
+        return self.wide_steps or (self.qtype is not None and self.quantized and self.importance is None
+                                   and self.levels is None)
+
 
 def dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
