@@ -25,6 +25,7 @@ from .derived_checkpoints import (
     assert_module_not_stated,
     assert_plain_module_named,
     format_fixtures,
+    parts_scaled,
     quantized_layer_one_named,
 )
 from .support import compare_json as compare
@@ -212,6 +213,21 @@ def test_an_nvfp4_global_scale_a_tenth_off_fails_named_though_its_values_stay_wi
     found = quantized_layer_one_named(capsys, model_a, b, "tensor_scaled", "up_proj")
     factor = float(re.search(r"is A's x ([0-9.]+)", found["message"]).group(1))
     assert 0.88 <= factor <= 0.93 and "within 0.95 to 1.05" in found["message"], found["message"]
+
+
+@pytest.mark.parametrize("factor", [6.0, 1e30])
+def test_an_nvfp4_global_scale_far_off_is_tensor_scaled_never_unverifiable(model_a, root, capsys, factor):
+    """down_proj's weight_global_scale (a divisor) stored ``factor`` x the one quantized with: A rounded onto B's
+    grid, 6 or 1e30 x too fine, clamped at e2m1's top and lay as far from A as B, and the layer was exit 2 "could not
+    be verified".  Where B's grid rounds A more than ``fp4_grid.SOUND`` x worse than B's grid divided by B's factor on
+    A, A is rounded onto that one, saying so, and the factor is named."""
+    good = root / "nvfp4-global-good"
+    if not good.exists():
+        export(model_a, good, "nvfp4")
+    b = parts_scaled(good, root / f"nvfp4-global-{factor:g}", (f"{LAYER1}down_proj.weight_global_scale",), factor)
+    found = quantized_layer_one_named(capsys, model_a, b, "tensor_scaled", "down_proj")
+    said = float(re.search(r"down_proj\.weight (?:\(.*?\) is A's )?x ([0-9.e+-]+)", found["message"]).group(1))
+    assert 0.9 < said * factor < 1.1, found["message"]
 
 
 def test_a_module_its_config_quantizes_stored_unquantized_is_named(model_a, root, capsys):

@@ -443,6 +443,22 @@ def test_an_nvfp4_export_with_global_scales_is_read_with_them_and_one_doubled_is
     assert 1.07 <= factor <= 1.12 and "within 0.95 to 1.05" in found["message"], found["message"]
 
 
+@pytest.mark.parametrize("factor", [1 / 6, 6.0, 1e-30, 1e30])
+def test_an_nvfp4_global_scale_far_off_is_tensor_scaled_never_unverifiable(model_a, root, capsys, factor):
+    """down_proj's global scale stored ``factor`` x the one quantized with: A re-quantized at it overflowed or
+    underflowed e4m3's scales, so A's own conversion lay as far from A as B and the layer was exit 2 "could not be
+    verified" (1/6, 1e-30, 1e30; x 6 was named).  Where B's global scale rounds A more than
+    ``mlx_grid.GLOBAL_SOUND`` x worse than the one a writer gives A, A is re-quantized at that one, saying so, and
+    B's factor is named."""
+    good = root / "nvfp4-global-good"
+    if not good.exists():
+        mlx_export(model_a, good, mode="nvfp4", global_scale=True)
+    b = parts_scaled(good, root / f"nvfp4-global-{factor:g}", (f"{LAYER1}.down_proj.global_scale",), factor)
+    found = quantized_layer_one_named(capsys, model_a, b, "tensor_scaled", "down_proj")
+    said = float(re.search(r"down_proj\.weight (?:\(.*?\) is A's )?x ([0-9.e+-]+)", found["message"]).group(1))
+    assert 0.9 < said / factor < 1.1, found["message"]
+
+
 def test_a_global_scale_beside_no_quantized_matrix_stays_in_the_inventory(model_a, root, capsys):
     """Only a quantized matrix's X.global_scale (beside its X.scales) is part of its storage; one beside a norm or
     beside nothing is a tensor of B's own, listed as only in B (hidden before)."""

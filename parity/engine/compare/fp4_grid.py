@@ -19,6 +19,7 @@ Everything here works in the reference's layout: each value's scale, level and g
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -33,6 +34,12 @@ GRID_FACTOR = 2.0 * (1 + 2 ** -7)  # a power-of-two scale over amax / 6 before i
 # rounding), so a group 1.2 x coarser is no rounding of it
 FINE_GRID_FACTOR = 1.2
 TOP = 6.0  # e2m1's largest magnitude
+# B's own grid is A's conversion unless it rounds A this many times worse (root mean square) than B's grid divided by
+# B's least-squares factor on A: an NVFP4 global scale stored 6 or 1e30 x off (7.7 x, 10.4 x worse) rounded A onto a
+# grid as far from A as B is (the layer unverifiable, exit 2) where it is B's mistake.  A faithful export's factor is
+# 0.99 to 1.0, its grid the same either way (at most 1.09 x on the tests' exports); a power of two off (1.4 to 3.7 x)
+# keeps B's grid, where its replay names it (fp4_scale_power_off).
+SOUND = 4.0
 
 
 @dataclass
@@ -95,10 +102,24 @@ def rounded(a: torch.Tensor, store: Fp4Storage, scales: torch.Tensor | None = No
 
 
 def reference(a: torch.Tensor, storage: Storage) -> tuple[torch.Tensor, str, None]:
-    """A's tensor (reference layout) rounded onto B's own grid (``rounded``; no re-quantization, above), and how."""
+    """A's tensor (reference layout) rounded onto B's own grid (``rounded``; no re-quantization, above), and how;
+    onto B's grid divided by B's least-squares factor on A where B's own rounds A ``SOUND`` x worse (root mean square)
+    than that: a grid a constant off A's (a global scale stored off), saying so."""
     store = storage.fp4
-    return (rounded(a, store), f"cast to {store.dtype}, rounded to the nearest e2m1 level of B's groups of "
-            f"{store.group}, each group's scale read from the file", None)
+    own = rounded(a, store)
+    said = (f"cast to {store.dtype}, rounded to the nearest e2m1 level of B's groups of {store.group}, each group's "
+            "scale read from the file")
+    x, b = a.double(), (store.levels * store.scales).double()
+    factor = float((x * b).sum() / (x * x).sum()) if bool((x != 0).any()) else 1.0
+    if not math.isfinite(factor) or factor <= 0:
+        return own, said, None
+    rescaled = rounded(a, store, store.scales / factor)
+    errors = [float((values - a.float()).pow(2).mean().sqrt()) for values in (own, rescaled)]
+    if errors[0] > SOUND * errors[1]:
+        return rescaled, (f"{said}, divided by B's least-squares factor on A, {factor:.4g}: B's own grid rounds A's "
+                          f"values {errors[0] / max(errors[1], 1e-30):.3g} x worse (root mean square), so it is no "
+                          "grid of A's"), None
+    return own, said, None
 
 
 def mistakes(a: torch.Tensor, store: Fp4Storage) -> list[tuple[str, str, torch.Tensor]]:

@@ -26,7 +26,7 @@ Everything here works in the layout the file stores ([out, in]); ``conversion`` 
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -151,6 +151,13 @@ def allowance(x: torch.Tensor, store: MLXStorage) -> torch.Tensor:
     return (store.codes * scale + bias + spacing(x, store.dtype)) / 2 + clamp
 
 
+# nvfp4 re-quantizes A at B's own global scale unless that rounds A this many times worse (root mean square) than the
+# global scale a writer gives A (its largest magnitude, which puts its largest group's scale at e4m3's top): a global
+# scale stored 6 or 1e30 times off made A's own conversion as far from A as B (the layer unverifiable, exit 2) where it
+# is B's mistake.  A faithful export's is the writer's own (1.0 x); one 1.1 x off rounds A 1.0 to 1.1 x worse.
+GLOBAL_SOUND = 1.25
+
+
 def quantize(x: torch.Tensor, store: MLXStorage) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None,
                                                             torch.Tensor]:
     """A's matrix (stored layout) quantized as mlx_lm.convert does: cast to B's dtype (affine: its scales'), then
@@ -189,11 +196,20 @@ def reference(x: torch.Tensor, storage: Storage) -> tuple[torch.Tensor, str, tor
     as that quantization chose it."""
     store = storage.mlx
     codes, scales, biases, held = quantize(x, store)
-    each = MLXStorage(codes, scales, biases, store.group_size, store.bits, store.dtype, store.mode,
-                      store.levels).steps()
     said = f"{store.bits}-bit" if store.affine else store.mode
     if store.global_scale is not None:
         said += f" at B's global scale {store.global_scale:g}"
+        own = replace(store, global_scale=float(x.to(getattr(torch, store.dtype)).float().abs().max()))
+        mine = quantize(x, own)
+        errors = [float((values - x.float()).pow(2).mean().sqrt()) for values in (held, mine[3])]
+        if errors[0] > GLOBAL_SOUND * errors[1]:
+            codes, scales, biases, held = mine
+            said = (f"{store.mode} at the global scale mlx_lm.convert gives A, its largest magnitude "
+                    f"{own.global_scale:g}: B's own {store.global_scale:g} rounds A's values "
+                    f"{errors[0] / max(errors[1], 1e-30):.3g} x worse (root mean square), so it is no global scale "
+                    "of A's")
+    each = MLXStorage(codes, scales, biases, store.group_size, store.bits, store.dtype, store.mode,
+                      store.levels).steps()
     return (held, f"re-quantized with mlx.core.quantize ({said}, groups of {store.group_size}, A cast to "
             f"{store.dtype} first)", each)
 
