@@ -161,3 +161,29 @@ def test_a_clipped_group_leaves_the_factor_on_its_conversion_at_one_and_scales_a
     up = conversion.on_conversion(group_grid.value_scales(a, clipped * 1.1, wider), wider.values(wider.codes(a)),
                                   clipped * 1.1, bounds)
     assert up["beyond"] and up["converted"] > bounds[1], up  # 1.07: A clamps less on the wider grid
+
+
+def test_a_half_step_rounds_as_each_writer_rounds_it():
+    """Values at half a step, zero point 3 (odd): GPTQ and AWQ round x / scale and then add the zero point, so 2.5
+    rounds half to even to 2 and lands on code 5; compressed-tensors adds the zero point first, 5.5 rounds to code 6.
+    A's conversion on B's grid rounds as B's writer does (compressed-tensors' own ``quantize`` is the truth for
+    pack-quantized; GPTQModel's ``torch.round(x / scale) + zero`` for GPTQ).  GPTQ's were compressed-tensors' before."""
+    from compressed_tensors.quantization import QuantizationArgs
+    from compressed_tensors.quantization.lifecycle.forward import quantize
+
+    from parity.engine.compare import group_grid
+
+    x = torch.tensor([[0.25, -0.15, 0.45, 0.05]])  # (k + 0.5) x 0.1: 2.5, -1.5, 4.5, 0.5 steps
+    scale, zero = torch.full((1, 1), 0.1), torch.full((1, 1), 3.0)
+    g_idx = torch.zeros(4, dtype=torch.long)
+
+    def codes(method: str) -> torch.Tensor:
+        grid = group_grid.Grid(scale.expand(1, 4), zero.expand(1, 4), 0, 15, scale, zero, g_idx, method, 4)
+        return grid.codes(x)
+
+    args = QuantizationArgs(num_bits=4, type="int", symmetric=False, strategy="group", group_size=4)
+    stored = quantize(x, scale, zero.to(torch.int8) - 8, args) + 8  # int4 stored signed, codes 0-15 shifted
+    assert torch.equal(codes("pack-quantized").float(), stored.float()), (codes("pack-quantized"), stored)
+    gptq = torch.clamp(torch.round(x / scale) + zero, 0, 15)
+    assert torch.equal(codes("gptq").float(), gptq) and torch.equal(codes("awq").float(), gptq)
+    assert not torch.equal(gptq, stored.float())  # the two writers do split on these values

@@ -92,6 +92,9 @@ GPTQ_FACTOR = 8.0  # the reviewer's Hessian's 5.8 x with room: the mistakes are 
 WIDEST = 0.5
 
 
+ROUND_BEFORE_ZERO = ("gptq", "awq")  # the methods whose quantizer rounds before it adds the zero point (Grid.codes)
+
+
 @dataclass
 class Grid:
     """B's grid per value (stored layout [out, in]): its step (the group's scale), its zero (code units), the codes'
@@ -111,9 +114,15 @@ class Grid:
     whole: bool = False  # one group for the whole matrix (strategy "tensor"): min-max spans every row
 
     def codes(self, x: torch.Tensor) -> torch.Tensor:
-        """``x`` rounded to the nearest code of each value's group (clamped to the codes' range)."""
+        """``x`` rounded to the nearest code of each value's group (clamped to the codes' range), as its writer
+        rounds a half step: GPTQ and AWQ round x / scale, then add the zero point (GPTQModel's and AutoAWQ's
+        ``round(w / scales) + zeros``), compressed-tensors adds it first (its ``_quantize``: ``x / scale +
+        zero_point``, then rounds); torch rounds half to even, so an odd zero point splits the two."""
         safe = torch.where(self.steps != 0, self.steps, torch.ones_like(self.steps))
-        return torch.clamp(torch.round(x.float() / safe + self.zeros), self.low, self.high)
+        scaled = x.float() / safe
+        rounded = (torch.round(scaled) + self.zeros if self.method in ROUND_BEFORE_ZERO
+                   else torch.round(scaled + self.zeros))
+        return torch.clamp(rounded, self.low, self.high)
 
     def values(self, codes: torch.Tensor, *, steps: torch.Tensor | None = None, zeros: torch.Tensor | None = None):
         """Codes dequantized on this grid (or on ``steps`` / ``zeros`` given per value)."""
