@@ -188,7 +188,17 @@ class Bnb4bitCheckpoint(Checkpoint):
     as_stored: dict[str, str]
 
     def state_of(self, name: str):
-        """bitsandbytes' QuantState of ``name`` read from its stored companions, None when it has none."""
+        """bitsandbytes' QuantState of ``name`` read from its stored companions, None when it has none; the last one
+        read is kept (``packed`` and ``read`` each ask for the tensor being judged), one at a time so a sweep's memory
+        stays flat."""
+        last = getattr(self, "last_state", None)
+        if last is not None and last[0] == name:
+            return last[1]
+        self.last_state = (name, self.read_state(name))
+        return self.last_state[1]
+
+    def read_state(self, name: str):
+        """``state_of``'s reading, uncached."""
         keys = [f"{name}.{suffix}" for suffix in COMPANIONS if f"{name}.{suffix}" in self.companions]
         if not any(BLOB in key for key in keys):
             return None
