@@ -160,7 +160,7 @@ def scale_excess(a: torch.Tensor, b: torch.Tensor, storage: Storage, converted: 
         found["beyond"] = not NEAREST_SCALE[0] <= found["tensor"] <= NEAREST_SCALE[1]
         found["bounds"] = list(NEAREST_SCALE)
         return on_conversion(found, converted, b, CONVERTED_SCALE)
-    if storage.nearest and storage.importance is None and a.dim() == 2:  # GGUF: its steps are the verdict
+    if storage.nearest and a.dim() == 2:  # GGUF without an importance matrix: its steps are the rest of the verdict
         found = least_squares_scales(a.float(), b.float(), a.shape[1], bounds=group_grid.ANY,
                                      block_bounds=group_grid.ANY)
         return on_conversion(found, converted, b, CONVERTED_SCALE)

@@ -36,9 +36,9 @@ FINE_GRID_FACTOR = 1.2
 TOP = 6.0  # e2m1's largest magnitude
 # B's own grid is A's conversion unless it rounds A this many times worse (root mean square) than B's grid divided by
 # B's least-squares factor on A: an NVFP4 global scale stored 6 or 1e30 x off (7.7 x, 10.4 x worse) rounded A onto a
-# grid as far from A as B is (the layer unverifiable, exit 2) where it is B's mistake.  A faithful export's factor is
-# 0.99 to 1.0, its grid the same either way (at most 1.09 x on the tests' exports); a power of two off (1.4 to 3.7 x)
-# keeps B's grid, where its replay names it (fp4_scale_power_off).
+# grid as far from A as B is (the layer unverifiable, exit 2) where it is B's mistake.  The tests' faithful exports'
+# own grids round A at most 1.09 x as far as the rescaled one; a power of two off (1.4 to 3.7 x) keeps B's grid,
+# where its replay names it (fp4_scale_power_off).
 SOUND = 4.0
 
 
