@@ -102,9 +102,21 @@ def scale_finding(rows: list[dict], storage: dict[str, Storage], reference_dista
         return outside(found["tensor"], found["bounds"]) or outside(found["row"], found["bounds"]) or outside(
             found["block"], found["block_bounds"])
 
-    # a grid coarser than A's values need (grid_finding) moves B off A's conversion too: that is no constant factor
-    scaled = [row for row in rows if (row.get("scale") or {}).get("beyond") and (not row.get("grid") or on_a(
-        row["scale"]))]
+    def constant(row: dict) -> bool:
+        """Whether B is A's conversion and A itself times one factor (within 2 %), which also makes its grid that
+        many times coarser (its worst block's ``times_coarser`` within 1.25 x of it, where it has one): a tensor
+        multiplied."""
+        found, coarser = row["scale"], row["grid"].get("times_coarser", math.nan)
+        factor = found.get("converted")
+        if not factor or factor <= 0 or abs(found["tensor"] / factor - 1) > 0.02:
+            return False
+        # a grid with no step to compare (A's own calls for none: its scales underflowed) says nothing against it
+        return not (coarser > 0 and math.isfinite(coarser)) or abs(math.log(coarser / factor)) <= math.log(1.25)
+
+    # a grid coarser than A's values need (grid_finding) moves B off A's conversion too, but by no factor of its own
+    # grid's: that is no tensor multiplied (an NVFP4 global scale x 6 is, and coarsens every block 6.55 x)
+    scaled = [row for row in rows if (row.get("scale") or {}).get("beyond") and (
+        not row.get("grid") or on_a(row["scale"]) or constant(row))]
     if not scaled:
         return None
 

@@ -93,12 +93,22 @@ def rounded(a: torch.Tensor, store: Fp4Storage, scales: torch.Tensor | None = No
     """A's tensor (reference layout) cast to the dtype B left its other tensors in, then each value rounded to the
     nearest e2m1 level of its group's scale (``scales``: another grid's, per value; default B's)."""
     scales = store.scales if scales is None else scales
-    book = e2m1_values().unique()
     finite = torch.isfinite(scales) & (scales > 0)
     unit = torch.where(finite, scales, torch.ones_like(scales))
     cast = a.to(getattr(torch, store.dtype)).float()
     scaled = (cast / unit).clamp(-TOP, TOP)
-    return torch.where(finite, book[(scaled[..., None] - book).abs().argmin(-1)] * unit, cast)
+    return torch.where(finite, nearest_level(scaled) * unit, cast)
+
+
+def nearest_level(scaled: torch.Tensor) -> torch.Tensor:
+    """Each value's nearest e2m1 level, a tie to the even code of either sign (0.75 to 1, 2.5 to 2, 3.5 and 5 to 4,
+    as compressed-tensors' ``_quantize`` rounds them; the first of two nearest, argmin's, sent 5 to 4 but -5 to -6)."""
+    magnitudes = e2m1_values()[:8]  # codes 0-7: 0, 0.5, 1, 1.5, 2, 3, 4, 6
+    distance = (scaled.abs()[..., None] - magnitudes).abs()
+    nearest = distance == distance.amin(-1, keepdim=True)
+    even = nearest & (torch.arange(8) % 2 == 0)
+    code = torch.where(even.any(-1), even.int().argmax(-1), nearest.int().argmax(-1))
+    return torch.where(scaled < 0, -magnitudes[code], magnitudes[code])
 
 
 def reference(a: torch.Tensor, storage: Storage) -> tuple[torch.Tensor, str, None]:

@@ -52,8 +52,9 @@ class Storage:
 
     @property
     def wide_steps(self) -> bool:
-        """Whether the tensor is rounded to nearest on steps wide enough to hide a small factor over the whole tensor
-        (``conversion.NEAREST_SCALE``): a microscaled format, MLX's affine groups, bitsandbytes' 4-bit code books."""
+        """Whether the tensor is rounded to nearest on groups whose steps are wide enough to hide a small factor over
+        the whole tensor (``conversion.CONVERTED_SCALE``): a microscaled format, MLX's affine groups, bitsandbytes'
+        4-bit code books."""
         return self.microscaled or self.mlx is not None or self.codebook is not None
 
     @property
