@@ -23,6 +23,7 @@ from safetensors.torch import load_file, save_file
 
 from .derived_checkpoints import (
     assert_module_not_stated,
+    build,
     format_fixtures,
     parts_scaled,
     quantized_copy,
@@ -206,6 +207,30 @@ def test_every_absmax_of_a_matrix_a_twentieth_off_is_tensor_scaled(model_a, root
                                       "tensor_scaled", "down_proj")
     said = float(found["message"].split("is A's x ")[1].split(" ")[0])  # over A, or over A's conversion
     assert abs(said - factor) < 0.01, found["message"]
+
+
+@pytest.mark.parametrize("quant_type", ["nf4", "fp4"])
+def test_a_faithful_double_quant_export_of_heavy_tailed_weights_passes(root, capsys, quant_type):
+    """Student-t weights (2 degrees of freedom) with rows a thousand times smaller, d_ff 172 as stories260K's: double
+    quant stores each block's absmax as an 8-bit code of absmax - mean, up to 1.18 x A's largest magnitude there and
+    below zero for the smallest rows: every layer failed grid_too_coarse, and then quantization_exceeds_step (values
+    3.6 steps off, or without bound where the stored absmax came out 0).  A's need is its absmax as double quant
+    stores it, and each value may lie as far as that storing moves it (``codebook_grid.nested_allowance``)."""
+    a = root / "heavy-a"
+    if not a.exists():
+        build("llama", a, 11, hidden_size=64, intermediate_size=172, num_key_value_heads=2)
+        tensors = load_file(a / "model.safetensors")
+        generator = torch.Generator().manual_seed(11)
+        for name, value in tensors.items():
+            if ".mlp." in name:
+                normal = [torch.randn(value.shape, generator=generator) for _ in range(3)]
+                heavy = normal[0] / ((normal[1] ** 2 + normal[2] ** 2) / 2).sqrt() * 0.02  # Student-t, 2 degrees
+                heavy[::7] *= 1e-3
+                tensors[name] = heavy
+        save_file(tensors, a / "model.safetensors", metadata={"format": "pt"})
+    b = bnb_export(a, root / f"heavy-{quant_type}", quant_type=quant_type, double_quant=True)
+    code, report = compare(capsys, a, b)
+    assert code == 0, [layer["diagnosis"] for layer in report["layers"]]
 
 
 def test_modules_left_unquantized_are_judged_by_their_own_storage(model_a, root, capsys):

@@ -29,6 +29,10 @@ from parity.engine.layer import route_tensor
 # (absmax - mean): measured on tests/test_quantized_bnb.py's tiny LLaMA, every decoder matrix, 0.9923 to 1.0087 x
 # (NF4 and FP4 alike).  A block read with another's absmax or a scale twice too large exceeds it.
 GRID_FACTOR = 1.1
+# With double quant, A's need is its absmax as bitsandbytes' own double quant stores it (quantize_4bit with
+# compress_statistics, the 8-bit code of absmax - mean undone): a reviewer's faithful double-quant exports of
+# Student-t, log-normal and outlier-row weights held blocks 1.13 to 1.18 x A's largest magnitude, and near-zero ones
+# negative (their mean's offset outweighs them), and failed grid_too_coarse on every A.
 
 
 def stored(checkpoint, key: str, route: TensorRoute) -> Storage | None:
@@ -107,14 +111,37 @@ def reference(x: torch.Tensor, storage: Storage) -> tuple[torch.Tensor, str, tor
     return values, f"re-quantized to {storage.dtype} with bitsandbytes' {how}", each
 
 
+def nested_allowance(x: torch.Tensor, book) -> torch.Tensor | None:
+    """Double quant: what storing each block's absmax as an 8-bit code (of absmax - mean) moves a value of it: |its
+    code's level| x |that absmax - A's largest magnitude there|, plus its code's step on A's own absmax, where its
+    code was chosen (stored layout; A's absmax as bitsandbytes' own double quant stores it).  A faithful export's
+    values lie that far from A's beyond their step: a reviewer's of Student-t weights with near-zero rows up to 3.6
+    steps, and without bound where the stored absmax came out 0 or below.  None without double quant."""
+    if not book.nested or book.quant_type == "int8":
+        return None
+    flat = x.float().reshape(-1)
+    blocks = math.ceil(flat.numel() / book.blocksize)
+    padded = torch.nn.functional.pad(flat.abs(), (0, blocks * book.blocksize - flat.numel()))
+    true = padded.reshape(blocks, book.blocksize).amax(-1)
+    stored = absmax_of(quantize(x, book.quant_type, book.blocksize, True)[2])
+    if stored.shape != true.shape or book.codes.numel() != flat.numel():
+        return None
+    moved = expand((stored - true).abs(), book.blocksize, flat.numel())
+    step = level_steps(book.levels.float())[book.codes] * expand(true, book.blocksize, flat.numel())
+    return (book.levels.float()[book.codes].abs() * moved + step).reshape(x.shape)
+
+
 def coarse_blocks(x: torch.Tensor, book) -> dict | None:
     """Blocks whose absmax in B's file exceeds ``GRID_FACTOR`` x A's largest magnitude there: None when none does;
     else how many, and the worst, with evidence (the keys ``findings.grid_finding`` words; a block's "step" here is
     its absmax, the unit its levels are multiples of)."""
     flat = x.float().reshape(-1)
     blocks = math.ceil(flat.numel() / book.blocksize)
-    padded = torch.nn.functional.pad(flat.abs(), (0, blocks * book.blocksize - flat.numel()))
-    needed = padded.reshape(blocks, book.blocksize).amax(-1)
+    if book.nested and book.quant_type != "int8":  # A's absmax as double quant stores it (above)
+        needed = absmax_of(quantize(x, book.quant_type, book.blocksize, True)[2]).abs()
+    else:
+        padded = torch.nn.functional.pad(flat.abs(), (0, blocks * book.blocksize - flat.numel()))
+        needed = padded.reshape(blocks, book.blocksize).amax(-1)
     if needed.shape != book.absmax.shape:
         return None
     limit = GRID_FACTOR * needed

@@ -145,6 +145,8 @@ def quantized_bounds(a: torch.Tensor, b: torch.Tensor, storage: Storage, a_dtype
     if storage.block is not None and storage.scales is not None:  # FP8: each block's scale against A's amax / 448
         return allowed, fp8_grid.coarse_blocks(x, storage.scales, storage.block)
     if storage.codebook is not None:  # bitsandbytes 4-bit: each block's absmax against A's largest magnitude
+        nested = codebook_grid.nested_allowance(x, storage.codebook)  # plus double quant's absmax rounding
+        allowed = allowed if nested is None else allowed + unstored(storage.route, nested)
         return allowed, codebook_grid.coarse_blocks(x, storage.codebook)
     return gguf_grid.bounds(allowed, x, b, storage, a_dtype, a_steps)  # K-quants' ends; each block's d against A's
 
