@@ -347,12 +347,20 @@ def bounds(allowed: torch.Tensor, x: torch.Tensor, b: torch.Tensor, storage: Sto
         limit = (IMPORTANCE_GRID_FACTOR if weighted else K_GRID_FACTOR) * (ideal + quantum / 2) + d_rounding
         return allowed, (coarse_blocks(b_steps, ideal, limit, sub, x, a_dtype)
                          or skipped_levels(held, b_steps, offsets, sub))
+    # a legacy type's d (and Q4_1's, Q5_1's m) are float16 too: its codes were chosen on d before that rounding, so a
+    # value moves by up to |code| x half d's float16 spacing (a subnormal d, under 6.1e-5: by up to 6 % of a step at
+    # Q4_0's code 8, past its clamped end's one step) and half m's
+    offsets = None if storage.offsets is None else stored_layout(storage.route, storage.offsets.float())
+    codes = torch.where(b_steps > 0, (held - (0 if offsets is None else offsets)).abs() / b_steps.clamp_min(1e-38), 0)
+    rounding = codes * spacing(b_steps, "float16") / 2
+    if offsets is not None:
+        rounding = rounding + spacing(offsets, "float16") / 2
+    allowed = allowed + unstored(storage.route, rounding).float()
     if a_steps is None:
         return allowed, None
     group = block_values(storage)
     needed = a_steps.float().reshape(-1, group)[:, 0]
     limit = (IMPORTANCE_GRID_FACTOR if weighted else LEGACY_GRID_FACTOR) * needed + spacing(needed, "float16")
-    offsets = None if storage.offsets is None else stored_layout(storage.route, storage.offsets.float())
     return allowed, (coarse_blocks(b_steps, needed, limit, group, x, a_dtype)
                      or short_reach(held, b_steps, offsets, storage.dtype, x, group)
                      or skipped_levels(held, b_steps, None, group))
