@@ -87,6 +87,43 @@ def block_finding(rows: list[dict], storage: dict[str, Storage], reference_dista
     return None
 
 
+def outside(factor: float, bounds: list[float]) -> bool:
+    return not bounds[0] <= factor <= bounds[1]
+
+
+def beyond_on_a(found: dict) -> bool:
+    """Whether a ``scale`` record's tensor, row or block lies outside its bounds on A itself (not only on A's
+    conversion)."""
+    return outside(found["tensor"], found["bounds"]) or outside(found["row"], found["bounds"]) or outside(
+        found["block"], found["block_bounds"])
+
+
+def constant_factor(row: dict) -> bool:
+    """Whether B is A's conversion and A itself times one factor (within 2 %), which also makes its grid that many
+    times coarser (its worst block's ``times_coarser`` within 1.25 x of it, where it has one): a tensor multiplied."""
+    found, coarser = row["scale"], row["grid"].get("times_coarser", math.nan)
+    factor = found.get("converted")
+    if not factor or factor <= 0 or abs(found["tensor"] / factor - 1) > 0.02:
+        return False
+    # a grid with no step to compare (A's own calls for none: its scales underflowed) says nothing against it
+    return not (coarser > 0 and math.isfinite(coarser)) or abs(math.log(coarser / factor)) <= math.log(1.25)
+
+
+def whole_factor(found: dict, by: str = "") -> str | None:
+    """How a ``scale`` record's tensor as a whole lies outside its bounds (``by``: the quantizer whose refit keeps
+    them), in words; None where it does not."""
+    low, high = found["bounds"]
+    if outside(found["tensor"], found["bounds"]):
+        how = f"x {found['tensor']:.4g} (least squares over the tensor"
+    elif "converted" in found and outside(found["converted"], found["converted_bounds"]):
+        low, high = found["converted_bounds"]
+        how = (f"x {found['converted']:.4g} over A's conversion (least squares of B on A as a faithful export holds "
+               f"it; over A itself x {found['tensor']:.4g}")
+    else:
+        return None
+    return f"{how}; {by} keeps it within {low:g} to {high:g})"
+
+
 def scale_finding(rows: list[dict], storage: dict[str, Storage], reference_distance: float,
                   candidates: list[Candidate]) -> Diagnosis | None:
     """A tensor whose quantizer moves values by more than a step but refits each block's scale to A's values (an
@@ -94,46 +131,12 @@ def scale_finding(rows: list[dict], storage: dict[str, Storage], reference_dista
     whose least-squares factor on A lies outside what that refit makes: the whole tensor (tensor_scaled; sign_flipped
     near -1), else a row or a block of it (quantization_exceeds_step: values moved together, not by quantization);
     None when none is."""
-    def outside(factor: float, bounds: list[float]) -> bool:
-        return not bounds[0] <= factor <= bounds[1]
-
-    def on_a(found: dict) -> bool:
-        """Whether the tensor, a row or a block lies outside its bounds on A itself (not only on A's conversion)."""
-        return outside(found["tensor"], found["bounds"]) or outside(found["row"], found["bounds"]) or outside(
-            found["block"], found["block_bounds"])
-
-    def constant(row: dict) -> bool:
-        """Whether B is A's conversion and A itself times one factor (within 2 %), which also makes its grid that
-        many times coarser (its worst block's ``times_coarser`` within 1.25 x of it, where it has one): a tensor
-        multiplied."""
-        found, coarser = row["scale"], row["grid"].get("times_coarser", math.nan)
-        factor = found.get("converted")
-        if not factor or factor <= 0 or abs(found["tensor"] / factor - 1) > 0.02:
-            return False
-        # a grid with no step to compare (A's own calls for none: its scales underflowed) says nothing against it
-        return not (coarser > 0 and math.isfinite(coarser)) or abs(math.log(coarser / factor)) <= math.log(1.25)
-
     # a grid coarser than A's values need (grid_finding) moves B off A's conversion too, but by no factor of its own
     # grid's: that is no tensor multiplied (an NVFP4 global scale x 6 is, and coarsens every block 6.55 x)
     scaled = [row for row in rows if (row.get("scale") or {}).get("beyond") and (
-        not row.get("grid") or on_a(row["scale"]) or constant(row))]
+        not row.get("grid") or beyond_on_a(row["scale"]) or constant_factor(row))]
     if not scaled:
         return None
-
-    def whole_factor(found: dict, by: str = "") -> str | None:
-        """How the tensor as a whole lies outside its bounds (``by``: the quantizer whose refit keeps them), in
-        words; None where it does not."""
-        low, high = found["bounds"]
-        if outside(found["tensor"], found["bounds"]):
-            how = f"x {found['tensor']:.4g} (least squares over the tensor"
-        elif "converted" in found and outside(found["converted"], found["converted_bounds"]):
-            low, high = found["converted_bounds"]
-            how = (f"x {found['converted']:.4g} over A's conversion (least squares of B on A as a faithful export "
-                   f"holds it; over A itself x {found['tensor']:.4g}")
-        else:
-            return None
-        return f"{how}; {by} keeps it within {low:g} to {high:g})"
-
     whole = [row for row in scaled if whole_factor(row["scale"])]
     if whole:
         flipped = all(abs(row["scale"]["tensor"] + 1) < 0.1 for row in whole)
