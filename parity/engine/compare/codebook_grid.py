@@ -111,37 +111,40 @@ def reference(x: torch.Tensor, storage: Storage) -> tuple[torch.Tensor, str, tor
     return values, f"re-quantized to {storage.dtype} with bitsandbytes' {how}", each
 
 
-def nested_allowance(x: torch.Tensor, book) -> torch.Tensor | None:
-    """Double quant: what storing each block's absmax as an 8-bit code (of absmax - mean) moves a value of it: |its
-    code's level| x |that absmax - A's largest magnitude there|, plus its code's step on A's own absmax, where its
-    code was chosen (stored layout; A's absmax as bitsandbytes' own double quant stores it).  A faithful export's
-    values lie that far from A's beyond their step: a reviewer's of Student-t weights with near-zero rows up to 3.6
-    steps, and without bound where the stored absmax came out 0 or below.  None without double quant."""
-    if not book.nested or book.quant_type == "int8":
-        return None
+def bounds(x: torch.Tensor, book) -> tuple[torch.Tensor | None, dict | None]:
+    """What double quant adds to each value's allowed distance (``nested_allowance``; None without it), and B's
+    blocks coarser than A's values call for (``coarse_blocks``): A's absmax per block, and as double quant stores it
+    (bitsandbytes' own quantize_4bit, run once), shared by both.  ``x``: A in the stored layout."""
     flat = x.float().reshape(-1)
     blocks = math.ceil(flat.numel() / book.blocksize)
     padded = torch.nn.functional.pad(flat.abs(), (0, blocks * book.blocksize - flat.numel()))
-    true = padded.reshape(blocks, book.blocksize).amax(-1)
+    largest = padded.reshape(blocks, book.blocksize).amax(-1)
+    if not book.nested or book.quant_type == "int8":
+        return None, coarse_blocks(x, book, largest)
     stored = absmax_of(quantize(x, book.quant_type, book.blocksize, True)[2])
-    if stored.shape != true.shape or book.codes.numel() != flat.numel():
+    return nested_allowance(x, book, largest, stored), coarse_blocks(x, book, stored.abs())
+
+
+def nested_allowance(x: torch.Tensor, book, largest: torch.Tensor, stored: torch.Tensor) -> torch.Tensor | None:
+    """Double quant: what storing each block's absmax as an 8-bit code (of absmax - mean) moves a value of it: |its
+    code's level| x |that absmax (``stored``) - A's largest magnitude there (``largest``)|, plus its code's step on
+    A's own absmax, where its code was chosen (stored layout).  A faithful export's values lie that far from A's
+    beyond their step: a reviewer's of Student-t weights with near-zero rows up to 3.6 steps, and without bound where
+    the stored absmax came out 0 or below.  None where the blocks do not match B's codes."""
+    numel = x.numel()
+    if stored.shape != largest.shape or book.codes.numel() != numel:
         return None
-    moved = expand((stored - true).abs(), book.blocksize, flat.numel())
-    step = level_steps(book.levels.float())[book.codes] * expand(true, book.blocksize, flat.numel())
+    moved = expand((stored - largest).abs(), book.blocksize, numel)
+    step = level_steps(book.levels.float())[book.codes] * expand(largest, book.blocksize, numel)
     return (book.levels.float()[book.codes].abs() * moved + step).reshape(x.shape)
 
 
-def coarse_blocks(x: torch.Tensor, book) -> dict | None:
-    """Blocks whose absmax in B's file exceeds ``GRID_FACTOR`` x A's largest magnitude there: None when none does;
-    else how many, and the worst, with evidence (the keys ``findings.grid_finding`` words; a block's "step" here is
-    its absmax, the unit its levels are multiples of)."""
-    flat = x.float().reshape(-1)
-    blocks = math.ceil(flat.numel() / book.blocksize)
-    if book.nested and book.quant_type != "int8":  # A's absmax as double quant stores it (above)
-        needed = absmax_of(quantize(x, book.quant_type, book.blocksize, True)[2]).abs()
-    else:
-        padded = torch.nn.functional.pad(flat.abs(), (0, blocks * book.blocksize - flat.numel()))
-        needed = padded.reshape(blocks, book.blocksize).amax(-1)
+def coarse_blocks(x: torch.Tensor, book, needed: torch.Tensor) -> dict | None:
+    """Blocks whose absmax in B's file exceeds ``GRID_FACTOR`` x A's ``needed`` there (its largest magnitude; with
+    double quant, its absmax as double quant stores it, above): None when none does; else how many, and the worst,
+    with evidence (the keys ``findings.grid_finding`` words; a block's "step" here is its absmax, the unit its levels
+    are multiples of)."""
+    blocks = needed.numel()
     if needed.shape != book.absmax.shape:
         return None
     limit = GRID_FACTOR * needed

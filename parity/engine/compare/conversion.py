@@ -34,7 +34,15 @@ import torch
 from parity.definitions.mapping import TensorRoute
 from parity.engine.compare import codebook_grid, fp4_grid, fp8_grid, gguf_grid, group_grid, mlx_grid
 from parity.engine.compare.gguf_grid import LEVELS_FACTOR as LEVELS_FACTOR  # comparison.py reads it here
-from parity.engine.compare.storage import Storage, dtype_name, least_squares_scales, spacing, stored_layout, unstored
+from parity.engine.compare.storage import (
+    Storage,
+    dtype_name,
+    least_squares_factor,
+    least_squares_scales,
+    spacing,
+    stored_layout,
+    unstored,
+)
 
 STEP_SLACK = 1.01  # a value may sit a step from A's (Q4_0's clamp at +8) plus the float16 rounding of d itself
 # B's least-squares factor on A's conversion (what a faithful export holds: A rounded to nearest on B's own grid, or
@@ -145,9 +153,8 @@ def quantized_bounds(a: torch.Tensor, b: torch.Tensor, storage: Storage, a_dtype
     if storage.block is not None and storage.scales is not None:  # FP8: each block's scale against A's amax / 448
         return allowed, fp8_grid.coarse_blocks(x, storage.scales, storage.block)
     if storage.codebook is not None:  # bitsandbytes 4-bit: each block's absmax against A's largest magnitude
-        nested = codebook_grid.nested_allowance(x, storage.codebook)  # plus double quant's absmax rounding
-        allowed = allowed if nested is None else allowed + unstored(storage.route, nested)
-        return allowed, codebook_grid.coarse_blocks(x, storage.codebook)
+        nested, coarse = codebook_grid.bounds(x, storage.codebook)  # plus double quant's absmax rounding
+        return (allowed if nested is None else allowed + unstored(storage.route, nested)), coarse
     return gguf_grid.bounds(allowed, x, b, storage, a_dtype, a_steps)  # K-quants' ends; each block's d against A's
 
 
@@ -179,9 +186,7 @@ def scale_excess(a: torch.Tensor, b: torch.Tensor, storage: Storage, converted: 
 def on_conversion(found: dict, converted: torch.Tensor, b: torch.Tensor, bounds: tuple[float, float]) -> dict:
     """``found`` (a ``least_squares_scales`` record) with B's least-squares factor on A's conversion (the tensor as
     a faithful export holds it) and ``bounds``, beyond when it lies outside them."""
-    c, held = converted.double(), b.double()
-    energy = float((c * c).sum())
-    found["converted"] = float((c * held).sum()) / energy if energy > 0 else 1.0
+    found["converted"] = least_squares_factor(converted, b)
     found["converted_bounds"] = list(bounds)
     found["beyond"] = found["beyond"] or not bounds[0] <= found["converted"] <= bounds[1]
     return found

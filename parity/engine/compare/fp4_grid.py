@@ -25,7 +25,7 @@ from dataclasses import dataclass
 import torch
 
 from parity.definitions.mapping import TensorRoute
-from parity.engine.compare.storage import Storage, level_steps
+from parity.engine.compare.storage import Storage, least_squares_factor, level_steps, rms_distance
 from parity.engine.layer import route_tensor
 from parity.sources.fp4 import e2m1_values
 
@@ -119,12 +119,11 @@ def reference(a: torch.Tensor, storage: Storage) -> tuple[torch.Tensor, str, Non
     own = rounded(a, store)
     said = (f"cast to {store.dtype}, rounded to the nearest e2m1 level of B's groups of {store.group}, each group's "
             "scale read from the file")
-    x, b = a.double(), (store.levels * store.scales).double()
-    factor = float((x * b).sum() / (x * x).sum()) if bool((x != 0).any()) else 1.0
+    factor = least_squares_factor(a, store.levels * store.scales)
     if not math.isfinite(factor) or factor <= 0:
         return own, said, None
     rescaled = rounded(a, store, store.scales / factor)
-    errors = [float((values - a.float()).pow(2).mean().sqrt()) for values in (own, rescaled)]
+    errors = [rms_distance(values, a) for values in (own, rescaled)]
     if errors[0] > SOUND * errors[1]:
         return rescaled, (f"{said}, divided by B's least-squares factor on A, {factor:.4g}: B's own grid rounds A's "
                           f"values {errors[0] / max(errors[1], 1e-30):.3g} x worse (root mean square), so it is no "

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 
 import torch
 
-from parity.engine.compare.storage import Storage, least_squares_scales
+from parity.engine.compare.storage import Storage, least_squares_scales, rms_distance
 from parity.engine.layer import route_tensor
 from parity.sources.int_storage import AWQ_ORDER  # AWQ's packing: field i of each int32 holds column AWQ_ORDER[i]
 
@@ -339,7 +339,7 @@ def minmax(x: torch.Tensor, grid: Grid) -> torch.Tensor:
 def roughness(x: torch.Tensor, grid: Grid) -> float:
     """How many times worse (root mean square) B's own grid rounds A's matrix (stored layout) than min-max in B's
     groups does: about 1 for a grid of A's, beyond ``SOUND`` for one that is not."""
-    errors = [float((values - x.float()).pow(2).mean().sqrt()) for values in (round_to(x, grid), minmax(x, grid))]
+    errors = [rms_distance(values, x) for values in (round_to(x, grid), minmax(x, grid))]
     return errors[0] / errors[1] if errors[1] else 1.0
 
 
@@ -356,7 +356,7 @@ def reference(x: torch.Tensor, grid: Grid) -> tuple[torch.Tensor, str]:
     (a grid that is not A's: scales of other groups, a g_idx lost), then the min-max one, saying so."""
     own = round_to(x, grid)
     plain = minmax(x, grid)
-    errors = [float((values - x.float()).pow(2).mean().sqrt()) for values in (own, plain)]
+    errors = [rms_distance(values, x) for values in (own, plain)]
     if errors[0] > SOUND * errors[1]:
         return plain, (f"quantized by min-max in B's groups (int{grid.bits}): B's own grid rounds A's values "
                        f"{errors[0] / errors[1]:.1f} x worse (root mean square) than that, so it is no grid of A's")

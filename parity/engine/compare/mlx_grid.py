@@ -31,7 +31,7 @@ from dataclasses import dataclass, replace
 import torch
 
 from parity.definitions.mapping import TensorRoute
-from parity.engine.compare.storage import Storage, level_steps
+from parity.engine.compare.storage import Storage, level_steps, rms_distance
 from parity.engine.layer import route_tensor
 
 # A group's scale in B's file may exceed the step A's values there call for ((max - min) / (2^bits - 1)) by this before
@@ -202,7 +202,7 @@ def reference(x: torch.Tensor, storage: Storage) -> tuple[torch.Tensor, str, tor
         said += f" at B's global scale {store.global_scale:g}"
         own = replace(store, global_scale=float(x.to(getattr(torch, store.dtype)).float().abs().max()))
         mine = quantize(x, own)
-        errors = [float((values - x.float()).pow(2).mean().sqrt()) for values in (held, mine[3])]
+        errors = [rms_distance(values, x) for values in (held, mine[3])]
         if errors[0] > GLOBAL_SOUND * errors[1]:
             codes, scales, biases, held = mine
             said = (f"{store.mode} at the global scale mlx_lm.convert gives A, its largest magnitude "

@@ -107,6 +107,19 @@ def level_steps(levels: torch.Tensor) -> torch.Tensor:
     return steps
 
 
+def least_squares_factor(a: torch.Tensor, b: torch.Tensor) -> float:
+    """B's least-squares factor on A over the whole tensor, sum(A B) / sum(A A) in float64; 1 where A is all
+    zeros."""
+    x, y = a.double(), b.double()
+    energy = float((x * x).sum())
+    return float((x * y).sum()) / energy if energy > 0 else 1.0
+
+
+def rms_distance(values: torch.Tensor, x: torch.Tensor) -> float:
+    """Root mean square of ``values`` - ``x`` (float32): how far a rounding of ``x`` lies from it."""
+    return float((values.float() - x.float()).pow(2).mean().sqrt())
+
+
 def least_squares_scales(x: torch.Tensor, b: torch.Tensor, group: int, *, bounds: tuple[float, float],
                          block_bounds: tuple[float, float]) -> dict:
     """B's least-squares factor on A, sum(A B) / sum(A A), of the whole tensor, of each row and of each block of
