@@ -163,12 +163,13 @@ def test_a_bnb_conversion_mistake_fails_its_layer_only_and_is_named(model_a, roo
         assert found["distance"] <= 0.5 * found["reference_distance"]
 
 
-def test_bitsandbytes_cpu_kernel_misreads_rows_off_the_block_where_the_flat_read_follows_the_format(
+def test_the_flat_read_follows_the_format_where_bitsandbytes_cpu_kernel_may_read_rows_off_the_block(
         model_a, faithful):
-    """The figure parity.sources.bnb_4bit gives for reading each matrix flat: bitsandbytes' CPU dequantize_4bit with
-    the stored [rows, columns] shape lands 3.8 to 3.9 steps from A's values on the [200, 160] matrices (rows of 2.5
-    blocks of 64), where the flat read lies within half a step of every value (plus double quant's absmax rounding),
-    as rounding to the nearest level does; on [160, 200] the two agree."""
+    """The figure parity.sources.bnb_4bit gives for reading each matrix flat: on some CPUs, bitsandbytes' CPU
+    dequantize_4bit with the stored [rows, columns] shape lands 3.8 to 3.9 steps from A's values on the
+    [200, 160] matrices (rows of 2.5 blocks of 64); on others (an AMD EPYC without AVX-512) the same
+    call reads them right.  The flat read lies within half a step of every value (plus double quant's absmax
+    rounding) on every machine, as rounding to the nearest level does; on [160, 200] the two agree."""
     import copy
 
     from parity.engine.compare.codebook_grid import steps, unpack
@@ -190,8 +191,10 @@ def test_bitsandbytes_cpu_kernel_misreads_rows_off_the_block_where_the_flat_read
         misread = float(((as_stored - a).abs() / step).max())
         print(name, list(a.shape), f"flat {flat_steps:.3f} stored-shape {misread:.3f} steps")
         assert flat_steps <= 0.55, name  # double quant: the absmax read back from its 8-bit code (see above)
-        # measured: 3.76 and 3.93 steps on the [200, 160] matrices; the [160, 200] ones read right either way
-        assert (misread > 2.0) if list(a.shape) == [200, 160] else (misread <= 0.55), (name, misread)
+        # the stored-shape read is the kernel's, which differs by machine (measured: 3.76 and 3.93 steps on the
+        # [200, 160] matrices on one, 0.52 on an AMD EPYC without AVX-512): reported, never relied on
+        if list(a.shape) == [160, 200]:
+            assert misread <= 0.55, (name, misread)
 
 
 @pytest.mark.parametrize("factor", [1.05, 0.95])

@@ -14,14 +14,15 @@ the same code book view (255 evenly spaced levels, one block per row) and dequan
 ``int8_vectorwise_dequant``.
 
 ``read`` returns each quantized matrix dequantized (float32) by bitsandbytes itself (``QuantState.from_dict`` and
-``dequantize_4bit``: the extra ``bnb``), imported only when a checkpoint needs it.  One thing is done differently from
-calling ``dequantize_4bit`` with the stored shape: the matrix is dequantized as one flat vector, then reshaped.  Why:
-bitsandbytes 0.50's CPU kernel reads some [rows, columns] matrices whose rows are not a whole number of blocks with
-other blocks' absmax (measured, blocksize 64: a [64, 96] NF4 matrix of normal values read up to 2.03 off; the
-[200, 160] FFN matrices of tests/test_quantized_bnb.py 3.8 to 3.9 code steps from A's values, where their flat read
-lies within half a step plus double quant's absmax rounding, as rounding to the nearest level does; [160, 200] and
-[64, 172] read right either way).  The blocks are runs of the flattened matrix on every device (bitsandbytes' own
-reference implementation, ``backends/default``, reads them so), so the flat read is the format's.
+``dequantize_4bit``: the extra ``bnb``), imported only when a checkpoint needs it. One thing is done differently
+from calling ``dequantize_4bit`` with the stored shape: the matrix is dequantized as one flat vector, then reshaped.
+Why: bitsandbytes 0.50's CPU kernel, on some CPUs, reads some [rows, columns] matrices whose rows are not a whole
+number of blocks with other blocks' absmax (measured, blocksize 64: a [64, 96] NF4 matrix of normal values read up
+to 2.03 off; the [200, 160] FFN matrices of tests/test_quantized_bnb.py 3.8 to 3.9 code steps from A's values, where
+their flat read lies within half a step plus double quant's absmax rounding, as rounding to the nearest level does;
+[160, 200] and [64, 172] read right either way; on an AMD EPYC without AVX-512 the fixture's [200, 160] ones read
+right too, 0.52). The blocks are runs of the flattened matrix on every device (bitsandbytes' own reference
+implementation, ``backends/default``, reads them so), so the flat read is the format's.
 
 The layout must be the one the quant state states: ``absmax`` one per block, ``quant_map`` the code book of the
 stated quant_type (``dequantize_4bit`` decodes with the stated type's own table, whatever ``quant_map`` holds); else
