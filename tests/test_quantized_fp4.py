@@ -39,10 +39,13 @@ FORMATS = {"nvfp4": dict(strategy="tensor_group", group_size=16), "mxfp4": dict(
 
 
 def arguments(form: str):
-    from compressed_tensors.quantization import QuantizationArgs
+    """The weights' arguments of llm-compressor's ``NVFP4A16`` / ``MXFP4A16`` scheme, compressed-tensors' own preset
+    (each group's scale rounded to its scale dtype, e4m3 or e8m0, before the codes are chosen with it)."""
+    from compressed_tensors.quantization.quant_scheme import PRESET_SCHEMES
 
-    extra = {"scale_dtype": torch.uint8} if form == "mxfp4" else {}
-    return QuantizationArgs(num_bits=4, type="float", symmetric=True, dynamic=False, **FORMATS[form], **extra)
+    args = PRESET_SCHEMES[f"{form.upper()}A16"]["weights"]
+    assert {key: getattr(args, key) for key in FORMATS[form]} == FORMATS[form]
+    return args
 
 
 def compressed(weight: torch.Tensor, form: str, how: str | None = None) -> dict[str, torch.Tensor]:
@@ -203,6 +206,26 @@ def test_nvfp4_with_down_proj_in_fp8_judges_each_module_by_its_own_storage(model
 @pytest.mark.parametrize("how", UNSTATED)
 def test_a_module_stored_fp4_that_its_config_leaves_unquantized_is_named(model_a, root, capsys, how):
     assert_module_not_stated(capsys, model_a, export(model_a, root / f"unstated-{how}", "nvfp4"), how)
+
+
+@pytest.mark.parametrize("factor", [3e-5, 1e-5, 1e-6])
+def test_rows_whose_e4m3_group_scales_lie_among_its_subnormals_pass_faithful(model_a, root, capsys, factor):
+    """Layer 1's FFN matrices with 8 rows x ``factor`` (near-dead rows, as trained checkpoints hold): their groups'
+    need (amax / 6 times the global scale) falls under e4m3's smallest normal, where its values lie 2^-9 apart, so
+    compressed-tensors' rounding of it is up to twice it or half of it, and 0 (then e4m3's eps, 0.125) under 2^-10.
+    Each is the format's own rounding: the export passes on every layer, each value within its step plus what a
+    rounded-down scale clips."""
+    a = root / f"a-quiet-{factor:g}"
+    if not a.exists():
+        shutil.copytree(model_a, a)
+        tensors = load_file(a / "model.safetensors")
+        for name in [n for n in tensors if n.startswith(LAYER1) and n.endswith("_proj.weight")]:
+            tensors[name][:8] *= factor
+        save_file(tensors, a / "model.safetensors", metadata={"format": "pt"})
+    code, report = compare(capsys, a, export(a, root / f"nvfp4-quiet-{factor:g}", "nvfp4"))
+    assert code == 0, [layer["diagnosis"] for layer in report["layers"]]
+    for row in report["layers"][1]["conversion"]["tensors"]:
+        assert row["steps"]["values_beyond_step"] == 0 and row["grid"] is None, row
 
 
 def test_an_nvfp4_global_scale_a_tenth_off_fails_named_though_its_values_stay_within_their_steps(model_a, root,

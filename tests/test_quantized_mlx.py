@@ -277,6 +277,47 @@ def test_an_mlx_conversion_mistake_fails_its_layer_only_and_is_named(model_a, ro
         assert found["distance"] <= 0.5 * found["reference_distance"]
 
 
+def test_a_faithful_2_bit_export_is_judged_by_its_values_and_passes(model_a, root, capsys):
+    """At 2 bits mlx.core.quantize of A moves each layer's output by 0.68 to 0.70 of its largest magnitude: twice that
+    would pass a module that outputs zeros, and every layer of an export holding exactly mlx's quantization of A was
+    exit 2 "could not be verified".  Every tensor is held to its values (within its step, each group's scale mlx's
+    choice for A's, B's factor on A's conversion near 1): each layer passes, judged by them, saying so."""
+    code, report = compare(capsys, model_a, mlx_export(model_a, root / "faithful-2-bit", bits=2))
+    assert code == 0, [layer["unverifiable"] for layer in report["layers"]]
+    for layer in report["layers"]:
+        assert layer["passed"] and layer["unverifiable"] is None
+        assert layer["conversion"]["conversion_deviation"] > 0.5 * layer["max_abs_diff"] / layer["max_rel_diff"]
+        assert "judged by its values" in layer["conversion"]["tolerance_rule"], layer["conversion"]
+    assert any("layers 0, 1 judged by the values of B" in note for note in report["notes"]), report["notes"]
+
+
+@pytest.mark.parametrize(("case", "named"), [
+    ("exchanged", "mlx_scales_biases_exchanged"), ("shifted", "zero_point_off_by_one"), ("zeroed", "zeroed_tensor"),
+    ("transposed", "mlx_scales_transposed"), ("scaled", "tensor_scaled"), ("gate_up", "gate_up_exchanged"),
+])
+def test_a_2_bit_export_judged_by_its_values_still_fails_each_mistake_named(model_a, root, capsys, case, named):
+    """Each mistake on one tensor of layer 1 of the 2-bit export fails that layer alone, named as at 4 bits: its
+    values, not its function, carry it (each was exit 2 before, the layer unverifiable)."""
+    tensor = {"exchanged": "up_proj", "shifted": "down_proj", "zeroed": "gate_proj"}.get(case, "gate_proj")
+    dest = root / f"broken-2-bit-{case}"
+    if case == "scaled":
+        good = mlx_export(model_a, root / "faithful-2-bit-scaled", bits=2)
+        broken = parts_scaled(good, dest, tuple(f"{LAYER1}.{tensor}.{part}" for part in ("scales", "biases")), 1.05)
+    elif case == "gate_up":
+        a = root / "a-swapped-2-bit"
+        shutil.copytree(model_a, a)
+        tensors = load_file(a / "model.safetensors")
+        gate, up = f"{LAYER1}.gate_proj.weight", f"{LAYER1}.up_proj.weight"
+        tensors[gate], tensors[up] = tensors[up].clone(), tensors[gate].clone()
+        save_file(tensors, a / "model.safetensors", metadata={"format": "pt"})
+        broken = mlx_export(a, dest, bits=2)
+    else:
+        broken = mlx_export(model_a, dest, bits=2, breaks={f"{LAYER1}.{tensor}.weight": case})
+    found = quantized_layer_one_named(capsys, model_a, broken, named, tensor if case != "gate_up" else "_proj")
+    if found["distance"] is not None:
+        assert found["distance"] <= 0.5 * found["reference_distance"]
+
+
 def test_gate_and_up_exchanged_in_an_mlx_export_is_named(model_a, root, capsys):
     """Today's mistakes hold for a quantized B too: layer 1's gate and up exchanged before quantizing."""
     a = root / "a-swapped"
@@ -396,6 +437,23 @@ def test_a_faithful_microscaled_export_passes_on_every_layer(model_a, root, caps
     inventory = report["comparison"]["inventory"]
     assert inventory["shape_differs"] == [] and inventory["dtype_changes"] == {f"F32 -> {mode.upper()}": 10,
                                                                                "F32 -> BF16": 5}
+
+
+def test_rows_whose_nvfp4_scales_underflow_pass_where_b_is_a_s_conversion(model_a, root, capsys):
+    """nvfp4 without a global scale, of a layer whose rows of each matrix lie near 2e-5 (rows x 4e-4, as trained
+    checkpoints hold near-dead rows): each such group's scale, amax / 6, lies below e4m3's smallest subnormal, so
+    mlx stores it 0 and every value of the group 0, as A's own conversion holds it.  A step of 0 read as "inf steps"
+    and every faithful export failed quantization_exceeds_step; a value equal to A's conversion is within its step."""
+    a = root / "a-quiet-rows"
+    shutil.copytree(model_a, a)
+    tensors = load_file(a / "model.safetensors")
+    for name in [n for n in tensors if n.startswith(LAYER1) and n.endswith("_proj.weight")]:
+        tensors[name][:8] *= 4e-4
+    save_file(tensors, a / "model.safetensors", metadata={"format": "pt"})
+    code, report = compare(capsys, a, mlx_export(a, root / "nvfp4-quiet-rows", mode="nvfp4"))
+    assert code == 0, report
+    for row in report["layers"][1]["conversion"]["tensors"]:
+        assert row["steps"]["values_beyond_step"] == 0 and row["steps"]["max_steps"] <= 2.0, row
 
 
 @pytest.mark.parametrize(("case", "mode", "tensor", "named", "evidence"), [

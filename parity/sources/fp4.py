@@ -23,6 +23,7 @@ class Fp4Held:
     dtype: str
     name: str
     power_of_two: bool = True
+    e4m3_unit: float = 1.0  # e4m3 scales: what one unit of the stored scale is worth (NVFP4: 1 / its global scale)
 
 
 def e2m1_values():

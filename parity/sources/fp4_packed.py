@@ -179,11 +179,10 @@ class Fp4Checkpoint(Checkpoint):
         packed = parts[PACKED]
         levels = unpack(packed, packed.shape[0], packed.shape[1] * 2, dtype=torch.float32)
         _, scale = self.decompressed(name, parts)
-        if GLOBAL in parts:
-            scale = scale / parts[GLOBAL].float().reshape(-1)[0]
-        return Fp4Held(levels, scale, self.scheme.group, self.model_dtype,
+        global_scale = parts[GLOBAL].float().reshape(-1)[0] if GLOBAL in parts else torch.tensor(1.0)
+        return Fp4Held(levels, scale / global_scale, self.scheme.group, self.model_dtype,
                        f"{self.scheme.form.removesuffix('-pack-quantized')}/{self.scheme.group}",
-                       power_of_two=self.scheme.form.startswith("mxfp4"))
+                       power_of_two=self.scheme.form.startswith("mxfp4"), e4m3_unit=float(1 / global_scale))
 
     @cached_property
     def model_dtype(self) -> str:

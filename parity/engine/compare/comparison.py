@@ -68,7 +68,7 @@ from parity.engine.reference import activation_name
 from parity.engine.results import LayerResult, Report
 from parity.engine.side import Side, run_reference
 from parity.engine.upcast import compute_in
-from parity.engine.verdict import Runs, judge, parity_tolerance
+from parity.engine.verdict import Runs, judge, parity_tolerance, unverifiable_reason
 from parity.errors import (
     LayerRangeError,
     MappingError,
@@ -86,6 +86,7 @@ NEIGHBOURS = 2  # a shifted layer is searched this many layers either side
 
 
 CONVERSION_TOO_LARGE = "A converted as B stores it deviates that far: B's storage cannot carry this layer's function"
+BY_VALUES = "judged by its values"  # a layer whose function cannot tell a mistake at B's width (by_values)
 EXPLAINS = 0.5  # a replay names the mistake only when B is at most this fraction of its distance from A away from it
 
 
@@ -269,6 +270,7 @@ class Comparison:
         result = judge(layer, expert, runs, a.routed, truth.z, tolerance, self.a.checkpoint.weights, a.facts,
                        too_large=CONVERSION_TOO_LARGE)
         result = CompareLayer(**{f.name: getattr(result, f.name) for f in dataclasses.fields(LayerResult)})
+        why = by_values(result, runs, a, b.storage, rows, conv_dev) or why
         result.conversion = conversion_record(rows, b.storage, conv_dev, result.max_abs_diff, factor, changed, why=why)
         result.fingerprint = pair_fingerprint(a, b)
         self.verdict(result, (layer, expert), a, b, x, truth.out64, rows)
@@ -307,7 +309,9 @@ class Comparison:
             return
         # within its tolerance, a replay could only name what the function cannot show; but an integer group matrix
         # held to its values (group_grid: biased, no grid of A's, most codes moved) is a mistake the replays name
-        replay = not result.passed or any(b.storage[row["name"]].group is not None for row in beyond)
+        # ... and one judged by its values (by_values), whose function passes whatever B holds
+        replay = not result.passed or any(b.storage[row["name"]].group is not None for row in beyond) \
+            or BY_VALUES in result.conversion["tolerance_rule"]
         result.passed = False
         result.diagnosis = self.explain(unit, a, b, x, out64, result.tolerance if replay else -math.inf,
                                         result.max_abs_diff or math.inf, rows, beyond)
@@ -493,6 +497,42 @@ def same_files(a: Side, b: Side) -> bool:
     return Path(a.checkpoint.location).expanduser().resolve() == Path(b.checkpoint.location).expanduser().resolve()
 
 
+def by_values(result: CompareLayer, runs: Runs, a: SideLayer, storage: dict, rows: list[dict],
+              conv_dev: float) -> str | None:
+    """A layer whose tolerance reaches its output's magnitude only because the conversion alone moves the output
+    that far (MLX affine at 2 bits: 0.70 of it), judged by its values where every quantized tensor is held to them
+    (each value within its step of A's, each group's scale a writer's choice for A's, B's least-squares factor on A's
+    conversion within ``conversion.CONVERTED_SCALE``: ``Storage.nearest``), the function then evidence: "could not
+    be verified" there, where B held exactly what mlx.core.quantize writes for A, was a false alarm.  Clears the
+    layer's unverifiable, says so (for the layer's tolerance rule); None where the layer is otherwise judged."""
+    scale = float(runs.reference64.abs().max())
+    held = [storage[row["name"]] for row in rows if storage[row["name"]].quantized]
+    if result.unverifiable is None or not held or not result.tolerance >= scale > conv_dev \
+            or not all(s.nearest and s.steps is not None for s in held) \
+            or any(row["steps"] is None for row in rows if storage[row["name"]].quantized) \
+            or unverifiable_reason(a.routed, runs, 0.0, a.facts) is not None:
+        return None
+    result.unverifiable = None
+    result.passed = result.max_abs_diff is not None and result.max_abs_diff <= result.tolerance
+    return (f"{BY_VALUES}: the conversion alone moves the output by {conv_dev / scale:.2f} of its largest "
+            "magnitude, so that tolerance would pass a module that outputs zeros; each value is held to its step of "
+            "A's, each group's scale to a writer's choice for A's values, B's least-squares factor on A's "
+            f"conversion to {conversion.CONVERTED_SCALE[0]:g}-{conversion.CONVERTED_SCALE[1]:g}")
+
+
+def values_note(report: CompareReport) -> None:
+    """Which layers were judged by their values (``by_values``), said once in every view."""
+    valued = [r for r in report.layers if BY_VALUES in ((getattr(r, "conversion", None) or {}).get("tolerance_rule")
+                                                        or "")]
+    if valued:
+        units = ", ".join(str(r.layer) + ("" if r.expert is None else f"/e{r.expert}") for r in valued)
+        report.notes.append(f"layer{'s' if len(valued) > 1 else ''} {units} judged by the values of B: the "
+                            "conversion alone moves the output about as far as the output reaches, so the function "
+                            "cannot tell a mistake; every value of B is held to its step of A's, every group's scale "
+                            "to a writer's choice for A's, each tensor's least-squares factor on A's conversion to "
+                            "near 1 (each layer's tolerance_rule)")
+
+
 def compensated(storage: dict) -> float:
     """How much farther than the layer's tolerance a replay may lie from B and still name its mistake: a replay
     converts A by round to nearest, and an integer-group B quantized by GPTQ lies from any such replay as far as its
@@ -530,6 +570,7 @@ def run_comparison(comparison: Comparison, layers: Selection = None,
                     on_layer(report, whole)
     if comparison.blocks is not None:
         blocks_note(comparison.blocks, report)
+    values_note(report)
     report.comparison["inventory"] = inventory(comparison.a, comparison.b, chosen)
     return report
 

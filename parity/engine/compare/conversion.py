@@ -143,7 +143,7 @@ def quantized_bounds(a: torch.Tensor, b: torch.Tensor, storage: Storage, a_dtype
         return torch.full_like(storage.steps.float(), 0.0 if biased else math.inf), coarse
     allowed = torch.maximum(STEP_SLACK * storage.steps.float(), spacing(a, a_dtype))
     if storage.fp4 is not None:  # FP4 groups: each group's scale against A's amax / 6
-        return allowed, fp4_grid.coarse_groups(a, storage.fp4)
+        return fp4_grid.bounds(allowed, a, storage.fp4)
     x = stored_layout(storage.route, a.float())
     if x is None:
         return allowed, None
@@ -190,6 +190,14 @@ def on_conversion(found: dict, converted: torch.Tensor, b: torch.Tensor, bounds:
     found["converted_bounds"] = list(bounds)
     found["beyond"] = found["beyond"] or not bounds[0] <= found["converted"] <= bounds[1]
     return found
+
+
+def as_converted(allowed: torch.Tensor, a: torch.Tensor, b: torch.Tensor, converted: torch.Tensor) -> torch.Tensor:
+    """``allowed``, widened to B's own distance wherever B's value is A's conversion exactly, for a conversion made
+    from A alone (never from B's grid, which a broken grid moves too): the format's own quantizer put it there,
+    whatever its step reads (a group scale below the scale dtype's smallest subnormal is stored 0, and so is each of
+    its values: MLX nvfp4 of rows near 2e-5 read "inf steps" on a faithful export)."""
+    return torch.where(b == converted, torch.maximum(allowed, (b - a).abs()), allowed)
 
 
 def step_excess(a: torch.Tensor, b: torch.Tensor, steps: torch.Tensor, allowed: torch.Tensor | None = None) -> dict:

@@ -55,6 +55,7 @@ class Fp4Storage:
     group: int
     dtype: str = "float32"  # what A is cast to before it is rounded (the dtype B left its other tensors in)
     factor: float = GRID_FACTOR  # how far a group's scale may exceed amax / 6 (``FINE_GRID_FACTOR`` for e4m3)
+    e4m3_unit: float | None = None  # e4m3 scales (NVFP4): what one unit of the stored scale is worth (1 / global)
 
 
 def stored(checkpoint, key: str, route: TensorRoute, expert: int | None, shape) -> Storage | None:
@@ -84,7 +85,8 @@ def stored(checkpoint, key: str, route: TensorRoute, expert: int | None, shape) 
         problem = (f"group {[first // per_row, first % per_row]}: {int(torch.unique(index[bad]).numel())} of "
                    f"{index.numel() // group} groups have a NaN/Inf scale")
     store = Fp4Storage(*(route_tensor(route, t) for t in (levels, scales, index, positions)), per_row, group,
-                       found.dtype, GRID_FACTOR if found.power_of_two else FINE_GRID_FACTOR)
+                       found.dtype, GRID_FACTOR if found.power_of_two else FINE_GRID_FACTOR,
+                       None if found.power_of_two else found.e4m3_unit)
     return Storage(found.name, True, route_tensor(route, steps), "file", route, nonfinite_scale=problem,
                    zeroed=not bool(levels.any()), fp4=store)
 
@@ -152,17 +154,63 @@ def mistakes(a: torch.Tensor, store: Fp4Storage) -> list[tuple[str, str, torch.T
     return found
 
 
-def coarse_groups(a: torch.Tensor, store: Fp4Storage) -> dict | None:
-    """Groups whose scale in B's file exceeds ``store.factor`` x the one A's values there call for (their largest
-    magnitude / 6): None when none does; else how many and the worst, with evidence (the keys
-    ``findings.grid_finding`` words; a group's step is its top level's gap, 2 x its scale)."""
+def bounds(allowed: torch.Tensor, a: torch.Tensor, store: Fp4Storage) -> tuple[torch.Tensor, dict | None]:
+    """Each value's allowed distance from A's (``allowed``: its step), plus, for e4m3 scales, what the scale's own
+    rounding clips: a group's scale at or above the e4m3 value just under A's need (amax / 6, in the global scale's
+    units) is a writer's rounding of it, and A's values beyond its top level (all of them, for a scale that rounds to
+    0) lie as far from it as they exceed it.  Also the groups whose scale is coarser than a writer chooses
+    (``coarse_groups``)."""
+    needed, scale, present = group_needs(a, store)
+    if store.e4m3_unit is None:
+        return allowed, coarse_groups(needed, scale, present, store.factor * needed, store)
+    below, nearest, above = e4m3_neighbours(needed, store.e4m3_unit)
+    rounding = store.scales.abs() >= below[store.groups] * (1 - 2 ** -20)
+    top = (store.levels.abs() == TOP) | (store.scales == 0)
+    cast = a.to(getattr(torch, store.dtype)).float()
+    clip = torch.where(rounding & top, (cast.abs() - TOP * store.scales.abs()).clamp_min(0.0), 0.0)
+    # a need that rounds to 0 keeps none of A's bits on any grid: compressed-tensors stores e4m3's eps there instead
+    # (0.125 units, 427 x the need of rows x 1e-6 in a matrix of N(0, 0.05)), each value 0 within its step
+    limit = torch.where(nearest > 0, torch.maximum(store.factor * needed, above), math.inf)
+    return allowed + clip.nan_to_num(0.0), coarse_groups(needed, scale, present, limit, store)
+
+
+def group_needs(a: torch.Tensor, store: Fp4Storage) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Per group (by its index in the file): the scale A's values there call for (their largest magnitude / 6, the
+    smallest that clips nothing), B's scale, and whether the tensor holds the group."""
     count = int(store.groups.max()) + 1
     ids = store.groups.reshape(-1)
     amax = torch.zeros(count).scatter_reduce(0, ids, a.float().abs().reshape(-1), "amax", include_self=False)
     scale = torch.zeros(count).scatter_reduce(0, ids, store.scales.abs().reshape(-1), "amax", include_self=False)
     present = torch.zeros(count, dtype=torch.bool).index_fill(0, ids, True)
-    needed = amax / TOP
-    over = torch.where(present & (needed > 0), scale / (store.factor * needed), torch.zeros_like(scale))
+    return amax / TOP, scale, present
+
+
+def e4m3_neighbours(needed: torch.Tensor, unit: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The e4m3 scales just under, nearest to and just over each need (equal where it is one), as B's scales read
+    (``unit``: what one e4m3 unit is worth, 1 / the global scale). Under e4m3's smallest normal (2^-6) its values are
+    2^-9 apart, so a writer's rounding of a small group's need may be 0 or up to twice it (compressed-tensors' NVFP4
+    of rows x 1e-5 in a matrix of N(0, 0.05): scales 1.75 x the need on a faithful export, values clipped up to 1.42
+    steps)."""
+    value = (needed / unit).nan_to_num(0.0).clamp(0.0, float(torch.finfo(torch.float8_e4m3fn).max))
+    nearest = value.to(torch.float8_e4m3fn)
+    code = nearest.view(torch.uint8).int()
+    held = nearest.float()
+    up = torch.where(held < value, code + 1, code).clamp_max(0x7E)  # 0x7F is e4m3fn's NaN
+    down = torch.where(held > value, code - 1, code).clamp_min(0)
+
+    def scale(codes: torch.Tensor) -> torch.Tensor:
+        return codes.to(torch.uint8).view(torch.float8_e4m3fn).float() * unit
+
+    return scale(down), held * unit, scale(up)
+
+
+def coarse_groups(needed: torch.Tensor, scale: torch.Tensor, present: torch.Tensor, limit: torch.Tensor,
+                  store: Fp4Storage) -> dict | None:
+    """Groups whose scale in B's file (``scale``) exceeds ``limit`` (``store.factor`` x the one A's values there call
+    for, ``needed``; for e4m3, never less than the e4m3 value just over it): None when none does; else how many and
+    the worst, with evidence (the keys ``findings.grid_finding`` words; a group's step is its top level's gap, 2 x
+    its scale)."""
+    over = torch.where(present & (needed > 0), scale / limit, torch.zeros_like(scale))
     over = over.nan_to_num(0.0, posinf=0.0)  # a NaN/Inf scale is nonfinite_scale's
     if not bool((over > 1).any()):
         return None
@@ -171,4 +219,4 @@ def coarse_groups(a: torch.Tensor, store: Fp4Storage) -> dict | None:
     b_step, a_step = 2 * float(scale[worst]), 2 * float(needed[worst])
     return {"blocks_too_coarse": int((over > 1).sum()), "blocks": int(present.sum()), "worst_block": worst,
             "row": worst // store.per_row, "values": [first, first + store.group - 1], "b_step": b_step,
-            "a_step": a_step, "limit": store.factor * a_step, "times_coarser": b_step / a_step}
+            "a_step": a_step, "limit": 2 * float(limit[worst]), "times_coarser": b_step / a_step}

@@ -100,6 +100,8 @@ def tensor_rows(a: SideLayer, b: SideLayer) -> tuple[list[dict], dict[str, torch
             row["relative_distance"] <= 2 * row["conversion_distance"] + DIFFERS)
         if store.quantized and store.steps is not None and store.steps.shape == ta.shape:
             allowed, row["grid"] = conversion.quantized_bounds(a32, b32, store, row["a_dtype"], a_steps)
+            if a_steps is not None:  # A quantized from A alone: where B holds that, the format's quantizer put it
+                allowed = conversion.as_converted(allowed, a32, b32, converted[name])
             row["steps"] = conversion.step_excess(a32, b32, store.steps, allowed)
             if store.group is not None and row["steps"]["values_beyond_step"]:  # held to its values: it differs
                 row["differs"] = True
