@@ -175,6 +175,21 @@ def save_quantized(dest: Path, tensors: dict[str, torch.Tensor], quantization: d
     return dest
 
 
+def rows_scaled(a: Path, dest: Path, prefix: str, factor: float, rows: int = 8) -> Path:
+    """A's folder copied to ``dest`` (once) with the first ``rows`` rows of each projection under ``prefix`` (a
+    layer's FFN) multiplied by ``factor``: near-dead rows, as trained checkpoints hold them."""
+    from safetensors.torch import load_file, save_file
+
+    if dest.exists():
+        return dest
+    shutil.copytree(a, dest)
+    tensors = load_file(dest / "model.safetensors")
+    for name in [n for n in tensors if n.startswith(prefix) and n.endswith("_proj.weight")]:
+        tensors[name][:rows] *= factor
+    save_file(tensors, dest / "model.safetensors", metadata={"format": "pt"})
+    return dest
+
+
 def parts_scaled(good: Path, dest: Path, parts: tuple[str, ...], factor: float) -> Path:
     """``good`` copied to ``dest`` with each tensor named in ``parts`` multiplied by ``factor`` in its own dtype (a
     scale stored off by a factor over the same codes), its safetensors metadata kept."""

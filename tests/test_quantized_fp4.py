@@ -24,9 +24,11 @@ from .derived_checkpoints import (
     UNSTATED,
     assert_module_not_stated,
     assert_plain_module_named,
+    broken_copy,
     format_fixtures,
     parts_scaled,
     quantized_layer_one_named,
+    rows_scaled,
 )
 from .support import compare_json as compare
 from .support import run_main
@@ -215,13 +217,7 @@ def test_rows_whose_e4m3_group_scales_lie_among_its_subnormals_pass_faithful(mod
     compressed-tensors' rounding of it is up to twice it or half of it, and 0 (then e4m3's eps, 0.125) under 2^-10.
     Each is the format's own rounding: the export passes on every layer, each value within its step plus what a
     rounded-down scale clips."""
-    a = root / f"a-quiet-{factor:g}"
-    if not a.exists():
-        shutil.copytree(model_a, a)
-        tensors = load_file(a / "model.safetensors")
-        for name in [n for n in tensors if n.startswith(LAYER1) and n.endswith("_proj.weight")]:
-            tensors[name][:8] *= factor
-        save_file(tensors, a / "model.safetensors", metadata={"format": "pt"})
+    a = rows_scaled(model_a, root / f"a-quiet-{factor:g}", LAYER1, factor)
     code, report = compare(capsys, a, export(a, root / f"nvfp4-quiet-{factor:g}", "nvfp4"))
     assert code == 0, [layer["diagnosis"] for layer in report["layers"]]
     for row in report["layers"][1]["conversion"]["tensors"]:
@@ -275,12 +271,7 @@ def test_a_module_its_config_quantizes_stored_unquantized_is_named(model_a, root
 
 
 def test_gate_and_up_exchanged_in_an_nvfp4_export_is_named(model_a, root, capsys):
-    a = root / "a-swapped"
-    shutil.copytree(model_a, a)
-    tensors = load_file(a / "model.safetensors")
-    gate, up = f"{LAYER1}gate_proj.weight", f"{LAYER1}up_proj.weight"
-    tensors[gate], tensors[up] = tensors[up].clone(), tensors[gate].clone()
-    save_file(tensors, a / "model.safetensors", metadata={"format": "pt"})
+    a = broken_copy(model_a, root / "a-swapped", ("mlp.gate_proj", "mlp.up_proj"))
     code, report = compare(capsys, model_a, export(a, root / "swapped", "nvfp4"))
     assert code == 1, report
     assert [layer["passed"] for layer in report["layers"]] == [True, False]

@@ -25,10 +25,12 @@ from .derived_checkpoints import (
     HOSTILE_PARTS,
     assert_hostile_part_refused,
     assert_module_not_stated,
+    broken_copy,
     build,
     format_fixtures,
     parts_scaled,
     quantized_layer_one_named,
+    rows_scaled,
 )
 from .support import compare_json as compare
 from .support import run_main
@@ -304,13 +306,8 @@ def test_a_2_bit_export_judged_by_its_values_still_fails_each_mistake_named(mode
         good = mlx_export(model_a, root / "faithful-2-bit-scaled", bits=2)
         broken = parts_scaled(good, dest, tuple(f"{LAYER1}.{tensor}.{part}" for part in ("scales", "biases")), 1.05)
     elif case == "gate_up":
-        a = root / "a-swapped-2-bit"
-        shutil.copytree(model_a, a)
-        tensors = load_file(a / "model.safetensors")
-        gate, up = f"{LAYER1}.gate_proj.weight", f"{LAYER1}.up_proj.weight"
-        tensors[gate], tensors[up] = tensors[up].clone(), tensors[gate].clone()
-        save_file(tensors, a / "model.safetensors", metadata={"format": "pt"})
-        broken = mlx_export(a, dest, bits=2)
+        broken = mlx_export(broken_copy(model_a, root / "a-swapped-2-bit", ("mlp.gate_proj", "mlp.up_proj")), dest,
+                            bits=2)
     else:
         broken = mlx_export(model_a, dest, bits=2, breaks={f"{LAYER1}.{tensor}.weight": case})
     found = quantized_layer_one_named(capsys, model_a, broken, named, tensor if case != "gate_up" else "_proj")
@@ -320,12 +317,7 @@ def test_a_2_bit_export_judged_by_its_values_still_fails_each_mistake_named(mode
 
 def test_gate_and_up_exchanged_in_an_mlx_export_is_named(model_a, root, capsys):
     """Today's mistakes hold for a quantized B too: layer 1's gate and up exchanged before quantizing."""
-    a = root / "a-swapped"
-    shutil.copytree(model_a, a)
-    tensors = load_file(a / "model.safetensors")
-    gate, up = f"{LAYER1}.gate_proj.weight", f"{LAYER1}.up_proj.weight"
-    tensors[gate], tensors[up] = tensors[up].clone(), tensors[gate].clone()
-    save_file(tensors, a / "model.safetensors", metadata={"format": "pt"})
+    a = broken_copy(model_a, root / "a-swapped", ("mlp.gate_proj", "mlp.up_proj"))
     code, report = compare(capsys, model_a, mlx_export(a, root / "swapped"))
     assert code == 1, report
     assert [layer["passed"] for layer in report["layers"]] == [True, False]
@@ -444,12 +436,7 @@ def test_rows_whose_nvfp4_scales_underflow_pass_where_b_is_a_s_conversion(model_
     checkpoints hold near-dead rows): each such group's scale, amax / 6, lies below e4m3's smallest subnormal, so
     mlx stores it 0 and every value of the group 0, as A's own conversion holds it.  A step of 0 read as "inf steps"
     and every faithful export failed quantization_exceeds_step; a value equal to A's conversion is within its step."""
-    a = root / "a-quiet-rows"
-    shutil.copytree(model_a, a)
-    tensors = load_file(a / "model.safetensors")
-    for name in [n for n in tensors if n.startswith(LAYER1) and n.endswith("_proj.weight")]:
-        tensors[name][:8] *= 4e-4
-    save_file(tensors, a / "model.safetensors", metadata={"format": "pt"})
+    a = rows_scaled(model_a, root / "a-quiet-rows", LAYER1, 4e-4)
     code, report = compare(capsys, a, mlx_export(a, root / "nvfp4-quiet-rows", mode="nvfp4"))
     assert code == 0, report
     for row in report["layers"][1]["conversion"]["tensors"]:
