@@ -28,6 +28,7 @@ from .derived_checkpoints import (
     assert_hostile_part_refused,
     assert_module_not_stated,
     assert_plain_module_named,
+    broken_copy,
     build,
     format_fixtures,
     parts_scaled,
@@ -935,3 +936,44 @@ def test_gptq_experts_are_judged_one_by_one_and_a_broken_one_is_named(root, caps
     failed = [(unit["layer"], unit["expert"], unit["diagnosis"]["id"]) for unit in report["layers"]
               if not unit["passed"]]
     assert failed == [(1, 2, "zero_point_off_by_one")]
+
+
+@pytest.fixture(scope="module")
+def heavy_tailed(model_a, root) -> Path:
+    """A with every FFN matrix drawn from Student's t with 3 degrees of freedom (std 0.02): tails far heavier than
+    a normal's, as trained weights have, so int4 groups of 128 round most values of a group with an outlier to a
+    few levels."""
+    a = root / "a-heavy-tailed"
+    shutil.copytree(model_a, a)
+    tensors = load_file(a / "model.safetensors")
+    generator = torch.Generator().manual_seed(8)
+    for name in [n for n in tensors if ".mlp." in n and n.endswith("_proj.weight")]:
+        shape = tensors[name].shape
+        normal = torch.randn(shape, generator=generator)
+        chi2 = torch.randn((3, *shape), generator=generator).square().sum(0)
+        tensors[name] = normal / (chi2 / 3).sqrt() * 0.02 / 3 ** 0.5
+    save_file(tensors, a / "model.safetensors", metadata={"format": "pt"})
+    return a
+
+
+@pytest.mark.parametrize(("case", "named"), [(None, None), ("scale_x2", "tensor_scaled"),
+                                             ("row_coarse", "grid_too_coarse"), ("gate_up", "gate_up_exchanged")])
+def test_an_int4_layer_whose_conversion_reaches_its_output_is_judged_by_its_values(heavy_tailed, root, capsys, case,
+                                                                                   named):
+    """compressed-tensors' W4A16 (symmetric int4, groups of 128) of heavy-tailed weights: round to nearest moves
+    each layer's output by 0.38 and 0.43 of its largest value, so 3 x that (the tolerance) passes a module that
+    outputs zeros, and the faithful export was exit 2 on both layers.  Each matrix is held to its values (on a grid
+    of A's, unbiased, its codes A's round to nearest, its factors near 1): the faithful export passes on every layer,
+    each judged by its values, saying so; each mistake on layer 1 fails it, named."""
+    a = heavy_tailed if case != "gate_up" else broken_copy(heavy_tailed, root / "a-heavy-swapped",
+                                                           ("mlp.gate_proj", "mlp.up_proj"))
+    tensor = {"scale_x2": "up_proj", "row_coarse": "down_proj"}.get(case, "_proj")
+    breaks = {f"model.layers.1.mlp.{tensor}.weight": case} if case in ("scale_x2", "row_coarse") else None
+    b = ct_export(a, root / f"heavy-w4a16-{case}", "W4A16", breaks)
+    if case is not None:
+        quantized_layer_one_named(capsys, heavy_tailed, b, named, tensor)
+        return
+    code, report = compare(capsys, heavy_tailed, b)
+    assert code == 0, [layer["unverifiable"] or layer["diagnosis"] for layer in report["layers"]]
+    assert all("judged by its values" in layer["conversion"]["tolerance_rule"] for layer in report["layers"])
+    assert any("layers 0, 1 judged by the values of B" in note for note in report["notes"]), report["notes"]

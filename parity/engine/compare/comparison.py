@@ -500,24 +500,28 @@ def same_files(a: Side, b: Side) -> bool:
 def by_values(result: CompareLayer, runs: Runs, a: SideLayer, storage: dict, rows: list[dict],
               conv_dev: float) -> str | None:
     """A layer whose tolerance reaches its output's magnitude only because the conversion alone moves the output
-    that far (MLX affine at 2 bits: 0.70 of it), judged by its values where every quantized tensor is held to them
-    (each value within its step of A's, each group's scale a writer's choice for A's, B's least-squares factor on A's
-    conversion within ``conversion.CONVERTED_SCALE``: ``Storage.nearest``), the function then evidence: "could not
-    be verified" there, where B held exactly what mlx.core.quantize writes for A, was a false alarm.  Clears the
-    layer's unverifiable, says so (for the layer's tolerance rule); None where the layer is otherwise judged."""
+    that far (MLX affine at 2 bits: 0.70 of it; compressed-tensors' int4 in groups of 128 of heavy-tailed weights:
+    0.42), judged by its values where every quantized tensor is held to them, the function then evidence.  Held are
+    a format that rounds to nearest on its stored grid (``Storage.nearest``: each value within its step of A's, each
+    group's scale a writer's choice for A's, B's least-squares factor on A's conversion within
+    ``conversion.CONVERTED_SCALE``) and integer groups (``group_grid``: on a grid of A's, unbiased, most codes A's
+    round to nearest, the factors of tensor, rows and groups near 1).  "Could not be verified" there, where B held
+    exactly what mlx.core.quantize writes for A, was a false alarm.  Clears the layer's unverifiable and says so (for
+    its tolerance rule); None where the layer is otherwise judged."""
     scale = float(runs.reference64.abs().max())
     held = [storage[row["name"]] for row in rows if storage[row["name"]].quantized]
     if result.unverifiable is None or not held or not result.tolerance >= scale > conv_dev \
-            or not all(s.nearest and s.steps is not None for s in held) \
+            or not all((s.nearest or s.group is not None) and s.steps is not None for s in held) \
             or any(row["steps"] is None for row in rows if storage[row["name"]].quantized) \
             or unverifiable_reason(a.routed, runs, 0.0, a.facts) is not None:
         return None
     result.unverifiable = None
     result.passed = result.max_abs_diff is not None and result.max_abs_diff <= result.tolerance
     return (f"{BY_VALUES}: the conversion alone moves the output by {conv_dev / scale:.2f} of its largest "
-            "magnitude, so that tolerance would pass a module that outputs zeros; each value is held to its step of "
-            "A's, each group's scale to a writer's choice for A's values, B's least-squares factor on A's "
-            f"conversion to {conversion.CONVERTED_SCALE[0]:g}-{conversion.CONVERTED_SCALE[1]:g}")
+            "magnitude, so that tolerance would pass a module that outputs zeros; each tensor is held to its values "
+            "as its grid holds them (within its step of A's, or on a grid of A's with A's round-to-nearest codes but "
+            "for GPTQ's compensation), each group's scale to a writer's choice for A's values, B's least-squares "
+            "factors on A near 1")
 
 
 def values_note(report: CompareReport) -> None:
@@ -528,9 +532,9 @@ def values_note(report: CompareReport) -> None:
         units = ", ".join(str(r.layer) + ("" if r.expert is None else f"/e{r.expert}") for r in valued)
         report.notes.append(f"layer{'s' if len(valued) > 1 else ''} {units} judged by the values of B: the "
                             "conversion alone moves the output about as far as the output reaches, so the function "
-                            "cannot tell a mistake; every value of B is held to its step of A's, every group's scale "
-                            "to a writer's choice for A's, each tensor's least-squares factor on A's conversion to "
-                            "near 1 (each layer's tolerance_rule)")
+                            "cannot tell a mistake; every tensor of B is held to its values as its grid holds them, "
+                            "every group's scale to a writer's choice for A's, B's least-squares factors on A near 1 "
+                            "(each layer's tolerance_rule)")
 
 
 def compensated(storage: dict) -> float:
