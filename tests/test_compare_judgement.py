@@ -121,6 +121,24 @@ def test_blocks_whose_d_is_a_float16_subnormal_pass_faithful(root, qtype, capsys
     assert code == 0, err + json.dumps([entry["diagnosis"] for entry in data["layers"]])[:1500]
 
 
+@pytest.mark.parametrize("qtype", [Q.Q3_K, Q.Q4_K, Q.Q5_K, Q.Q6_K])
+def test_k_quants_beside_loud_input_columns_pass_faithful(root, qtype, capsys):
+    """Four input columns of each FFN matrix x300 (outlier features, as trained checkpoints hold them): those set
+    each super-block's scale, and the quiet sub-blocks beside them keep 1 to 3 codes, most of them one code, which
+    read as "codes on one level in k" (Q3_K 606 of 768 rows, Q4_K 68 in a reviewer's export; these exports too),
+    grid_too_coarse on a B that is A's conversion."""
+    model = build_model("llama", seed=13, **K_SIZES)
+    with torch.no_grad():
+        for name, parameter in model.named_parameters():
+            if ".mlp." in name and name.endswith("_proj.weight"):
+                parameter[:, :4] *= 300
+    a = save(model, root / f"loud-a-{qtype.name}")
+    b = write_k_gguf(model, root / f"loud-{qtype.name}.gguf", qtype)
+    code, data, err = run_json(capsys, "compare", a, b)
+    assert code == 0, err + json.dumps([entry["diagnosis"] for entry in data["layers"]])[:1500]
+    assert all(row["grid"] is None for entry in data["layers"] for row in entry["conversion"]["tensors"])
+
+
 def coarser(factor: float, qtype: Q):
     return lambda values, data: k_quantize(values, qtype, coarsen=factor)
 

@@ -78,6 +78,11 @@ LEGACY_GRID_FACTOR = 1.25
 # 32), 0.60 (blocks of 16), the mean of many blocks within a few hundredths of it.
 SKIP_MAX = 4
 SKIP_SHARE = 0.9
+# ... counting only the blocks of at least this many distinct codes: a block of fewer says nothing about a grid
+# (K-quants beside 4 input columns x300: quiet sub-blocks of 1 to 3 codes, most of them one code, put 606 of 768 rows
+# of a reviewer's faithful Q3_K "on one level in 2", and 72 of its Q4_K's "in 4", 4 with this rule); a block of
+# normal values on one level in k holds 4 or more.
+SKIP_DISTINCT = 4
 # The largest code a block of Q4_0..Q8_0 can hold (the symmetric types' largest magnitude, -8 for Q4_0; the
 # asymmetric ones' top code above their minimum m), and the least share of it every block's codes reach
 # (``short_reach``): each quantizer of these types picks d from the block's own largest value, so the codes reach
@@ -409,10 +414,11 @@ def skipped_levels(b: torch.Tensor, steps: torch.Tensor, offsets: torch.Tensor |
     # one level in k of a grid keeps at least 4 levels: Q2_K's 4 codes are never judged so, Q3_K's 8 only for k = 2
     # (a block of few levels holding most values on one of them is a fact about A's values, not a passed-off bit)
     spread = int(codes.max() - codes.min()) + 1 if codes.numel() else 0
+    distinct = (codes.sort(-1).values.diff(dim=-1) != 0).sum(-1) + 1
     for k in range(2, min(SKIP_MAX, spread // 4) + 1):
         residue = torch.remainder(codes, k)
         counts = torch.stack([(residue == r).sum(-1) for r in range(k)], -1)
-        varied = (codes != codes[:, :1]).any(-1).reshape(rows, -1)  # a block of one code says nothing
+        varied = (distinct >= SKIP_DISTINCT).reshape(rows, -1)
         per_block = (counts.amax(-1).float() / group).reshape(rows, -1)
         share = (per_block * varied).sum(-1) / varied.sum(-1).clamp_min(1)
         if bool((share >= SKIP_SHARE).any()):
