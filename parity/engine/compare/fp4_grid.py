@@ -54,8 +54,13 @@ class Fp4Storage:
     per_row: int  # groups per stored row (in / group)
     group: int
     dtype: str = "float32"  # what A is cast to before it is rounded (the dtype B left its other tensors in)
-    factor: float = GRID_FACTOR  # how far a group's scale may exceed amax / 6 (``FINE_GRID_FACTOR`` for e4m3)
     e4m3_unit: float | None = None  # e4m3 scales (NVFP4): what one unit of the stored scale is worth (1 / global)
+
+    @property
+    def factor(self) -> float:
+        """How far a group's scale may exceed amax / 6: ``GRID_FACTOR`` for power-of-two scales, ``FINE_GRID_FACTOR``
+        for e4m3's."""
+        return GRID_FACTOR if self.e4m3_unit is None else FINE_GRID_FACTOR
 
 
 def stored(checkpoint, key: str, route: TensorRoute, expert: int | None, shape) -> Storage | None:
@@ -85,8 +90,7 @@ def stored(checkpoint, key: str, route: TensorRoute, expert: int | None, shape) 
         problem = (f"group {[first // per_row, first % per_row]}: {int(torch.unique(index[bad]).numel())} of "
                    f"{index.numel() // group} groups have a NaN/Inf scale")
     store = Fp4Storage(*(route_tensor(route, t) for t in (levels, scales, index, positions)), per_row, group,
-                       found.dtype, GRID_FACTOR if found.power_of_two else FINE_GRID_FACTOR,
-                       None if found.power_of_two else found.e4m3_unit)
+                       found.dtype, None if found.power_of_two else found.e4m3_unit)
     return Storage(found.name, True, route_tensor(route, steps), "file", route, nonfinite_scale=problem,
                    zeroed=not bool(levels.any()), fp4=store)
 

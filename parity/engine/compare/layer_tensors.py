@@ -105,7 +105,8 @@ def tensor_rows(a: SideLayer, b: SideLayer) -> tuple[list[dict], dict[str, torch
                 # and B holding all of it is on the grid that quantizer chose for A's values, whatever its codes
                 # look like (K-quants beside 4 columns x300: quiet sub-blocks hold 1 to 3 codes, read as "codes on
                 # one level in 2" on 606 of 768 rows)
-                row["grid"] = None if same else row["grid"]
+                if same:
+                    row["grid"] = None
             row["steps"] = conversion.step_excess(a32, b32, store.steps, allowed)
             if store.group is not None and row["steps"]["values_beyond_step"]:  # held to its values: it differs
                 row["differs"] = True
