@@ -551,6 +551,24 @@ def test_a_pack_quantized_zero_point_off_by_one_fails_its_layer_named(model_a, r
     assert found["id"] == "zero_point_off_by_one" and "up_proj" in found["message"], found
 
 
+def test_codes_biased_against_as_are_named_by_the_allowance_they_broke_not_one_step(model_a, root, capsys):
+    """Six in ten of up_proj's int8 codes one up at random (biased 0.6 steps, past BIAS_LIMIT; nine in ten replay as
+    a zero point off by one): no value of it is allowed its step, and the finding says so; it read "32768 values
+    beyond one step, worst 0.90 steps", a contradiction."""
+    b = ct_export(model_a, root / "ct-biased", "W8A8", fmt="int-quantized")
+    name = "model.layers.1.mlp.up_proj.weight"
+    file = next(b.glob("*.safetensors"))
+    tensors = load_file(file)
+    codes = tensors[name].to(torch.int16)
+    moved = torch.rand(codes.shape, generator=torch.Generator().manual_seed(0)) < 0.6
+    tensors[name] = torch.where(moved, (codes + 1).clamp(max=127), codes).to(torch.int8)
+    save_file(tensors, file, metadata={"format": "pt"})
+    found = quantized_layer_one_named(capsys, model_a, b, "quantization_exceeds_step", "up_proj")
+    assert "beyond one step" not in found["message"], found
+    assert "no value of it is allowed its step" in found["message"], found
+    assert "biased against A's" in found["message"], found
+
+
 def test_pack_quantized_gate_and_up_exchanged_in_groups_of_32_is_named(root, capsys):
     """Each exchanged tensor lies on its own (B's) grid, so neither may differ beyond a bound taken from that grid: the
     exchange is tried all the same, and named.  (An export written by compressed-tensors' ModelCompressor in a review

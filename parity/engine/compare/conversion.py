@@ -202,8 +202,9 @@ def as_converted(allowed: torch.Tensor, a: torch.Tensor, b: torch.Tensor, conver
 
 def step_excess(a: torch.Tensor, b: torch.Tensor, steps: torch.Tensor, allowed: torch.Tensor | None = None) -> dict:
     """How far B's values are from A's in units of their block's step: the count beyond their allowed distance
-    (``allowed``; default ``STEP_SLACK`` x step), the worst in steps, and where it is (the value most beyond its
-    allowance when one is; a zero-step value within its allowance counts 0 steps)."""
+    (``allowed``; default ``STEP_SLACK`` x step), the worst in steps, where it is (the value most beyond its
+    allowance when one is; a zero-step value within its allowance counts 0 steps) and its allowance in steps (a
+    biased group's values may move less than a step: "beyond" is read against this, not against one step)."""
     diff = (b.float() - a.float()).abs()
     allowed = STEP_SLACK * steps.float() if allowed is None else allowed
     beyond = diff > allowed
@@ -211,7 +212,9 @@ def step_excess(a: torch.Tensor, b: torch.Tensor, steps: torch.Tensor, allowed: 
     pick = diff / allowed.clamp_min(1e-300) if bool(beyond.any()) else units
     worst = int(pick.nan_to_num(math.inf).flatten().argmax())
     index = [int(i) for i in torch.unravel_index(torch.tensor(worst), units.shape)]
-    return {"values_beyond_step": int(beyond.sum()), "max_steps": float(units.flatten()[worst]), "at": index}
+    step, room = float(steps.float().flatten()[worst]), float(allowed.flatten()[worst])
+    return {"values_beyond_step": int(beyond.sum()), "max_steps": float(units.flatten()[worst]), "at": index,
+            "allowed_steps": room / step if step > 0 else (0.0 if room == 0 else math.inf)}
 
 
 def ulp_excess(cast: torch.Tensor, b: torch.Tensor, dtype: str) -> dict:

@@ -14,7 +14,7 @@ import torch
 from parity.definitions.mistakes import MistakeId, diagnosis
 from parity.definitions.records import Candidate, Diagnosis
 from parity.engine.compare import codebook_grid, fp4_grid, fp8_grid, gguf_grid, group_grid, mlx_grid, permutation
-from parity.engine.compare.conversion import Storage, step_excess, stored_layout, unstored
+from parity.engine.compare.conversion import STEP_SLACK, Storage, step_excess, stored_layout, unstored
 
 ACTIVATION_GRID = (-20.0, 20.0, 4001)  # where two activations are compared, in float64
 SAME_FUNCTION = 1e-9  # two activations agreeing within this (relative to their largest output) are one function
@@ -53,14 +53,25 @@ def beyond_finding(beyond: list[dict], reference_distance: float, candidates: li
     stepped = [row for row in beyond if (row.get("steps") or {}).get("values_beyond_step")]
     if stepped:
         detail = "; ".join(f"{row['name']} ({row['storage']}, step from the {row['step_source']}): "
-                           f"{row['steps']['values_beyond_step']} values beyond one step, worst "
-                           f"{row['steps']['max_steps']:.2f} steps at {row['steps']['at']}" for row in stepped)
+                           f"{row['steps']['values_beyond_step']} values beyond what it allows, worst "
+                           f"{row['steps']['max_steps']:.2f} steps at {row['steps']['at']}"
+                           f"{allowance(row['steps'])}" for row in stepped)
         return diagnosis(MistakeId.QUANTIZATION_EXCEEDS_STEP, None, reference_distance, detail, candidates)
     detail = "; ".join(f"{row['name']} ({row['a_dtype']} -> {row['storage']}): {row['ulps']['values_beyond_ulp']} of "
                        f"its values beyond one ulp of A's value cast to {row['storage']}, worst at index "
                        f"{row['ulps']['at']}: {row['ulps']['max_ulps']:.4g} ulps (B holds {row['ulps']['b']:.6g}, "
                        f"the cast of A's value is {row['ulps']['a_cast']:.6g})" for row in beyond)
     return diagnosis(MistakeId.VALUE_CORRUPTED, None, reference_distance, detail, candidates)
+
+
+def allowance(steps: dict) -> str:
+    """' (it allows 0 steps there)': the worst value's own allowance, where it is not one step (a biased group's
+    values may not move at all; 'beyond one step, worst 0.6 steps' read as a contradiction)."""
+    room = steps.get("allowed_steps", 1.0)
+    if room == 0:  # only integer groups are held to no move (conversion.quantized_bounds)
+        return (" (no value of it is allowed its step: its codes are biased against A's, on no grid of A's or "
+                "mostly moved off A's rounding, which no faithful export shows)")
+    return "" if 1.0 <= room <= STEP_SLACK else f" (it allows {room:.2f} steps there)"
 
 
 def named_in_b(row: dict, storage: dict[str, Storage]) -> str:
