@@ -135,8 +135,9 @@ def quantized_bounds(a: torch.Tensor, b: torch.Tensor, storage: Storage, a_dtype
         grid = storage.group  # or with most of its codes moved (group_grid.MOVED_LIMIT)
         biased = x is not None and (abs(group_grid.bias(x, held, grid)) > group_grid.BIAS_LIMIT
                                     or group_grid.roughness(x, grid) > group_grid.SOUND
-                                    or group_grid.moved(held, group_grid.round_to(x, grid), grid)
-                                    > group_grid.MOVED_LIMIT)
+                                    or grid.bits < CONVERTED_GROUP_BITS  # from 4 bits B's factor on A's
+                                    and group_grid.moved(held, group_grid.round_to(x, grid), grid)  # conversion
+                                    > group_grid.MOVED_LIMIT)  # and the function carry it
         # a row's codes short of its range, or on one level in k of it
         coarse = (group_grid.coarse_rows(x, held, grid) or group_grid.skipped_levels(x, held, grid)
                   if x is not None else None)
