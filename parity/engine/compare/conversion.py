@@ -61,10 +61,8 @@ STEP_SLACK = 1.01  # a value may sit a step from A's (Q4_0's clamp at +8) plus t
 # exports' sat at 0.845 to 1.048 (mxfp4, MLX affine 2-bit), and 0.95 to 1.05 on it failed them.  Scales x 1.05 over
 # the same codes sit at 1.046 to 1.05, x 1.1 at 1.07 to 1.1 (integer groups, clipped or not).
 CONVERTED_SCALE = (0.98, 1.02)
-# Integer groups from 4 bits: a reviewer's GPTQ (lazy batches, calibration channels x300) held 120 faithful 4-bit
-# exports at 0.953 to 1.032 and 3-bit ones at 0.90 to 1.062, so 3 bits are not held to it
+# Integer groups from group_grid.CONVERTED_GROUP_BITS (3 bits are not held to it)
 CONVERTED_GROUP_SCALE = (0.93, 1.07)
-CONVERTED_GROUP_BITS = 4
 
 
 def storage_of(checkpoint, key: str, stored: torch.Tensor, route: TensorRoute, expert: int | None = None) -> Storage:
@@ -135,7 +133,7 @@ def quantized_bounds(a: torch.Tensor, b: torch.Tensor, storage: Storage, a_dtype
         grid = storage.group  # or with most of its codes moved (group_grid.MOVED_LIMIT)
         biased = x is not None and (abs(group_grid.bias(x, held, grid)) > group_grid.BIAS_LIMIT
                                     or group_grid.roughness(x, grid) > group_grid.SOUND
-                                    or grid.bits < CONVERTED_GROUP_BITS  # from 4 bits B's factor on A's
+                                    or grid.bits < group_grid.CONVERTED_GROUP_BITS  # from 4 bits B's factor on A's
                                     and group_grid.moved(held, group_grid.round_to(x, grid), grid)  # conversion
                                     > group_grid.MOVED_LIMIT)  # and the function carry it
         # a row's codes short of its range, or on one level in k of it
@@ -179,7 +177,7 @@ def scale_excess(a: torch.Tensor, b: torch.Tensor, storage: Storage, converted: 
     if storage.group is None:
         return None
     found = group_grid.value_scales(x, held, storage.group)
-    if storage.group.bits < CONVERTED_GROUP_BITS:
+    if storage.group.bits < group_grid.CONVERTED_GROUP_BITS:
         return found
     return on_conversion(found, converted, b, CONVERTED_GROUP_SCALE)
 

@@ -65,8 +65,8 @@ def beyond_finding(beyond: list[dict], reference_distance: float, candidates: li
 
 
 def allowance(steps: dict) -> str:
-    """' (it allows 0 steps there)': the worst value's own allowance, where it is not one step (a biased group's
-    values may not move at all; 'beyond one step, worst 0.6 steps' read as a contradiction)."""
+    """' (it allows 0.50 steps there)': the worst value's own allowance where it is not one step, and why where it
+    is none (a biased group's values: 'beyond one step, worst 0.90 steps' read as a contradiction)."""
     room = steps.get("allowed_steps", 1.0)
     if room == 0:  # only integer groups are held to no move (conversion.quantized_bounds)
         return (" (no value of it is allowed its step: its codes are biased against A's, on no grid of A's or "

@@ -79,11 +79,15 @@ SOUND = 1.25
 # exchanged or a layer shifted 1.33 to 1.39 x (91 % moved), AWQ's packed order read linearly 1.26 to 1.49 x (66 to
 # 69 % moved): each such layer keeps FACTOR.
 COMPENSATED = (0.05, 0.35)
-# ... and from 4 bits, where B's factor on A's conversion holds each matrix's scale (conversion.CONVERTED_GROUP_BITS),
-# up to this share: llm-compressor 0.14's GPTQ moves 44 to 48 % of gate's and up's codes beside input channels x 30
+# ... and from CONVERTED_GROUP_BITS, where B's factor on A's conversion holds each matrix's scale, up to this share:
+# llm-compressor 0.14's GPTQ moves 44 to 48 % of gate's and up's codes beside input channels x 30
 # (MOVED_LIMIT's note), the mistakes measured that stay on a grid of A's move 91 % (gate and up exchanged, a layer
 # shifted; AWQ's packed order read linearly, 66 to 69 %, is 1.26 x rougher than min-max: beyond SOUND).
-COMPENSATED_WIDE = (4, 0.6)
+COMPENSATED_WIDE = 0.6
+# Integer groups from 4 bits: a reviewer's GPTQ (lazy batches, calibration channels x300) held 120 faithful 4-bit
+# exports' least-squares factor on A's conversion at 0.953 to 1.032 and 3-bit ones at 0.90 to 1.062, so 3 bits are
+# not held to it (conversion.CONVERTED_GROUP_SCALE)
+CONVERTED_GROUP_BITS = 4
 # A matrix with more than this share of its codes off A's round-to-nearest codes on B's own grid is held to its values
 # whatever its layer's function shows: at 2 and 3 bits round to nearest moves the output so far that 3 x its deviation
 # passed gptqmodel 7.7.0's exports with gate and up exchanged (int3: 79 % of their codes moved, x 2.04), up's scales
@@ -93,7 +97,7 @@ COMPENSATED_WIDE = (4, 0.6)
 # own GPTQ (W4A16 and W8A16, groups of 128, on a Qwen2 whose post-attention norms hold 4 channels x 30) moves 44 to
 # 48 % of gate's and up's codes, on A's grid (roughness 1.00) and unbiased (|bias| <= 0.002 steps), with the layer at
 # 2.1 to 4.6 x round to nearest; from 4 bits a scale mistake is B's factor on A's conversion, gate and up exchanged
-# the function (conversion.CONVERTED_GROUP_BITS).
+# the function (CONVERTED_GROUP_BITS).
 MOVED_LIMIT = 0.4
 GPTQ_FACTOR = 8.0  # the reviewer's Hessian's 5.8 x with room: the mistakes are carried by the values, not by this
 # ... and never to more than this share of the reference output's largest magnitude (a tolerance as large as the output
@@ -467,7 +471,7 @@ def layer_factor(tensors: dict[str, tuple[torch.Tensor, torch.Tensor, Grid]], *,
     shown = ", ".join(f"{name} {s['moved']:.0%} (grid {s['rough']:.2f} x min-max's, bias {s['bias']:+.2f} steps)"
                       for name, s in seen.items())
     low = COMPENSATED[0]
-    caps = {name: COMPENSATED_WIDE[1] if grid.bits >= COMPENSATED_WIDE[0] else COMPENSATED[1]
+    caps = {name: COMPENSATED_WIDE if grid.bits >= CONVERTED_GROUP_BITS else COMPENSATED[1]
             for name, (_, _, grid) in tensors.items()}
     high = max(caps.values(), default=COMPENSATED[1])
     honest = all(s["rough"] <= SOUND and abs(s["bias"]) <= BIAS_LIMIT and s["moved"] <= caps[name]
