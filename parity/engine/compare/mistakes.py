@@ -184,12 +184,23 @@ def _replace(name: str, value: torch.Tensor) -> Callable[[dict], dict]:
     return lambda t: {**t, name: value}
 
 
+# A least-squares factor names a tensor scaled only where factor x A explains B: the cosine of B with A at least this
+# (int4 groups keep it above 0.99, MLX's 2-bit about 0.85).  Layer 1's GPTQ tensors in layer 0's place of
+# llm-compressor 0.14's W4A16 export have A's gate x -0.004 as their factor (cosine 0.01): replayed, that zeroes gate,
+# and the module that outputs zeros lay within the layer's tolerance of B before the shifted layer was searched.
+RELATED = 0.5
+
+
 def scale_factor(a: torch.Tensor, b: torch.Tensor) -> float | None:
-    """The least-squares factor of B's tensor on A's, where it is finite, not zero and not one (within 1e-3)."""
-    af = a.float()
+    """The least-squares factor of B's tensor on A's, where it is finite, not zero and not one (within 1e-3), and
+    B is A times it but for a residual (``RELATED``)."""
+    af, bf = a.float(), b.float()
     denominator = float((af * af).sum())
-    factor = float((af * b.float()).sum()) / denominator if denominator else math.nan
-    return factor if math.isfinite(factor) and abs(factor - 1) > 1e-3 and factor != 0 else None
+    factor = float((af * bf).sum()) / denominator if denominator else math.nan
+    if not math.isfinite(factor) or abs(factor - 1) <= 1e-3 or factor == 0:
+        return None
+    cosine = abs(factor) * math.sqrt(denominator / max(float((bf * bf).sum()), 1e-300))
+    return factor if cosine >= RELATED else None
 
 
 def tensor_hypotheses(name: str, a: torch.Tensor, b: torch.Tensor, storage: conversion.Storage) -> list[Hypothesis]:
