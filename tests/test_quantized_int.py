@@ -275,18 +275,20 @@ def stated_pack_quantized(dest: Path, scheme, fmt: str = "pack-quantized", also:
 
 def ct_export(a: Path, dest: Path, preset: str, breaks: dict[str, str] | None = None, *, group: int | None = None,
               fmt: str = "pack-quantized", sym: bool | None = None, also: dict[str, str] | None = None,
-              strategy: str | None = None) -> Path:
+              strategy: str | None = None, formats: dict[str, str] | None = None) -> Path:
     """A's folder in compressed-tensors' ``fmt`` layout (pack-quantized; int-quantized, what llm-compressor's W8A8
     writes), written by compressed-tensors itself: each weight's scale and zero point from its ``calculate_qparams``
     per group (per channel: one group per row), stored by the format's own compressor (``BaseCompressor``'s
     registry); ``group``, ``sym``, ``strategy``: the preset's scheme in groups of ``group``, (a)symmetric, or of
     another strategy ("tensor": one scale for the matrix, stored [1]); ``also``: a regex
     target ("re:...") -> the preset its modules are quantized with instead, each stated as a config group of its
-    own.  ``breaks``: zeros_plus1 (every zero point one code up), scale_x2 (the scales doubled over the same codes),
-    scales_transposed (the scale grid stored [groups, out]), row_x2 (row 5's scale doubled), row_coarse (row 5
-    quantized on its scales doubled, its codes halved), row_even / levels_even / levels_third (``SKIPPED``: codes
-    on one level in k of their grid, the scales kept), scale_nan (row 3's scale NaN), scales_flat (the grid stored
-    1-D), zero_points_short (the last row's zero points dropped)."""
+    own; ``formats``: a target of ``also`` -> the format its modules are stored in instead (the config then
+    "mixed-precision", each group stating its own, as llm-compressor writes int4 beside int8).  ``breaks``:
+    zeros_plus1 (every zero point one code up), scale_x2 (the scales doubled over the same codes), scales_transposed
+    (the scale grid stored [groups, out]), row_x2 (row 5's scale doubled), row_coarse (row 5 quantized on its scales
+    doubled, its codes halved), row_even / levels_even / levels_third (``SKIPPED``: codes on one level in k of their
+    grid, the scales kept), scale_nan (row 3's scale NaN), scales_flat (the grid stored 1-D), zero_points_short (the
+    last row's zero points dropped)."""
     import re
 
     from compressed_tensors.compressors import BaseCompressor
@@ -303,7 +305,10 @@ def ct_export(a: Path, dest: Path, preset: str, breaks: dict[str, str] | None = 
 
     base = scheme_of(preset, ["Linear"])
     others = {target: scheme_of(name, [target]) for target, name in (also or {}).items()}
-    compressor = BaseCompressor.get_value_from_registry(fmt)
+    if formats:  # each group states its format
+        base.format = fmt
+        for target, scheme in others.items():
+            scheme.format = formats.get(target, fmt)
 
     def stored(name: str, value: torch.Tensor) -> dict[str, torch.Tensor]:
         module = name.removesuffix(".weight")
@@ -326,6 +331,7 @@ def ct_export(a: Path, dest: Path, preset: str, breaks: dict[str, str] | None = 
             value = value.clone()
             value[rows] = moved[rows]
         state = {"weight": value, "weight_scale": scale.float(), "weight_zero_point": zero}
+        compressor = BaseCompressor.get_value_from_registry(scheme.format or fmt)
         compressed = compressor.compress(state, scheme)
         if broken == "zeros_plus1":  # the codes of the true zero point, stored one code up
             high = (1 << (args.num_bits - 1)) - 1
@@ -348,7 +354,7 @@ def ct_export(a: Path, dest: Path, preset: str, breaks: dict[str, str] | None = 
         return {f"{module}.{key}": t for key, t in compressed.items()}
 
     save_file(quantized_copy(a, dest, stored), dest / "model.safetensors", metadata={"format": "pt"})
-    return stated_pack_quantized(dest, base, fmt, others)
+    return stated_pack_quantized(dest, base, "mixed-precision" if formats else fmt, others)
 
 
 def ct_act_order_export(a: Path, dest: Path, with_g_idx: bool = True) -> Path:
@@ -439,6 +445,73 @@ def test_a_faithful_int_quantized_export_passes_on_every_layer(model_a, root, ca
             assert row["storage"] == f"int{bits}" and row["step_source"] == "file"
             assert row["steps"]["max_steps"] <= 0.5 + 1e-3
     assert report["comparison"]["inventory"]["dtype_changes"] == {f"F32 -> INT{bits}": 8}  # attention, as headers
+
+
+MIXED_DOWN = {"re:.*down_proj$": "W8A8"}  # llm-compressor's int4 + int8 recipe: down_proj int8, one code per value
+
+
+@pytest.mark.parametrize(("broken", "tensor", "named"), [
+    (None, None, None),
+    ("model.layers.1.mlp.down_proj.weight", "scale_x2", "tensor_scaled"),
+    ("model.layers.1.mlp.up_proj.weight", "scale_x2", "tensor_scaled"),
+    ("model.layers.1.mlp.down_proj.weight", "scales_transposed", "group_scales_transposed"),
+])
+def test_a_mixed_precision_export_of_int4_and_int8_groups_is_read_module_by_module(model_a, root, capsys, broken,
+                                                                                   tensor, named):
+    """A mixed-precision compressed-tensors config whose groups are stored in two formats (gate, up and attention
+    pack-quantized int4 in groups of 128; down_proj int-quantized int8 per channel, as llm-compressor 0.14's int4 +
+    int8 recipe writes it): each module read in its own layout by compressed-tensors and judged on its own grid;
+    a mistake in either format fails its layer, named.  Parity refused the whole checkpoint before (exit 2)."""
+    breaks = {broken: tensor} if broken else None
+    b = ct_export(model_a, root / f"ct-mixed-{tensor}-{len(list(root.iterdir()))}", "W4A16", breaks,
+                  also=MIXED_DOWN, formats={"re:.*down_proj$": "int-quantized"})
+    code, report = compare(capsys, model_a, b)
+    if broken is None:
+        assert code == 0, report
+        for layer in report["layers"]:
+            stored = {row["name"]: row["storage"] for row in layer["conversion"]["tensors"]}
+            assert stored == {"gate_proj.weight": "int4", "up_proj.weight": "int4", "down_proj.weight": "int8"}
+            assert layer["conversion"]["ratio_to_conversion"] == pytest.approx(1.0, abs=1e-6)
+            assert all(row["steps"]["max_steps"] <= 0.5 + 1e-3 for row in layer["conversion"]["tensors"])
+        notes = " ".join(report["notes"])
+        assert "compressed-tensors pack-quantized" in notes and "int-quantized" in notes, notes
+        from parity.outputs.compare_text import stored_cell  # the text's "stored as" cell says both in its width
+
+        assert stored_cell(report["layers"][0]["conversion"]["kind"].removeprefix("quantized ")) == \
+            "float32 -> int4, int8"
+        return
+    assert code == 1, report
+    assert [layer["passed"] for layer in report["layers"]] == [True, False]
+    found = report["layers"][1]["diagnosis"]
+    assert found["id"] == named and broken.split(".")[-2] in found["message"], found
+
+
+@pytest.mark.parametrize(("target", "broken"), [("re:.*down_proj$", None), ("re:.*self_attn\\..*_proj$", None),
+                                               ("re:.*down_proj$", "model.layers.1.mlp.up_proj.weight")])
+def test_integer_groups_beside_fp8_groups_are_each_read_by_their_own_reader(model_a, root, capsys, target, broken):
+    """A mixed-precision config of int4 groups beside FP8 ones (llm-compressor 0.14's non-uniform recipes: the MLP
+    int4, attention FP8; gate and up int4, down_proj FP8 per channel): the integer modules read by
+    compressed-tensors' pack-quantized decompressor, the FP8 ones by fp8_blocks, each judged on its own grid, and an
+    integer module's scales doubled still named.  Parity refused such a checkpoint before (exit 2)."""
+    b = ct_export(model_a, root / f"ct-int-fp8-{len(list(root.iterdir()))}", "W4A16",
+                  {broken: "scale_x2"} if broken else None, also={target: "FP8"},
+                  formats={target: "float-quantized"})
+    code, report = compare(capsys, model_a, b)
+    if broken is not None:
+        assert code == 1, report
+        assert [layer["passed"] for layer in report["layers"]] == [True, False]
+        found = report["layers"][1]["diagnosis"]
+        assert found["id"] == "tensor_scaled" and "up_proj" in found["message"], found
+        return
+    assert code == 0, report
+    down = "float8_e4m3fn" if "down_proj" in target else "int4"
+    for layer in report["layers"]:
+        stored = {row["name"]: row["storage"] for row in layer["conversion"]["tensors"]}
+        assert stored == {"gate_proj.weight": "int4", "up_proj.weight": "int4", "down_proj.weight": down}, stored
+    notes = " ".join(report["notes"])
+    assert "compressed-tensors pack-quantized" in notes and "FP8 e4m3" in notes, notes
+    outside = " ".join(report["comparison"]["inventory"]["dtype_changes"])  # attention, read from its headers
+    assert ("F8_E4M3" in outside) == ("self_attn" in target), outside
 
 
 @pytest.mark.parametrize(("options", "broken", "named"), [

@@ -70,7 +70,7 @@ def layer_line(result: LayerResult, width: int = 6) -> str:
         verdict += f" — {result.diagnosis.id}"
     if result.regressed:
         verdict += f" (baseline: {result.baseline['message']})"
-    stored = str(conv.get("kind", "-")).removeprefix("quantized ").removeprefix("cast ")
+    stored = stored_cell(str(conv.get("kind", "-")).removeprefix("quantized ").removeprefix("cast "))
     cell = unit_cell(result, width)
     return (f"{cell}  {_sci(result.max_abs_diff):>9}  {_sci(result.max_rel_diff):>9}  "
             f"{_sci(result.noise_floor):>9}  {_sci(conv.get('conversion_deviation')):>9}  "
@@ -197,3 +197,12 @@ class SuiteWriter(TextWriter):
 
 
 register_renderers(compare=render_compare)  # str(CompareReport) (engine.compare.report) is this table
+
+
+def stored_cell(kind: str) -> str:
+    """The "stored as" cell: "float32 -> int4, float32 -> int8" said once from its one source ("float32 -> int4,
+    int8"), so a layer of mixed storage fits the column; else as written."""
+    pairs = [part.split(" -> ") for part in kind.split(", ")]
+    if len(pairs) > 1 and all(len(p) == 2 for p in pairs) and len({p[0] for p in pairs}) == 1:
+        return f"{pairs[0][0]} -> {', '.join(p[1] for p in pairs)}"
+    return kind

@@ -37,6 +37,7 @@ from parity.errors import CheckpointError, QuantizedLayoutError
 from parity.sources.checkpoint import Checkpoint, check_converted, dequantized_on_read, split_companions
 from parity.sources.compressed_config import (
     FP4_FORMATS,
+    MIXED,
     check_plain,
     group_format,
     module_scheme,
@@ -230,7 +231,8 @@ def compressed_scheme(config: dict, where: str) -> FP8Scheme:
     compressed-tensors gives it (``FP8Scheme.for_module``); any other is refused naming what it is."""
     library = require_library(where, COMPRESSED)
     parsed = parsed_config(library.QuantizationConfig, config, where)
-    schemes = {k: g for k, g in weight_schemes(parsed).items() if group_format(parsed, g) not in FP4_FORMATS}
+    schemes = {k: g for k, g in weight_schemes(parsed).items() if group_format(parsed, g) not in FP4_FORMATS
+               and (parsed.format != MIXED or str(getattr(g.weights.type, "value", g.weights.type)) == "float")}
     if not schemes:
         raise CheckpointError(f"{where}: config.json's quantization_config (compressed-tensors) states no weight "
                               "scheme in its config_groups")

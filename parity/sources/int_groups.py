@@ -13,6 +13,7 @@ against its own grid (``parity.engine.compare.group_grid``)."""
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -20,6 +21,7 @@ from parity.definitions.files import shown
 from parity.errors import CheckpointError, QuantizedLayoutError
 from parity.sources.checkpoint import Checkpoint, check_converted, dequantized_on_read
 from parity.sources.compressed_config import (
+    FP4_FORMATS,
     MIXED,
     check_plain,
     group_format,
@@ -46,6 +48,7 @@ from parity.sources.int_storage import (
 )
 
 COMPRESSED = "compressed-tensors"
+ANOTHER = "another"  # a module a mixed-precision config gives to one of its FP8 groups (``IntScheme.for_module``)
 
 
 @dataclass(frozen=True)
@@ -67,6 +70,9 @@ class IntScheme:
     # GPTQModel's ``dynamic`` rules: each pattern -> the scheme of the modules it matches, None for "-:" (left
     # unquantized), in the config's order
     dynamic: tuple[tuple[str, IntScheme | None], ...] = ()
+    # a mixed-precision config's FP8 groups' targets (llm-compressor's int4 MLP beside FP8 attention): their modules
+    # are read by ``fp8_blocks`` (``wrap``'s ``rest``)
+    others: tuple[str, ...] = ()
 
     def for_module(self, where: str, module: str) -> IntScheme:
         """The scheme of quantized module ``module``: this one, or, where the config's groups state several, the one
@@ -79,7 +85,14 @@ class IntScheme:
             check_converted(module, self.not_converted, where)
         if self.method not in (PACKED, STORED):
             return self
-        return module_scheme(dict(self.targets), self.not_converted, module, where)  # no targets: none quantized
+        stated = {**dict.fromkeys(self.others, ANOTHER), **dict(self.targets)}
+        found = module_scheme(stated, self.not_converted, module, where)  # no targets: none quantized
+        if found == ANOTHER:
+            raise QuantizedLayoutError(f"{where}: {module} is stored as integer codes, but config.json's "
+                                       "quantization_config gives it an 8-bit float group: compressed-tensors would "
+                                       "read its codes as FP8", "quantized_module_not_stated",
+                                       kind="config: FP8")
+        return found
 
     def describe(self) -> str:
         if len({scheme.describe() for _, scheme in self.targets}) > 1:
@@ -197,8 +210,8 @@ def dynamic_scheme(base: IntScheme, where: str, module: str) -> IntScheme:
 
 def packed_scheme(config: dict, where: str) -> IntScheme | None:
     """compressed-tensors' pack-quantized or int-quantized config, read by compressed-tensors itself: integer
-    weights, strategy group or channel (int-quantized: or tensor); groups stating several such schemes in one of
-    the two formats (``targets``: each module's found as compressed-tensors finds it); any other is refused naming
+    weights, strategy group or channel (int-quantized: or tensor); groups stating several such schemes, in either
+    format (``targets``: each module's found as compressed-tensors finds it); any other is refused naming
     what it is.  None where no group is of integer weights (naive-quantized or mixed-precision floats:
     ``fp8_blocks`` and ``fp4_packed`` read or refuse those)."""
     library = require_library(where)
@@ -207,22 +220,23 @@ def packed_scheme(config: dict, where: str) -> IntScheme | None:
     kinds = {str(getattr(g.weights.type, "value", g.weights.type)) for g in schemes.values()}
     if config.get("format") in (NAIVE, MIXED) and "int" not in kinds:
         return None
-    if len(kinds) > 1:
+    floats = {key for key, g in schemes.items() if str(getattr(g.weights.type, "value", g.weights.type)) == "float"}
+    if floats and (config.get("format") != MIXED
+                   or any(group_format(parsed, schemes[key]) in FP4_FORMATS for key in floats)):
         raise CheckpointError(f"{where}: config.json's quantization_config groups state {' and '.join(sorted(kinds))} "
-                              "weights; parity reads one kind of compressed-tensors weights per checkpoint so far")
+                              "weights; parity reads integer groups beside 8-bit float ones in a mixed-precision "
+                              "config, not beside FP4")
+    others = tuple(t for t, g in targets_of(parsed).items() if g.weights.model_dump_json() in floats)
+    schemes = {key: g for key, g in schemes.items() if key not in floats}
     if not schemes:
         raise CheckpointError(f"{where}: config.json's quantization_config (compressed-tensors) states no weight "
                               "scheme in its config_groups")
     left = tuple(str(n) for n in parsed.ignore or [])
     read = {key: int_scheme(group_format(parsed, group), group, left, where) for key, group in schemes.items()}
-    methods = {scheme.method for scheme in read.values()}
-    if len(methods) > 1:
-        raise CheckpointError(f"{where}: config.json's quantization_config groups are stored in "
-                              f"{' and '.join(sorted(methods))}; parity reads one compressed-tensors format per "
-                              "checkpoint so far")
     first = next(iter(read.values()))
-    targets = tuple((target, read[group.weights.model_dump_json()]) for target, group in targets_of(parsed).items())
-    return dataclasses.replace(first, targets=targets)
+    targets = tuple((target, read[group.weights.model_dump_json()]) for target, group in targets_of(parsed).items()
+                    if group.weights.model_dump_json() in read)
+    return dataclasses.replace(first, targets=targets, others=others)
 
 
 def int_scheme(form: str, group, left: tuple[str, ...], where: str) -> IntScheme:
@@ -248,6 +262,12 @@ class IntGroupCheckpoint(Checkpoint):
 
     scheme: IntScheme
     modules: dict[str, str]  # X.weight -> X (the module prefix of its packed tensors)
+    codes: dict[str, str]  # X.weight -> the tensor holding its codes (X.qweight, X.weight_packed, X.weight itself)
+    others: Checkpoint | None  # a mixed-precision config's FP8 modules (and the plain tensors), read by fp8_blocks
+
+    def quantized(self, name: str):
+        """How an FP8 module of a mixed-precision B is stored (``fp8_blocks.FP8Checkpoint.quantized``)."""
+        return self.others.quantized(name) if self.others is not None else None
     companions: dict[str, str]  # packed tensor name -> file
     as_stored: dict[str, str]
 
@@ -288,7 +308,7 @@ class IntGroupCheckpoint(Checkpoint):
         out: dict[str, tuple[list[int], str]] = {}
         for file_name in sorted({self.weight_map[n] for n in names}):
             members = [n for n in names if self.weight_map[n] == file_name]
-            codes = {n: f"{self.modules[n]}.{CODES_PART[self.scheme.method]}" for n in members if n in self.modules}
+            codes = {n: self.codes[n] for n in members if n in self.modules}
             plain = [n for n in members if n not in codes]
             described = describe_local(self.fetch(file_name), plain + list(codes.values()))
             out.update({n: described[n] for n in plain})
@@ -311,7 +331,7 @@ class IntGroupCheckpoint(Checkpoint):
             return [packed[1], packed[0] * 32 // bits]
         if self.scheme.method == "awq":
             return [packed[1] * 32 // bits, packed[0]]
-        if self.scheme.method == STORED:
+        if not self.codes[name].endswith("." + CODES_PART[PACKED]):  # int-quantized: one code per value
             return list(packed)
         shape_name = f"{self.modules[name]}.weight_shape"
         if shape_name not in self.companions:
@@ -320,12 +340,16 @@ class IntGroupCheckpoint(Checkpoint):
 
     def stored_dtype(self, name: str) -> str | None:
         """The dtype tensor ``name`` had in its file when last read (see FP8Checkpoint.stored_dtype)."""
+        if self.others is not None and name not in self.modules:
+            return self.others.stored_dtype(name)
         return self.as_stored.get(name)
 
     def read(self, names: list[str]):
         self.require(names)
-        out = super().read([n for n in names if n not in self.modules])
-        if self.scheme.method in (PACKED, STORED):  # a linear its config quantizes, stored plain: the layer's finding
+        plain = [n for n in names if n not in self.modules]
+        out = (self.others.read(plain) if plain else {}) if self.others is not None else super().read(plain)
+        if self.scheme.method in (PACKED, STORED) and self.others is None:  # a linear its config quantizes, stored
+            # plain: the layer's finding (beside FP8 groups, fp8_blocks judges theirs)
             for name, value in out.items():
                 check_plain([t for t, _ in self.scheme.targets], self.scheme.not_converted, name, value,
                             self.location)
@@ -337,22 +361,60 @@ class IntGroupCheckpoint(Checkpoint):
         return out
 
 
-def wrap(checkpoint: Checkpoint, folder: Path | str) -> Checkpoint | None:
-    """``checkpoint`` as an IntGroupCheckpoint when its config states integer group quantization, else None."""
+def wrap(checkpoint: Checkpoint, folder: Path | str, *, rest: Callable[[Checkpoint, Path | str], Checkpoint]
+         ) -> Checkpoint | None:
+    """``checkpoint`` as an IntGroupCheckpoint when its config states integer group quantization, else None.  A
+    mixed-precision compressed-tensors config may store some groups pack-quantized and others int-quantized
+    (llm-compressor's int4 + int8 recipe): each module is read in the layout its file holds it; its FP8 groups'
+    modules are read by ``rest`` (``fp8_blocks.wrap``, handed in by ``quantized``, which knows every reader), given
+    the checkpoint without the integer modules."""
     scheme = scheme_of(checkpoint.raw_config, shown(folder))
     if scheme is None:
         return None
-    codes = CODES_PART[scheme.method]
-    parts = {n: f for n, f in checkpoint.weight_map.items() if n.rsplit(".", 1)[-1] in PARTS[scheme.method]}
-    if scheme.method == STORED:  # the codes keep the weight's own name: a weight is quantized where it has a scale
+    methods = {scheme.method, *(s.method for _, s in scheme.targets)}
+    kept = {part for method in methods for part in PARTS[method]}
+    float_modules = fp8_modules(scheme, checkpoint.weight_map, shown(folder))
+    parts = {n: f for n, f in checkpoint.weight_map.items() if n.rsplit(".", 1)[-1] in kept
+             and n.rsplit(".", 1)[0] not in float_modules}
+    packed = {n.rsplit(".", 1)[0] for n in parts if n.endswith("." + CODES_PART[scheme.method])} \
+        if scheme.method != STORED else set()
+    if STORED in methods:  # the codes keep the weight's own name: a weight is quantized where it has a scale
         scaled = {n.rsplit(".", 1)[0] for n in parts if n.endswith(".weight_scale")}
-        parts = {n: f for n, f in parts.items() if n.rsplit(".", 1)[0] in scaled}
+        packed |= {n.rsplit(".", 1)[0] for n in parts if n.endswith("." + CODES_PART[PACKED])}
+        parts = {n: f for n, f in parts.items() if n.rsplit(".", 1)[0] in packed
+                 or (n.rsplit(".", 1)[0] in scaled and n.rsplit(".", 1)[-1] in PARTS[STORED])}
         parts.update({n: f for n, f in checkpoint.weight_map.items() if n.rsplit(".", 1)[-1] in ACTIVATION_PARTS})
-    modules = {n.rsplit(".", 1)[0] + ".weight": n.rsplit(".", 1)[0] for n in parts if n.endswith("." + codes)}
+    layouts = {prefix + ".weight": CODES_PART[PACKED] if prefix in packed and scheme.method in (PACKED, STORED)
+               else CODES_PART[scheme.method] for prefix in packed}
+    layouts.update({n: CODES_PART[STORED] for n in parts if STORED in methods and n.endswith(".weight")
+                    and n.rsplit(".", 1)[0] not in packed})
+    modules = {name: name.removesuffix(".weight") for name in layouts}
     weights = {n: f for n, f in checkpoint.weight_map.items() if n not in parts}
-    weights.update({name: parts[prefix + "." + codes] for name, prefix in modules.items()})
+    weights.update({name: parts[f"{prefix}.{layouts[name]}"] for name, prefix in modules.items()})
     reader = "compressed-tensors" if scheme.method in (PACKED, STORED) else "parity's unpacker (GPTQ/AWQ layouts)"
     wrapped = dequantized_on_read(checkpoint, IntGroupCheckpoint, scheme, weights, parts, matrices=len(modules),
                                   dequantized_with=reader)
     wrapped.modules = modules
+    wrapped.codes = {name: f"{prefix}.{layouts[name]}" for name, prefix in modules.items()}
+    wrapped.others = None
+    if float_modules:  # the FP8 groups' modules and the plain tensors: a checkpoint of the rest, read by fp8_blocks
+        wrapped.others = rest(dataclasses.replace(checkpoint, weight_map={n: f for n, f in checkpoint.weight_map.items()
+                                                                          if n not in parts}), folder)
+        wrapped.notes.append(wrapped.others.notes[-1])
     return wrapped
+
+
+def fp8_modules(scheme: IntScheme, weight_map: dict[str, str], where: str) -> set[str]:
+    """The modules a mixed-precision config gives to its FP8 groups, among those stored with a scale
+    (``IntScheme.others``; compressed-tensors' own ranking of the targets decides, as for every module)."""
+    if not scheme.others:
+        return set()
+    stated = {**dict.fromkeys(scheme.others, ANOTHER), **dict(scheme.targets)}
+    found = set()
+    for prefix in {n.rsplit(".", 1)[0] for n in weight_map if n.endswith(".weight_scale")}:
+        try:
+            if module_scheme(stated, scheme.not_converted, prefix, where) == ANOTHER:
+                found.add(prefix)
+        except QuantizedLayoutError:  # a module no group states: its reader reports it on its layer
+            continue
+    return found

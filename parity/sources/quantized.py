@@ -26,7 +26,8 @@ def dequantizing(checkpoint: Checkpoint, where: Path | str) -> Checkpoint:
     checkpoint = bnb_4bit.wrap(checkpoint, where)
     checkpoint = mlx_quantized.wrap(checkpoint, where)
     checkpoint = mxfp4_experts.wrap(checkpoint, where)
-    checkpoint = (int_groups.wrap(checkpoint, where) or fp4_packed.wrap(checkpoint, where, rest=fp8_blocks.wrap)
+    checkpoint = (int_groups.wrap(checkpoint, where, rest=fp8_blocks.wrap)
+                  or fp4_packed.wrap(checkpoint, where, rest=fp8_blocks.wrap)
                   or fp8_blocks.wrap(checkpoint, where))
     if checkpoint is plain:
         refuse_unread_method(plain.raw_config, shown(where))
