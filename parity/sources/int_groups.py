@@ -217,10 +217,11 @@ def packed_scheme(config: dict, where: str) -> IntScheme | None:
     library = require_library(where)
     parsed = parsed_config(library.QuantizationConfig, config, where)
     schemes = weight_schemes(parsed)
-    kinds = {str(getattr(g.weights.type, "value", g.weights.type)) for g in schemes.values()}
+    kind = {key: str(getattr(g.weights.type, "value", g.weights.type)) for key, g in schemes.items()}
+    kinds = set(kind.values())
     if config.get("format") in (NAIVE, MIXED) and "int" not in kinds:
         return None
-    floats = {key for key, g in schemes.items() if str(getattr(g.weights.type, "value", g.weights.type)) == "float"}
+    floats = {key for key, k in kind.items() if k == "float"}
     if floats and (config.get("format") != MIXED
                    or any(group_format(parsed, schemes[key]) in FP4_FORMATS for key in floats)):
         raise CheckpointError(f"{where}: config.json's quantization_config groups state {' and '.join(sorted(kinds))} "
@@ -264,12 +265,12 @@ class IntGroupCheckpoint(Checkpoint):
     modules: dict[str, str]  # X.weight -> X (the module prefix of its packed tensors)
     codes: dict[str, str]  # X.weight -> the tensor holding its codes (X.qweight, X.weight_packed, X.weight itself)
     others: Checkpoint | None  # a mixed-precision config's FP8 modules (and the plain tensors), read by fp8_blocks
+    companions: dict[str, str]  # packed tensor name -> file
+    as_stored: dict[str, str]
 
     def quantized(self, name: str):
         """How an FP8 module of a mixed-precision B is stored (``fp8_blocks.FP8Checkpoint.quantized``)."""
         return self.others.quantized(name) if self.others is not None else None
-    companions: dict[str, str]  # packed tensor name -> file
-    as_stored: dict[str, str]
 
     def grouped(self, name: str) -> GroupQuantized | None:
         """How tensor ``name`` is stored, when it is quantized here: its codes, scales, zeros and groups."""
@@ -376,18 +377,16 @@ def wrap(checkpoint: Checkpoint, folder: Path | str, *, rest: Callable[[Checkpoi
     float_modules = fp8_modules(scheme, checkpoint.weight_map, shown(folder))
     parts = {n: f for n, f in checkpoint.weight_map.items() if n.rsplit(".", 1)[-1] in kept
              and n.rsplit(".", 1)[0] not in float_modules}
-    packed = {n.rsplit(".", 1)[0] for n in parts if n.endswith("." + CODES_PART[scheme.method])} \
-        if scheme.method != STORED else set()
+    packed_codes = CODES_PART[PACKED] if scheme.method in (PACKED, STORED) else CODES_PART[scheme.method]
+    packed = {n.rsplit(".", 1)[0] for n in parts if n.endswith("." + packed_codes)}
+    layouts = {prefix + ".weight": packed_codes for prefix in packed}  # X.weight -> the part holding its codes
     if STORED in methods:  # the codes keep the weight's own name: a weight is quantized where it has a scale
         scaled = {n.rsplit(".", 1)[0] for n in parts if n.endswith(".weight_scale")}
-        packed |= {n.rsplit(".", 1)[0] for n in parts if n.endswith("." + CODES_PART[PACKED])}
         parts = {n: f for n, f in parts.items() if n.rsplit(".", 1)[0] in packed
                  or (n.rsplit(".", 1)[0] in scaled and n.rsplit(".", 1)[-1] in PARTS[STORED])}
         parts.update({n: f for n, f in checkpoint.weight_map.items() if n.rsplit(".", 1)[-1] in ACTIVATION_PARTS})
-    layouts = {prefix + ".weight": CODES_PART[PACKED] if prefix in packed and scheme.method in (PACKED, STORED)
-               else CODES_PART[scheme.method] for prefix in packed}
-    layouts.update({n: CODES_PART[STORED] for n in parts if STORED in methods and n.endswith(".weight")
-                    and n.rsplit(".", 1)[0] not in packed})
+        layouts.update({n: CODES_PART[STORED] for n in parts if n.endswith(".weight")
+                        and n.rsplit(".", 1)[0] not in packed})
     modules = {name: name.removesuffix(".weight") for name in layouts}
     weights = {n: f for n, f in checkpoint.weight_map.items() if n not in parts}
     weights.update({name: parts[f"{prefix}.{layouts[name]}"] for name, prefix in modules.items()})
